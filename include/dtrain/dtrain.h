@@ -1,0 +1,6 @@
+// dtrain: distributed training for the PyTorch C++ frontend. One include for the whole public API.
+#pragma once
+
+#include "dtrain/errors.h"
+#include "dtrain/process_group.h"
+#include "dtrain/system.h"

@@ -1,0 +1,144 @@
+// Process groups and collectives: torch.distributed for C++, thin over c10d (Gloo on CPU, NCCL on CUDA).
+//
+//   dtrain::init_process_group();                       // env:// from dtrain-run, torchrun, mpirun, srun
+//   at::Tensor t = torch::ones({4}) * dtrain::rank();
+//   dtrain::all_reduce(t);                              // SUM over the default group
+//   auto sub = dtrain::new_group({0, 1});               // every rank calls new_group, in the same order
+//   dtrain::Work w = dtrain::all_reduce(t, dtrain::ReduceOp::AVG, sub, /*async_op=*/true);
+//   w.wait();
+//   dtrain::destroy_process_group();
+//
+// Semantics follow torch.distributed: ranks given to collectives (src, dst) are GLOBAL ranks;
+// a Group() default-constructed means the default (world) group; every member of a group must call
+// the same collectives in the same order. Failures throw dtrain::Error naming the rank and the
+// operation. ReduceOp::AVG works on Gloo too (sum, then divide; floating-point tensors only), and
+// reduce_scatter, which Gloo 1.13 lacks, is composed from all_reduce.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include "dtrain/detail/arg.h"
+#include "dtrain/errors.h"
+
+namespace c10d {
+class Store;
+class Work;
+}  // namespace c10d
+
+namespace dtrain {
+
+// PyTorch's default process-group timeout: 30 minutes.
+constexpr std::chrono::milliseconds kDefaultTimeout = std::chrono::minutes(30);
+
+enum class ReduceOp { SUM, AVG, MIN, MAX, PRODUCT };
+std::string to_string(ReduceOp op);
+
+// Options of init_process_group, builder style:
+//   dtrain::init_process_group(dtrain::InitOptions().backend("gloo").init_method("tcp://10.0.0.1:29500")
+//                                  .rank(0).world_size(2).timeout(std::chrono::seconds(60)));
+struct InitOptions {
+  // "gloo" (CPU tensors) or "nccl" (CUDA builds only). Empty: "gloo", or $DTRAIN_BACKEND if set.
+  DTRAIN_ARG(std::string, backend, "")
+  // "env://" (MASTER_ADDR, MASTER_PORT), "tcp://host:port" or "file:///path".
+  DTRAIN_ARG(std::string, init_method, "env://")
+  // -1: from the environment (RANK / OMPI_COMM_WORLD_RANK / SLURM_PROCID).
+  DTRAIN_ARG(int, rank, -1)
+  // -1: from the environment (WORLD_SIZE / OMPI_COMM_WORLD_SIZE / SLURM_NTASKS).
+  DTRAIN_ARG(int, world_size, -1)
+  // Rendezvous and collective timeout (default 30 min, as PyTorch; $DTRAIN_TIMEOUT_S overrides the
+  // default when this option is not set).
+  DTRAIN_ARG(std::optional<std::chrono::milliseconds>, timeout, std::nullopt)
+};
+
+// A handle to an asynchronous operation. wait() blocks until it is done (rethrowing its failure with
+// the rank and operation named); the result tensors are valid only after wait(). Waiting twice is fine.
+class Work {
+ public:
+  Work() = default;
+  Work(c10::intrusive_ptr<c10d::Work> work, std::string what, std::function<void()> on_done = {});
+  void wait();
+  bool is_completed();
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+// A process group: the world, or a subgroup from new_group(). Cheap to copy (shared handle).
+class Group {
+ public:
+  Group() = default;  // the default group
+  bool is_default() const { return impl_ == nullptr; }
+  // Whether the calling process belongs to this group.
+  bool is_member() const;
+  int rank() const;   // rank inside the group (-1 for non-members)
+  int size() const;
+  const std::vector<int>& ranks() const;  // global ranks of the members, sorted
+  std::string backend() const;
+  int group_rank(int global_rank) const;  // throws if not a member
+
+  struct Impl;
+  explicit Group(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  const Impl& impl() const;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+// --- lifetime -------------------------------------------------------------------------------------
+void init_process_group(const InitOptions& options = InitOptions());
+bool is_initialized();
+void destroy_process_group();
+
+int rank();
+int world_size();
+int local_rank();
+int local_world_size();
+std::string backend();
+// The store every rank of this job shares (for small out-of-band exchanges).
+c10::intrusive_ptr<c10d::Store> default_store();
+
+// A subgroup of the given global ranks (sorted, unique, each < world_size). Every rank of the world
+// must call new_group with the same ranks in the same order, members or not. An empty list = world.
+Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+
+// --- collectives (src/dst are global ranks) ------------------------------------------------------
+Work all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::SUM, const Group& group = Group(),
+                bool async_op = false);
+Work broadcast(at::Tensor& tensor, int src, const Group& group = Group(), bool async_op = false);
+Work reduce(at::Tensor& tensor, int dst, ReduceOp op = ReduceOp::SUM, const Group& group = Group(),
+            bool async_op = false);
+// outputs: group.size() tensors shaped like input.
+Work all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input, const Group& group = Group(),
+                bool async_op = false);
+// inputs: group.size() tensors shaped like output; output gets the reduction of everyone's inputs[rank].
+Work reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op = ReduceOp::SUM,
+                    const Group& group = Group(), bool async_op = false);
+// gather_list: group.size() tensors on dst, empty elsewhere.
+Work gather(const at::Tensor& input, std::vector<at::Tensor>& gather_list, int dst = 0,
+            const Group& group = Group(), bool async_op = false);
+// scatter_list: group.size() tensors on src, empty elsewhere.
+Work scatter(at::Tensor& output, std::vector<at::Tensor>& scatter_list, int src = 0,
+             const Group& group = Group(), bool async_op = false);
+Work barrier(const Group& group = Group(), bool async_op = false);
+// Like barrier, but on timeout throws naming the ranks that did not arrive. Gloo only (as PyTorch).
+void monitored_barrier(const Group& group = Group(),
+                       std::optional<std::chrono::milliseconds> timeout = std::nullopt,
+                       bool wait_all_ranks = false);
+
+// Point to point. tag distinguishes concurrent messages between the same pair.
+void send(const at::Tensor& tensor, int dst, const Group& group = Group(), int tag = 0);
+// src = -1 receives from any rank. Returns the global rank of the sender.
+int recv(at::Tensor& tensor, int src = -1, const Group& group = Group(), int tag = 0);
+Work isend(const at::Tensor& tensor, int dst, const Group& group = Group(), int tag = 0);
+Work irecv(at::Tensor& tensor, int src, const Group& group = Group(), int tag = 0);
+
+}  // namespace dtrain

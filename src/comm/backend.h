@@ -1,0 +1,29 @@
+// Backend factory: "gloo" (CPU) and "nccl" (CUDA builds with NCCL). A small interface instead of
+// nested #ifs at call sites (DESIGN.md); the only #if is in backend.cpp.
+#pragma once
+
+#include <chrono>
+#include <string>
+
+#include "compat/c10d_compat.h"
+
+namespace dtrain::comm {
+
+struct BackendConfig {
+  std::string name = "gloo";
+  c10::intrusive_ptr<c10d::Store> store;  // already prefixed for this group
+  int rank = 0;
+  int size = 1;
+  std::chrono::milliseconds timeout{0};
+  // Address whose interface Gloo listens on: the local end of the store connection, i.e. the
+  // interface that routes to the master. GLOO_SOCKET_IFNAME (comma-separated) overrides it.
+  std::string bind_address = "127.0.0.1";
+};
+
+// Throws dtrain::Error for an unknown backend or one this LibTorch was built without.
+compat::BackendPtr make_backend(const BackendConfig& config);
+
+// Validates a backend name early (before any rendezvous), with the remedy in the message.
+void check_backend_name(const std::string& name);
+
+}  // namespace dtrain::comm

@@ -1,0 +1,256 @@
+// Collectives over c10d backends with torch.distributed's semantics.
+//
+// Each call: resolve the group, check that the caller is a member and that src/dst are members,
+// translate global ranks to group ranks, start the c10d op, wrap it in a dtrain::Work that names
+// the rank and the operation when it fails, and wait unless async_op.
+//
+// Note [AVG on Gloo]: Gloo has no AVG; we all-reduce a SUM and divide in place once the work is
+// done (floating-point tensors only, as an integer average would silently truncate).
+// Note [reduce_scatter on Gloo]: Gloo 1.13 has no reduce_scatter; we all-reduce the stacked inputs
+// and copy this rank's slice (the same result; more traffic; the shared-memory backend does better).
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <ATen/ATen.h>
+
+#include "comm/state.h"
+
+namespace dtrain {
+namespace {
+
+using comm::resolve;
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM:
+    case ReduceOp::AVG: return c10d::ReduceOp::SUM;
+    case ReduceOp::MIN: return c10d::ReduceOp::MIN;
+    case ReduceOp::MAX: return c10d::ReduceOp::MAX;
+    case ReduceOp::PRODUCT: return c10d::ReduceOp::PRODUCT;
+  }
+  DTRAIN_ASSERT(false, "unknown ReduceOp");
+  return c10d::ReduceOp::SUM;
+}
+
+const Group::Impl& member_group(const Group& group, const char* op) {
+  const auto& g = resolve(group);
+  DTRAIN_CHECK(g.rank >= 0, "rank ", comm::world_state().rank, ": ", op, " on group '", g.name,
+               "', which this rank is not a member of: call it only on the group's ranks");
+  return g;
+}
+
+int group_rank(const Group::Impl& g, int global, const char* role, const char* op) {
+  auto it = g.group_rank_of.find(global);
+  DTRAIN_CHECK(it != g.group_rank_of.end(), op, ": ", role, "=", global,
+               " is not a member of group '", g.name, "' (", g.ranks.size(),
+               " ranks): use a global rank that belongs to the group");
+  return it->second;
+}
+
+std::string what(const Group::Impl& g, const char* op) {
+  return detail::cat("rank ", comm::world_state().rank, ": ", op, " on group '", g.name, "' (",
+                     g.backend, ")");
+}
+
+Work finish(Work w, bool async_op) {
+  if (!async_op) w.wait();
+  return w;
+}
+
+void check_tensor(const at::Tensor& t, const char* op) {
+  DTRAIN_CHECK(t.defined(), op, ": the tensor is undefined: pass an allocated tensor");
+  DTRAIN_CHECK(t.is_contiguous(), op, ": the tensor (shape ", t.sizes(),
+               ") is not contiguous: call .contiguous() first");
+}
+
+void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, size_t n, const char* op,
+                const char* name) {
+  DTRAIN_CHECK(list.size() == n, op, ": ", name, " has ", list.size(), " tensors but the group has ", n,
+               " ranks: pass one tensor per rank");
+  for (const auto& t : list) {
+    check_tensor(t, op);
+    DTRAIN_CHECK(t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type(), op, ": ", name,
+                 " holds a tensor of shape ", t.sizes(), " ", t.scalar_type(), ", expected ",
+                 like.sizes(), " ", like.scalar_type());
+  }
+}
+
+}  // namespace
+
+std::string to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM: return "SUM";
+    case ReduceOp::AVG: return "AVG";
+    case ReduceOp::MIN: return "MIN";
+    case ReduceOp::MAX: return "MAX";
+    case ReduceOp::PRODUCT: return "PRODUCT";
+  }
+  return "?";
+}
+
+Work all_reduce(at::Tensor& tensor, ReduceOp op, const Group& group, bool async_op) {
+  const auto& g = member_group(group, "all_reduce");
+  check_tensor(tensor, "all_reduce");
+  if (op == ReduceOp::AVG)
+    DTRAIN_CHECK(at::isFloatingType(tensor.scalar_type()) || at::isComplexType(tensor.scalar_type()),
+                 "all_reduce: ReduceOp::AVG needs a floating-point tensor, got ", tensor.scalar_type(),
+                 ": use SUM and divide, or convert the tensor");
+  std::vector<at::Tensor> ts{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(op);
+  opts.timeout = g.timeout;
+  std::function<void()> done;
+  if (op == ReduceOp::AVG) {
+    int64_t n = static_cast<int64_t>(g.ranks.size());
+    done = [tensor, n]() mutable { tensor.div_(n); };
+  }
+  return finish(Work(g.pg->allreduce(ts, opts), what(g, "all_reduce"), std::move(done)), async_op);
+}
+
+Work broadcast(at::Tensor& tensor, int src, const Group& group, bool async_op) {
+  const auto& g = member_group(group, "broadcast");
+  check_tensor(tensor, "broadcast");
+  std::vector<at::Tensor> ts{tensor};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = group_rank(g, src, "src", "broadcast");
+  opts.timeout = g.timeout;
+  return finish(Work(g.pg->broadcast(ts, opts), what(g, "broadcast")), async_op);
+}
+
+Work reduce(at::Tensor& tensor, int dst, ReduceOp op, const Group& group, bool async_op) {
+  const auto& g = member_group(group, "reduce");
+  check_tensor(tensor, "reduce");
+  std::vector<at::Tensor> ts{tensor};
+  c10d::ReduceOptions opts;
+  opts.reduceOp = to_c10d(op);
+  opts.rootRank = group_rank(g, dst, "dst", "reduce");
+  opts.timeout = g.timeout;
+  std::function<void()> done;
+  if (op == ReduceOp::AVG && g.rank == opts.rootRank) {
+    int64_t n = static_cast<int64_t>(g.ranks.size());
+    done = [tensor, n]() mutable { tensor.div_(n); };
+  }
+  return finish(Work(g.pg->reduce(ts, opts), what(g, "reduce"), std::move(done)), async_op);
+}
+
+Work all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input, const Group& group,
+                bool async_op) {
+  const auto& g = member_group(group, "all_gather");
+  check_tensor(input, "all_gather");
+  check_list(outputs, input, g.ranks.size(), "all_gather", "outputs");
+  std::vector<std::vector<at::Tensor>> out{outputs};
+  std::vector<at::Tensor> in{input};
+  c10d::AllgatherOptions opts;
+  opts.timeout = g.timeout;
+  return finish(Work(g.pg->allgather(out, in, opts), what(g, "all_gather")), async_op);
+}
+
+Work reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op,
+                    const Group& group, bool async_op) {
+  const auto& g = member_group(group, "reduce_scatter");
+  check_tensor(output, "reduce_scatter");
+  check_list(inputs, output, g.ranks.size(), "reduce_scatter", "inputs");
+  // Note [reduce_scatter on Gloo].
+  at::Tensor stacked = at::stack(inputs);
+  Work w = all_reduce(stacked, op, group, /*async_op=*/true);
+  int me = g.rank;
+  return finish(Work(c10::intrusive_ptr<c10d::Work>(), what(g, "reduce_scatter"), [w, stacked, output, me]() mutable {
+                  w.wait();
+                  output.copy_(stacked[me]);
+                }),
+                async_op);
+}
+
+Work gather(const at::Tensor& input, std::vector<at::Tensor>& gather_list, int dst, const Group& group,
+            bool async_op) {
+  const auto& g = member_group(group, "gather");
+  check_tensor(input, "gather");
+  c10d::GatherOptions opts;
+  opts.rootRank = group_rank(g, dst, "dst", "gather");
+  opts.timeout = g.timeout;
+  std::vector<std::vector<at::Tensor>> out;
+  if (g.rank == opts.rootRank) {
+    check_list(gather_list, input, g.ranks.size(), "gather", "gather_list");
+    out.push_back(gather_list);
+  } else {
+    DTRAIN_CHECK(gather_list.empty(), "gather: gather_list must be empty on non-destination rank ",
+                 comm::world_state().rank, " (dst=", dst, ")");
+  }
+  std::vector<at::Tensor> in{input};
+  return finish(Work(g.pg->gather(out, in, opts), what(g, "gather")), async_op);
+}
+
+Work scatter(at::Tensor& output, std::vector<at::Tensor>& scatter_list, int src, const Group& group,
+             bool async_op) {
+  const auto& g = member_group(group, "scatter");
+  check_tensor(output, "scatter");
+  c10d::ScatterOptions opts;
+  opts.rootRank = group_rank(g, src, "src", "scatter");
+  opts.timeout = g.timeout;
+  std::vector<std::vector<at::Tensor>> in;
+  if (g.rank == opts.rootRank) {
+    check_list(scatter_list, output, g.ranks.size(), "scatter", "scatter_list");
+    in.push_back(scatter_list);
+  } else {
+    DTRAIN_CHECK(scatter_list.empty(), "scatter: scatter_list must be empty on non-source rank ",
+                 comm::world_state().rank, " (src=", src, ")");
+  }
+  std::vector<at::Tensor> out{output};
+  return finish(Work(g.pg->scatter(out, in, opts), what(g, "scatter")), async_op);
+}
+
+Work barrier(const Group& group, bool async_op) {
+  const auto& g = member_group(group, "barrier");
+  c10d::BarrierOptions opts;
+  opts.timeout = g.timeout;
+  return finish(Work(g.pg->barrier(opts), what(g, "barrier")), async_op);
+}
+
+void monitored_barrier(const Group& group, std::optional<std::chrono::milliseconds> timeout,
+                       bool wait_all_ranks) {
+  const auto& g = member_group(group, "monitored_barrier");
+  DTRAIN_CHECK(g.backend == "gloo", "monitored_barrier needs the gloo backend, the group uses '",
+               g.backend, "': create a gloo subgroup for it");
+  c10d::BarrierOptions opts;
+  opts.timeout = timeout.value_or(g.timeout);
+  try {
+    g.pg->monitoredBarrier(opts, wait_all_ranks);
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    auto nl = msg.find("\nException raised from");
+    throw Error(what(g, "monitored_barrier") + " failed: " + msg.substr(0, nl));
+  }
+}
+
+void send(const at::Tensor& tensor, int dst, const Group& group, int tag) {
+  isend(tensor, dst, group, tag).wait();
+}
+
+int recv(at::Tensor& tensor, int src, const Group& group, int tag) {
+  const auto& g = member_group(group, "recv");
+  check_tensor(tensor, "recv");
+  std::vector<at::Tensor> ts{tensor};
+  if (src >= 0) {
+    Work(g.pg->recv(ts, group_rank(g, src, "src", "recv"), tag), what(g, "recv")).wait();
+    return src;
+  }
+  auto work = g.pg->recvAnysource(ts, tag);
+  Work(work, what(g, "recv")).wait();
+  return g.ranks.at(work->sourceRank());
+}
+
+Work isend(const at::Tensor& tensor, int dst, const Group& group, int tag) {
+  const auto& g = member_group(group, "send");
+  check_tensor(tensor, "send");
+  std::vector<at::Tensor> ts{tensor};
+  return Work(g.pg->send(ts, group_rank(g, dst, "dst", "send"), tag), what(g, "send"));
+}
+
+Work irecv(at::Tensor& tensor, int src, const Group& group, int tag) {
+  const auto& g = member_group(group, "recv");
+  check_tensor(tensor, "recv");
+  DTRAIN_CHECK(src >= 0, "irecv: src must be a rank (>= 0), got ", src, ": use recv() for any source");
+  std::vector<at::Tensor> ts{tensor};
+  return Work(g.pg->recv(ts, group_rank(g, src, "src", "recv"), tag), what(g, "recv"));
+}
+
+}  // namespace dtrain

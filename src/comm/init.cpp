@@ -1,0 +1,225 @@
+// init_process_group / destroy_process_group / new_group.
+//
+// Rendezvous, step by step:
+//   1. Read rank and world size (launch_env: dtrain-run, torchrun, mpirun, srun, or explicit).
+//   2. Reach the store: file:// -> c10d::FileStore; env:// or tcp:// -> dtrain's store at the master
+//      address (hosted by dtrain-run when DTRAIN_AGENT_STORE=1, else by rank 0 in this process,
+//      bound to MASTER_ADDR only), or torchrun's c10d TCPStore when torchrun hosts it.
+//   3. Every key lives under "dtrain/a<restart>/" so an elastic restart never sees stale keys.
+//   4. Agree (rendezvous_check.cpp): world size, no duplicate ranks, local ranks from host names.
+//   5. Build the default group's backend (Gloo: a full mesh of TCP pairs bound to the interface
+//      that reaches the master).
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "comm/backend.h"
+#include "comm/launch_env.h"
+#include "comm/rendezvous_check.h"
+#include "comm/state.h"
+#include "comm/store_adapter.h"
+#include "store/store.h"
+
+namespace dtrain {
+namespace comm {
+namespace {
+
+std::unique_ptr<WorldState> g_state;
+std::mutex g_mu;
+
+std::chrono::milliseconds resolve_timeout(const InitOptions& o) {
+  if (o.timeout()) {
+    DTRAIN_CHECK(o.timeout()->count() > 0, "timeout must be > 0 ms, got ", o.timeout()->count());
+    return *o.timeout();
+  }
+  if (auto v = process_env()("DTRAIN_TIMEOUT_S")) {
+    char* end = nullptr;
+    double s = std::strtod(v->c_str(), &end);
+    DTRAIN_CHECK(end && *end == '\0' && s > 0, "DTRAIN_TIMEOUT_S='", *v,
+                 "' is not a positive number of seconds");
+    return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+  }
+  return kDefaultTimeout;
+}
+
+// The local address of the interface that routes to host (a UDP connect sends nothing).
+std::string local_address_towards(const std::string& host) {
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_socktype = SOCK_DGRAM;
+  if (getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || !res) return "127.0.0.1";
+  std::string out = "127.0.0.1";
+  int fd = socket(res->ai_family, SOCK_DGRAM, 0);
+  if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    char buf[INET6_ADDRSTRLEN] = {0};
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) == 0 &&
+        getnameinfo(reinterpret_cast<sockaddr*>(&ss), len, buf, sizeof(buf), nullptr, 0,
+                    NI_NUMERICHOST) == 0)
+      out = buf;
+  }
+  if (fd >= 0) close(fd);
+  freeaddrinfo(res);
+  return out;
+}
+
+// Step 2: the store this job's ranks share.
+c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const LaunchEnv& le,
+                                              WorldState& st) {
+  const std::string& m = o.init_method();
+  if (m.rfind("file://", 0) == 0) {
+    std::string path = m.substr(7);
+    DTRAIN_CHECK(!path.empty(), "init_method '", m, "' has no path: use file:///shared/dir/file");
+    auto master = process_env()("MASTER_ADDR");
+    st.bind_address = master ? local_address_towards(*master) : "127.0.0.1";
+    return c10::make_intrusive<c10d::FileStore>(path, st.world_size);
+  }
+  Endpoint ep;
+  if (m == "env://") ep = master_from_env(process_env());
+  else if (m.rfind("tcp://", 0) == 0) ep = parse_tcp_url(m);
+  else DTRAIN_CHECK(false, "unknown init_method '", m, "': use env://, tcp://host:port or file:///path");
+
+  if (le.torchelastic_agent_store && !le.dtrain_agent_store) {
+    c10d::TCPStoreOptions opts;
+    opts.port = ep.port;
+    opts.isServer = false;
+    opts.waitWorkers = false;
+    opts.timeout = st.timeout;
+    st.bind_address = local_address_towards(ep.host);
+    return c10::make_intrusive<c10d::TCPStore>(ep.host, opts);
+  }
+  if (!le.dtrain_agent_store && st.rank == 0)
+    st.server = std::make_unique<store::StoreServer>(ep.host, ep.port);
+  auto client = c10::make_intrusive<ClientStore>(ep.host, ep.port, st.timeout);
+  st.bind_address = client->local_address();
+  return client;
+}
+
+}  // namespace
+
+WorldState* world_state_or_null() { return g_state.get(); }
+
+WorldState& world_state() {
+  DTRAIN_CHECK(g_state, "dtrain is not initialized: call dtrain::init_process_group() first");
+  return *g_state;
+}
+
+const Group::Impl& resolve(const Group& group) {
+  return group.is_default() ? *world_state().world : group.impl();
+}
+
+std::shared_ptr<Group::Impl> make_group(WorldState& st, const std::string& name,
+                                        std::vector<int> ranks, std::chrono::milliseconds timeout) {
+  auto g = std::make_shared<Group::Impl>();
+  g->name = name;
+  g->backend = st.backend;
+  g->ranks = std::move(ranks);
+  g->timeout = timeout;
+  for (size_t i = 0; i < g->ranks.size(); ++i) {
+    g->group_rank_of[g->ranks[i]] = static_cast<int>(i);
+    if (g->ranks[i] == st.rank) g->rank = static_cast<int>(i);
+  }
+  if (g->rank >= 0) {
+    BackendConfig c;
+    c.name = st.backend;
+    c.store = c10::make_intrusive<c10d::PrefixStore>("pg/" + name, st.store);
+    c.rank = g->rank;
+    c.size = static_cast<int>(g->ranks.size());
+    c.timeout = timeout;
+    c.bind_address = st.bind_address;
+    try {
+      g->pg = make_backend(c);
+    } catch (const dtrain::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw Error(detail::cat("rank ", st.rank, ": creating the ", st.backend, " process group '", name,
+                              "' (", g->ranks.size(), " ranks) failed: ", brief(e)));
+    }
+  }
+  return g;
+}
+
+}  // namespace comm
+
+void init_process_group(const InitOptions& o) {
+  using namespace comm;
+  std::lock_guard<std::mutex> lock(g_mu);
+  DTRAIN_CHECK(!g_state, "init_process_group was called twice: call destroy_process_group() first");
+  auto st = std::make_unique<WorldState>();
+  st->backend = !o.backend().empty() ? o.backend() : process_env()("DTRAIN_BACKEND").value_or("gloo");
+  check_backend_name(st->backend);
+  st->timeout = resolve_timeout(o);
+  LaunchEnv le = read_launch_env(process_env(), o.rank(), o.world_size());
+  st->rank = le.rank;
+  st->world_size = le.world_size;
+  st->launcher = le.launcher;
+
+  auto base = connect_store(o, le, *st);
+  st->store = c10::make_intrusive<c10d::PrefixStore>(
+      "dtrain/a" + std::to_string(le.restart_count), base);
+  LocalRanks lr = rendezvous_check(*st->store, st->rank, st->world_size, st->bind_address,
+                                   le.local_rank, le.local_world_size, st->timeout);
+  st->local_rank = lr.local_rank;
+  st->local_world_size = lr.local_world_size;
+
+  std::vector<int> all(st->world_size);
+  for (int i = 0; i < st->world_size; ++i) all[i] = i;
+  st->world = make_group(*st, "default", all, st->timeout);
+  g_state = std::move(st);
+}
+
+bool is_initialized() { return comm::world_state_or_null() != nullptr; }
+
+void destroy_process_group() {
+  using namespace comm;
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!g_state) return;
+  // Note [Store lifetime]: rank 0 may host the store; leaving before every rank is done with it
+  // would break a slower rank still rendezvousing. Everyone checks out; the host waits (bounded).
+  try {
+    g_state->store->add("destroy", 1);
+    if (g_state->server) {
+      auto deadline = std::chrono::steady_clock::now() + std::min<std::chrono::milliseconds>(
+                                                              g_state->timeout, std::chrono::seconds(10));
+      while (g_state->store->add("destroy", 0) < g_state->world_size &&
+             std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  } catch (const std::exception&) {
+    // The store is gone (host exited): nothing to wait for.
+  }
+  g_state.reset();
+}
+
+int rank() { return comm::world_state().rank; }
+int world_size() { return comm::world_state().world_size; }
+int local_rank() { return comm::world_state().local_rank; }
+int local_world_size() { return comm::world_state().local_world_size; }
+std::string backend() { return comm::world_state().backend; }
+c10::intrusive_ptr<c10d::Store> default_store() { return comm::world_state().store; }
+
+Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds> timeout) {
+  auto& st = comm::world_state();
+  std::sort(ranks.begin(), ranks.end());
+  DTRAIN_CHECK(std::adjacent_find(ranks.begin(), ranks.end()) == ranks.end(),
+               "new_group: rank ", *std::adjacent_find(ranks.begin(), ranks.end()),
+               " is listed twice: list each rank once");
+  for (int r : ranks)
+    DTRAIN_CHECK(r >= 0 && r < st.world_size, "new_group: rank ", r, " is out of range for world size ",
+                 st.world_size, ": ranks go from 0 to ", st.world_size - 1);
+  if (ranks.empty())
+    for (int i = 0; i < st.world_size; ++i) ranks.push_back(i);
+  std::string name = "group" + std::to_string(st.next_group_id++);
+  return Group(comm::make_group(st, name, std::move(ranks), timeout.value_or(st.timeout)));
+}
+
+}  // namespace dtrain

@@ -1,0 +1,145 @@
+#include "comm/launch_env.h"
+
+#include <cerrno>
+#include <cstdlib>
+
+#include "dtrain/errors.h"
+
+namespace dtrain::comm {
+namespace {
+
+const char* kRankRemedy =
+    "start the program with dtrain-run (or torchrun, mpirun, srun), or set RANK and WORLD_SIZE, "
+    "or pass InitOptions().rank(r).world_size(n)";
+
+struct Source {
+  const char* launcher;
+  const char* rank;
+  const char* size;
+  const char* local_rank;
+  const char* local_size;
+};
+
+// In order of precedence: RANK/WORLD_SIZE win (torchrun and dtrain-run also run under srun/mpirun).
+constexpr Source kSources[] = {
+    {"env", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+    {"mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"},
+    {"mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+    {"srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
+};
+
+std::optional<int> read_int(const EnvLookup& env, const char* name, const std::string& remedy) {
+  if (!name) return std::nullopt;
+  auto v = env(name);
+  if (!v) return std::nullopt;
+  return parse_nonneg_int(*v, name, remedy);
+}
+
+}  // namespace
+
+EnvLookup process_env() {
+  return [](const std::string& name) -> std::optional<std::string> {
+    const char* v = std::getenv(name.c_str());
+    if (!v || !*v) return std::nullopt;
+    return std::string(v);
+  };
+}
+
+int parse_nonneg_int(const std::string& value, const std::string& what, const std::string& remedy) {
+  errno = 0;
+  char* end = nullptr;
+  long v = std::strtol(value.c_str(), &end, 10);
+  bool ok = !value.empty() && end && *end == '\0' && errno == 0 && v >= 0 && v <= 1 << 24;
+  DTRAIN_CHECK(ok, what, "='", value, "' is not a non-negative integer: ", remedy);
+  return static_cast<int>(v);
+}
+
+LaunchEnv read_launch_env(const EnvLookup& env, int explicit_rank, int explicit_world) {
+  LaunchEnv out;
+  for (const Source& s : kSources) {
+    auto r = read_int(env, s.rank, kRankRemedy);
+    auto w = read_int(env, s.size, kRankRemedy);
+    if (!r && !w) continue;
+    DTRAIN_CHECK(r || explicit_rank >= 0, s.rank, " is not set but ", s.size, "=", *w,
+                 " is: set both, or ", kRankRemedy);
+    DTRAIN_CHECK(w || explicit_world >= 0, s.size, " is not set but ", s.rank, "=", *r,
+                 " is: set both, or ", kRankRemedy);
+    out.rank = r.value_or(-1);
+    out.world_size = w.value_or(-1);
+    out.local_rank = read_int(env, s.local_rank, "set it to the rank within this host").value_or(-1);
+    out.local_world_size =
+        read_int(env, s.local_size, "set it to the number of ranks on this host").value_or(-1);
+    out.launcher = s.launcher;
+    break;
+  }
+  if (auto v = env("SLURM_NTASKS_PER_NODE"); v && out.launcher == "srun")
+    if (v->find_first_not_of("0123456789") == std::string::npos)
+      out.local_world_size = parse_nonneg_int(*v, "SLURM_NTASKS_PER_NODE", "");
+  out.dtrain_agent_store = env("DTRAIN_AGENT_STORE").value_or("") == "1";
+  out.torchelastic_agent_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
+  if (out.dtrain_agent_store) out.launcher = "dtrain-run";
+  else if (out.torchelastic_agent_store) out.launcher = "torchrun";
+  if (auto v = env("DTRAIN_RESTART_COUNT"))
+    out.restart_count = parse_nonneg_int(*v, "DTRAIN_RESTART_COUNT", "it is set by dtrain-run");
+
+  if (explicit_rank >= 0) out.rank = explicit_rank;
+  if (explicit_world >= 0) out.world_size = explicit_world;
+  DTRAIN_CHECK(out.rank >= 0, "RANK is not set: ", kRankRemedy);
+  DTRAIN_CHECK(out.world_size >= 0, "WORLD_SIZE is not set: ", kRankRemedy);
+  DTRAIN_CHECK(out.world_size > 0, "WORLD_SIZE=0 is invalid: the world needs at least one rank");
+  DTRAIN_CHECK(out.rank < out.world_size, "RANK=", out.rank, " is out of range for WORLD_SIZE=",
+               out.world_size, ": ranks go from 0 to ", out.world_size - 1);
+  if (out.local_rank >= 0 && out.local_world_size > 0) {
+    DTRAIN_CHECK(out.local_rank < out.local_world_size, "LOCAL_RANK=", out.local_rank,
+                 " is out of range for LOCAL_WORLD_SIZE=", out.local_world_size);
+  }
+  return out;
+}
+
+static uint16_t parse_port(const std::string& value, const std::string& what) {
+  long v = -1;
+  if (!value.empty() && value.find_first_not_of("0123456789") == std::string::npos &&
+      value.size() <= 5)
+    v = std::strtol(value.c_str(), nullptr, 10);
+  DTRAIN_CHECK(v >= 1 && v <= 65535, what, "='", value,
+               "' is not a valid port: use a number from 1 to 65535 (29500 is PyTorch's default)");
+  return static_cast<uint16_t>(v);
+}
+
+Endpoint master_from_env(const EnvLookup& env) {
+  auto addr = env("MASTER_ADDR");
+  DTRAIN_CHECK(addr, "MASTER_ADDR is not set: set it to the address of the rank-0 host "
+                     "(127.0.0.1 on one machine), or launch with dtrain-run");
+  DTRAIN_CHECK(addr->find_first_of(" /\t") == std::string::npos, "MASTER_ADDR='", *addr,
+               "' is not a host name or address: use e.g. 127.0.0.1 or node0.example");
+  auto port = env("MASTER_PORT");
+  DTRAIN_CHECK(port, "MASTER_PORT is not set: set it to a free port on the rank-0 host (e.g. 29500), "
+                     "or launch with dtrain-run");
+  return Endpoint{*addr, parse_port(*port, "MASTER_PORT")};
+}
+
+Endpoint parse_tcp_url(const std::string& url) {
+  const std::string prefix = "tcp://";
+  DTRAIN_CHECK(url.rfind(prefix, 0) == 0, "init_method '", url, "' is not tcp://host:port");
+  std::string rest = url.substr(prefix.size());
+  std::string host, port;
+  if (!rest.empty() && rest[0] == '[') {
+    auto close = rest.find(']');
+    DTRAIN_CHECK(close != std::string::npos && close + 1 < rest.size() && rest[close + 1] == ':',
+                 "init_method '", url, "' is not tcp://[ipv6]:port");
+    host = rest.substr(1, close - 1);
+    port = rest.substr(close + 2);
+  } else {
+    auto colon = rest.rfind(':');
+    DTRAIN_CHECK(colon != std::string::npos && colon > 0, "init_method '", url,
+                 "' has no port: use tcp://host:port, e.g. tcp://127.0.0.1:29500");
+    host = rest.substr(0, colon);
+    port = rest.substr(colon + 1);
+  }
+  auto slash = port.find('/');
+  if (slash != std::string::npos) port = port.substr(0, slash);  // tolerate a trailing path
+  return Endpoint{host, parse_port(port, "the port of init_method '" + url + "'")};
+}
+
+}  // namespace dtrain::comm

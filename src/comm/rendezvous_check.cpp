@@ -1,0 +1,115 @@
+#include "comm/rendezvous_check.h"
+
+#include <unistd.h>
+
+#include <sstream>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "dtrain/errors.h"
+#include "store/store.h"
+
+namespace dtrain::comm {
+namespace {
+
+using store::to_bytes;
+using store::to_string;
+
+std::string seconds(std::chrono::milliseconds t) {
+  std::ostringstream os;
+  os << t.count() / 1000.0 << " s";
+  return os.str();
+}
+
+std::vector<std::string> split_lines(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string line; std::getline(ss, line);) out.push_back(line);
+  return out;
+}
+
+// Step 3 on rank 0. Returns the verdict text.
+std::string judge(c10d::Store& store, int world_size, const std::string& my_host,
+                  std::chrono::milliseconds timeout) {
+  std::vector<std::string> hosts{my_host};
+  for (int r = 1; r < world_size; ++r) {
+    const std::string key = "rank/" + std::to_string(r);
+    try {
+      store.wait({key}, timeout);
+    } catch (const std::exception&) {
+      std::ostringstream missing;
+      int n = 0;
+      for (int q = r; q < world_size; ++q)
+        if (!store.check({"rank/" + std::to_string(q)})) missing << (n++ ? ", " : "") << q;
+      return detail::cat("error\nrank(s) ", missing.str(), " did not join within ", seconds(timeout),
+                         " (WORLD_SIZE=", world_size,
+                         " on rank 0): start every rank, or check WORLD_SIZE and the master address");
+    }
+    auto lines = split_lines(to_string(store.get(key)));
+    DTRAIN_ASSERT(lines.size() == 2, "bad rendezvous record for rank ", r);
+    if (lines[0] != std::to_string(world_size))
+      return detail::cat("error\nranks disagree on the world size: rank 0 has WORLD_SIZE=", world_size,
+                         ", rank ", r, " has WORLD_SIZE=", lines[0],
+                         ": give every rank the same WORLD_SIZE");
+    hosts.push_back(lines[1]);
+  }
+  std::ostringstream verdict;
+  verdict << "ok\n" << world_size;
+  for (auto& h : hosts) verdict << "\n" << h;
+  return verdict.str();
+}
+
+}  // namespace
+
+LocalRanks rendezvous_check(c10d::Store& store, int rank, int world_size, const std::string& address,
+                            int env_local_rank, int env_local_world, std::chrono::milliseconds timeout) {
+  // Step 1.
+  if (store.add("claim/" + std::to_string(rank), 1) > 1)
+    throw Error(detail::cat("rank ", rank, ": another process already joined as rank ", rank,
+                            ": give each process a distinct RANK"));
+  // Step 2.
+  char hostname[256] = {0};
+  gethostname(hostname, sizeof(hostname) - 1);
+  const std::string host_key = std::string(hostname) + "/" + address;
+  store.set("rank/" + std::to_string(rank),
+            to_bytes(std::to_string(world_size) + "\n" + host_key));
+  // Steps 3-4.
+  if (rank == 0) store.set("verdict", to_bytes(judge(store, world_size, host_key, timeout)));
+  // Step 5.
+  std::string verdict;
+  try {
+    store.wait({"verdict"}, timeout + std::chrono::seconds(5));
+    verdict = to_string(store.get("verdict"));
+  } catch (const std::exception& e) {
+    throw Error(detail::cat("rank ", rank, ": rank 0 gave no rendezvous verdict within ",
+                            seconds(timeout), ": is rank 0 running with the same MASTER_ADDR/PORT?"));
+  }
+  auto lines = split_lines(verdict);
+  if (!lines.empty() && lines[0] == "error")
+    throw Error(detail::cat("rank ", rank, ": rendezvous failed: ",
+                            lines.size() > 1 ? lines[1] : "(no reason)"));
+  DTRAIN_ASSERT(lines.size() >= 2 && lines[0] == "ok", "bad rendezvous verdict");
+  if (lines[1] != std::to_string(world_size))
+    throw Error(detail::cat("rank ", rank, ": ranks disagree on the world size: rank 0 has WORLD_SIZE=",
+                            lines[1], ", rank ", rank, " has WORLD_SIZE=", world_size,
+                            ": give every rank the same WORLD_SIZE"));
+  LocalRanks out;
+  if (env_local_rank >= 0 && env_local_world > 0) {
+    out.local_rank = env_local_rank;
+    out.local_world_size = env_local_world;
+    return out;
+  }
+  DTRAIN_ASSERT(static_cast<int>(lines.size()) == world_size + 2, "bad rendezvous verdict size");
+  out.local_rank = 0;
+  out.local_world_size = 0;
+  for (int r = 0; r < world_size; ++r) {
+    if (lines[r + 2] != host_key) continue;
+    if (r < rank) ++out.local_rank;
+    ++out.local_world_size;
+  }
+  if (env_local_rank >= 0) out.local_rank = env_local_rank;
+  return out;
+}
+
+}  // namespace dtrain::comm

@@ -1,0 +1,66 @@
+// The process-wide distributed state behind dtrain's free functions (as torch.distributed's
+// default group): set by init_process_group, cleared by destroy_process_group.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "compat/c10d_compat.h"
+#include "dtrain/process_group.h"
+
+namespace dtrain::store {
+class StoreServer;
+}
+
+namespace dtrain {
+
+struct Group::Impl {
+  std::string name;                 // "default" or "group<N>"
+  std::string backend;
+  compat::BackendPtr pg;            // null for non-members
+  int rank = -1;                    // rank inside the group
+  std::vector<int> ranks;           // global ranks, sorted
+  std::unordered_map<int, int> group_rank_of;  // global -> group rank
+  std::chrono::milliseconds timeout{0};
+};
+
+namespace comm {
+
+struct WorldState {
+  int rank = -1;
+  int world_size = 0;
+  int local_rank = -1;
+  int local_world_size = 0;
+  std::string backend;
+  std::string launcher;
+  std::chrono::milliseconds timeout{0};
+  std::string bind_address;
+  std::unique_ptr<store::StoreServer> server;  // when rank 0 hosts the rendezvous
+  c10::intrusive_ptr<c10d::Store> store;        // job store, prefixed with this restart attempt
+  std::shared_ptr<Group::Impl> world;
+  int next_group_id = 1;
+};
+
+// The state; throws "dtrain is not initialized: call dtrain::init_process_group() first" if unset.
+WorldState& world_state();
+// nullptr when not initialized.
+WorldState* world_state_or_null();
+// The group's implementation (the world for a default Group()).
+const Group::Impl& resolve(const Group& group);
+
+}  // namespace comm
+}  // namespace dtrain
+
+namespace dtrain {
+// The message of an exception without c10's backtrace lines.
+std::string brief(const std::exception& e);
+}  // namespace dtrain
+
+namespace dtrain::comm {
+// Builds a group over `ranks` (global, sorted); members construct their backend.
+std::shared_ptr<Group::Impl> make_group(WorldState& st, const std::string& name,
+                                        std::vector<int> ranks, std::chrono::milliseconds timeout);
+}  // namespace dtrain::comm

@@ -1,0 +1,70 @@
+// dtrain::Work and dtrain::Group accessors.
+#include <mutex>
+
+#include <c10/util/Exception.h>
+
+#include "comm/state.h"
+
+namespace dtrain {
+
+// The message of any exception without c10's backtrace.
+std::string brief(const std::exception& e) {
+  if (auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
+  return e.what();
+}
+
+struct Work::State {
+  c10::intrusive_ptr<c10d::Work> work;  // null for composed operations (on_done does the waiting)
+  std::string what;                     // "rank 1: all_reduce on group 'default' (gloo)"
+  std::function<void()> on_done;
+  std::once_flag once;
+  std::exception_ptr error;
+};
+
+Work::Work(c10::intrusive_ptr<c10d::Work> work, std::string what, std::function<void()> on_done)
+    : state_(std::make_shared<State>()) {
+  state_->work = std::move(work);
+  state_->what = std::move(what);
+  state_->on_done = std::move(on_done);
+}
+
+void Work::wait() {
+  if (!state_) return;
+  std::call_once(state_->once, [s = state_.get()] {
+    try {
+      if (s->work) s->work->wait();
+      if (s->on_done) s->on_done();
+    } catch (const Error& e) {
+      s->error = std::make_exception_ptr(e);
+    } catch (const std::exception& e) {
+      s->error = std::make_exception_ptr(Error(s->what + " failed: " + brief(e)));
+    }
+  });
+  if (state_->error) std::rethrow_exception(state_->error);
+}
+
+bool Work::is_completed() {
+  if (!state_) return true;
+  if (state_->work && !state_->work->isCompleted()) return false;
+  return true;
+}
+
+const Group::Impl& Group::impl() const {
+  DTRAIN_ASSERT(impl_ != nullptr, "Group::impl on the default group");
+  return *impl_;
+}
+
+bool Group::is_member() const { return comm::resolve(*this).rank >= 0; }
+int Group::rank() const { return comm::resolve(*this).rank; }
+int Group::size() const { return static_cast<int>(comm::resolve(*this).ranks.size()); }
+const std::vector<int>& Group::ranks() const { return comm::resolve(*this).ranks; }
+std::string Group::backend() const { return comm::resolve(*this).backend; }
+int Group::group_rank(int global_rank) const {
+  const auto& g = comm::resolve(*this);
+  auto it = g.group_rank_of.find(global_rank);
+  DTRAIN_CHECK(it != g.group_rank_of.end(), "rank ", global_rank, " is not a member of group '", g.name,
+               "'");
+  return it->second;
+}
+
+}  // namespace dtrain

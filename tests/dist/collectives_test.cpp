@@ -1,0 +1,191 @@
+// Collectives on 2 and 3 real processes (run by dtrain-run under ctest).
+#include <thread>
+
+#include <ATen/ATen.h>
+
+#include "dist_main.h"
+#include "dtrain/errors.h"
+
+using namespace dtrain;
+
+namespace {
+int R() { return rank(); }
+int N() { return world_size(); }
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(Collectives, RankAndLocalRank) {
+  EXPECT_TRUE(is_initialized());
+  EXPECT_EQ(local_world_size(), N());  // dtrain-run on one node
+  EXPECT_EQ(local_rank(), R());
+  EXPECT_EQ(backend(), "gloo");
+}
+
+TEST(Collectives, AllReduceOps) {
+  auto v = [](ReduceOp op) {
+    at::Tensor t = at::full({3}, R() + 1.0);
+    all_reduce(t, op);
+    return t[1].item<double>();
+  };
+  double n = N();
+  EXPECT_DOUBLE_EQ(v(ReduceOp::SUM), n * (n + 1) / 2);
+  EXPECT_DOUBLE_EQ(v(ReduceOp::AVG), (n + 1) / 2);
+  EXPECT_DOUBLE_EQ(v(ReduceOp::MIN), 1);
+  EXPECT_DOUBLE_EQ(v(ReduceOp::MAX), n);
+  double fact = 1;
+  for (int i = 1; i <= N(); ++i) fact *= i;
+  EXPECT_DOUBLE_EQ(v(ReduceOp::PRODUCT), fact);
+}
+
+TEST(Collectives, AsyncAllReduceAndAvgAfterWait) {
+  at::Tensor a = at::full({1000}, static_cast<float>(R()));
+  at::Tensor b = at::full({10}, 2.0f * R());
+  Work wa = all_reduce(a, ReduceOp::AVG, Group(), /*async_op=*/true);
+  Work wb = all_reduce(b, ReduceOp::SUM, Group(), true);
+  wb.wait();
+  wa.wait();
+  wa.wait();  // waiting twice is harmless (the division happens once)
+  EXPECT_FLOAT_EQ(a[999].item<float>(), (N() - 1) / 2.0f);
+  EXPECT_FLOAT_EQ(b[0].item<float>(), static_cast<float>(N() * (N() - 1)));
+  EXPECT_TRUE(wa.is_completed());
+}
+
+TEST(Collectives, AvgOnIntegersIsAClearError) {
+  at::Tensor t = at::ones({2}, at::kLong);
+  EXPECT_NE(error_of([&] { all_reduce(t, ReduceOp::AVG); }).find("needs a floating-point tensor"),
+            std::string::npos);
+}
+
+TEST(Collectives, BroadcastFromLastRank) {
+  at::Tensor t = at::full({5}, static_cast<float>(R()));
+  broadcast(t, N() - 1);
+  EXPECT_FLOAT_EQ(t.sum().item<float>(), 5.0f * (N() - 1));
+}
+
+TEST(Collectives, ReduceToRankZero) {
+  at::Tensor t = at::full({2}, 1.0);
+  reduce(t, 0, ReduceOp::SUM);
+  if (R() == 0) EXPECT_DOUBLE_EQ(t[0].item<double>(), N());
+}
+
+TEST(Collectives, AllGatherInRankOrder) {
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < N(); ++i) out.push_back(at::empty({2, 2}));
+  all_gather(out, at::full({2, 2}, 10.0f * R()));
+  for (int i = 0; i < N(); ++i) EXPECT_FLOAT_EQ(out[i][1][1].item<float>(), 10.0f * i);
+}
+
+TEST(Collectives, ReduceScatter) {
+  // inputs[j] on rank r = r*100 + j; output on rank j = sum_r (r*100 + j).
+  std::vector<at::Tensor> in;
+  for (int j = 0; j < N(); ++j) in.push_back(at::full({4}, 100.0f * R() + j));
+  at::Tensor out = at::empty({4});
+  reduce_scatter(out, in);
+  float expected = 100.0f * N() * (N() - 1) / 2 + static_cast<float>(N()) * R();
+  EXPECT_FLOAT_EQ(out[3].item<float>(), expected);
+  at::Tensor avg = at::empty({4});
+  Work w = reduce_scatter(avg, in, ReduceOp::AVG, Group(), true);
+  w.wait();
+  EXPECT_FLOAT_EQ(avg[0].item<float>(), expected / N());
+}
+
+TEST(Collectives, GatherAndScatter) {
+  std::vector<at::Tensor> list;
+  if (R() == 1)
+    for (int i = 0; i < N(); ++i) list.push_back(at::empty({3}));
+  gather(at::full({3}, static_cast<float>(R())), list, /*dst=*/1);
+  if (R() == 1)
+    for (int i = 0; i < N(); ++i) EXPECT_FLOAT_EQ(list[i][2].item<float>(), static_cast<float>(i));
+
+  std::vector<at::Tensor> parts;
+  if (R() == 0)
+    for (int i = 0; i < N(); ++i) parts.push_back(at::full({2}, 7.0f * i));
+  at::Tensor mine = at::empty({2});
+  scatter(mine, parts, /*src=*/0);
+  EXPECT_FLOAT_EQ(mine[0].item<float>(), 7.0f * R());
+}
+
+TEST(Collectives, ListSizeMismatchIsAClearError) {
+  std::vector<at::Tensor> out{at::empty({2})};
+  if (N() > 1)
+    EXPECT_NE(error_of([&] { all_gather(out, at::ones({2})); }).find("pass one tensor per rank"),
+              std::string::npos);
+}
+
+TEST(Collectives, SendRecvRing) {
+  int next = (R() + 1) % N(), prev = (R() + N() - 1) % N();
+  at::Tensor got = at::empty({8});
+  Work s = isend(at::full({8}, static_cast<float>(R())), next, Group(), /*tag=*/3);
+  Work r = irecv(got, prev, Group(), 3);
+  r.wait();
+  s.wait();
+  EXPECT_FLOAT_EQ(got[7].item<float>(), static_cast<float>(prev));
+}
+
+TEST(Collectives, BlockingSendAndRecvFromAnySource) {
+  if (R() == 0) {
+    std::set<int> senders;
+    for (int i = 1; i < N(); ++i) {
+      at::Tensor t = at::empty({1});
+      int from = recv(t, -1);
+      EXPECT_FLOAT_EQ(t[0].item<float>(), 1000.0f + from);
+      senders.insert(from);
+    }
+    EXPECT_EQ(static_cast<int>(senders.size()), N() - 1);
+  } else {
+    send(at::full({1}, 1000.0f + R()), 0);
+  }
+}
+
+TEST(Collectives, BarrierAndMonitoredBarrier) {
+  barrier();
+  Work w = barrier(Group(), true);
+  w.wait();
+  monitored_barrier(Group(), std::chrono::seconds(30));
+}
+
+TEST(Collectives, MonitoredBarrierNamesTheMissingRank) {
+  Group sub = new_group({0, 1});  // a throwaway group: the failed barrier leaves it unusable
+  if (R() == 0) {
+    std::string err = error_of([&] { monitored_barrier(sub, std::chrono::milliseconds(600)); });
+    EXPECT_NE(err.find("monitored_barrier"), std::string::npos) << err;
+    EXPECT_NE(err.find("Rank 1"), std::string::npos) << err;
+  }
+  barrier();  // rank 1 did not take part; the world group still works
+}
+
+TEST(Collectives, SubgroupsUseGlobalRanks) {
+  if (N() < 3) GTEST_SKIP() << "needs 3 ranks";
+  Group g = new_group({0, 2});
+  Group all = new_group({});
+  EXPECT_EQ(all.size(), N());
+  if (R() == 1) {
+    EXPECT_FALSE(g.is_member());
+    at::Tensor t = at::ones({1});
+    EXPECT_NE(error_of([&] { all_reduce(t, ReduceOp::SUM, g); }).find("not a member"), std::string::npos);
+  } else {
+    EXPECT_EQ(g.rank(), R() == 0 ? 0 : 1);
+    at::Tensor t = at::full({1}, static_cast<float>(R()));
+    all_reduce(t, ReduceOp::SUM, g);
+    EXPECT_FLOAT_EQ(t[0].item<float>(), 2.0f);
+    at::Tensor b = at::full({1}, static_cast<float>(R()));
+    broadcast(b, 2, g);  // src is a global rank
+    EXPECT_FLOAT_EQ(b[0].item<float>(), 2.0f);
+    EXPECT_NE(error_of([&] { broadcast(b, 1, g); }).find("src=1 is not a member"), std::string::npos);
+  }
+  barrier();
+}
+
+TEST(Collectives, NewGroupRejectsBadRanks) {
+  EXPECT_NE(error_of([] { new_group({0, N()}); }).find("out of range"), std::string::npos);
+  EXPECT_NE(error_of([] { new_group({0, 0}); }).find("listed twice"), std::string::npos);
+}
+
+DTRAIN_DIST_TEST_MAIN()
