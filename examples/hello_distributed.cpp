@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <thread>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,11 +44,13 @@ int main(int argc, char** argv) {
   double timeout_s = 0;
   int local_rank_arg = -1;
   bool report_times = false;
+  double hold_s = 0;
   app.add_option("--backend", backend, "gloo or nccl");
   app.add_option("--init_method", init_method, "env://, tcp://host:port or file:///path");
   app.add_option("--timeout_s", timeout_s, "rendezvous and collective timeout in seconds (default 1800)");
   app.add_option("--local_rank,--local-rank", local_rank_arg, "passed by dtrain-run --use_local_rank_arg");
   app.add_flag("--report_times", report_times, "print when this rank passed its first barrier");
+  app.add_option("--hold_s", hold_s, "stay in the process group this many seconds after the check (tests)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -72,7 +75,12 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::printf("all_reduce check passed: sum of (rank+1) over %d ranks = %.0f\n", n, expected);
+    if (hold_s > 0) {
+      std::fflush(stdout);
+      std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(hold_s * 1000)));
+    }
     dtrain::destroy_process_group();
+    if (report_times) std::printf("peak_rss_kb=%lld\n", static_cast<long long>(dtrain::peak_rss_bytes() / 1024));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "hello_distributed: error: %s\n", e.what());
     return 1;

@@ -13,7 +13,6 @@ PKGS=(
 )
 missing=()
 for p in "${PKGS[@]}"; do
-  [[ "$p" == \#* ]] && continue
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
 done
 if ((${#missing[@]})); then
