@@ -1,0 +1,251 @@
+// StoreClient: one blocking connection to a StoreServer.
+//
+// Steps:
+//   1. Resolve host with getaddrinfo. A name that does not resolve fails at once, naming it.
+//   2. Try each address with a non-blocking connect bounded by the remaining time; a refused or
+//      unreachable peer (the server not up yet) is retried every kRetryInterval until
+//      connect_timeout, then "cannot reach the rendezvous at HOST:PORT within Ns: <strerror>".
+//   3. Each call sends one request frame (protocol.h, MSG_NOSIGNAL) and blocks on its response.
+//      GET/WAIT timeouts are enforced by the server (it answers TIMEOUT), so the stream never holds
+//      a stale reply; TIMEOUT becomes TimeoutError naming the keys and the timeout.
+#include "store/protocol.h"
+#include "store/store.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <thread>
+
+namespace dtrain::store {
+
+using namespace detail;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr Millis kRetryInterval{75};
+
+std::string seconds_text(Millis ms) {
+  char buf[32];
+  double s = ms.count() / 1000.0;
+  if (ms.count() % 1000 == 0) snprintf(buf, sizeof(buf), "%llds", static_cast<long long>(ms.count() / 1000));
+  else snprintf(buf, sizeof(buf), "%.1fs", s);
+  return buf;
+}
+
+// One connect attempt to one address, bounded by `budget`. Returns the fd or -1 with errno set.
+int try_connect(const addrinfo* ai, Millis budget) {
+  int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
+  if (fd < 0) return -1;
+  if (connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+    if (errno != EINPROGRESS) {
+      int e = errno;
+      close(fd);
+      errno = e;
+      return -1;
+    }
+    pollfd p{fd, POLLOUT, 0};
+    int n = poll(&p, 1, static_cast<int>(std::max<int64_t>(budget.count(), 1)));
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (n <= 0) err = n == 0 ? ETIMEDOUT : errno;
+    else getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    if (err != 0) {
+      close(fd);
+      errno = err;
+      return -1;
+    }
+  }
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return fd;
+}
+
+}  // namespace
+
+struct StoreClient::Impl {
+  std::string host;
+  uint16_t port = 0;
+  int fd = -1;
+
+  std::string where() const { return host_port(host, port); }
+  void send_all(const std::vector<uint8_t>& frame);
+  void recv_all(uint8_t* p, size_t n);
+  // Sends the request and returns the response payload; status in `status`.
+  std::vector<uint8_t> call(const Writer& request, Status* status);
+  std::vector<uint8_t> call_ok(const Writer& request);
+};
+
+StoreClient::StoreClient(const std::string& host, uint16_t port, Millis connect_timeout)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->host = host;
+  impl_->port = port;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+  if (rc != 0)
+    throw std::runtime_error("cannot resolve the rendezvous host '" + host + "': " + gai_strerror(rc) +
+                             " (check --master_addr)");
+  const auto deadline = Clock::now() + connect_timeout;
+  int last_errno = ETIMEDOUT;
+  for (;;) {
+    for (addrinfo* ai = res; ai && impl_->fd < 0; ai = ai->ai_next) {
+      auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+      impl_->fd = try_connect(ai, std::max(left, Millis(1)));
+      if (impl_->fd < 0) last_errno = errno;
+    }
+    if (impl_->fd >= 0 || Clock::now() >= deadline) break;
+    auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+    std::this_thread::sleep_for(std::min(left, kRetryInterval));
+  }
+  freeaddrinfo(res);
+  if (impl_->fd < 0)
+    throw std::runtime_error("cannot reach the rendezvous at " + impl_->where() + " within " +
+                             seconds_text(connect_timeout) + ": " + std::strerror(last_errno));
+}
+
+StoreClient::~StoreClient() {
+  if (impl_->fd >= 0) close(impl_->fd);
+}
+
+void StoreClient::Impl::send_all(const std::vector<uint8_t>& frame) {
+  size_t sent = 0;
+  while (sent < frame.size()) {
+    ssize_t n = send(fd, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0)
+      throw std::runtime_error("lost the connection to the rendezvous at " + where() + ": " + std::strerror(errno));
+    sent += static_cast<size_t>(n);
+  }
+}
+
+void StoreClient::Impl::recv_all(uint8_t* p, size_t n) {
+  while (n > 0) {
+    ssize_t r = recv(fd, p, n, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r == 0) throw std::runtime_error("the rendezvous at " + where() + " closed the connection");
+    if (r < 0)
+      throw std::runtime_error("lost the connection to the rendezvous at " + where() + ": " + std::strerror(errno));
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+}
+
+std::vector<uint8_t> StoreClient::Impl::call(const Writer& request, Status* status) {
+  send_all(request.frame());
+  uint8_t len_le[4];
+  recv_all(len_le, 4);
+  uint32_t len = decode_u32(len_le);
+  if (len == 0 || len > kMaxFrameBytes) throw std::runtime_error("malformed response from the rendezvous at " + where());
+  std::vector<uint8_t> payload(len);
+  recv_all(payload.data(), len);
+  *status = static_cast<Status>(payload[0]);
+  return payload;
+}
+
+std::vector<uint8_t> StoreClient::Impl::call_ok(const Writer& request) {
+  Status st;
+  auto payload = call(request, &st);
+  if (st == Status::kError) {
+    Reader r(payload.data(), payload.size());
+    r.head();
+    throw std::runtime_error("rendezvous store at " + where() + ": " + r.str());
+  }
+  return payload;
+}
+
+void StoreClient::set(const std::string& key, const Bytes& value) {
+  impl_->call_ok(Writer(uint8_t(Op::kSet)).str(key).blob(value));
+}
+
+Bytes StoreClient::get(const std::string& key, Millis timeout) {
+  auto p = impl_->call_ok(Writer(uint8_t(Op::kGet)).str(key).i64(timeout.count()));
+  Reader r(p.data(), p.size());
+  if (static_cast<Status>(r.head()) == Status::kTimeout)
+    throw TimeoutError("timed out after " + seconds_text(timeout) + " waiting for key '" + key +
+                       "' in the rendezvous store at " + impl_->where());
+  return r.blob();
+}
+
+Bytes StoreClient::compare_set(const std::string& key, const Bytes& expected, const Bytes& desired) {
+  auto p = impl_->call_ok(Writer(uint8_t(Op::kCompareSet)).str(key).blob(expected).blob(desired));
+  Reader r(p.data(), p.size());
+  r.head();
+  return r.blob();
+}
+
+int64_t StoreClient::add(const std::string& key, int64_t delta) {
+  auto p = impl_->call_ok(Writer(uint8_t(Op::kAdd)).str(key).i64(delta));
+  Reader r(p.data(), p.size());
+  r.head();
+  return r.i64();
+}
+
+bool StoreClient::check(const std::vector<std::string>& keys) {
+  Writer w(uint8_t(Op::kCheck));
+  w.i64(static_cast<int64_t>(keys.size()));
+  for (const auto& k : keys) w.str(k);
+  auto p = impl_->call_ok(w);
+  Reader r(p.data(), p.size());
+  r.head();
+  return r.i64() != 0;
+}
+
+bool StoreClient::delete_key(const std::string& key) {
+  auto p = impl_->call_ok(Writer(uint8_t(Op::kDelete)).str(key));
+  Reader r(p.data(), p.size());
+  r.head();
+  return r.i64() != 0;
+}
+
+int64_t StoreClient::num_keys() {
+  auto p = impl_->call_ok(Writer(uint8_t(Op::kNumKeys)));
+  Reader r(p.data(), p.size());
+  r.head();
+  return r.i64();
+}
+
+void StoreClient::wait(const std::vector<std::string>& keys, Millis timeout) {
+  Writer w(uint8_t(Op::kWait));
+  w.i64(timeout.count()).i64(static_cast<int64_t>(keys.size()));
+  for (const auto& k : keys) w.str(k);
+  auto p = impl_->call_ok(w);
+  if (static_cast<Status>(p[0]) == Status::kTimeout) {
+    std::string names;
+    for (const auto& k : keys) names += (names.empty() ? "'" : ", '") + k + "'";
+    throw TimeoutError("timed out after " + seconds_text(timeout) + " waiting for key" +
+                       (keys.size() == 1 ? " " : "s ") + names + " in the rendezvous store at " + impl_->where());
+  }
+}
+
+std::string StoreClient::local_address() const {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  if (getsockname(impl_->fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0)
+    throw std::runtime_error(std::string("getsockname failed: ") + std::strerror(errno));
+  char buf[INET6_ADDRSTRLEN] = {0};
+  if (ss.ss_family == AF_INET6) {
+    auto* a6 = reinterpret_cast<sockaddr_in6*>(&ss);
+    if (IN6_IS_ADDR_V4MAPPED(&a6->sin6_addr)) inet_ntop(AF_INET, &a6->sin6_addr.s6_addr[12], buf, sizeof(buf));
+    else inet_ntop(AF_INET6, &a6->sin6_addr, buf, sizeof(buf));
+  } else {
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr, buf, sizeof(buf));
+  }
+  return buf;
+}
+
+const std::string& StoreClient::host() const { return impl_->host; }
+uint16_t StoreClient::port() const { return impl_->port; }
+
+}  // namespace dtrain::store

@@ -1,0 +1,104 @@
+"""Shared helpers for the dtrain-run launcher tests (Python 3 stdlib only).
+
+The launcher binary comes from the DTRAIN_RUN environment variable (set by ctest from
+$<TARGET_FILE:dtrain-run>). Workers are shell / python one-liners, so no LibTorch is needed.
+Every process started here is bounded by a timeout.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import unittest
+
+DTRAIN_RUN = os.environ.get("DTRAIN_RUN", "")
+PY = sys.executable  # the interpreter running the tests, also used for python workers
+TIMEOUT = 30  # seconds any single launcher run may take
+
+
+def require_launcher(test):
+    if not DTRAIN_RUN or not os.access(DTRAIN_RUN, os.X_OK):
+        raise unittest.SkipTest("set DTRAIN_RUN to the dtrain-run binary (ctest does this)")
+
+
+def clean_env(**extra):
+    """The test's environment without variables the launcher sets, plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run(args, env=None, timeout=TIMEOUT, **kw):
+    """Runs dtrain-run with `args`; returns CompletedProcess with text stdout/stderr."""
+    return subprocess.run([DTRAIN_RUN] + [str(a) for a in args], env=env or clean_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout, **kw)
+
+
+def start(args, env=None, **kw):
+    """Starts dtrain-run in the background (caller must wait/kill it)."""
+    return subprocess.Popen([DTRAIN_RUN] + [str(a) for a in args], env=env or clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def free_port():
+    """A port nothing listens on right now (tiny race, acceptable in tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pids_with_marker(marker):
+    """Pids of live (non-zombie) processes that have `marker` as one whole argument (not the
+    launcher, whose own command line names it too, and not a shell whose script mentions it)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{d}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        argv = cmd.split(b"\0")
+        if marker.encode() in argv and not argv[0].endswith(b"dtrain-run") and state != "Z":
+            found.append(int(d))
+    return found
+
+
+def wait_until(pred, timeout=10.0, step=0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+def kill_marker(marker):
+    """Best-effort cleanup so a failed test leaves nothing behind."""
+    for pid in pids_with_marker(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def listeners(port):
+    """Local addresses (hex, as in /proc/net/tcp) listening on `port`."""
+    out = []
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    addr, p = parts[1].split(":")
+                    if parts[3] == "0A" and int(p, 16) == port:
+                        out.append(addr)
+        except OSError:
+            pass
+    return out

@@ -1,0 +1,127 @@
+"""dtrain-run: failure propagation, signal deaths, signal forwarding, no orphans, PDEATHSIG."""
+import os
+import signal
+import tempfile
+import shutil
+import time
+import unittest
+
+from launcher_common import PY, kill_marker, pids_with_marker, require_launcher, run, start, wait_until
+
+
+class FailureTest(unittest.TestCase):
+    def setUp(self):
+        require_launcher(self)
+        self.tmp = tempfile.mkdtemp(prefix="dtrain_fail_")
+        self.marker = f"dtrainmark{os.getpid()}x{time.monotonic_ns()}"
+
+    def tearDown(self):
+        kill_marker(self.marker)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def summary(self, stderr):
+        return stderr.strip().splitlines()[-1]
+
+    def test_failure_stops_the_others_quickly(self):
+        # rank 1 exits 3; rank 0 would sleep 60 s (its sleep carries the marker).
+        script = f'if [ "$RANK" = 1 ]; then echo "rank one dies" >&2; exit 3; fi; exec {PY} -c "import time; time.sleep(60)" {self.marker}'
+        t0 = time.monotonic()
+        r = run(["--nproc_per_node", "2", "--standalone", "--grace_period", "2", "sh", "-c", script])
+        took = time.monotonic() - t0
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertLess(took, 15)
+        last = self.summary(r.stderr)
+        self.assertRegex(last, r"^dtrain-run: rank 1 \(local rank 1, pid \d+\) failed first: it exited with code 3; "
+                               r"no --log_dir: last lines shown above$")
+        self.assertIn("rank one dies", r.stderr.split(last)[0])  # the tail, printed before the summary
+        self.assertEqual(pids_with_marker(self.marker), [])
+
+    def test_term_ignored_then_killed_after_grace(self):
+        script = (f'if [ "$RANK" = 1 ]; then sleep 0.3; exit 5; fi; '
+                  f'exec {PY} -c "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)" {self.marker}')
+        t0 = time.monotonic()
+        r = run(["--nproc_per_node", "2", "--standalone", "--grace_period", "1", "sh", "-c", script])
+        self.assertEqual(r.returncode, 1)
+        self.assertLess(time.monotonic() - t0, 10)
+        self.assertIn("rank 1 (local rank 1", self.summary(r.stderr))
+        self.assertIn("exited with code 5", self.summary(r.stderr))
+        self.assertEqual(pids_with_marker(self.marker), [])
+
+    def test_death_by_signal_is_named(self):
+        r = run(["--nproc_per_node", "2", "--standalone", "sh", "-c",
+                 'if [ "$RANK" = 0 ]; then kill -SEGV $$; fi; sleep 30'])
+        self.assertEqual(r.returncode, 1)
+        self.assertRegex(self.summary(r.stderr), r"rank 0 \(local rank 0, pid \d+\) failed first: it was killed by SIGSEGV")
+
+    def test_exec_failure_is_reported(self):
+        prog = os.path.join(self.tmp, "bad_interp")
+        with open(prog, "w") as f:
+            f.write("#!/nonexistent/interpreter\n")
+        os.chmod(prog, 0o755)
+        r = run(["--nproc_per_node", "2", "--standalone", prog])
+        self.assertEqual(r.returncode, 1)
+        self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
+        self.assertIn(prog, r.stderr)
+        self.assertIn("No such file or directory", r.stderr)
+
+    def worker_script(self):
+        # Each worker: traps TERM/INT and writes a marker file; starts a grandchild that ignores
+        # TERM/INT (only the process-group SIGKILL can end it); says it's ready.
+        gc = f'(trap "" TERM INT HUP; exec {PY} -c "import time; time.sleep(300)" {self.marker}) &'
+        return (f'trap "echo \\$RANK-got > {self.tmp}/sig.$RANK; exit 0" TERM INT HUP; {gc} '
+                f'echo ready; while true; do sleep 0.1; done')
+
+    def run_and_signal(self, signo):
+        p = start(["--nproc_per_node", "2", "--standalone", "--grace_period", "1", "sh", "-c", self.worker_script()])
+        try:
+            self.assertTrue(wait_until(lambda: len(pids_with_marker(self.marker)) == 2, 10), "grandchildren not started")
+            time.sleep(0.2)
+            p.send_signal(signo)
+            out, err = p.communicate(timeout=20)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        self.assertEqual(p.returncode, 128 + signo, err)
+        for rank in (0, 1):
+            with open(os.path.join(self.tmp, f"sig.{rank}")) as f:
+                self.assertEqual(f.read().strip(), f"{rank}-got")
+        self.assertTrue(wait_until(lambda: pids_with_marker(self.marker) == [], 5), "grandchildren left behind")
+        self.assertIn(signal.Signals(signo).name, err.strip().splitlines()[-1])
+
+    def test_sigterm_forwarded_and_no_orphans(self):
+        self.run_and_signal(signal.SIGTERM)
+
+    def test_sigint_forwarded_and_no_orphans(self):
+        self.run_and_signal(signal.SIGINT)
+
+    def test_sighup_forwarded(self):
+        self.run_and_signal(signal.SIGHUP)
+
+    def test_grandchildren_killed_after_success(self):
+        gc = f'(trap "" TERM INT; exec {PY} -c "import time; time.sleep(300)" {self.marker} >/dev/null 2>&1) &'
+        r = run(["--nproc_per_node", "2", "--standalone", "sh", "-c", gc + " exit 0"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertTrue(wait_until(lambda: pids_with_marker(self.marker) == [], 5))
+
+    def test_sigkill_of_launcher_kills_workers(self):
+        p = start(["--nproc_per_node", "2", "--standalone", PY, "-c", "import time; time.sleep(300)", self.marker])
+        try:
+            self.assertTrue(wait_until(lambda: len(pids_with_marker(self.marker)) == 2, 10))
+            p.kill()
+            p.wait(timeout=10)
+            self.assertTrue(wait_until(lambda: pids_with_marker(self.marker) == [], 5), "workers survived SIGKILL")
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+            p.stderr.close()
+
+    def test_all_zero_exits_zero(self):
+        r = run(["--nproc_per_node", "3", "--standalone", "true"])
+        self.assertEqual((r.returncode, r.stdout, r.stderr), (0, "", ""))
+
+
+if __name__ == "__main__":
+    unittest.main()

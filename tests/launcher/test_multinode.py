@@ -1,0 +1,189 @@
+"""dtrain-run: several launchers (nodes) on one machine, and across two network namespaces."""
+import os
+import shutil
+import subprocess
+import time
+import unittest
+
+from launcher_common import (DTRAIN_RUN, PY, clean_env, free_port, kill_marker, pids_with_marker,
+                             require_launcher, start)
+
+PRINT_ENV = 'echo "rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE node=$NODE_RANK group=$GROUP_RANK"'
+
+
+def node_args(port, node_rank, nproc=2, nnodes=2, addr="127.0.0.1", extra=()):
+    return ["--nnodes", nnodes, "--node_rank", node_rank, "--nproc_per_node", nproc,
+            "--master_addr", addr, "--master_port", port, "--rdzv_timeout", "20", "--monitor_interval", "0.1",
+            *extra]
+
+
+def finish(*procs, timeout=40):
+    """Waits for every launcher; kills leftovers. Returns [(rc, out, err)]."""
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        results.append((p.returncode, out, err))
+    return results
+
+
+class MultiNodeTest(unittest.TestCase):
+    def setUp(self):
+        require_launcher(self)
+        self.marker = f"dtrainmn{os.getpid()}x{time.monotonic_ns()}"
+
+    def tearDown(self):
+        kill_marker(self.marker)
+
+    def test_two_nodes(self):
+        port = free_port()
+        n1 = start(node_args(port, 1) + ["sh", "-c", PRINT_ENV])  # node 1 first: it waits for node 0
+        time.sleep(0.3)
+        n0 = start(node_args(port, 0) + ["sh", "-c", PRINT_ENV])
+        (rc0, out0, err0), (rc1, out1, err1) = finish(n0, n1)
+        self.assertEqual((rc0, rc1), (0, 0), err0 + err1)
+        self.assertEqual(sorted(out0.splitlines()), [
+            "[rank 0] rank=0 local=0 world=4 node=0 group=0",
+            "[rank 1] rank=1 local=1 world=4 node=0 group=0"])
+        self.assertEqual(sorted(out1.splitlines()), [
+            "[rank 2] rank=2 local=0 world=4 node=1 group=1",
+            "[rank 3] rank=3 local=1 world=4 node=1 group=1"])
+
+    def test_nodes_disagree_on_nproc(self):
+        port = free_port()
+        n0 = start(node_args(port, 0, nproc=2) + ["true"])
+        n1 = start(node_args(port, 1, nproc=3) + ["true"])
+        (rc0, _, err0), (rc1, _, err1) = finish(n0, n1)
+        self.assertNotEqual(rc0, 0)
+        self.assertNotEqual(rc1, 0)
+        for err in (err0, err1):
+            line = err.strip().splitlines()[-1]
+            self.assertIn("nodes disagree on the world size", line)
+            self.assertIn("node 0 has --nnodes 2 --nproc_per_node 2 (world 4)", line)
+            self.assertIn("--nnodes 2 --nproc_per_node 3 (world 6)", line)
+
+    def test_duplicate_node_rank(self):
+        port = free_port()
+        n0 = start(node_args(port, 0, nnodes=3) + ["true"])
+        n1 = start(node_args(port, 1, nnodes=3) + ["true"])
+        n1b = start(node_args(port, 1, nnodes=3) + ["true"])
+        results = finish(n0, n1, n1b)
+        for rc, _, err in results:
+            self.assertNotEqual(rc, 0)
+            self.assertIn("two nodes have --node_rank 1", err)
+
+    def test_no_node_zero(self):
+        port = free_port()
+        t0 = time.monotonic()
+        p = start(["--nnodes", 2, "--node_rank", 1, "--nproc_per_node", 1, "--master_port", port,
+                   "--rdzv_timeout", 2, "true"])
+        ((rc, out, err),) = finish(p, timeout=20)
+        took = time.monotonic() - t0
+        self.assertEqual(rc, 1)
+        self.assertGreaterEqual(took, 1.9)
+        self.assertLess(took, 10)
+        self.assertEqual(len(err.strip().splitlines()), 1, err)
+        self.assertIn(f"127.0.0.1:{port}", err)
+        self.assertIn("within 2s", err)
+
+    def test_node_zero_times_out_waiting(self):
+        port = free_port()
+        p = start(["--nnodes", 2, "--node_rank", 0, "--nproc_per_node", 1, "--master_port", port,
+                   "--rdzv_timeout", 1, "true"])
+        ((rc, _, err),) = finish(p, timeout=20)
+        self.assertEqual(rc, 1)
+        self.assertIn("only 1 of 2 nodes joined", err)
+        self.assertIn("missing node_rank 1", err)
+
+    def test_failure_on_node1_stops_node0(self):
+        port = free_port()
+        sleeper = [PY, "-c", "import time; time.sleep(60)", self.marker]
+        failer = ["sh", "-c", 'if [ "$RANK" = 3 ]; then sleep 0.5; exit 3; fi; sleep 60']
+        t0 = time.monotonic()
+        n0 = start(node_args(port, 0, extra=["--grace_period", "1"]) + sleeper)
+        n1 = start(node_args(port, 1, extra=["--grace_period", "1"]) + failer)
+        (rc0, _, err0), (rc1, _, err1) = finish(n0, n1)
+        self.assertLess(time.monotonic() - t0, 20)
+        self.assertEqual(rc1, 1, err1)
+        self.assertIn("rank 3 (local rank 1", err1.strip().splitlines()[-1])
+        self.assertEqual(rc0, 1, err0)
+        last0 = err0.strip().splitlines()[-1]
+        self.assertIn("node 1", last0)
+        self.assertIn("rank 3", last0)
+        self.assertIn("exited with code 3", last0)
+        self.assertEqual(pids_with_marker(self.marker), [])
+
+    def test_store_listens_on_master_addr_only(self):
+        from launcher_common import listeners, wait_until
+        port = free_port()
+        n0 = start(node_args(port, 0) + ["sleep", "1"])
+        try:
+            self.assertTrue(wait_until(lambda: listeners(port) != [], 5))
+            self.assertEqual(listeners(port), ["0100007F"])
+        finally:
+            n1 = start(node_args(port, 1) + ["true"])
+            finish(n0, n1)
+
+
+class NetnsTest(unittest.TestCase):
+    """Node 0 and node 1 in two network namespaces joined by a veth pair: the master address
+    exists only inside namespace A, so this is a real two-host rendezvous over a link."""
+
+    def ip(self, *args, check=True):
+        return subprocess.run(["ip", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              timeout=10, check=check)
+
+    def setUp(self):
+        require_launcher(self)
+        if os.geteuid() != 0 or not shutil.which("ip"):
+            self.skipTest("needs root and iproute2 to create network namespaces")
+        pid = os.getpid()
+        self.ns = [f"dtrA{pid}", f"dtrB{pid}"]
+        self.veth = [f"dtva{pid}"[:15], f"dtvb{pid}"[:15]]
+        sub = pid % 250 + 1
+        self.addr = [f"10.231.{sub}.1", f"10.231.{sub}.2"]
+        self.created = []
+        try:
+            for ns in self.ns:
+                self.ip("netns", "add", ns)
+                self.created.append(ns)
+            self.ip("link", "add", self.veth[0], "type", "veth", "peer", "name", self.veth[1])
+            for i in (0, 1):
+                self.ip("link", "set", self.veth[i], "netns", self.ns[i])
+                self.ip("-n", self.ns[i], "addr", "add", self.addr[i] + "/24", "dev", self.veth[i])
+                self.ip("-n", self.ns[i], "link", "set", self.veth[i], "up")
+                self.ip("-n", self.ns[i], "link", "set", "lo", "up")
+        except (subprocess.CalledProcessError, OSError) as e:
+            self.cleanup()
+            err = getattr(e, "stderr", "") or str(e)
+            self.skipTest(f"cannot create network namespaces here: {err.strip()}")
+
+    def tearDown(self):
+        self.cleanup()
+
+    def cleanup(self):
+        for ns in getattr(self, "created", []):
+            self.ip("netns", "del", ns, check=False)  # deletes the veth pair with it
+        self.created = []
+
+    def test_two_namespaces(self):
+        port = 29611
+        def launch(i):
+            return subprocess.Popen(
+                ["ip", "netns", "exec", self.ns[i], DTRAIN_RUN] +
+                [str(a) for a in node_args(port, i, addr=self.addr[0])] + ["sh", "-c", PRINT_ENV + '; echo "addr=$MASTER_ADDR"'],
+                env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        n0 = launch(0)
+        n1 = launch(1)
+        (rc0, out0, err0), (rc1, out1, err1) = finish(n0, n1)
+        self.assertEqual((rc0, rc1), (0, 0), err0 + err1)
+        self.assertIn("[rank 1] rank=1 local=1 world=4 node=0 group=0", out0)
+        self.assertIn("[rank 3] rank=3 local=1 world=4 node=1 group=1", out1)
+        self.assertIn(f"addr={self.addr[0]}", out1)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,100 @@
+"""dtrain-run: bad input gives ONE clear line and exit 2, fast; port in use; bind address."""
+import os
+import socket
+import tempfile
+import time
+import unittest
+
+from launcher_common import PY, free_port, listeners, require_launcher, run, start, wait_until
+
+
+class UsageTest(unittest.TestCase):
+    def setUp(self):
+        require_launcher(self)
+
+    def bad(self, args, *fragments, code=2):
+        t0 = time.monotonic()
+        r = run(args, timeout=10)
+        took = time.monotonic() - t0
+        self.assertEqual(r.returncode, code, f"{args}: {r.stderr}")
+        lines = r.stderr.strip().splitlines()
+        self.assertEqual(len(lines), 1, f"{args}: {r.stderr!r}")
+        self.assertTrue(lines[0].startswith("dtrain-run: "), lines[0])
+        for frag in fragments:
+            self.assertIn(frag, lines[0])
+        self.assertEqual(r.stdout, "")
+        self.assertLess(took, 2.0)
+        return lines[0]
+
+    def test_bad_values(self):
+        self.assertEqual(self.bad(["--nproc_per_node", "0", "true"]),
+                         "dtrain-run: --nproc_per_node must be a positive integer or 'auto', got '0'")
+        self.bad(["--nproc_per_node", "two", "true"], "'two'")
+        self.bad(["--nproc_per_node", "-1", "true"], "'-1'")
+        self.bad(["--nnodes", "0", "true"], "--nnodes", "'0'")
+        self.bad(["--nnodes", "2", "--node_rank", "2", "true"], "--node_rank 2", "--nnodes 2")
+        self.bad(["--node_rank", "-1", "true"], "--node_rank", "'-1'")
+        self.bad(["--master_port", "70000", "true"], "--master_port", "'70000'")
+        self.bad(["--master_port", "http", "true"], "'http'")
+        self.bad(["--max_restarts", "-1", "true"], "--max_restarts", "'-1'")
+        self.bad(["--monitor_interval", "0", "true"], "--monitor_interval", "'0'")
+        self.bad(["--rdzv_timeout", "x", "true"], "--rdzv_timeout", "'x'")
+        self.bad(["--redirects", "4", "--log_dir", "/tmp", "true"], "--redirects", "'4'")
+        self.bad(["--tee", "1", "true"], "--tee", "--log_dir")
+        self.bad(["--standalone", "--nnodes", "2", "true"], "--standalone", "--nnodes")
+
+    def test_unknown_flag_before_program(self):
+        self.bad(["--nproc_per_node", "2", "--bogus_flag", "true"], "'--bogus_flag'")
+
+    def test_missing_value(self):
+        self.bad(["--nproc_per_node"], "--nproc_per_node")
+
+    def test_no_program(self):
+        self.bad([], "no program")
+        self.bad(["--nproc_per_node", "2"], "no program")
+        self.bad(["--nproc_per_node", "2", "--"], "no program")
+
+    def test_program_not_found_or_not_executable(self):
+        self.bad(["no-such-program-dtrain"], "'no-such-program-dtrain'", "PATH")
+        self.bad(["./no/such/file"], "'./no/such/file'")
+        with tempfile.NamedTemporaryFile(suffix=".txt") as f:
+            os.chmod(f.name, 0o644)
+            self.bad([f.name], f"'{f.name}'", "not an executable")
+
+    def test_help(self):
+        r = run(["--help"], timeout=10)
+        self.assertEqual(r.returncode, 0)
+        self.assertIn("--nproc_per_node", r.stdout)
+
+    def test_max_restarts_accepted(self):
+        r = run(["--max_restarts", "3", "--standalone", "true"])
+        self.assertEqual(r.returncode, 0, r.stderr)
+
+    def test_port_in_use(self):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen(1)
+            port = s.getsockname()[1]
+            self.bad(["--master_port", port, "--nproc_per_node", "1", "true"],
+                     f"port {port} on 127.0.0.1 is already in use", "--master_port", "--standalone", code=1)
+
+    def test_quick_rerun_on_same_port(self):
+        port = free_port()
+        for _ in range(2):  # the second run must not trip over TIME_WAIT
+            r = run(["--master_port", port, "--nproc_per_node", "2", PY, "-c",
+                     "import os,socket; socket.create_connection((os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']))).close()"])
+            self.assertEqual(r.returncode, 0, r.stderr)
+
+    def test_store_listens_only_on_master_addr(self):
+        port = free_port()
+        p = start(["--master_port", port, "--nproc_per_node", "1", "sleep", "3"])
+        try:
+            self.assertTrue(wait_until(lambda: listeners(port) != [], 5), "no listener")
+            self.assertEqual(listeners(port), ["0100007F"])  # 127.0.0.1, never 0.0.0.0
+        finally:
+            p.kill()
+            p.communicate()
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,53 @@
+// The per-worker environment and command line (see env.h for the contract).
+#include "env.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+
+extern char** environ;
+
+namespace dtrain::run {
+
+std::vector<WorkerSpec> make_worker_specs(const LaunchOptions& o, uint16_t master_port, int attempt) {
+  const int world = o.nnodes * o.nproc_per_node;
+  std::map<std::string, std::string> base;
+  for (char** e = environ; *e; ++e) {
+    const char* eq = std::strchr(*e, '=');
+    if (eq) base[std::string(*e, static_cast<size_t>(eq - *e))] = eq + 1;
+  }
+  if (!base.count("OMP_NUM_THREADS"))
+    base["OMP_NUM_THREADS"] = std::to_string(std::max(1, online_cores() / o.nproc_per_node));
+  base["WORLD_SIZE"] = std::to_string(world);
+  base["LOCAL_WORLD_SIZE"] = std::to_string(o.nproc_per_node);
+  base["GROUP_RANK"] = base["NODE_RANK"] = std::to_string(o.node_rank);
+  base["GROUP_WORLD_SIZE"] = std::to_string(o.nnodes);
+  base["ROLE_NAME"] = "default";
+  base["ROLE_WORLD_SIZE"] = std::to_string(world);
+  base["MASTER_ADDR"] = o.master_addr;
+  base["MASTER_PORT"] = std::to_string(master_port);
+  base["TORCHELASTIC_RUN_ID"] = base["DTRAIN_RUN_ID"] = o.run_id;
+  base["TORCHELASTIC_RESTART_COUNT"] = base["DTRAIN_RESTART_COUNT"] = std::to_string(attempt);
+  base["TORCHELASTIC_MAX_RESTARTS"] = base["DTRAIN_MAX_RESTARTS"] = std::to_string(o.max_restarts);
+  base["DTRAIN_AGENT_STORE"] = "1";
+
+  std::vector<WorkerSpec> specs;
+  for (int local = 0; local < o.nproc_per_node; ++local) {
+    WorkerSpec s;
+    s.local_rank = local;
+    s.rank = o.node_rank * o.nproc_per_node + local;
+    auto env = base;
+    env["RANK"] = env["ROLE_RANK"] = std::to_string(s.rank);
+    env["LOCAL_RANK"] = std::to_string(local);
+    for (const auto& kv : env) s.env.push_back(kv.first + "=" + kv.second);
+    s.program_path = o.program_path;
+    s.argv.push_back(o.program);
+    if (o.use_local_rank_arg) s.argv.push_back("--local_rank=" + std::to_string(local));
+    s.argv.insert(s.argv.end(), o.program_args.begin(), o.program_args.end());
+    specs.push_back(std::move(s));
+  }
+  return specs;
+}
+
+}  // namespace dtrain::run

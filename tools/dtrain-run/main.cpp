@@ -1,0 +1,122 @@
+// dtrain-run: the torchrun-style launcher. Starts --nproc_per_node workers on this node with
+// torchrun's environment (env.h), after a rendezvous with the other nodes (rendezvous.h), and
+// supervises them (supervisor.h). It does not link LibTorch and starts in milliseconds.
+//
+// Steps:
+//   1. Parse the command line (options.h); usage errors exit 2 with one "dtrain-run: " line.
+//   2. Block SIGINT/SIGTERM/SIGHUP/SIGCHLD before any thread exists (the store thread inherits
+//      the mask), ignore SIGPIPE. Node 0 starts the StoreServer on master_addr:master_port
+//      (--standalone: port 0, a free port; bind errors exit 1).
+//   3. Rendezvous with the other nodes (multi-node only; the main thread takes SIGINT etc.
+//      with their default action meanwhile: there is nothing to clean up yet).
+//   4. Re-block the signals, read them through a signalfd, run the attempt.
+//   5. Report: a failed rank's last stderr lines (without --log_dir) and ONE summary line; node 0
+//      waits (bounded) for every node to finish before its store goes away. Exit 0, 1 or 128+signo.
+#include "options.h"
+#include "output.h"
+#include "rendezvous.h"
+#include "store/store.h"
+#include "supervisor.h"
+
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <optional>
+
+using namespace dtrain::run;
+
+namespace {
+
+void say(const std::string& line) {
+  std::string s = "dtrain-run: " + line + "\n";
+  write_fully(STDERR_FILENO, s.data(), s.size());
+}
+
+sigset_t handled_signals(bool with_chld) {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGHUP);
+  if (with_chld) sigaddset(&set, SIGCHLD);
+  return set;
+}
+
+std::string hostname() {
+  char buf[256] = {0};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
+  return buf;
+}
+
+int run(const LaunchOptions& o) {
+  // 2.
+  signal(SIGPIPE, SIG_IGN);
+  sigset_t all = handled_signals(true), terminating = handled_signals(false);
+  sigprocmask(SIG_BLOCK, &all, nullptr);
+  std::unique_ptr<dtrain::store::StoreServer> server;
+  if (o.node_rank == 0) server = std::make_unique<dtrain::store::StoreServer>(o.master_addr, uint16_t(o.master_port));
+  const uint16_t port = server ? server->port() : uint16_t(o.master_port);
+
+  // 3.
+  std::optional<NodeRendezvous> rdzv;
+  if (o.nnodes > 1) {
+    pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.rdzv_timeout * 1000));
+    rdzv.emplace(o.master_addr, port, timeout);
+    rdzv->join(NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, hostname()});
+    pthread_sigmask(SIG_BLOCK, &terminating, nullptr);
+  }
+
+  // 4.
+  int sfd = signalfd(-1, &all, SFD_CLOEXEC | SFD_NONBLOCK);
+  if (sfd < 0) throw std::runtime_error(std::string("signalfd failed: ") + std::strerror(errno));
+  AttemptResult result;
+  {
+    Supervisor supervisor(o, port, sfd, rdzv ? &*rdzv : nullptr);
+    result = supervisor.run_attempt(0);  // Note [Restart loop] in supervisor.h
+  }
+  close(sfd);
+
+  // 5.
+  if (!result.tail.empty()) {
+    say("last " + std::to_string(result.tail.size()) + " lines of rank " + std::to_string(result.tail_rank) + "'s stderr:");
+    std::string block;
+    for (const auto& l : result.tail) block += "[rank " + std::to_string(result.tail_rank) + "] " + l + "\n";
+    write_fully(STDERR_FILENO, block.data(), block.size());
+  }
+  if (!result.summary.empty()) say(result.summary);
+  if (rdzv) {
+    try {
+      rdzv->mark_done(o.node_rank, result.exit_code);
+      if (server) rdzv->wait_all_done(o.nnodes, std::chrono::milliseconds(static_cast<int64_t>(o.rdzv_timeout * 1000)));
+    } catch (const std::exception&) {
+      // The store is gone (node 0 finished first): nothing left to tell.
+    }
+  }
+  return result.exit_code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  LaunchOptions options;
+  try {  // 1.
+    options = parse_options(argc, argv);
+  } catch (const HelpRequested& h) {
+    std::fputs(h.text.c_str(), stdout);
+    return 0;
+  } catch (const UsageError& e) {
+    say(e.what());
+    return 2;
+  }
+  try {
+    return run(options);
+  } catch (const std::exception& e) {
+    say(e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,61 @@
+// dtrain-run's command line: torchrun's flags, parsed with CLI11, validated into LaunchOptions.
+//
+// Steps of parse_options():
+//   1. Split argv at the program: the first argument that is not a launcher flag or a flag's value
+//      (or the one after `--`). Everything from the program on is passed to it untouched, so
+//      `dtrain-run --nproc_per_node 2 prog --lr 0.1 --nproc_per_node 7` gives prog the last four.
+//      An unknown flag before the program is a usage error naming it.
+//   2. CLI11 parses the launcher's part; values are then checked (positive counts, port range,
+//      node_rank < nnodes, redirects/tee in 0..3 and needing --log_dir, ...).
+//   3. The program is looked up in PATH here, so a missing program fails before anything starts.
+// Every problem is a UsageError with one line: the flag, the value given, the remedy.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace dtrain::run {
+
+// A usage error: main prints "dtrain-run: <what>" and exits 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Thrown for --help / --version: the text is printed to stdout and main exits 0.
+struct HelpRequested {
+  std::string text;
+};
+
+// Bit mask for --redirects / --tee (torchrun's Std): 1 stdout, 2 stderr, 3 both.
+enum StdMask : int { kStdNone = 0, kStdOut = 1, kStdErr = 2, kStdBoth = 3 };
+
+struct LaunchOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  bool standalone = false;
+  int max_restarts = 0;        // stored and exported; the restart loop comes later
+  double monitor_interval = 0.1;  // seconds
+  double rdzv_timeout = 900;      // seconds
+  double grace_period = 5;        // seconds between SIGTERM and SIGKILL
+  std::string log_dir;            // empty: no log files
+  int redirects = kStdNone;       // streams sent to the log files only
+  int tee = kStdNone;             // streams sent to the log files and the console
+  bool use_local_rank_arg = false;
+  std::string run_id = "none";    // torchrun's default rdzv id
+
+  std::string program;            // as given
+  std::string program_path;       // resolved through PATH
+  std::vector<std::string> program_args;  // everything after the program
+};
+
+// Parses and validates argv. Throws UsageError or HelpRequested.
+LaunchOptions parse_options(int argc, char** argv);
+
+// Number of online CPU cores (>= 1).
+int online_cores();
+
+}  // namespace dtrain::run

@@ -1,0 +1,152 @@
+// Node rendezvous (see rendezvous.h for the numbered protocol).
+#include "rendezvous.h"
+
+#include <unistd.h>
+
+#include <sstream>
+#include <vector>
+
+namespace dtrain::run {
+
+using dtrain::store::to_bytes;
+using dtrain::store::to_string;
+using Clock = std::chrono::steady_clock;
+using Millis = std::chrono::milliseconds;
+
+namespace {
+
+const std::string kPrefix = "dtrain-run/";
+constexpr Millis kVerdictLinger{5000};  // node 0 waits this long for nodes to read a failed verdict
+
+std::string seconds(Millis ms) {
+  std::ostringstream s;
+  s << ms.count() / 1000.0 << "s";
+  return s.str();
+}
+
+std::string world_text(const NodeInfo& n) {
+  return "--nnodes " + std::to_string(n.nnodes) + " --nproc_per_node " + std::to_string(n.nproc_per_node) +
+         " (world " + std::to_string(n.nnodes * n.nproc_per_node) + ")";
+}
+
+std::string node_text(const NodeInfo& n) { return "node " + std::to_string(n.node_rank) + " (" + n.hostname + ")"; }
+
+NodeInfo parse_info(const std::string& s) {
+  NodeInfo n;
+  std::istringstream in(s);
+  in >> n.nnodes >> n.nproc_per_node >> n.node_rank;
+  std::getline(in >> std::ws, n.hostname);
+  return n;
+}
+
+}  // namespace
+
+NodeRendezvous::NodeRendezvous(const std::string& host, uint16_t port, Millis timeout) : timeout_(timeout) {
+  try {
+    client_ = std::make_unique<dtrain::store::StoreClient>(host, port, timeout);
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(std::string(e.what()) + " (is node 0's dtrain-run running with this --master_addr and "
+                             "--master_port? --rdzv_timeout sets how long to wait for it)");
+  }
+}
+
+void NodeRendezvous::join(const NodeInfo& me) {
+  // 2. Arrive.
+  const int64_t arrival = client_->add(kPrefix + "arrivals", 1);
+  client_->set(kPrefix + "arrival/" + std::to_string(arrival),
+              to_bytes(std::to_string(me.nnodes) + " " + std::to_string(me.nproc_per_node) + " " +
+                       std::to_string(me.node_rank) + " " + me.hostname));
+  // 3. Node 0 judges.
+  if (me.node_rank == 0) client_->set(kPrefix + "verdict", to_bytes(check_arrivals(me)));
+  // 4. Everyone follows the verdict. Node 0 may take the whole timeout collecting nodes.
+  std::string verdict;
+  try {
+    verdict = to_string(client_->get(kPrefix + "verdict", timeout_ * 2 + Millis(5000)));
+  } catch (const dtrain::store::TimeoutError&) {
+    throw std::runtime_error("node 0 gave no rendezvous verdict within " + seconds(timeout_ * 2) +
+                             " at " + client_->host() + ":" + std::to_string(client_->port()));
+  }
+  client_->set(kPrefix + "verdict_read/" + std::to_string(arrival), to_bytes("1"));
+  if (verdict != "ok") {
+    if (me.node_rank == 0) {  // keep the store up until the nodes that arrived have read it
+      std::vector<std::string> keys;
+      for (int64_t a = 1, n = client_->add(kPrefix + "arrivals", 0); a <= n; ++a)
+        keys.push_back(kPrefix + "verdict_read/" + std::to_string(a));
+      try {
+        client_->wait(keys, kVerdictLinger);
+      } catch (const dtrain::store::TimeoutError&) {
+      }
+    }
+    throw std::runtime_error(verdict);
+  }
+  if (arrival > me.nnodes)
+    throw std::runtime_error("more nodes joined than --nnodes " + std::to_string(me.nnodes) + ": this node (node_rank " +
+                             std::to_string(me.node_rank) + ") arrived as number " + std::to_string(arrival) +
+                             "; give each node a distinct --node_rank below --nnodes");
+}
+
+std::string NodeRendezvous::check_arrivals(const NodeInfo& me) {
+  const auto deadline = Clock::now() + timeout_;
+  std::vector<NodeInfo> nodes;
+  std::vector<int> seen(static_cast<size_t>(me.nnodes), -1);  // node_rank -> index in nodes
+  for (int a = 1; a <= me.nnodes; ++a) {
+    auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+    std::string info;
+    try {
+      info = to_string(client_->get(kPrefix + "arrival/" + std::to_string(a), std::max(left, Millis(1))));
+    } catch (const dtrain::store::TimeoutError&) {
+      std::string missing;
+      for (int r = 0; r < me.nnodes; ++r)
+        if (seen[static_cast<size_t>(r)] < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      return "only " + std::to_string(a - 1) + " of " + std::to_string(me.nnodes) + " nodes joined the rendezvous at " +
+             client_->host() + ":" + std::to_string(client_->port()) + " within --rdzv_timeout " + seconds(timeout_) +
+             " (missing node_rank " + missing + ")";
+    }
+    NodeInfo n = parse_info(info);
+    if (n.nnodes != me.nnodes || n.nproc_per_node != me.nproc_per_node)
+      return "nodes disagree on the world size: node 0 has " + world_text(me) + ", " + node_text(n) + " has " +
+             world_text(n);
+    if (n.node_rank < 0 || n.node_rank >= me.nnodes)
+      return node_text(n) + " has a --node_rank outside 0.." + std::to_string(me.nnodes - 1);
+    int& slot = seen[static_cast<size_t>(n.node_rank)];
+    if (slot >= 0)
+      return "two nodes have --node_rank " + std::to_string(n.node_rank) + ": " + nodes[static_cast<size_t>(slot)].hostname +
+             " and " + n.hostname + "; give each node a distinct --node_rank";
+    slot = static_cast<int>(nodes.size());
+    nodes.push_back(n);
+  }
+  return "ok";
+}
+
+bool NodeRendezvous::publish_failure(int node_rank, const std::string& summary) {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  std::string mine = std::to_string(node_rank) + " " + host + "\n" + summary;
+  return to_string(client_->compare_set(kPrefix + "failure", {}, to_bytes(mine))) == mine;
+}
+
+std::optional<std::string> NodeRendezvous::remote_failure(int my_node_rank) {
+  if (!client_->check({kPrefix + "failure"})) return std::nullopt;
+  const std::string v = to_string(client_->get(kPrefix + "failure", Millis(1000)));
+  const size_t space = v.find(' '), nl = v.find('\n');
+  if (space == std::string::npos || nl == std::string::npos || space > nl) return "a node failed: " + v;
+  const std::string node = v.substr(0, space);
+  if (node == std::to_string(my_node_rank)) return std::nullopt;  // our own
+  return "node " + node + " (" + v.substr(space + 1, nl - space - 1) + ") failed: " + v.substr(nl + 1);
+}
+
+void NodeRendezvous::mark_done(int node_rank, int exit_code) {
+  client_->set(kPrefix + "done/" + std::to_string(node_rank), to_bytes(std::to_string(exit_code)));
+}
+
+void NodeRendezvous::wait_all_done(int nnodes, Millis timeout) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < nnodes; ++r) keys.push_back(kPrefix + "done/" + std::to_string(r));
+  try {
+    client_->wait(keys, timeout);
+  } catch (const std::exception&) {
+    // A node that never reports (crashed launcher) must not keep node 0 forever.
+  }
+}
+
+}  // namespace dtrain::run

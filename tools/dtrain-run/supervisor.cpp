@@ -1,0 +1,281 @@
+// Supervising one attempt (see supervisor.h for the steps).
+#include "supervisor.h"
+
+#include "env.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+namespace dtrain::run {
+
+namespace {
+
+double now_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+void mkdir_p(const std::string& path) {
+  for (size_t pos = 1; pos <= path.size(); ++pos) {
+    if (pos == path.size() || path[pos] == '/') {
+      std::string part = path.substr(0, pos);
+      if (mkdir(part.c_str(), 0755) != 0 && errno != EEXIST)
+        throw std::runtime_error("cannot create log directory '" + part + "': " + std::strerror(errno) +
+                                 " (choose another --log_dir)");
+    }
+  }
+}
+
+int open_log(const std::string& path) {
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw std::runtime_error("cannot open log file '" + path + "': " + std::strerror(errno));
+  return fd;
+}
+
+}  // namespace
+
+struct Supervisor::Worker {
+  WorkerSpec spec;
+  pid_t pid = -1;
+  bool alive = false;
+  int status = 0;
+  int out_fd = -1, err_fd = -1;
+  std::unique_ptr<OutputStream> out, err;
+};
+
+Supervisor::Supervisor(const LaunchOptions& options, uint16_t master_port, int signal_fd, NodeRendezvous* rdzv)
+    : opts_(options), master_port_(master_port), signal_fd_(signal_fd), rdzv_(rdzv) {}
+
+Supervisor::~Supervisor() {
+  kill_groups(SIGKILL);  // only reached with live workers if an exception escaped
+  for (auto& w : workers_) {
+    if (w->alive) waitpid(w->pid, nullptr, 0);
+    if (w->out_fd >= 0) close(w->out_fd);
+    if (w->err_fd >= 0) close(w->err_fd);
+  }
+}
+
+std::string Supervisor::log_path(int attempt, int rank) const {
+  return opts_.log_dir + "/" + opts_.run_id + "/attempt_" + std::to_string(attempt) + "/" + std::to_string(rank);
+}
+
+void Supervisor::start_workers(int attempt) {
+  for (auto& spec : make_worker_specs(opts_, master_port_, attempt)) {
+    auto w = std::make_unique<Worker>();
+    w->spec = std::move(spec);
+    int out_log = -1, err_log = -1;
+    bool out_console = true, err_console = true;
+    if (!opts_.log_dir.empty()) {
+      const std::string dir = log_path(attempt, w->spec.rank);
+      mkdir_p(dir);
+      out_log = open_log(dir + "/stdout.log");
+      err_log = open_log(dir + "/stderr.log");
+      out_console = !(opts_.redirects & kStdOut) || (opts_.tee & kStdOut);
+      err_console = !(opts_.redirects & kStdErr) || (opts_.tee & kStdErr);
+    }
+    w->out = std::make_unique<OutputStream>(w->spec.rank, out_console ? STDOUT_FILENO : -1, out_log, false);
+    w->err = std::make_unique<OutputStream>(w->spec.rank, err_console ? STDERR_FILENO : -1, err_log, true);
+    SpawnedWorker s = spawn_worker(w->spec);  // throws: the destructor stops those already started
+    w->pid = s.pid;
+    w->alive = true;
+    w->out_fd = s.stdout_fd;
+    w->err_fd = s.stderr_fd;
+    workers_.push_back(std::move(w));
+  }
+}
+
+AttemptResult Supervisor::run_attempt(int attempt) {
+  attempt_ = attempt;
+  start_workers(attempt);  // 1.
+  const int interval_ms = std::max(1, static_cast<int>(opts_.monitor_interval * 1000));
+  double next_monitor = now_s() + opts_.monitor_interval;
+  for (;;) {  // 2.
+    bool any_alive = false;
+    for (auto& w : workers_) any_alive |= w->alive;
+    if (!any_alive) break;
+    int timeout_ms = interval_ms;
+    if (kill_deadline_ > 0) timeout_ms = std::min(timeout_ms, std::max(0, int((kill_deadline_ - now_s()) * 1000) + 1));
+    poll_once(timeout_ms);
+    handle_signals();
+    reap();
+    if (kill_deadline_ > 0 && now_s() >= kill_deadline_) {
+      kill_groups(SIGKILL);
+      kill_deadline_ = 0;
+    }
+    if (rdzv_ && now_s() >= next_monitor) {
+      check_remote();
+      next_monitor = now_s() + opts_.monitor_interval;
+    }
+  }
+  kill_groups(SIGKILL);  // 3.
+  drain_pipes();
+
+  AttemptResult r;
+  if (forwarded_signal_) {
+    r.exit_code = 128 + forwarded_signal_;
+    r.summary = "received " + signal_name(forwarded_signal_) + ": forwarded it to the workers and stopped them";
+  } else if (failed_index_ >= 0) {
+    r.exit_code = 1;
+    const Worker& w = *workers_[static_cast<size_t>(failed_index_)];
+    r.summary = failure_summary(w, attempt);
+    if (opts_.log_dir.empty()) {
+      r.tail_rank = w.spec.rank;
+      r.tail.assign(w.err->tail().begin(), w.err->tail().end());
+    }
+  } else if (!remote_summary_.empty()) {
+    r.exit_code = 1;
+    r.summary = remote_summary_;
+  }
+  return r;
+}
+
+void Supervisor::poll_once(int timeout_ms) {
+  std::vector<pollfd> fds;
+  fds.push_back({signal_fd_, POLLIN, 0});
+  for (auto& w : workers_) {
+    if (w->out_fd >= 0) fds.push_back({w->out_fd, POLLIN, 0});
+    if (w->err_fd >= 0) fds.push_back({w->err_fd, POLLIN, 0});
+  }
+  if (poll(fds.data(), fds.size(), timeout_ms) <= 0) return;
+  for (auto& w : workers_) {
+    read_pipe(w->out_fd, *w->out);
+    read_pipe(w->err_fd, *w->err);
+  }
+}
+
+void Supervisor::read_pipe(int& fd, OutputStream& stream) {
+  if (fd < 0) return;
+  char buf[65536];
+  for (int rounds = 0; rounds < 16; ++rounds) {  // bounded, so one chatty worker can't starve the rest
+    ssize_t n = read(fd, buf, sizeof(buf));
+    if (n > 0) {
+      stream.consume(buf, static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    close(fd);  // EOF (or error)
+    fd = -1;
+    stream.finish();
+    return;
+  }
+}
+
+void Supervisor::handle_signals() {
+  signalfd_siginfo si{};
+  while (read(signal_fd_, &si, sizeof(si)) == ssize_t(sizeof(si))) {
+    int signo = static_cast<int>(si.ssi_signo);
+    if (signo == SIGCHLD) continue;  // reap() runs every iteration anyway
+    if (forwarded_signal_ || stopping_) {  // a second signal: no more grace
+      if (!forwarded_signal_) forwarded_signal_ = signo;
+      kill_groups(SIGKILL);
+      continue;
+    }
+    forwarded_signal_ = signo;
+    if (rdzv_) {
+      try {
+        rdzv_->publish_failure(opts_.node_rank, "its launcher received " + signal_name(signo));
+      } catch (const std::exception&) {
+      }
+    }
+    stop_all(signo);
+  }
+}
+
+void Supervisor::reap() {
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    Worker& w = *workers_[i];
+    if (!w.alive) continue;
+    int status = 0;
+    pid_t r = waitpid(w.pid, &status, WNOHANG);
+    if (r == 0 || (r < 0 && errno == EINTR)) continue;
+    w.alive = false;
+    w.status = status;
+    const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    if (failed && !stopping_ && failed_index_ < 0) {
+      failed_index_ = static_cast<int>(i);
+      if (rdzv_) {
+        try {
+          rdzv_->publish_failure(opts_.node_rank, failure_summary(w, attempt_, /*for_remote=*/true));
+        } catch (const std::exception&) {
+        }
+      }
+      stop_all(SIGTERM);
+    }
+  }
+}
+
+void Supervisor::stop_all(int signo) {
+  stopping_ = true;
+  kill_groups(signo);
+  kill_deadline_ = now_s() + opts_.grace_period;
+}
+
+void Supervisor::kill_groups(int signo) {
+  // The group of a reaped worker may still hold its children; an empty group gives ESRCH.
+  for (auto& w : workers_)
+    if (w->pid > 0) killpg(w->pid, signo);
+}
+
+void Supervisor::check_remote() {
+  if (stopping_) return;
+  try {
+    if (auto f = rdzv_->remote_failure(opts_.node_rank)) {
+      remote_summary_ = "stopped this node's workers: " + *f;
+      stop_all(SIGTERM);
+      return;
+    }
+    if (!node0_done_seen_ && opts_.node_rank != 0)
+      node0_done_seen_ = rdzv_->client().check({"dtrain-run/done/0"});
+  } catch (const std::exception& e) {
+    if (node0_done_seen_) return;  // node 0 finished cleanly and took its store: keep going
+    remote_summary_ = "stopping this node's workers: lost the rendezvous at " + opts_.master_addr + ":" +
+                      std::to_string(master_port_) + " (did node 0's launcher die?): " + e.what();
+    stop_all(SIGTERM);
+  }
+}
+
+void Supervisor::drain_pipes() {
+  const double deadline = now_s() + 2.0;  // grandchildren are dead; a setsid'd one may still hold a pipe
+  for (;;) {
+    bool open = false;
+    for (auto& w : workers_) open |= w->out_fd >= 0 || w->err_fd >= 0;
+    if (!open || now_s() >= deadline) break;
+    poll_once(50);
+  }
+  for (auto& w : workers_) {
+    for (int* fd : {&w->out_fd, &w->err_fd})
+      if (*fd >= 0) close(*fd), *fd = -1;
+    w->out->finish();
+    w->err->finish();
+  }
+}
+
+std::string Supervisor::failure_summary(const Worker& w, int attempt, bool for_remote) const {
+  std::string s = "rank " + std::to_string(w.spec.rank) + " (local rank " + std::to_string(w.spec.local_rank) +
+                  ", pid " + std::to_string(w.pid) + ") failed first: it " + describe_status(w.status);
+  if (!opts_.log_dir.empty()) {
+    const std::string dir = log_path(attempt, w.spec.rank);
+    s += "; logs" + std::string(for_remote ? " on that node" : "") + ": " + dir + "/stderr.log and " + dir + "/stdout.log";
+  } else if (for_remote) {
+    s += "; see that node's console";
+  } else if (w.err->tail().empty()) {
+    s += "; it wrote nothing to stderr (no --log_dir)";
+  } else {
+    s += "; no --log_dir: last lines shown above";
+  }
+  return s;
+}
+
+}  // namespace dtrain::run

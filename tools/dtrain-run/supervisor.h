@@ -1,0 +1,79 @@
+// Supervising one attempt: start the node's workers, multiplex their output, watch for failures
+// and signals, and stop everything cleanly.
+//
+// Steps of Supervisor::run_attempt():
+//   1. Create the log files (with --log_dir) and spawn every worker (worker.h), each in its own
+//      process group. A worker that cannot be started stops the ones already started.
+//   2. Loop on poll() over the workers' pipes and the launcher's signalfd, waking at least every
+//      --monitor_interval:
+//      a. pipe data -> OutputStream (output.h); EOF closes the stream.
+//      b. SIGCHLD -> reap with waitpid(WNOHANG). The first worker that exits non-zero or by a
+//         signal is the failure: SIGTERM to every worker's process group, SIGKILL after
+//         --grace_period. A multi-node job also publishes it in the store (rendezvous.h step 5).
+//      c. SIGINT/SIGTERM/SIGHUP -> forwarded to every worker's process group, same grace/kill;
+//         a second such signal kills at once. The attempt ends with exit code 128+signo.
+//      d. Each --monitor_interval a multi-node job checks the store for another node's failure
+//         and stops this node's workers the same way.
+//   3. When every worker is reaped: SIGKILL each process group (grandchildren left behind by a
+//      worker die too: no orphans), drain the pipes (bounded), flush partial lines.
+// Note [Restart loop]: run_attempt() leaves nothing running, so a later --max_restarts loop can
+// call it again with attempt+1 (the log paths and DTRAIN_RESTART_COUNT already take the attempt).
+#pragma once
+
+#include "options.h"
+#include "output.h"
+#include "rendezvous.h"
+#include "worker.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dtrain::run {
+
+struct AttemptResult {
+  int exit_code = 0;    // 0 all good, 1 a worker (here or remote) failed, 128+signo on a signal
+  std::string summary;  // one line for stderr (without the "dtrain-run: " prefix), empty on success
+  int tail_rank = -1;              // without --log_dir: the failed rank's last stderr lines
+  std::vector<std::string> tail;
+};
+
+class Supervisor {
+ public:
+  // signal_fd: a signalfd for SIGCHLD, SIGINT, SIGTERM, SIGHUP (blocked in the launcher).
+  // rdzv may be null (single node).
+  Supervisor(const LaunchOptions& options, uint16_t master_port, int signal_fd, NodeRendezvous* rdzv);
+  ~Supervisor();
+  AttemptResult run_attempt(int attempt);
+
+ private:
+  struct Worker;
+  void start_workers(int attempt);
+  void poll_once(int timeout_ms);
+  void read_pipe(int& fd, OutputStream& stream);
+  void handle_signals();
+  void reap();
+  void stop_all(int signo);  // begin stopping: signo to every group, SIGKILL after the grace period
+  void kill_groups(int signo);
+  void check_remote();
+  void drain_pipes();
+  std::string log_path(int attempt, int rank) const;
+  std::string failure_summary(const Worker& w, int attempt, bool for_remote = false) const;
+
+  const LaunchOptions& opts_;
+  uint16_t master_port_;
+  int signal_fd_;
+  NodeRendezvous* rdzv_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+
+  // State of the attempt.
+  bool stopping_ = false;
+  double kill_deadline_ = 0;  // monotonic seconds; 0 = none
+  int forwarded_signal_ = 0;
+  int failed_index_ = -1;
+  std::string remote_summary_;
+  bool node0_done_seen_ = false;
+  int attempt_ = 0;
+};
+
+}  // namespace dtrain::run
