@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -60,6 +61,22 @@ std::string judge(c10d::Store& store, int world_size, const std::string& my_host
   return verdict.str();
 }
 
+// Note [Error verdicts]: rank 0 may host the store. If it threw at once after an error verdict, its
+// store would close while the other ranks are still between wait("verdict") and get("verdict"), and
+// they would report "no verdict" instead of the reason. So rank 0 waits (bounded) until every rank
+// that joined has read it.
+void linger_until_read(c10d::Store& store, int world_size) {
+  try {
+    int64_t joined = 0;
+    for (int r = 1; r < world_size; ++r) joined += store.check({"rank/" + std::to_string(r)}) ? 1 : 0;
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (store.add("verdict_read", 0) < joined && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  } catch (const std::exception&) {
+    // The store is gone: nobody is left to tell.
+  }
+}
+
 }  // namespace
 
 LocalRanks rendezvous_check(c10d::Store& store, int rank, int world_size, const std::string& address,
@@ -75,7 +92,11 @@ LocalRanks rendezvous_check(c10d::Store& store, int rank, int world_size, const 
   store.set("rank/" + std::to_string(rank),
             to_bytes(std::to_string(world_size) + "\n" + host_key));
   // Steps 3-4.
-  if (rank == 0) store.set("verdict", to_bytes(judge(store, world_size, host_key, timeout)));
+  if (rank == 0) {
+    std::string v = judge(store, world_size, host_key, timeout);
+    store.set("verdict", to_bytes(v));
+    if (v.rfind("error", 0) == 0) linger_until_read(store, world_size);
+  }
   // Step 5.
   std::string verdict;
   try {
@@ -86,9 +107,16 @@ LocalRanks rendezvous_check(c10d::Store& store, int rank, int world_size, const 
                             seconds(timeout), ": is rank 0 running with the same MASTER_ADDR/PORT?"));
   }
   auto lines = split_lines(verdict);
-  if (!lines.empty() && lines[0] == "error")
+  if (!lines.empty() && lines[0] == "error") {
+    if (rank != 0) {
+      try {
+        store.add("verdict_read", 1);  // Note [Error verdicts]
+      } catch (const std::exception&) {
+      }
+    }
     throw Error(detail::cat("rank ", rank, ": rendezvous failed: ",
                             lines.size() > 1 ? lines[1] : "(no reason)"));
+  }
   DTRAIN_ASSERT(lines.size() >= 2 && lines[0] == "ok", "bad rendezvous verdict");
   if (lines[1] != std::to_string(world_size))
     throw Error(detail::cat("rank ", rank, ": ranks disagree on the world size: rank 0 has WORLD_SIZE=",

@@ -1,0 +1,181 @@
+"""Shared helpers for dtrain's process-level tests (Python 3 stdlib only).
+
+Every test starts real processes: ranks of build/bin/hello_distributed (or another program) with an
+environment built here, collects their output, and kills every process it started when a test fails
+or times out. Binary paths come from environment variables set by tests/dist/CMakeLists.txt:
+
+  HELLO              hello_distributed
+  COLLECTIVES_TEST   collectives_test
+  DTRAIN_RUN         dtrain-run (the launcher; tests skip when it is absent)
+  DTRAIN_BUILD_DIR   the CMake build tree (for `cmake --install`)
+
+Run one file by hand:  cd tests/dist && HELLO=../../build/bin/hello_distributed python3 -m unittest -v test_init_methods
+"""
+import glob
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import unittest
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+# Seconds any single process may run before the harness kills it (a hang is a failure, never a stall).
+PROC_TIMEOUT_S = 60
+
+# Variables a launcher may have put in our own environment: a test controls them all explicitly.
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID")
+_LAUNCH_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "SLURM_", "DTRAIN_", "TORCHELASTIC_")
+
+
+def binary(var, name):
+    """Path of a built program: $var, else build*/bin/<name> under the repository; None if absent."""
+    path = os.environ.get(var)
+    if path and os.access(path, os.X_OK):
+        return path
+    if path:  # set by CMake but not built (e.g. the launcher is mid-edit)
+        return None
+    found = sorted(glob.glob(os.path.join(ROOT, "build*", "bin", name)), key=os.path.getmtime)
+    return found[-1] if found else None
+
+
+def hello():
+    path = binary("HELLO", "hello_distributed")
+    if not path:
+        raise unittest.SkipTest("hello_distributed is not built: build the project first, or set HELLO")
+    return path
+
+
+def free_port():
+    """A TCP port that was free a moment ago (bind port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra):
+    """os.environ without any launcher variables, one thread per rank, plus `extra` (None deletes)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCH_VARS and not k.startswith(_LAUNCH_PREFIXES)}
+    env["OMP_NUM_THREADS"] = "1"
+    for k, v in extra.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = str(v)
+    return env
+
+
+def rank_env(rank, world, port, addr="127.0.0.1", **extra):
+    return clean_env(RANK=rank, WORLD_SIZE=world, MASTER_ADDR=addr, MASTER_PORT=port, **extra)
+
+
+@dataclass
+class Result:
+    argv: list
+    rc: int
+    out: str
+    err: str
+    seconds: float
+
+    def __str__(self):
+        return (f"$ {' '.join(map(str, self.argv))}\nexit {self.rc} after {self.seconds:.1f} s\n"
+                f"--- stdout\n{self.out}--- stderr\n{self.err}")
+
+
+class Proc:
+    """A started process in its own session (so the harness can kill it and its children)."""
+
+    def __init__(self, argv, env=None, stdin=subprocess.DEVNULL):
+        self.argv = [str(a) for a in argv]
+        self.start = time.monotonic()
+        # Files, not pipes: a rank blocked on a full pipe could stall its peers.
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.p = subprocess.Popen(self.argv, env=env, stdin=stdin, stdout=self._out, stderr=self._err,
+                                  start_new_session=True)
+        self.pid = self.p.pid
+
+    def kill(self):
+        """SIGKILL the process's whole session (a launcher's workers too), even after it exited."""
+        self.p.poll()
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.p.wait()
+
+    def close(self):
+        self.kill()
+        if self.p.stdin:
+            self.p.stdin.close()
+        self._out.close()
+        self._err.close()
+
+    @staticmethod
+    def read(f):
+        f.seek(0)
+        return f.read()
+
+    def output(self):
+        """stdout so far (the process may still be running)."""
+        return self.read(self._out)
+
+    def finish(self, timeout):
+        """Wait up to `timeout` s; a process still running then is killed and reported as rc -9."""
+        note = ""
+        try:
+            self.p.wait(timeout=max(0.1, timeout))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.p.wait()
+            note = f"\n[harness] killed after {timeout:.0f} s timeout\n"
+        out, err = self.read(self._out), self.read(self._err) + note
+        return Result(self.argv, self.p.returncode, out, err, time.monotonic() - self.start)
+
+
+class DistTestCase(unittest.TestCase):
+    """Starts processes, always kills them at the end of the test, and checks their results."""
+
+    maxDiff = None
+
+    def spawn(self, argv, env=None, **kw):
+        proc = Proc(argv, env, **kw)
+        self.addCleanup(proc.close)
+        return proc
+
+    def run_ranks(self, argv, envs, timeout=PROC_TIMEOUT_S, stagger_s=0.0):
+        """Start one process per env in `envs` (same argv) and wait for all; returns [Result]."""
+        procs = []
+        for env in envs:
+            procs.append(self.spawn(argv, env))
+            if stagger_s:
+                time.sleep(stagger_s)
+        deadline = time.monotonic() + timeout
+        results = []
+        for proc in procs:
+            results.append(proc.finish(deadline - time.monotonic()))
+        return results
+
+    def run_one(self, argv, env, timeout=PROC_TIMEOUT_S):
+        return self.spawn(argv, env).finish(timeout)
+
+    # --- checks ---------------------------------------------------------------------------------
+    def assertPassed(self, results, world, marker="all_reduce check passed"):
+        for r in results:
+            self.assertEqual(r.rc, 0, f"a rank failed:\n{r}")
+            self.assertIn(f"{marker}: sum of (rank+1) over {world} ranks", r.out, str(r))
+
+    def assertOneLineError(self, result, *needles, prefix="hello_distributed: error:"):
+        """Exit code != 0 and stderr has exactly one line starting with `prefix`, containing needles."""
+        self.assertNotEqual(result.rc, 0, f"expected a failure:\n{result}")
+        self.assertNotEqual(result.rc, -9, f"the process hung and was killed:\n{result}")
+        lines = [l for l in result.err.splitlines() if l.startswith(prefix)]
+        self.assertEqual(len(lines), 1, f"expected exactly one '{prefix}' line:\n{result}")
+        for needle in needles:
+            self.assertIn(needle, lines[0], f"the error line lacks {needle!r}:\n{result}")
+        return lines[0]

@@ -1,0 +1,103 @@
+"""Rank and world size from other launchers' environments, ranks started directly:
+OpenMPI (real mpirun), Slurm-style and MPICH-style variables set by hand, and torchrun's agent store
+(a c10d TCPStore hosted by a Python process, as torchrun's agent does)."""
+import os
+import shutil
+import subprocess
+import time
+import unittest
+
+from harness import DistTestCase, clean_env, free_port, hello
+
+# A torchrun agent's store: python3-torch's TCPStore server; prints "ready", then lives until stdin
+# closes (or the test kills it).
+AGENT_STORE = r"""
+import datetime, sys
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, True,
+                      timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+class OpenMPI(DistTestCase):
+    def mpirun(self):
+        path = shutil.which("mpirun")
+        if not path:
+            self.skipTest("mpirun is not installed (Debian: apt-get install openmpi-bin)")
+        return path
+
+    def test_mpirun_two_ranks(self):
+        port = free_port()
+        # Root in a container: OpenMPI refuses to run as root without both flags below. --oversubscribe:
+        # more ranks than cores is fine for a test. The OMPI_ALLOW_* variables cover older releases.
+        env = clean_env(OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1,
+                        OMPI_MCA_plm_rsh_agent="false")
+        argv = [self.mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", 2,
+                "--mca", "btl", "self,tcp", "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}",
+                "-x", "OMP_NUM_THREADS=1", hello(), "--timeout_s", 30]
+        res = self.run_one(argv, env, timeout=90)
+        self.assertEqual(res.rc, 0, str(res))
+        self.assertEqual(res.out.count("all_reduce check passed: sum of (rank+1) over 2 ranks"), 2, str(res))
+        # Local ranks come from OMPI_COMM_WORLD_LOCAL_RANK/SIZE.
+        for r in range(2):
+            self.assertIn(f"Rank: {r}, World Size: 2, Local Rank: {r}/2", res.out, str(res))
+
+
+class SchedulerEnv(DistTestCase):
+    def run_with(self, make_env, world=2):
+        port = free_port()
+        envs = [make_env(r, world) for r in range(world)]
+        for env in envs:
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            self.assertNotIn("RANK", env)
+        results = self.run_ranks([hello(), "--timeout_s", 30], envs)
+        self.assertPassed(results, world)
+        return results
+
+    def test_slurm(self):
+        results = self.run_with(lambda r, n: clean_env(SLURM_PROCID=r, SLURM_NTASKS=n, SLURM_LOCALID=r))
+        for r, res in enumerate(results):
+            self.assertIn(f"Rank: {r}, World Size: 2, Local Rank: {r}/2", res.out, str(res))
+
+    def test_slurm_three_ranks_local_ids(self):
+        # Two "nodes": SLURM_LOCALID restarts at 0 on the second; SLURM_NTASKS_PER_NODE is not an int.
+        local = [0, 1, 0]
+        results = self.run_with(lambda r, n: clean_env(SLURM_PROCID=r, SLURM_NTASKS=n,
+                                                       SLURM_LOCALID=local[r],
+                                                       SLURM_NTASKS_PER_NODE="2(x1),1"), world=3)
+        for r, res in enumerate(results):
+            self.assertIn(f"Rank: {r}, World Size: 3, Local Rank: {local[r]}/", res.out, str(res))
+
+    def test_mpich(self):
+        results = self.run_with(lambda r, n: clean_env(PMI_RANK=r, PMI_SIZE=n))
+        for r, res in enumerate(results):
+            self.assertIn(f"Rank: {r}, World Size: 2", res.out, str(res))
+
+
+class TorchrunAgentStore(DistTestCase):
+    def test_ranks_join_a_python_tcpstore(self):
+        port = free_port()
+        store = self.spawn(["/usr/bin/python3", "-c", AGENT_STORE, port], clean_env(),
+                           stdin=subprocess.PIPE)
+        for _ in range(300):
+            if "ready" in store.output() or store.p.poll() is not None:
+                break
+            time.sleep(0.1)
+        if "ready" not in store.output():
+            res = store.finish(1)
+            if "No module named 'torch'" in res.err:
+                self.skipTest("python3-torch is not installed for /usr/bin/python3")
+            self.fail(f"the Python TCPStore did not start:\n{res}")
+        envs = [clean_env(RANK=r, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                          TORCHELASTIC_USE_AGENT_STORE="True") for r in range(2)]
+        results = self.run_ranks([hello(), "--timeout_s", 30], envs)
+        self.assertPassed(results, 2)
+        self.assertIsNone(store.p.poll(), "the agent store exited while the ranks used it")
+        store.p.stdin.close()
+        self.assertEqual(store.finish(10).rc, 0)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,142 @@
+"""Nothing a job opens listens beyond the master address: the store that rank 0 hosts listens on
+MASTER_ADDR (127.0.0.1) only, never 0.0.0.0, and Gloo's sockets are bound to 127.0.0.1 too.
+
+Sockets are read from /proc/net/tcp{,6} and matched to a process through /proc/<pid>/fd inodes."""
+import os
+import subprocess
+import time
+import unittest
+
+from harness import DistTestCase, clean_env, free_port, hello, rank_env
+
+LISTEN = "0A"
+LOOPBACK = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it (little-endian hex)
+
+# A torchrun-style agent store that also plays a rank 1 which passes dtrain's rendezvous check and
+# then never joins Gloo: rank 0 then holds its Gloo listening socket open until its timeout.
+FAKE_RANK1 = r"""
+import datetime, sys
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, True,
+                      timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+store.add("dtrain/a0/claim/1", 1)
+store.set("dtrain/a0/rank/1", "2\nnot-this-host/127.0.0.1")
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def tcp_sockets():
+    """[(family, local_ip_hex, port, state, inode)] for every TCP socket in this network namespace."""
+    out = []
+    for family in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/net/{family}") as f:
+                lines = f.read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            cols = line.split()
+            ip, port = cols[1].split(":")
+            out.append((family, ip, int(port, 16), cols[3], int(cols[9])))
+    return out
+
+
+def socket_inodes(pid):
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(int(link[8:-1]))
+    except OSError:
+        pass
+    return inodes
+
+
+def describe(sock):
+    family, ip, port, state, inode = sock
+    return f"{family} {ip}:{port} state {state} inode {inode}"
+
+
+class Security(DistTestCase):
+    def setUp(self):
+        if not os.path.exists("/proc/net/tcp"):
+            self.skipTest("no /proc/net/tcp on this system")
+
+    def sockets_of(self, pids):
+        inodes = set()
+        for pid in pids:
+            inodes |= socket_inodes(pid)
+        return [s for s in tcp_sockets() if s[4] in inodes and s[4] != 0]
+
+    def assertLoopback(self, socks, what):
+        bad = [describe(s) for s in socks if not (s[0] == "tcp" and s[1] == LOOPBACK)]
+        self.assertEqual(bad, [], f"{what} not bound to 127.0.0.1")
+
+    def test_rank0_store_and_gloo_bind_loopback_only(self):
+        port = free_port()
+        procs = [self.spawn([hello(), "--timeout_s", 30, "--hold_s", 4], rank_env(r, 2, port))
+                 for r in range(2)]
+        pids = [p.pid for p in procs]
+        seen = {}  # inode -> socket, every socket of the ranks seen while the job ran
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(p.p.poll() is None for p in procs):
+            for s in self.sockets_of(pids):
+                seen[s[4]] = s
+            if all("all_reduce check passed" in p.output() for p in procs):
+                break  # both ranks hold the group now (--hold_s): take the final picture below
+            time.sleep(0.005)
+        if not all("all_reduce check passed" in p.output() for p in procs):
+            self.fail("the job did not pass:\n" + "\n".join(str(p.finish(1)) for p in procs))
+        for s in self.sockets_of(pids):
+            seen[s[4]] = s
+        everything = tcp_sockets()
+
+        # The store: listening on 127.0.0.1:MASTER_PORT, and nobody listens on that port elsewhere.
+        on_port = [s for s in everything if s[2] == port and s[3] == LISTEN]
+        self.assertEqual([describe(s) for s in on_port if s[1] != LOOPBACK], [],
+                         f"something listens on port {port} beyond 127.0.0.1")
+        self.assertEqual(len(on_port), 1, f"the store does not listen on 127.0.0.1:{port}: {on_port}")
+        self.assertIn(on_port[0][4], socket_inodes(pids[0]), "the store's socket is not rank 0's")
+
+        # Every socket the ranks opened (store, store clients, Gloo listeners and pairs): loopback.
+        self.assertLoopback(seen.values(), "sockets of the ranks")
+        established = [s for s in seen.values() if s[3] == "01" and s[2] != port]
+        self.assertTrue(established, "no Gloo connection between the ranks was seen")
+        for p in procs:
+            self.assertEqual(p.finish(30).rc, 0)
+
+    def test_gloo_listener_binds_loopback(self):
+        # Deterministic view of Gloo's listening socket: rank 0 waits in Gloo's connect for a rank 1
+        # that passed the rendezvous check but never connects.
+        port = free_port()
+        store = self.spawn(["/usr/bin/python3", "-c", FAKE_RANK1, port], clean_env(), stdin=subprocess.PIPE)
+        for _ in range(300):
+            if "ready" in store.output() or store.p.poll() is not None:
+                break
+            time.sleep(0.1)
+        if "ready" not in store.output():
+            res = store.finish(1)
+            if "No module named 'torch'" in res.err:
+                self.skipTest("python3-torch is not installed for /usr/bin/python3")
+            self.fail(f"the Python TCPStore did not start:\n{res}")
+        rank0 = self.spawn([hello(), "--timeout_s", 8],
+                           rank_env(0, 2, port, TORCHELASTIC_USE_AGENT_STORE="True"))
+        listeners = []
+        deadline = time.monotonic() + 20
+        while not listeners and time.monotonic() < deadline and rank0.p.poll() is None:
+            listeners = [s for s in self.sockets_of([rank0.pid]) if s[3] == LISTEN]
+            time.sleep(0.01)
+        if not listeners:
+            self.fail(f"rank 0 never listened (Gloo):\n{rank0.finish(1)}")
+        self.assertLoopback(listeners, "Gloo's listening socket")
+        res = rank0.finish(30)  # fails by timeout: rank 1 never comes
+        self.assertNotEqual(res.rc, 0, str(res))
+
+
+if __name__ == "__main__":
+    unittest.main()
