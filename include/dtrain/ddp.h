@@ -1,0 +1,175 @@
+// DistributedDataParallel for LibTorch modules: torch.nn.parallel.DistributedDataParallel in C++.
+//
+//   dtrain::init_process_group();
+//   auto model = std::make_shared<Net>();                      // or a ModuleHolder: Net model;
+//   dtrain::DistributedDataParallel ddp(model, dtrain::DDPOptions().bucket_cap_mb(25));
+//   torch::optim::SGD opt(ddp.parameters(), 0.1);
+//   auto loss = torch::mse_loss(ddp.forward(x), y);            // or ddp(x)
+//   opt.zero_grad(); loss.backward();                          // grads now averaged over ranks
+//   opt.step();
+//   { auto guard = ddp.no_sync(); ddp(x2).sum().backward(); }  // accumulate locally, no communication
+//
+// Protocol (PyTorch's, see src/ddp/reducer.h for the details):
+//   1. Construction: every rank checks that all ranks hold the same parameters (names, shapes,
+//      dtypes; a clear error on every rank otherwise), then rank 0's parameters and buffers are
+//      broadcast. Gradients are grouped into buckets in reverse registration order (first bucket
+//      1 MB, then bucket_cap_mb), and a hook is put on every parameter's gradient accumulator.
+//   2. Forward: buffers are broadcast from rank 0 (broadcast_buffers), the module runs, and with
+//      find_unused_parameters the autograd graph of the outputs is searched for unused parameters.
+//   3. Backward: as each gradient is accumulated its hook copies it into its bucket (or it is
+//      already there with gradient_as_bucket_view); a full bucket starts its asynchronous
+//      all-reduce at once (buckets start in order), overlapping the rest of backward.
+//   4. End of backward: all-reduces are waited for and every param.grad() holds the average.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "dtrain/detail/arg.h"
+#include "dtrain/process_group.h"
+
+namespace dtrain {
+
+constexpr double kDefaultBucketCapMB = 25.0;      // PyTorch's bucket_cap_mb
+constexpr double kDefaultFirstBucketCapMB = 1.0;  // PyTorch's _DEFAULT_FIRST_BUCKET_BYTES
+
+struct DDPOptions {
+  // Maximum size of a gradient bucket after the first, in MiB (> 0).
+  DTRAIN_ARG(double, bucket_cap_mb, kDefaultBucketCapMB)
+  // Size of the first bucket (the last layers' gradients, ready first), in MiB (> 0).
+  DTRAIN_ARG(double, first_bucket_cap_mb, kDefaultFirstBucketCapMB)
+  // Broadcast buffers (e.g. BatchNorm running stats) from rank 0 before each forward.
+  DTRAIN_ARG(bool, broadcast_buffers, true)
+  // Search the autograd graph after each forward for parameters that will get no gradient and mark
+  // them ready; without it, an unused parameter is an error naming it.
+  DTRAIN_ARG(bool, find_unused_parameters, false)
+  // Gradients become views into the communication buckets: no copy, less memory.
+  DTRAIN_ARG(bool, gradient_as_bucket_view, false)
+  // The set of used parameters never changes: it is found once (first iteration) and reused.
+  DTRAIN_ARG(bool, static_graph, false)
+  // The group to average over (default: the world).
+  DTRAIN_ARG(Group, process_group, Group())
+};
+
+// One event of the last synchronized backward, in order (for tests, monitoring and timelines).
+struct DDPEvent {
+  enum Kind { kGradReady, kBucketLaunched, kBucketDone } kind;
+  int index;         // parameter index (kGradReady) or bucket index
+  int64_t time_ns;   // steady clock
+};
+
+namespace ddp {
+
+// The non-template core: buckets, hooks and collectives (src/ddp/).
+class Core {
+ public:
+  Core(std::shared_ptr<torch::nn::Module> module, DDPOptions options);
+  ~Core();
+  void pre_forward();
+  // outputs: the tensors the forward produced (used for find_unused_parameters).
+  void post_forward(const std::vector<at::Tensor>& outputs);
+  void set_sync(bool enabled);
+  bool sync() const;
+  const DDPOptions& options() const;
+  std::vector<std::vector<int>> bucket_param_indices() const;  // by bucket, parameter indices
+  std::vector<DDPEvent> last_backward_events() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Tensors inside a forward's result, for the unused-parameter search.
+inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
+inline void collect_tensors(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
+  out.insert(out.end(), ts.begin(), ts.end());
+}
+template <typename... Ts>
+void collect_tensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
+  std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, t);
+}
+template <typename A, typename B>
+void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out) {
+  collect_tensors(p.first, out);
+  collect_tensors(p.second, out);
+}
+template <typename T>
+void collect_tensors(const T&, std::vector<at::Tensor>&) {}  // no tensors to follow
+
+}  // namespace ddp
+
+// RAII scope from DistributedDataParallel::no_sync(): backward passes inside accumulate gradients
+// locally; the first synchronized backward after it all-reduces the accumulated sum.
+class NoSyncGuard {
+ public:
+  explicit NoSyncGuard(ddp::Core* core) : core_(core), prev_(core->sync()) { core_->set_sync(false); }
+  ~NoSyncGuard() {
+    if (core_) core_->set_sync(prev_);
+  }
+  NoSyncGuard(NoSyncGuard&& o) noexcept : core_(o.core_), prev_(o.prev_) { o.core_ = nullptr; }
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+
+ private:
+  ddp::Core* core_;
+  bool prev_;
+};
+
+template <typename ModuleType>
+class DistributedDataParallel {
+ public:
+  explicit DistributedDataParallel(std::shared_ptr<ModuleType> module, DDPOptions options = DDPOptions())
+      : module_(std::move(module)), core_(std::make_unique<ddp::Core>(module_, std::move(options))) {}
+  explicit DistributedDataParallel(torch::nn::ModuleHolder<ModuleType> holder,
+                                   DDPOptions options = DDPOptions())
+      : DistributedDataParallel(holder.ptr(), std::move(options)) {}
+
+  // Runs the wrapped module's forward with DDP's pre/post steps.
+  template <typename... Args>
+  decltype(auto) forward(Args&&... args) {
+    core_->pre_forward();
+    auto out = module_->forward(std::forward<Args>(args)...);
+    std::vector<at::Tensor> tensors;
+    ddp::collect_tensors(out, tensors);
+    core_->post_forward(tensors);
+    return out;
+  }
+  template <typename... Args>
+  decltype(auto) operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  // The wrapped model (save it to get the model's own parameter names).
+  const std::shared_ptr<ModuleType>& module() const { return module_; }
+  std::vector<at::Tensor> parameters(bool recurse = true) const { return module_->parameters(recurse); }
+  torch::OrderedDict<std::string, at::Tensor> named_parameters(bool recurse = true) const {
+    return module_->named_parameters(recurse);
+  }
+  void train(bool on = true) { module_->train(on); }
+  void eval() { module_->eval(); }
+
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(core_.get()); }
+
+  const DDPOptions& options() const { return core_->options(); }
+  std::vector<std::vector<int>> bucket_param_indices() const { return core_->bucket_param_indices(); }
+  std::vector<DDPEvent> last_backward_events() const { return core_->last_backward_events(); }
+
+ private:
+  std::shared_ptr<ModuleType> module_;
+  std::unique_ptr<ddp::Core> core_;
+};
+
+template <typename M>
+DistributedDataParallel(std::shared_ptr<M>, DDPOptions = DDPOptions()) -> DistributedDataParallel<M>;
+template <typename M>
+DistributedDataParallel(torch::nn::ModuleHolder<M>, DDPOptions = DDPOptions()) -> DistributedDataParallel<M>;
+
+}  // namespace dtrain

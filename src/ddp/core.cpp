@@ -1,0 +1,145 @@
+// DistributedDataParallel's non-template core: construction (checks, broadcast, buckets, hooks) and
+// the per-forward steps. The protocol is described in include/dtrain/ddp.h and src/ddp/reducer.h.
+#include <atomic>
+#include <cstdlib>
+#include <iostream>
+#include <unordered_set>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "ddp/buckets.h"
+#include "ddp/model_sync.h"
+#include "ddp/reducer.h"
+#include "dtrain/ddp.h"
+
+namespace dtrain::ddp {
+namespace {
+
+std::atomic<int> g_instances{0};
+
+bool debug_info() {
+  const char* v = std::getenv("DTRAIN_DEBUG");
+  return v && (std::string(v) == "INFO" || std::string(v) == "DETAIL");
+}
+
+}  // namespace
+
+struct Core::Impl {
+  std::shared_ptr<torch::nn::Module> module;
+  DDPOptions options;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;   // parameters that require grad, registration order
+  std::vector<at::Tensor> buffers;
+  std::unique_ptr<Reducer> reducer;
+  bool sync = true;
+  bool track_unused = false;
+  // static_graph: the unused set found on the first iteration, reused afterwards.
+  bool have_static_unused = false;
+  std::vector<bool> static_unused;
+
+  std::vector<bool> find_unused(const std::vector<at::Tensor>& outputs) const {
+    std::unordered_set<torch::autograd::Node*> reached;
+    for (auto* n : compat::reachable_nodes(outputs)) reached.insert(n);
+    std::vector<bool> unused(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto acc = torch::autograd::impl::try_get_grad_accumulator(params[i]);
+      unused[i] = !acc || reached.count(acc.get()) == 0;
+    }
+    return unused;
+  }
+};
+
+Core::Core(std::shared_ptr<torch::nn::Module> module, DDPOptions options) : impl_(std::make_unique<Impl>()) {
+  auto& s = *impl_;
+  DTRAIN_CHECK(module, "DistributedDataParallel: the module is null: pass a constructed model");
+  DTRAIN_CHECK(is_initialized(),
+               "DistributedDataParallel needs a process group: call dtrain::init_process_group() first");
+  DTRAIN_CHECK(options.bucket_cap_mb() > 0, "bucket_cap_mb must be > 0, got ", options.bucket_cap_mb());
+  DTRAIN_CHECK(options.first_bucket_cap_mb() > 0, "first_bucket_cap_mb must be > 0, got ",
+               options.first_bucket_cap_mb());
+  s.module = std::move(module);
+  s.options = std::move(options);
+  const Group& group = s.options.process_group();
+  DTRAIN_CHECK(group.is_member(), "DistributedDataParallel: rank ", rank(),
+               " is not a member of the given process_group: wrap the model only on the group's ranks");
+  s.track_unused = s.options.find_unused_parameters() || s.options.static_graph();
+
+  for (const auto& kv : s.module->named_parameters()) {
+    if (!kv.value().requires_grad()) continue;
+    s.names.push_back(kv.key());
+    s.params.push_back(kv.value());
+  }
+  for (const auto& b : s.module->buffers()) s.buffers.push_back(b);
+  DTRAIN_CHECK(!s.params.empty(),
+               "DistributedDataParallel: the module has no parameter that requires a gradient: nothing to "
+               "synchronize");
+  const int id = g_instances++;
+  verify_same_model(s.names, s.params, group, id);
+  std::vector<at::Tensor> state = s.params;
+  state.insert(state.end(), s.buffers.begin(), s.buffers.end());
+  broadcast_from_first_rank(state, group);
+
+  auto assignment = assign_buckets(s.params, static_cast<size_t>(s.options.first_bucket_cap_mb() * 1048576.0),
+                                   static_cast<size_t>(s.options.bucket_cap_mb() * 1048576.0));
+  s.reducer = std::make_unique<Reducer>(s.params, s.names, assignment, group,
+                                        s.options.gradient_as_bucket_view(), s.track_unused);
+  if (debug_info() && group.rank() == 0) {
+    std::cerr << "[dtrain DDP] " << s.params.size() << " parameters in " << assignment.size()
+              << " buckets (first " << s.options.first_bucket_cap_mb() << " MB, then "
+              << s.options.bucket_cap_mb() << " MB), group of " << group.size() << " ranks\n";
+    for (size_t b = 0; b < assignment.size(); ++b) {
+      std::cerr << "[dtrain DDP]   bucket " << b << ": " << s.reducer->buckets()[b].buffer.numel() * s.params[assignment[b][0]].element_size()
+                << " bytes:";
+      for (int i : assignment[b]) std::cerr << " " << s.names[i];
+      std::cerr << "\n";
+    }
+  }
+}
+
+Core::~Core() = default;
+
+void Core::pre_forward() {
+  auto& s = *impl_;
+  if (s.options.broadcast_buffers() && !s.buffers.empty())
+    broadcast_from_first_rank(s.buffers, s.options.process_group());
+}
+
+void Core::post_forward(const std::vector<at::Tensor>& outputs) {
+  auto& s = *impl_;
+  if (!s.sync || !at::GradMode::is_enabled()) {
+    s.reducer->disarm();
+    return;
+  }
+  std::vector<bool> unused;
+  if (s.options.static_graph() && s.have_static_unused) {
+    unused = s.static_unused;
+  } else if (s.track_unused) {
+    if (outputs.empty())
+      warn_once("ddp-no-outputs",
+                "DistributedDataParallel: the forward returned no tensor to search for unused parameters; "
+                "all parameters are assumed used");
+    else
+      unused = s.find_unused(outputs);
+    if (s.options.static_graph()) {
+      s.static_unused = unused;
+      s.have_static_unused = true;
+    }
+  }
+  s.reducer->prepare_for_backward(std::move(unused));
+}
+
+void Core::set_sync(bool enabled) { impl_->sync = enabled; }
+bool Core::sync() const { return impl_->sync; }
+const DDPOptions& Core::options() const { return impl_->options; }
+
+std::vector<std::vector<int>> Core::bucket_param_indices() const {
+  std::vector<std::vector<int>> out;
+  for (const auto& b : impl_->reducer->buckets()) out.push_back(b.params);
+  return out;
+}
+
+std::vector<DDPEvent> Core::last_backward_events() const { return impl_->reducer->events(); }
+
+}  // namespace dtrain::ddp

@@ -1,0 +1,197 @@
+#include "ddp/reducer.h"
+
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+namespace dtrain::ddp {
+namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// A tensor shaped like `param` that aliases buffer[offset : offset + numel]. Built with set_() rather
+// than narrow().view(): autograd must not see it as a view, because LibTorch's
+// Optimizer::zero_grad() calls detach_() on every gradient, which views refuse
+// (gradient_as_bucket_view makes these slots the gradients themselves).
+at::Tensor slot(const at::Tensor& buffer, int64_t offset, const at::Tensor& param) {
+  at::NoGradGuard ng;
+  at::Tensor t = at::empty({0}, buffer.options());
+  t.set_(buffer.storage(), buffer.storage_offset() + offset, param.sizes(), c10::contiguous_strides(param.sizes()));
+  return t;
+}
+
+}  // namespace
+
+Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+                 std::vector<std::vector<int>> assignment, Group group, bool gradient_as_bucket_view,
+                 bool track_unused)
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      group_(std::move(group)),
+      group_size_(group_.size()),
+      as_view_(gradient_as_bucket_view),
+      track_unused_(track_unused) {
+  const int n = static_cast<int>(params_.size());
+  bucket_of_.assign(n, -1);
+  slot_of_.assign(n, -1);
+  for (size_t b = 0; b < assignment.size(); ++b) {
+    Bucket bucket;
+    bucket.params = assignment[b];
+    int64_t numel = 0;
+    for (int i : bucket.params) numel += params_[i].numel();
+    const at::Tensor& first = params_[bucket.params.front()];
+    bucket.buffer = at::zeros({numel}, first.options().requires_grad(false));
+    int64_t offset = 0;
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      const int i = bucket.params[k];
+      const at::Tensor& p = params_[i];
+      bucket.views.push_back(slot(bucket.buffer, offset, p));
+      offset += p.numel();
+      bucket_of_[i] = static_cast<int>(b);
+      slot_of_[i] = static_cast<int>(k);
+      if (as_view_ && p.grad().defined()) bucket.views.back().copy_(p.grad());
+      if (as_view_) p.mutable_grad() = bucket.views.back();
+    }
+    buckets_.push_back(std::move(bucket));
+  }
+  for (int i = 0; i < n; ++i) {
+    DTRAIN_ASSERT(bucket_of_[i] >= 0, "parameter ", i, " is in no bucket");
+    accumulators_.push_back(compat::grad_accumulator(params_[i]));
+    hook_keys_.push_back(compat::add_post_hook(accumulators_.back(), [this, i] { on_grad_ready(i); }));
+  }
+  reset_iteration();
+}
+
+Reducer::~Reducer() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) compat::remove_post_hook(accumulators_[i], hook_keys_[i]);
+}
+
+void Reducer::reset_iteration() {
+  armed_ = false;
+  started_ = false;
+  ready_.assign(params_.size(), false);
+  unused_.assign(params_.size(), false);
+  next_to_launch_ = 0;
+  for (auto& b : buckets_) {
+    b.pending = static_cast<int>(b.params.size());
+    b.launched = false;
+    b.work = Work();
+  }
+}
+
+void Reducer::record(DDPEvent::Kind kind, int index) { events_.push_back(DDPEvent{kind, index, now_ns()}); }
+
+std::vector<DDPEvent> Reducer::events() const { return events_; }
+
+void Reducer::prepare_for_backward(std::vector<bool> unused) {
+  std::lock_guard<std::mutex> g(mu_);
+  DTRAIN_CHECK(!started_,
+               "DistributedDataParallel: a new forward started before the previous backward finished "
+               "reducing gradients: call backward() once per forward");
+  reset_iteration();
+  unused_ = std::move(unused);
+  unused_.resize(params_.size(), false);
+  armed_ = true;
+}
+
+void Reducer::on_grad_ready(int index) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (!armed_) return;  // no_sync, or a backward that DDP's forward did not set up
+  if (!started_) {
+    // Step 2: the first gradient of this backward.
+    started_ = true;
+    events_.clear();
+    compat::queue_end_of_backward_callback([this] { finalize(); });
+    for (size_t i = 0; i < unused_.size(); ++i)
+      if (unused_[i]) {
+        at::NoGradGuard ng;
+        buckets_[bucket_of_[i]].views[slot_of_[i]].zero_();
+        mark_ready(static_cast<int>(i));
+      }
+  }
+  if (ready_[index]) return;  // e.g. a parameter used twice still has one accumulator call per pass
+  // Step 3.
+  record(DDPEvent::kGradReady, index);
+  const at::Tensor& grad = params_[index].grad();
+  at::Tensor& view = buckets_[bucket_of_[index]].views[slot_of_[index]];
+  {
+    at::NoGradGuard ng;
+    if (!grad.defined()) view.zero_();
+    else if (!(as_view_ && grad.data_ptr() == view.data_ptr())) view.copy_(grad);
+  }
+  mark_ready(index);
+}
+
+void Reducer::mark_ready(int index) {
+  ready_[index] = true;
+  --buckets_[bucket_of_[index]].pending;
+  launch_ready_buckets();
+}
+
+void Reducer::launch_ready_buckets() {
+  while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
+    Bucket& b = buckets_[next_to_launch_];
+    {
+      at::NoGradGuard ng;
+      b.buffer.div_(group_size_);
+    }
+    b.work = all_reduce(b.buffer, ReduceOp::SUM, group_, /*async_op=*/true);
+    b.launched = true;
+    record(DDPEvent::kBucketLaunched, static_cast<int>(next_to_launch_));
+    ++next_to_launch_;
+  }
+}
+
+void Reducer::finalize() {
+  std::lock_guard<std::mutex> g(mu_);
+  // Step 4.
+  if (next_to_launch_ < buckets_.size()) {
+    std::ostringstream missing;
+    int count = 0;
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (!ready_[i]) missing << (count++ ? ", " : "") << names_[i];
+    for (auto& b : buckets_)
+      if (b.launched) b.work.wait();  // leave no collective in flight
+    reset_iteration();
+    throw Error(detail::cat(
+        "rank ", dtrain::rank(),
+        ": DistributedDataParallel: expected every parameter to receive a gradient in this backward, "
+        "but ", count, " did not: ", missing.str(),
+        ". Pass DDPOptions().find_unused_parameters(true) if some parameters are unused in a forward, "
+        "and make sure every output that depends on them takes part in the loss"));
+  }
+  at::Tensor used_anywhere;
+  if (track_unused_) {
+    // 1 where this rank used the parameter; MAX over ranks tells which were used anywhere.
+    std::vector<int32_t> used(params_.size());
+    for (size_t i = 0; i < params_.size(); ++i) used[i] = unused_[i] ? 0 : 1;
+    used_anywhere = at::tensor(used, at::kInt);
+    all_reduce(used_anywhere, ReduceOp::MAX, group_);
+  }
+  for (auto& b : buckets_) {
+    b.work.wait();
+    record(DDPEvent::kBucketDone, static_cast<int>(&b - &buckets_[0]));
+  }
+  at::NoGradGuard ng;
+  const int32_t* used = used_anywhere.defined() ? used_anywhere.data_ptr<int32_t>() : nullptr;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (used && used[i] == 0) continue;
+    at::Tensor& view = buckets_[bucket_of_[i]].views[slot_of_[i]];
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (as_view_) {
+      if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = view;
+    } else if (!grad.defined()) {
+      grad = view.clone();
+    } else {
+      grad.copy_(view);
+    }
+  }
+  reset_iteration();
+}
+
+}  // namespace dtrain::ddp

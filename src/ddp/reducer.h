@@ -1,0 +1,88 @@
+// The reducer: gradient buckets, readiness hooks and the overlapped all-reduce.
+//
+// Per synchronized iteration:
+//   1. prepare_for_backward(unused): called after a forward under sync. Records which parameters
+//      will get no gradient (find_unused_parameters / static_graph) and arms the hooks.
+//   2. The first hook to fire in backward marks the unused parameters ready (their bucket slots
+//      are zeroed) and queues finalize() to run at the end of this backward.
+//   3. Each parameter's hook (after AccumulateGrad) copies .grad() into its bucket slot (nothing to
+//      copy when the gradient already is the slot: gradient_as_bucket_view) and counts the bucket
+//      down. A bucket at zero is ready; ready buckets are launched strictly in bucket order: the
+//      flat buffer is divided by the group size and all-reduced (SUM) asynchronously.
+//   4. finalize(): every bucket must have been launched — otherwise the parameters that got no
+//      gradient are named in the error (PyTorch's message, with the find_unused_parameters
+//      remedy). With unused-parameter tracking, a small MAX all-reduce tells which parameters were
+//      used on some rank. Then all works are waited for and the averaged values are written back
+//      (.grad() = the slot view with gradient_as_bucket_view, else copied into .grad()).
+//      Parameters unused on every rank keep their .grad() untouched, as in PyTorch.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "compat/autograd_compat.h"
+#include "dtrain/ddp.h"
+
+namespace dtrain::ddp {
+
+struct Bucket {
+  std::vector<int> params;          // parameter indices, in the order they sit in the buffer
+  at::Tensor buffer;                // flat, dtype/device of its parameters
+  std::vector<at::Tensor> views;    // views[k] is params[k]'s slot, shaped like the parameter
+  int pending = 0;                  // gradients not yet ready this iteration
+  bool launched = false;
+  Work work;
+};
+
+class Reducer {
+ public:
+  Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+          std::vector<std::vector<int>> bucket_assignment, Group group, bool gradient_as_bucket_view,
+          bool track_unused);
+  ~Reducer();
+
+  // Step 1. unused: per parameter, true when this forward will give it no gradient.
+  void prepare_for_backward(std::vector<bool> unused);
+  // Forwards without sync (no_sync) or outside DDP disarm the hooks.
+  void disarm() { armed_ = false; }
+
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  std::vector<DDPEvent> events() const;
+
+ private:
+  void on_grad_ready(int index);     // steps 2-3
+  void mark_ready(int index);
+  void launch_ready_buckets();
+  void finalize();                   // step 4
+  void reset_iteration();
+  void record(DDPEvent::Kind kind, int index);
+
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<compat::NodePtr> accumulators_;  // kept alive: the hooks live on them
+  std::vector<uintptr_t> hook_keys_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> bucket_of_;                 // param -> bucket
+  std::vector<int> slot_of_;                   // param -> index inside its bucket
+  Group group_;
+  int group_size_;
+  bool as_view_;
+  bool track_unused_;
+
+  // Per-iteration state (the autograd engine runs CPU hooks on the thread that called backward;
+  // a mutex keeps it safe for device threads too).
+  std::mutex mu_;
+  bool armed_ = false;
+  bool started_ = false;               // a hook fired in this backward
+  std::vector<bool> ready_;
+  std::vector<bool> unused_;
+  size_t next_to_launch_ = 0;
+  std::vector<DDPEvent> events_;
+  std::exception_ptr error_;
+};
+
+}  // namespace dtrain::ddp
