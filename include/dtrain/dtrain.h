@@ -4,3 +4,5 @@
 #include "dtrain/errors.h"
 #include "dtrain/process_group.h"
 #include "dtrain/system.h"
+#include "dtrain/sampler.h"
+#include "dtrain/datasets/fashion_mnist.h"
