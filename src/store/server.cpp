@@ -114,7 +114,7 @@ void StoreServer::Impl::bind_and_listen(uint16_t requested_port) {
   if (listen_fd < 0) {
     const std::string where = "port " + std::to_string(requested_port) + " on " + host;
     if (last_errno == EADDRINUSE)
-      throw std::runtime_error(where + " is already in use: choose another --master_port (or --standalone for a free one)");
+      throw std::runtime_error(where + " is already in use: choose another port (MASTER_PORT, or dtrain-run --master_port), or use dtrain-run --standalone for a free one");
     if (last_errno == EADDRNOTAVAIL)
       throw std::runtime_error("cannot listen on " + where + ": " + host +
                                " is not an address of this machine (set --master_addr to one of its addresses)");
