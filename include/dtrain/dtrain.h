@@ -1,6 +1,8 @@
 // dtrain: distributed training for the PyTorch C++ frontend. One include for the whole public API.
 #pragma once
 
+#include "dtrain/amp.h"
+#include "dtrain/ddp.h"
 #include "dtrain/errors.h"
 #include "dtrain/process_group.h"
 #include "dtrain/system.h"

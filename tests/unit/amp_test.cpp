@@ -1,0 +1,175 @@
+// Autocast scopes and GradScaler semantics (PyTorch's torch.autocast / GradScaler).
+#include "dtrain/amp.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize/archive.h>
+
+using dtrain::Autocast;
+using dtrain::GradScaler;
+using dtrain::GradScalerOptions;
+
+namespace {
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(Autocast, CpuComputesMatmulAndConvInBfloat16AndKeepsLossInFloat32) {
+  at::Tensor a = at::randn({8, 8});
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(1, 2, 3));
+  {
+    Autocast ac(at::kCPU);
+    EXPECT_TRUE(at::autocast::is_cpu_enabled());
+    at::Tensor mm = at::mm(a, a);
+    EXPECT_EQ(mm.scalar_type(), at::kBFloat16);
+    EXPECT_EQ(conv(at::randn({1, 1, 5, 5})).scalar_type(), at::kBFloat16);
+    EXPECT_EQ((a + a).scalar_type(), at::kFloat);  // not on the lower-precision list
+    // cross_entropy stays in float32 (PyTorch 1.13's CPU fp32 list), as python3-torch shows.
+    auto loss = torch::nn::functional::cross_entropy(mm, at::arange(8) % 4);
+    EXPECT_EQ(loss.scalar_type(), at::kFloat);
+  }
+  EXPECT_FALSE(at::autocast::is_cpu_enabled());
+  EXPECT_EQ(at::mm(a, a).scalar_type(), at::kFloat);
+}
+
+TEST(Autocast, NestsAndRestoresThePreviousState) {
+  at::Tensor a = at::randn({4, 4});
+  {
+    Autocast outer(at::kCPU);
+    {
+      Autocast inner(at::kCPU, at::kBFloat16, /*enabled=*/false);
+      EXPECT_EQ(at::mm(a, a).scalar_type(), at::kFloat);
+    }
+    EXPECT_EQ(at::mm(a, a).scalar_type(), at::kBFloat16);
+  }
+  EXPECT_FALSE(at::autocast::is_cpu_enabled());
+}
+
+TEST(Autocast, RejectsUnsupportedTypes) {
+  EXPECT_NE(error_of([] { Autocast ac(at::kCPU, at::kHalf); }).find("only bfloat16"), std::string::npos);
+  EXPECT_FALSE(at::autocast::is_cpu_enabled());
+}
+
+namespace {
+struct Fixture {
+  torch::nn::Linear lin{4, 2};
+  torch::optim::SGD opt{lin->parameters(), 0.1};
+  at::Tensor x = at::randn({3, 4});
+  at::Tensor loss() { return lin(x).pow(2).sum(); }
+};
+}  // namespace
+
+TEST(GradScaler, ScaleUnscaleRoundTrip) {
+  Fixture f;
+  f.loss().backward();
+  at::Tensor expected = f.lin->weight.grad().clone();
+  f.opt.zero_grad();
+  GradScaler scaler;
+  at::Tensor scaled = scaler.scale(f.loss());
+  EXPECT_DOUBLE_EQ(scaler.get_scale(), 65536.0);
+  scaled.backward();
+  EXPECT_TRUE(at::allclose(f.lin->weight.grad(), expected * 65536.0, 1e-5));
+  scaler.unscale_(f.opt);
+  EXPECT_TRUE(at::allclose(f.lin->weight.grad(), expected, 1e-5));
+  EXPECT_TRUE(scaler.step(f.opt));
+  scaler.update();
+  EXPECT_DOUBLE_EQ(scaler.get_scale(), 65536.0);
+  EXPECT_EQ(scaler.growth_tracker(), 1);
+}
+
+TEST(GradScaler, InfOrNanSkipsTheStepAndHalvesTheScale) {
+  for (double bad : {std::numeric_limits<double>::infinity(), std::nan("")}) {
+    Fixture f;
+    GradScaler scaler;
+    at::Tensor before = f.lin->weight.detach().clone();
+    scaler.scale(f.loss() * bad).backward();
+    EXPECT_FALSE(scaler.step(f.opt));
+    scaler.update();
+    EXPECT_TRUE(at::equal(f.lin->weight, before));
+    EXPECT_DOUBLE_EQ(scaler.get_scale(), 32768.0);
+    EXPECT_EQ(scaler.growth_tracker(), 0);
+  }
+}
+
+TEST(GradScaler, GrowsAfterGrowthIntervalCleanSteps) {
+  Fixture f;
+  GradScaler scaler(GradScalerOptions().init_scale(8).growth_interval(3));
+  for (int i = 0; i < 3; ++i) {
+    f.opt.zero_grad();
+    scaler.scale(f.loss()).backward();
+    EXPECT_TRUE(scaler.step(f.opt));
+    scaler.update();
+    EXPECT_DOUBLE_EQ(scaler.get_scale(), i < 2 ? 8.0 : 16.0);
+  }
+  EXPECT_EQ(scaler.growth_tracker(), 0);
+  scaler.update(4.0);  // an explicit new scale
+  EXPECT_DOUBLE_EQ(scaler.get_scale(), 4.0);
+}
+
+TEST(GradScaler, UnscaleTwiceAndStepTwiceAreErrors) {
+  Fixture f;
+  GradScaler scaler;
+  scaler.scale(f.loss()).backward();
+  scaler.unscale_(f.opt);
+  EXPECT_NE(error_of([&] { scaler.unscale_(f.opt); }).find("already been called"), std::string::npos);
+  scaler.step(f.opt);
+  EXPECT_NE(error_of([&] { scaler.step(f.opt); }).find("step() has already been called"), std::string::npos);
+  EXPECT_NE(error_of([&] { scaler.unscale_(f.opt); }).find("after step()"), std::string::npos);
+  scaler.update();
+  scaler.scale(f.loss()).backward();
+  scaler.unscale_(f.opt);  // fine again after update()
+}
+
+TEST(GradScaler, StateDictAndArchiveRoundTrip) {
+  Fixture f;
+  GradScaler a(GradScalerOptions().init_scale(1024).growth_interval(5));
+  for (int i = 0; i < 2; ++i) {
+    a.scale(f.loss()).backward();
+    a.step(f.opt);
+    a.update();
+  }
+  auto sd = a.state_dict();
+  EXPECT_DOUBLE_EQ(sd.at("scale"), 1024.0);
+  EXPECT_DOUBLE_EQ(sd.at("_growth_tracker"), 2.0);
+  EXPECT_DOUBLE_EQ(sd.at("growth_interval"), 5.0);
+  GradScaler b;
+  b.load_state_dict(sd);
+  EXPECT_EQ(b.state_dict(), sd);
+
+  torch::serialize::OutputArchive out;
+  a.save(out);
+  std::stringstream ss;
+  out.save_to(ss);
+  torch::serialize::InputArchive in;
+  in.load_from(ss);
+  GradScaler c;
+  c.load(in);
+  EXPECT_EQ(c.state_dict(), sd);
+}
+
+TEST(GradScaler, DisabledIsAPassThrough) {
+  Fixture f;
+  GradScaler scaler(GradScalerOptions().enabled(false));
+  at::Tensor l = f.loss();
+  EXPECT_TRUE(at::equal(scaler.scale(l), l));
+  EXPECT_DOUBLE_EQ(scaler.get_scale(), 1.0);
+  EXPECT_TRUE(scaler.state_dict().empty());
+}
+
+TEST(GradScaler, BadOptionsAreClearErrors) {
+  EXPECT_NE(error_of([] { GradScaler s(GradScalerOptions().growth_factor(0.5)); }).find("growth_factor must be > 1"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { GradScaler s(GradScalerOptions().init_scale(-1)); }).find("init_scale must be > 0, got -1"),
+            std::string::npos);
+}
