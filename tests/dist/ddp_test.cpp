@@ -7,6 +7,7 @@
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize.h>
 
 #include "dist_main.h"
 #include "dtrain/ddp.h"
@@ -337,6 +338,12 @@ TEST(DDP, SubgroupAndModuleAccess) {
   DistributedDataParallel ddp(m, DDPOptions().process_group(g));
   EXPECT_EQ(ddp.module().get(), m.ptr().get());
   EXPECT_TRUE(ddp.named_parameters().contains("a.weight"));  // the inner model's names
+  // Saving module() gives a file a plain (non-DDP) model loads.
+  std::stringstream saved;
+  torch::save(ddp.module(), saved);
+  SmallMlp plain_model;
+  torch::load(plain_model, saved);
+  EXPECT_TRUE(at::equal(plain_model->a->weight, m->a->weight));
   auto x = at::full({2, 16}, static_cast<float>(rank()));
   ddp(x).sum().backward();
   std::vector<at::Tensor> grads;
