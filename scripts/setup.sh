@@ -6,6 +6,7 @@ PKGS=(
   libtorch-dev libgloo-dev          # LibTorch 1.13 (CPU) and the gloo headers its c10d includes
   libopenblas0-openmp               # takes over libblas.so.3: the reference BLAS is 14x slower
   libcli11-dev nlohmann-json3-dev zlib1g-dev libgtest-dev libbenchmark-dev
+  libssl-dev                        # SHA-256 of the trained parameters (train_fashion_mnist)
   python3-torch                     # reference implementation for goldens and benchmarks
   dataset-fashion-mnist             # the real data set
   openmpi-bin                       # the mpirun launch path is tested for real
