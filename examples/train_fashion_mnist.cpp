@@ -83,6 +83,7 @@ struct Config {
   int64_t threads = 0;
   std::string dump_params;
   int64_t eval_batch_size = 0;  // 0: batch_size
+  bool amp = false;             // autocast (bfloat16 on CPU) + GradScaler
 };
 
 // Error text on one line (c10::Error messages may span several).
@@ -178,6 +179,8 @@ int run(const Config& cfg) {
   else
     optimizer_ptr = std::make_unique<torch::optim::Adam>(ddp.parameters(), torch::optim::AdamOptions(cfg.lr));
   torch::optim::Optimizer& optimizer = *optimizer_ptr;
+  // The tutorial's AMP recipe; disabled, every call is a pass-through.
+  dtrain::GradScaler scaler(dtrain::GradScalerOptions().enabled(cfg.amp));
 
   dtrain::DistributedSampler sampler(train->size().value(), dtrain::DistributedSamplerOptions().seed(cfg.seed));
   auto loader = torch::data::make_data_loader(
@@ -192,7 +195,7 @@ int run(const Config& cfg) {
                 world, at::get_num_threads(), dtrain::backend().c_str(), train->size().value(),
                 test->size().value(), static_cast<long long>(cfg.batch_size),
                 static_cast<long long>(cfg.batch_size * world), static_cast<long long>(steps),
-                cfg.optimizer == "sgd" ? "SGD(momentum 0.9)" : "Adam", cfg.lr,
+                cfg.optimizer == "sgd" ? "SGD(momentum 0.9)" : (cfg.amp ? "Adam+amp(bf16)" : "Adam"), cfg.lr,
                 cfg.grad_clip, static_cast<long long>(cfg.epochs), static_cast<long long>(cfg.seed));
     std::fflush(stdout);
   }
@@ -206,12 +209,20 @@ int run(const Config& cfg) {
     double loss_sum = 0;
     int64_t correct = 0, seen = 0, step = 0;
     for (auto& batch : *loader) {
-      at::Tensor logits = ddp(batch.data);  // (B, 10)
-      at::Tensor loss = torch::nn::functional::cross_entropy(logits, batch.target);
+      at::Tensor logits, loss;
+      {
+        dtrain::Autocast autocast(at::kCPU, at::kBFloat16, /*enabled=*/cfg.amp);
+        logits = ddp(batch.data);  // (B, 10)
+        loss = torch::nn::functional::cross_entropy(logits, batch.target);
+      }
       optimizer.zero_grad();
-      loss.backward();  // gradients are averaged over the ranks here
-      if (cfg.grad_clip > 0) torch::nn::utils::clip_grad_norm_(ddp.parameters(), cfg.grad_clip);
-      optimizer.step();
+      scaler.scale(loss).backward();  // gradients are averaged over the ranks here
+      if (cfg.grad_clip > 0) {
+        scaler.unscale_(optimizer);  // clip the true gradients (a no-op without --amp)
+        torch::nn::utils::clip_grad_norm_(ddp.parameters(), cfg.grad_clip);
+      }
+      scaler.step(optimizer);  // skipped after an overflow (--amp)
+      scaler.update();
 
       const int64_t b = batch.target.size(0);
       loss_sum += loss.item<double>() * b;
@@ -283,6 +294,7 @@ int main(int argc, char** argv) {
                  "rank 0 writes <dir>/checkpoint_epoch<E>.pt (model + optimizer) after every epoch E (1-based)");
   app.add_option("--threads", cfg.threads, "intra-op threads per rank (default: $OMP_NUM_THREADS; 0: LibTorch's)")
       ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_flag("--amp", cfg.amp, "mixed precision: autocast (bfloat16 on CPU) + GradScaler");
   app.add_option("--dump_params", cfg.dump_params,
                  "rank 0 writes the final parameters' raw float32 bytes here (what params_sha256 hashes)");
   // Note [eval batch size]: evaluating with batches larger than the training batch was up to 10x
