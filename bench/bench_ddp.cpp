@@ -53,6 +53,7 @@
 
 #include "dtrain/ddp.h"
 #include "dtrain/dtrain.h"
+#include "spawn.h"
 #include "tutorial_models.h"
 
 #ifndef DTRAIN_BENCH_PYTHON_DIR
@@ -64,8 +65,7 @@ namespace {
 constexpr int kBatches = 4;     // distinct pre-made batches, cycled (as ddp_reference.py)
 constexpr int kWorld = 2;
 
-using Clock = std::chrono::steady_clock;
-double secs_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+using namespace bench;
 
 // ---------------------------------------------------------------------------------------------------
 // Worker: one rank of one job.
@@ -231,131 +231,6 @@ int worker_main(int argc, char** argv) {
 // ---------------------------------------------------------------------------------------------------
 // Driver: starts the jobs and reports.
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
-    throw std::runtime_error(std::string("bench_ddp: cannot find a free port: ") + std::strerror(errno));
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-std::string load_average() {
-  std::string s = read_file("/proc/loadavg");
-  std::istringstream in(s);
-  std::string a, b, c;
-  in >> a >> b >> c;
-  return a + " " + b + " " + c;
-}
-
-// Runs argv on kWorld ranks (env vars as torchrun sets them); returns rank 0's output. Throws with
-// every rank's output when a rank fails or the job exceeds timeout_s.
-std::string run_job(const std::vector<std::string>& argv, double timeout_s) {
-  const int port = free_port();
-  std::vector<pid_t> pids;
-  std::vector<std::string> logs;
-  for (int r = 0; r < kWorld; ++r) {
-    char tmpl[] = "/tmp/bench_ddp_XXXXXX";
-    int fd = mkstemp(tmpl);
-    if (fd < 0) throw std::runtime_error(std::string("bench_ddp: mkstemp: ") + std::strerror(errno));
-    logs.push_back(tmpl);
-    pid_t pid = fork();
-    if (pid == 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-      close(fd);
-      setpgid(0, 0);
-      setenv("RANK", std::to_string(r).c_str(), 1);
-      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(kWorld).c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", std::to_string(kWorld).c_str(), 1);
-      setenv("MASTER_ADDR", "127.0.0.1", 1);
-      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      setenv("OMP_NUM_THREADS", "1", 1);
-      setenv("MKL_NUM_THREADS", "1", 1);
-      std::vector<char*> args;
-      for (const auto& s : argv) args.push_back(const_cast<char*>(s.c_str()));
-      args.push_back(nullptr);
-      execv(args[0], args.data());
-      std::fprintf(stderr, "bench_ddp: exec %s: %s\n", args[0], std::strerror(errno));
-      _exit(127);
-    }
-    close(fd);
-    if (pid < 0) throw std::runtime_error(std::string("bench_ddp: fork: ") + std::strerror(errno));
-    pids.push_back(pid);
-  }
-  const auto t0 = Clock::now();
-  std::vector<int> status(kWorld, 0);
-  std::vector<bool> done(kWorld, false);
-  bool failed = false, timed_out = false;
-  for (int left = kWorld; left > 0;) {
-    for (int r = 0; r < kWorld; ++r) {
-      if (done[r]) continue;
-      if (waitpid(pids[r], &status[r], WNOHANG) == pids[r]) {
-        done[r] = true;
-        --left;
-        if (!(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)) failed = true;
-      }
-    }
-    if (left == 0) break;
-    if (!timed_out && secs_since(t0) > timeout_s) timed_out = true;
-    if (failed || timed_out)
-      for (int r = 0; r < kWorld; ++r)
-        if (!done[r]) kill(-pids[r], SIGKILL);
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  std::vector<std::string> outs;
-  for (auto& l : logs) {
-    outs.push_back(read_file(l));
-    unlink(l.c_str());
-  }
-  if (failed || timed_out) {
-    std::ostringstream msg;
-    msg << "bench_ddp: job failed" << (timed_out ? " (timed out)" : "") << ":";
-    for (const auto& s : argv) msg << " " << s;
-    for (int r = 0; r < kWorld; ++r) msg << "\n--- rank " << r << " (status " << status[r] << ") ---\n" << outs[r];
-    throw std::runtime_error(msg.str());
-  }
-  return outs[0];
-}
-
-// The value of `key=` in out (first occurrence), or nan.
-double parse_value(const std::string& out, const std::string& key) {
-  auto pos = out.find(key + "=");
-  if (pos == std::string::npos) return std::nan("");
-  return std::atof(out.c_str() + pos + key.size() + 1);
-}
-std::string parse_line(const std::string& out, const std::string& prefix) {
-  auto pos = out.find(prefix);
-  if (pos == std::string::npos) return "";
-  return out.substr(pos, out.find('\n', pos) - pos);
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::string self_exe() {
-  char buf[4096];
-  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) throw std::runtime_error("bench_ddp: cannot read /proc/self/exe");
-  return std::string(buf, static_cast<size_t>(n));
-}
-
 int driver_main(int argc, char** argv) {
   CLI::App app{"bench_ddp: DDP steps/s on the tutorial's models, dtrain vs PyTorch Python vs no communication"};
   int reps = 3, warmup = 20, mlp_steps = 300, cnn_steps = 20, mlp_block = 50, cnn_block = 5;
@@ -423,7 +298,7 @@ int driver_main(int argc, char** argv) {
                    std::to_string(first_bucket_cap_mb), "--grad_as_view", grad_as_view ? "1" : "0"};
             if (profile) cmd.push_back("--profile");
           }
-          const std::string out = run_job(cmd, timeout_s);
+          const std::string out = run_job(cmd, kWorld, timeout_s, "bench_ddp");
           const std::vector<std::string> names =
               job == "python" ? std::vector<std::string>{"python"}
               : job == "paired" ? std::vector<std::string>{"dtrain", "nocomm"}

@@ -1,0 +1,157 @@
+// See spawn.h.
+#include "spawn.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+namespace bench {
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
+    throw std::runtime_error(std::string("bench: cannot find a free port: ") + std::strerror(errno));
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::string load_average() {
+  std::string s = read_file("/proc/loadavg");
+  std::istringstream in(s);
+  std::string a, b, c;
+  in >> a >> b >> c;
+  return a + " " + b + " " + c;
+}
+
+// Runs argv on `world` ranks (env vars as torchrun sets them); returns rank 0's output. Throws with
+// every rank's output when a rank fails or the job exceeds timeout_s.
+std::string run_job(const std::vector<std::string>& argv, int world, double timeout_s, const std::string& who,
+                    const std::vector<std::pair<std::string, std::string>>& env) {
+  const int port = free_port();
+  std::vector<pid_t> pids;
+  std::vector<std::string> logs;
+  for (int r = 0; r < world; ++r) {
+    char tmpl[] = "/tmp/bench_job_XXXXXX";
+    int fd = mkstemp(tmpl);
+    if (fd < 0) throw std::runtime_error(who + ": mkstemp: " + std::strerror(errno));
+    logs.push_back(tmpl);
+    pid_t pid = fork();
+    if (pid == 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      close(fd);
+      setpgid(0, 0);
+      setenv("RANK", std::to_string(r).c_str(), 1);
+      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+      setenv("LOCAL_WORLD_SIZE", std::to_string(world).c_str(), 1);
+      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      setenv("OMP_NUM_THREADS", "1", 1);
+      setenv("MKL_NUM_THREADS", "1", 1);
+      for (const auto& [k, v] : env) {
+        if (v.empty())
+          unsetenv(k.c_str());
+        else
+          setenv(k.c_str(), v.c_str(), 1);
+      }
+      std::vector<char*> args;
+      for (const auto& s : argv) args.push_back(const_cast<char*>(s.c_str()));
+      args.push_back(nullptr);
+      execv(args[0], args.data());
+      std::fprintf(stderr, "%s: exec %s: %s\n", who.c_str(), args[0], std::strerror(errno));
+      _exit(127);
+    }
+    close(fd);
+    if (pid < 0) throw std::runtime_error(who + ": fork: " + std::strerror(errno));
+    pids.push_back(pid);
+  }
+  const auto t0 = Clock::now();
+  std::vector<int> status(world, 0);
+  std::vector<bool> done(world, false);
+  bool failed = false, timed_out = false;
+  for (int left = world; left > 0;) {
+    for (int r = 0; r < world; ++r) {
+      if (done[r]) continue;
+      if (waitpid(pids[r], &status[r], WNOHANG) == pids[r]) {
+        done[r] = true;
+        --left;
+        if (!(WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0)) failed = true;
+      }
+    }
+    if (left == 0) break;
+    if (!timed_out && secs_since(t0) > timeout_s) timed_out = true;
+    if (failed || timed_out)
+      for (int r = 0; r < world; ++r)
+        if (!done[r]) kill(-pids[r], SIGKILL);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::vector<std::string> outs;
+  for (auto& l : logs) {
+    outs.push_back(read_file(l));
+    unlink(l.c_str());
+  }
+  if (failed || timed_out) {
+    std::ostringstream msg;
+    msg << who + ": job failed" << (timed_out ? " (timed out)" : "") << ":";
+    for (const auto& s : argv) msg << " " << s;
+    for (int r = 0; r < world; ++r) msg << "\n--- rank " << r << " (status " << status[r] << ") ---\n" << outs[r];
+    throw std::runtime_error(msg.str());
+  }
+  return outs[0];
+}
+
+// The value of `key=` in out (first occurrence), or nan.
+double parse_value(const std::string& out, const std::string& key) {
+  auto pos = out.find(key + "=");
+  if (pos == std::string::npos) return std::nan("");
+  return std::atof(out.c_str() + pos + key.size() + 1);
+}
+std::string parse_line(const std::string& out, const std::string& prefix) {
+  auto pos = out.find(prefix);
+  if (pos == std::string::npos) return "";
+  return out.substr(pos, out.find('\n', pos) - pos);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string self_exe() {
+  char buf[4096];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) throw std::runtime_error("bench: cannot read /proc/self/exe");
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+}  // namespace bench

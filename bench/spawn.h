@@ -1,0 +1,31 @@
+// The benchmark drivers' process helpers (no LibTorch): start an N-rank job the way torchrun does
+// (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT = a free port,
+// OMP_NUM_THREADS=MKL_NUM_THREADS=1 in every rank's environment), wait for it, and parse the
+// `key=value` lines the workers print.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace bench {
+
+using Clock = std::chrono::steady_clock;
+inline double secs_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Runs argv (argv[0]: a path) as `world` ranks; returns rank 0's output (stdout and stderr). Throws
+// with every rank's output when a rank fails or the job exceeds timeout_s (the others are killed).
+// `who` prefixes the error messages; env: extra variables set after those (an empty value unsets).
+std::string run_job(const std::vector<std::string>& argv, int world, double timeout_s, const std::string& who,
+                    const std::vector<std::pair<std::string, std::string>>& env = {});
+
+int free_port();                                   // a free TCP port on 127.0.0.1
+std::string read_file(const std::string& path);
+std::string load_average();                        // "/proc/loadavg"'s first three fields
+std::string self_exe();                            // this binary's path
+double median(std::vector<double> v);
+double parse_value(const std::string& out, const std::string& key);         // `key=` value, or nan
+std::string parse_line(const std::string& out, const std::string& prefix);  // the line from prefix, or ""
+
+}  // namespace bench
