@@ -5,20 +5,14 @@
 
 #include "dist_main.h"
 #include "dtrain/errors.h"
+#include "test_util.h"
 
 using namespace dtrain;
 
 namespace {
 int R() { return rank(); }
 int N() { return world_size(); }
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using dtrain::test_util::error_of;
 }  // namespace
 
 TEST(Collectives, RankAndLocalRank) {

@@ -12,6 +12,7 @@
 #include "dist_main.h"
 #include "dtrain/ddp.h"
 #include "tutorial_models.h"
+#include "test_util.h"
 
 using namespace dtrain;
 namespace F = torch::nn::functional;
@@ -142,14 +143,7 @@ double equivalence(Net model, Net ref, std::vector<int64_t> sample_shape, const 
 
 auto plain = [](auto& m, const at::Tensor& x, int, int) { return m.forward(x); };
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using dtrain::test_util::error_of;
 
 constexpr double kTol = 1e-6;
 

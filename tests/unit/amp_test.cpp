@@ -9,20 +9,14 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize/archive.h>
+#include "test_util.h"
 
 using dtrain::Autocast;
 using dtrain::GradScaler;
 using dtrain::GradScalerOptions;
 
 namespace {
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using dtrain::test_util::error_of;
 }  // namespace
 
 TEST(Autocast, CpuComputesMatmulAndConvInBfloat16AndKeepsLossInFloat32) {

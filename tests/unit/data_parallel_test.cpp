@@ -8,6 +8,7 @@
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
+#include "test_util.h"
 
 using dtrain::DataParallel;
 using dtrain::DataParallelOptions;
@@ -46,14 +47,7 @@ TORCH_MODULE(Plain);
 
 std::vector<c10::Device> cpus(int n) { return std::vector<c10::Device>(n, c10::Device(at::kCPU)); }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using dtrain::test_util::error_of;
 
 void copy_params(torch::nn::Module& to, torch::nn::Module& from) {
   at::NoGradGuard ng;
