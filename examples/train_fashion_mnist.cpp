@@ -271,6 +271,7 @@ int run(const Config& cfg) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  dtrain::reduce_allocator_churn();  // Note [malloc churn] in dtrain/system.h
   Config cfg;
   if (const char* omp = std::getenv("OMP_NUM_THREADS")) cfg.threads = std::max(0, std::atoi(omp));
   int local_rank = -1;

@@ -1,6 +1,7 @@
 #include "dtrain/system.h"
 
 #include <dlfcn.h>
+#include <malloc.h>
 #include <limits.h>
 #include <stdlib.h>
 
@@ -30,6 +31,13 @@ void warn_if_slow_blas() {
   if (blas_is_reference())
     warn_once("blas", "LibTorch uses the reference BLAS (" + blas_library() +
                           "), ~14x slower than OpenBLAS: apt-get install libopenblas0-openmp");
+}
+
+void reduce_allocator_churn() {
+  const char* off = std::getenv("DTRAIN_MALLOC_TUNING");
+  if (off && std::string(off) == "0") return;
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);   // glibc's maximum on 64-bit; also freezes the dynamic threshold
+  mallopt(M_TRIM_THRESHOLD, 512 << 20);  // keep freed memory for the next step
 }
 
 static int64_t status_kb(const char* field) {
