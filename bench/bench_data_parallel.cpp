@@ -117,6 +117,7 @@ int run_worker(const std::string& variant, const Config& cfg, int warmup, int st
 }
 
 int worker_main(int argc, char** argv) {
+  dtrain::reduce_allocator_churn();  // as the trainer does: Note [malloc churn]
   CLI::App app{"bench_data_parallel worker"};
   std::string variant, config;
   int warmup = 10, steps = 100, threads = 1;

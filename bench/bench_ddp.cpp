@@ -203,6 +203,7 @@ int run_worker(const WorkerArgs& a) {
 }
 
 int worker_main(int argc, char** argv) {
+  dtrain::reduce_allocator_churn();  // as the trainer does: Note [malloc churn]
   CLI::App app{"bench_ddp worker"};
   WorkerArgs a;
   app.add_option("variant", a.variant)->required()->check(CLI::IsMember({"dtrain", "nocomm", "paired"}));
