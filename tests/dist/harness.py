@@ -164,6 +164,21 @@ class DistTestCase(unittest.TestCase):
     def run_one(self, argv, env, timeout=PROC_TIMEOUT_S):
         return self.spawn(argv, env).finish(timeout)
 
+    def spawn_python_store(self, script, port):
+        """Run a /usr/bin/python3 script (given the port) that hosts a torch TCPStore and prints
+        "ready"; it runs until its stdin is closed. Skips the test when python3-torch is missing."""
+        store = self.spawn(["/usr/bin/python3", "-c", script, port], clean_env(), stdin=subprocess.PIPE)
+        for _ in range(300):
+            if "ready" in store.output() or store.p.poll() is not None:
+                break
+            time.sleep(0.1)
+        if "ready" not in store.output():
+            res = store.finish(1)
+            if "No module named 'torch'" in res.err:
+                self.skipTest("python3-torch is not installed for /usr/bin/python3")
+            self.fail(f"the Python TCPStore did not start:\n{res}")
+        return store
+
     # --- checks ---------------------------------------------------------------------------------
     def assertPassed(self, results, world, marker="all_reduce check passed"):
         for r in results:

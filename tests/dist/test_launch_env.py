@@ -3,7 +3,6 @@ OpenMPI (real mpirun), Slurm-style and MPICH-style variables set by hand, and to
 (a c10d TCPStore hosted by a Python process, as torchrun's agent does)."""
 import os
 import shutil
-import subprocess
 import time
 import unittest
 
@@ -79,17 +78,7 @@ class SchedulerEnv(DistTestCase):
 class TorchrunAgentStore(DistTestCase):
     def test_ranks_join_a_python_tcpstore(self):
         port = free_port()
-        store = self.spawn(["/usr/bin/python3", "-c", AGENT_STORE, port], clean_env(),
-                           stdin=subprocess.PIPE)
-        for _ in range(300):
-            if "ready" in store.output() or store.p.poll() is not None:
-                break
-            time.sleep(0.1)
-        if "ready" not in store.output():
-            res = store.finish(1)
-            if "No module named 'torch'" in res.err:
-                self.skipTest("python3-torch is not installed for /usr/bin/python3")
-            self.fail(f"the Python TCPStore did not start:\n{res}")
+        store = self.spawn_python_store(AGENT_STORE, port)
         envs = [clean_env(RANK=r, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                           TORCHELASTIC_USE_AGENT_STORE="True") for r in range(2)]
         results = self.run_ranks([hello(), "--timeout_s", 30], envs)

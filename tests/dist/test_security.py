@@ -3,7 +3,6 @@ MASTER_ADDR (127.0.0.1) only, never 0.0.0.0, and Gloo's sockets are bound to 127
 
 Sockets are read from /proc/net/tcp{,6} and matched to a process through /proc/<pid>/fd inodes."""
 import os
-import subprocess
 import time
 import unittest
 
@@ -114,16 +113,7 @@ class Security(DistTestCase):
         # Deterministic view of Gloo's listening socket: rank 0 waits in Gloo's connect for a rank 1
         # that passed the rendezvous check but never connects.
         port = free_port()
-        store = self.spawn(["/usr/bin/python3", "-c", FAKE_RANK1, port], clean_env(), stdin=subprocess.PIPE)
-        for _ in range(300):
-            if "ready" in store.output() or store.p.poll() is not None:
-                break
-            time.sleep(0.1)
-        if "ready" not in store.output():
-            res = store.finish(1)
-            if "No module named 'torch'" in res.err:
-                self.skipTest("python3-torch is not installed for /usr/bin/python3")
-            self.fail(f"the Python TCPStore did not start:\n{res}")
+        store = self.spawn_python_store(FAKE_RANK1, port)
         rank0 = self.spawn([hello(), "--timeout_s", 8],
                            rank_env(0, 2, port, TORCHELASTIC_USE_AGENT_STORE="True"))
         listeners = []
