@@ -131,6 +131,8 @@ struct Loop {
       }
       timeline.clear();  // the last profiled step's events, microseconds after backward started
       for (const auto& e : ddp->last_backward_events())
+        if (e.kind == dtrain::DDPEvent::kGradReady || e.kind == dtrain::DDPEvent::kBucketLaunched ||
+            e.kind == dtrain::DDPEvent::kBucketDone)
         timeline += (e.kind == dtrain::DDPEvent::kGradReady ? " g" : e.kind == dtrain::DDPEvent::kBucketLaunched ? " L" : " D") +
                     std::to_string(e.index) + "@" + std::to_string((e.time_ns - ns(t1)) / 1000);
       timeline += " end@" + std::to_string((ns(t2) - ns(t1)) / 1000);

@@ -22,6 +22,7 @@
 //   4. End of backward: all-reduces are waited for and every param.grad() holds the average.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -58,12 +59,20 @@ struct DDPOptions {
   DTRAIN_ARG(Group, process_group, Group())
 };
 
-// One event of the last synchronized backward, in order (for tests, monitoring and timelines).
+// One event of a synchronized backward (for tests, monitoring and timelines):
+//   kGradReady       parameter `index`'s gradient is in its bucket
+//   kBucketLaunched  bucket `index`'s asynchronous all-reduce started
+//   kBackwardEnd     autograd finished this backward; DDP starts waiting for the buckets (index -1)
+//   kBucketDone      bucket `index`'s all-reduce finished (time_ns: when the work completed, taken
+//                    from its completion callback; the event itself is delivered after kBackwardEnd)
+//   kGradsSynced     every .grad() holds the average; backward() returns next (index -1)
 struct DDPEvent {
-  enum Kind { kGradReady, kBucketLaunched, kBucketDone } kind;
-  int index;         // parameter index (kGradReady) or bucket index
+  enum Kind { kGradReady, kBucketLaunched, kBucketDone, kBackwardEnd, kGradsSynced } kind;
+  int index;         // parameter index (kGradReady), bucket index, or -1
   int64_t time_ns;   // steady clock
 };
+// Called for every DDPEvent as it is recorded, on the thread that runs backward. Keep it cheap.
+using DDPEventHook = std::function<void(const DDPEvent&)>;
 
 namespace ddp {
 
@@ -80,6 +89,7 @@ class Core {
   const DDPOptions& options() const;
   std::vector<std::vector<int>> bucket_param_indices() const;  // by bucket, parameter indices
   std::vector<DDPEvent> last_backward_events() const;
+  void set_event_hook(DDPEventHook hook);
 
  private:
   struct Impl;
@@ -161,6 +171,8 @@ class DistributedDataParallel {
   const DDPOptions& options() const { return core_->options(); }
   std::vector<std::vector<int>> bucket_param_indices() const { return core_->bucket_param_indices(); }
   std::vector<DDPEvent> last_backward_events() const { return core_->last_backward_events(); }
+  // Sees every DDPEvent as it happens (dtrain::Monitor::watch uses it); an empty hook removes it.
+  void set_event_hook(DDPEventHook hook) { core_->set_event_hook(std::move(hook)); }
 
  private:
   std::shared_ptr<ModuleType> module_;

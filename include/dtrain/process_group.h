@@ -66,6 +66,10 @@ class Work {
   Work(c10::intrusive_ptr<c10d::Work> work, std::string what, std::function<void()> on_done = {});
   void wait();
   bool is_completed();
+  // Runs fn once the operation has finished (on the backend's thread, as soon as it completes; for
+  // operations without a completion future, when wait() returns). fn must be cheap and must not
+  // throw: it is for timing and bookkeeping (DDP's per-bucket communication times), not for work.
+  void then(std::function<void()> fn);
 
  private:
   struct State;
@@ -109,6 +113,22 @@ c10::intrusive_ptr<c10d::Store> default_store();
 // A subgroup of the given global ranks (sorted, unique, each < world_size). Every rank of the world
 // must call new_group with the same ranks in the same order, members or not. An empty list = world.
 Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+
+// --- debug level (PyTorch's TORCH_DISTRIBUTED_DEBUG as DTRAIN_DEBUG) ---------------------------------
+//   OFF     nothing extra.
+//   INFO    DistributedDataParallel logs its setup and buckets (sizes, parameter names) on rank 0.
+//   DETAIL  INFO, and before every collective all ranks of the group check that they call the same
+//           operation with the same shapes, dtypes, reduce op and root (through the job store); a
+//           mismatch throws dtrain::Error on every rank, naming the ranks and both calls, instead of
+//           hanging or corrupting tensors. Costs a few store round trips per collective.
+// The level is read from $DTRAIN_DEBUG the first time it is needed (init_process_group rejects a bad
+// value); set_debug_level overrides it for this process.
+enum class DebugLevel { OFF = 0, INFO = 1, DETAIL = 2 };
+DebugLevel get_debug_level();
+void set_debug_level(DebugLevel level);
+// Re-reads $DTRAIN_DEBUG (unset or empty: OFF); throws dtrain::Error naming a bad value.
+void set_debug_level_from_env();
+std::string to_string(DebugLevel level);
 
 // --- collectives (src/dst are global ranks) ------------------------------------------------------
 Work all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::SUM, const Group& group = Group(),

@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 
+#include "comm/debug_check.h"
 #include "comm/state.h"
 
 namespace dtrain {
@@ -49,6 +50,27 @@ int group_rank(const Group::Impl& g, int global, const char* role, const char* o
 std::string what(const Group::Impl& g, const char* op) {
   return detail::cat("rank ", comm::world_state().rank, ": ", op, " on group '", g.name, "' (",
                      g.backend, ")");
+}
+
+// DTRAIN_DEBUG=DETAIL: every member describes its call and the descriptions must agree
+// (src/comm/debug_check.h). `parts` are the arguments every rank passes alike.
+template <typename... Parts>
+void check_call(const Group::Impl& g, const char* op, const Parts&... parts) {
+  if (!comm::detail_checks_on()) return;
+  std::string desc = op;
+  desc += "(";
+  bool first = true;
+  auto add = [&](const std::string& p) {
+    desc += (first ? "" : ", ") + p;
+    first = false;
+  };
+  (add(parts), ...);
+  desc += ")";
+  comm::check_same_call(g, desc);
+}
+
+std::string list_desc(const std::vector<at::Tensor>& list) {
+  return list.empty() ? "[]" : detail::cat(list.size(), " x ", comm::describe(list.front()));
 }
 
 Work finish(Work w, bool async_op) {
@@ -94,6 +116,7 @@ Work all_reduce(at::Tensor& tensor, ReduceOp op, const Group& group, bool async_
     DTRAIN_CHECK(at::isFloatingType(tensor.scalar_type()) || at::isComplexType(tensor.scalar_type()),
                  "all_reduce: ReduceOp::AVG needs a floating-point tensor, got ", tensor.scalar_type(),
                  ": use SUM and divide, or convert the tensor");
+  check_call(g, "all_reduce", comm::describe(tensor), "op=" + to_string(op));
   std::vector<at::Tensor> ts{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
@@ -109,6 +132,7 @@ Work all_reduce(at::Tensor& tensor, ReduceOp op, const Group& group, bool async_
 Work broadcast(at::Tensor& tensor, int src, const Group& group, bool async_op) {
   const auto& g = member_group(group, "broadcast");
   check_tensor(tensor, "broadcast");
+  check_call(g, "broadcast", comm::describe(tensor), detail::cat("src=", src));
   std::vector<at::Tensor> ts{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = group_rank(g, src, "src", "broadcast");
@@ -119,6 +143,7 @@ Work broadcast(at::Tensor& tensor, int src, const Group& group, bool async_op) {
 Work reduce(at::Tensor& tensor, int dst, ReduceOp op, const Group& group, bool async_op) {
   const auto& g = member_group(group, "reduce");
   check_tensor(tensor, "reduce");
+  check_call(g, "reduce", comm::describe(tensor), detail::cat("dst=", dst), "op=" + to_string(op));
   std::vector<at::Tensor> ts{tensor};
   c10d::ReduceOptions opts;
   opts.reduceOp = to_c10d(op);
@@ -137,6 +162,7 @@ Work all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input, const
   const auto& g = member_group(group, "all_gather");
   check_tensor(input, "all_gather");
   check_list(outputs, input, g.ranks.size(), "all_gather", "outputs");
+  check_call(g, "all_gather", "outputs=" + list_desc(outputs), "input=" + comm::describe(input));
   std::vector<std::vector<at::Tensor>> out{outputs};
   std::vector<at::Tensor> in{input};
   c10d::AllgatherOptions opts;
@@ -149,6 +175,8 @@ Work reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceO
   const auto& g = member_group(group, "reduce_scatter");
   check_tensor(output, "reduce_scatter");
   check_list(inputs, output, g.ranks.size(), "reduce_scatter", "inputs");
+  check_call(g, "reduce_scatter", "output=" + comm::describe(output), "inputs=" + list_desc(inputs),
+             "op=" + to_string(op));
   // Note [reduce_scatter on Gloo].
   at::Tensor stacked = at::stack(inputs);
   Work w = all_reduce(stacked, op, group, /*async_op=*/true);
@@ -164,6 +192,7 @@ Work gather(const at::Tensor& input, std::vector<at::Tensor>& gather_list, int d
             bool async_op) {
   const auto& g = member_group(group, "gather");
   check_tensor(input, "gather");
+  check_call(g, "gather", "input=" + comm::describe(input), detail::cat("dst=", dst));
   c10d::GatherOptions opts;
   opts.rootRank = group_rank(g, dst, "dst", "gather");
   opts.timeout = g.timeout;
@@ -183,6 +212,7 @@ Work scatter(at::Tensor& output, std::vector<at::Tensor>& scatter_list, int src,
              bool async_op) {
   const auto& g = member_group(group, "scatter");
   check_tensor(output, "scatter");
+  check_call(g, "scatter", "output=" + comm::describe(output), detail::cat("src=", src));
   c10d::ScatterOptions opts;
   opts.rootRank = group_rank(g, src, "src", "scatter");
   opts.timeout = g.timeout;
@@ -200,6 +230,7 @@ Work scatter(at::Tensor& output, std::vector<at::Tensor>& scatter_list, int src,
 
 Work barrier(const Group& group, bool async_op) {
   const auto& g = member_group(group, "barrier");
+  check_call(g, "barrier");
   c10d::BarrierOptions opts;
   opts.timeout = g.timeout;
   return finish(Work(g.pg->barrier(opts), what(g, "barrier")), async_op);
@@ -210,6 +241,7 @@ void monitored_barrier(const Group& group, std::optional<std::chrono::millisecon
   const auto& g = member_group(group, "monitored_barrier");
   DTRAIN_CHECK(g.backend == "gloo", "monitored_barrier needs the gloo backend, the group uses '",
                g.backend, "': create a gloo subgroup for it");
+  // No DETAIL check here: monitored_barrier exists to report absent ranks within its own timeout.
   c10d::BarrierOptions opts;
   opts.timeout = timeout.value_or(g.timeout);
   try {

@@ -26,6 +26,7 @@
 #include "comm/launch_env.h"
 #include "comm/rendezvous_check.h"
 #include "comm/state.h"
+#include "comm/debug_check.h"
 #include "comm/store_adapter.h"
 #include "store/store.h"
 
@@ -154,6 +155,7 @@ void init_process_group(const InitOptions& o) {
   using namespace comm;
   std::lock_guard<std::mutex> lock(g_mu);
   DTRAIN_CHECK(!g_state, "init_process_group was called twice: call destroy_process_group() first");
+  init_debug_level();  // a bad DTRAIN_DEBUG fails here, not in the first collective
   auto st = std::make_unique<WorldState>();
   st->backend = !o.backend().empty() ? o.backend() : process_env()("DTRAIN_BACKEND").value_or("gloo");
   check_backend_name(st->backend);

@@ -2,6 +2,7 @@
 // default group): set by init_process_group, cleared by destroy_process_group.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -25,6 +26,8 @@ struct Group::Impl {
   std::vector<int> ranks;           // global ranks, sorted
   std::unordered_map<int, int> group_rank_of;  // global -> group rank
   std::chrono::milliseconds timeout{0};
+  // DTRAIN_DEBUG=DETAIL: collectives checked on this group so far (src/comm/debug_check.h).
+  mutable std::atomic<uint64_t> debug_seq{0};
 };
 
 namespace comm {

@@ -19,6 +19,10 @@ struct Work::State {
   std::function<void()> on_done;
   std::once_flag once;
   std::exception_ptr error;
+  // Work::then callbacks for works without a completion future: run after the first wait().
+  std::mutex then_mu;
+  bool waited = false;
+  std::vector<std::function<void()>> then_fns;
 };
 
 Work::Work(c10::intrusive_ptr<c10d::Work> work, std::string what, std::function<void()> on_done)
@@ -39,8 +43,31 @@ void Work::wait() {
     } catch (const std::exception& e) {
       s->error = std::make_exception_ptr(Error(s->what + " failed: " + brief(e)));
     }
+    std::vector<std::function<void()>> fns;
+    {
+      std::lock_guard<std::mutex> g(s->then_mu);
+      s->waited = true;
+      fns.swap(s->then_fns);
+    }
+    for (auto& fn : fns) fn();
   });
   if (state_->error) std::rethrow_exception(state_->error);
+}
+
+void Work::then(std::function<void()> fn) {
+  if (!state_) {
+    fn();
+    return;
+  }
+  if (state_->work && compat::add_completion_callback(state_->work, fn)) return;
+  {
+    std::lock_guard<std::mutex> g(state_->then_mu);
+    if (!state_->waited) {
+      state_->then_fns.push_back(std::move(fn));
+      return;
+    }
+  }
+  fn();
 }
 
 bool Work::is_completed() {

@@ -23,4 +23,19 @@ using Backend = c10d::ProcessGroup;
 // The object collectives are called on.
 using BackendPtr = c10::intrusive_ptr<Backend>;
 
+// Runs fn when `work` completes, on the thread that completes it (immediately when it already has).
+// False when the work has no completion future (c10d's base Work::getFuture throws): the caller then
+// runs fn itself after waiting.
+inline bool add_completion_callback(const c10::intrusive_ptr<c10d::Work>& work, std::function<void()> fn) {
+  c10::intrusive_ptr<c10::ivalue::Future> fut;
+  try {
+    fut = work->getFuture();
+  } catch (const std::exception&) {
+    return false;
+  }
+  if (!fut) return false;
+  fut->addCallback([fn = std::move(fn)](c10::ivalue::Future&) { fn(); });
+  return true;
+}
+
 }  // namespace dtrain::compat

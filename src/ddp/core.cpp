@@ -19,10 +19,7 @@ namespace {
 
 std::atomic<int> g_instances{0};
 
-bool debug_info() {
-  const char* v = std::getenv("DTRAIN_DEBUG");
-  return v && (std::string(v) == "INFO" || std::string(v) == "DETAIL");
-}
+bool debug_info() { return get_debug_level() != DebugLevel::OFF; }  // INFO or DETAIL
 
 }  // namespace
 
@@ -86,9 +83,14 @@ Core::Core(std::shared_ptr<torch::nn::Module> module, DDPOptions options) : impl
   s.reducer = std::make_unique<Reducer>(s.params, s.names, assignment, group,
                                         s.options.gradient_as_bucket_view(), s.track_unused);
   if (debug_info() && group.rank() == 0) {
+    const auto& o = s.options;
     std::cerr << "[dtrain DDP] " << s.params.size() << " parameters in " << assignment.size()
-              << " buckets (first " << s.options.first_bucket_cap_mb() << " MB, then "
-              << s.options.bucket_cap_mb() << " MB), group of " << group.size() << " ranks\n";
+              << " buckets (first " << o.first_bucket_cap_mb() << " MB, then " << o.bucket_cap_mb()
+              << " MB), group of " << group.size() << " ranks (" << group.backend() << "), " << s.buffers.size()
+              << " buffers | broadcast_buffers=" << o.broadcast_buffers()
+              << " find_unused_parameters=" << o.find_unused_parameters()
+              << " gradient_as_bucket_view=" << o.gradient_as_bucket_view() << " static_graph=" << o.static_graph()
+              << " debug=" << to_string(get_debug_level()) << "\n";
     for (size_t b = 0; b < assignment.size(); ++b) {
       std::cerr << "[dtrain DDP]   bucket " << b << ": " << s.reducer->buckets()[b].buffer.numel() * s.params[assignment[b][0]].element_size()
                 << " bytes:";
@@ -141,5 +143,6 @@ std::vector<std::vector<int>> Core::bucket_param_indices() const {
 }
 
 std::vector<DDPEvent> Core::last_backward_events() const { return impl_->reducer->events(); }
+void Core::set_event_hook(DDPEventHook hook) { impl_->reducer->set_event_hook(std::move(hook)); }
 
 }  // namespace dtrain::ddp

@@ -84,7 +84,15 @@ void Reducer::reset_iteration() {
   }
 }
 
-void Reducer::record(DDPEvent::Kind kind, int index) { events_.push_back(DDPEvent{kind, index, now_ns()}); }
+void Reducer::record(DDPEvent::Kind kind, int index, int64_t time_ns) {
+  events_.push_back(DDPEvent{kind, index, time_ns ? time_ns : now_ns()});
+  if (hook_) hook_(events_.back());
+}
+
+void Reducer::set_event_hook(DDPEventHook hook) {
+  std::lock_guard<std::mutex> g(mu_);
+  hook_ = std::move(hook);
+}
 
 std::vector<DDPEvent> Reducer::events() const { return events_; }
 
@@ -140,15 +148,18 @@ void Reducer::launch_ready_buckets() {
       at::NoGradGuard ng;
       b.buffer.div_(group_size_);
     }
+    record(DDPEvent::kBucketLaunched, static_cast<int>(next_to_launch_));
     b.work = all_reduce(b.buffer, ReduceOp::SUM, group_, /*async_op=*/true);
     b.launched = true;
-    record(DDPEvent::kBucketLaunched, static_cast<int>(next_to_launch_));
+    b.done_ns = std::make_shared<std::atomic<int64_t>>(0);
+    b.work.then([d = b.done_ns] { d->store(now_ns()); });
     ++next_to_launch_;
   }
 }
 
 void Reducer::finalize() {
   std::lock_guard<std::mutex> g(mu_);
+  record(DDPEvent::kBackwardEnd, -1);
   // Step 4.
   if (next_to_launch_ < buckets_.size()) {
     std::ostringstream missing;
@@ -175,7 +186,8 @@ void Reducer::finalize() {
   }
   for (auto& b : buckets_) {
     b.work.wait();
-    record(DDPEvent::kBucketDone, static_cast<int>(&b - &buckets_[0]));
+    // The completion callback may run just after wait() returns: then "now" is as good.
+    record(DDPEvent::kBucketDone, static_cast<int>(&b - &buckets_[0]), b.done_ns ? b.done_ns->load() : 0);
   }
   at::NoGradGuard ng;
   const int32_t* used = used_anywhere.defined() ? used_anywhere.data_ptr<int32_t>() : nullptr;
@@ -191,6 +203,7 @@ void Reducer::finalize() {
       grad.copy_(view);
     }
   }
+  record(DDPEvent::kGradsSynced, -1);
   reset_iteration();
 }
 

@@ -36,6 +36,9 @@ struct Bucket {
   int pending = 0;                  // gradients not yet ready this iteration
   bool launched = false;
   Work work;
+  // Set by the work's completion callback (0 until then); a fresh one per launch, so a late
+  // callback never lands in the next iteration.
+  std::shared_ptr<std::atomic<int64_t>> done_ns;
 };
 
 class Reducer {
@@ -52,6 +55,7 @@ class Reducer {
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
   std::vector<DDPEvent> events() const;
+  void set_event_hook(DDPEventHook hook);
 
  private:
   void on_grad_ready(int index);     // steps 2-3
@@ -59,7 +63,7 @@ class Reducer {
   void launch_ready_buckets();
   void finalize();                   // step 4
   void reset_iteration();
-  void record(DDPEvent::Kind kind, int index);
+  void record(DDPEvent::Kind kind, int index, int64_t time_ns = 0);  // 0: now
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
@@ -82,6 +86,7 @@ class Reducer {
   std::vector<bool> unused_;
   size_t next_to_launch_ = 0;
   std::vector<DDPEvent> events_;
+  DDPEventHook hook_;
   std::exception_ptr error_;
 };
 
