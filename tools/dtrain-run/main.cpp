@@ -9,7 +9,8 @@
 //      (--standalone: port 0, a free port; bind errors exit 1).
 //   3. Rendezvous with the other nodes (multi-node only; the main thread takes SIGINT etc.
 //      with their default action meanwhile: there is nothing to clean up yet).
-//   4. Re-block the signals, read them through a signalfd, run the attempt.
+//   4. Re-block the signals, read them through a signalfd, run the attempt; after a worker failure
+//      run a fresh attempt (all workers restarted) up to --max_restarts times.
 //   5. Report: a failed rank's last stderr lines (without --log_dir) and ONE summary line; node 0
 //      waits (bounded) for every node to finish before its store goes away. Exit 0, 1 or 128+signo.
 #include "options.h"
@@ -52,6 +53,15 @@ std::string hostname() {
   return buf;
 }
 
+// Without --log_dir: the failed rank's last stderr lines.
+void show_tail(const AttemptResult& result) {
+  if (result.tail.empty()) return;
+  say("last " + std::to_string(result.tail.size()) + " lines of rank " + std::to_string(result.tail_rank) + "'s stderr:");
+  std::string block;
+  for (const auto& l : result.tail) block += "[rank " + std::to_string(result.tail_rank) + "] " + l + "\n";
+  write_fully(STDERR_FILENO, block.data(), block.size());
+}
+
 int run(const LaunchOptions& o) {
   // 2.
   signal(SIGPIPE, SIG_IGN);
@@ -74,21 +84,30 @@ int run(const LaunchOptions& o) {
   // 4.
   int sfd = signalfd(-1, &all, SFD_CLOEXEC | SFD_NONBLOCK);
   if (sfd < 0) throw std::runtime_error(std::string("signalfd failed: ") + std::strerror(errno));
+  // Note [Restart loop] in supervisor.h: a failed attempt (exit code 1: a worker failed) is followed
+  // by a fresh one, with every worker restarted, until --max_restarts is used up. A signal to the
+  // launcher (128+signo) or success ends the loop.
   AttemptResult result;
-  {
-    Supervisor supervisor(o, port, sfd, rdzv ? &*rdzv : nullptr);
-    result = supervisor.run_attempt(0);  // Note [Restart loop] in supervisor.h
+  int attempt = 0;
+  for (;; ++attempt) {
+    {
+      Supervisor supervisor(o, port, sfd, rdzv ? &*rdzv : nullptr);
+      result = supervisor.run_attempt(attempt);
+    }
+    if (result.exit_code != 1 || attempt >= o.max_restarts) break;
+    show_tail(result);
+    say("restarting all workers (restart " + std::to_string(attempt + 1) + " of " + std::to_string(o.max_restarts) +
+        ") after: " + result.summary);
   }
   close(sfd);
 
   // 5.
-  if (!result.tail.empty()) {
-    say("last " + std::to_string(result.tail.size()) + " lines of rank " + std::to_string(result.tail_rank) + "'s stderr:");
-    std::string block;
-    for (const auto& l : result.tail) block += "[rank " + std::to_string(result.tail_rank) + "] " + l + "\n";
-    write_fully(STDERR_FILENO, block.data(), block.size());
-  }
-  if (!result.summary.empty()) say(result.summary);
+  show_tail(result);
+  if (!result.summary.empty())
+    say(result.summary + (result.exit_code == 1 && attempt > 0
+                              ? " (the last failure, after " + std::to_string(attempt) + " restart(s) of --max_restarts " +
+                                    std::to_string(o.max_restarts) + ")"
+                              : ""));
   if (rdzv) {
     try {
       rdzv->mark_done(o.node_rank, result.exit_code);

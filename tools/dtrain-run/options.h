@@ -37,7 +37,7 @@ struct LaunchOptions {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   bool standalone = false;
-  int max_restarts = 0;        // stored and exported; the restart loop comes later
+  int max_restarts = 0;        // restarts of the whole group after a failure (one-node jobs)
   double monitor_interval = 0.1;  // seconds
   double rdzv_timeout = 900;      // seconds
   double grace_period = 5;        // seconds between SIGTERM and SIGKILL

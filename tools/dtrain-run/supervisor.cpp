@@ -219,6 +219,9 @@ void Supervisor::reap() {
 void Supervisor::stop_all(int signo) {
   stopping_ = true;
   kill_groups(signo);
+  // A worker frozen with SIGSTOP would only see the signal at SIGKILL time: wake it so it can act on
+  // signo within the grace period.
+  kill_groups(SIGCONT);
   kill_deadline_ = now_s() + opts_.grace_period;
 }
 

@@ -16,8 +16,11 @@
 //         and stops this node's workers the same way.
 //   3. When every worker is reaped: SIGKILL each process group (grandchildren left behind by a
 //      worker die too: no orphans), drain the pipes (bounded), flush partial lines.
-// Note [Restart loop]: run_attempt() leaves nothing running, so a later --max_restarts loop can
-// call it again with attempt+1 (the log paths and DTRAIN_RESTART_COUNT already take the attempt).
+// Note [Restart loop]: run_attempt() leaves nothing running, so main.cpp's --max_restarts loop calls
+// it again with attempt+1 on a fresh Supervisor (log paths: attempt_<k>/; workers see
+// DTRAIN_RESTART_COUNT=k and the job store's keys are prefixed with it, so a new attempt never reads
+// the last one's rendezvous keys). Workers resume from their own checkpoints (dtrain/checkpoint.h).
+// One-node jobs only: several nodes would have to agree on each new attempt (options.cpp refuses).
 #pragma once
 
 #include "options.h"
