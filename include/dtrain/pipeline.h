@@ -1,0 +1,169 @@
+// Pipeline parallelism across ranks: the tutorial's `Pipe(model, chunks=4)` (section 5.2) made real,
+// with GPipe and 1F1B schedules, and combinable with DDP (stages x replicas).
+//
+//   dtrain::init_process_group();                               // e.g. 2 ranks: 2 stages
+//   torch::nn::Sequential model(Linear(128, 256), ReLU(), Linear(256, 256), ReLU(), Linear(256, 10));
+//   dtrain::Pipeline pipe(model, dtrain::PipelineOptions().chunks(4).schedule(dtrain::Schedule::k1F1B));
+//   torch::optim::SGD opt(pipe.parameters(), 0.1);             // this rank's stage only
+//   for (...) {
+//     opt.zero_grad();
+//     auto r = pipe.step(x, y, [](const at::Tensor& out, const at::Tensor& t) {
+//       return torch::nn::functional::cross_entropy(out, t); });  // x used on the first stage, y on the last
+//     opt.step();                                               // on every stage
+//     // r.loss: the batch's mean loss, on every rank
+//   }
+//
+// Every rank builds the whole Sequential (with the same seed, or loads the same weights) and keeps only
+// its stage's layers: stage i = rank i of the pipeline group. The split is `balance` (layers per
+// stage) or, when empty, balance_by_size over the layers' parameter counts (as ModelParallelSequential).
+//
+// Protocol of one step (every rank of the pipeline calls step()):
+//   1. The first stage splits the batch into `chunks` micro-batches along dim 0 (at::chunk); the last
+//      stage splits the target the same way.
+//   2. Each stage runs its schedule, a list of F(i) / B(i) actions (src/pipeline/schedule.cpp):
+//        GPipe: F(0..m-1), then B(m-1..0): every micro-batch's activations are stored at once (m).
+//        1F1B:  min(p-s-1, m) warm-up forwards, then alternate one forward / one backward, then the
+//               remaining backwards: stage s stores at most min(p-s, m) <= p micro-batches.
+//      F(i) receives the activation from stage s-1 (or takes input chunk i), runs the stage, and sends
+//      the output to stage s+1 (or computes loss_fn(out_i, target_i) * n_i / N on the last stage, so
+//      the summed gradient equals the whole batch's mean-loss gradient). B(i) receives the output's
+//      gradient from stage s+1 (or backpropagates the loss), runs backward, and sends the input's
+//      gradient to stage s-1. Gradients accumulate in the parameters over the micro-batches.
+//      Every message is a small header (status, dtype, shape) then the tensor, sent asynchronously.
+//   3. Agreement: one all-reduce over the pipeline group (over all ranks with replicas > 1) carries
+//      the loss to every rank and tells whether any rank failed (Note [pipeline failure]).
+//   4. With replicas > 1, DDP (over the ranks holding the same stage) averages the accumulated
+//      gradients; then the caller's optimizer steps on every rank.
+//
+// Note [pipeline failure]: a stage that throws (its forward, backward or the loss) must make every
+// rank fail with that error, without hanging. The failing rank writes its message to the job's store,
+// sends a FAIL header on both of its outgoing channels (to stage s+1 and to stage s-1), and goes to
+// the agreement. A rank that receives FAIL where it expected data does the same (without a message),
+// so every rank blocked on a receive is released: the chain of waits ends at a failed rank. The
+// agreement then tells everyone which ranks failed (the lowest one's message is used); every rank
+// sends FAIL on the channels it has not yet, reads each incoming channel up to its FAIL (so no send
+// stays unmatched: Gloo's send completes only when it is received), and throws
+//   "rank R: pipeline step K failed: stage S (rank Q) failed in forward of micro-batch I: <what>".
+// The pipeline stays usable after that (the channels are empty). With replicas, the agreement spans
+// every rank and comes before DDP's all-reduce, so no replica waits in a collective for a failed one.
+//
+// Boundary check: at the first step, a stage whose forward rejects what its predecessor sent fails with
+// an error naming both stages and the shape; a received gradient must have the sent activation's shape.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include "dtrain/ddp.h"
+#include "dtrain/detail/arg.h"
+#include "dtrain/process_group.h"
+
+namespace dtrain {
+
+enum class Schedule {
+  kGPipe,  // all forwards, then all backwards (torch's Pipe, "fill-drain")
+  k1F1B,   // one forward, one backward in steady state (PipeDream-Flush); activations bounded by stages
+};
+std::string to_string(Schedule s);
+
+// How loss_fn reduces a micro-batch, so the pipeline can weight micro-batches to match one big batch.
+enum class LossReduction {
+  kMean,  // loss_fn returns the mean over the micro-batch: each is weighted by its size / batch size
+  kSum,   // loss_fn returns a sum: micro-batch losses are added unweighted
+};
+
+struct PipelineOptions {
+  // Micro-batches per step (>= 1). The batch must have at least `chunks` samples.
+  DTRAIN_ARG(int64_t, chunks, 1)
+  DTRAIN_ARG(Schedule, schedule, Schedule::kGPipe)
+  // Layers per stage, summing to the Sequential's size. Empty: balanced by parameter count.
+  DTRAIN_ARG(std::vector<int64_t>, balance, {})
+  // The ranks of the pipeline, in stage order (default: the world). Ignored with replicas > 1.
+  DTRAIN_ARG(Group, group, Group())
+  // Data-parallel replicas of the whole pipeline (2D parallelism). With R > 1, the world (of W ranks)
+  // is laid out as W/R stages x R replicas: rank = replica * stages + stage. Every rank of the world
+  // must construct the Pipeline (it creates subgroups with new_group, in the same order everywhere);
+  // the ranks holding the same stage average their gradients with DistributedDataParallel.
+  DTRAIN_ARG(int, replicas, 1)
+  // Options of the DDP inside each stage group (replicas > 1); process_group is set by the pipeline.
+  DTRAIN_ARG(DDPOptions, ddp, DDPOptions())
+  DTRAIN_ARG(LossReduction, loss_reduction, LossReduction::kMean)
+};
+
+// What one step measured on this rank (for benchmarks and monitoring).
+struct PipelineStepStats {
+  double step_s = 0;     // the whole step, agreement and gradient sync included
+  double compute_s = 0;  // inside the stage's forward, loss and backward
+  int64_t micro_batches = 0;
+  int64_t max_live_micro_batches = 0;  // the most micro-batches whose activations were stored at once
+};
+
+struct PipelineStepResult {
+  double loss = 0;    // the batch's loss (mean over replicas with replicas > 1), on every rank
+  at::Tensor output;  // the last stage's outputs for the whole batch (detached); undefined elsewhere
+};
+
+class Pipeline {
+ public:
+  // loss_fn(output micro-batch, target micro-batch) -> scalar, called on the last stage.
+  using LossFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
+
+  // Splits `model` into stages (options.balance(), or by parameter count); this rank keeps its stage.
+  Pipeline(torch::nn::Sequential model, PipelineOptions options = PipelineOptions());
+  // One module per stage, in order (options.balance() must be empty); this rank keeps its own.
+  Pipeline(std::vector<torch::nn::Sequential> stages, PipelineOptions options = PipelineOptions());
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  // One training step's forward and backward over the micro-batches; every rank of the pipeline calls
+  // it. input: the batch (first stage; ignored elsewhere, pass an undefined tensor); target: the same
+  // batch's targets (last stage; ignored elsewhere). Gradients are accumulated into the stage's
+  // parameters (zero them before, as usual); call the optimizer after it on every rank.
+  PipelineStepResult step(const at::Tensor& input, const at::Tensor& target, const LossFn& loss_fn);
+
+  // This rank's stage (its layers of the model).
+  const torch::nn::Sequential& stage_module() const;
+  std::vector<at::Tensor> parameters() const;
+  int stage() const;       // this rank's stage index
+  int num_stages() const;
+  int replica() const;     // this rank's replica index (0 without replicas)
+  bool is_first() const { return stage() == 0; }
+  bool is_last() const { return stage() == num_stages() - 1; }
+  // Layers per stage (as used), and the index of this stage's first layer in the Sequential.
+  const std::vector<int64_t>& balance() const;
+  int64_t first_layer() const;
+  const PipelineOptions& options() const;
+  // The pipeline group (stage order) and, with replicas > 1, this stage's data-parallel group.
+  const Group& pipeline_group() const;
+  const Group& stage_group() const;
+
+  // The most micro-batches whose activations this stage held at once during the last step
+  // (GPipe: chunks; 1F1B: min(stages - stage, chunks)). Counted by the implementation.
+  int64_t max_live_micro_batches() const;
+  const PipelineStepStats& last_step_stats() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+namespace pipeline {
+
+// One action of a stage's schedule.
+struct Action {
+  enum Kind { kForward, kBackward } kind;
+  int64_t micro_batch;
+};
+
+// The ordered actions of `stage` out of `stages` for `chunks` micro-batches.
+std::vector<Action> make_schedule(Schedule schedule, int stages, int stage, int64_t chunks);
+
+}  // namespace pipeline
+}  // namespace dtrain

@@ -1,0 +1,43 @@
+// Pipeline layouts: one pipeline over a group, or stages x replicas over the world (2D parallelism).
+#include "pipeline/layout.h"
+
+namespace dtrain::pipeline {
+
+Layout make_layout(const Group& group, int replicas) {
+  Layout l;
+  DTRAIN_CHECK(replicas >= 1, "PipelineOptions: replicas must be >= 1, got ", replicas);
+  if (replicas == 1) {
+    DTRAIN_CHECK(group.is_member(), "Pipeline: rank ", rank(), " is not a member of the pipeline's group: "
+                 "construct the pipeline only on its ranks");
+    l.pipeline = group;
+    l.agreement = group;
+    l.stages = group.size();
+    l.stage = group.rank();
+    return l;
+  }
+  DTRAIN_CHECK(group.is_default(), "PipelineOptions: replicas > 1 lays out the whole world; leave group unset");
+  const int world = world_size();
+  DTRAIN_CHECK(world % replicas == 0, "PipelineOptions: replicas=", replicas, " does not divide the world of ",
+               world, " ranks: use a divisor (stages = world / replicas)");
+  l.replicas = replicas;
+  l.stages = world / replicas;
+  l.stage = rank() % l.stages;
+  l.replica = rank() / l.stages;
+  // Every rank creates every group, in the same order (new_group's contract).
+  for (int r = 0; r < replicas; ++r) {
+    std::vector<int> ranks;
+    for (int s = 0; s < l.stages; ++s) ranks.push_back(r * l.stages + s);
+    Group g = new_group(ranks);
+    if (r == l.replica) l.pipeline = g;
+  }
+  for (int s = 0; s < l.stages; ++s) {
+    std::vector<int> ranks;
+    for (int r = 0; r < replicas; ++r) ranks.push_back(r * l.stages + s);
+    Group g = new_group(ranks);
+    if (s == l.stage) l.stage_group = g;
+  }
+  l.agreement = Group();
+  return l;
+}
+
+}  // namespace dtrain::pipeline
