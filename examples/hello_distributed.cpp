@@ -1,5 +1,5 @@
-// hello_distributed: the tutorial's monitor_training() in C++ — rank, world size, backend, device and
-// memory of every rank — plus an all_reduce check.
+// hello_distributed: the tutorial's monitor_training() in C++ (dtrain::monitor_training(): rank, world
+// size, backend, device and memory of every rank) plus an all_reduce check.
 //
 //   ./build/bin/dtrain-run --standalone --nproc_per_node 2 ./build/bin/hello_distributed
 //
@@ -27,15 +27,6 @@ int64_t unix_ns() {
       .count();
 }
 
-void monitor_training() {
-  std::printf("Rank: %d, World Size: %d, Local Rank: %d/%d\n", dtrain::rank(), dtrain::world_size(),
-              dtrain::local_rank(), dtrain::local_world_size());
-  std::printf("Backend: %s\n", dtrain::backend().c_str());
-  std::printf("Device: cpu (%d threads)\n", at::get_num_threads());
-  std::printf("Memory: RSS %.1f MiB, peak %.1f MiB\n", dtrain::rss_bytes() / 1048576.0,
-              dtrain::peak_rss_bytes() / 1048576.0);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -61,7 +52,7 @@ int main(int argc, char** argv) {
     dtrain::barrier();
     if (report_times) std::printf("first_barrier_unix_ns=%lld\n", static_cast<long long>(unix_ns()));
 
-    monitor_training();
+    dtrain::monitor_training();  // the tutorial's monitor_training(), one call (dtrain/monitor.h)
     dtrain::warn_if_slow_blas();
 
     // Every rank contributes rank+1: the sum is n(n+1)/2 everywhere.

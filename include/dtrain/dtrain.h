@@ -4,6 +4,7 @@
 #include "dtrain/amp.h"
 #include "dtrain/ddp.h"
 #include "dtrain/errors.h"
+#include "dtrain/monitor.h"
 #include "dtrain/pipeline.h"
 #include "dtrain/process_group.h"
 #include "dtrain/system.h"

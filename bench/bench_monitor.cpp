@@ -1,0 +1,177 @@
+// bench_monitor: what monitoring and DTRAIN_DEBUG=DETAIL cost per training step of the tutorial's CNN
+// (TrainModel, batch 32 per rank, Adam, DDP, 1 thread per rank).
+//
+// Each repetition starts a 1-rank job and a 2-rank job. Inside a job the variants run interleaved in
+// blocks of steps on the same model (so drift and load hit them alike):
+//   off      the plain DDP step (forward, loss, backward, step, loss.item())
+//   on       the same step inside a dtrain::Monitor: phase scopes, end_step with loss/samples/lr, the
+//            gradient norm, DDP's bucket events, progress lines, metrics.jsonl every 10 steps (one
+//            all_gather), and the timeline of the first 100 steps
+//   detail   the plain step with DTRAIN_DEBUG=DETAIL (a store check before every collective; 2 ranks)
+// ms/step is rank 0's wall time per step; the median over repetitions is reported.
+//
+//   build/bin/bench_monitor [--reps 3] [--blocks 4] [--steps 10]
+// Last line: RESULT monitor_overhead_1rank=... monitor_overhead_2rank=... detail_overhead=...
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+
+#include <unistd.h>
+
+#include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adam.h>
+
+#include "dtrain/ddp.h"
+#include "dtrain/monitor.h"
+#include "dtrain/system.h"
+#include "spawn.h"
+#include "tutorial_models.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int worker_main(int argc, char** argv) {
+  dtrain::reduce_allocator_churn();  // as the trainer does: Note [malloc churn]
+  CLI::App app{"bench_monitor worker"};
+  int blocks = 4, steps = 10, warmup = 3;
+  app.add_option("--blocks", blocks);
+  app.add_option("--steps", steps);
+  app.add_option("--warmup", warmup);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    at::set_num_threads(1);
+    dtrain::init_process_group();
+    const int rank = dtrain::rank(), world = dtrain::world_size();
+    torch::manual_seed(0);
+    tutorial::TrainModel model;
+    dtrain::DistributedDataParallel ddp(model);
+    torch::optim::Adam opt(ddp.parameters(), 1e-3);
+    at::Tensor x = at::randn({32, 3, 32, 32}), y = at::randint(0, 10, {32});
+
+    auto plain = [&] {
+      opt.zero_grad();
+      at::Tensor loss = torch::nn::functional::cross_entropy(ddp(x), y);
+      loss.backward();
+      opt.step();
+      return loss.item<double>();
+    };
+    const std::string dir =
+        (std::filesystem::temp_directory_path() / ("bench_monitor_" + std::to_string(::getpid()))).string();
+    std::FILE* devnull = std::fopen("/dev/null", "w");
+    dtrain::Monitor mon(dtrain::MonitorOptions()
+                            .output_dir(dir)
+                            .log_every(10)
+                            .trace_steps(100)
+                            .total_steps(static_cast<int64_t>(blocks) * steps)
+                            .progress_out(devnull)
+                            .progress_terminal(false));
+    mon.watch(ddp);
+    auto monitored = [&] {
+      at::Tensor loss;
+      {
+        auto p = mon.phase(dtrain::Phase::kForward);
+        loss = torch::nn::functional::cross_entropy(ddp(x), y);
+      }
+      {
+        auto p = mon.phase(dtrain::Phase::kBackward);
+        opt.zero_grad();
+        loss.backward();
+      }
+      {
+        auto p = mon.phase(dtrain::Phase::kOptimizer);
+        opt.step();
+      }
+      const double l = loss.item<double>();
+      mon.end_step(dtrain::StepInfo().loss(l).samples(32).lr(1e-3));
+      return l;
+    };
+    auto detail = [&] {
+      dtrain::set_debug_level(dtrain::DebugLevel::DETAIL);
+      const double l = plain();
+      dtrain::set_debug_level(dtrain::DebugLevel::OFF);
+      return l;
+    };
+
+    for (int i = 0; i < warmup; ++i) plain(), detail();
+    std::map<std::string, double> total_s;
+    for (int b = 0; b < blocks; ++b) {
+      for (const char* v : {"off", "on", "detail"}) {
+        const std::string variant = v;
+        if (variant == "detail" && world < 2) continue;  // one rank: no check to make
+        dtrain::barrier();
+        if (variant == "on") mon.begin_step();
+        const auto t0 = Clock::now();
+        for (int s = 0; s < steps; ++s) variant == "off" ? plain() : variant == "on" ? monitored() : detail();
+        total_s[variant] += std::chrono::duration<double>(Clock::now() - t0).count();
+      }
+    }
+    mon.close();
+    std::fclose(devnull);
+    dtrain::barrier();
+    if (rank == 0) {
+      std::filesystem::remove_all(dir);
+      const double n = static_cast<double>(blocks) * steps;
+      std::printf("off_ms=%.3f on_ms=%.3f", 1e3 * total_s["off"] / n, 1e3 * total_s["on"] / n);
+      if (world > 1) std::printf(" detail_ms=%.3f", 1e3 * total_s["detail"] / n);
+      std::printf("\n");
+    }
+    dtrain::destroy_process_group();
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_monitor worker: error: %s\n", e.what());
+    return 1;
+  }
+}
+
+int driver_main(int argc, char** argv) {
+  CLI::App app{"bench_monitor: step-time cost of dtrain::Monitor and DTRAIN_DEBUG=DETAIL on the tutorial's CNN"};
+  int reps = 3, blocks = 4, steps = 10;
+  double timeout_s = 600;
+  app.add_option("--reps", reps, "repetitions (median reported)")->check(CLI::PositiveNumber);
+  app.add_option("--blocks", blocks, "interleaved blocks per variant and job")->check(CLI::PositiveNumber);
+  app.add_option("--steps", steps, "steps per block")->check(CLI::PositiveNumber);
+  app.add_option("--timeout_s", timeout_s, "limit per job");
+  CLI11_PARSE(app, argc, argv);
+
+  std::map<std::string, std::vector<double>> ms;  // "<ranks>/<variant>" -> per repetition
+  for (int r = 0; r < reps; ++r)
+    for (int world : {1, 2}) {
+      const std::string out =
+          bench::run_job({bench::self_exe(), "--worker", "--blocks", std::to_string(blocks), "--steps",
+                          std::to_string(steps)},
+                         world, timeout_s, "bench_monitor");
+      for (const char* v : {"off", "on", "detail"}) {
+        const double x = bench::parse_value(out, std::string(v) + "_ms");
+        if (x == x) ms[std::to_string(world) + "/" + v].push_back(x);
+      }
+    }
+
+  std::printf("TrainModel (CNN 3x32x32), batch 32 per rank, Adam, DDP, 1 thread per rank, %d blocks x %d steps "
+              "per variant, %d reps, load %s\n",
+              blocks, steps, reps, bench::load_average().c_str());
+  std::printf("%-6s %-8s %12s %10s   runs (ms/step)\n", "ranks", "variant", "median ms", "vs off");
+  auto med = [&](const std::string& k) { return ms[k].empty() ? 0.0 : bench::median(ms[k]); };
+  for (int world : {1, 2})
+    for (const char* v : {"off", "on", "detail"}) {
+      const std::string k = std::to_string(world) + "/" + v;
+      if (ms[k].empty()) continue;
+      std::printf("%-6d %-8s %12.2f %+9.2f%%  ", world, v, med(k), 100 * (med(k) / med(std::to_string(world) + "/off") - 1));
+      for (double x : ms[k]) std::printf(" %.2f", x);
+      std::printf("\n");
+    }
+  std::printf("RESULT monitor_overhead_1rank=%.4f monitor_overhead_2rank=%.4f detail_overhead=%.4f\n",
+              med("1/on") / med("1/off") - 1, med("2/on") / med("2/off") - 1, med("2/detail") / med("2/off") - 1);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "--worker") return worker_main(argc - 1, argv + 1);
+  return driver_main(argc, argv);
+}

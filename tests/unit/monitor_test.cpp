@@ -1,0 +1,215 @@
+// Monitor in one process: progress output, the SVG plot, JSON lines, the trace, debug-level parsing.
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/nn/modules/linear.h>
+
+#include "dtrain/monitor.h"
+#include "svg_check.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using namespace dtrain;
+using dtrain::test_util::error_of;
+
+namespace {
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::ostringstream os;
+  os << f.rdbuf();
+  return os.str();
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream is(text);
+  for (std::string l; std::getline(is, l);) out.push_back(l);
+  return out;
+}
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    char tmpl[] = "/tmp/dtrain_monitor_XXXXXX";
+    path = ::mkdtemp(tmpl);
+  }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+// Progress written into a temporary file (as if stdout were a pipe or a log file).
+std::string progress_output(std::optional<bool> terminal, int steps) {
+  std::FILE* f = std::tmpfile();
+  Progress p(ProgressOptions().label("epoch 1/2").total(steps).samples_per_step(64).out(f).terminal(terminal));
+  for (int s = 1; s <= steps; ++s) p.update(s, 1.0 / s);
+  p.finish();
+  std::fflush(f);
+  std::rewind(f);
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) out.append(buf, n);
+  std::fclose(f);
+  return out;
+}
+
+}  // namespace
+
+TEST(Progress, PlainLinesWhenNotATerminal) {
+  const std::string out = progress_output(false, 50);
+  EXPECT_EQ(out.find('\r'), std::string::npos) << "no carriage returns in a log";
+  EXPECT_EQ(out.find('\033'), std::string::npos) << "no escape codes in a log";
+  const auto lines = lines_of(out);
+  ASSERT_EQ(lines.size(), 10u) << out;  // one per 10%
+  for (const auto& l : lines) {
+    EXPECT_EQ(l.rfind("epoch 1/2 ", 0), 0u) << l;
+    EXPECT_NE(l.find("samples/s"), std::string::npos) << l;
+    EXPECT_NE(l.find("ETA"), std::string::npos) << l;
+  }
+  EXPECT_NE(lines[0].find(" 10% 5/50"), std::string::npos) << lines[0];
+  EXPECT_NE(lines.back().find("100% 50/50"), std::string::npos) << lines.back();
+}
+
+TEST(Progress, BarOnATerminal) {
+  const std::string out = progress_output(true, 3);
+  EXPECT_NE(out.find("\r"), std::string::npos);
+  EXPECT_NE(out.find("[==="), std::string::npos) << out;
+  EXPECT_EQ(out.back(), '\n') << "finish() ends the bar's line";
+}
+
+TEST(Progress, BadTotalIsAClearError) {
+  EXPECT_NE(error_of([] { Progress p(ProgressOptions().total(0)); }).find("total must be > 0"), std::string::npos);
+}
+
+TEST(Plot, SvgIsWellFormedWithOnePointPerValue) {
+  PlotSeries a{"loss <train>", {1, 2, 3, 4}, {2.0, 1.5, 1.2, 1.0}};
+  PlotSeries b{"accuracy", {1, 2, 3, 4}, {NAN, NAN, NAN, NAN}};  // no data: a note, no polyline
+  PlotSeries c{"throughput", {10}, {500}};                      // one point: still drawn
+  const std::string svg = svg_plot({a, b, c}, "run & test");
+  EXPECT_EQ(test_util::svg_problem(svg), "");
+  EXPECT_NE(svg.find("loss &lt;train&gt;"), std::string::npos) << "titles are escaped";
+  EXPECT_NE(svg.find("no data"), std::string::npos);
+  EXPECT_EQ(test_util::polyline_point_counts(svg), (std::vector<int>{4, 1}));
+  // The checker itself catches broken documents.
+  EXPECT_NE(test_util::svg_problem(svg.substr(0, svg.size() - 8)), "");
+  EXPECT_NE(test_util::svg_problem("<svg><g></svg>"), "");
+}
+
+TEST(Monitor, JsonLinesTraceAndPlotInOneProcess) {
+  TempDir dir;
+  torch::manual_seed(0);
+  torch::nn::Linear model(8, 4);
+  {
+    Monitor mon(MonitorOptions().output_dir(dir.path.string()).log_every(5).trace_steps(3).per_rank_metrics(true)
+                    .progress(false));
+    mon.watch_parameters(model->parameters());
+    for (int step = 1; step <= 12; ++step) {
+      at::Tensor loss;
+      {
+        auto p = mon.phase(Phase::kForward);
+        loss = model(at::randn({16, 8})).pow(2).mean();
+      }
+      {
+        auto p = mon.phase(Phase::kBackward);
+        model->zero_grad();
+        loss.backward();
+      }
+      {
+        auto p = mon.phase(Phase::kOptimizer);
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+      mon.end_step(StepInfo().loss(step).samples(16).accuracy(0.5).lr(0.1));
+    }
+    const StepMetrics& last = mon.last_step();
+    EXPECT_EQ(last.step, 12);
+    EXPECT_GE(last.optimizer_ms, 2.0);
+    EXPECT_TRUE(std::isnan(last.grad_norm)) << "computed on a window's last step only (steps 5, 10)";
+    EXPECT_GE(last.step_ms, last.forward_ms + last.backward_ms + last.optimizer_ms - 1e-9);
+    mon.close();
+    ASSERT_EQ(mon.windows().size(), 3u);
+  }
+
+  // metrics.jsonl: one window per line (steps 5, 10, and the last partial window at close).
+  const auto lines = lines_of(slurp((dir.path / "metrics.jsonl").string()));
+  ASSERT_EQ(lines.size(), 3u);
+  const int64_t expect_step[] = {5, 10, 12}, expect_steps[] = {5, 5, 2};
+  const double expect_loss[] = {3.0, 8.0, 11.5};  // means of the losses given
+  for (size_t i = 0; i < lines.size(); ++i) {
+    auto j = nlohmann::json::parse(lines[i]);
+    EXPECT_EQ(j["step"], expect_step[i]);
+    EXPECT_EQ(j["steps"], expect_steps[i]);
+    EXPECT_DOUBLE_EQ(j["loss"].get<double>(), expect_loss[i]);
+    EXPECT_DOUBLE_EQ(j["accuracy"].get<double>(), 0.5);
+    EXPECT_DOUBLE_EQ(j["lr"].get<double>(), 0.1);
+    EXPECT_GT(j["grad_norm"].get<double>(), 0.0);
+    EXPECT_GT(j["samples_per_s"].get<double>(), 0.0);
+    for (const char* f : {"step_ms", "other_ms", "forward_ms", "backward_ms", "optimizer_ms", "comm_ms",
+                          "comm_wait_ms", "rss_mb"}) {
+      ASSERT_TRUE(j.contains(f)) << f;
+      for (const char* k : {"min", "mean", "max", "max_rank"}) EXPECT_TRUE(j[f].contains(k)) << f << "." << k;
+      EXPECT_LE(j[f]["min"].get<double>(), j[f]["max"].get<double>()) << f;
+    }
+    EXPECT_GE(j["optimizer_ms"]["mean"].get<double>(), 2.0);
+    EXPECT_EQ(j["comm_ms"]["max"].get<double>(), 0.0) << "no DDP, no communication";
+    EXPECT_GT(j["rss_mb"]["mean"].get<double>(), 10.0);
+    EXPECT_EQ(j["slowest_rank"], 0);
+  }
+  // Per-rank lines: every step.
+  const auto rank_lines = lines_of(slurp((dir.path / "metrics_rank0.jsonl").string()));
+  ASSERT_EQ(rank_lines.size(), 12u);
+  EXPECT_EQ(nlohmann::json::parse(rank_lines[11])["step"], 12);
+
+  // trace.json: valid JSON; the first 3 steps only; the part file is gone.
+  auto trace = nlohmann::json::parse(slurp((dir.path / "trace.json").string()));
+  int forwards = 0;
+  for (const auto& e : trace["traceEvents"])
+    if (e["name"] == "forward") {
+      ++forwards;
+      EXPECT_EQ(e["ph"], "X");
+      EXPECT_GE(e["dur"].get<double>(), 0.0);
+    }
+  EXPECT_EQ(forwards, 3);
+  EXPECT_FALSE(fs::exists(dir.path / "trace_rank0.part"));
+
+  const std::string svg = slurp((dir.path / "plot.svg").string());
+  EXPECT_EQ(test_util::svg_problem(svg), "");
+  EXPECT_EQ(test_util::polyline_point_counts(svg), (std::vector<int>{3, 3, 3}));  // loss, accuracy, throughput
+}
+
+TEST(Monitor, BadOptionsAreClearErrors) {
+  EXPECT_NE(error_of([] { Monitor m(MonitorOptions().log_every(0)); }).find("log_every must be > 0"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { Monitor m(MonitorOptions().output_dir("/proc/no/such")); }).find("/proc/no/such"),
+            std::string::npos);
+}
+
+TEST(Status, MonitorTrainingLines) {
+  const std::string s = training_status();
+  EXPECT_NE(s.find("Rank: 0, World Size: 1"), std::string::npos) << s;
+  EXPECT_NE(s.find("Device: cpu"), std::string::npos) << s;
+  EXPECT_NE(s.find("Memory: RSS"), std::string::npos) << s;
+  EXPECT_GT(memory_info().rss_bytes, 0);
+}
+
+TEST(DebugLevel, ReadFromTheEnvironment) {
+  ::setenv("DTRAIN_DEBUG", "DETAIL", 1);
+  set_debug_level_from_env();
+  EXPECT_EQ(get_debug_level(), DebugLevel::DETAIL);
+  ::setenv("DTRAIN_DEBUG", "INFO", 1);
+  set_debug_level_from_env();
+  EXPECT_EQ(get_debug_level(), DebugLevel::INFO);
+  ::setenv("DTRAIN_DEBUG", "LOUD", 1);
+  const std::string err = error_of([] { set_debug_level_from_env(); });
+  EXPECT_NE(err.find("DTRAIN_DEBUG=LOUD"), std::string::npos) << err;
+  EXPECT_NE(err.find("OFF, INFO or DETAIL"), std::string::npos) << err;
+  ::unsetenv("DTRAIN_DEBUG");
+  set_debug_level_from_env();
+  EXPECT_EQ(get_debug_level(), DebugLevel::OFF);
+}
