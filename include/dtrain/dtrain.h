@@ -2,6 +2,7 @@
 #pragma once
 
 #include "dtrain/amp.h"
+#include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
 #include "dtrain/errors.h"
 #include "dtrain/monitor.h"

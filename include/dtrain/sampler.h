@@ -91,6 +91,10 @@ class DistributedSampler : public torch::data::samplers::Sampler<std::vector<siz
   void load(torch::serialize::InputArchive& archive) override;
   // Position in the current pass (indices handed out so far).
   size_t position() const { return position_; }
+  // Makes the next pass of this sampler or of any copy of it (the DataLoader's) start at `position`
+  // of the epoch's index list instead of 0, once: how a resumed run continues mid-epoch
+  // (dtrain/checkpoint.h). Later passes start at 0 again.
+  void resume_at(size_t position);
 
  private:
   void compute_sizes();
@@ -102,6 +106,7 @@ class DistributedSampler : public torch::data::samplers::Sampler<std::vector<siz
   size_t dataset_size_ = 0;
   size_t num_samples_ = 0;
   std::shared_ptr<std::atomic<int64_t>> epoch_;  // shared by copies (Note [set_epoch])
+  std::shared_ptr<std::atomic<int64_t>> resume_;  // shared by copies: resume_at()'s position, or -1
 
   // The current pass (next()).
   std::vector<int64_t> pass_indices_;

@@ -15,7 +15,10 @@ constexpr const char* kWhat = "DistributedSampler: ";
 }  // namespace
 
 DistributedSampler::DistributedSampler(size_t dataset_size, const DistributedSamplerOptions& options)
-    : options_(options), dataset_size_(dataset_size), epoch_(std::make_shared<std::atomic<int64_t>>(0)) {
+    : options_(options),
+      dataset_size_(dataset_size),
+      epoch_(std::make_shared<std::atomic<int64_t>>(0)),
+      resume_(std::make_shared<std::atomic<int64_t>>(-1)) {
   if (options.num_replicas()) {
     num_replicas_ = *options.num_replicas();
   } else {
@@ -85,8 +88,15 @@ std::vector<int64_t> DistributedSampler::indices() const {
 
 void DistributedSampler::start_pass() {
   pass_indices_ = indices();
-  position_ = 0;
+  const int64_t resume = resume_->exchange(-1);
+  position_ = resume > 0 ? std::min(static_cast<size_t>(resume), pass_indices_.size()) : 0;
   pass_started_ = true;
+}
+
+void DistributedSampler::resume_at(size_t position) {
+  DTRAIN_CHECK(position <= num_samples_, kWhat, "resume_at(", position, ") is past the ", num_samples_,
+               " indices of an epoch on this rank");
+  resume_->store(static_cast<int64_t>(position));
 }
 
 void DistributedSampler::reset(c10::optional<size_t> new_size) {
@@ -149,7 +159,8 @@ void DistributedSampler::load(torch::serialize::InputArchive& archive) {
   compute_sizes();
   epoch_->store(epoch);
   if (started) {
-    start_pass();
+    pass_indices_ = indices();
+    pass_started_ = true;
     DTRAIN_CHECK(position >= 0 && static_cast<size_t>(position) <= pass_indices_.size(), kWhat,
                  "saved position ", position, " is outside [0, ", pass_indices_.size(), "]");
     position_ = static_cast<size_t>(position);

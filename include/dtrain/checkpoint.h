@@ -1,0 +1,117 @@
+// Checkpoints for exact resume: model, optimizer, GradScaler, sampler epoch and position, RNG states,
+// step count and user values, written atomically by rank 0 and loaded by every rank.
+//
+//   dtrain::TrainingState st;                       // what to save and restore (null: left out)
+//   st.model = ddp.module().get();  st.optimizer = &opt;  st.scaler = &scaler;  st.sampler = &sampler;
+//   dtrain::CheckpointManager ckpt("/ckpt");        // keeps the newest 2 (CheckpointOptions().keep(k))
+//   if (auto path = ckpt.load_latest(st)) { ... }   // every rank; st.step/epoch/values are restored
+//   for (...) {                                     // train; keep st.step (and the rest) current
+//     if (st.step % 100 == 0) ckpt.save(st);        // every rank calls it; rank 0 writes
+//   }
+//
+// Steps of CheckpointManager::save() (a collective: every rank calls it):
+//   1. Every rank packs its own RNG states (the default CPU generator; the current CUDA device's
+//      when CUDA is available) and st.values; all_gather gives rank 0 every rank's pack.
+//   2. Rank 0 serializes one torch archive (the layout below) and writes
+//      <dir>/<prefix>_<step, 10 digits>.pt atomically: a temporary file in the same folder, write,
+//      fsync, rename over the name, fsync the folder. The previous checkpoints are untouched until
+//      the new one is complete; then all but the newest `keep` are deleted.
+//   3. Rank 0 broadcasts the outcome: a failure (unwritable folder, disk full) throws the same
+//      dtrain::Error, naming the file and the reason, on every rank, and leaves the older files intact.
+// Steps of load_latest() (a collective too):
+//   1. Rank 0 lists <dir>/<prefix>_*.pt and tries them newest first: a file whose header, length or
+//      CRC-32 is wrong, or whose archive does not parse, gives "dtrain warning: checkpoint <file> is
+//      unusable (<reason>); falling back to the previous one" and the next older one is tried.
+//   2. Rank 0 broadcasts the chosen file's bytes, so every rank restores the same checkpoint, also on
+//      nodes that do not share the folder. No file: std::nullopt everywhere; files but none usable:
+//      an error naming them.
+//   3. Every rank checks the model first (names, shapes and dtypes of every parameter and buffer, in
+//      order; the first mismatch is the error: "... tensor 'fc1.weight' has shape [128, 3136] in the
+//      checkpoint but [64, 3136] in the model ..."), then restores model, optimizer, scaler, sampler
+//      (epoch, and the position where the next pass over the epoch starts, for every copy of the
+//      sampler, the DataLoader's too), its own RNG states and values, step and epoch.
+//
+// File format (kCheckpointFormatVersion = 1): one text line
+//   "DTRAIN-CHECKPOINT <version> <payload bytes> <crc32 of the payload, 8 hex digits>\n"
+// then the payload: a torch::serialize archive (zip) with the keys
+//   version, step, epoch, world_size, model_manifest ("name dtype [shape]" per line), model,
+//   optimizer, scaler, sampler, sampler_position, rank_state_<r> (uint8, one per rank).
+// Python reads it with torch.jit.load(io.BytesIO(data[data.index(b"\n") + 1:])).
+//
+// Note [exact resume]: restoring all of the above makes the continued run compute bit-identical
+// steps as long as the program itself is deterministic (same thread count, same world size, no
+// data-dependent nondeterminism). train_fashion_mnist's fault tests check this with params_sha256.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dtrain/detail/arg.h"
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace dtrain {
+
+class GradScaler;
+class DistributedSampler;
+
+constexpr int kCheckpointFormatVersion = 1;
+
+// What a checkpoint holds. Null pointers are neither saved nor restored.
+struct TrainingState {
+  torch::nn::Module* model = nullptr;  // the inner model (ddp.module().get()), not the DDP wrapper
+  torch::optim::Optimizer* optimizer = nullptr;
+  GradScaler* scaler = nullptr;
+  DistributedSampler* sampler = nullptr;
+  // Indices of the current epoch this rank has consumed (batches done x batch size). -1: the
+  // sampler's own position(), which is 0 for a copy that the DataLoader does not drive.
+  int64_t sampler_position = -1;
+  int64_t step = 0;   // optimizer steps done: names the file
+  int64_t epoch = 0;  // the caller's meaning (e.g. the epoch in progress)
+  // Per-rank values (running loss sums, counters): saved for every rank, restored to each rank.
+  std::map<std::string, double> values;
+  bool rng = true;    // save and restore the RNG states
+};
+
+struct CheckpointOptions {
+  // Checkpoints kept in the folder, newest first (>= 1). 2 keeps a previous one to fall back to.
+  DTRAIN_ARG(int64_t, keep, 2)
+  // File names: <prefix>_<step, 10 digits>.pt.
+  DTRAIN_ARG(std::string, prefix, "checkpoint")
+};
+
+class CheckpointManager {
+ public:
+  // Rank 0 creates `dir` if needed (the error names it) at the first save().
+  explicit CheckpointManager(std::string dir, CheckpointOptions options = CheckpointOptions());
+
+  // Collective. Returns the path written. Throws dtrain::Error on every rank if rank 0 fails.
+  std::string save(const TrainingState& state);
+  // Collective. The path restored, or std::nullopt when the folder holds no checkpoint.
+  std::optional<std::string> load_latest(TrainingState& state);
+  // This process's view of the folder: checkpoint paths, oldest first.
+  std::vector<std::string> list() const;
+
+  const std::string& dir() const { return dir_; }
+  const CheckpointOptions& options() const { return options_; }
+
+ private:
+  std::string dir_;
+  CheckpointOptions options_;
+};
+
+// Single-process building blocks (no collectives; the RNG states and values are this process's).
+// save_checkpoint writes atomically as step 2 above; load_checkpoint throws dtrain::Error naming the
+// file for a bad header, a wrong length (truncated), a CRC mismatch (corrupt) or a model mismatch.
+void save_checkpoint(const std::string& path, const TrainingState& state);
+void load_checkpoint(const std::string& path, TrainingState& state);
+
+}  // namespace dtrain

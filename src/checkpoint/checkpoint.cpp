@@ -1,0 +1,343 @@
+// Checkpoints: the archive layout, the model check, and the collective save/load of
+// CheckpointManager (steps in include/dtrain/checkpoint.h).
+#include "dtrain/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+
+#include <algorithm>
+#include <cstring>
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+
+#include "checkpoint/file_io.h"
+#include "checkpoint/rank_state.h"
+#include "dtrain/amp.h"
+#include "dtrain/errors.h"
+#include "dtrain/process_group.h"
+#include "dtrain/sampler.h"
+
+namespace dtrain {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// "name dtype [d0, d1]" per parameter, then per buffer, in registration order (what Module::save
+// writes, flattened): compared before anything is loaded, so a checkpoint of another model is caught
+// with the first tensor that differs instead of LibTorch's set_() silently taking any shape.
+std::vector<std::pair<std::string, std::string>> manifest_of(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, std::string>> out;
+  auto add = [&](const std::string& name, const at::Tensor& t) {
+    std::ostringstream desc;
+    desc << t.scalar_type() << " " << t.sizes();
+    out.emplace_back(name, desc.str());
+  };
+  for (const auto& p : model.named_parameters()) add(p.key(), p.value());
+  for (const auto& b : model.named_buffers()) add(b.key(), b.value());
+  return out;
+}
+
+std::string manifest_text(const torch::nn::Module& model) {
+  std::string s;
+  for (const auto& [name, desc] : manifest_of(model)) s += name + " " + desc + "\n";
+  return s;
+}
+
+void check_manifest(const std::string& saved_text, const torch::nn::Module& model, const std::string& file) {
+  std::vector<std::pair<std::string, std::string>> saved;
+  std::istringstream in(saved_text);
+  for (std::string line; std::getline(in, line);) {
+    const size_t sp = line.find(' ');
+    saved.emplace_back(line.substr(0, sp), sp == std::string::npos ? "" : line.substr(sp + 1));
+  }
+  const auto mine = manifest_of(model);
+  const std::string head = "checkpoint " + file + " does not match the model: ";
+  const std::string tail = " (a checkpoint of a different model? use another checkpoint folder or build the same model)";
+  for (size_t i = 0; i < std::max(saved.size(), mine.size()); ++i) {
+    if (i >= saved.size()) throw Error(head + "the model's tensor '" + mine[i].first + "' is not in the checkpoint" + tail);
+    if (i >= mine.size()) throw Error(head + "the checkpoint's tensor '" + saved[i].first + "' is not in the model" + tail);
+    if (saved[i].first != mine[i].first)
+      throw Error(head + "tensor #" + std::to_string(i) + " is '" + saved[i].first + "' in the checkpoint but '" +
+                  mine[i].first + "' in the model" + tail);
+    if (saved[i].second != mine[i].second)
+      throw Error(head + "tensor '" + mine[i].first + "' is " + saved[i].second + " in the checkpoint but " +
+                  mine[i].second + " in the model" + tail);
+  }
+}
+
+at::Tensor bytes_tensor(const std::string& s) {
+  at::Tensor t = at::empty({static_cast<int64_t>(s.size())}, at::kByte);
+  if (!s.empty()) std::memcpy(t.data_ptr(), s.data(), s.size());
+  return t;
+}
+
+std::string tensor_bytes(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  return std::string(static_cast<const char*>(c.data_ptr()), c.numel());
+}
+
+int64_t read_int(torch::serialize::InputArchive& a, const char* key) {
+  c10::IValue v;
+  a.read(key, v);
+  return v.toInt();
+}
+
+// The payload (a torch archive) of `state`, with the per-rank packs of every rank.
+std::string encode(const TrainingState& st, const std::vector<std::string>& rank_packs) {
+  torch::serialize::OutputArchive a;
+  a.write("version", c10::IValue(static_cast<int64_t>(kCheckpointFormatVersion)));
+  a.write("step", c10::IValue(st.step));
+  a.write("epoch", c10::IValue(st.epoch));
+  a.write("world_size", c10::IValue(static_cast<int64_t>(rank_packs.size())));
+  if (st.model) {
+    torch::serialize::OutputArchive m;
+    st.model->save(m);
+    a.write("model", m);
+    a.write("model_manifest", c10::IValue(manifest_text(*st.model)));
+  }
+  if (st.optimizer) {
+    torch::serialize::OutputArchive o;
+    st.optimizer->save(o);
+    a.write("optimizer", o);
+  }
+  if (st.scaler && st.scaler->is_enabled()) {  // a disabled scaler has no state (as PyTorch's)
+    torch::serialize::OutputArchive s;
+    st.scaler->save(s);
+    a.write("scaler", s);
+  }
+  if (st.sampler) {
+    torch::serialize::OutputArchive s;
+    st.sampler->save(s);
+    a.write("sampler", s);
+    const int64_t pos = st.sampler_position >= 0 ? st.sampler_position : static_cast<int64_t>(st.sampler->position());
+    a.write("sampler_position", c10::IValue(pos));
+  }
+  for (size_t r = 0; r < rank_packs.size(); ++r)
+    a.write("rank_state_" + std::to_string(r), bytes_tensor(rank_packs[r]), /*is_buffer=*/true);
+  std::ostringstream os;
+  a.save_to(os);
+  return os.str();
+}
+
+// Parses the payload into `a` and checks its version; throws with the reason (no file name).
+void parse(const std::string& payload, torch::serialize::InputArchive& a) {
+  try {
+    a.load_from(payload.data(), payload.size());
+  } catch (const c10::Error& e) {
+    throw Error("its archive does not parse: " + std::string(e.what_without_backtrace()).substr(0, 200));
+  }
+  c10::IValue v;
+  DTRAIN_CHECK(a.try_read("version", v) && v.isInt(), "its archive has no format version");
+  DTRAIN_CHECK(v.toInt() == kCheckpointFormatVersion, "its archive has format version ", v.toInt());
+}
+
+// Restores `st` from a parsed archive; `my_rank`'s pack (or rank my_rank % saved world) is used.
+void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::string& file, int my_rank) {
+  auto sub = [&](const char* key, torch::serialize::InputArchive& out) {
+    DTRAIN_CHECK(a.try_read(key, out), "checkpoint ", file, " holds no ", key,
+                 " state: it was saved without one; leave that member of TrainingState null");
+  };
+  // The model first, checked before anything changes.
+  if (st.model) {
+    c10::IValue manifest;
+    DTRAIN_CHECK(a.try_read("model_manifest", manifest), "checkpoint ", file,
+                 " holds no model: it was saved without one; leave TrainingState::model null");
+    check_manifest(manifest.toStringRef(), *st.model, file);
+  }
+  const int64_t world = read_int(a, "world_size");
+  DTRAIN_CHECK(world >= 1, "checkpoint ", file, " has world_size ", world);
+  if (my_rank >= world)
+    warn_once("checkpoint-world", detail::cat("checkpoint ", file, " was saved by ", world,
+                                              " ranks: rank ", my_rank, " takes the RNG state and values of rank ",
+                                              my_rank % world));
+  at::Tensor pack;
+  DTRAIN_CHECK(a.try_read("rank_state_" + std::to_string(my_rank % world), pack, /*is_buffer=*/true),
+               "checkpoint ", file, " lacks the state of rank ", my_rank % world);
+
+  if (st.model) {
+    torch::serialize::InputArchive m;
+    sub("model", m);
+    st.model->load(m);
+  }
+  if (st.optimizer) {
+    torch::serialize::InputArchive o;
+    sub("optimizer", o);
+    st.optimizer->load(o);
+  }
+  if (st.scaler && st.scaler->is_enabled()) {
+    torch::serialize::InputArchive s;
+    sub("scaler", s);
+    st.scaler->load(s);
+  }
+  if (st.sampler) {
+    torch::serialize::InputArchive s;
+    sub("sampler", s);
+    st.sampler->load(s);
+    st.sampler_position = read_int(a, "sampler_position");
+    st.sampler->resume_at(static_cast<size_t>(st.sampler_position));
+  }
+  st.step = read_int(a, "step");
+  st.epoch = read_int(a, "epoch");
+  st.values = ckpt::unpack_rank_state(tensor_bytes(pack), st.rng);
+}
+
+bool distributed() { return is_initialized() && world_size() > 1; }
+
+// Rank 0's string on every rank (itself when not distributed).
+std::string broadcast_string(const std::string& s) {
+  if (!distributed()) return s;
+  at::Tensor len = at::full({1}, static_cast<int64_t>(s.size()), at::kLong);
+  broadcast(len, 0);
+  at::Tensor bytes = rank() == 0 ? bytes_tensor(s) : at::empty({len.item<int64_t>()}, at::kByte);
+  if (bytes.numel() > 0) broadcast(bytes, 0);
+  return tensor_bytes(bytes);
+}
+
+// Every rank's pack, on every rank (rank 0 needs them).
+std::vector<std::string> gather_packs(const std::string& mine) {
+  if (!distributed()) return {mine};
+  const int world = world_size();
+  std::vector<at::Tensor> lens(world);
+  for (auto& t : lens) t = at::empty({1}, at::kLong);
+  all_gather(lens, at::full({1}, static_cast<int64_t>(mine.size()), at::kLong));
+  int64_t longest = 0;
+  for (const auto& t : lens) longest = std::max(longest, t.item<int64_t>());
+  at::Tensor padded = at::zeros({longest}, at::kByte);
+  if (!mine.empty()) std::memcpy(padded.data_ptr(), mine.data(), mine.size());
+  std::vector<at::Tensor> packs(world);
+  for (auto& t : packs) t = at::empty({longest}, at::kByte);
+  all_gather(packs, padded);
+  std::vector<std::string> out;
+  for (int r = 0; r < world; ++r) out.push_back(tensor_bytes(packs[r]).substr(0, lens[r].item<int64_t>()));
+  return out;
+}
+
+std::string one_line(std::string s) {
+  for (char& c : s)
+    if (c == '\n') c = ' ';
+  return s;
+}
+
+}  // namespace
+
+// --- single process ----------------------------------------------------------------------------------
+
+void save_checkpoint(const std::string& path, const TrainingState& state) {
+  ckpt::write_atomic(path, ckpt::frame(encode(state, {ckpt::pack_rank_state(state.rng, state.values)})));
+}
+
+void load_checkpoint(const std::string& path, TrainingState& state) {
+  std::string payload;
+  try {
+    payload = ckpt::unframe(ckpt::read_file(path));
+  } catch (const Error& e) {
+    throw Error("checkpoint " + path + " is unusable: " + e.what());
+  }
+  torch::serialize::InputArchive a;
+  try {
+    parse(payload, a);
+  } catch (const Error& e) {
+    throw Error("checkpoint " + path + " is unusable: " + e.what());
+  }
+  restore(a, state, path, is_initialized() ? rank() : 0);
+}
+
+// --- CheckpointManager -------------------------------------------------------------------------------
+
+CheckpointManager::CheckpointManager(std::string dir, CheckpointOptions options)
+    : dir_(std::move(dir)), options_(std::move(options)) {
+  DTRAIN_CHECK(!dir_.empty(), "CheckpointManager: the checkpoint folder is empty: pass a folder path");
+  DTRAIN_CHECK(options_.keep() >= 1, "CheckpointOptions: keep must be >= 1, got ", options_.keep());
+  DTRAIN_CHECK(!options_.prefix().empty() && options_.prefix().find('/') == std::string::npos,
+               "CheckpointOptions: prefix must be a non-empty file name without '/', got '", options_.prefix(), "'");
+}
+
+std::vector<std::string> CheckpointManager::list() const {
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::error_code ec;
+  const std::string head = options_.prefix() + "_";
+  for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() != head.size() + 10 + 3 || name.compare(0, head.size(), head) != 0 ||
+        name.compare(name.size() - 3, 3, ".pt") != 0)
+      continue;
+    const std::string digits = name.substr(head.size(), 10);
+    if (!std::all_of(digits.begin(), digits.end(), ::isdigit)) continue;
+    found.emplace_back(std::stoll(digits), it->path().string());
+  }
+  std::sort(found.begin(), found.end());
+  std::vector<std::string> out;
+  for (auto& f : found) out.push_back(std::move(f.second));
+  return out;
+}
+
+std::string CheckpointManager::save(const TrainingState& state) {
+  DTRAIN_CHECK(state.step >= 0 && state.step <= 9999999999LL, "CheckpointManager::save: step must be in [0, 9999999999], got ",
+               state.step);
+  char name[32];
+  std::snprintf(name, sizeof name, "_%010lld.pt", static_cast<long long>(state.step));
+  const std::string path = (fs::path(dir_) / (options_.prefix() + name)).string();
+  const auto packs = gather_packs(ckpt::pack_rank_state(state.rng, state.values));  // 1.
+  std::string error;
+  if (!is_initialized() || rank() == 0) {  // 2.
+    try {
+      std::error_code ec;
+      fs::create_directories(dir_, ec);
+      DTRAIN_CHECK(fs::is_directory(dir_), "cannot create the checkpoint folder ", dir_, ": ",
+                   ec ? ec.message() : "a file of that name is in the way", ": choose another folder");
+      ckpt::write_atomic(path, ckpt::frame(encode(state, packs)));
+      auto all = list();  // keep the newest `keep`
+      for (size_t i = 0; i + static_cast<size_t>(options_.keep()) < all.size(); ++i) fs::remove(all[i], ec);
+    } catch (const c10::Error& e) {
+      error = one_line(e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      error = one_line(e.what());
+    }
+  }
+  error = broadcast_string(error);  // 3.
+  if (!error.empty()) throw Error(distributed() && rank() != 0 ? "rank 0 failed to save a checkpoint: " + error : error);
+  return path;
+}
+
+std::optional<std::string> CheckpointManager::load_latest(TrainingState& state) {
+  // 1. Rank 0 picks the newest usable file. Its outcome line: "" (none), "ok <path>" or "error <msg>".
+  std::string outcome, payload;
+  if (!is_initialized() || rank() == 0) {
+    const auto files = list();
+    for (auto it = files.rbegin(); it != files.rend(); ++it) {
+      try {
+        std::string p = ckpt::unframe(ckpt::read_file(*it));
+        torch::serialize::InputArchive probe;
+        parse(p, probe);
+        payload = std::move(p);
+        outcome = "ok " + *it;
+        break;
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "dtrain warning: checkpoint %s is unusable (%s); %s\n", it->c_str(),
+                     one_line(e.what()).c_str(),
+                     std::next(it) == files.rend() ? "no older one is left" : "falling back to the previous one");
+        std::fflush(stderr);
+      }
+    }
+    if (outcome.empty() && !files.empty())
+      outcome = "error none of the " + std::to_string(files.size()) + " checkpoint(s) in " + dir_ +
+                " is usable (see the warnings above): remove them to start afresh, or restore a good copy";
+  }
+  // 2.
+  outcome = broadcast_string(outcome);
+  if (outcome.empty()) return std::nullopt;
+  if (outcome.rfind("error ", 0) == 0) throw Error(outcome.substr(6));
+  const std::string path = outcome.substr(3);
+  payload = broadcast_string(payload);
+  // 3.
+  torch::serialize::InputArchive a;
+  parse(payload, a);
+  restore(a, state, path, is_initialized() ? rank() : 0);
+  return path;
+}
+
+}  // namespace dtrain

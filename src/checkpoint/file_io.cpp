@@ -1,0 +1,133 @@
+// Checkpoint framing (header + CRC-32) and the atomic write.
+#include "checkpoint/file_io.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "dtrain/checkpoint.h"
+#include "dtrain/errors.h"
+
+namespace dtrain::ckpt {
+
+namespace {
+
+constexpr const char* kMagic = "DTRAIN-CHECKPOINT";
+
+uint32_t crc32_of(const std::string& bytes) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  const auto* p = reinterpret_cast<const Bytef*>(bytes.data());
+  size_t left = bytes.size();
+  while (left > 0) {  // zlib's length is a uInt: feed it in chunks
+    const uInt n = static_cast<uInt>(std::min<size_t>(left, 1u << 30));
+    crc = crc32(crc, p, n);
+    p += n;
+    left -= n;
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+std::string remedy(int err) {
+  if (err == ENOSPC || err == EDQUOT || err == EFBIG)
+    return "free space there or choose another checkpoint folder";
+  if (err == EACCES || err == EPERM || err == EROFS)
+    return "make the folder writable or choose another checkpoint folder";
+  return "check the checkpoint folder";
+}
+
+[[noreturn]] void fail(const std::string& what, const std::string& file, int err) {
+  throw Error(detail::cat("cannot ", what, " checkpoint file ", file, ": ", std::strerror(err), ": ",
+                          remedy(err), " (the previous checkpoints are untouched)"));
+}
+
+}  // namespace
+
+std::string frame(const std::string& payload) {
+  char header[96];
+  std::snprintf(header, sizeof header, "%s %d %zu %08x\n", kMagic, kCheckpointFormatVersion, payload.size(),
+                crc32_of(payload));
+  return header + payload;
+}
+
+std::string unframe(const std::string& file_bytes) {
+  const size_t eol = file_bytes.find('\n');
+  DTRAIN_CHECK(file_bytes.compare(0, std::strlen(kMagic), kMagic) == 0 && eol != std::string::npos && eol < 96,
+               "not a dtrain checkpoint (no \"", kMagic, "\" header line)");
+  std::istringstream header(file_bytes.substr(std::strlen(kMagic), eol - std::strlen(kMagic)));
+  int version = 0;
+  size_t length = 0;
+  std::string crc_hex;
+  header >> version >> length >> crc_hex;
+  DTRAIN_CHECK(!header.fail() && crc_hex.size() == 8, "malformed header line");
+  DTRAIN_CHECK(version == kCheckpointFormatVersion, "format version ", version,
+               " is not supported (this dtrain reads version ", kCheckpointFormatVersion, ")");
+  const size_t have = file_bytes.size() - eol - 1;
+  DTRAIN_CHECK(have >= length, "truncated: ", have, " of ", length, " payload bytes");
+  DTRAIN_CHECK(have == length, "has ", have - length, " bytes after the payload's ", length);
+  std::string payload = file_bytes.substr(eol + 1);
+  char actual[16];
+  std::snprintf(actual, sizeof actual, "%08x", crc32_of(payload));
+  DTRAIN_CHECK(crc_hex == actual, "corrupt: CRC-32 of the payload is ", actual, ", the header says ", crc_hex);
+  return payload;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  DTRAIN_CHECK(f, "cannot open checkpoint file ", path, ": ", std::strerror(errno));
+  std::ostringstream os;
+  os << f.rdbuf();
+  DTRAIN_CHECK(!f.bad(), "cannot read checkpoint file ", path, ": ", std::strerror(errno));
+  return os.str();
+}
+
+void write_atomic(const std::string& path, const std::string& bytes) {
+  // 1. temporary file beside the target (same file system, so rename is atomic);
+  // 2. write + fsync; 3. rename over the target; 4. fsync the folder so the rename is durable.
+  const std::filesystem::path target(path);
+  const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : ".";
+  const std::string tmp = (dir / ("." + target.filename().string() + ".tmp." + std::to_string(::getpid()))).string();
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail("create", tmp, errno);
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : ENOSPC;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      fail("write", tmp, err);
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    const int err = errno;
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    fail("write", tmp, err);
+  }
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    fail("write", tmp, err);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    fail("rename into place the", path, err);
+  }
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+}  // namespace dtrain::ckpt

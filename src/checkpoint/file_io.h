@@ -1,0 +1,22 @@
+// The checkpoint file's framing and its atomic write (dtrain/checkpoint.h, "File format").
+#pragma once
+
+#include <string>
+
+namespace dtrain::ckpt {
+
+// "DTRAIN-CHECKPOINT <version> <length> <crc32>\n" + payload.
+std::string frame(const std::string& payload);
+// The payload of a framed file. Throws dtrain::Error with the reason only (the caller names the
+// file): not a dtrain checkpoint, an unsupported version, truncated (fewer bytes than the header
+// says), trailing bytes, or a CRC-32 mismatch (corrupt).
+std::string unframe(const std::string& file_bytes);
+
+// The whole file. Throws dtrain::Error naming the path.
+std::string read_file(const std::string& path);
+// Writes `bytes` to `path` atomically: a temporary file beside it, write, fsync, rename, fsync of
+// the folder. On failure the temporary file is removed, `path` (if it existed) is untouched, and a
+// dtrain::Error names the file, the reason (strerror) and the remedy.
+void write_atomic(const std::string& path, const std::string& bytes);
+
+}  // namespace dtrain::ckpt

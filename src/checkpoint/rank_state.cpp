@@ -1,0 +1,95 @@
+// RNG states and per-rank values of a checkpoint (see rank_state.h).
+#include "checkpoint/rank_state.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/core/Generator.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+
+#include <cstring>
+#include <mutex>
+
+#include "dtrain/errors.h"
+
+namespace dtrain::ckpt {
+
+namespace {
+
+void put_u64(std::string& out, uint64_t v) { out.append(reinterpret_cast<const char*>(&v), sizeof v); }
+
+void put_bytes(std::string& out, const std::string& bytes) {
+  put_u64(out, bytes.size());
+  out += bytes;
+}
+
+struct Reader {
+  const std::string& in;
+  size_t pos = 0;
+  uint64_t u64() {
+    DTRAIN_CHECK(pos + sizeof(uint64_t) <= in.size(), "checkpoint rank state is truncated");
+    uint64_t v;
+    std::memcpy(&v, in.data() + pos, sizeof v);
+    pos += sizeof v;
+    return v;
+  }
+  std::string bytes(uint64_t n) {
+    DTRAIN_CHECK(n <= in.size() - pos, "checkpoint rank state is truncated");
+    std::string s = in.substr(pos, n);
+    pos += n;
+    return s;
+  }
+};
+
+std::string state_bytes(at::Generator gen) {
+  std::lock_guard<std::mutex> lock(gen.mutex());  // as torch.get_rng_state()
+  at::Tensor s = gen.get_state().contiguous();     // (N,) uint8 on the CPU
+  return std::string(static_cast<const char*>(s.data_ptr()), s.numel());
+}
+
+void set_state_bytes(at::Generator gen, const std::string& bytes) {
+  at::Tensor s = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(s.data_ptr(), bytes.data(), bytes.size());
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(s);
+}
+
+// The CUDA generator of this process's current device, when this LibTorch and machine have CUDA
+// (the hooks answer false in a CPU-only build, so this compiles and runs everywhere).
+bool has_cuda() { return at::detail::getCUDAHooks().hasCUDA(); }
+at::Generator cuda_generator() {
+  const auto& hooks = at::detail::getCUDAHooks();
+  return hooks.getDefaultCUDAGenerator(static_cast<c10::DeviceIndex>(hooks.current_device()));
+}
+
+}  // namespace
+
+std::string pack_rank_state(bool rng, const std::map<std::string, double>& values) {
+  std::string out;
+  put_bytes(out, rng ? state_bytes(at::detail::getDefaultCPUGenerator()) : std::string());
+  put_bytes(out, rng && has_cuda() ? state_bytes(cuda_generator()) : std::string());
+  put_u64(out, values.size());
+  for (const auto& [key, value] : values) {
+    put_bytes(out, key);
+    out.append(reinterpret_cast<const char*>(&value), sizeof value);
+  }
+  return out;
+}
+
+std::map<std::string, double> unpack_rank_state(const std::string& pack, bool rng) {
+  Reader r{pack};
+  const std::string cpu = r.bytes(r.u64());
+  const std::string cuda = r.bytes(r.u64());
+  std::map<std::string, double> values;
+  for (uint64_t n = r.u64(); n > 0; --n) {
+    std::string key = r.bytes(r.u64());
+    const std::string v = r.bytes(sizeof(double));
+    double value;
+    std::memcpy(&value, v.data(), sizeof value);
+    values[key] = value;
+  }
+  if (rng && !cpu.empty()) set_state_bytes(at::detail::getDefaultCPUGenerator(), cpu);
+  if (rng && !cuda.empty() && has_cuda()) set_state_bytes(cuda_generator(), cuda);
+  return values;
+}
+
+}  // namespace dtrain::ckpt

@@ -1,0 +1,291 @@
+// Checkpoints in one process: round trip of model/optimizer/scaler/sampler/RNG/values, the file
+// header, corrupt and truncated files (with fallback to the previous one), a different model, the
+// folder in the way, keep, and resume_at reaching the DataLoader's copy of the sampler.
+#include "dtrain/checkpoint.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <torch/torch.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "dtrain/amp.h"
+#include "dtrain/errors.h"
+#include "dtrain/sampler.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using dtrain::test_util::error_of;
+
+namespace {
+
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(int hidden = 8) {
+    fc1 = register_module("fc1", torch::nn::Linear(4, hidden));
+    bn = register_module("bn", torch::nn::BatchNorm1d(hidden));
+    fc2 = register_module("fc2", torch::nn::Linear(hidden, 2));
+  }
+  at::Tensor forward(at::Tensor x) { return fc2->forward(torch::relu(bn->forward(fc1->forward(x)))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(Net);
+
+void train_steps(Net& net, torch::optim::Optimizer& opt, int n) {
+  for (int i = 0; i < n; ++i) {
+    opt.zero_grad();
+    net->forward(torch::randn({8, 4})).pow(2).mean().backward();
+    opt.step();
+  }
+}
+
+std::string read(const std::string& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+void write(const std::string& p, const std::string& s) { std::ofstream(p, std::ios::binary) << s; }
+
+std::vector<float> flat(Net& net) {
+  std::vector<float> out;
+  for (const auto& t : net->parameters()) {
+    auto c = t.detach().contiguous();
+    out.insert(out.end(), c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+  }
+  return out;
+}
+
+class Checkpoint : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir = (fs::temp_directory_path() / ("dtrain_ckpt_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name()))
+              .string();
+    fs::remove_all(dir);
+  }
+  void TearDown() override {
+    ::chmod(dir.c_str(), 0755);
+    fs::remove_all(dir);
+  }
+  std::string dir;
+};
+
+TEST_F(Checkpoint, RoundTripContinuesExactly) {
+  torch::manual_seed(1);
+  Net a;
+  torch::optim::Adam opt_a(a->parameters(), torch::optim::AdamOptions(1e-2));
+  dtrain::GradScaler scaler_a(dtrain::GradScalerOptions().init_scale(1024));
+  scaler_a.scale(torch::ones({1}));  // the scale exists from the first scale() on, as PyTorch's
+  scaler_a.update(512.0);
+  ASSERT_EQ(scaler_a.get_scale(), 512.0);
+  dtrain::DistributedSampler sampler_a(100, dtrain::DistributedSamplerOptions().num_replicas(2).rank(1).seed(7));
+  sampler_a.set_epoch(3);
+  train_steps(a, opt_a, 3);
+
+  dtrain::TrainingState st;
+  st.model = a.ptr().get();
+  st.optimizer = &opt_a;
+  st.scaler = &scaler_a;
+  st.sampler = &sampler_a;
+  st.sampler_position = 20;
+  st.step = 3;
+  st.epoch = 4;
+  st.values = {{"loss_sum", 1.25}, {"seen", 24}};
+  dtrain::CheckpointManager mgr(dir);
+  const std::string path = mgr.save(st);
+  EXPECT_EQ(path, dir + "/checkpoint_0000000003.pt");
+  EXPECT_EQ(read(path).rfind("DTRAIN-CHECKPOINT 1 ", 0), 0u) << "header line with the format version";
+
+  // Continue the original for 2 steps (the RNG continues from the saved state).
+  train_steps(a, opt_a, 2);
+  const auto expected = flat(a);
+
+  // A fresh process's objects: other weights, other RNG position.
+  torch::manual_seed(99);
+  Net b;
+  torch::optim::Adam opt_b(b->parameters(), torch::optim::AdamOptions(1e-2));
+  dtrain::GradScaler scaler_b;
+  dtrain::DistributedSampler sampler_b(100, dtrain::DistributedSamplerOptions().num_replicas(2).rank(1).seed(7));
+  auto loader_copy = sampler_b;  // what make_data_loader holds
+  dtrain::TrainingState back;
+  back.model = b.ptr().get();
+  back.optimizer = &opt_b;
+  back.scaler = &scaler_b;
+  back.sampler = &sampler_b;
+  auto loaded = mgr.load_latest(back);
+  ASSERT_TRUE(loaded);
+  EXPECT_EQ(*loaded, path);
+  EXPECT_EQ(back.step, 3);
+  EXPECT_EQ(back.epoch, 4);
+  EXPECT_EQ(back.sampler_position, 20);
+  EXPECT_EQ(back.values.at("loss_sum"), 1.25);
+  EXPECT_EQ(back.values.at("seen"), 24);
+  EXPECT_EQ(scaler_b.get_scale(), 512.0);
+  EXPECT_EQ(sampler_b.epoch(), 3);
+  EXPECT_EQ(loader_copy.epoch(), 3);
+
+  // The loader's copy resumes at position 20 of epoch 3, once.
+  loader_copy.reset();
+  auto batch = loader_copy.next(5);
+  ASSERT_TRUE(batch);
+  const auto all = sampler_b.indices();
+  EXPECT_EQ(static_cast<int64_t>((*batch)[0]), all[20]);
+  loader_copy.reset();
+  EXPECT_EQ(static_cast<int64_t>((*loader_copy.next(5))[0]), all[0]);
+
+  train_steps(b, opt_b, 2);  // same RNG draws and Adam state: bit-identical
+  EXPECT_EQ(flat(b), expected);
+}
+
+TEST_F(Checkpoint, EmptyFolderLoadsNothing) {
+  Net net;
+  dtrain::TrainingState st;
+  st.model = net.ptr().get();
+  EXPECT_FALSE(dtrain::CheckpointManager(dir).load_latest(st));
+}
+
+TEST_F(Checkpoint, KeepsTheNewestTwoAndNoTemporaryFiles) {
+  Net net;
+  dtrain::TrainingState st;
+  st.model = net.ptr().get();
+  dtrain::CheckpointManager mgr(dir);
+  for (int s = 1; s <= 4; ++s) {
+    st.step = s;
+    mgr.save(st);
+  }
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"checkpoint_0000000003.pt", "checkpoint_0000000004.pt"}));
+}
+
+class Corruption : public Checkpoint, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(Corruption, NewestBadFallsBackToThePreviousWithAWarning) {
+  Net net;
+  dtrain::TrainingState st;
+  st.model = net.ptr().get();
+  dtrain::CheckpointManager mgr(dir);
+  st.step = 1;
+  mgr.save(st);
+  const auto good = flat(net);
+  torch::NoGradGuard ng;
+  for (auto& p : net->parameters()) p.add_(1.0);
+  st.step = 2;
+  const std::string newest = mgr.save(st);
+  std::string bytes = read(newest);
+  if (GetParam() == "truncated") bytes.resize(bytes.size() / 2);
+  if (GetParam() == "bitflip") bytes[bytes.size() / 2] ^= 0x10;
+  if (GetParam() == "garbage") bytes = "not a checkpoint at all";
+  write(newest, bytes);
+
+  Net other;
+  dtrain::TrainingState back;
+  back.model = other.ptr().get();
+  ::testing::internal::CaptureStderr();
+  auto loaded = mgr.load_latest(back);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(loaded);
+  EXPECT_EQ(*loaded, dir + "/checkpoint_0000000001.pt");
+  EXPECT_NE(err.find("dtrain warning: checkpoint " + newest + " is unusable"), std::string::npos) << err;
+  EXPECT_NE(err.find("falling back to the previous one"), std::string::npos) << err;
+  const char* reason = GetParam() == "truncated" ? "truncated" : GetParam() == "bitflip" ? "CRC-32" : "not a dtrain checkpoint";
+  EXPECT_NE(err.find(reason), std::string::npos) << err;
+  EXPECT_EQ(flat(other), good);
+
+  // The single-file loader names the file and the reason.
+  const std::string msg = error_of([&] { dtrain::load_checkpoint(newest, back); });
+  EXPECT_NE(msg.find("checkpoint " + newest + " is unusable: "), std::string::npos) << msg;
+  EXPECT_NE(msg.find(reason), std::string::npos) << msg;
+}
+INSTANTIATE_TEST_SUITE_P(Kinds, Corruption, ::testing::Values("truncated", "bitflip", "garbage"));
+
+TEST_F(Checkpoint, AllBadIsAnErrorNamingTheFolder) {
+  fs::create_directories(dir);
+  write(dir + "/checkpoint_0000000005.pt", "junk");
+  Net net;
+  dtrain::TrainingState st;
+  st.model = net.ptr().get();
+  ::testing::internal::CaptureStderr();
+  const std::string msg = error_of([&] { dtrain::CheckpointManager(dir).load_latest(st); });
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(msg.find("none of the 1 checkpoint(s) in " + dir + " is usable"), std::string::npos) << msg;
+}
+
+TEST_F(Checkpoint, DifferentModelNamesTheFirstMismatchingTensor) {
+  Net small(8);
+  dtrain::TrainingState st;
+  st.model = small.ptr().get();
+  const std::string path = dtrain::CheckpointManager(dir).save(st);
+  Net big(16);
+  const auto before = flat(big);
+  dtrain::TrainingState back;
+  back.model = big.ptr().get();
+  const std::string msg = error_of([&] { dtrain::CheckpointManager(dir).load_latest(back); });
+  EXPECT_NE(msg.find("checkpoint " + path + " does not match the model: tensor 'fc1.weight' is Float [8, 4] in the "
+                     "checkpoint but Float [16, 4] in the model"),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(flat(big), before) << "nothing is loaded on a mismatch";
+
+  // Another architecture: the first differing name.
+  auto seq = torch::nn::Sequential(torch::nn::Linear(4, 8));
+  dtrain::TrainingState s2;
+  s2.model = seq.ptr().get();
+  const std::string msg2 = error_of([&] { dtrain::load_checkpoint(path, s2); });
+  EXPECT_NE(msg2.find("tensor #0 is 'fc1.weight' in the checkpoint but '0.weight' in the model"), std::string::npos)
+      << msg2;
+}
+
+TEST_F(Checkpoint, MissingOptimizerStateIsAnError) {
+  Net net;
+  dtrain::TrainingState st;
+  st.model = net.ptr().get();
+  const std::string path = dtrain::CheckpointManager(dir).save(st);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  st.optimizer = &opt;
+  const std::string msg = error_of([&] { dtrain::load_checkpoint(path, st); });
+  EXPECT_NE(msg.find("holds no optimizer state"), std::string::npos) << msg;
+}
+
+TEST_F(Checkpoint, AFileInPlaceOfTheFolderIsAClearError) {
+  write(dir, "a file");
+  Net net;
+  dtrain::TrainingState st;
+  st.model = net.ptr().get();
+  const std::string msg = error_of([&] { dtrain::CheckpointManager(dir).save(st); });
+  EXPECT_NE(msg.find("cannot create the checkpoint folder " + dir), std::string::npos) << msg;
+  EXPECT_NE(msg.find("choose another folder"), std::string::npos) << msg;
+  fs::remove(dir);
+}
+
+TEST_F(Checkpoint, UnwritableFolderKeepsThePreviousCheckpoint) {
+  if (::geteuid() == 0) GTEST_SKIP() << "root writes into read-only folders (tests/dist/test_fault_tolerance.py covers it with a read-only mount)";
+  Net net;
+  dtrain::TrainingState st;
+  st.model = net.ptr().get();
+  dtrain::CheckpointManager mgr(dir);
+  st.step = 1;
+  const std::string first = mgr.save(st);
+  const std::string bytes = read(first);
+  ::chmod(dir.c_str(), 0555);
+  st.step = 2;
+  const std::string msg = error_of([&] { mgr.save(st); });
+  EXPECT_NE(msg.find("cannot create checkpoint file " + dir + "/.checkpoint_0000000002.pt.tmp."), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Permission denied"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("make the folder writable"), std::string::npos) << msg;
+  EXPECT_EQ(read(first), bytes);
+}
+
+TEST_F(Checkpoint, BadOptionsAreClearErrors) {
+  EXPECT_NE(error_of([] { dtrain::CheckpointManager("/tmp/x", dtrain::CheckpointOptions().keep(0)); })
+                .find("keep must be >= 1, got 0"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { dtrain::CheckpointManager(""); }).find("the checkpoint folder is empty"), std::string::npos);
+  dtrain::DistributedSampler s(10, dtrain::DistributedSamplerOptions().num_replicas(2).rank(0));
+  EXPECT_NE(error_of([&] { s.resume_at(6); }).find("resume_at(6) is past the 5 indices"), std::string::npos);
+}
+
+}  // namespace
