@@ -26,6 +26,7 @@
 // Exit status: 0 on success, 1 on any error (one line "train_fashion_mnist: error: ..." on stderr of
 // every rank).
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -37,6 +38,7 @@
 
 #include "dtrain/ddp.h"
 #include "dtrain/dtrain.h"
+#include "dtrain/monitor.h"
 #include "train_support.h"
 
 namespace {
@@ -200,37 +202,55 @@ int run(const Config& cfg) {
     std::fflush(stdout);
   }
 
+  // Monitoring (dtrain/monitor.h): progress on rank 0 (a bar on a terminal, else a line every 10% of
+  // an epoch); with --checkpoint_dir also metrics.jsonl (every 50 steps, min/mean/max over ranks),
+  // trace.json (the first 50 steps of every rank) and plot.svg, next to the checkpoints.
+  dtrain::Monitor monitor(dtrain::MonitorOptions().output_dir(cfg.checkpoint_dir).log_every(50).trace_steps(50));
+  monitor.watch(ddp);
+
   const auto t0 = std::chrono::steady_clock::now();
   double train_loss = 0, test_accuracy = 0;
   for (int64_t epoch = 1; epoch <= cfg.epochs; ++epoch) {
     sampler.set_epoch(epoch - 1);  // a new shuffle every epoch, the same on every rank
     const auto te = std::chrono::steady_clock::now();
-    train::Progress progress(epoch, cfg.epochs, steps, cfg.batch_size * world, main_rank);
     double loss_sum = 0;
     int64_t correct = 0, seen = 0, step = 0;
+    monitor.begin_epoch(epoch, cfg.epochs, steps, step);
     for (auto& batch : *loader) {
       at::Tensor logits, loss;
+      double grad_norm = NAN;  // known with --grad_clip; else the monitor samples it
       {
+        auto phase = monitor.phase(dtrain::Phase::kForward);
         dtrain::Autocast autocast(at::kCPU, at::kBFloat16, /*enabled=*/cfg.amp);
         logits = ddp(batch.data);  // (B, 10)
         loss = torch::nn::functional::cross_entropy(logits, batch.target);
       }
-      optimizer.zero_grad();
-      scaler.scale(loss).backward();  // gradients are averaged over the ranks here
-      if (cfg.grad_clip > 0) {
-        scaler.unscale_(optimizer);  // clip the true gradients (a no-op without --amp)
-        torch::nn::utils::clip_grad_norm_(ddp.parameters(), cfg.grad_clip);
+      {
+        auto phase = monitor.phase(dtrain::Phase::kBackward);
+        optimizer.zero_grad();
+        scaler.scale(loss).backward();  // gradients are averaged over the ranks here
       }
-      scaler.step(optimizer);  // skipped after an overflow (--amp)
-      scaler.update();
+      {
+        auto phase = monitor.phase(dtrain::Phase::kOptimizer);
+        if (cfg.grad_clip > 0) {
+          scaler.unscale_(optimizer);  // clip the true gradients (a no-op without --amp)
+          grad_norm = torch::nn::utils::clip_grad_norm_(ddp.parameters(), cfg.grad_clip);
+        }
+        scaler.step(optimizer);  // skipped after an overflow (--amp)
+        scaler.update();
+      }
 
       const int64_t b = batch.target.size(0);
-      loss_sum += loss.item<double>() * b;
-      correct += logits.argmax(1).eq(batch.target).sum().item<int64_t>();
+      const double step_loss = loss.item<double>();
+      const int64_t step_correct = logits.argmax(1).eq(batch.target).sum().item<int64_t>();
+      loss_sum += step_loss * b;
+      correct += step_correct;
       seen += b;
-      progress.update(++step, loss_sum / seen);
+      ++step;
+      monitor.end_step(dtrain::StepInfo().loss(step_loss).samples(b).accuracy(static_cast<double>(step_correct) / b)
+                           .lr(cfg.lr).grad_norm(grad_norm));
     }
-    progress.finish();
+    monitor.end_epoch();
 
     // Epoch statistics over all ranks (each rank's samples, padded duplicates included, as PyTorch).
     at::Tensor stats = at::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(seen)}, at::kDouble);
@@ -254,6 +274,7 @@ int run(const Config& cfg) {
       });
   }
 
+  monitor.close();  // every rank: the last metrics window, the merged trace, the plot
   if (main_rank) {
     const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const std::string bytes = train::parameter_bytes(ddp.parameters());

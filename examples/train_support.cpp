@@ -26,73 +26,9 @@ namespace train {
 
 namespace {
 
-std::string hms(double seconds) {
-  const auto s = static_cast<int64_t>(std::max(0.0, seconds) + 0.5);
-  char buf[32];
-  if (s >= 3600)
-    std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", static_cast<long long>(s / 3600),
-                  static_cast<long long>(s / 60 % 60), static_cast<long long>(s % 60));
-  else
-    std::snprintf(buf, sizeof buf, "%lld:%02lld", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
-  return buf;
-}
-
 std::string errno_text() { return std::strerror(errno); }
 
 }  // namespace
-
-// --- Progress --------------------------------------------------------------------------------------
-
-Progress::Progress(int64_t epoch, int64_t epochs, int64_t steps, int64_t samples_per_step, bool enabled)
-    : epoch_(epoch),
-      epochs_(epochs),
-      steps_(std::max<int64_t>(1, steps)),
-      samples_per_step_(samples_per_step),
-      enabled_(enabled),
-      tty_(enabled && ::isatty(STDOUT_FILENO)),
-      start_(std::chrono::steady_clock::now()),
-      last_draw_(start_) {}
-
-std::string Progress::status(int64_t step, double loss) const {
-  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  const double rate = elapsed > 0 ? step * samples_per_step_ / elapsed : 0.0;  // global samples/s
-  const double eta = step > 0 ? elapsed * (steps_ - step) / step : 0.0;
-  char buf[160];
-  std::snprintf(buf, sizeof buf, "%3d%% %lld/%lld loss %.4f | %.0f samples/s | elapsed %s ETA %s",
-                static_cast<int>(100 * step / steps_), static_cast<long long>(step),
-                static_cast<long long>(steps_), loss, rate, hms(elapsed).c_str(), hms(eta).c_str());
-  return buf;
-}
-
-void Progress::update(int64_t step, double loss) {
-  if (!enabled_) return;
-  if (tty_) {
-    const auto now = std::chrono::steady_clock::now();
-    if (step < steps_ && now - last_draw_ < std::chrono::milliseconds(200)) return;
-    last_draw_ = now;
-    constexpr int kWidth = 30;
-    const int filled = static_cast<int>(kWidth * step / steps_);
-    std::string bar(filled, '=');
-    if (filled < kWidth) bar += '>' + std::string(kWidth - filled - 1, ' ');
-    std::printf("\repoch %lld/%lld [%s] %s\033[K", static_cast<long long>(epoch_), static_cast<long long>(epochs_),
-                bar.c_str(), status(step, loss).c_str());
-    std::fflush(stdout);
-    return;
-  }
-  // Plain lines: one each time the epoch passes another tenth (the last step prints 100%).
-  if (next_tenth_ > 10 || step * 10 < next_tenth_ * steps_) return;
-  while (next_tenth_ <= 10 && step * 10 >= next_tenth_ * steps_) ++next_tenth_;
-  std::printf("epoch %lld/%lld %s\n", static_cast<long long>(epoch_), static_cast<long long>(epochs_),
-              status(step, loss).c_str());
-  std::fflush(stdout);
-}
-
-void Progress::finish() {
-  if (tty_) {
-    std::printf("\n");
-    std::fflush(stdout);
-  }
-}
 
 // --- checkpoint ------------------------------------------------------------------------------------
 

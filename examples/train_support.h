@@ -1,5 +1,5 @@
-// Helpers of examples/train_fashion_mnist.cpp that are not about training itself: progress display,
-// an atomically written checkpoint, and a fingerprint of the parameters.
+// Helpers of examples/train_fashion_mnist.cpp that are not about training itself (progress and metrics
+// are dtrain::Monitor's: dtrain/monitor.h): an atomically written checkpoint, and a fingerprint of the parameters.
 #pragma once
 
 #include <chrono>
@@ -17,27 +17,6 @@ class Module;
 }
 
 namespace train {
-
-// Progress of one epoch on rank 0.
-//   stdout is a terminal: a bar redrawn in place (at most 5 times a second) with ETA and samples/s;
-//   otherwise (a pipe, dtrain-run, a log file): one plain line at every 10% of the epoch.
-class Progress {
- public:
-  // steps: steps in the epoch; samples_per_step: the global batch (all ranks).
-  Progress(int64_t epoch, int64_t epochs, int64_t steps, int64_t samples_per_step, bool enabled);
-  // After step `step` (1-based); loss: this rank's running mean training loss of the epoch.
-  void update(int64_t step, double loss);
-  // Ends the bar's line (terminal only).
-  void finish();
-
- private:
-  std::string status(int64_t step, double loss) const;
-
-  int64_t epoch_, epochs_, steps_, samples_per_step_;
-  bool enabled_, tty_;
-  int next_tenth_ = 1;
-  std::chrono::steady_clock::time_point start_, last_draw_;
-};
 
 // Writes model (under "model") and optimizer (under "optimizer") into one torch::serialize archive at
 // `path`, atomically: the bytes go to a temporary file in the same folder, which is fsync'ed and then

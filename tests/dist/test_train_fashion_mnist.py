@@ -63,8 +63,30 @@ class TrainFashionMNIST(DistTestCase):
             self.assertIn("Epoch 2/2: Loss=", res.out)
             self.assertNotIn("[rank 1] Epoch", res.out, "only rank 0 prints")
             # One checkpoint per epoch, no temporary files left behind.
-            self.assertEqual(sorted(os.listdir(ckpt)), ["checkpoint_epoch1.pt", "checkpoint_epoch2.pt"])
+            # The monitor's files sit next to the checkpoints (dtrain/monitor.h).
+            monitor_files = {"metrics.jsonl", "trace.json", "plot.svg"}
+            self.assertEqual(sorted(set(os.listdir(ckpt)) - monitor_files),
+                             ["checkpoint_epoch1.pt", "checkpoint_epoch2.pt"])
+            self.check_monitor_files(ckpt, steps=188)
             self.check_checkpoint_loads(os.path.join(ckpt, "checkpoint_epoch2.pt"))
+
+    def check_monitor_files(self, folder, steps):
+        import json
+        import xml.etree.ElementTree as ET
+        with open(os.path.join(folder, "metrics.jsonl")) as f:
+            windows = [json.loads(line) for line in f]
+        self.assertEqual([w["step"] for w in windows], list(range(50, steps, 50)) + [steps])  # log_every 50
+        for w in windows:
+            self.assertGreater(w["samples_per_s"], 0)
+            self.assertIn(w["slowest_rank"], (0, 1))
+            self.assertLessEqual(w["step_ms"]["min"], w["step_ms"]["max"])
+            self.assertIsNotNone(w["accuracy"])
+        with open(os.path.join(folder, "trace.json")) as f:
+            trace = json.load(f)
+        self.assertEqual({e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}, {0, 1})
+        svg = ET.parse(os.path.join(folder, "plot.svg")).getroot()  # well-formed XML
+        lines = svg.findall(".//{http://www.w3.org/2000/svg}polyline")
+        self.assertEqual([len(l.get("points").split()) for l in lines], [len(windows)] * 3)
 
     def test_amp_reaches_the_float32_accuracy_band(self):
         # Measured here, same run as above: float32 0.8124, --amp (bfloat16 autocast + GradScaler) 0.8143.
