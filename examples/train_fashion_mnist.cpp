@@ -31,11 +31,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
+#include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
 #include "dtrain/dtrain.h"
 #include "dtrain/monitor.h"
@@ -82,6 +84,9 @@ struct Config {
   std::string data_dir = FashionMNIST::kDefaultRoot;
   double grad_clip = 0;
   std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;  // steps between checkpoints (0: only at the end of each epoch)
+  int64_t test_subset = 0;       // evaluate on the first N test samples only (0: all 10000)
+  int64_t step_sleep_ms = 0;     // fault-injection tests: slow each step so an outside kill lands mid-epoch
   int64_t threads = 0;
   std::string dump_params;
   int64_t eval_batch_size = 0;  // 0: batch_size
@@ -158,7 +163,8 @@ int run(const Config& cfg) {
     auto opts = dtrain::datasets::FashionMNISTOptions().standardize(true);
     if (cfg.subset > 0) opts.max_samples(static_cast<size_t>(cfg.subset));
     train.emplace(cfg.data_dir, FashionMNIST::Mode::kTrain, opts);
-    test.emplace(cfg.data_dir, FashionMNIST::Mode::kTest, opts.max_samples(std::nullopt));
+    test.emplace(cfg.data_dir, FashionMNIST::Mode::kTest,
+                 opts.max_samples(cfg.test_subset > 0 ? std::optional<size_t>(cfg.test_subset) : std::nullopt));
   });
   if (!cfg.checkpoint_dir.empty())
     collectively("preparing --checkpoint_dir", main_rank, [&] {
@@ -190,6 +196,33 @@ int run(const Config& cfg) {
       torch::data::DataLoaderOptions().batch_size(cfg.batch_size).workers(cfg.num_workers));
   const int64_t steps = (static_cast<int64_t>(sampler.size()) + cfg.batch_size - 1) / cfg.batch_size;
 
+  // Fault tolerance (dtrain/checkpoint.h): with --checkpoint_dir every rank resumes from the newest
+  // good checkpoint there (after a dtrain-run --max_restarts restart, or a new run), mid-epoch at the
+  // sampler's position, with this epoch's running sums, so the run ends bit-identical to one never
+  // interrupted (Note [exact resume]).
+  dtrain::TrainingState state;
+  state.model = ddp.module().get();
+  state.optimizer = &optimizer;
+  state.scaler = &scaler;
+  state.sampler = &sampler;
+  std::optional<dtrain::CheckpointManager> checkpoints;
+  int64_t start_epoch = 1, global_step = 0;
+  if (!cfg.checkpoint_dir.empty()) {
+    checkpoints.emplace(cfg.checkpoint_dir);
+    if (auto path = checkpoints->load_latest(state)) {
+      start_epoch = state.epoch;
+      global_step = state.step;
+      if (main_rank) {
+        const char* restart = std::getenv("DTRAIN_RESTART_COUNT");
+        std::printf("resumed from %s: epoch %lld, step %lld of the epoch, %lld steps done (restart %s)\n",
+                    path->c_str(), static_cast<long long>(start_epoch),
+                    static_cast<long long>(state.sampler_position / cfg.batch_size),
+                    static_cast<long long>(global_step), restart ? restart : "0");
+        std::fflush(stdout);
+      }
+    }
+  }
+
   if (main_rank) {
     std::printf("train_fashion_mnist: %d rank(s) x %d thread(s), backend %s | %zu training samples, %zu test | "
                 "batch %lld per rank (%lld global), %lld steps/epoch | %s lr %g, grad_clip %g, %lld epoch(s), "
@@ -210,12 +243,27 @@ int run(const Config& cfg) {
 
   const auto t0 = std::chrono::steady_clock::now();
   double train_loss = 0, test_accuracy = 0;
-  for (int64_t epoch = 1; epoch <= cfg.epochs; ++epoch) {
+  for (int64_t epoch = start_epoch; epoch <= cfg.epochs; ++epoch) {
     sampler.set_epoch(epoch - 1);  // a new shuffle every epoch, the same on every rank
     const auto te = std::chrono::steady_clock::now();
     double loss_sum = 0;
     int64_t correct = 0, seen = 0, step = 0;
+    if (epoch == start_epoch && state.sampler_position > 0) {  // resumed mid-epoch: the loader skips ahead
+      step = state.sampler_position / cfg.batch_size;
+      loss_sum = state.values["loss_sum"];
+      correct = static_cast<int64_t>(state.values["correct"]);
+      seen = static_cast<int64_t>(state.values["seen"]);
+    }
     monitor.begin_epoch(epoch, cfg.epochs, steps, step);
+    // This rank's progress through the epoch, as the checkpoint stores it.
+    auto save_checkpoint = [&] {
+      state.step = global_step;
+      state.epoch = epoch;
+      state.sampler_position = std::min<int64_t>(step * cfg.batch_size, static_cast<int64_t>(sampler.size()));
+      state.values = {{"loss_sum", loss_sum}, {"correct", static_cast<double>(correct)},
+                      {"seen", static_cast<double>(seen)}};
+      checkpoints->save(state);
+    };
     for (auto& batch : *loader) {
       at::Tensor logits, loss;
       double grad_norm = NAN;  // known with --grad_clip; else the monitor samples it
@@ -249,8 +297,13 @@ int run(const Config& cfg) {
       ++step;
       monitor.end_step(dtrain::StepInfo().loss(step_loss).samples(b).accuracy(static_cast<double>(step_correct) / b)
                            .lr(cfg.lr).grad_norm(grad_norm));
+      ++global_step;
+      if (checkpoints && cfg.checkpoint_every > 0 && global_step % cfg.checkpoint_every == 0) save_checkpoint();
+      if (cfg.step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(cfg.step_sleep_ms));
     }
     monitor.end_epoch();
+    // The end of every epoch is a checkpoint too (unless the last step just wrote one).
+    if (checkpoints && !(cfg.checkpoint_every > 0 && global_step % cfg.checkpoint_every == 0)) save_checkpoint();
 
     // Epoch statistics over all ranks (each rank's samples, padded duplicates included, as PyTorch).
     at::Tensor stats = at::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(seen)}, at::kDouble);
@@ -267,11 +320,6 @@ int run(const Config& cfg) {
                   test_accuracy, epoch_s, stats[2].item<double>() / epoch_s, test_s);
       std::fflush(stdout);
     }
-    if (!cfg.checkpoint_dir.empty())
-      collectively("writing the checkpoint", main_rank, [&] {
-        const auto path = std::filesystem::path(cfg.checkpoint_dir) / ("checkpoint_epoch" + std::to_string(epoch) + ".pt");
-        train::save_checkpoint(path.string(), *ddp.module(), optimizer, epoch);
-      });
   }
 
   monitor.close();  // every rank: the last metrics window, the merged trace, the plot
@@ -313,7 +361,16 @@ int main(int argc, char** argv) {
   app.add_option("--grad_clip", cfg.grad_clip, "clip the gradient norm to this after backward (0: off)")
       ->check(CLI::NonNegativeNumber)->capture_default_str();
   app.add_option("--checkpoint_dir", cfg.checkpoint_dir,
-                 "rank 0 writes <dir>/checkpoint_epoch<E>.pt (model + optimizer) after every epoch E (1-based)");
+                 "rank 0 writes <dir>/checkpoint_<step>.pt (model, optimizer, scaler, sampler position, RNG) after "
+                 "every epoch and every --checkpoint_every steps, keeping the newest 2; a run resumes from the newest "
+                 "good one there");
+  app.add_option("--checkpoint_every", cfg.checkpoint_every, "steps between checkpoints (0: at the end of each epoch only)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--test_subset", cfg.test_subset, "evaluate on the first N test samples only (0: all 10000)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--step_sleep_ms", cfg.step_sleep_ms,
+                 "sleep this long after every step (fault-injection tests: lets an outside kill land mid-epoch)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
   app.add_option("--threads", cfg.threads, "intra-op threads per rank (default: $OMP_NUM_THREADS; 0: LibTorch's)")
       ->check(CLI::NonNegativeNumber)->capture_default_str();
   app.add_flag("--amp", cfg.amp, "mixed precision: autocast (bfloat16 on CPU) + GradScaler");

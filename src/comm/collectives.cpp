@@ -47,9 +47,20 @@ int group_rank(const Group::Impl& g, int global, const char* role, const char* o
   return it->second;
 }
 
+// "rank 1: all_reduce on group 'default' (gloo, ranks [0, 1], timeout 5 s)": a failure or a timeout
+// names the operation, the ranks that had to take part and the timeout (Note [collective timeouts]).
 std::string what(const Group::Impl& g, const char* op) {
-  return detail::cat("rank ", comm::world_state().rank, ": ", op, " on group '", g.name, "' (",
-                     g.backend, ")");
+  std::string ranks = "[";
+  for (size_t i = 0; i < g.ranks.size(); ++i) {
+    if (g.ranks.size() > 8 && i == 6) {
+      ranks += "..., ";
+      i = g.ranks.size() - 1;
+    }
+    ranks += std::to_string(g.ranks[i]) + (i + 1 < g.ranks.size() ? ", " : "]");
+  }
+  return detail::cat("rank ", comm::world_state().rank, ": ", op, " on group '", g.name, "' (", g.backend,
+                     ", ranks ", ranks, g.ranks.size() > 8 ? detail::cat(" (", g.ranks.size(), " ranks)") : "",
+                     ", timeout ", g.timeout.count() / 1000.0, " s)");
 }
 
 // DTRAIN_DEBUG=DETAIL: every member describes its call and the descriptions must agree

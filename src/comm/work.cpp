@@ -41,7 +41,13 @@ void Work::wait() {
     } catch (const Error& e) {
       s->error = std::make_exception_ptr(e);
     } catch (const std::exception& e) {
-      s->error = std::make_exception_ptr(Error(s->what + " failed: " + brief(e)));
+      // Note [collective timeouts]: a peer that hangs, is stopped (SIGSTOP) or died mid-collective
+      // reaches the others as the backend's timeout (Gloo: "Timed out waiting ..."); say so plainly.
+      const std::string msg = brief(e);
+      const bool timed_out = msg.find("imed out") != std::string::npos || msg.find("imeout") != std::string::npos;
+      s->error = std::make_exception_ptr(Error(
+          s->what + (timed_out ? " timed out (a rank of the group did not take part in time: hung, stopped or dead?): "
+                               : " failed: ") + msg));
     }
     std::vector<std::function<void()>> fns;
     {
