@@ -24,6 +24,7 @@
 
 #include <ATen/ATen.h>
 
+#include "dtrain/ddp.h"
 #include "dtrain/monitor.h"
 #include "dtrain/system.h"
 #include "monitor/timeline.h"
@@ -36,8 +37,9 @@ int64_t now_ns() {
       .count();
 }
 
-// DDPEvent::Kind values (dtrain/ddp.h; this file does not include the DDP module headers).
-enum { kGradReady = 0, kBucketLaunched = 1, kBucketDone = 2, kBackwardEnd = 3, kGradsSynced = 4 };
+// Monitor::watch passes DDPEvent::Kind as an int (monitor.h does not include the DDP module headers).
+constexpr int kBucketLaunched = DDPEvent::kBucketLaunched, kBucketDone = DDPEvent::kBucketDone,
+              kBackwardEnd = DDPEvent::kBackwardEnd, kGradsSynced = DDPEvent::kGradsSynced;
 
 // The fields every rank contributes per window, in all_gather order.
 enum Field {
