@@ -87,6 +87,9 @@ class Group {
   int size() const;
   const std::vector<int>& ranks() const;  // global ranks of the members, sorted
   std::string backend() const;
+  // Whether this rank's collectives in the group run over shared memory with the other ranks of
+  // its host (backend "gloo", DTRAIN_SHM unset or 1, at least two of the group's ranks on the host).
+  bool uses_shared_memory() const;
   int group_rank(int global_rank) const;  // throws if not a member
 
   struct Impl;

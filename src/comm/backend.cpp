@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "comm/shm/shm_process_group.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::comm {
@@ -19,9 +20,10 @@ void check_backend_name(const std::string& name) {
                "backend 'nccl' needs a CUDA build of LibTorch with NCCL, but dtrain was built against "
                "a CPU-only LibTorch: use backend 'gloo', or rebuild dtrain against CUDA LibTorch");
 #endif
+  if (name == "gloo") shm_mode_from_env();  // a bad DTRAIN_SHM fails here, before any rendezvous
 }
 
-static compat::BackendPtr make_gloo(const BackendConfig& c) {
+compat::BackendPtr make_gloo_backend(const BackendConfig& c) {
   auto opts = c10d::ProcessGroupGloo::Options::create(c.timeout);
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
     std::stringstream ss(ifname);
@@ -47,7 +49,8 @@ compat::BackendPtr make_backend(const BackendConfig& config) {
 #ifdef DTRAIN_WITH_NCCL
   if (config.name == "nccl") return make_nccl(config);
 #endif
-  return make_gloo(config);
+  const ShmMode mode = shm_mode_from_env();
+  return make_shm_process_group(config, make_gloo_backend(config), mode);
 }
 
 }  // namespace dtrain::comm

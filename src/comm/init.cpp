@@ -137,6 +137,7 @@ std::shared_ptr<Group::Impl> make_group(WorldState& st, const std::string& name,
     c.size = static_cast<int>(g->ranks.size());
     c.timeout = timeout;
     c.bind_address = st.bind_address;
+    c.global_ranks = g->ranks;
     try {
       g->pg = make_backend(c);
     } catch (const dtrain::Error&) {

@@ -3,6 +3,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "comm/shm/shm_process_group.h"
 #include "comm/state.h"
 
 namespace dtrain {
@@ -92,6 +93,10 @@ int Group::rank() const { return comm::resolve(*this).rank; }
 int Group::size() const { return static_cast<int>(comm::resolve(*this).ranks.size()); }
 const std::vector<int>& Group::ranks() const { return comm::resolve(*this).ranks; }
 std::string Group::backend() const { return comm::resolve(*this).backend; }
+bool Group::uses_shared_memory() const {
+  const auto& g = comm::resolve(*this);
+  return g.pg && comm::uses_shared_memory(g.pg);
+}
 int Group::group_rank(int global_rank) const {
   const auto& g = comm::resolve(*this);
   auto it = g.group_rank_of.find(global_rank);

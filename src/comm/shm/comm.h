@@ -1,0 +1,72 @@
+// Collectives over one host's shared-memory segment (torch-free; the process-group layer in
+// shm_process_group.h maps tensors and options onto it).
+//
+// Every collective is a sequence of steps over chunks of at most one slot. Step s of rank r:
+//   0. Wait until every rank finished step s-2 (its gather counter), so buffer s % 2 is free.
+//   1. scatter: copy the parts that the other ranks reduce into r's slot; publish the op descriptor
+//      (first step of an op); counter A = s.
+//   2. reduce: wait for A of every rank; check their descriptors against r's own (a mismatch fails
+//      every rank with both calls named, instead of corrupting memory or hanging); reduce part r in
+//      rank order 0..n-1 (so every rank gets the same bits) into r's tensor and r's slot; B = s.
+//   3. gather: wait for B of every rank; copy their reduced parts into r's tensor; C = s.
+// broadcast and all_gather use the same counters with one copy in and one copy out.
+//
+// Waiting: spin briefly, then yield, then sleep on a futex (woken by the signalling rank); every
+// wait checks the abort flag, the group timeout, and whether the awaited process still exists.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "comm/shm/kernels.h"
+#include "comm/shm/segment.h"
+
+namespace dtrain::shm {
+
+class Comm {
+ public:
+  // labels[k]: the global rank of local rank k, used in error messages.
+  Comm(Segment segment, int rank, std::vector<int> labels, std::chrono::milliseconds timeout);
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  void all_reduce(void* data, size_t count, DType dtype, RedOp op);
+  void broadcast(void* data, size_t bytes, int root);
+  // outs[k] receives rank k's `bytes` bytes (outs[rank] may equal in).
+  void all_gather(const void* in, size_t bytes, void* const* outs);
+  void barrier();
+  // Fails the segment for every rank (their waits throw with `message`), e.g. when this rank's part
+  // of a hierarchical all-reduce failed outside shared memory. Throws nothing.
+  void abort(const std::string& message);
+
+  int rank() const { return rank_; }
+  int size() const { return n_; }
+  const Segment& segment() const { return seg_; }
+
+ private:
+  enum Phase { A = 0, B = 1, C = 2 };
+  uint32_t begin_step();
+  void signal(Phase p, uint32_t s);
+  void wait_for(int peer, Phase p, uint32_t s);
+  void wait_all(Phase p, uint32_t s);
+  void publish(const OpDesc& d);
+  void check_peer(int peer, const OpDesc& mine);
+  void check_usable() const;
+  [[noreturn]] void fail(const std::string& message);
+  std::string describe(const OpDesc& d) const;
+  std::string op_name() const;
+
+  Segment seg_;
+  int rank_;
+  int n_;
+  std::vector<int> labels_;
+  std::chrono::milliseconds timeout_;
+  uint32_t seq_ = 0;
+  uint64_t op_id_ = 0;
+  OpDesc current_;
+  bool broken_ = false;
+};
+
+}  // namespace dtrain::shm

@@ -1,0 +1,23 @@
+// Elementwise reductions for the shared-memory collectives (torch-free, built with -O3 so the
+// float loops vectorize). out[i] = op(a[i], b[i]); `out` may alias `a`; `out2` (optional) receives
+// the same values, which saves a copy on the last reduction pass.
+//
+// float16 and bfloat16 are combined in float and rounded once per pass (round to nearest even),
+// which is what Gloo does for two ranks, so a two-rank SUM is bit-identical to Gloo's.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace dtrain::shm {
+
+enum class DType : uint32_t { F32 = 1, F64 = 2, F16 = 3, BF16 = 4 };
+enum class RedOp : uint32_t { SUM = 1, PROD = 2, MIN = 3, MAX = 4 };
+
+size_t element_size(DType t);
+const char* to_string(DType t);
+const char* to_string(RedOp op);
+
+void combine(void* out, void* out2, const void* a, const void* b, size_t count, DType t, RedOp op);
+
+}  // namespace dtrain::shm

@@ -1,0 +1,157 @@
+#include "comm/shm/segment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <new>
+#include <random>
+#include <utility>
+
+#include "dtrain/errors.h"
+
+namespace dtrain::shm {
+namespace {
+
+constexpr uint64_t kMagic = 0x6474726e73686d31ULL;  // "dtrnshm1"
+constexpr uint32_t kVersion = 1;
+
+size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+size_t ctl_offset() { return align_up(sizeof(Header), 4096); }
+size_t data_offset(int nranks) { return align_up(ctl_offset() + sizeof(RankCtl) * nranks, 4096); }
+
+std::string errno_text(int e) { return std::strerror(e); }
+
+}  // namespace
+
+size_t segment_bytes(int nranks, size_t slot_bytes) {
+  return data_offset(nranks) + static_cast<size_t>(nranks) * 2 * slot_bytes;
+}
+
+std::string Segment::unique_name(const std::string& tag) {
+  std::random_device rd;
+  uint64_t id = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(id));
+  return "/dtrain-" + std::to_string(getpid()) + "-" + buf + "-" + tag;
+}
+
+Segment Segment::create(const std::string& name, int nranks, size_t slot_bytes) {
+  DTRAIN_ASSERT(nranks >= 1 && slot_bytes % 64 == 0);
+  const size_t total = segment_bytes(nranks, slot_bytes);
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  DTRAIN_CHECK(fd >= 0, "creating the shared-memory segment ", name, " failed: ", errno_text(errno),
+               ": check that /dev/shm is mounted and writable, or set DTRAIN_SHM=0 to use Gloo only");
+  Segment s;
+  s.name_ = name;
+  s.owner_ = true;
+  s.nranks_ = nranks;
+  s.slot_bytes_ = slot_bytes;
+  s.total_ = total;
+  // From here on, s's destructor unlinks the name if anything fails.
+  if (ftruncate(fd, static_cast<off_t>(total)) != 0) {
+    int e = errno;
+    close(fd);
+    throw Error(detail::cat("sizing the shared-memory segment ", name, " to ", total, " bytes failed: ",
+                            errno_text(e), ": free space in /dev/shm or set DTRAIN_SHM=0"));
+  }
+  if (int e = posix_fallocate(fd, 0, static_cast<off_t>(total)); e != 0) {
+    close(fd);
+    throw Error(detail::cat("reserving ", total, " bytes for the shared-memory segment ", name,
+                            " failed: ", errno_text(e), ": /dev/shm is too small (df -h /dev/shm); "
+                            "enlarge it or set DTRAIN_SHM=0"));
+  }
+  void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int e = errno;
+  close(fd);
+  DTRAIN_CHECK(p != MAP_FAILED, "mapping the shared-memory segment ", name, " failed: ", errno_text(e),
+               ": set DTRAIN_SHM=0 to use Gloo only");
+  s.base_ = static_cast<char*>(p);
+  Header* h = new (s.base_) Header();
+  for (int r = 0; r < nranks; ++r) new (&s.ctl(r)) RankCtl();
+  h->nranks = static_cast<uint32_t>(nranks);
+  h->slot_bytes = slot_bytes;
+  h->total_bytes = total;
+  h->version = kVersion;
+  std::atomic_thread_fence(std::memory_order_release);
+  reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->store(kMagic, std::memory_order_release);
+  return s;
+}
+
+Segment Segment::attach(const std::string& name, int nranks, size_t slot_bytes) {
+  const size_t total = segment_bytes(nranks, slot_bytes);
+  int fd = shm_open(name.c_str(), O_RDWR, 0600);
+  DTRAIN_CHECK(fd >= 0, "opening the shared-memory segment ", name, " failed: ", errno_text(errno),
+               ": the ranks that share this host must see the same /dev/shm (same container); "
+               "set DTRAIN_SHM=0 to use Gloo only");
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != total) {
+    close(fd);
+    throw Error(detail::cat("the shared-memory segment ", name, " has ", st.st_size, " bytes, expected ",
+                            total, " (", nranks, " ranks, ", slot_bytes, "-byte slots): another job "
+                            "reused the name, or the ranks disagree on the group; set DTRAIN_SHM=0"));
+  }
+  void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int e = errno;
+  close(fd);
+  DTRAIN_CHECK(p != MAP_FAILED, "mapping the shared-memory segment ", name, " failed: ", errno_text(e),
+               ": set DTRAIN_SHM=0 to use Gloo only");
+  Segment s;
+  s.name_ = name;
+  s.base_ = static_cast<char*>(p);
+  s.total_ = total;
+  s.nranks_ = nranks;
+  s.slot_bytes_ = slot_bytes;
+  s.unlinked_ = true;  // only the creator unlinks
+  const Header& h = s.header();
+  uint64_t magic = reinterpret_cast<const std::atomic<uint64_t>*>(&h.magic)->load(std::memory_order_acquire);
+  DTRAIN_CHECK(magic == kMagic && h.version == kVersion && h.nranks == static_cast<uint32_t>(nranks) &&
+                   h.slot_bytes == slot_bytes && h.total_bytes == total,
+               "the shared-memory segment ", name, " is not a dtrain segment for ", nranks,
+               " ranks (magic/version/size differ): set DTRAIN_SHM=0");
+  return s;
+}
+
+Segment::Segment(Segment&& o) noexcept { *this = std::move(o); }
+
+Segment& Segment::operator=(Segment&& o) noexcept {
+  if (this != &o) {
+    release();
+    name_ = std::move(o.name_);
+    base_ = std::exchange(o.base_, nullptr);
+    total_ = o.total_;
+    slot_bytes_ = o.slot_bytes_;
+    nranks_ = o.nranks_;
+    owner_ = std::exchange(o.owner_, false);
+    unlinked_ = std::exchange(o.unlinked_, true);
+  }
+  return *this;
+}
+
+Segment::~Segment() { release(); }
+
+void Segment::release() {
+  unlink();
+  if (base_) munmap(base_, total_);
+  base_ = nullptr;
+}
+
+void Segment::unlink() {
+  if (owner_ && !unlinked_ && !name_.empty()) shm_unlink(name_.c_str());
+  unlinked_ = true;
+}
+
+RankCtl& Segment::ctl(int rank) const {
+  return reinterpret_cast<RankCtl*>(base_ + ctl_offset())[rank];
+}
+
+char* Segment::slot(int rank, int buffer) const {
+  return base_ + data_offset(nranks_) + (static_cast<size_t>(rank) * 2 + buffer) * slot_bytes_;
+}
+
+void Segment::prefault(int rank) const { std::memset(slot(rank, 0), 0, 2 * slot_bytes_); }
+
+}  // namespace dtrain::shm

@@ -1,0 +1,97 @@
+// A POSIX shared-memory segment shared by the ranks of one host (torch-free).
+//
+// Layout (every part 64-byte aligned, the data 4096-byte aligned):
+//   Header    magic, version, rank count, slot size, attach count, abort flag + message
+//   RankCtl   per rank: three step counters (scatter / reduce / gather), each on its own cache line
+//             with a sleeper count for futex wake-ups; the pid; the last two op descriptors
+//   slots     per rank: two buffers of slot_bytes (double buffering: step s uses buffer s % 2)
+//
+// Note [Segment lifetime]: the creator (the host's lowest rank) creates the name with O_EXCL and a
+// random per-job id, reserves the memory (posix_fallocate: a full /dev/shm fails here with a clear
+// error, not with SIGBUS later), and unlinks the name as soon as every rank has attached. From then
+// on the memory lives only in the mappings, so a crash or SIGKILL leaves nothing in /dev/shm. Only a
+// crash inside the attach window (milliseconds at startup) could leave a name behind.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace dtrain::shm {
+
+struct OpDesc {
+  uint64_t op_id = 0;
+  uint64_t count = 0;   // elements (all_reduce) or bytes (broadcast, all_gather)
+  uint32_t op = 0;      // OpKind
+  uint32_t dtype = 0;   // DType for all_reduce
+  uint32_t redop = 0;   // RedOp for all_reduce
+  int32_t root = -1;    // broadcast
+};
+
+struct alignas(64) Counter {
+  std::atomic<uint32_t> value{0};
+  std::atomic<uint32_t> sleepers{0};
+};
+
+struct alignas(64) RankCtl {
+  Counter phase[3];
+  std::atomic<int32_t> pid{0};
+  uint64_t pid_namespace = 0;  // pid checks only make sense between ranks of one pid namespace
+  OpDesc desc[2];
+};
+
+struct alignas(64) Header {
+  uint64_t magic = 0;
+  uint32_t version = 0;
+  uint32_t nranks = 0;
+  uint64_t slot_bytes = 0;
+  uint64_t total_bytes = 0;
+  std::atomic<uint32_t> attached{0};
+  std::atomic<uint32_t> aborted{0};
+  char abort_message[512] = {0};
+};
+
+class Segment {
+ public:
+  // Creates and maps a new segment; throws dtrain::Error naming the name and the remedy.
+  static Segment create(const std::string& name, int nranks, size_t slot_bytes);
+  // Maps an existing segment and checks its magic, version, rank count and size.
+  static Segment attach(const std::string& name, int nranks, size_t slot_bytes);
+  // A fresh name: "/dtrain-<pid>-<random 64-bit hex>-<tag>".
+  static std::string unique_name(const std::string& tag);
+
+  Segment() = default;
+  Segment(Segment&& o) noexcept;
+  Segment& operator=(Segment&& o) noexcept;
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  ~Segment();
+
+  // Removes the name (idempotent); the mappings stay valid.
+  void unlink();
+
+  Header& header() const { return *reinterpret_cast<Header*>(base_); }
+  RankCtl& ctl(int rank) const;
+  char* slot(int rank, int buffer) const;
+  size_t slot_bytes() const { return slot_bytes_; }
+  int nranks() const { return nranks_; }
+  const std::string& name() const { return name_; }
+  // Touches this rank's slots so that their pages are resident before the first collective.
+  void prefault(int rank) const;
+
+ private:
+  void release();
+  std::string name_;
+  char* base_ = nullptr;
+  size_t total_ = 0;
+  size_t slot_bytes_ = 0;
+  int nranks_ = 0;
+  bool owner_ = false;
+  bool unlinked_ = false;
+};
+
+// Bytes of the segment for `nranks` ranks with slots of `slot_bytes`.
+size_t segment_bytes(int nranks, size_t slot_bytes);
+
+}  // namespace dtrain::shm

@@ -1,0 +1,97 @@
+// ShmProcessGroup's declaration (internal to comm/shm).
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "comm/shm/comm.h"
+#include "compat/c10d_compat.h"
+
+namespace dtrain::comm {
+
+struct ShmTopology {
+  int hosts = 1;          // distinct hosts in the group
+  int host_index = 0;     // this rank's host, in order of first rank
+  bool leader = true;     // lowest rank of its host
+  int leader_local = 0;   // the leader's index among this host's ranks
+};
+
+class ShmProcessGroup : public compat::Backend {
+ public:
+  // local: this host's segment (null when the rank is alone on its host); leaders: Gloo among host
+  // leaders (null unless this rank is a leader and there are several hosts).
+  ShmProcessGroup(int rank, int size, compat::BackendPtr gloo, std::unique_ptr<shm::Comm> local,
+                  compat::BackendPtr leaders, ShmTopology topo);
+  ~ShmProcessGroup() override;
+
+  const std::string getBackendName() const override { return "gloo"; }
+  bool has_local() const { return local_ != nullptr; }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Gloo for the rest.
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& t,
+                                                     const c10d::AllreduceCoalescedOptions& o) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                                 const c10d::AllgatherOptions& o) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& out,
+                                                     std::vector<at::Tensor>& in,
+                                                     const c10d::AllgatherOptions& o) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& out,
+                                        std::vector<at::Tensor>& in, const c10d::GatherOptions& o) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& out,
+                                         std::vector<std::vector<at::Tensor>>& in,
+                                         const c10d::ScatterOptions& o) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& out,
+                                                std::vector<std::vector<at::Tensor>>& in,
+                                                const c10d::ReduceScatterOptions& o) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                                                      const c10d::ReduceScatterOptions& o) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& os,
+                                               std::vector<int64_t>& is,
+                                               const c10d::AllToAllOptions& o) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
+                                          const c10d::AllToAllOptions& o) override;
+  void monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all_ranks) override;
+  void setSequenceNumberForGroup() override;
+  uint64_t getSequenceNumberForGroup() override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& t, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& t, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& t, int tag) override;
+
+ private:
+  c10::intrusive_ptr<c10d::Work> enqueue(std::vector<at::Tensor> outputs, c10d::OpType type,
+                                         std::function<void()> job);
+  c10::intrusive_ptr<c10d::Work> fallback(c10::intrusive_ptr<c10d::Work> w);
+  void wait_fallbacks();
+  void run();
+
+  compat::BackendPtr gloo_;
+  std::unique_ptr<shm::Comm> local_;
+  compat::BackendPtr leaders_;
+  ShmTopology topo_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread worker_;
+
+  std::mutex fallback_mu_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> fallbacks_;  // in flight on Gloo, for barrier()
+};
+
+}  // namespace dtrain::comm

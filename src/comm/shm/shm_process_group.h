@@ -1,0 +1,42 @@
+// The Gloo process group with shared-memory collectives for ranks that share a host.
+//
+// ShmProcessGroup is a c10d process group (compat::Backend) wrapping the group's ProcessGroupGloo, so
+// DDP and every other caller get it through the same interface. all_reduce (SUM, PRODUCT, MIN, MAX
+// on float32/float64/float16/bfloat16 CPU tensors), broadcast, all_gather and barrier run over
+// shared memory on a worker thread (asynchronous like Gloo: the caller gets a Work at once);
+// everything else, and every tensor the shared-memory path does not take, goes to Gloo.
+//
+// Across hosts all_reduce is hierarchical (Horovod's): shared memory inside each host, Gloo between
+// one leader per host, shared memory to spread the result; the other collectives use Gloo.
+//
+// Setup (make_backend, comm/backend.cpp): see make_shm_process_group below.
+#pragma once
+
+#include <string>
+
+#include "comm/backend.h"
+#include "compat/c10d_compat.h"
+
+namespace dtrain::comm {
+
+enum class ShmMode { kOff, kAuto, kRequired };
+
+// DTRAIN_SHM: unset/"auto" -> kAuto, "0" -> kOff, "1" -> kRequired; anything else is an error.
+ShmMode shm_mode_from_env();
+
+// Steps (every rank of the group, through the group's store):
+//   1. Publish this rank's host key (DTRAIN_SHM_HOST if set, else host name + boot id + the
+//      identity of /dev/shm) and read everyone's; ranks with the same key share a host.
+//   2. If no two ranks share a host, return `gloo` unchanged (kRequired: error).
+//   3. Each host's lowest rank creates a segment (segment.h) and publishes its name; the others
+//      attach. Every rank publishes "ok" or its error and reads everyone's: all ranks agree.
+//   4. Any error: kAuto warns once and returns `gloo`; kRequired throws. Otherwise the creators
+//      unlink the names (Note [Segment lifetime]) and, with several hosts, the host leaders build
+//      a Gloo group among themselves.
+compat::BackendPtr make_shm_process_group(const BackendConfig& config, compat::BackendPtr gloo,
+                                          ShmMode mode);
+
+// Whether `pg` is a ShmProcessGroup with a shared-memory segment for this rank's host.
+bool uses_shared_memory(const compat::BackendPtr& pg);
+
+}  // namespace dtrain::comm

@@ -1,0 +1,221 @@
+// The shared-memory collectives (src/comm/shm) on real processes: fork() N ranks that attach to one
+// segment, run collectives, and report failures through a pipe. Torch-free and fast.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "comm/shm/comm.h"
+#include "dtrain/errors.h"
+
+using namespace dtrain::shm;
+using Fn = std::function<void(Comm&, int)>;
+
+namespace {
+
+constexpr size_t kSlot = 4096;  // small slots so that modest sizes take several chunks
+
+// Runs fn on n forked ranks; returns each rank's error message ("" = success).
+std::vector<std::string> run_ranks(int n, const Fn& fn, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+  Segment seg = Segment::create(Segment::unique_name("test"), n, kSlot);
+  std::vector<int> labels;
+  for (int r = 0; r < n; ++r) labels.push_back(r);
+  std::vector<pid_t> pids;
+  std::vector<int> fds;
+  for (int r = 0; r < n; ++r) {
+    int p[2];
+    EXPECT_EQ(pipe(p), 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+      close(p[0]);
+      std::string err;
+      try {
+        Comm comm(Segment::attach(seg.name(), n, kSlot), r, labels, timeout);
+        fn(comm, r);
+      } catch (const std::exception& e) {
+        err = e.what();
+        if (err.empty()) err = "(empty error)";
+      }
+      (void)!write(p[1], err.data(), err.size());
+      _exit(0);
+    }
+    close(p[1]);
+    pids.push_back(pid);
+    fds.push_back(p[0]);
+  }
+  std::vector<std::string> errors(n);
+  for (int r = 0; r < n; ++r) {
+    char buf[1024];
+    ssize_t k;
+    while ((k = read(fds[r], buf, sizeof(buf))) > 0) errors[r].append(buf, k);
+    close(fds[r]);
+    int status = 0;
+    waitpid(pids[r], &status, 0);
+    if (!WIFEXITED(status) && errors[r].empty()) errors[r] = "rank died";
+  }
+  return errors;
+}
+
+void expect_ok(const std::vector<std::string>& errors) {
+  for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+// Deterministic per-rank data with values that make float sums order-sensitive.
+float value(int rank, size_t i) { return static_cast<float>((i * 7919 + rank * 104729) % 1000) * 0.001f + rank * 1e-3f; }
+
+template <class T>
+void check_reduce(int n, size_t count, DType dt, RedOp op) {
+  auto errors = run_ranks(n, [&](Comm& c, int r) {
+    std::vector<T> data(count);
+    for (size_t i = 0; i < count; ++i) data[i] = T(value(r, i));
+    c.all_reduce(data.data(), count, dt, op);
+    for (size_t i = 0; i < count; ++i) {
+      // Expected: combined in rank order, rounded to T after every step (as the kernels do).
+      T acc = T(value(0, i));
+      for (int k = 1; k < n; ++k) {
+        float a = static_cast<float>(acc), b = static_cast<float>(T(value(k, i)));
+        double ad = static_cast<double>(acc), bd = static_cast<double>(T(value(k, i)));
+        switch (op) {
+          case RedOp::SUM: acc = std::is_same_v<T, double> ? T(ad + bd) : T(a + b); break;
+          case RedOp::PROD: acc = std::is_same_v<T, double> ? T(ad * bd) : T(a * b); break;
+          case RedOp::MIN: acc = T(std::min(ad, bd)); break;
+          case RedOp::MAX: acc = T(std::max(ad, bd)); break;
+        }
+      }
+      if (std::memcmp(&acc, &data[i], sizeof(T)) != 0)
+        throw std::runtime_error("element " + std::to_string(i) + " differs: " +
+                                 std::to_string(static_cast<double>(data[i])) + " vs " +
+                                 std::to_string(static_cast<double>(acc)));
+    }
+  });
+  expect_ok(errors);
+}
+
+}  // namespace
+
+TEST(ShmComm, AllReduceSumFloatAcrossChunkBoundaries) {
+  for (int n : {2, 3})
+    for (size_t count : {size_t{0}, size_t{1}, size_t{5}, size_t{1024}, size_t{1025}, size_t{10007}})
+      check_reduce<float>(n, count, DType::F32, RedOp::SUM);
+}
+
+TEST(ShmComm, AllReduceOpsAndDtypes) {
+  for (int n : {2, 3}) {
+    check_reduce<float>(n, 3000, DType::F32, RedOp::MIN);
+    check_reduce<float>(n, 3000, DType::F32, RedOp::MAX);
+    check_reduce<float>(n, 3000, DType::F32, RedOp::PROD);
+    check_reduce<double>(n, 3000, DType::F64, RedOp::SUM);
+    check_reduce<c10::Half>(n, 5000, DType::F16, RedOp::SUM);
+    check_reduce<c10::BFloat16>(n, 5000, DType::BF16, RedOp::SUM);
+  }
+}
+
+TEST(ShmComm, ManyBackToBackOpsKeepTheirOrder) {
+  expect_ok(run_ranks(3, [](Comm& c, int r) {
+    for (int it = 0; it < 300; ++it) {
+      float x = static_cast<float>(r + it);
+      c.all_reduce(&x, 1, DType::F32, RedOp::SUM);
+      if (x != static_cast<float>(3 * it + 3)) throw std::runtime_error("iteration " + std::to_string(it));
+    }
+  }));
+}
+
+TEST(ShmComm, BroadcastFromEveryRoot) {
+  for (int n : {2, 3})
+    expect_ok(run_ranks(n, [n](Comm& c, int r) {
+      for (int root = 0; root < n; ++root) {
+        std::vector<uint8_t> buf(3 * kSlot + 17, static_cast<uint8_t>(r));
+        if (r == root)
+          for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint8_t>(i * 31 + root);
+        c.broadcast(buf.data(), buf.size(), root);
+        for (size_t i = 0; i < buf.size(); ++i)
+          if (buf[i] != static_cast<uint8_t>(i * 31 + root)) throw std::runtime_error("byte " + std::to_string(i));
+      }
+    }));
+}
+
+TEST(ShmComm, AllGatherAndBarrier) {
+  expect_ok(run_ranks(3, [](Comm& c, int r) {
+    const size_t bytes = 2 * kSlot + 5;
+    std::vector<uint8_t> in(bytes);
+    for (size_t i = 0; i < bytes; ++i) in[i] = static_cast<uint8_t>(i + 40 * r);
+    std::vector<std::vector<uint8_t>> out(3, std::vector<uint8_t>(bytes));
+    void* outs[3] = {out[0].data(), out[1].data(), out[2].data()};
+    c.all_gather(in.data(), bytes, outs);
+    for (int k = 0; k < 3; ++k)
+      for (size_t i = 0; i < bytes; ++i)
+        if (out[k][i] != static_cast<uint8_t>(i + 40 * k)) throw std::runtime_error("gathered byte differs");
+    c.barrier();
+  }));
+}
+
+TEST(ShmComm, MismatchedShapesFailEveryRankWithBothCalls) {
+  auto start = std::chrono::steady_clock::now();
+  auto errors = run_ranks(2, [](Comm& c, int r) {
+    std::vector<float> data(r == 0 ? 10 : 20, 1.f);
+    c.all_reduce(data.data(), data.size(), DType::F32, RedOp::SUM);
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("mismatched collectives"), std::string::npos) << e;
+    EXPECT_NE(e.find("all_reduce of 10 float32 (SUM)"), std::string::npos) << e;
+    EXPECT_NE(e.find("all_reduce of 20 float32 (SUM)"), std::string::npos) << e;
+  }
+}
+
+TEST(ShmComm, DifferentOperationsAreCaught) {
+  auto errors = run_ranks(2, [](Comm& c, int r) {
+    float x = 1;
+    if (r == 0) c.all_reduce(&x, 1, DType::F32, RedOp::SUM);
+    else c.broadcast(&x, sizeof(x), 0);
+  });
+  EXPECT_NE(errors[0].find("broadcast of 4 bytes from rank 0"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("mismatched collectives"), std::string::npos) << errors[1];
+}
+
+TEST(ShmComm, AMissingRankTimesOutNamingIt) {
+  auto errors = run_ranks(2, [](Comm& c, int r) {
+    float x = 1;
+    if (r == 0) c.all_reduce(&x, 1, DType::F32, RedOp::SUM);
+    else usleep(1500 * 1000);  // alive but never calls
+  }, std::chrono::milliseconds(300));
+  EXPECT_NE(errors[0].find("timed out after 300 ms waiting for rank 1"), std::string::npos) << errors[0];
+  EXPECT_EQ(errors[1], "");
+}
+
+TEST(ShmComm, ADeadRankIsNoticedWithoutWaitingForTheTimeout) {
+  auto start = std::chrono::steady_clock::now();
+  auto errors = run_ranks(2, [](Comm& c, int r) {
+    float x = 1;
+    if (r == 1) _exit(3);
+    c.all_reduce(&x, 1, DType::F32, RedOp::SUM);
+  }, std::chrono::seconds(30));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_NE(errors[0].find("rank 1 (pid"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("exited"), std::string::npos) << errors[0];
+}
+
+TEST(ShmSegment, AttachChecksTheSizeAndUnlinkRemovesTheName) {
+  Segment seg = Segment::create(Segment::unique_name("size"), 2, kSlot);
+  try {
+    Segment::attach(seg.name(), 3, kSlot);
+    ADD_FAILURE() << "attach with the wrong rank count succeeded";
+  } catch (const dtrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expected"), std::string::npos) << e.what();
+  }
+  const std::string name = seg.name();
+  seg.unlink();
+  EXPECT_EQ(shm_open(name.c_str(), O_RDWR, 0600), -1);
+  EXPECT_NE(Segment::unique_name("x"), Segment::unique_name("x"));
+}
