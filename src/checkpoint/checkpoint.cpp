@@ -305,15 +305,15 @@ std::string CheckpointManager::save(const TrainingState& state) {
 
 std::optional<std::string> CheckpointManager::load_latest(TrainingState& state) {
   // 1. Rank 0 picks the newest usable file. Its outcome line: "" (none), "ok <path>" or "error <msg>".
-  std::string outcome, payload;
+  std::string outcome, framed;
   if (!is_initialized() || rank() == 0) {
     const auto files = list();
     for (auto it = files.rbegin(); it != files.rend(); ++it) {
       try {
-        std::string p = ckpt::unframe(ckpt::read_file(*it));
+        std::string f = ckpt::read_file(*it);
         torch::serialize::InputArchive probe;
-        parse(p, probe);
-        payload = std::move(p);
+        parse(ckpt::unframe(f), probe);
+        framed = std::move(f);
         outcome = "ok " + *it;
         break;
       } catch (const std::exception& e) {
@@ -332,7 +332,14 @@ std::optional<std::string> CheckpointManager::load_latest(TrainingState& state) 
   if (outcome.empty()) return std::nullopt;
   if (outcome.rfind("error ", 0) == 0) throw Error(outcome.substr(6));
   const std::string path = outcome.substr(3);
-  payload = broadcast_string(payload);
+  // The framed bytes travel, so every rank checks the CRC-32 of what it received.
+  framed = broadcast_string(framed);
+  std::string payload;
+  try {
+    payload = ckpt::unframe(framed);
+  } catch (const Error& e) {
+    throw Error("checkpoint " + path + " arrived damaged from rank 0: " + e.what());
+  }
   // 3.
   torch::serialize::InputArchive a;
   parse(payload, a);
