@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 
 #include "comm/debug_check.h"
+#include "comm/shm/shm_process_group.h"
 #include "comm/state.h"
 
 namespace dtrain {
@@ -137,6 +138,7 @@ Work all_reduce(at::Tensor& tensor, ReduceOp op, const Group& group, bool async_
     int64_t n = static_cast<int64_t>(g.ranks.size());
     done = [tensor, n]() mutable { tensor.div_(n); };
   }
+  comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
   return finish(Work(g.pg->allreduce(ts, opts), what(g, "all_reduce"), std::move(done)), async_op);
 }
 
@@ -148,6 +150,7 @@ Work broadcast(at::Tensor& tensor, int src, const Group& group, bool async_op) {
   c10d::BroadcastOptions opts;
   opts.rootRank = group_rank(g, src, "src", "broadcast");
   opts.timeout = g.timeout;
+  comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
   return finish(Work(g.pg->broadcast(ts, opts), what(g, "broadcast")), async_op);
 }
 
@@ -178,6 +181,7 @@ Work all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input, const
   std::vector<at::Tensor> in{input};
   c10d::AllgatherOptions opts;
   opts.timeout = g.timeout;
+  comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
   return finish(Work(g.pg->allgather(out, in, opts), what(g, "all_gather")), async_op);
 }
 
@@ -244,6 +248,7 @@ Work barrier(const Group& group, bool async_op) {
   check_call(g, "barrier");
   c10d::BarrierOptions opts;
   opts.timeout = g.timeout;
+  comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
   return finish(Work(g.pg->barrier(opts), what(g, "barrier")), async_op);
 }
 

@@ -87,6 +87,8 @@ class ShmProcessGroup : public compat::Backend {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
+  int pending_ = 0;        // queued or running jobs
+  std::mutex exec_mu_;     // one job at a time on the segment (worker or inline caller)
   bool stop_ = false;
   std::thread worker_;
 

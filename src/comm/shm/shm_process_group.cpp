@@ -1,4 +1,5 @@
 #include "comm/shm/shm_pg_impl.h"
+#include "comm/shm/shm_process_group.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
@@ -9,6 +10,8 @@
 
 namespace dtrain::comm {
 namespace {
+
+thread_local bool t_blocking_call = false;
 
 // Completes like Gloo's works: wait() rethrows the error; getFuture() is completed with the outputs
 // (or the error) on the worker thread, so completion callbacks run there.
@@ -55,6 +58,11 @@ bool plain_cpu(const at::Tensor& t) {
 
 }  // namespace
 
+BlockingCallScope::BlockingCallScope(bool blocking) : previous_(t_blocking_call) {
+  t_blocking_call = blocking;
+}
+BlockingCallScope::~BlockingCallScope() { t_blocking_call = previous_; }
+
 ShmProcessGroup::ShmProcessGroup(int rank, int size, compat::BackendPtr gloo,
                                  std::unique_ptr<shm::Comm> local, compat::BackendPtr leaders,
                                  ShmTopology topo)
@@ -82,25 +90,42 @@ void ShmProcessGroup::run() {
       job = std::move(queue_.front());
       queue_.pop_front();
     }
-    job();
+    {
+      std::lock_guard<std::mutex> exec(exec_mu_);
+      job();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    --pending_;
   }
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::enqueue(std::vector<at::Tensor> outputs,
                                                         c10d::OpType type, std::function<void()> job) {
   auto work = c10::make_intrusive<ShmWork>(std::move(outputs), type);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.emplace_back([work, job = std::move(job)] {
-      std::exception_ptr error;
-      try {
-        job();
-      } catch (...) {
-        error = std::current_exception();
-      }
-      work->complete(error);
-    });
+  auto task = [work, job = std::move(job)] {
+    std::exception_ptr error;
+    try {
+      job();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    work->complete(error);
+  };
+  std::unique_lock<std::mutex> lock(mu_);
+  if (t_blocking_call && pending_ == 0) {  // Note [Inline blocking collectives]
+    ++pending_;  // later calls queue behind this one and the worker waits for exec_mu_
+    lock.unlock();
+    {
+      std::lock_guard<std::mutex> exec(exec_mu_);
+      task();
+    }
+    lock.lock();
+    --pending_;
+    return work;
   }
+  ++pending_;
+  queue_.emplace_back(std::move(task));
+  lock.unlock();
   cv_.notify_one();
   return work;
 }
