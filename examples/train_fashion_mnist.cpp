@@ -19,7 +19,7 @@
 // Output (rank 0 only): a configuration line, progress (a bar on a terminal, else a line every 10% of an
 // epoch), one line per epoch with training loss/accuracy averaged over all ranks and the test accuracy,
 // and last exactly one line
-//   RESULT epochs=E test_accuracy=A train_loss=L params_sha256=H
+//   RESULT epochs=E test_accuracy=A train_loss=L params_sha256=H ranks_agree=1
 // A: test-set accuracy as a fraction in [0, 1] (every test sample counted once, over all ranks);
 // L: mean training loss of the last epoch over all ranks; H: SHA-256 of the raw float32 bytes of all
 // parameters in registration order (the bytes --dump_params writes; omitted without OpenSSL).
@@ -323,14 +323,28 @@ int run(const Config& cfg) {
   }
 
   monitor.close();  // every rank: the last metrics window, the merged trace, the plot
+  // DDP keeps every rank's parameters identical: check it (each rank's hash, compared on rank 0).
+  const std::string bytes = train::parameter_bytes(ddp.parameters());
+  const std::string sha = train::sha256_hex(bytes);
+  at::Tensor mine = at::zeros({8}, at::kLong);
+  for (size_t i = 0; i < sha.size() && i < 64; ++i)  // the 64 hex digits, 8 per int64
+    mine[static_cast<int64_t>(i / 8)] += static_cast<int64_t>(static_cast<unsigned char>(sha[i])) << (8 * (i % 8));
+  std::vector<at::Tensor> all(dtrain::world_size());
+  for (auto& t : all) t = at::empty({8}, at::kLong);
+  dtrain::all_gather(all, mine);
+  int first_disagreeing = -1;
+  for (int r = 0; r < dtrain::world_size() && first_disagreeing < 0; ++r)
+    if (!at::equal(all[r], all[0])) first_disagreeing = r;
   if (main_rank) {
     const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const std::string bytes = train::parameter_bytes(ddp.parameters());
     if (!cfg.dump_params.empty()) train::write_file(cfg.dump_params, bytes);
-    const std::string sha = train::sha256_hex(bytes);
+    if (first_disagreeing >= 0)
+      std::fprintf(stderr, "train_fashion_mnist: warning: rank %d's final parameters differ from rank 0's\n",
+                   first_disagreeing);
     std::printf("training took %.1f s\n", total_s);
-    std::printf("RESULT epochs=%lld test_accuracy=%.4f train_loss=%.4f%s\n", static_cast<long long>(cfg.epochs),
-                test_accuracy, train_loss, sha.empty() ? "" : (" params_sha256=" + sha).c_str());
+    std::printf("RESULT epochs=%lld test_accuracy=%.4f train_loss=%.4f%s ranks_agree=%d\n",
+                static_cast<long long>(cfg.epochs), test_accuracy, train_loss,
+                sha.empty() ? "" : (" params_sha256=" + sha).c_str(), first_disagreeing < 0 ? 1 : 0);
     std::fflush(stdout);
   }
   dtrain::destroy_process_group();

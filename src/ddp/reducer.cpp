@@ -104,7 +104,23 @@ void Reducer::prepare_for_backward(std::vector<bool> unused) {
   reset_iteration();
   unused_ = std::move(unused);
   unused_.resize(params_.size(), false);
+  rehook_replaced_parameters();
   armed_ = true;
+}
+
+// Note [Replaced parameters]: LibTorch's Module::load (InputArchive::read) set_()s every parameter,
+// and a parameter whose data is replaced gets a new gradient accumulator: hooks on the old one never
+// fire again, so this rank would silently stop synchronizing (every rank trains alone). The forward
+// has just built the graph, so each parameter's current accumulator is the one backward will run.
+void Reducer::rehook_replaced_parameters() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto acc = compat::grad_accumulator(params_[i]);
+    if (acc == accumulators_[i]) continue;
+    compat::remove_post_hook(accumulators_[i], hook_keys_[i]);
+    accumulators_[i] = acc;
+    const int index = static_cast<int>(i);
+    hook_keys_[i] = compat::add_post_hook(acc, [this, index] { on_grad_ready(index); });
+  }
 }
 
 void Reducer::on_grad_ready(int index) {

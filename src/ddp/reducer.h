@@ -58,6 +58,7 @@ class Reducer {
   void set_event_hook(DDPEventHook hook);
 
  private:
+  void rehook_replaced_parameters();
   void on_grad_ready(int index);     // steps 2-3
   void mark_ready(int index);
   void launch_ready_buckets();

@@ -347,4 +347,26 @@ TEST(DDP, SubgroupAndModuleAccess) {
   barrier();
 }
 
+TEST(DDP, LoadingTheModelAfterWrappingKeepsGradientsSynchronized) {
+  // LibTorch's torch::load set_()s every parameter (Note [Replaced parameters]): a checkpoint loaded
+  // into the wrapped model must not silently stop the all-reduce.
+  SmallMlp m;
+  DistributedDataParallel ddp(m);
+  std::stringstream saved;
+  torch::save(ddp.module(), saved);
+  torch::load(m, saved);
+  for (int step = 0; step < 2; ++step) {
+    for (auto& p : ddp.parameters()) p.mutable_grad() = at::Tensor();
+    auto x = at::full({2, 16}, static_cast<float>(rank() + 1));  // a different batch on every rank
+    ddp(x).sum().backward();
+    for (const auto& p : ddp.named_parameters()) {
+      std::vector<at::Tensor> grads(world_size());
+      for (auto& g : grads) g = at::empty_like(p.value().grad());
+      all_gather(grads, p.value().grad());
+      for (int r = 1; r < world_size(); ++r)
+        EXPECT_TRUE(at::equal(grads[r], grads[0])) << p.key() << " differs on rank " << r << ", step " << step;
+    }
+  }
+}
+
 DTRAIN_DIST_TEST_MAIN()

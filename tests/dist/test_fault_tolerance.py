@@ -2,8 +2,7 @@
 
   * SIGKILL of a random worker at a random moment mid-epoch -> dtrain-run --max_restarts restarts the
     group -> the workers resume from the last checkpoint and finish; with 1 rank the final
-    params_sha256 is bit-identical to an uninterrupted run with the same seed (with 2 ranks it is
-    not yet: an expectedFailure test records the gap);
+    params_sha256 is bit-identical to an uninterrupted run with the same seed, on 1 and on 2 ranks;
   * SIGSTOP of a random worker -> the other rank's collective times out (DTRAIN_TIMEOUT_S=5) with an
     error naming the operation and the ranks -> restart -> the run finishes;
   * dtrain-run itself SIGKILLed -> no worker lingers;
@@ -141,11 +140,8 @@ class FaultTolerance(DistTestCase):
     def test_sigkill_of_a_random_worker_restarts_and_finishes(self):
         self.kill_and_resume(2)
 
-    @unittest.expectedFailure
     def test_sigkill_of_a_random_worker_ends_identical_on_two_ranks(self):
-        # KNOWN GAP (issue 9): resumed on 2 ranks, the first step after the resume already differs by
-        # ~1e-5 from the uninterrupted run (1 rank is exact; SGD and Adam alike; the checkpointed
-        # model and optimizer state are identical on both ranks). Remove expectedFailure once fixed.
+        # Needs DDP to re-hook parameters that checkpoint loading replaced (Note [Replaced parameters]).
         self.assertEqual(self.kill_and_resume(2), self.reference(2))
 
     def test_sigstop_times_out_and_restarts(self):

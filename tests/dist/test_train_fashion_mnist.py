@@ -19,7 +19,7 @@ import unittest
 from harness import DistTestCase, binary, clean_env, free_port, rank_env
 
 RESULT_RE = re.compile(r"^(?:\[rank 0\] )?RESULT epochs=(\d+) test_accuracy=([0-9.]+) train_loss=([0-9.]+)"
-                       r"(?: params_sha256=([0-9a-f]{64}))?$")
+                       r"(?: params_sha256=([0-9a-f]{64}))? ranks_agree=([01])$")
 RUN_TIMEOUT_S = 150  # a hang fails the test; a normal run here takes 20-60 s on a loaded 2-core machine
 ERROR_PREFIX = "train_fashion_mnist: error:"
 
@@ -47,6 +47,7 @@ class TrainFashionMNIST(DistTestCase):
         m = RESULT_RE.match(lines[-1]) if lines else None
         self.assertIsNotNone(m, f"the last line is not the RESULT line:\n{res}")
         self.assertEqual(sum(1 for l in lines if "RESULT " in l), 1, f"exactly one RESULT line (rank 0):\n{res}")
+        self.assertEqual(m.group(5), "1", f"the ranks' final parameters differ (DDP lost sync):\n{res}")
         return res, m
 
     def test_short_run_learns_and_checkpoints(self):
