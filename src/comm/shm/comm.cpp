@@ -164,14 +164,16 @@ void Comm::wait_for(int peer, Phase p, uint32_t s) {
         throw Error(detail::cat("rank ", labels_[rank_], ": ", op_name(),
                                 " over shared memory aborted by another rank: ", h.abort_message));
       }
-      if (now >= deadline)
+      if (now >= deadline && !reached(c.value.load(std::memory_order_acquire), s))
         fail(detail::cat("rank ", labels_[rank_], ": ", op_name(), " over shared memory timed out after ",
                          std::chrono::duration_cast<std::chrono::milliseconds>(timeout_).count(),
                          " ms waiting for rank ", labels_[peer],
                          " (it did not reach this collective: it is slow, hung, or called a different "
                          "sequence of collectives)"));
       int32_t pid = seg_.ctl(peer).pid.load(std::memory_order_acquire);
-      if (pid > 0 && seg_.ctl(peer).pid_namespace == seg_.ctl(rank_).pid_namespace && exited(pid))
+      // The peer may have signalled and exited since the load above: only a missing signal counts.
+      if (pid > 0 && seg_.ctl(peer).pid_namespace == seg_.ctl(rank_).pid_namespace && exited(pid) &&
+          !reached(c.value.load(std::memory_order_acquire), s))
         fail(detail::cat("rank ", labels_[rank_], ": ", op_name(), " over shared memory: rank ",
                          labels_[peer], " (pid ", pid, ") exited before completing it"));
       next_check = now + std::chrono::milliseconds(50);
