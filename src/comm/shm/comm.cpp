@@ -245,15 +245,10 @@ void Comm::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
                           : static_cast<const void*>(seg_.slot(k, buf) + b * es);
       };
       void* acc = my_slot + b * es;
-      if (len > 0) {
-        if (n_ == 1) {
-          // nothing to reduce
-        } else {
-          for (int k = 1; k < n_; ++k) {
-            const bool last = k == n_ - 1;
-            combine(acc, last ? mine + b * es : nullptr, k == 1 ? src(0) : acc, src(k), len, dtype, op);
-          }
-        }
+      // One rank alone has nothing to combine: the loop does not run.
+      for (int k = 1; k < n_ && len > 0; ++k) {
+        const bool last = k == n_ - 1;
+        combine(acc, last ? mine + b * es : nullptr, k == 1 ? src(0) : acc, src(k), len, dtype, op);
       }
     }
     signal(B, s);
