@@ -49,6 +49,16 @@ std::vector<c10::Device> cpus(int n) { return std::vector<c10::Device>(n, c10::D
 
 using dtrain::test_util::error_of;
 
+// Gradient comparisons run in float64: splitting a batch changes the order of the sums, and in
+// float32 the rounding of that order depends on the CPU's BLAS kernels (a fixed tolerance that
+// held on one machine failed on another).
+Net double_net() {
+  Net n;
+  n->to(at::kDouble);
+  return n;
+}
+at::Tensor drandn(at::IntArrayRef sizes) { return at::randn(sizes, at::kDouble); }
+
 void copy_params(torch::nn::Module& to, torch::nn::Module& from) {
   at::NoGradGuard ng;
   auto a = to.parameters(), b = from.parameters();
@@ -61,22 +71,22 @@ class DataParallelGrad : public ::testing::TestWithParam<std::tuple<int, int>> {
 
 TEST_P(DataParallelGrad, GradientsAndOutputsEqualTheSingleModule) {
   const auto [replicas, batch] = GetParam();
-  Net model, ref;
+  Net model = double_net(), ref = double_net();
   copy_params(*ref, *model);
   DataParallel dp(model, DataParallelOptions(cpus(replicas)));
   torch::optim::SGD opt(model->parameters(), 0.1), ref_opt(ref->parameters(), 0.1);
   for (int step = 0; step < 3; ++step) {
-    at::Tensor x = at::randn({batch, 6});
+    at::Tensor x = drandn({batch, 6});
     opt.zero_grad();
     ref_opt.zero_grad();
     at::Tensor out = dp(x), ref_out = ref(x);
     ASSERT_EQ(out.sizes(), ref_out.sizes());
-    EXPECT_TRUE(at::allclose(out, ref_out, 1e-5, 1e-6)) << "outputs in input order";
+    EXPECT_TRUE(at::allclose(out, ref_out, 1e-10, 1e-12)) << "outputs in input order";
     out.pow(2).sum().backward();
     ref_out.pow(2).sum().backward();
     auto p = model->parameters(), q = ref->parameters();
     for (size_t i = 0; i < p.size(); ++i)
-      EXPECT_TRUE(at::allclose(p[i].grad(), q[i].grad(), 1e-5, 1e-6)) << "param " << i << " step " << step;
+      EXPECT_TRUE(at::allclose(p[i].grad(), q[i].grad(), 1e-10, 1e-12)) << "param " << i << " step " << step;
     opt.step();
     ref_opt.step();
   }
@@ -87,10 +97,10 @@ INSTANTIATE_TEST_SUITE_P(ReplicasAndBatches, DataParallelGrad,
                                            std::make_tuple(3, 7), std::make_tuple(3, 2), std::make_tuple(1, 5)));
 
 TEST(DataParallel, ScattersAlongAnotherDim) {
-  Net model;
+  Net model = double_net();
   DataParallel dp(model, DataParallelOptions(cpus(2)).dim(1));
-  at::Tensor x = at::randn({3, 4, 6});  // (T, B, F): scattered along B
-  EXPECT_TRUE(at::allclose(dp(x), model(x), 1e-5, 1e-6));
+  at::Tensor x = drandn({3, 4, 6});  // (T, B, F): scattered along B
+  EXPECT_TRUE(at::allclose(dp(x), model(x), 1e-10, 1e-12));
 }
 
 TEST(DataParallel, BatchNormKeepsReplicaZerosRunningStats) {
@@ -120,14 +130,14 @@ TEST(DataParallel, BadInputIsAClearError) {
 }
 
 TEST(DataParallel, TwoForwardsThenOneBackward) {
-  Net model, ref;
+  Net model = double_net(), ref = double_net();
   copy_params(*ref, *model);
   DataParallel dp(model, DataParallelOptions(cpus(2)));
-  at::Tensor x = at::randn({4, 6}), y = at::randn({6, 6});
+  at::Tensor x = drandn({4, 6}), y = drandn({6, 6});
   (dp(x).sum() + dp(y).sum()).backward();
   (ref(x).sum() + ref(y).sum()).backward();
   auto p = model->parameters(), q = ref->parameters();
-  for (size_t i = 0; i < p.size(); ++i) EXPECT_TRUE(at::allclose(p[i].grad(), q[i].grad(), 1e-5, 1e-6));
+  for (size_t i = 0; i < p.size(); ++i) EXPECT_TRUE(at::allclose(p[i].grad(), q[i].grad(), 1e-10, 1e-12));
 }
 
 TEST(DataParallel, ExceptionsInReplicaThreadsReachTheCaller) {
