@@ -178,8 +178,10 @@ TEST(DistributedSampler, SaveLoadResumesMidEpoch) {
   s.set_epoch(5);
   s.reset();
   std::vector<int64_t> first;
-  for (int k = 0; k < 2; ++k)
-    for (size_t i : *s.next(4)) first.push_back(static_cast<int64_t>(i));
+  for (int k = 0; k < 2; ++k) {
+    const auto batch = s.next(4);  // not `: *s.next(4)`: the optional would die before the loop
+    for (size_t i : *batch) first.push_back(static_cast<int64_t>(i));
+  }
   torch::serialize::OutputArchive out;
   s.save(out);
   std::stringstream buf;
