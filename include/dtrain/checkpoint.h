@@ -26,8 +26,8 @@
 //      nodes that do not share the folder. No file: std::nullopt everywhere; files but none usable:
 //      an error naming them.
 //   3. Every rank checks the model first (names, shapes and dtypes of every parameter and buffer, in
-//      order; the first mismatch is the error: "... tensor 'fc1.weight' has shape [128, 3136] in the
-//      checkpoint but [64, 3136] in the model ..."), then restores model, optimizer, scaler, sampler
+//      order; the first mismatch is the error: "... tensor 'fc1.weight' is Float [128, 3136] in the
+//      checkpoint but Float [64, 3136] in the model ..."), then restores model, optimizer, scaler, sampler
 //      (epoch, and the position where the next pass over the epoch starts, for every copy of the
 //      sampler, the DataLoader's too), its own RNG states and values, step and epoch.
 //

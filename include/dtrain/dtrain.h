@@ -3,6 +3,7 @@
 
 #include "dtrain/amp.h"
 #include "dtrain/checkpoint.h"
+#include "dtrain/data_parallel.h"
 #include "dtrain/ddp.h"
 #include "dtrain/errors.h"
 #include "dtrain/monitor.h"

@@ -166,7 +166,14 @@ void init_process_group(const InitOptions& o) {
   st->world_size = le.world_size;
   st->launcher = le.launcher;
 
-  auto base = connect_store(o, le, *st);
+  c10::intrusive_ptr<c10d::Store> base;
+  try {
+    base = connect_store(o, le, *st);
+  } catch (const dtrain::Error&) {
+    throw;
+  } catch (const std::exception& e) {  // the store's socket errors (they carry their remedy) as dtrain::Error
+    throw Error(detail::cat("rank ", st->rank, ": init_process_group: ", brief(e)));
+  }
   st->store = c10::make_intrusive<c10d::PrefixStore>(
       "dtrain/a" + std::to_string(le.restart_count), base);
   LocalRanks lr = rendezvous_check(*st->store, st->rank, st->world_size, st->bind_address,

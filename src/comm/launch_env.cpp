@@ -80,8 +80,12 @@ LaunchEnv read_launch_env(const EnvLookup& env, int explicit_rank, int explicit_
   out.torchelastic_agent_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
   if (out.dtrain_agent_store) out.launcher = "dtrain-run";
   else if (out.torchelastic_agent_store) out.launcher = "torchrun";
+  // The attempt number keys the rendezvous (a restarted group must not meet the keys of the failed
+  // one in a store that outlives it): dtrain-run's, else torchrun's.
   if (auto v = env("DTRAIN_RESTART_COUNT"))
     out.restart_count = parse_nonneg_int(*v, "DTRAIN_RESTART_COUNT", "it is set by dtrain-run");
+  else if (auto t = env("TORCHELASTIC_RESTART_COUNT"))
+    out.restart_count = parse_nonneg_int(*t, "TORCHELASTIC_RESTART_COUNT", "it is set by torchrun");
 
   if (explicit_rank >= 0) out.rank = explicit_rank;
   if (explicit_world >= 0) out.world_size = explicit_world;

@@ -8,8 +8,8 @@
 //   3. The step's values are added to the window sums; every log_every steps the window means go
 //      into one all_gather (K doubles per rank) and rank 0 computes min/mean/max, the slowest rank
 //      and the global throughput, and appends a line to metrics.jsonl.
-// Cost when measuring: a few clock reads per phase, one gradient-norm reduction per step (skipped when
-// the loop passes grad_norm), an RSS read and a small collective per window.
+// Cost when measuring: a few clock reads per phase, one local gradient-norm computation per window (on its
+// last step; skipped when the loop passes grad_norm), an RSS read and a small collective per window.
 #include <sys/stat.h>
 #include <unistd.h>
 

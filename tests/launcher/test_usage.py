@@ -66,6 +66,11 @@ class UsageTest(unittest.TestCase):
         self.assertEqual(r.returncode, 0)
         self.assertIn("--nproc_per_node", r.stdout)
 
+    def test_version(self):
+        r = run(["--version"], timeout=10)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertRegex(r.stdout, r"^dtrain-run \d+\.\d+\.\d+\n$")
+
     def test_max_restarts_accepted(self):
         r = run(["--max_restarts", "3", "--standalone", "true"])
         self.assertEqual(r.returncode, 0, r.stderr)

@@ -43,6 +43,20 @@ TEST(LaunchEnv, TorchrunStyle) {
   EXPECT_EQ(le.launcher, "dtrain-run");
 }
 
+TEST(LaunchEnv, RestartCountFromDtrainRunElseTorchrun) {
+  // The attempt keys the rendezvous: a restarted group must not meet the failed group's keys.
+  const std::map<std::string, std::string> base{{"RANK", "0"}, {"WORLD_SIZE", "1"}};
+  auto with = [&](std::map<std::string, std::string> extra) {
+    extra.insert(base.begin(), base.end());
+    return read_launch_env(env_of(extra)).restart_count;
+  };
+  EXPECT_EQ(with({}), 0);
+  EXPECT_EQ(with({{"TORCHELASTIC_RESTART_COUNT", "2"}}), 2);
+  EXPECT_EQ(with({{"DTRAIN_RESTART_COUNT", "1"}, {"TORCHELASTIC_RESTART_COUNT", "1"}}), 1);
+  EXPECT_NE(error_of([&] { with({{"TORCHELASTIC_RESTART_COUNT", "x"}}); }).find("TORCHELASTIC_RESTART_COUNT"),
+            std::string::npos);
+}
+
 TEST(LaunchEnv, OpenMpi) {
   LaunchEnv le = read_launch_env(env_of({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
                                          {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},

@@ -95,7 +95,7 @@ LaunchOptions parse_options(int argc, char** argv) {
   app.add_option("--monitor_interval,--monitor-interval", monitor, "seconds between checks (default 0.1)");
   app.add_option("--rdzv_timeout,--rdzv-timeout", rdzv_timeout, "seconds nodes wait for each other (default 900)");
   app.add_option("--grace_period,--grace-period", grace, "seconds between SIGTERM and SIGKILL (default 5)");
-  app.add_option("--log_dir,--log-dir", o.log_dir, "write <log_dir>/<run_id>/attempt_0/<rank>/{stdout,stderr}.log");
+  app.add_option("--log_dir,--log-dir", o.log_dir, "write <log_dir>/<run_id>/attempt_<restart>/<rank>/{stdout,stderr}.log");
   app.add_option("--redirects,-r", redirects, "streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both");
   app.add_option("--tee,-t", tee, "streams to log files and console: 0 none, 1 stdout, 2 stderr, 3 both");
   app.add_flag("--use_local_rank_arg,--use-local-rank-arg", o.use_local_rank_arg,
@@ -112,6 +112,7 @@ LaunchOptions parse_options(int argc, char** argv) {
       break;
     }
     if (a == "-h" || a == "--help") throw HelpRequested{app.help()};
+    if (a == "--version") throw HelpRequested{"dtrain-run " DTRAIN_VERSION "\n"};
     if (a.size() < 2 || a[0] != '-') break;  // the program
     std::string name = a.substr(0, a.find('='));
     const CLI::Option* opt = app.get_option_no_throw(name);

@@ -5,7 +5,7 @@
 //   1. Append to the stream's buffer.
 //   2. For every complete line, write "[rank N] " + line + "\n" to the console stream (the
 //      launcher's stdout or stderr) in ONE write(), so lines of different workers never interleave
-//      mid-line; write the bare line to the log file (<log_dir>/<run_id>/attempt_0/<rank>/...).
+//      mid-line; write the bare line to the log file (<log_dir>/<run_id>/attempt_<restart>/<rank>/...).
 //   3. A line longer than kMaxLineBytes is cut into pieces, each written as its own prefixed line.
 //   4. At EOF a trailing partial line is flushed as a line.
 // stderr lines are also kept in a ring of the last kTailLines for the failure summary.
