@@ -50,6 +50,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   try {
+    // doc:begin devices
     const int64_t cuda_devices = static_cast<int64_t>(torch::cuda::device_count());
     std::printf("CUDA devices: %lld\n", static_cast<long long>(cuda_devices));
     std::vector<c10::Device> device_ids;
@@ -58,7 +59,9 @@ int main(int argc, char** argv) {
     else
       device_ids.assign(static_cast<size_t>(replicas), c10::Device(at::kCPU));
     const c10::Device device = device_ids[0];
+    // doc:end devices
 
+    // doc:begin wrap
     torch::manual_seed(0);
     tutorial::SimpleModel model;
     model->to(device);  // the module lives on device_ids[0]; the replicas are made on the others
@@ -66,14 +69,18 @@ int main(int argc, char** argv) {
                             [] { return tutorial::SimpleModel().ptr(); });
     std::printf("DataParallel: %zu replicas on %s\n", dp.num_replicas(), device.str().c_str());
     torch::optim::Adam opt(dp.parameters(), torch::optim::AdamOptions(1e-3));
+    // doc:end wrap
 
+    // doc:begin data
     // The tutorial's simulated data: 10 batches of (32, 128) inputs and labels in [0, 10). Random
     // labels, so the loss falls by the model memorizing these batches.
     auto gen = at::make_generator<at::CPUGeneratorImpl>(42);
     std::vector<std::pair<at::Tensor, at::Tensor>> loader;
     for (int i = 0; i < batches; ++i)
       loader.emplace_back(at::randn({batch_size, 128}, gen), at::randint(0, 10, {batch_size}, gen));
+    // doc:end data
 
+    // doc:begin loop
     model->train();
     double first_loss = 0, loss_value = 0;
     for (int s = 0; s < steps; ++s) {
@@ -90,6 +97,7 @@ int main(int argc, char** argv) {
         std::printf("step %3d: loss=%.4f acc=%.4f\n", s + 1, loss_value,
                     outputs.argmax(1).eq(labels).to(at::kFloat).mean().item<double>());
     }
+    // doc:end loop
     std::printf("DataParallel training done: first loss %.4f, final loss %.4f\n", first_loss, loss_value);
     std::printf("RESULT steps=%d final_loss=%.4f\n", steps, loss_value);
   } catch (const std::exception& e) {

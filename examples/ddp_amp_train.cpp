@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
   app.add_option("--max_norm", max_norm, "gradient clipping norm");
   CLI11_PARSE(app, argc, argv);
   try {
+    // doc:begin setup
     const bool cuda = torch::cuda::is_available();
     dtrain::init_process_group(dtrain::InitOptions().backend(cuda ? "nccl" : "gloo"));
     const at::Device device = cuda ? at::Device(at::kCUDA, dtrain::local_rank()) : at::Device(at::kCPU);
@@ -43,6 +44,7 @@ int main(int argc, char** argv) {
     dtrain::DistributedDataParallel ddp(model);
     torch::optim::Adam opt(ddp.parameters(), lr);
     dtrain::GradScaler scaler;
+    // doc:end setup
 
     // A fixed synthetic task: 10 classes, each with its own colour (per-channel mean) under noise.
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + dtrain::rank());
@@ -56,6 +58,7 @@ int main(int argc, char** argv) {
       inputs = inputs.to(device);
       labels = labels.to(device);
 
+      // doc:begin step
       opt.zero_grad();
       at::Tensor loss;
       {
@@ -67,6 +70,7 @@ int main(int argc, char** argv) {
       torch::nn::utils::clip_grad_norm_(ddp.parameters(), max_norm);
       scaler.step(opt);
       scaler.update();
+      // doc:end step
 
       at::Tensor avg = loss.detach().to(at::kFloat).reshape({1});
       dtrain::all_reduce(avg, dtrain::ReduceOp::AVG);

@@ -54,6 +54,7 @@ struct Args {
   int local_rank = -1;
 };
 
+// doc:begin dataset
 // The tutorial's dataset: randn(1000, 3, 32, 32) images and randint(0, 10, (1000,)) labels, the same
 // on every rank.
 std::pair<at::Tensor, at::Tensor> make_dataset(uint64_t seed) {
@@ -62,11 +63,15 @@ std::pair<at::Tensor, at::Tensor> make_dataset(uint64_t seed) {
   at::Tensor labels = at::randint(0, kClasses, {kDatasetSize}, gen);  // (N,)
   return {images, labels};
 }
+// doc:end dataset
 
 void train(const Args& args) {
+  // doc:begin init
   dtrain::init_process_group(dtrain::InitOptions().backend(args.backend));
   const int rank = dtrain::rank();
+  // doc:end init
 
+  // doc:begin wrap
   // Model: rank 0's initial weights are broadcast to every rank by the DDP constructor (seeded only
   // so that a run can be repeated exactly).
   at::manual_seed(args.seed);
@@ -78,12 +83,15 @@ void train(const Args& args) {
     optimizer = std::make_unique<torch::optim::Adam>(ddp.parameters(), torch::optim::AdamOptions(args.lr));
   else
     optimizer = std::make_unique<torch::optim::SGD>(ddp.parameters(), torch::optim::SGDOptions(args.lr));
+  // doc:end wrap
 
+  // doc:begin sampler
   auto [images, labels] = make_dataset(args.seed);
   // shuffle=True, seed 0, no drop_last: as the tutorial's DistributedSampler.
   dtrain::DistributedSampler sampler(static_cast<size_t>(kDatasetSize));
   const int64_t per_rank = static_cast<int64_t>(sampler.size());
   const int64_t batches = (per_rank + args.batch_size - 1) / args.batch_size;  // len(loader)
+  // doc:end sampler
   if (rank == 0)
     std::printf("ddp_train: %d ranks (%s), %lld samples per rank in %lld batches of %lld, %s lr=%g\n",
                 dtrain::world_size(), dtrain::backend().c_str(), static_cast<long long>(per_rank),
@@ -91,6 +99,7 @@ void train(const Args& args) {
                 args.optimizer.c_str(), args.lr);
 
   double final_loss = 0;
+  // doc:begin epoch-loop
   for (int epoch = 0; epoch < args.epochs; ++epoch) {
     // Key point of the tutorial: a new shuffle (and so a new split) every epoch.
     sampler.set_epoch(epoch);
@@ -114,6 +123,7 @@ void train(const Args& args) {
       epoch_loss += loss.item<double>();
     }
 
+    // doc:begin epoch-end
     // Every rank has finished this epoch.
     dtrain::barrier();
 
@@ -122,15 +132,20 @@ void train(const Args& args) {
     final_loss = avg.item<double>();
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (rank == 0) std::printf("Epoch %d/%d, Loss: %.4f (%.2f s)\n", epoch + 1, args.epochs, final_loss, secs);
+    // doc:end epoch-end
   }
+  // doc:end epoch-loop
 
+  // doc:begin cleanup
   if (rank == 0) std::printf("RESULT epochs=%d final_loss=%.6f\n", args.epochs, final_loss);
   dtrain::destroy_process_group();
+  // doc:end cleanup
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  // doc:begin args
   CLI::App app{"ddp_train: the tutorial's train_ddp.py (TrainModel, DDP, DistributedSampler) in C++"};
   Args args;
   app.add_option("--epochs", args.epochs, "epochs to train (default 2)")->check(CLI::NonNegativeNumber);
@@ -142,6 +157,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", args.seed, "seed of the synthetic dataset, the same on every rank (default 0)");
   app.add_option("--local_rank,--local-rank", args.local_rank, "passed by dtrain-run --use_local_rank_arg");
   CLI11_PARSE(app, argc, argv);
+  // doc:end args
 
   try {
     train(args);

@@ -45,20 +45,26 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
+    // doc:begin init
     dtrain::InitOptions opts;
     opts.backend(backend).init_method(init_method);
     if (timeout_s > 0) opts.timeout(std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
     dtrain::init_process_group(opts);
     dtrain::barrier();
+    // doc:end init
     if (report_times) std::printf("first_barrier_unix_ns=%lld\n", static_cast<long long>(unix_ns()));
 
+    // doc:begin monitor
     dtrain::monitor_training();  // the tutorial's monitor_training(), one call (dtrain/monitor.h)
     dtrain::warn_if_slow_blas();
+    // doc:end monitor
 
+    // doc:begin all-reduce
     // Every rank contributes rank+1: the sum is n(n+1)/2 everywhere.
     const int n = dtrain::world_size();
     at::Tensor t = at::full({4}, dtrain::rank() + 1.0f);
     dtrain::all_reduce(t);
+    // doc:end all-reduce
     const float expected = n * (n + 1) / 2.0f;
     if (!at::allclose(t, at::full({4}, expected))) {
       std::fprintf(stderr, "hello_distributed: rank %d: all_reduce gave %f, expected %f\n", dtrain::rank(),

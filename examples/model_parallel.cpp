@@ -36,6 +36,7 @@ namespace {
 
 using namespace torch::nn;
 
+// doc:begin model-parallel-class
 // The tutorial's ModelParallel: features1 on d0, features2 on d1, classifier on d0.
 struct ModelParallelImpl : Module {
   ModelParallelImpl(c10::Device d0, c10::Device d1) : d0(d0), d1(d1) {
@@ -58,6 +59,7 @@ struct ModelParallelImpl : Module {
   Linear classifier{nullptr};
 };
 TORCH_MODULE(ModelParallel);
+// doc:end model-parallel-class
 
 // The same layers as one Sequential, for ModelParallelSequential.
 Sequential make_sequential() {
@@ -77,6 +79,7 @@ struct Task {
   }
 };
 
+// doc:begin train
 // The tutorial's loop; returns the last loss. The input starts on the CPU (the model moves it).
 template <typename Model>
 double train(Model& model, c10::Device out_device, int steps, int64_t batch_size, const char* name) {
@@ -97,6 +100,7 @@ double train(Model& model, c10::Device out_device, int steps, int64_t batch_size
   }
   return loss_value;
 }
+// doc:end train
 
 std::string join(const std::vector<int64_t>& v) {
   std::string s;
@@ -114,22 +118,26 @@ int main(int argc, char** argv) {
   app.add_option("--batch_size", batch_size, "samples per step (default 16)")->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   try {
+    // doc:begin devices
     const bool two_gpus = torch::cuda::device_count() >= 2;
     const c10::Device d0 = two_gpus ? c10::Device(at::kCUDA, 0) : c10::Device(at::kCPU);
     const c10::Device d1 = two_gpus ? c10::Device(at::kCUDA, 1) : c10::Device(at::kCPU);
     std::printf("devices: %s, %s\n", d0.str().c_str(), d1.str().c_str());
+    // doc:end devices
 
     // 1. The tutorial's class, as written there; the output comes back on d0.
     torch::manual_seed(0);
     ModelParallel model(d0, d1);
     const double loss1 = train(model, d0, steps, batch_size, "ModelParallel");
 
+    // doc:begin sequential
     // 2. The same layers in one Sequential, split by ModelParallelSequential (balance by parameter
     // count: {conv 1792, -, -, conv 73856, -, -, -, linear 1290} -> stages of 3 and 5 layers). The
     // output stays on the last stage's device.
     torch::manual_seed(0);
     dtrain::ModelParallelSequential mp(make_sequential(), std::vector<c10::Device>{d0, d1});
     std::printf("ModelParallelSequential: balance %s\n", join(mp->balance()).c_str());
+    // doc:end sequential
     for (size_t s = 0; s < mp->stages().size(); ++s) {
       std::string layers;
       for (const auto& m : mp->stages()[s]->children()) {

@@ -43,6 +43,7 @@ int main(int argc, char** argv) {
 
   dtrain::reduce_allocator_churn();
   dtrain::init_process_group();
+  // doc:begin pipeline
   // The same initial weights on every rank: each keeps only its own stage's layers.
   torch::manual_seed(0);
   tutorial::SimpleModel model;
@@ -55,7 +56,9 @@ int main(int argc, char** argv) {
               pipe.stage(), pipe.num_stages(), pipe.replica(), static_cast<long long>(pipe.first_layer()),
               static_cast<long long>(pipe.first_layer() + pipe.balance()[pipe.stage()] - 1));
   torch::optim::Adam optimizer(pipe.parameters(), torch::optim::AdamOptions(lr));
+  // doc:end pipeline
 
+  // doc:begin loop
   // Data: the same stream on every rank (each replica takes its slice of a global batch).
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
   const at::Tensor teacher = at::randn({128, 10}, gen);
@@ -76,6 +79,7 @@ int main(int argc, char** argv) {
                   dtrain::to_string(pipe.options().schedule()).c_str(), static_cast<long long>(chunks),
                   static_cast<long long>(pipe.max_live_micro_batches()));
   }
+  // doc:end loop
   if (dtrain::rank() == 0)
     std::printf("RESULT steps=%d first_loss=%.4f final_loss=%.4f\n", steps, first_loss, loss);
   dtrain::destroy_process_group();

@@ -73,6 +73,7 @@ struct FashionCNNImpl : torch::nn::Module {
 };
 TORCH_MODULE(FashionCNN);
 
+// doc:begin config
 struct Config {
   int64_t epochs = kDefaultEpochs;
   int64_t batch_size = kDefaultBatchSize;
@@ -92,6 +93,7 @@ struct Config {
   int64_t eval_batch_size = 0;  // 0: batch_size
   bool amp = false;             // autocast (bfloat16 on CPU) + GradScaler
 };
+// doc:end config
 
 // Error text on one line (c10::Error messages may span several).
 std::string one_line(std::string s) {
@@ -151,12 +153,15 @@ double evaluate(FashionCNN& model, const FashionMNIST& test, int64_t batch_size)
 }
 
 int run(const Config& cfg) {
+  // doc:begin init
   if (cfg.threads > 0) at::set_num_threads(static_cast<int>(cfg.threads));
   dtrain::init_process_group();
   const int rank = dtrain::rank(), world = dtrain::world_size();
   const bool main_rank = rank == 0;
   if (main_rank) dtrain::warn_if_slow_blas();
+  // doc:end init
 
+  // doc:begin data
   // Data: every rank loads both sets (an error on any rank stops all of them).
   std::optional<FashionMNIST> train, test;
   collectively("loading Fashion-MNIST", true, [&] {
@@ -166,6 +171,7 @@ int run(const Config& cfg) {
     test.emplace(cfg.data_dir, FashionMNIST::Mode::kTest,
                  opts.max_samples(cfg.test_subset > 0 ? std::optional<size_t>(cfg.test_subset) : std::nullopt));
   });
+  // doc:end data
   if (!cfg.checkpoint_dir.empty())
     collectively("preparing --checkpoint_dir", main_rank, [&] {
       std::error_code ec;
@@ -174,6 +180,7 @@ int run(const Config& cfg) {
                    cfg.checkpoint_dir, ": cannot create the folder: ", ec ? ec.message() : "not a folder");
     });
 
+  // doc:begin model
   // Model: the same seed everywhere (DDP broadcasts rank 0's parameters anyway).
   torch::manual_seed(static_cast<uint64_t>(cfg.seed));
   FashionCNN model;
@@ -189,13 +196,17 @@ int run(const Config& cfg) {
   torch::optim::Optimizer& optimizer = *optimizer_ptr;
   // The tutorial's AMP recipe; disabled, every call is a pass-through.
   dtrain::GradScaler scaler(dtrain::GradScalerOptions().enabled(cfg.amp));
+  // doc:end model
 
+  // doc:begin loader
   dtrain::DistributedSampler sampler(train->size().value(), dtrain::DistributedSamplerOptions().seed(cfg.seed));
   auto loader = torch::data::make_data_loader(
       train->batched(), sampler,
       torch::data::DataLoaderOptions().batch_size(cfg.batch_size).workers(cfg.num_workers));
   const int64_t steps = (static_cast<int64_t>(sampler.size()) + cfg.batch_size - 1) / cfg.batch_size;
+  // doc:end loader
 
+  // doc:begin resume
   // Fault tolerance (dtrain/checkpoint.h): with --checkpoint_dir every rank resumes from the newest
   // good checkpoint there (after a dtrain-run --max_restarts restart, or a new run), mid-epoch at the
   // sampler's position, with this epoch's running sums, so the run ends bit-identical to one never
@@ -222,6 +233,7 @@ int run(const Config& cfg) {
       }
     }
   }
+  // doc:end resume
 
   if (main_rank) {
     std::printf("train_fashion_mnist: %d rank(s) x %d thread(s), backend %s | %zu training samples, %zu test | "
@@ -235,16 +247,20 @@ int run(const Config& cfg) {
     std::fflush(stdout);
   }
 
+  // doc:begin monitor
   // Monitoring (dtrain/monitor.h): progress on rank 0 (a bar on a terminal, else a line every 10% of
   // an epoch); with --checkpoint_dir also metrics.jsonl (every 50 steps, min/mean/max over ranks),
   // trace.json (the first 50 steps of every rank) and plot.svg, next to the checkpoints.
   dtrain::Monitor monitor(dtrain::MonitorOptions().output_dir(cfg.checkpoint_dir).log_every(50).trace_steps(50));
   monitor.watch(ddp);
+  // doc:end monitor
 
   const auto t0 = std::chrono::steady_clock::now();
   double train_loss = 0, test_accuracy = 0;
   for (int64_t epoch = start_epoch; epoch <= cfg.epochs; ++epoch) {
+    // doc:begin set-epoch
     sampler.set_epoch(epoch - 1);  // a new shuffle every epoch, the same on every rank
+    // doc:end set-epoch
     const auto te = std::chrono::steady_clock::now();
     double loss_sum = 0;
     int64_t correct = 0, seen = 0, step = 0;
@@ -254,7 +270,10 @@ int run(const Config& cfg) {
       correct = static_cast<int64_t>(state.values["correct"]);
       seen = static_cast<int64_t>(state.values["seen"]);
     }
+    // doc:begin begin-epoch
     monitor.begin_epoch(epoch, cfg.epochs, steps, step);
+    // doc:end begin-epoch
+    // doc:begin save-checkpoint
     // This rank's progress through the epoch, as the checkpoint stores it.
     auto save_checkpoint = [&] {
       state.step = global_step;
@@ -264,6 +283,8 @@ int run(const Config& cfg) {
                       {"seen", static_cast<double>(seen)}};
       checkpoints->save(state);
     };
+    // doc:end save-checkpoint
+    // doc:begin batch-loop
     for (auto& batch : *loader) {
       at::Tensor logits, loss;
       double grad_norm = NAN;  // known with --grad_clip; else the monitor samples it
@@ -301,10 +322,12 @@ int run(const Config& cfg) {
       if (checkpoints && cfg.checkpoint_every > 0 && global_step % cfg.checkpoint_every == 0) save_checkpoint();
       if (cfg.step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(cfg.step_sleep_ms));
     }
+    // doc:end batch-loop
     monitor.end_epoch();
     // The end of every epoch is a checkpoint too (unless the last step just wrote one).
     if (checkpoints && !(cfg.checkpoint_every > 0 && global_step % cfg.checkpoint_every == 0)) save_checkpoint();
 
+    // doc:begin epoch-stats
     // Epoch statistics over all ranks (each rank's samples, padded duplicates included, as PyTorch).
     at::Tensor stats = at::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(seen)}, at::kDouble);
     dtrain::all_reduce(stats);
@@ -320,9 +343,13 @@ int run(const Config& cfg) {
                   test_accuracy, epoch_s, stats[2].item<double>() / epoch_s, test_s);
       std::fflush(stdout);
     }
+    // doc:end epoch-stats
   }
 
+  // doc:begin monitor-close
   monitor.close();  // every rank: the last metrics window, the merged trace, the plot
+  // doc:end monitor-close
+  // doc:begin ranks-agree
   // DDP keeps every rank's parameters identical: check it (each rank's hash, compared on rank 0).
   const std::string bytes = train::parameter_bytes(ddp.parameters());
   const std::string sha = train::sha256_hex(bytes);
@@ -335,6 +362,7 @@ int run(const Config& cfg) {
   int first_disagreeing = -1;
   for (int r = 0; r < dtrain::world_size() && first_disagreeing < 0; ++r)
     if (!at::equal(all[r], all[0])) first_disagreeing = r;
+  // doc:end ranks-agree
   if (main_rank) {
     const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!cfg.dump_params.empty()) train::write_file(cfg.dump_params, bytes);
@@ -354,7 +382,9 @@ int run(const Config& cfg) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // doc:begin allocator
   dtrain::reduce_allocator_churn();  // Note [malloc churn] in dtrain/system.h
+  // doc:end allocator
   Config cfg;
   if (const char* omp = std::getenv("OMP_NUM_THREADS")) cfg.threads = std::max(0, std::atoi(omp));
   int local_rank = -1;

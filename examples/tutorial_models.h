@@ -13,6 +13,7 @@
 
 namespace tutorial {
 
+// doc:begin simple-model
 struct SimpleModelImpl : torch::nn::Module {
   SimpleModelImpl() {
     net = register_module("net", torch::nn::Sequential(torch::nn::Linear(128, 256), torch::nn::ReLU(),
@@ -23,7 +24,9 @@ struct SimpleModelImpl : torch::nn::Module {
   torch::nn::Sequential net{nullptr};
 };
 TORCH_MODULE(SimpleModel);
+// doc:end simple-model
 
+// doc:begin train-model
 struct TrainModelImpl : torch::nn::Module {
   TrainModelImpl() {
     using namespace torch::nn;
@@ -36,5 +39,6 @@ struct TrainModelImpl : torch::nn::Module {
   torch::nn::Sequential net{nullptr};
 };
 TORCH_MODULE(TrainModel);
+// doc:end train-model
 
 }  // namespace tutorial

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Keeps the documentation true to the code (run by ctest as docs_check).
+
+1. Snippets: a code block in docs/*.md preceded by
+       <!-- snippet: examples/ddp_train.cpp#wrap -->
+   must equal the region of that file between the lines `// doc:begin wrap` and `// doc:end wrap`
+   (dedented). The examples are compiled and run by the test suite, so the documentation shows
+   only code that builds and works. `--update` rewrites the blocks from the sources.
+2. API reference: every class, struct and free function declared at namespace level in a public
+   header (include/dtrain/*.h and include/dtrain/datasets/*.h, not detail/) is named in docs/api.md.
+3. Troubleshooting: every error line of README's bad-input catalogue appears in
+   docs/troubleshooting.md.
+
+Exit status 1 with one line per problem, naming the file and what to do.
+"""
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SNIPPET = re.compile(r"<!-- snippet: (?P<file>[^#\s]+)#(?P<name>[\w-]+) -->\n```(?P<lang>\w*)\n(?P<body>.*?)```",
+                     re.S)
+
+
+def region(path, name):
+    """The dedented lines between `doc:begin name` and `doc:end name` in path, or None."""
+    lines = (ROOT / path).read_text().splitlines()
+    begin = [i for i, l in enumerate(lines) if re.search(r"doc:begin %s\s*$" % re.escape(name), l)]
+    end = [i for i, l in enumerate(lines) if re.search(r"doc:end %s\s*$" % re.escape(name), l)]
+    if len(begin) != 1 or len(end) != 1 or end[0] < begin[0]:
+        return None
+    body = [l for l in lines[begin[0] + 1:end[0]] if "doc:begin" not in l and "doc:end" not in l]
+    indent = min((len(l) - len(l.lstrip()) for l in body if l.strip()), default=0)
+    return "".join(l[indent:] + "\n" for l in body)
+
+
+def check_snippets(update):
+    problems = []
+    for md in sorted((ROOT / "docs").glob("*.md")):
+        text = md.read_text()
+
+        def fix(m):
+            path, name = m["file"], m["name"]
+            if not (ROOT / path).is_file():
+                problems.append(f"{md.relative_to(ROOT)}: snippet source {path} does not exist: fix the path")
+                return m[0]
+            want = region(path, name)
+            if want is None:
+                problems.append(f"{md.relative_to(ROOT)}: {path} has no single region `// doc:begin {name}` .. "
+                                f"`// doc:end {name}`: add the markers or fix the name")
+                return m[0]
+            if m["body"] != want:
+                if not update:
+                    problems.append(f"{md.relative_to(ROOT)}: snippet {path}#{name} differs from the source: "
+                                    f"run scripts/doc_check.py --update")
+                return f"<!-- snippet: {path}#{name} -->\n```{m['lang']}\n{want}```"
+            return m[0]
+
+        new = SNIPPET.sub(fix, text)
+        if update and new != text:
+            md.write_text(new)
+    return problems
+
+
+def public_names():
+    """(header, name) for namespace-level classes, structs, enums and functions of the public headers."""
+    names = []
+    headers = sorted((ROOT / "include/dtrain").glob("*.h")) + sorted((ROOT / "include/dtrain/datasets").glob("*.h"))
+    for h in headers:
+        stack = []  # one entry per open brace: the namespace's name, or None for any other brace
+        for line in h.read_text().splitlines():
+            code = re.sub(r"//.*", "", line)
+            spaces = [b for b in stack if b is not None]
+            # Namespace level of dtrain's public namespaces (not the implementation's dp, ddp, detail).
+            public = (None not in stack and bool(spaces) and spaces[0].startswith("dtrain")
+                      and not set(spaces) & {"dp", "ddp", "detail"})
+            if public and not re.match(r"\s*(namespace|#)", code):
+                m = re.match(r"\s*(?:template\s*<[^>]*>\s*)?(?:class|struct|enum class|enum)\s+(?:\[\[[^\]]*\]\]\s*)?"
+                             r"(?:DTRAIN_\w+\s+)?(\w+)\s*(?:final\s*)?[:{]", code)
+                if m:
+                    names.append((h.relative_to(ROOT), m[1]))
+                else:
+                    f = re.match(r"\s*(?:inline\s+|static\s+|constexpr\s+|\[\[nodiscard\]\]\s+)*[\w:<>,\s\*&]+?[\s\*&]"
+                                 r"(\w+)\s*\(", code)
+                    if f and not re.match(r"\s*(return|using|typedef|if|for|while)\b", code) and f[1] not in (
+                            "operator", "TORCH_MODULE"):
+                        names.append((h.relative_to(ROOT), f[1]))
+            ns = re.match(r"\s*namespace\s+([\w:]+)\s*{", code)
+            for i, ch in enumerate(c for c in code if c in "{}"):
+                if ch == "{":
+                    stack.append(ns[1] if ns and i == 0 else None)
+                elif stack:
+                    stack.pop()
+    return names
+
+
+def check_api():
+    api = ROOT / "docs/api.md"
+    if not api.is_file():
+        return ["docs/api.md is missing: write the API reference"]
+    text = api.read_text()
+    seen, problems = set(), []
+    for header, name in public_names():
+        if name in seen:
+            continue
+        seen.add(name)
+        if not re.search(r"\b%s\b" % re.escape(name), text):
+            problems.append(f"docs/api.md does not mention {name} (declared in {header}): document it")
+    return problems
+
+
+def check_troubleshooting():
+    readme = (ROOT / "README.md").read_text()
+    page = ROOT / "docs/troubleshooting.md"
+    if not page.is_file():
+        return ["docs/troubleshooting.md is missing: write the troubleshooting page"]
+    text = page.read_text()
+    section = readme.split("### Bad-input catalogue", 1)
+    if len(section) != 2:
+        return ["README.md has no '### Bad-input catalogue' section"]
+    problems = []
+    for row in section[1].split("\n## ", 1)[0].splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[2].startswith("`"):
+            continue
+        message = cells[2].strip("`")
+        if message not in text:
+            problems.append(f"docs/troubleshooting.md lacks the catalogue error `{message}`: add it with its remedy")
+    return problems
+
+
+def main():
+    update = "--update" in sys.argv[1:]
+    problems = check_snippets(update) + check_api() + check_troubleshooting()
+    for p in problems:
+        print("doc_check: " + p)
+    if not problems:
+        print("doc_check: snippets, API names and troubleshooting messages are in step with the code")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
