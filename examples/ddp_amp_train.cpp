@@ -13,7 +13,13 @@
 //   clip_grad_norm_(model.parameters(), 1.0)        torch::nn::utils::clip_grad_norm_(ddp.parameters(), 1.0);
 //   scaler.step(optimizer); scaler.update()         scaler.step(opt); scaler.update();
 // On this CPU build autocast computes in bfloat16 (CUDA builds: float16 on the GPU).
+//
+// And the tutorial's gradient synchronization options (its section 4.2): --bucket_cap_mb,
+// --broadcast_buffers, --gradient_as_bucket_view go to DDPOptions; --accumulate N accumulates N
+// micro-batches per step with no_sync() (only the last backward all-reduces). The RESULT line says
+// whether every rank ended with the same parameters (params_agree=1).
 #include <cstdio>
+#include <optional>
 
 #include <CLI/CLI.hpp>
 #include <torch/cuda.h>
@@ -26,12 +32,18 @@
 
 int main(int argc, char** argv) {
   CLI::App app{"ddp_amp_train: DDP + autocast + GradScaler (the tutorial's train_ddp_amp.py)"};
-  int steps = 20, batch_size = 16;
-  double lr = 1e-3, max_norm = 1.0;
+  int steps = 20, batch_size = 16, accumulate = 1;
+  double lr = 1e-3, max_norm = 1.0, bucket_cap_mb = 25;
+  bool broadcast_buffers = true, gradient_as_bucket_view = false;
   app.add_option("--steps", steps, "training steps");
   app.add_option("--batch_size", batch_size, "samples per rank and step");
   app.add_option("--lr", lr, "Adam learning rate");
   app.add_option("--max_norm", max_norm, "gradient clipping norm");
+  app.add_option("--bucket_cap_mb", bucket_cap_mb, "DDP gradient bucket size in MiB (PyTorch's default 25)");
+  app.add_option("--broadcast_buffers", broadcast_buffers, "DDP broadcasts rank 0's buffers before each forward");
+  app.add_option("--gradient_as_bucket_view", gradient_as_bucket_view, "gradients are views into DDP's buckets");
+  app.add_option("--accumulate", accumulate, "micro-batches per optimizer step (no_sync for all but the last)")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   try {
     // doc:begin setup
@@ -41,7 +53,12 @@ int main(int argc, char** argv) {
 
     tutorial::TrainModel model;  // the tutorial's AMPModel has the same layers
     model->to(device);
-    dtrain::DistributedDataParallel ddp(model);
+    // doc:begin options
+    dtrain::DistributedDataParallel ddp(model, dtrain::DDPOptions()
+                                                   .bucket_cap_mb(bucket_cap_mb)
+                                                   .broadcast_buffers(broadcast_buffers)
+                                                   .gradient_as_bucket_view(gradient_as_bucket_view));
+    // doc:end options
     torch::optim::Adam opt(ddp.parameters(), lr);
     dtrain::GradScaler scaler;
     // doc:end setup
@@ -52,20 +69,29 @@ int main(int argc, char** argv) {
         at::randn({10, 3, 1, 1}, at::make_generator<at::CPUGeneratorImpl>(7)).expand({10, 3, 32, 32});
     double first_loss = 0, last_loss = 0;
     ddp.train();
-    for (int s = 0; s < steps; ++s) {
+    auto micro_batch = [&] {
       at::Tensor labels = at::randint(0, 10, {batch_size}, gen);
       at::Tensor inputs = class_means.index_select(0, labels) + 0.5 * at::randn({batch_size, 3, 32, 32}, gen);
-      inputs = inputs.to(device);
-      labels = labels.to(device);
-
+      return std::make_pair(inputs.to(device), labels.to(device));
+    };
+    for (int s = 0; s < steps; ++s) {
       // doc:begin step
       opt.zero_grad();
       at::Tensor loss;
-      {
-        dtrain::Autocast ac(device.type());
-        loss = torch::nn::functional::cross_entropy(ddp(inputs), labels);
+      for (int k = 0; k < accumulate; ++k) {
+        auto [inputs, labels] = micro_batch();
+        // doc:begin no-sync
+        // Gradient accumulation: all but the last micro-batch accumulate locally, without
+        // communication; the last backward all-reduces the accumulated sum.
+        std::optional<dtrain::NoSyncGuard> no_sync;
+        if (k + 1 < accumulate) no_sync.emplace(ddp.no_sync());
+        // doc:end no-sync
+        {
+          dtrain::Autocast ac(device.type());
+          loss = torch::nn::functional::cross_entropy(ddp(inputs), labels);
+        }
+        scaler.scale(loss / accumulate).backward();
       }
-      scaler.scale(loss).backward();
       scaler.unscale_(opt);
       torch::nn::utils::clip_grad_norm_(ddp.parameters(), max_norm);
       scaler.step(opt);
@@ -79,8 +105,18 @@ int main(int argc, char** argv) {
       if (dtrain::rank() == 0 && (s % 5 == 0 || s == steps - 1))
         std::printf("step %d loss %.4f scale %.0f\n", s, last_loss, scaler.get_scale());
     }
+    // doc:begin params-agree
+    // DDP keeps the replicas identical: the sum of all parameters is the same on every rank.
+    double sum = 0;
+    for (const auto& p : ddp.parameters()) sum += p.detach().to(at::kDouble).sum().item<double>();
+    at::Tensor lo = at::full({1}, sum, at::kDouble), hi = lo.clone();
+    dtrain::all_reduce(lo, dtrain::ReduceOp::MIN);
+    dtrain::all_reduce(hi, dtrain::ReduceOp::MAX);
+    const bool agree = lo.item<double>() == hi.item<double>();
+    // doc:end params-agree
     if (dtrain::rank() == 0)
-      std::printf("RESULT steps=%d first_loss=%.4f final_loss=%.4f\n", steps, first_loss, last_loss);
+      std::printf("RESULT steps=%d first_loss=%.4f final_loss=%.4f params_agree=%d\n", steps, first_loss, last_loss,
+                  agree ? 1 : 0);
     dtrain::destroy_process_group();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ddp_amp_train: error: %s\n", e.what());
