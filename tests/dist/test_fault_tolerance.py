@@ -3,6 +3,8 @@
   * SIGKILL of a random worker at a random moment mid-epoch -> dtrain-run --max_restarts restarts the
     group -> the workers resume from the last checkpoint and finish; with 1 rank the final
     params_sha256 is bit-identical to an uninterrupted run with the same seed, on 1 and on 2 ranks;
+  * the same on two nodes (two launchers, one worker each, on loopback): both launchers agree on the
+    restart and the final params_sha256 equals the uninterrupted 2-rank run's;
   * SIGSTOP of a random worker -> the other rank's collective times out (DTRAIN_TIMEOUT_S=5) with an
     error naming the operation and the ranks -> restart -> the run finishes;
   * dtrain-run itself SIGKILLed -> no worker lingers;
@@ -20,7 +22,7 @@ import time
 import unittest
 import zlib
 
-from harness import DistTestCase, clean_env
+from harness import DistTestCase, clean_env, free_port
 from test_train_fashion_mnist import ERROR_PREFIX, RESULT_RE, launcher, trainer
 
 # 384 samples on 2 ranks x batch 32: 6 steps per epoch, 12 in all; 200 test samples.
@@ -143,6 +145,26 @@ class FaultTolerance(DistTestCase):
     def test_sigkill_of_a_random_worker_ends_identical_on_two_ranks(self):
         # Needs DDP to re-hook parameters that checkpoint loading replaced (Note [Replaced parameters]).
         self.assertEqual(self.kill_and_resume(2), self.reference(2))
+
+    def test_sigkill_on_two_nodes_restarts_both_and_ends_identical(self):
+        port = free_port()
+        with tempfile.TemporaryDirectory() as ckpt:
+            nodes = [self.spawn([launcher(), "--nnodes", 2, "--node_rank", n, "--nproc_per_node", 1,
+                                 "--master_addr", "127.0.0.1", "--master_port", port, "--rdzv_timeout", 60,
+                                 "--grace_period", 2, "--monitor_interval", 0.05, "--max_restarts", 2, trainer(),
+                                 *COMMON, "--epochs", 2, "--checkpoint_dir", ckpt, "--checkpoint_every", 2,
+                                 "--step_sleep_ms", 150], clean_env(DTRAIN_TIMEOUT_S=30)) for n in (0, 1)]
+            victim_node = self.rng.randrange(2)
+            victim = self.wait_for_checkpoint(nodes[victim_node], ckpt, nproc=1)[0]
+            os.kill(victim, signal.SIGKILL)
+            results = [p.finish(RUN_TIMEOUT_S) for p in nodes]
+        for res in results:
+            self.assertEqual(res.rc, 0, str(res))
+            self.assertIn("restarting all workers (restart 1 of 2)", res.err, str(res))
+        self.assertIn(f"pid {victim}) failed first: it was killed by SIGKILL", results[victim_node].err)
+        self.assertIn(f"node {victim_node} (", results[1 - victim_node].err)
+        self.assertIn("resumed from ", results[0].out, str(results[0]))
+        self.assertEqual(self.sha_of(results[0]), self.reference(2), "the restarted 2-node run ended with other parameters")
 
     def test_sigstop_times_out_and_restarts(self):
         with tempfile.TemporaryDirectory() as ckpt:

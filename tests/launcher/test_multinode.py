@@ -2,6 +2,7 @@
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 import unittest
 
@@ -34,9 +35,11 @@ class MultiNodeTest(unittest.TestCase):
     def setUp(self):
         require_launcher(self)
         self.marker = f"dtrainmn{os.getpid()}x{time.monotonic_ns()}"
+        self.tmp = tempfile.mkdtemp(prefix="dtrain_mn_")
 
     def tearDown(self):
         kill_marker(self.marker)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def test_two_nodes(self):
         port = free_port()
@@ -115,6 +118,47 @@ class MultiNodeTest(unittest.TestCase):
         self.assertIn("rank 3", last0)
         self.assertIn("exited with code 3", last0)
         self.assertEqual(pids_with_marker(self.marker), [])
+
+    def test_restart_on_two_nodes(self):
+        # Attempt 0: rank 1 (node 1) fails while rank 0 (node 0) runs; node 0 stops, both nodes agree
+        # and restart together; attempt 1 succeeds everywhere.
+        seen = os.path.join(self.tmp, "seen")
+        script = (f'echo "$RANK $DTRAIN_RESTART_COUNT" >> {seen}; '
+                  f'if [ "$DTRAIN_RESTART_COUNT" = 0 ]; then '
+                  f'if [ "$RANK" = 1 ]; then sleep 0.5; exit 5; fi; exec {PY} -c "import time; time.sleep(60)" {self.marker}; fi')
+        extra = ["--max_restarts", "2", "--grace_period", "1"]
+        n0 = start(node_args(port := free_port(), 0, nproc=1, extra=extra) + ["sh", "-c", script])
+        n1 = start(node_args(port, 1, nproc=1, extra=extra) + ["sh", "-c", script])
+        (rc0, _, err0), (rc1, _, err1) = finish(n0, n1)
+        self.assertEqual((rc0, rc1), (0, 0), err0 + err1)
+        for err in (err0, err1):
+            self.assertEqual(err.count("restarting all workers (restart 1 of 2)"), 1, err)
+        self.assertIn("node 1", err0)
+        with open(seen) as f:
+            self.assertEqual(sorted(f.read().splitlines()), ["0 0", "0 1", "1 0", "1 1"])
+        self.assertEqual(pids_with_marker(self.marker), [])
+
+    def test_two_nodes_give_up_after_max_restarts(self):
+        script = 'if [ "$RANK" = 1 ]; then exit $((20 + DTRAIN_RESTART_COUNT)); fi; sleep 60'
+        extra = ["--max_restarts", "1", "--grace_period", "1"]
+        n0 = start(node_args(port := free_port(), 0, nproc=1, extra=extra) + ["sh", "-c", script])
+        n1 = start(node_args(port, 1, nproc=1, extra=extra) + ["sh", "-c", script])
+        (rc0, _, err0), (rc1, _, err1) = finish(n0, n1)
+        self.assertEqual((rc0, rc1), (1, 1), err0 + err1)
+        for err in (err0, err1):
+            self.assertEqual(err.count("restarting all workers"), 1, err)
+            last = err.strip().splitlines()[-1]
+            self.assertIn("exited with code 21", last)
+            self.assertIn("(the last failure, after 1 restart(s) of --max_restarts 1)", last)
+
+    def test_nodes_disagree_on_max_restarts(self):
+        port = free_port()
+        n0 = start(node_args(port, 0, nproc=1, extra=["--max_restarts", "1"]) + ["true"])
+        n1 = start(node_args(port, 1, nproc=1, extra=["--max_restarts", "2"]) + ["true"])
+        for rc, _, err in finish(n0, n1):
+            self.assertEqual(rc, 1, err)
+            self.assertIn("nodes disagree on --max_restarts: node 0 has 1, node 1 (", err)
+            self.assertIn("give every node the same --max_restarts", err)
 
     def test_store_listens_on_master_addr_only(self):
         from launcher_common import listeners, wait_until

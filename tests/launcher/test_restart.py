@@ -1,7 +1,7 @@
 """dtrain-run --max_restarts: a failed attempt stops every worker and restarts the whole group with
 DTRAIN_RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT) incremented, logs per attempt; after N restarts
 the job fails with the last failure's summary; a signal to the launcher is never restarted; a
-SIGSTOPped worker is woken (SIGCONT) so it can act on SIGTERM; several nodes are refused."""
+SIGSTOPped worker is woken (SIGCONT) so it can act on SIGTERM. Several nodes: test_multinode.py."""
 import os
 import shutil
 import signal
@@ -78,13 +78,6 @@ class RestartTest(unittest.TestCase):
         r = run(["--standalone", "--nproc_per_node", 2, "--grace_period", 20, "sh", "-c", script])
         self.assertEqual(r.returncode, 1, r.stderr)
         self.assertLess(time.monotonic() - t0, 10, r.stderr)
-
-    def test_several_nodes_with_restarts_are_refused(self):
-        r = run(["--nnodes", 2, "--node_rank", 0, "--max_restarts", 1, "true"])
-        self.assertEqual(r.returncode, 2, r.stderr)
-        self.assertEqual(r.stderr.strip(),
-                         "dtrain-run: --max_restarts 1 with --nnodes 2: restarts are supported for one-node jobs only; "
-                         "use --max_restarts 0 on several nodes (or run one node)")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,37 @@ void show_tail(const AttemptResult& result) {
   write_fully(STDERR_FILENO, block.data(), block.size());
 }
 
+// Several nodes with --max_restarts: every node learns every node's exit code of the attempt
+// (rendezvous.h, step 6) and turns it into the same decision. Returns false when this node must stop
+// now (it was signalled, or another node was); else `result` holds the job's outcome: 1 when any node
+// failed (so every node restarts together while restarts remain), 0 when all succeeded.
+bool job_wide_outcome(NodeRendezvous& rdzv, const LaunchOptions& o, int attempt, AttemptResult& result) {
+  std::vector<int> codes;
+  try {
+    codes = rdzv.attempt_outcomes(attempt, o.node_rank, o.nnodes, result.exit_code);
+  } catch (const std::exception& e) {
+    result.exit_code = 1;
+    result.summary = e.what();
+    return false;
+  }
+  if (result.exit_code != 0 && result.exit_code != 1) return false;
+  for (int r = 0; r < o.nnodes; ++r) {
+    const int c = codes[static_cast<size_t>(r)];
+    if (c != 0 && c != 1) {
+      result.exit_code = 1;
+      result.summary = "node " + std::to_string(r) + "'s launcher was stopped by a signal (exit " + std::to_string(c) +
+                       "): no restart";
+      return false;
+    }
+    if (c == 1 && result.exit_code == 0) {
+      result.exit_code = 1;
+      result.summary = "node " + std::to_string(r) + " failed in attempt " + std::to_string(attempt) +
+                       " (this node's workers had finished)";
+    }
+  }
+  return true;
+}
+
 int run(const LaunchOptions& o) {
   // 2.
   signal(SIGPIPE, SIG_IGN);
@@ -77,7 +108,7 @@ int run(const LaunchOptions& o) {
     pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
     const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.rdzv_timeout * 1000));
     rdzv.emplace(o.master_addr, port, timeout);
-    rdzv->join(NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, hostname()});
+    rdzv->join(NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, o.max_restarts, hostname()});
     pthread_sigmask(SIG_BLOCK, &terminating, nullptr);
   }
 
@@ -94,6 +125,7 @@ int run(const LaunchOptions& o) {
       Supervisor supervisor(o, port, sfd, rdzv ? &*rdzv : nullptr);
       result = supervisor.run_attempt(attempt);
     }
+    if (rdzv && o.max_restarts > 0 && !job_wide_outcome(*rdzv, o, attempt, result)) break;
     if (result.exit_code != 1 || attempt >= o.max_restarts) break;
     show_tail(result);
     say("restarting all workers (restart " + std::to_string(attempt + 1) + " of " + std::to_string(o.max_restarts) +

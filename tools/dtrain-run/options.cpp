@@ -159,13 +159,6 @@ LaunchOptions parse_options(int argc, char** argv) {
   if (!parse_int(max_restarts, &v) || v < 0)
     throw UsageError("--max_restarts must be an integer >= 0, got '" + max_restarts + "'");
   o.max_restarts = static_cast<int>(v);
-  // Restarting a multi-node job needs every node's launcher to agree on each new attempt through the
-  // node rendezvous (per-attempt failure keys, a restart barrier): not done yet, so refuse it rather
-  // than restart one node alone.
-  if (o.max_restarts > 0 && o.nnodes > 1)
-    throw UsageError("--max_restarts " + max_restarts + " with --nnodes " + nnodes +
-                     ": restarts are supported for one-node jobs only; use --max_restarts 0 on several nodes "
-                     "(or run one node)");
   if (!parse_double(monitor, &o.monitor_interval) || o.monitor_interval <= 0 || o.monitor_interval > 3600)
     throw UsageError("--monitor_interval must be a number of seconds > 0, got '" + monitor + "'");
   if (!parse_double(rdzv_timeout, &o.rdzv_timeout) || o.rdzv_timeout <= 0)

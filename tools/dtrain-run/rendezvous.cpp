@@ -34,7 +34,7 @@ std::string node_text(const NodeInfo& n) { return "node " + std::to_string(n.nod
 NodeInfo parse_info(const std::string& s) {
   NodeInfo n;
   std::istringstream in(s);
-  in >> n.nnodes >> n.nproc_per_node >> n.node_rank;
+  in >> n.nnodes >> n.nproc_per_node >> n.node_rank >> n.max_restarts;
   std::getline(in >> std::ws, n.hostname);
   return n;
 }
@@ -55,7 +55,7 @@ void NodeRendezvous::join(const NodeInfo& me) {
   const int64_t arrival = client_->add(kPrefix + "arrivals", 1);
   client_->set(kPrefix + "arrival/" + std::to_string(arrival),
               to_bytes(std::to_string(me.nnodes) + " " + std::to_string(me.nproc_per_node) + " " +
-                       std::to_string(me.node_rank) + " " + me.hostname));
+                       std::to_string(me.node_rank) + " " + std::to_string(me.max_restarts) + " " + me.hostname));
   // 3. Node 0 judges.
   if (me.node_rank == 0) client_->set(kPrefix + "verdict", to_bytes(check_arrivals(me)));
   // 4. Everyone follows the verdict. Node 0 may take the whole timeout collecting nodes.
@@ -106,6 +106,9 @@ std::string NodeRendezvous::check_arrivals(const NodeInfo& me) {
     if (n.nnodes != me.nnodes || n.nproc_per_node != me.nproc_per_node)
       return "nodes disagree on the world size: node 0 has " + world_text(me) + ", " + node_text(n) + " has " +
              world_text(n);
+    if (n.max_restarts != me.max_restarts)  // every node must take the same restart decisions
+      return "nodes disagree on --max_restarts: node 0 has " + std::to_string(me.max_restarts) + ", " + node_text(n) +
+             " has " + std::to_string(n.max_restarts) + "; give every node the same --max_restarts";
     if (n.node_rank < 0 || n.node_rank >= me.nnodes)
       return node_text(n) + " has a --node_rank outside 0.." + std::to_string(me.nnodes - 1);
     int& slot = seen[static_cast<size_t>(n.node_rank)];
@@ -118,21 +121,47 @@ std::string NodeRendezvous::check_arrivals(const NodeInfo& me) {
   return "ok";
 }
 
-bool NodeRendezvous::publish_failure(int node_rank, const std::string& summary) {
+bool NodeRendezvous::publish_failure(int attempt, int node_rank, const std::string& summary) {
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   std::string mine = std::to_string(node_rank) + " " + host + "\n" + summary;
-  return to_string(client_->compare_set(kPrefix + "failure", {}, to_bytes(mine))) == mine;
+  const std::string key = kPrefix + "failure/" + std::to_string(attempt);
+  return to_string(client_->compare_set(key, {}, to_bytes(mine))) == mine;
 }
 
-std::optional<std::string> NodeRendezvous::remote_failure(int my_node_rank) {
-  if (!client_->check({kPrefix + "failure"})) return std::nullopt;
-  const std::string v = to_string(client_->get(kPrefix + "failure", Millis(1000)));
+std::optional<std::string> NodeRendezvous::remote_failure(int attempt, int my_node_rank) {
+  const std::string key = kPrefix + "failure/" + std::to_string(attempt);
+  if (!client_->check({key})) return std::nullopt;
+  const std::string v = to_string(client_->get(key, Millis(1000)));
   const size_t space = v.find(' '), nl = v.find('\n');
   if (space == std::string::npos || nl == std::string::npos || space > nl) return "a node failed: " + v;
   const std::string node = v.substr(0, space);
   if (node == std::to_string(my_node_rank)) return std::nullopt;  // our own
   return "node " + node + " (" + v.substr(space + 1, nl - space - 1) + ") failed: " + v.substr(nl + 1);
+}
+
+std::vector<int> NodeRendezvous::attempt_outcomes(int attempt, int node_rank, int nnodes, int exit_code) {
+  const std::string base = kPrefix + "outcome/" + std::to_string(attempt) + "/";
+  client_->set(base + std::to_string(node_rank), to_bytes(std::to_string(exit_code)));
+  std::vector<int> codes(static_cast<size_t>(nnodes), -1);
+  codes[static_cast<size_t>(node_rank)] = exit_code;
+  if (exit_code != 0 && exit_code != 1) return codes;  // signalled: this node stops whatever the others do
+  const auto deadline = Clock::now() + timeout_;
+  std::string missing;
+  for (int r = 0; r < nnodes; ++r) {
+    if (r == node_rank) continue;
+    const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+    try {
+      codes[static_cast<size_t>(r)] = std::stoi(to_string(client_->get(base + std::to_string(r), std::max(left, Millis(1)))));
+    } catch (const dtrain::store::TimeoutError&) {
+      missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
+  }
+  if (!missing.empty())
+    throw std::runtime_error("node_rank " + missing + " did not report the end of attempt " + std::to_string(attempt) +
+                             " within --rdzv_timeout " + seconds(timeout_) +
+                             " (did its dtrain-run die?): the nodes cannot agree on a restart");
+  return codes;
 }
 
 void NodeRendezvous::mark_done(int node_rank, int exit_code) {

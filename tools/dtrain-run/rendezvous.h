@@ -12,10 +12,16 @@
 //   4. Every launcher waits for "verdict", sets "verdict_read/<a>" and proceeds only on "ok". On an
 //      error node 0 keeps the store up until every arrived node has read it (bounded). A node whose
 //      arrival number exceeds nnodes (one node too many) fails by itself.
-//   5. While workers run, a node whose worker fails sets "failure" (compare_set: the first one
-//      wins) to "<node_rank> <hostname>\n<summary>"; the others poll it each --monitor_interval
-//      and stop.
-//   6. When its workers are done each node sets "done/<node_rank>"; node 0 keeps the store up
+//   5. While the workers of attempt k run, a node whose worker fails sets "failure/<k>"
+//      (compare_set: the first one wins) to "<node_rank> <hostname>\n<summary>"; the others poll it
+//      each --monitor_interval and stop.
+//   6. With --max_restarts > 0, after attempt k every node sets "outcome/<k>/<node_rank>" to its
+//      exit code (0 done, 1 a worker failed, 128+signo its launcher was signalled) and, unless it was
+//      signalled, waits for every node's (within --rdzv_timeout). Every node then takes the same
+//      decision from the same codes: all 0 -> done; any signal -> stop; else restart while restarts
+//      remain. The wait is also the barrier of the restart: no worker of attempt k is alive anywhere
+//      when attempt k+1's workers start (their store keys carry k+1 besides).
+//   7. When its workers are done each node sets "done/<node_rank>"; node 0 keeps the store up
 //      until all nodes are done (bounded wait), so late pollers do not see it vanish.
 #pragma once
 
@@ -25,6 +31,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace dtrain::run {
 
@@ -32,6 +39,7 @@ struct NodeInfo {
   int nnodes = 0;
   int nproc_per_node = 0;
   int node_rank = 0;
+  int max_restarts = 0;
   std::string hostname;
 };
 
@@ -45,10 +53,14 @@ class NodeRendezvous {
 
   // Step 5. publish_failure returns false when another node's failure was first.
   // remote_failure: "node N (host) failed: <summary>" when a node other than `my_node_rank` failed.
-  bool publish_failure(int node_rank, const std::string& summary);
-  std::optional<std::string> remote_failure(int my_node_rank);
+  bool publish_failure(int attempt, int node_rank, const std::string& summary);
+  std::optional<std::string> remote_failure(int attempt, int my_node_rank);
 
-  // Step 6.
+  // Step 6: every node's exit code of the attempt, by node_rank (only this node's own when it was
+  // signalled). Throws std::runtime_error naming the nodes that did not report within the timeout.
+  std::vector<int> attempt_outcomes(int attempt, int node_rank, int nnodes, int exit_code);
+
+  // Step 7.
   void mark_done(int node_rank, int exit_code);
   void wait_all_done(int nnodes, std::chrono::milliseconds timeout);  // node 0; never throws
 

@@ -185,7 +185,7 @@ void Supervisor::handle_signals() {
     forwarded_signal_ = signo;
     if (rdzv_) {
       try {
-        rdzv_->publish_failure(opts_.node_rank, "its launcher received " + signal_name(signo));
+        rdzv_->publish_failure(attempt_, opts_.node_rank, "its launcher received " + signal_name(signo));
       } catch (const std::exception&) {
       }
     }
@@ -207,7 +207,7 @@ void Supervisor::reap() {
       failed_index_ = static_cast<int>(i);
       if (rdzv_) {
         try {
-          rdzv_->publish_failure(opts_.node_rank, failure_summary(w, attempt_, /*for_remote=*/true));
+          rdzv_->publish_failure(attempt_, opts_.node_rank, failure_summary(w, attempt_, /*for_remote=*/true));
         } catch (const std::exception&) {
         }
       }
@@ -234,7 +234,7 @@ void Supervisor::kill_groups(int signo) {
 void Supervisor::check_remote() {
   if (stopping_) return;
   try {
-    if (auto f = rdzv_->remote_failure(opts_.node_rank)) {
+    if (auto f = rdzv_->remote_failure(attempt_, opts_.node_rank)) {
       remote_summary_ = "stopped this node's workers: " + *f;
       stop_all(SIGTERM);
       return;

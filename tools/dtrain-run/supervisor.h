@@ -20,7 +20,7 @@
 // it again with attempt+1 on a fresh Supervisor (log paths: attempt_<k>/; workers see
 // DTRAIN_RESTART_COUNT=k and the job store's keys are prefixed with it, so a new attempt never reads
 // the last one's rendezvous keys). Workers resume from their own checkpoints (dtrain/checkpoint.h).
-// One-node jobs only: several nodes would have to agree on each new attempt (options.cpp refuses).
+// Several nodes agree on each new attempt through the node rendezvous (rendezvous.h, steps 5-6).
 #pragma once
 
 #include "options.h"
