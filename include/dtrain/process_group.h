@@ -59,11 +59,16 @@ struct InitOptions {
 };
 
 // A handle to an asynchronous operation. wait() blocks until it is done (rethrowing its failure with
-// the rank and operation named); the result tensors are valid only after wait(). Waiting twice is fine.
+// the rank and operation named); the result tensors are valid after wait(), or once is_completed()
+// has returned true (it finishes the operation's last local step, e.g. AVG's division, without
+// blocking; a failure is rethrown by wait()). Waiting twice is fine.
 class Work {
  public:
   Work() = default;
-  Work(c10::intrusive_ptr<c10d::Work> work, std::string what, std::function<void()> on_done = {});
+  // work: the backend's handle, or null for an operation composed of others, whose `parts_done`
+  // says whether they have finished; on_done: the last local step, run once.
+  Work(c10::intrusive_ptr<c10d::Work> work, std::string what, std::function<void()> on_done = {},
+       std::function<bool()> parts_done = {});
   void wait();
   bool is_completed();
   // Runs fn once the operation has finished (on the backend's thread, as soon as it completes; for

@@ -196,10 +196,13 @@ Work reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceO
   at::Tensor stacked = at::stack(inputs);
   Work w = all_reduce(stacked, op, group, /*async_op=*/true);
   int me = g.rank;
-  return finish(Work(c10::intrusive_ptr<c10d::Work>(), what(g, "reduce_scatter"), [w, stacked, output, me]() mutable {
-                  w.wait();
-                  output.copy_(stacked[me]);
-                }),
+  return finish(Work(
+                    c10::intrusive_ptr<c10d::Work>(), what(g, "reduce_scatter"),
+                    [w, stacked, output, me]() mutable {
+                      w.wait();
+                      output.copy_(stacked[me]);
+                    },
+                    [w]() mutable { return w.is_completed(); }),
                 async_op);
 }
 

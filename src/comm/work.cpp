@@ -18,6 +18,7 @@ struct Work::State {
   c10::intrusive_ptr<c10d::Work> work;  // null for composed operations (on_done does the waiting)
   std::string what;                     // "rank 1: all_reduce on group 'default' (gloo)"
   std::function<void()> on_done;
+  std::function<bool()> parts_done;     // composed operations: whether their parts have finished
   std::once_flag once;
   std::exception_ptr error;
   // Work::then callbacks for works without a completion future: run after the first wait().
@@ -26,11 +27,13 @@ struct Work::State {
   std::vector<std::function<void()>> then_fns;
 };
 
-Work::Work(c10::intrusive_ptr<c10d::Work> work, std::string what, std::function<void()> on_done)
+Work::Work(c10::intrusive_ptr<c10d::Work> work, std::string what, std::function<void()> on_done,
+           std::function<bool()> parts_done)
     : state_(std::make_shared<State>()) {
   state_->work = std::move(work);
   state_->what = std::move(what);
   state_->on_done = std::move(on_done);
+  state_->parts_done = std::move(parts_done);
 }
 
 void Work::wait() {
@@ -80,6 +83,13 @@ void Work::then(std::function<void()> fn) {
 bool Work::is_completed() {
   if (!state_) return true;
   if (state_->work && !state_->work->isCompleted()) return false;
+  if (state_->parts_done && !state_->parts_done()) return false;
+  // The backend is done: run the last local step now (it does not block), so that "completed"
+  // means the results are in place. A failure stays stored for wait() to rethrow.
+  try {
+    wait();
+  } catch (const std::exception&) {
+  }
   return true;
 }
 

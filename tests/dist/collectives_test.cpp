@@ -90,6 +90,31 @@ TEST(Collectives, ReduceScatter) {
   EXPECT_FLOAT_EQ(avg[0].item<float>(), expected / N());
 }
 
+TEST(Collectives, IsCompletedMeansTheResultsAreInPlace) {
+  // PyTorch's contract: once is_completed() is true the outputs are final, without wait(). For
+  // AVG (a SUM, then a local division) and reduce_scatter (an all_reduce, then a local copy) the
+  // last step must have run by then.
+  auto poll = [](Work& w) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!w.is_completed()) {
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "is_completed() never became true";
+      std::this_thread::yield();
+    }
+  };
+  at::Tensor t = at::full({1000}, static_cast<float>(R() + 1));
+  Work a = all_reduce(t, ReduceOp::AVG, Group(), /*async_op=*/true);
+  poll(a);
+  EXPECT_FLOAT_EQ(t[999].item<float>(), (N() + 1) / 2.0f);
+  std::vector<at::Tensor> in;
+  for (int j = 0; j < N(); ++j) in.push_back(at::full({4}, static_cast<float>(j + 1)));
+  at::Tensor out = at::zeros({4});
+  Work b = reduce_scatter(out, in, ReduceOp::SUM, Group(), /*async_op=*/true);
+  poll(b);
+  EXPECT_FLOAT_EQ(out[0].item<float>(), static_cast<float>(N() * (R() + 1)));
+  a.wait();
+  b.wait();
+}
+
 TEST(Collectives, GatherAndScatter) {
   std::vector<at::Tensor> list;
   if (R() == 1)
