@@ -76,7 +76,7 @@ def public_names():
                       and not set(spaces) & {"dp", "ddp", "detail"})
             if public and not re.match(r"\s*(namespace|#)", code):
                 m = re.match(r"\s*(?:template\s*<[^>]*>\s*)?(?:class|struct|enum class|enum)\s+(?:\[\[[^\]]*\]\]\s*)?"
-                             r"(?:DTRAIN_\w+\s+)?(\w+)\s*(?:final\s*)?[:{]", code)
+                             r"(?:DTRAIN_\w+\s+)?(\w+)\s*(?:final\s*)?(?:[:{]|$)", code)
                 if m:
                     names.append((h.relative_to(ROOT), m[1]))
                 else:
