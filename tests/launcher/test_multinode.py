@@ -119,6 +119,12 @@ class MultiNodeTest(unittest.TestCase):
         self.assertIn("exited with code 3", last0)
         self.assertEqual(pids_with_marker(self.marker), [])
 
+    def two_nodes_with_restarts(self, max_restarts, script):
+        """Two launchers, one worker each, running `sh -c script`; returns [(rc, out, err)] per node."""
+        extra = ["--max_restarts", str(max_restarts), "--grace_period", "1"]
+        port = free_port()
+        return finish(*[start(node_args(port, n, nproc=1, extra=extra) + ["sh", "-c", script]) for n in (0, 1)])
+
     def test_restart_on_two_nodes(self):
         # Attempt 0: rank 1 (node 1) fails while rank 0 (node 0) runs; node 0 stops, both nodes agree
         # and restart together; attempt 1 succeeds everywhere.
@@ -126,10 +132,7 @@ class MultiNodeTest(unittest.TestCase):
         script = (f'echo "$RANK $DTRAIN_RESTART_COUNT" >> {seen}; '
                   f'if [ "$DTRAIN_RESTART_COUNT" = 0 ]; then '
                   f'if [ "$RANK" = 1 ]; then sleep 0.5; exit 5; fi; exec {PY} -c "import time; time.sleep(60)" {self.marker}; fi')
-        extra = ["--max_restarts", "2", "--grace_period", "1"]
-        n0 = start(node_args(port := free_port(), 0, nproc=1, extra=extra) + ["sh", "-c", script])
-        n1 = start(node_args(port, 1, nproc=1, extra=extra) + ["sh", "-c", script])
-        (rc0, _, err0), (rc1, _, err1) = finish(n0, n1)
+        (rc0, _, err0), (rc1, _, err1) = self.two_nodes_with_restarts(2, script)
         self.assertEqual((rc0, rc1), (0, 0), err0 + err1)
         for err in (err0, err1):
             self.assertEqual(err.count("restarting all workers (restart 1 of 2)"), 1, err)
@@ -140,10 +143,7 @@ class MultiNodeTest(unittest.TestCase):
 
     def test_two_nodes_give_up_after_max_restarts(self):
         script = 'if [ "$RANK" = 1 ]; then exit $((20 + DTRAIN_RESTART_COUNT)); fi; sleep 60'
-        extra = ["--max_restarts", "1", "--grace_period", "1"]
-        n0 = start(node_args(port := free_port(), 0, nproc=1, extra=extra) + ["sh", "-c", script])
-        n1 = start(node_args(port, 1, nproc=1, extra=extra) + ["sh", "-c", script])
-        (rc0, _, err0), (rc1, _, err1) = finish(n0, n1)
+        (rc0, _, err0), (rc1, _, err1) = self.two_nodes_with_restarts(1, script)
         self.assertEqual((rc0, rc1), (1, 1), err0 + err1)
         for err in (err0, err1):
             self.assertEqual(err.count("restarting all workers"), 1, err)
