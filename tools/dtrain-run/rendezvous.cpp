@@ -29,6 +29,13 @@ std::string world_text(const NodeInfo& n) {
          " (world " + std::to_string(n.nnodes * n.nproc_per_node) + ")";
 }
 
+// "0, 2": the node ranks named in an error.
+std::string comma_list(const std::vector<int>& v) {
+  std::string out;
+  for (int x : v) out += (out.empty() ? "" : ", ") + std::to_string(x);
+  return out;
+}
+
 std::string node_text(const NodeInfo& n) { return "node " + std::to_string(n.node_rank) + " (" + n.hostname + ")"; }
 
 NodeInfo parse_info(const std::string& s) {
@@ -95,12 +102,12 @@ std::string NodeRendezvous::check_arrivals(const NodeInfo& me) {
     try {
       info = to_string(client_->get(kPrefix + "arrival/" + std::to_string(a), std::max(left, Millis(1))));
     } catch (const dtrain::store::TimeoutError&) {
-      std::string missing;
+      std::vector<int> missing;
       for (int r = 0; r < me.nnodes; ++r)
-        if (seen[static_cast<size_t>(r)] < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        if (seen[static_cast<size_t>(r)] < 0) missing.push_back(r);
       return "only " + std::to_string(a - 1) + " of " + std::to_string(me.nnodes) + " nodes joined the rendezvous at " +
              client_->host() + ":" + std::to_string(client_->port()) + " within --rdzv_timeout " + seconds(timeout_) +
-             " (missing node_rank " + missing + ")";
+             " (missing node_rank " + comma_list(missing) + ")";
     }
     NodeInfo n = parse_info(info);
     if (n.nnodes != me.nnodes || n.nproc_per_node != me.nproc_per_node)
@@ -147,18 +154,18 @@ std::vector<int> NodeRendezvous::attempt_outcomes(int attempt, int node_rank, in
   codes[static_cast<size_t>(node_rank)] = exit_code;
   if (exit_code != 0 && exit_code != 1) return codes;  // signalled: this node stops whatever the others do
   const auto deadline = Clock::now() + timeout_;
-  std::string missing;
+  std::vector<int> missing;
   for (int r = 0; r < nnodes; ++r) {
     if (r == node_rank) continue;
     const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
     try {
       codes[static_cast<size_t>(r)] = std::stoi(to_string(client_->get(base + std::to_string(r), std::max(left, Millis(1)))));
     } catch (const dtrain::store::TimeoutError&) {
-      missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      missing.push_back(r);
     }
   }
   if (!missing.empty())
-    throw std::runtime_error("node_rank " + missing + " did not report the end of attempt " + std::to_string(attempt) +
+    throw std::runtime_error("node_rank " + comma_list(missing) + " did not report the end of attempt " + std::to_string(attempt) +
                              " within --rdzv_timeout " + seconds(timeout_) +
                              " (did its dtrain-run die?): the nodes cannot agree on a restart");
   return codes;
