@@ -27,8 +27,9 @@ namespace {
 constexpr size_t kSlot = 4096;  // small slots so that modest sizes take several chunks
 
 // Runs fn on n forked ranks; returns each rank's error message ("" = success).
-std::vector<std::string> run_ranks(int n, const Fn& fn, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
-  Segment seg = Segment::create(Segment::unique_name("test"), n, kSlot);
+std::vector<std::string> run_ranks(int n, const Fn& fn, std::chrono::milliseconds timeout = std::chrono::seconds(10),
+                                   size_t slot = kSlot) {
+  Segment seg = Segment::create(Segment::unique_name("test"), n, slot);
   std::vector<int> labels;
   for (int r = 0; r < n; ++r) labels.push_back(r);
   std::vector<pid_t> pids;
@@ -41,7 +42,7 @@ std::vector<std::string> run_ranks(int n, const Fn& fn, std::chrono::millisecond
       close(p[0]);
       std::string err;
       try {
-        Comm comm(Segment::attach(seg.name(), n, kSlot), r, labels, timeout);
+        Comm comm(Segment::attach(seg.name(), n, slot), r, labels, timeout);
         fn(comm, r);
       } catch (const std::exception& e) {
         err = e.what();
@@ -75,7 +76,7 @@ void expect_ok(const std::vector<std::string>& errors) {
 float value(int rank, size_t i) { return static_cast<float>((i * 7919 + rank * 104729) % 1000) * 0.001f + rank * 1e-3f; }
 
 template <class T>
-void check_reduce(int n, size_t count, DType dt, RedOp op) {
+void check_reduce(int n, size_t count, DType dt, RedOp op, size_t slot = kSlot) {
   auto errors = run_ranks(n, [&](Comm& c, int r) {
     std::vector<T> data(count);
     for (size_t i = 0; i < count; ++i) data[i] = T(value(r, i));
@@ -98,7 +99,7 @@ void check_reduce(int n, size_t count, DType dt, RedOp op) {
                                  std::to_string(static_cast<double>(data[i])) + " vs " +
                                  std::to_string(static_cast<double>(acc)));
     }
-  });
+  }, std::chrono::seconds(10), slot);
   expect_ok(errors);
 }
 
@@ -119,6 +120,45 @@ TEST(ShmComm, AllReduceOpsAndDtypes) {
     check_reduce<c10::Half>(n, 5000, DType::F16, RedOp::SUM);
     check_reduce<c10::BFloat16>(n, 5000, DType::BF16, RedOp::SUM);
   }
+}
+
+// Slots of 64 KB: each rank's part spans several of combine_streaming's 4 KB blocks, and with 3
+// ranks and 16-bit types the parts start at addresses that are not 16-byte aligned.
+TEST(ShmComm, AllReduceWithLargeSlotsStreamsManyBlocks) {
+  constexpr size_t kBig = 64 * 1024;
+  for (int n : {2, 3, 4}) {
+    check_reduce<float>(n, 50001, DType::F32, RedOp::SUM, kBig);
+    check_reduce<float>(n, 20000, DType::F32, RedOp::MAX, kBig);
+    check_reduce<double>(n, 20001, DType::F64, RedOp::MIN, kBig);
+    check_reduce<c10::Half>(n, 70001, DType::F16, RedOp::SUM, kBig);
+    check_reduce<c10::BFloat16>(n, 70003, DType::BF16, RedOp::SUM, kBig);
+  }
+}
+
+// combine_streaming equals combine for every alignment, length and the aliasing the collectives use
+// (out == a or out == b, shared == a).
+TEST(ShmKernels, StreamingCombineMatchesCombine) {
+  const size_t n = 3000;
+  for (size_t shift : {size_t{0}, size_t{1}, size_t{3}, size_t{7}})
+    for (size_t count : {size_t{0}, size_t{1}, size_t{17}, size_t{1024}, size_t{1025}, n - 8})
+      for (int alias : {0, 1, 2, 3}) {  // none, out == a, out == b, shared == a
+        std::vector<float> a(n), b(n), out(n, -1.f), shared(n, -2.f), want(n);
+        for (size_t i = 0; i < n; ++i) {
+          a[i] = value(0, i);
+          b[i] = value(1, i);
+        }
+        combine(want.data() + shift, nullptr, a.data() + shift, b.data() + shift, count, DType::F32, RedOp::SUM);
+        float* o = alias == 1 ? a.data() : alias == 2 ? b.data() : out.data();
+        float* sh = alias == 3 ? a.data() : shared.data();
+        combine_streaming(o + shift, sh + shift, a.data() + shift, b.data() + shift, count, DType::F32,
+                          RedOp::SUM);
+        for (size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(o[shift + i], want[shift + i]) << "shift " << shift << " count " << count << " alias " << alias;
+          ASSERT_EQ(sh[shift + i], want[shift + i]) << "shift " << shift << " count " << count << " alias " << alias;
+        }
+        if (alias != 3 && shift > 0) ASSERT_EQ(shared[shift - 1], -2.f);  // nothing written outside
+        if (alias != 3) ASSERT_EQ(shared[shift + count], -2.f);
+      }
 }
 
 TEST(ShmComm, ManyBackToBackOpsKeepTheirOrder) {

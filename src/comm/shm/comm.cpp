@@ -246,9 +246,13 @@ void Comm::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
       };
       void* acc = my_slot + b * es;
       // One rank alone has nothing to combine: the loop does not run.
+      // The last pass writes my tensor and streams the result into my slot for the other ranks.
       for (int k = 1; k < n_ && len > 0; ++k) {
-        const bool last = k == n_ - 1;
-        combine(acc, last ? mine + b * es : nullptr, k == 1 ? src(0) : acc, src(k), len, dtype, op);
+        const void* lhs = k == 1 ? src(0) : acc;
+        if (k == n_ - 1)
+          combine_streaming(mine + b * es, acc, lhs, src(k), len, dtype, op);
+        else
+          combine(acc, nullptr, lhs, src(k), len, dtype, op);
       }
     }
     signal(B, s);

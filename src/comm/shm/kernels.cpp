@@ -1,6 +1,12 @@
 #include "comm/shm/kernels.h"
 
 #include <algorithm>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define DTRAIN_HAVE_STREAMING_STORES 1
+#endif
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -45,16 +51,21 @@ struct Prod { template <class T> T operator()(T a, T b) const { return a * b; } 
 struct Min { template <class T> T operator()(T a, T b) const { return std::min(a, b); } };
 struct Max { template <class T> T operator()(T a, T b) const { return std::max(a, b); } };
 
-// Native types: one loop the compiler vectorizes (out may alias a: the same index is read first).
+// Native types: one loop the compiler vectorizes. out may alias a or b, but only index for index
+// (each index is read before it is written), so there is no loop-carried dependence: ivdep lets the
+// compiler vectorize without its runtime overlap check, which would otherwise pick the scalar loop
+// whenever out == b.
 template <class T, class Op>
 void loop(T* out, T* out2, const T* a, const T* b, size_t n, Op op) {
   if (out2) {
+#pragma GCC ivdep
     for (size_t i = 0; i < n; ++i) {
       T v = op(a[i], b[i]);
       out[i] = v;
       out2[i] = v;
     }
   } else {
+#pragma GCC ivdep
     for (size_t i = 0; i < n; ++i) out[i] = op(a[i], b[i]);
   }
 }
@@ -87,7 +98,47 @@ void dispatch(void* out, void* out2, const void* a, const void* b, size_t n, DTy
   }
 }
 
+// memcpy with non-temporal stores where the destination is 16-byte aligned.
+void stream_copy(char* dst, const char* src, size_t bytes) {
+#ifdef DTRAIN_HAVE_STREAMING_STORES
+  const size_t head = std::min(bytes, (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15);
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  bytes -= head;
+  size_t i = 0;
+  for (; i + 64 <= bytes; i += 64) {
+    const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i x1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i x2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i x3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), x0);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), x1);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), x2);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), x3);
+  }
+  std::memcpy(dst + i, src + i, bytes - i);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
 }  // namespace
+
+void combine_streaming(void* out, void* shared, const void* a, const void* b, size_t count, DType t,
+                       RedOp op) {
+  const size_t es = element_size(t);
+  const size_t block = 4096 / es;  // the block just written is still in L1 when it is streamed
+  for (size_t done = 0; done < count; done += block) {
+    const size_t n = std::min(block, count - done), off = done * es;
+    char* o = static_cast<char*>(out) + off;
+    combine(o, nullptr, static_cast<const char*>(a) + off, static_cast<const char*>(b) + off, n, t, op);
+    stream_copy(static_cast<char*>(shared) + off, o, n * es);
+  }
+#ifdef DTRAIN_HAVE_STREAMING_STORES
+  _mm_sfence();
+#endif
+}
 
 void combine(void* out, void* out2, const void* a, const void* b, size_t count, DType t, RedOp op) {
   switch (op) {
