@@ -129,23 +129,15 @@ int driver_main(int argc, char** argv) {
   app.add_option("--reps", reps, "rounds per size (median reported; default 3)")->check(CLI::PositiveNumber);
   app.add_option("--max_bytes", max_bytes, "largest size (default 268435456 = 256 MB)");
   CLI11_PARSE(app, argc, argv);
-  try {
-    std::printf("load average at start: %s (%u cores)\n", load_average().c_str(), std::thread::hardware_concurrency());
-    std::fflush(stdout);
-    const std::string out = run_job({self_exe(), "--worker", "--reps", std::to_string(reps), "--max_bytes",
-                                     std::to_string(max_bytes)},
-                                    2, 1800, "bench_allreduce");
-    std::fputs(out.c_str(), stdout);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 1;
-  }
+  std::printf("load average at start: %s (%u cores)\n", load_average().c_str(), std::thread::hardware_concurrency());
+  std::fflush(stdout);
+  const std::string out = run_job({self_exe(), "--worker", "--reps", std::to_string(reps), "--max_bytes",
+                                   std::to_string(max_bytes)},
+                                  2, 1800, "bench_allreduce");
+  std::fputs(out.c_str(), stdout);
   return 0;
 }
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "--worker") return worker_main(argc - 1, argv + 1);
-  return driver_main(argc, argv);
-}
+int main(int argc, char** argv) { return bench::main_of("bench_allreduce", argc, argv, worker_main, driver_main); }

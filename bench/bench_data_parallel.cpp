@@ -161,77 +161,69 @@ int driver_main(int argc, char** argv) {
   app.add_option("--timeout_s", timeout_s, "limit per job in seconds (default 180)");
   CLI11_PARSE(app, argc, argv);
 
-  try {
-    const std::string exe = self_exe();
-    const auto t_all = Clock::now();
-    std::printf("bench_data_parallel: the same global batch per step for every variant; Adam; warm-up %d steps; "
-                "%d reps, interleaved, median reported\n"
-                "  single: 1 process, 1 thread | dp: DataParallel, 2 CPU replicas (threads), 1 intra-op thread "
-                "each | ddp: 2 processes, Gloo, batch/2 each, 1 thread each | single2: 1 process, 2 intra-op threads\n",
-                warmup, reps);
-    std::printf("load average at start: %s (%u cores)\n", load_average().c_str(), std::thread::hardware_concurrency());
-    std::fflush(stdout);
+  const std::string exe = self_exe();
+  const auto t_all = Clock::now();
+  std::printf("bench_data_parallel: the same global batch per step for every variant; Adam; warm-up %d steps; "
+              "%d reps, interleaved, median reported\n"
+              "  single: 1 process, 1 thread | dp: DataParallel, 2 CPU replicas (threads), 1 intra-op thread "
+              "each | ddp: 2 processes, Gloo, batch/2 each, 1 thread each | single2: 1 process, 2 intra-op threads\n",
+              warmup, reps);
+  std::printf("load average at start: %s (%u cores)\n", load_average().c_str(), std::thread::hardware_concurrency());
+  std::fflush(stdout);
 
-    std::map<std::pair<std::string, std::string>, std::vector<double>> runs;  // (config, variant) -> steps/s
-    std::map<std::string, std::string> notes;
-    for (int rep = 0; rep < reps; ++rep)
-      for (const auto& c : configs) {
-        const Config cfg = parse_config(c);
-        const int steps = cfg.model == "mlp" ? std::max<int>(20, mlp_steps * 32 / cfg.batch) : cnn_steps;
-        for (size_t k = 0; k < jobs.size(); ++k) {
-          const std::string& job = jobs[(k + rep) % jobs.size()];
-          const int threads = job == "single2" ? 2 : 1;
-          std::vector<std::pair<std::string, std::string>> env;
-          if (job == "single2") env.emplace_back("OMP_NUM_THREADS", "2");
-          if (job == "dp_omp") env.emplace_back("OMP_NUM_THREADS", "");  // unset: see the Note above
-          const std::vector<std::string> cmd{exe, "--worker", job, c, "--warmup", std::to_string(warmup),
-                                             "--steps", std::to_string(steps), "--threads", std::to_string(threads)};
-          const std::string out = run_job(cmd, job == "ddp" ? 2 : 1, timeout_s, "bench_data_parallel", env);
-          const double sps = parse_value(out, "steps_per_s");
-          if (!(sps > 0)) throw std::runtime_error("bench_data_parallel: no steps_per_s from " + job + " " + c + ":\n" + out);
-          runs[{c, job}].push_back(sps);
-          const std::string th = parse_line(out, "main_thread_num_threads=");
-          if (!th.empty()) notes[c + " " + job] = th;
-        }
-      }
-
-    std::printf("\n%-7s %-8s %10s %10s %12s %9s   %s\n", "config", "variant", "steps/s", "ms/step", "samples/s",
-                "vs single", "runs (steps/s)");
-    std::map<std::pair<std::string, std::string>, double> med;
+  std::map<std::pair<std::string, std::string>, std::vector<double>> runs;  // (config, variant) -> steps/s
+  std::map<std::string, std::string> notes;
+  for (int rep = 0; rep < reps; ++rep)
     for (const auto& c : configs) {
       const Config cfg = parse_config(c);
-      for (const std::string v : {"single", "dp", "ddp", "single2", "dp_omp"}) {
-        if (!runs.count({c, v})) continue;
-        const double m = median(runs[{c, v}]);
-        med[{c, v}] = m;
-        const double base = runs.count({c, "single"}) ? median(runs[{c, "single"}]) : std::nan("");
-        std::printf("%-7s %-8s %10.2f %10.3f %12.0f %8.2fx  ", c.c_str(), v.c_str(), m, 1e3 / m, m * cfg.batch,
-                    m / base);
-        for (double x : runs[{c, v}]) std::printf(" %.2f", x);
-        auto it = notes.find(c + " " + v);
-        if (it != notes.end()) std::printf("   (%s)", it->second.c_str());
-        std::printf("\n");
+      const int steps = cfg.model == "mlp" ? std::max<int>(20, mlp_steps * 32 / cfg.batch) : cnn_steps;
+      for (size_t k = 0; k < jobs.size(); ++k) {
+        const std::string& job = jobs[(k + rep) % jobs.size()];
+        const int threads = job == "single2" ? 2 : 1;
+        std::vector<std::pair<std::string, std::string>> env;
+        if (job == "single2") env.emplace_back("OMP_NUM_THREADS", "2");
+        if (job == "dp_omp") env.emplace_back("OMP_NUM_THREADS", "");  // unset: see the Note above
+        const std::vector<std::string> cmd{exe, "--worker", job, c, "--warmup", std::to_string(warmup),
+                                           "--steps", std::to_string(steps), "--threads", std::to_string(threads)};
+        const std::string out = run_job(cmd, job == "ddp" ? 2 : 1, timeout_s, "bench_data_parallel", env);
+        const double sps = parse_value(out, "steps_per_s");
+        if (!(sps > 0)) throw std::runtime_error("bench_data_parallel: no steps_per_s from " + job + " " + c + ":\n" + out);
+        runs[{c, job}].push_back(sps);
+        const std::string th = parse_line(out, "main_thread_num_threads=");
+        if (!th.empty()) notes[c + " " + job] = th;
       }
     }
-    auto ratio = [&](const std::string& c, const std::string& v) {
-      auto a = med.find({c, v}), b = med.find({c, "single"});
-      return a == med.end() || b == med.end() ? std::nan("") : a->second / b->second;
-    };
-    std::printf("load average at end: %s; bench took %.0f s\n", load_average().c_str(), secs_since(t_all));
-    std::printf("RESULT mlp_dp_vs_single=%.2f mlp_ddp_vs_single=%.2f cnn_dp_vs_single=%.2f cnn_ddp_vs_single=%.2f "
-                "mlp256_dp_vs_single=%.2f mlp256_ddp_vs_single=%.2f\n",
-                ratio("mlp32", "dp"), ratio("mlp32", "ddp"), ratio("cnn32", "dp"), ratio("cnn32", "ddp"),
-                ratio("mlp256", "dp"), ratio("mlp256", "ddp"));
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 1;
+
+  std::printf("\n%-7s %-8s %10s %10s %12s %9s   %s\n", "config", "variant", "steps/s", "ms/step", "samples/s",
+              "vs single", "runs (steps/s)");
+  std::map<std::pair<std::string, std::string>, double> med;
+  for (const auto& c : configs) {
+    const Config cfg = parse_config(c);
+    for (const std::string v : {"single", "dp", "ddp", "single2", "dp_omp"}) {
+      if (!runs.count({c, v})) continue;
+      const double m = median(runs[{c, v}]);
+      med[{c, v}] = m;
+      const double base = runs.count({c, "single"}) ? median(runs[{c, "single"}]) : std::nan("");
+      std::printf("%-7s %-8s %10.2f %10.3f %12.0f %8.2fx  ", c.c_str(), v.c_str(), m, 1e3 / m, m * cfg.batch,
+                  m / base);
+      for (double x : runs[{c, v}]) std::printf(" %.2f", x);
+      auto it = notes.find(c + " " + v);
+      if (it != notes.end()) std::printf("   (%s)", it->second.c_str());
+      std::printf("\n");
+    }
   }
+  auto ratio = [&](const std::string& c, const std::string& v) {
+    auto a = med.find({c, v}), b = med.find({c, "single"});
+    return a == med.end() || b == med.end() ? std::nan("") : a->second / b->second;
+  };
+  std::printf("load average at end: %s; bench took %.0f s\n", load_average().c_str(), secs_since(t_all));
+  std::printf("RESULT mlp_dp_vs_single=%.2f mlp_ddp_vs_single=%.2f cnn_dp_vs_single=%.2f cnn_ddp_vs_single=%.2f "
+              "mlp256_dp_vs_single=%.2f mlp256_ddp_vs_single=%.2f\n",
+              ratio("mlp32", "dp"), ratio("mlp32", "ddp"), ratio("cnn32", "dp"), ratio("cnn32", "ddp"),
+              ratio("mlp256", "dp"), ratio("mlp256", "ddp"));
   return 0;
 }
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "--worker") return worker_main(argc - 1, argv + 1);
-  return driver_main(argc, argv);
-}
+int main(int argc, char** argv) { return bench::main_of("bench_data_parallel", argc, argv, worker_main, driver_main); }

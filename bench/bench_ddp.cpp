@@ -263,104 +263,96 @@ int driver_main(int argc, char** argv) {
   app.add_option("--timeout_s", timeout_s, "limit per job in seconds (default 180)");
   CLI11_PARSE(app, argc, argv);
 
-  try {
-    const std::string exe = self_exe();
-    const auto t_all = Clock::now();
-    std::printf("bench_ddp: %d ranks, Gloo on loopback, OMP_NUM_THREADS=1 + set_num_threads(1) per rank, batch 32, "
-                "Adam; warm-up %d steps, timed %d (mlp) / %d (cnn); %d reps, interleaved; dtrain and nocomm "
-                "alternate in blocks of %d (mlp) / %d (cnn) steps inside the same 2 processes\n",
-                kWorld, warmup, mlp_steps, cnn_steps, reps, mlp_block, cnn_block);
-    std::printf("dtrain DDPOptions: bucket_cap_mb=%g first_bucket_cap_mb=%g gradient_as_bucket_view=%d "
-                "broadcast_buffers=1 find_unused_parameters=0 static_graph=0%s\n",
-                bucket_cap_mb, first_bucket_cap_mb, grad_as_view ? 1 : 0,
-                (bucket_cap_mb == dtrain::kDefaultBucketCapMB &&
-                 first_bucket_cap_mb == dtrain::kDefaultFirstBucketCapMB && !grad_as_view)
-                    ? " (defaults)"
-                    : "");
-    std::printf("python DDP: torch.nn.parallel.DistributedDataParallel defaults (%s %s)\n", python.c_str(),
-                script.c_str());
-    std::printf("load average at start: %s (%u cores)\n", load_average().c_str(),
-                std::thread::hardware_concurrency());
-    std::fflush(stdout);
+  const std::string exe = self_exe();
+  const auto t_all = Clock::now();
+  std::printf("bench_ddp: %d ranks, Gloo on loopback, OMP_NUM_THREADS=1 + set_num_threads(1) per rank, batch 32, "
+              "Adam; warm-up %d steps, timed %d (mlp) / %d (cnn); %d reps, interleaved; dtrain and nocomm "
+              "alternate in blocks of %d (mlp) / %d (cnn) steps inside the same 2 processes\n",
+              kWorld, warmup, mlp_steps, cnn_steps, reps, mlp_block, cnn_block);
+  std::printf("dtrain DDPOptions: bucket_cap_mb=%g first_bucket_cap_mb=%g gradient_as_bucket_view=%d "
+              "broadcast_buffers=1 find_unused_parameters=0 static_graph=0%s\n",
+              bucket_cap_mb, first_bucket_cap_mb, grad_as_view ? 1 : 0,
+              (bucket_cap_mb == dtrain::kDefaultBucketCapMB &&
+               first_bucket_cap_mb == dtrain::kDefaultFirstBucketCapMB && !grad_as_view)
+                  ? " (defaults)"
+                  : "");
+  std::printf("python DDP: torch.nn.parallel.DistributedDataParallel defaults (%s %s)\n", python.c_str(),
+              script.c_str());
+  std::printf("load average at start: %s (%u cores)\n", load_average().c_str(),
+              std::thread::hardware_concurrency());
+  std::fflush(stdout);
 
-    std::map<std::pair<std::string, std::string>, std::vector<double>> runs;  // (model, variant) -> steps/s
-    std::map<std::string, std::string> notes;
-    for (int rep = 0; rep < reps; ++rep) {
-      for (const auto& model : models) {
-        const int steps = model == "mlp" ? mlp_steps : cnn_steps;
-        for (size_t k = 0; k < jobs.size(); ++k) {
-          const std::string& job = jobs[(k + rep) % jobs.size()];  // rotate the order
-          std::vector<std::string> cmd;
-          if (job == "python") {
-            cmd = {python, script, "--model", model, "--warmup", std::to_string(warmup), "--steps",
-                   std::to_string(steps)};
-          } else {
-            cmd = {exe, "--worker", job, model, "--warmup", std::to_string(warmup), "--steps",
-                   std::to_string(steps), "--block", std::to_string(model == "mlp" ? mlp_block : cnn_block),
-                   "--bucket_cap_mb", std::to_string(bucket_cap_mb), "--first_bucket_cap_mb",
-                   std::to_string(first_bucket_cap_mb), "--grad_as_view", grad_as_view ? "1" : "0"};
-            if (profile) cmd.push_back("--profile");
-          }
-          const std::string out = run_job(cmd, kWorld, timeout_s, "bench_ddp");
-          const std::vector<std::string> names =
-              job == "python" ? std::vector<std::string>{"python"}
-              : job == "paired" ? std::vector<std::string>{"dtrain", "nocomm"}
-                                : std::vector<std::string>{job};
-          for (const auto& name : names) {
-            const double sps = parse_value(out, name == "python" ? "steps_per_s" : name + "_steps_per_s");
-            if (!(sps > 0))
-              throw std::runtime_error("bench_ddp: no steps_per_s for " + name + " in the output of " + job + " " +
-                                       model + ":\n" + out);
-            runs[{model, name}].push_back(sps);
-            const std::string prof = parse_line(out, "profile_" + name + " ");
-            const std::string tl = parse_line(out, "timeline_" + name + " ");
-            if (!tl.empty()) std::printf("  %s\n", tl.c_str());
-            if (!prof.empty())
-              std::printf("  rep %d %-4s %-7s %9.2f steps/s  %s\n", rep + 1, model.c_str(), name.c_str(), sps,
-                          prof.c_str());
-          }
-          if (!parse_line(out, "buckets=").empty()) notes[model + " dtrain"] = parse_line(out, "buckets=");
-          std::fflush(stdout);
+  std::map<std::pair<std::string, std::string>, std::vector<double>> runs;  // (model, variant) -> steps/s
+  std::map<std::string, std::string> notes;
+  for (int rep = 0; rep < reps; ++rep) {
+    for (const auto& model : models) {
+      const int steps = model == "mlp" ? mlp_steps : cnn_steps;
+      for (size_t k = 0; k < jobs.size(); ++k) {
+        const std::string& job = jobs[(k + rep) % jobs.size()];  // rotate the order
+        std::vector<std::string> cmd;
+        if (job == "python") {
+          cmd = {python, script, "--model", model, "--warmup", std::to_string(warmup), "--steps",
+                 std::to_string(steps)};
+        } else {
+          cmd = {exe, "--worker", job, model, "--warmup", std::to_string(warmup), "--steps",
+                 std::to_string(steps), "--block", std::to_string(model == "mlp" ? mlp_block : cnn_block),
+                 "--bucket_cap_mb", std::to_string(bucket_cap_mb), "--first_bucket_cap_mb",
+                 std::to_string(first_bucket_cap_mb), "--grad_as_view", grad_as_view ? "1" : "0"};
+          if (profile) cmd.push_back("--profile");
         }
+        const std::string out = run_job(cmd, kWorld, timeout_s, "bench_ddp");
+        const std::vector<std::string> names =
+            job == "python" ? std::vector<std::string>{"python"}
+            : job == "paired" ? std::vector<std::string>{"dtrain", "nocomm"}
+                              : std::vector<std::string>{job};
+        for (const auto& name : names) {
+          const double sps = parse_value(out, name == "python" ? "steps_per_s" : name + "_steps_per_s");
+          if (!(sps > 0))
+            throw std::runtime_error("bench_ddp: no steps_per_s for " + name + " in the output of " + job + " " +
+                                     model + ":\n" + out);
+          runs[{model, name}].push_back(sps);
+          const std::string prof = parse_line(out, "profile_" + name + " ");
+          const std::string tl = parse_line(out, "timeline_" + name + " ");
+          if (!tl.empty()) std::printf("  %s\n", tl.c_str());
+          if (!prof.empty())
+            std::printf("  rep %d %-4s %-7s %9.2f steps/s  %s\n", rep + 1, model.c_str(), name.c_str(), sps,
+                        prof.c_str());
+        }
+        if (!parse_line(out, "buckets=").empty()) notes[model + " dtrain"] = parse_line(out, "buckets=");
+        std::fflush(stdout);
       }
     }
-
-    std::printf("\n%-5s %-8s %12s %12s   %s\n", "model", "variant", "steps/s", "ms/step", "runs (steps/s)");
-    std::map<std::pair<std::string, std::string>, double> med;
-    for (const auto& model : models)
-      for (const std::string variant : {"python", "dtrain", "nocomm"}) {
-        if (!runs.count({model, variant})) continue;
-        const auto& v = runs[{model, variant}];
-        const double m = median(v);
-        med[{model, variant}] = m;
-        std::printf("%-5s %-8s %12.2f %12.3f  ", model.c_str(), variant.c_str(), m, 1e3 / m);
-        for (double x : v) std::printf(" %.2f", x);
-        auto it = notes.find(model + " " + variant);
-        if (it != notes.end()) std::printf("   (%s)", it->second.c_str());
-        std::printf("\n");
-      }
-    auto get = [&](const std::string& m, const std::string& v) {
-      auto it = med.find({m, v});
-      return it == med.end() ? std::nan("") : it->second;
-    };
-    const double x = get("mlp", "dtrain") / get("mlp", "python");
-    const double y = get("cnn", "dtrain") / get("cnn", "python");
-    const double z = get("cnn", "nocomm") / get("cnn", "dtrain");  // step-time ratio
-    const double zm = get("mlp", "nocomm") / get("mlp", "dtrain");
-    std::printf("\nmlp: dtrain/python = %.2fx (goal >= 1.3)   dtrain step time / nocomm = %.2fx\n", x, zm);
-    std::printf("cnn: dtrain/python = %.2fx (goal >= 1.0)   dtrain step time / nocomm = %.2fx (goal <= 1.10)\n", y, z);
-    std::printf("load average at end: %s; bench took %.0f s\n", load_average().c_str(), secs_since(t_all));
-    std::printf("RESULT mlp_vs_python=%.2f cnn_vs_python=%.2f cnn_vs_nocomm=%.2f\n", x, y, z);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 1;
   }
+
+  std::printf("\n%-5s %-8s %12s %12s   %s\n", "model", "variant", "steps/s", "ms/step", "runs (steps/s)");
+  std::map<std::pair<std::string, std::string>, double> med;
+  for (const auto& model : models)
+    for (const std::string variant : {"python", "dtrain", "nocomm"}) {
+      if (!runs.count({model, variant})) continue;
+      const auto& v = runs[{model, variant}];
+      const double m = median(v);
+      med[{model, variant}] = m;
+      std::printf("%-5s %-8s %12.2f %12.3f  ", model.c_str(), variant.c_str(), m, 1e3 / m);
+      for (double x : v) std::printf(" %.2f", x);
+      auto it = notes.find(model + " " + variant);
+      if (it != notes.end()) std::printf("   (%s)", it->second.c_str());
+      std::printf("\n");
+    }
+  auto get = [&](const std::string& m, const std::string& v) {
+    auto it = med.find({m, v});
+    return it == med.end() ? std::nan("") : it->second;
+  };
+  const double x = get("mlp", "dtrain") / get("mlp", "python");
+  const double y = get("cnn", "dtrain") / get("cnn", "python");
+  const double z = get("cnn", "nocomm") / get("cnn", "dtrain");  // step-time ratio
+  const double zm = get("mlp", "nocomm") / get("mlp", "dtrain");
+  std::printf("\nmlp: dtrain/python = %.2fx (goal >= 1.3)   dtrain step time / nocomm = %.2fx\n", x, zm);
+  std::printf("cnn: dtrain/python = %.2fx (goal >= 1.0)   dtrain step time / nocomm = %.2fx (goal <= 1.10)\n", y, z);
+  std::printf("load average at end: %s; bench took %.0f s\n", load_average().c_str(), secs_since(t_all));
+  std::printf("RESULT mlp_vs_python=%.2f cnn_vs_python=%.2f cnn_vs_nocomm=%.2f\n", x, y, z);
   return 0;
 }
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "--worker") return worker_main(argc - 1, argv + 1);
-  return driver_main(argc, argv);
-}
+int main(int argc, char** argv) { return bench::main_of("bench_ddp", argc, argv, worker_main, driver_main); }

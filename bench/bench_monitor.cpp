@@ -193,7 +193,4 @@ int driver_main(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "--worker") return worker_main(argc - 1, argv + 1);
-  return driver_main(argc, argv);
-}
+int main(int argc, char** argv) { return bench::main_of("bench_monitor", argc, argv, worker_main, driver_main); }

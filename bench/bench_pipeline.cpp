@@ -175,12 +175,4 @@ int driver_main(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "--worker") return worker_main(argc - 1, argv + 1);
-  try {
-    return driver_main(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_pipeline: error: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return bench::main_of("bench_pipeline", argc, argv, worker_main, driver_main); }

@@ -154,4 +154,15 @@ std::string self_exe() {
   return std::string(buf, static_cast<size_t>(n));
 }
 
+int main_of(const char* name, int argc, char** argv, int (*worker)(int, char**), int (*driver)(int, char**)) {
+  const bool is_worker = argc > 1 && std::string(argv[1]) == "--worker";
+  try {
+    return is_worker ? worker(argc - 1, argv + 1) : driver(argc, argv);
+  } catch (const std::exception& e) {
+    if (is_worker) std::fprintf(stderr, "%s worker: error: %s\n", name, e.what());
+    else std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
+}
+
 }  // namespace bench

@@ -28,4 +28,10 @@ double median(std::vector<double> v);
 double parse_value(const std::string& out, const std::string& key);         // `key=` value, or nan
 std::string parse_line(const std::string& out, const std::string& prefix);  // the line from prefix, or ""
 
+// A benchmark binary's main(): `prog --worker ARGS` is one rank of the job and runs worker(ARGS);
+// anything else is the driver and runs driver(argv). An exception ends the process with exit code 1
+// and one line on stderr: the driver's message as it is (run_job's already names the benchmark), a
+// worker's as "<name> worker: error: <message>".
+int main_of(const char* name, int argc, char** argv, int (*worker)(int, char**), int (*driver)(int, char**));
+
 }  // namespace bench
