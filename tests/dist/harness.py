@@ -14,12 +14,15 @@ Run one file by hand:  cd tests/dist && HELLO=../../build/bin/hello_distributed 
 import glob
 import os
 import signal
-import socket
 import subprocess
+import sys
 import tempfile
 import time
 import unittest
 from dataclasses import dataclass
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from proc_util import free_port, wait_until  # noqa: E402  (re-exported to the dist tests)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -49,13 +52,6 @@ def hello():
     if not path:
         raise unittest.SkipTest("hello_distributed is not built: build the project first, or set HELLO")
     return path
-
-
-def free_port():
-    """A TCP port that was free a moment ago (bind port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(**extra):

@@ -22,22 +22,13 @@ import time
 import unittest
 import zlib
 
-from harness import DistTestCase, clean_env, free_port
+from harness import DistTestCase, clean_env, free_port, wait_until
 from test_train_fashion_mnist import ERROR_PREFIX, RESULT_RE, launcher, trainer
 
 # 384 samples on 2 ranks x batch 32: 6 steps per epoch, 12 in all; 200 test samples.
 COMMON = ("--subset", 384, "--test_subset", 200, "--batch_size", 32, "--seed", 5, "--threads", 1)
 RUN_TIMEOUT_S = 120
 SEED = int(os.environ.get("DTRAIN_FAULT_SEED", random.randrange(1 << 30)))
-
-
-def wait_until(pred, timeout, step=0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
 
 
 def children(pid):

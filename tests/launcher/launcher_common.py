@@ -6,11 +6,13 @@ Every process started here is bounded by a timeout.
 """
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from proc_util import free_port, wait_until  # noqa: E402  (re-exported to the launcher tests)
 
 DTRAIN_RUN = os.environ.get("DTRAIN_RUN", "")
 PY = sys.executable  # the interpreter running the tests, also used for python workers
@@ -42,13 +44,6 @@ def start(args, env=None, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
-def free_port():
-    """A port nothing listens on right now (tiny race, acceptable in tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pids_with_marker(marker):
     """Pids of live (non-zombie) processes that have `marker` as one whole argument (not the
     launcher, whose own command line names it too, and not a shell whose script mentions it)."""
@@ -67,15 +62,6 @@ def pids_with_marker(marker):
         if marker.encode() in argv and not argv[0].endswith(b"dtrain-run") and state != "Z":
             found.append(int(d))
     return found
-
-
-def wait_until(pred, timeout=10.0, step=0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
 
 
 def kill_marker(marker):
