@@ -206,6 +206,28 @@ Work reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceO
                 async_op);
 }
 
+namespace {
+
+// gather's and scatter's list: one tensor per rank on the root (in c10d's nested form), empty
+// elsewhere. role, root_name, root: "destination", "dst" and its value (or source/src) for the error.
+std::vector<std::vector<at::Tensor>> root_only_list(const Group::Impl& g, int root_in_group,
+                                                    std::vector<at::Tensor>& list, const at::Tensor& like,
+                                                    const char* op, const char* list_name, const char* role,
+                                                    const char* root_name, int root) {
+  std::vector<std::vector<at::Tensor>> nested;
+  if (g.rank == root_in_group) {
+    check_list(list, like, g.ranks.size(), op, list_name);
+    nested.push_back(list);
+  } else {
+    DTRAIN_CHECK(list.empty(), op, ": ", list_name, " must be empty on non-", role, " rank ",
+                 comm::world_state().rank, " (", root_name, "=", root, "): pass ", list_name, " only on the ",
+                 role, " rank");
+  }
+  return nested;
+}
+
+}  // namespace
+
 Work gather(const at::Tensor& input, std::vector<at::Tensor>& gather_list, int dst, const Group& group,
             bool async_op) {
   const auto& g = member_group(group, "gather");
@@ -214,14 +236,8 @@ Work gather(const at::Tensor& input, std::vector<at::Tensor>& gather_list, int d
   c10d::GatherOptions opts;
   opts.rootRank = group_rank(g, dst, "dst", "gather");
   opts.timeout = g.timeout;
-  std::vector<std::vector<at::Tensor>> out;
-  if (g.rank == opts.rootRank) {
-    check_list(gather_list, input, g.ranks.size(), "gather", "gather_list");
-    out.push_back(gather_list);
-  } else {
-    DTRAIN_CHECK(gather_list.empty(), "gather: gather_list must be empty on non-destination rank ",
-                 comm::world_state().rank, " (dst=", dst, ")");
-  }
+  auto out = root_only_list(g, opts.rootRank, gather_list, input, "gather", "gather_list", "destination",
+                            "dst", dst);
   std::vector<at::Tensor> in{input};
   return finish(Work(g.pg->gather(out, in, opts), what(g, "gather")), async_op);
 }
@@ -234,14 +250,8 @@ Work scatter(at::Tensor& output, std::vector<at::Tensor>& scatter_list, int src,
   c10d::ScatterOptions opts;
   opts.rootRank = group_rank(g, src, "src", "scatter");
   opts.timeout = g.timeout;
-  std::vector<std::vector<at::Tensor>> in;
-  if (g.rank == opts.rootRank) {
-    check_list(scatter_list, output, g.ranks.size(), "scatter", "scatter_list");
-    in.push_back(scatter_list);
-  } else {
-    DTRAIN_CHECK(scatter_list.empty(), "scatter: scatter_list must be empty on non-source rank ",
-                 comm::world_state().rank, " (src=", src, ")");
-  }
+  auto in = root_only_list(g, opts.rootRank, scatter_list, output, "scatter", "scatter_list", "source", "src",
+                           src);
   std::vector<at::Tensor> out{output};
   return finish(Work(g.pg->scatter(out, in, opts), what(g, "scatter")), async_op);
 }

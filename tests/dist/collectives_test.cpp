@@ -138,6 +138,25 @@ TEST(Collectives, ListSizeMismatchIsAClearError) {
               std::string::npos);
 }
 
+// Every rank passes one tensor (right only on the root): the root's call runs, but the others fail
+// before communicating, so the root's check of its own list runs alone: give it the wrong size too.
+TEST(Collectives, GatherAndScatterListsOnlyOnTheRoot) {
+  if (N() < 2) return;
+  std::vector<at::Tensor> one{at::empty({2})};
+  const std::string g = error_of([&] { gather(at::ones({2}), one, /*dst=*/0); });
+  const std::string s = error_of([&] { scatter(one[0], one, /*src=*/N() - 1); });
+  if (R() != 0)
+    EXPECT_NE(g.find("gather_list must be empty on non-destination rank " + std::to_string(R()) +
+                     " (dst=0): pass gather_list only on the destination rank"),
+              std::string::npos) << g;
+  else
+    EXPECT_NE(g.find("pass one tensor per rank"), std::string::npos) << g;
+  if (R() != N() - 1)
+    EXPECT_NE(s.find("scatter_list must be empty on non-source rank " + std::to_string(R())), std::string::npos) << s;
+  else
+    EXPECT_NE(s.find("pass one tensor per rank"), std::string::npos) << s;
+}
+
 TEST(Collectives, SendRecvRing) {
   int next = (R() + 1) % N(), prev = (R() + N() - 1) % N();
   at::Tensor got = at::empty({8});
