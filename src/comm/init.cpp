@@ -105,6 +105,19 @@ c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const Launch
   return client;
 }
 
+// Runs f(); a foreign exception (c10's, the socket's) becomes a dtrain::Error that starts with
+// `context`; a dtrain::Error already names its rank and remedy and passes as it is.
+template <class F>
+auto with_context(const std::string& context, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const dtrain::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(context + brief(e));
+  }
+}
+
 }  // namespace
 
 WorldState* world_state_or_null() { return g_state.get(); }
@@ -138,14 +151,9 @@ std::shared_ptr<Group::Impl> make_group(WorldState& st, const std::string& name,
     c.timeout = timeout;
     c.bind_address = st.bind_address;
     c.global_ranks = g->ranks;
-    try {
-      g->pg = make_backend(c);
-    } catch (const dtrain::Error&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw Error(detail::cat("rank ", st.rank, ": creating the ", st.backend, " process group '", name,
-                              "' (", g->ranks.size(), " ranks) failed: ", brief(e)));
-    }
+    g->pg = with_context(detail::cat("rank ", st.rank, ": creating the ", st.backend, " process group '", name,
+                                     "' (", g->ranks.size(), " ranks) failed: "),
+                         [&] { return make_backend(c); });
   }
   return g;
 }
@@ -166,14 +174,9 @@ void init_process_group(const InitOptions& o) {
   st->world_size = le.world_size;
   st->launcher = le.launcher;
 
-  c10::intrusive_ptr<c10d::Store> base;
-  try {
-    base = connect_store(o, le, *st);
-  } catch (const dtrain::Error&) {
-    throw;
-  } catch (const std::exception& e) {  // the store's socket errors (they carry their remedy) as dtrain::Error
-    throw Error(detail::cat("rank ", st->rank, ": init_process_group: ", brief(e)));
-  }
+  // The store's socket errors carry their remedy; they become dtrain::Errors naming the rank.
+  c10::intrusive_ptr<c10d::Store> base = with_context(detail::cat("rank ", st->rank, ": init_process_group: "),
+                                                      [&] { return connect_store(o, le, *st); });
   st->store = c10::make_intrusive<c10d::PrefixStore>(
       "dtrain/a" + std::to_string(le.restart_count), base);
   LocalRanks lr = rendezvous_check(*st->store, st->rank, st->world_size, st->bind_address,
