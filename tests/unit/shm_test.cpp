@@ -147,7 +147,7 @@ TEST(ShmKernels, StreamingCombineMatchesCombine) {
           a[i] = value(0, i);
           b[i] = value(1, i);
         }
-        combine(want.data() + shift, nullptr, a.data() + shift, b.data() + shift, count, DType::F32, RedOp::SUM);
+        combine(want.data() + shift, a.data() + shift, b.data() + shift, count, DType::F32, RedOp::SUM);
         float* o = alias == 1 ? a.data() : alias == 2 ? b.data() : out.data();
         float* sh = alias == 3 ? a.data() : shared.data();
         combine_streaming(o + shift, sh + shift, a.data() + shift, b.data() + shift, count, DType::F32,

@@ -252,7 +252,7 @@ void Comm::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
         if (k == n_ - 1)
           combine_streaming(mine + b * es, acc, lhs, src(k), len, dtype, op);
         else
-          combine(acc, nullptr, lhs, src(k), len, dtype, op);
+          combine(acc, lhs, src(k), len, dtype, op);
       }
     }
     signal(B, s);

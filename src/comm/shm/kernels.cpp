@@ -56,45 +56,30 @@ struct Max { template <class T> T operator()(T a, T b) const { return std::max(a
 // compiler vectorize without its runtime overlap check, which would otherwise pick the scalar loop
 // whenever out == b.
 template <class T, class Op>
-void loop(T* out, T* out2, const T* a, const T* b, size_t n, Op op) {
-  if (out2) {
+void loop(T* out, const T* a, const T* b, size_t n, Op op) {
 #pragma GCC ivdep
-    for (size_t i = 0; i < n; ++i) {
-      T v = op(a[i], b[i]);
-      out[i] = v;
-      out2[i] = v;
-    }
-  } else {
-#pragma GCC ivdep
-    for (size_t i = 0; i < n; ++i) out[i] = op(a[i], b[i]);
-  }
+  for (size_t i = 0; i < n; ++i) out[i] = op(a[i], b[i]);
 }
 
 // 16-bit floats: widen to float, combine, round back (c10's conversions round to nearest even).
 template <class H, class Op>
-void loop16(H* out, H* out2, const H* a, const H* b, size_t n, Op op) {
-  for (size_t i = 0; i < n; ++i) {
-    H v = H(op(static_cast<float>(a[i]), static_cast<float>(b[i])));
-    out[i] = v;
-    if (out2) out2[i] = v;
-  }
+void loop16(H* out, const H* a, const H* b, size_t n, Op op) {
+  for (size_t i = 0; i < n; ++i) out[i] = H(op(static_cast<float>(a[i]), static_cast<float>(b[i])));
 }
 
 template <class Op>
-void dispatch(void* out, void* out2, const void* a, const void* b, size_t n, DType t, Op op) {
+void dispatch(void* out, const void* a, const void* b, size_t n, DType t, Op op) {
   switch (t) {
     case DType::F32:
-      return loop(static_cast<float*>(out), static_cast<float*>(out2), static_cast<const float*>(a),
-                  static_cast<const float*>(b), n, op);
+      return loop(static_cast<float*>(out), static_cast<const float*>(a), static_cast<const float*>(b), n, op);
     case DType::F64:
-      return loop(static_cast<double*>(out), static_cast<double*>(out2), static_cast<const double*>(a),
-                  static_cast<const double*>(b), n, op);
+      return loop(static_cast<double*>(out), static_cast<const double*>(a), static_cast<const double*>(b), n, op);
     case DType::F16:
-      return loop16(static_cast<c10::Half*>(out), static_cast<c10::Half*>(out2),
-                    static_cast<const c10::Half*>(a), static_cast<const c10::Half*>(b), n, op);
+      return loop16(static_cast<c10::Half*>(out), static_cast<const c10::Half*>(a),
+                    static_cast<const c10::Half*>(b), n, op);
     case DType::BF16:
-      return loop16(static_cast<c10::BFloat16*>(out), static_cast<c10::BFloat16*>(out2),
-                    static_cast<const c10::BFloat16*>(a), static_cast<const c10::BFloat16*>(b), n, op);
+      return loop16(static_cast<c10::BFloat16*>(out), static_cast<const c10::BFloat16*>(a),
+                    static_cast<const c10::BFloat16*>(b), n, op);
   }
 }
 
@@ -132,7 +117,7 @@ void combine_streaming(void* out, void* shared, const void* a, const void* b, si
   for (size_t done = 0; done < count; done += block) {
     const size_t n = std::min(block, count - done), off = done * es;
     char* o = static_cast<char*>(out) + off;
-    combine(o, nullptr, static_cast<const char*>(a) + off, static_cast<const char*>(b) + off, n, t, op);
+    combine(o, static_cast<const char*>(a) + off, static_cast<const char*>(b) + off, n, t, op);
     stream_copy(static_cast<char*>(shared) + off, o, n * es);
   }
 #ifdef DTRAIN_HAVE_STREAMING_STORES
@@ -140,12 +125,12 @@ void combine_streaming(void* out, void* shared, const void* a, const void* b, si
 #endif
 }
 
-void combine(void* out, void* out2, const void* a, const void* b, size_t count, DType t, RedOp op) {
+void combine(void* out, const void* a, const void* b, size_t count, DType t, RedOp op) {
   switch (op) {
-    case RedOp::SUM: return dispatch(out, out2, a, b, count, t, Sum{});
-    case RedOp::PROD: return dispatch(out, out2, a, b, count, t, Prod{});
-    case RedOp::MIN: return dispatch(out, out2, a, b, count, t, Min{});
-    case RedOp::MAX: return dispatch(out, out2, a, b, count, t, Max{});
+    case RedOp::SUM: return dispatch(out, a, b, count, t, Sum{});
+    case RedOp::PROD: return dispatch(out, a, b, count, t, Prod{});
+    case RedOp::MIN: return dispatch(out, a, b, count, t, Min{});
+    case RedOp::MAX: return dispatch(out, a, b, count, t, Max{});
   }
 }
 

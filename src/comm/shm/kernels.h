@@ -1,6 +1,5 @@
 // Elementwise reductions for the shared-memory collectives (torch-free, built with -O3 so the
-// float loops vectorize). out[i] = op(a[i], b[i]); `out` may alias `a`; `out2` (optional) receives
-// the same values, which saves a copy on the last reduction pass.
+// float loops vectorize). out[i] = op(a[i], b[i]); `out` may alias `a` or `b`, index for index.
 //
 // float16 and bfloat16 are combined in float and rounded once per pass (round to nearest even),
 // which is what Gloo does for two ranks, so a two-rank SUM is bit-identical to Gloo's.
@@ -18,7 +17,7 @@ size_t element_size(DType t);
 const char* to_string(DType t);
 const char* to_string(RedOp op);
 
-void combine(void* out, void* out2, const void* a, const void* b, size_t count, DType t, RedOp op);
+void combine(void* out, const void* a, const void* b, size_t count, DType t, RedOp op);
 
 // out[i] = op(a[i], b[i]) into `out`, and the same values into `shared` with non-temporal
 // (streaming) stores, block by block. `out` may alias a or b; `shared` may alias a. Meant for a result
