@@ -1,7 +1,6 @@
 // Node rendezvous (see rendezvous.h for the numbered protocol).
 #include "rendezvous.h"
 
-#include <unistd.h>
 
 #include <sstream>
 #include <vector>
@@ -58,6 +57,7 @@ NodeRendezvous::NodeRendezvous(const std::string& host, uint16_t port, Millis ti
 }
 
 void NodeRendezvous::join(const NodeInfo& me) {
+  hostname_ = me.hostname;
   // 2. Arrive.
   const int64_t arrival = client_->add(kPrefix + "arrivals", 1);
   client_->set(kPrefix + "arrival/" + std::to_string(arrival),
@@ -129,9 +129,7 @@ std::string NodeRendezvous::check_arrivals(const NodeInfo& me) {
 }
 
 bool NodeRendezvous::publish_failure(int attempt, int node_rank, const std::string& summary) {
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  std::string mine = std::to_string(node_rank) + " " + host + "\n" + summary;
+  std::string mine = std::to_string(node_rank) + " " + hostname_ + "\n" + summary;
   const std::string key = kPrefix + "failure/" + std::to_string(attempt);
   return to_string(client_->compare_set(key, {}, to_bytes(mine))) == mine;
 }

@@ -70,6 +70,7 @@ class NodeRendezvous {
   std::string check_arrivals(const NodeInfo& me);  // node 0's verdict
   std::unique_ptr<dtrain::store::StoreClient> client_;
   std::chrono::milliseconds timeout_;
+  std::string hostname_;  // this node's, from join(): named in the failures it publishes
 };
 
 }  // namespace dtrain::run
