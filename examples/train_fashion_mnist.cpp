@@ -387,47 +387,51 @@ int main(int argc, char** argv) {
   // doc:end allocator
   Config cfg;
   if (const char* omp = std::getenv("OMP_NUM_THREADS")) cfg.threads = std::max(0, std::atoi(omp));
-  int local_rank = -1;
+  int64_t local_rank = -1;
 
   CLI::App app{"train_fashion_mnist: a CNN on Fashion-MNIST with DistributedDataParallel (start it with dtrain-run)"};
-  app.add_option("--epochs", cfg.epochs, "passes over the training set")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--batch_size", cfg.batch_size, "samples per step on each rank (global batch = this x ranks)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--lr", cfg.lr, "learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  // Numeric flags go through train::NumericFlags: one error line naming the flag, the value and what
+  // is allowed (train_support.h says why not CLI11's own checks).
+  using train::Allowed;
+  train::NumericFlags numbers(app);
+  numbers.add("--epochs", cfg.epochs, Allowed::kPositiveInteger, "passes over the training set");
+  numbers.add("--batch_size", cfg.batch_size, Allowed::kPositiveInteger,
+              "samples per step on each rank (global batch = this x ranks)");
+  numbers.add("--lr", cfg.lr, Allowed::kPositiveNumber, "learning rate");
   app.add_option("--optimizer", cfg.optimizer, "adam, or sgd (momentum 0.9)")
       ->check(CLI::IsMember({"adam", "sgd"}))->capture_default_str();
-  app.add_option("--seed", cfg.seed, "seed of the initial weights and of the sampler's shuffle")->capture_default_str();
-  app.add_option("--num_workers", cfg.num_workers, "data-loader threads per rank (0: load in the training thread)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--subset", cfg.subset, "train on the first N training samples only (0: all 60000)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  numbers.add("--seed", cfg.seed, Allowed::kInteger, "seed of the initial weights and of the sampler's shuffle");
+  numbers.add("--num_workers", cfg.num_workers, Allowed::kNonNegativeInteger,
+              "data-loader threads per rank (0: load in the training thread)");
+  numbers.add("--subset", cfg.subset, Allowed::kNonNegativeInteger,
+              "train on the first N training samples only (0: all 60000)");
   app.add_option("--data_dir", cfg.data_dir, "folder with the Fashion-MNIST IDX files")->capture_default_str();
-  app.add_option("--grad_clip", cfg.grad_clip, "clip the gradient norm to this after backward (0: off)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  numbers.add("--grad_clip", cfg.grad_clip, Allowed::kNonNegativeNumber,
+              "clip the gradient norm to this after backward (0: off)");
   app.add_option("--checkpoint_dir", cfg.checkpoint_dir,
                  "rank 0 writes <dir>/checkpoint_<step>.pt (model, optimizer, scaler, sampler position, RNG) after "
                  "every epoch and every --checkpoint_every steps, keeping the newest 2; a run resumes from the newest "
                  "good one there");
-  app.add_option("--checkpoint_every", cfg.checkpoint_every, "steps between checkpoints (0: at the end of each epoch only)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--test_subset", cfg.test_subset, "evaluate on the first N test samples only (0: all 10000)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--step_sleep_ms", cfg.step_sleep_ms,
-                 "sleep this long after every step (fault-injection tests: lets an outside kill land mid-epoch)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--threads", cfg.threads, "intra-op threads per rank (default: $OMP_NUM_THREADS; 0: LibTorch's)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  numbers.add("--checkpoint_every", cfg.checkpoint_every, Allowed::kNonNegativeInteger,
+              "steps between checkpoints (0: at the end of each epoch only)");
+  numbers.add("--test_subset", cfg.test_subset, Allowed::kNonNegativeInteger,
+              "evaluate on the first N test samples only (0: all 10000)");
+  numbers.add("--step_sleep_ms", cfg.step_sleep_ms, Allowed::kNonNegativeInteger,
+              "sleep this long after every step (fault-injection tests: lets an outside kill land mid-epoch)");
+  numbers.add("--threads", cfg.threads, Allowed::kNonNegativeInteger,
+              "intra-op threads per rank (default: $OMP_NUM_THREADS; 0: LibTorch's)");
   app.add_flag("--amp", cfg.amp, "mixed precision: autocast (bfloat16 on CPU) + GradScaler");
   app.add_option("--dump_params", cfg.dump_params,
                  "rank 0 writes the final parameters' raw float32 bytes here (what params_sha256 hashes)");
   // Note [eval batch size]: evaluating with batches larger than the training batch was up to 10x
   // slower per sample here (1000: 39 s for the test set, 64: 3 s): activations above glibc's adaptive
   // mmap threshold are mmap'ed and page-faulted afresh on every forward. Training sizes are warm.
-  app.add_option("--eval_batch_size", cfg.eval_batch_size,
-                 "samples per forward when measuring test accuracy (0: --batch_size; see Note [eval batch size])")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--local_rank,--local-rank", local_rank, "passed by dtrain-run --use_local_rank_arg (unused)");
-  CLI11_PARSE(app, argc, argv);
+  numbers.add("--eval_batch_size", cfg.eval_batch_size, Allowed::kNonNegativeInteger,
+              "samples per forward when measuring test accuracy (0: --batch_size; see Note [eval batch size])");
+  numbers.add("--local_rank,--local-rank", local_rank, Allowed::kInteger,
+              "passed by dtrain-run --use_local_rank_arg (unused)");
+  // Parsing comes before init_process_group, so every rank fails alone and at once on a bad flag.
+  if (std::optional<int> exit_code = numbers.parse(argc, argv, "train_fashion_mnist")) return *exit_code;
 
   try {
     return run(cfg);

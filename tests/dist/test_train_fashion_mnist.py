@@ -5,7 +5,9 @@
   * 2 ranks x batch 32 end with the same parameters as 1 rank x batch 64: DistributedSampler gives
     rank r the list perm[r::2], so step b of the two ranks covers perm[64b:64b+64] -- exactly the batch
     the single rank takes at step b -- and DDP's averaged gradient equals the full batch's;
-  * a bad --data_dir fails every rank fast with one error line and exit status 1.
+  * a bad --data_dir fails every rank fast with one error line and exit status 1;
+  * a bad numeric flag fails every rank at once, before the process group, with one line naming the
+    flag, the value and what is allowed.
 
 Binaries: $TRAIN_FASHION_MNIST and $DTRAIN_RUN (set by tests/dist/CMakeLists.txt), else build*/bin.
 """
@@ -176,6 +178,37 @@ class TrainFashionMNIST(DistTestCase):
         self.assertLess(res.seconds, 30, str(res))
         self.assertIn(ERROR_PREFIX, res.err, str(res))
         self.assertNotIn("RESULT", res.out, str(res))
+
+    # (flag, bad value, what the error says is allowed): every numeric flag, out of range and not a number.
+    BAD_FLAGS = [("--epochs", "0", "a positive integer"), ("--epochs", "-1", "a positive integer"),
+                 ("--epochs", "1.5", "a positive integer"), ("--batch_size", "0", "a positive integer"),
+                 ("--batch_size", "abc", "a positive integer"), ("--lr", "-1", "a number > 0"),
+                 ("--lr", "0", "a number > 0"), ("--lr", "nan", "a number > 0"), ("--seed", "x", "an integer"),
+                 ("--num_workers", "-1", "an integer >= 0"), ("--subset", "-1", "an integer >= 0"),
+                 ("--grad_clip", "-1", "a number >= 0"), ("--grad_clip", "inf", "a number >= 0"),
+                 ("--checkpoint_every", "-1", "an integer >= 0"), ("--test_subset", "-1", "an integer >= 0"),
+                 ("--step_sleep_ms", "-1", "an integer >= 0"), ("--threads", "-1", "an integer >= 0"),
+                 ("--eval_batch_size", "-1", "an integer >= 0"), ("--local_rank", "x", "an integer")]
+
+    def test_bad_numeric_flag_fails_with_one_line(self):
+        # The flags are checked before the process group starts: no RANK/WORLD_SIZE needed.
+        for flag, value, allowed in self.BAD_FLAGS:
+            with self.subTest(flag=flag, value=value):
+                res = self.run_one([trainer(), flag, value], clean_env(), timeout=30)
+                self.assertEqual(res.rc, 1, str(res))
+                line = self.assertOneLineError(res, f"{flag} must be {allowed}, got '{value}'", prefix=ERROR_PREFIX)
+                self.assertEqual(res.err.strip(), line, f"more than the one error line:\n{res}")
+                self.assertNotRegex(res.out + res.err, r"\d{20}", f"a bound printed in full:\n{res}")
+
+    def test_bad_numeric_flag_fails_every_rank_at_once(self):
+        # Each rank parses its own flags: none waits for a peer that will never come.
+        port = free_port()
+        results = self.run_ranks([trainer(), "--batch_size", 0],
+                                 [rank_env(r, 2, port, DTRAIN_TIMEOUT_S=30) for r in range(2)], timeout=60)
+        for res in results:
+            self.assertEqual(res.rc, 1, str(res))
+            self.assertLess(res.seconds, 20, str(res))
+            self.assertOneLineError(res, "--batch_size must be a positive integer, got '0'", prefix=ERROR_PREFIX)
 
 
 if __name__ == "__main__":
