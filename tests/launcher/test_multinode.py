@@ -101,6 +101,28 @@ class MultiNodeTest(unittest.TestCase):
         self.assertIn("only 1 of 2 nodes joined", err)
         self.assertIn("missing node_rank 1", err)
 
+    def test_node_zero_says_what_it_waits_for(self):
+        # Node 1 never comes: node 0 says at once what it waits for, then names the missing node rank
+        # every report period (30 s; DTRAIN_RUN_RDZV_REPORT_S shortens it for this test) instead of
+        # staying silent for the whole --rdzv_timeout.
+        port = free_port()
+        t0 = time.monotonic()
+        p = start(["--nnodes", 2, "--node_rank", 0, "--nproc_per_node", 1, "--master_port", port,
+                   "--rdzv_timeout", 30, "true"], env=clean_env(DTRAIN_RUN_RDZV_REPORT_S=0.5))
+        try:
+            first = p.stderr.readline().rstrip("\n")
+            second = p.stderr.readline().rstrip("\n")
+            took = time.monotonic() - t0
+        finally:
+            p.kill()
+            p.communicate()
+        self.assertEqual(first, f"dtrain-run: node 0 waiting for 1 more node(s) of --nnodes 2 at 127.0.0.1:{port} "
+                                "(--rdzv_timeout 30s)")
+        self.assertRegex(second, r"^dtrain-run: node 0 still waiting for node_rank 1 of --nnodes 2 after [0-9.]+s "
+                                 r"\(--rdzv_timeout 30s\): is dtrain-run running there with --master_addr 127\.0\.0\.1 "
+                                 f"--master_port {port}\\?$")
+        self.assertLess(took, 10, "the lines came only at the end of the wait")
+
     def test_failure_on_node1_stops_node0(self):
         port = free_port()
         sleeper = [PY, "-c", "import time; time.sleep(60)", self.marker]

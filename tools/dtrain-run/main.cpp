@@ -108,7 +108,7 @@ int run(const LaunchOptions& o) {
     pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
     const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.rdzv_timeout * 1000));
     rdzv.emplace(o.master_addr, port, timeout);
-    rdzv->join(NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, o.max_restarts, hostname()});
+    rdzv->join(NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, o.max_restarts, hostname()}, say);
     pthread_sigmask(SIG_BLOCK, &terminating, nullptr);
   }
 

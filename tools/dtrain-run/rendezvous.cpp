@@ -1,7 +1,7 @@
 // Node rendezvous (see rendezvous.h for the numbered protocol).
 #include "rendezvous.h"
 
-
+#include <cstdlib>
 #include <sstream>
 #include <vector>
 
@@ -16,6 +16,19 @@ namespace {
 
 const std::string kPrefix = "dtrain-run/";
 constexpr Millis kVerdictLinger{5000};  // node 0 waits this long for nodes to read a failed verdict
+
+// How often node 0 names the nodes it still waits for: often enough that a wait of --rdzv_timeout
+// (900 s by default) never looks like a hang, rarely enough not to flood the console. The
+// environment variable DTRAIN_RUN_RDZV_REPORT_S (seconds, > 0) overrides it for the launcher's
+// tests, which cannot wait 30 s; it is not a user setting.
+Millis report_period() {
+  if (const char* v = std::getenv("DTRAIN_RUN_RDZV_REPORT_S")) {
+    char* end = nullptr;
+    const double s = std::strtod(v, &end);
+    if (end != v && *end == '\0' && s > 0 && s < 1e6) return Millis(static_cast<int64_t>(s * 1000));
+  }
+  return Millis(30000);
+}
 
 std::string seconds(Millis ms) {
   std::ostringstream s;
@@ -56,7 +69,7 @@ NodeRendezvous::NodeRendezvous(const std::string& host, uint16_t port, Millis ti
   }
 }
 
-void NodeRendezvous::join(const NodeInfo& me) {
+void NodeRendezvous::join(const NodeInfo& me, const Say& say) {
   hostname_ = me.hostname;
   // 2. Arrive.
   const int64_t arrival = client_->add(kPrefix + "arrivals", 1);
@@ -64,7 +77,7 @@ void NodeRendezvous::join(const NodeInfo& me) {
               to_bytes(std::to_string(me.nnodes) + " " + std::to_string(me.nproc_per_node) + " " +
                        std::to_string(me.node_rank) + " " + std::to_string(me.max_restarts) + " " + me.hostname));
   // 3. Node 0 judges.
-  if (me.node_rank == 0) client_->set(kPrefix + "verdict", to_bytes(check_arrivals(me)));
+  if (me.node_rank == 0) client_->set(kPrefix + "verdict", to_bytes(check_arrivals(me, say)));
   // 4. Everyone follows the verdict. Node 0 may take the whole timeout collecting nodes.
   std::string verdict;
   try {
@@ -92,22 +105,43 @@ void NodeRendezvous::join(const NodeInfo& me) {
                              "; give each node a distinct --node_rank below --nnodes");
 }
 
-std::string NodeRendezvous::check_arrivals(const NodeInfo& me) {
-  const auto deadline = Clock::now() + timeout_;
+std::string NodeRendezvous::check_arrivals(const NodeInfo& me, const Say& say) {
+  const auto start = Clock::now(), deadline = start + timeout_;
+  const Millis period = report_period();
+  auto next_report = start + period;
+  const std::string where = client_->host() + ":" + std::to_string(client_->port());
   std::vector<NodeInfo> nodes;
   std::vector<int> seen(static_cast<size_t>(me.nnodes), -1);  // node_rank -> index in nodes
+  auto missing = [&] {  // node ranks not seen yet, but never this node's own (it is here)
+    std::vector<int> ranks;
+    for (int r = 0; r < me.nnodes; ++r)
+      if (r != me.node_rank && seen[static_cast<size_t>(r)] < 0) ranks.push_back(r);
+    return comma_list(ranks);
+  };
+  const int64_t arrived = client_->add(kPrefix + "arrivals", 0);  // this node and any earlier ones
+  if (arrived < me.nnodes)
+    say("node 0 waiting for " + std::to_string(me.nnodes - arrived) + " more node(s) of --nnodes " +
+        std::to_string(me.nnodes) + " at " + where + " (--rdzv_timeout " + seconds(timeout_) + ")");
   for (int a = 1; a <= me.nnodes; ++a) {
-    auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
     std::string info;
-    try {
-      info = to_string(client_->get(kPrefix + "arrival/" + std::to_string(a), std::max(left, Millis(1))));
-    } catch (const dtrain::store::TimeoutError&) {
-      std::vector<int> missing;
-      for (int r = 0; r < me.nnodes; ++r)
-        if (seen[static_cast<size_t>(r)] < 0) missing.push_back(r);
-      return "only " + std::to_string(a - 1) + " of " + std::to_string(me.nnodes) + " nodes joined the rendezvous at " +
-             client_->host() + ":" + std::to_string(client_->port()) + " within --rdzv_timeout " + seconds(timeout_) +
-             " (missing node_rank " + comma_list(missing) + ")";
+    for (;;) {  // wait for arrival a, waking at each report time until the deadline
+      const bool last_wait = deadline <= next_report;
+      const auto left = std::chrono::duration_cast<Millis>((last_wait ? deadline : next_report) - Clock::now());
+      try {
+        info = to_string(client_->get(kPrefix + "arrival/" + std::to_string(a), std::max(left, Millis(1))));
+        break;
+      } catch (const dtrain::store::TimeoutError&) {
+        if (last_wait)
+          return "only " + std::to_string(a - 1) + " of " + std::to_string(me.nnodes) +
+                 " nodes joined the rendezvous at " + where + " within --rdzv_timeout " + seconds(timeout_) +
+                 " (missing node_rank " + missing() + ")";
+      }
+      const auto waited = std::chrono::duration_cast<Millis>(Clock::now() - start);
+      say("node 0 still waiting for node_rank " + missing() + " of --nnodes " + std::to_string(me.nnodes) + " after " +
+          seconds(Millis((waited.count() + 50) / 100 * 100)) + " (--rdzv_timeout " + seconds(timeout_) +
+          "): is dtrain-run running there with --master_addr " + client_->host() + " --master_port " +
+          std::to_string(client_->port()) + "?");
+      next_report += period;
     }
     NodeInfo n = parse_info(info);
     if (n.nnodes != me.nnodes || n.nproc_per_node != me.nproc_per_node)

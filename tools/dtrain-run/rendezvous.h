@@ -9,6 +9,8 @@
 //   3. Node 0 waits for "arrival/1".."arrival/<nnodes>" one by one within --rdzv_timeout, checking
 //      each against its own --nnodes/--nproc_per_node and for a node_rank seen twice; at the first
 //      problem (or the timeout) it stops waiting. It sets "verdict" to "ok" or to the one-line error.
+//      While nodes are missing it says so: once at the start, then every 30 s naming the node ranks
+//      still missing (a node that never comes would otherwise look like a hang).
 //   4. Every launcher waits for "verdict", sets "verdict_read/<a>" and proceeds only on "ok". On an
 //      error node 0 keeps the store up until every arrived node has read it (bounded). A node whose
 //      arrival number exceeds nnodes (one node too many) fails by itself.
@@ -28,6 +30,7 @@
 #include "store/store.h"
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -48,8 +51,10 @@ class NodeRendezvous {
   // Connects to the store (step 1). Throws std::runtime_error naming host:port and the timeout.
   NodeRendezvous(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
 
-  // Steps 2-4. Throws std::runtime_error with the verdict's line when the nodes disagree.
-  void join(const NodeInfo& me);
+  // Steps 2-4. Throws std::runtime_error with the verdict's line when the nodes disagree. Node 0 reports
+  // its waiting through `say` (one line each, without the "dtrain-run: " prefix).
+  using Say = std::function<void(const std::string&)>;
+  void join(const NodeInfo& me, const Say& say);
 
   // Step 5. publish_failure returns false when another node's failure was first.
   // remote_failure: "node N (host) failed: <summary>" when a node other than `my_node_rank` failed.
@@ -67,7 +72,7 @@ class NodeRendezvous {
   dtrain::store::StoreClient& client() { return *client_; }
 
  private:
-  std::string check_arrivals(const NodeInfo& me);  // node 0's verdict
+  std::string check_arrivals(const NodeInfo& me, const Say& say);  // node 0's verdict
   std::unique_ptr<dtrain::store::StoreClient> client_;
   std::chrono::milliseconds timeout_;
   std::string hostname_;  // this node's, from join(): named in the failures it publishes
