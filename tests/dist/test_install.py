@@ -1,13 +1,13 @@
 """`cmake --install` gives outside projects a working dtrain: install the build tree into a temporary
 prefix, configure and build tests/install/ (find_package(dtrain), dtrain::dtrain) against it, and run
-it on 2 ranks with the installed dtrain-run (or with RANK/WORLD_SIZE when no launcher is installed)."""
+it on 2 ranks with the launcher the package names in dtrain_LAUNCHER (the installed dtrain-run)."""
 import os
 import shutil
 import subprocess
 import tempfile
 import unittest
 
-from harness import ROOT, DistTestCase, clean_env, free_port, rank_env
+from harness import ROOT, DistTestCase, clean_env
 
 CONSUMER_SRC = os.path.join(ROOT, "tests", "install")
 
@@ -37,8 +37,16 @@ class Install(DistTestCase):
         self.assertTrue(any(map(os.path.exists, configs)), f"no dtrainConfig.cmake under {prefix}")
 
         # A fresh configure that can only find dtrain through the prefix (no build tree in the path).
-        self.run_step([cmake, "-S", CONSUMER_SRC, "-B", consumer, f"-DCMAKE_PREFIX_PATH={prefix}",
-                       "-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON"], 120)
+        configure = self.run_step([cmake, "-S", CONSUMER_SRC, "-B", consumer, f"-DCMAKE_PREFIX_PATH={prefix}",
+                                   "-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON"], 120)
+        # dtrain_LAUNCHER must name the installed launcher, not a path under a dependency's prefix
+        # (the package configs find_dependency(Torch) loads reset PACKAGE_PREFIX_DIR to theirs).
+        named = [l.split("=", 1)[1] for l in configure.out.splitlines() if l.startswith("-- dtrain_LAUNCHER=")]
+        self.assertEqual(len(named), 1, f"the consumer did not print dtrain_LAUNCHER:\n{configure}")
+        launcher = named[0]
+        self.assertEqual(os.path.realpath(launcher), os.path.realpath(os.path.join(prefix, "bin", "dtrain-run")))
+        self.assertTrue(os.path.isfile(launcher) and os.access(launcher, os.X_OK),
+                        f"dtrain_LAUNCHER={launcher} is not an executable file")
         with open(os.path.join(consumer, "CMakeCache.txt")) as f:
             cache = f.read()
         self.assertIn(f"dtrain_DIR:PATH={prefix}", cache, "dtrain was not found in the install prefix")
@@ -50,19 +58,10 @@ class Install(DistTestCase):
         lib_line = [l for l in ldd.splitlines() if "libdtrain.so" in l]
         self.assertTrue(lib_line and prefix in lib_line[0], f"libdtrain is not the installed one:\n{ldd}")
 
-        launcher = os.path.join(prefix, "bin", "dtrain-run")
-        if os.access(launcher, os.X_OK):
-            res = self.run_step([launcher, "--standalone", "--nproc_per_node", 2, "--grace_period", 2,
-                                 program], 90, clean_env(DTRAIN_TIMEOUT_S=60))
-            for r in range(2):
-                self.assertIn(f"[rank {r}] consumer OK: rank {r} of 2, sum 3", res.out, str(res))
-        else:
-            port = free_port()
-            results = self.run_ranks([program], [rank_env(r, 2, port, DTRAIN_TIMEOUT_S=60)
-                                                 for r in range(2)], timeout=90)
-            for r, res in enumerate(results):
-                self.assertEqual(res.rc, 0, str(res))
-                self.assertIn(f"consumer OK: rank {r} of 2, sum 3", res.out, str(res))
+        res = self.run_step([launcher, "--standalone", "--nproc_per_node", 2, "--grace_period", 2, program], 90,
+                            clean_env(DTRAIN_TIMEOUT_S=60))
+        for r in range(2):
+            self.assertIn(f"[rank {r}] consumer OK: rank {r} of 2, sum 3", res.out, str(res))
 
 
 if __name__ == "__main__":
