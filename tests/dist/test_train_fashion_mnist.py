@@ -7,7 +7,8 @@
     the single rank takes at step b -- and DDP's averaged gradient equals the full batch's;
   * a bad --data_dir fails every rank fast with one error line and exit status 1;
   * a bad numeric flag fails every rank at once, before the process group, with one line naming the
-    flag, the value and what is allowed.
+    flag, the value and what is allowed;
+  * README's "Flags:" line lists every flag of --help.
 
 Binaries: $TRAIN_FASHION_MNIST and $DTRAIN_RUN (set by tests/dist/CMakeLists.txt), else build*/bin.
 """
@@ -18,7 +19,7 @@ import re
 import tempfile
 import unittest
 
-from harness import DistTestCase, binary, clean_env, free_port, rank_env
+from harness import ROOT, DistTestCase, binary, clean_env, free_port, rank_env
 
 RESULT_RE = re.compile(r"^(?:\[rank 0\] )?RESULT epochs=(\d+) test_accuracy=([0-9.]+) train_loss=([0-9.]+)"
                        r"(?: params_sha256=([0-9a-f]{64}))? ranks_agree=([01])$")
@@ -209,6 +210,17 @@ class TrainFashionMNIST(DistTestCase):
             self.assertEqual(res.rc, 1, str(res))
             self.assertLess(res.seconds, 20, str(res))
             self.assertOneLineError(res, "--batch_size must be a positive integer, got '0'", prefix=ERROR_PREFIX)
+
+    def test_readme_lists_every_flag(self):
+        res = self.run_one([trainer(), "--help"], clean_env(), timeout=30)
+        self.assertEqual(res.rc, 0, str(res))
+        flags = re.findall(r"^ +(--\w+)", res.out, re.M)  # each option's first name; -h,--help starts with -h
+        self.assertIn("--batch_size", flags, f"unexpected --help format:\n{res}")
+        with open(os.path.join(ROOT, "README.md")) as f:
+            m = re.search(r"^Flags: (.*?)\n\n", f.read(), re.S | re.M)
+        self.assertIsNotNone(m, "README.md has no trainer 'Flags:' paragraph")
+        listed = set(re.findall(r"--\w+", m.group(1)))
+        self.assertEqual([f for f in flags if f not in listed], [], "flags missing from README.md's 'Flags:' line")
 
 
 if __name__ == "__main__":
