@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what dtrain needs from Debian's packages; seconds when all is present.
+# Installs what dtrain needs: Debian's packages, and PyPI's torch (LibTorch and PyTorch 2.x) in .venv/;
+# seconds when all is present.
 set -euo pipefail
 PKGS=(
   build-essential cmake ccache pkg-config
@@ -10,6 +11,7 @@ PKGS=(
   python3-torch                     # reference implementation for goldens and benchmarks
   dataset-fashion-mnist             # the real data set
   openmpi-bin                       # the mpirun launch path is tested for real
+  python3-venv                      # .venv/ for PyPI's torch 2.x
   iproute2 procps                   # network namespaces for the multi-host test; ps for orphan checks
 )
 missing=()
@@ -21,4 +23,19 @@ if ((${#missing[@]})); then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# LibTorch 2.x: PyPI's torch wheel carries LibTorch's headers, libraries and CMake config under
+# torch/ (build-torch2 is configured against it), and PyTorch 2.x's torchrun.
+cd "$(dirname "$0")/.."
+req=scripts/requirements-torch2.txt
+stamp=.venv/.dtrain-requirements
+if ! cmp -s "$req" "$stamp" 2>/dev/null; then
+  echo "setup: installing PyPI's torch into .venv/ (see $req)"
+  [ -x .venv/bin/python ] || /usr/bin/python3 -m venv .venv
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r "$req"
+  # A broken install must fail here, not as a confusing build error later.
+  .venv/bin/python -c 'import torch, torch.distributed as d; assert d.is_gloo_available()' 2>/dev/null ||
+    { echo "setup: .venv/bin/python cannot import torch (see $req)" >&2; exit 1; }
+  cp "$req" "$stamp"
 fi

@@ -1,14 +1,34 @@
 #!/usr/bin/env bash
-# All tests: setup (apt packages) + build into build/ + the whole ctest suite, then the unit tests
-# and a 2-rank DDP test again under AddressSanitizer + UBSan (scripts/sanitize.sh, tree build-asan).
-#   ./scripts/test.sh            everything
-#   ./scripts/test.sh -R dist_   extra arguments go to ctest, and select: the sanitizer run is skipped
+# All tests: setup (apt packages, PyPI's torch in .venv/), then the whole ctest suite twice:
+#   build/         against Debian's LibTorch 1.13 (CPU)
+#   build-torch2/  against the LibTorch 2.x inside .venv's torch wheel (CUDA + NCCL compiled in;
+#                  the tests that need a GPU report themselves skipped)
+# and finally the unit tests and a 2-rank DDP test under AddressSanitizer + UBSan (scripts/sanitize.sh,
+# tree build-asan, LibTorch 1.13).
+#   ./scripts/test.sh              everything
+#   ./scripts/test.sh -R dist_     extra arguments go to ctest in both trees; the sanitizer run is skipped
+#   DTRAIN_TREES=build ./scripts/test.sh   only the trees named (build, build-torch2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build build -j"$(nproc)"
-ctest --test-dir build --output-on-failure --timeout 600 "$@"
+# Paths relative to the checkout in ccache's keys: a second clone on the same machine reuses the
+# compiled objects (CI runs from a fresh clone).
+export CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1
+trees=${DTRAIN_TREES:-build build-torch2}
+for tree in $trees; do
+  args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo)
+  if [ "$tree" = build-torch2 ]; then
+    # The benchmarks build in build/; here they would only add compile time.
+    args+=("-DCMAKE_PREFIX_PATH=$(.venv/bin/python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
+           -DDTRAIN_BUILD_BENCH=OFF)
+  fi
+  echo "=== $tree: configure, build, ctest"
+  start=$SECONDS
+  cmake -S . -B "$tree" "${args[@]}" >/dev/null
+  cmake --build "$tree" -j"$(nproc)"
+  ctest --test-dir "$tree" --output-on-failure --timeout 600 "$@"
+  echo "=== $tree: done in $((SECONDS - start)) s"
+done
 if (($# == 0)); then
   ./scripts/sanitize.sh
 fi

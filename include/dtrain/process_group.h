@@ -56,6 +56,11 @@ struct InitOptions {
   // Rendezvous and collective timeout (default 30 min, as PyTorch; $DTRAIN_TIMEOUT_S overrides the
   // default when this option is not set).
   DTRAIN_ARG(std::optional<std::chrono::milliseconds>, timeout, std::nullopt)
+  // Some ranks of the job are Python programs (torch.distributed with "gloo" and env://, PyTorch 2.x,
+  // the LibTorch dtrain was built against): join their default group as Python's init_process_group
+  // does (PyTorch's TCPStore and key prefixes, Gloo only, no shared memory, no subgroups).
+  // $DTRAIN_PYTORCH_PEERS=1 turns it on as well.
+  DTRAIN_ARG(bool, pytorch_peers, false)
 };
 
 // A handle to an asynchronous operation. wait() blocks until it is done (rethrowing its failure with

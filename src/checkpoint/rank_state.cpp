@@ -57,8 +57,10 @@ void set_state_bytes(at::Generator gen, const std::string& bytes) {
 // (the hooks answer false in a CPU-only build, so this compiles and runs everywhere).
 bool has_cuda() { return at::detail::getCUDAHooks().hasCUDA(); }
 at::Generator cuda_generator() {
-  const auto& hooks = at::detail::getCUDAHooks();
-  return hooks.getDefaultCUDAGenerator(static_cast<c10::DeviceIndex>(hooks.current_device()));
+  // Through the context: the hooks' own accessor was renamed in 2.x (getDefaultCUDAGenerator ->
+  // getDefaultGenerator); Context::defaultGenerator(device) exists in both.
+  const auto index = static_cast<c10::DeviceIndex>(at::detail::getCUDAHooks().current_device());
+  return at::globalContext().defaultGenerator(at::Device(at::kCUDA, index));
 }
 
 }  // namespace

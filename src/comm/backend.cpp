@@ -1,9 +1,8 @@
 #include "comm/backend.h"
 
-#include <sstream>
-
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #ifdef DTRAIN_WITH_NCCL
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <torch/csrc/distributed/c10d/NCCLUtils.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -23,21 +22,20 @@ void check_backend_name(const std::string& name) {
   if (name == "gloo") shm_mode_from_env();  // a bad DTRAIN_SHM fails here, before any rendezvous
 }
 
-compat::BackendPtr make_gloo_backend(const BackendConfig& c) {
-  auto opts = c10d::ProcessGroupGloo::Options::create(c.timeout);
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
-    std::stringstream ss(ifname);
-    for (std::string iface; std::getline(ss, iface, ',');)
-      if (!iface.empty()) opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
-  } else {
-    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(c.bind_address));
-  }
-  opts->threads = 2;
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(c.store, c.rank, c.size, opts);
-}
-
 #ifdef DTRAIN_WITH_NCCL
 static compat::BackendPtr make_nccl(const BackendConfig& c) {
+  DTRAIN_CHECK(at::detail::getCUDAHooks().getNumGPUs() > 0, "rank ", c.rank,
+               ": backend 'nccl' needs a CUDA device, and this machine has none visible: use backend 'gloo' "
+               "for CPU tensors, or run on a machine with GPUs (check CUDA_VISIBLE_DEVICES)");
+  // ProcessGroupNCCL::Options holds an ncclConfig_t by value, whose layout changes between NCCL
+  // releases: this file must have been compiled with the nccl.h of the NCCL that LibTorch loads
+  // (src/CMakeLists.txt prefers the one beside PyPI's torch). Allocating Options of the wrong size
+  // would corrupt the heap, so a mismatch is refused.
+  const std::string loaded = c10d::getNcclVersion();  // "2.30.7"
+  const std::string compiled = std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR) + ".";
+  DTRAIN_CHECK(loaded.rfind(compiled, 0) == 0, "rank ", c.rank, ": dtrain was compiled with nccl.h ",
+               NCCL_MAJOR, ".", NCCL_MINOR, " but LibTorch loads NCCL ", loaded,
+               ": rebuild dtrain with the nccl.h of that NCCL first in the include path");
   auto opts = c10d::ProcessGroupNCCL::Options::create();
   opts->timeout = c.timeout;
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(c.store, c.rank, c.size, opts);
@@ -49,6 +47,7 @@ compat::BackendPtr make_backend(const BackendConfig& config) {
 #ifdef DTRAIN_WITH_NCCL
   if (config.name == "nccl") return make_nccl(config);
 #endif
+  if (config.pytorch_peers) return make_pytorch_gloo_backend(config);
   const ShmMode mode = shm_mode_from_env();
   return make_shm_process_group(config, make_gloo_backend(config), mode);
 }

@@ -21,6 +21,8 @@ struct BackendConfig {
   std::string bind_address = "127.0.0.1";
   // The group's global ranks (index = group rank), for error messages; empty = the same numbers.
   std::vector<int> global_ranks;
+  // Python ranks share the group (Note [PyTorch peers]): Gloo as Python configures it, nothing else.
+  bool pytorch_peers = false;
 };
 
 // Throws dtrain::Error for an unknown backend or one this LibTorch was built without.
@@ -30,6 +32,8 @@ compat::BackendPtr make_backend(const BackendConfig& config);
 
 // A plain ProcessGroupGloo (no shared memory).
 compat::BackendPtr make_gloo_backend(const BackendConfig& config);
+// The ProcessGroupGloo Python's init_process_group("gloo") creates (Note [PyTorch peers]).
+compat::BackendPtr make_pytorch_gloo_backend(const BackendConfig& config);
 
 // Validates a backend name early (before any rendezvous), with the remedy in the message.
 void check_backend_name(const std::string& name);

@@ -24,10 +24,12 @@
 
 #include "comm/backend.h"
 #include "comm/launch_env.h"
+#include "comm/pytorch_peers.h"
 #include "comm/rendezvous_check.h"
 #include "comm/state.h"
 #include "comm/debug_check.h"
 #include "comm/store_adapter.h"
+#include "compat/torchrun_store_compat.h"
 #include "store/store.h"
 
 namespace dtrain {
@@ -89,7 +91,15 @@ c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const Launch
   else if (m.rfind("tcp://", 0) == 0) ep = parse_tcp_url(m);
   else DTRAIN_CHECK(false, "unknown init_method '", m, "': use env://, tcp://host:port or file:///path");
 
+  if (st.pytorch_peers) {
+    st.bind_address = local_address_towards(ep.host);
+    st.python_store = connect_pytorch_store(ep, st.rank, st.world_size, st.timeout,
+                                            le.torchelastic_agent_store && !le.dtrain_agent_store);
+    return st.python_store;
+  }
+
   if (le.torchelastic_agent_store && !le.dtrain_agent_store) {
+    compat::check_torchrun_store(ep.host, ep.port, st.rank);
     c10d::TCPStoreOptions opts;
     opts.port = ep.port;
     opts.isServer = false;
@@ -145,7 +155,9 @@ std::shared_ptr<Group::Impl> make_group(WorldState& st, const std::string& name,
   if (g->rank >= 0) {
     BackendConfig c;
     c.name = st.backend;
-    c.store = c10::make_intrusive<c10d::PrefixStore>("pg/" + name, st.store);
+    c.pytorch_peers = st.pytorch_peers;
+    if (st.pytorch_peers) c.store = pytorch_default_group_store(st.python_store);
+    else c.store = c10::make_intrusive<c10d::PrefixStore>("pg/" + name, st.store);
     c.rank = g->rank;
     c.size = static_cast<int>(g->ranks.size());
     c.timeout = timeout;
@@ -173,16 +185,31 @@ void init_process_group(const InitOptions& o) {
   st->rank = le.rank;
   st->world_size = le.world_size;
   st->launcher = le.launcher;
+  st->pytorch_peers = pytorch_peers_requested(o.pytorch_peers());
+  if (st->pytorch_peers) {
+    DTRAIN_CHECK(st->backend == "gloo", "rank ", st->rank, ": with Python ranks in the job (DTRAIN_PYTORCH_PEERS) "
+                 "the backend must be 'gloo', got '", st->backend, "'");
+    DTRAIN_CHECK(!detail_checks_on(), "rank ", st->rank, ": DTRAIN_DEBUG=DETAIL compares calls through dtrain's "
+                 "store keys, which Python ranks never write: unset DTRAIN_DEBUG when the job has Python ranks");
+    DTRAIN_CHECK(o.init_method().rfind("file://", 0) != 0, "rank ", st->rank, ": with Python ranks in the job "
+                 "use init_method env:// or tcp://, got '", o.init_method(), "'");
+  }
 
   // The store's socket errors carry their remedy; they become dtrain::Errors naming the rank.
   c10::intrusive_ptr<c10d::Store> base = with_context(detail::cat("rank ", st->rank, ": init_process_group: "),
                                                       [&] { return connect_store(o, le, *st); });
   st->store = c10::make_intrusive<c10d::PrefixStore>(
       "dtrain/a" + std::to_string(le.restart_count), base);
-  LocalRanks lr = rendezvous_check(*st->store, st->rank, st->world_size, st->bind_address,
-                                   le.local_rank, le.local_world_size, st->timeout);
-  st->local_rank = lr.local_rank;
-  st->local_world_size = lr.local_world_size;
+  if (st->pytorch_peers) {
+    // Python ranks take part in no dtrain check: the launcher's local ranks, else one host.
+    st->local_rank = le.local_rank >= 0 ? le.local_rank : st->rank;
+    st->local_world_size = le.local_world_size > 0 ? le.local_world_size : st->world_size;
+  } else {
+    LocalRanks lr = rendezvous_check(*st->store, st->rank, st->world_size, st->bind_address,
+                                     le.local_rank, le.local_world_size, st->timeout);
+    st->local_rank = lr.local_rank;
+    st->local_world_size = lr.local_world_size;
+  }
 
   std::vector<int> all(st->world_size);
   for (int i = 0; i < st->world_size; ++i) all[i] = i;
@@ -196,6 +223,10 @@ void destroy_process_group() {
   using namespace comm;
   std::lock_guard<std::mutex> lock(g_mu);
   if (!g_state) return;
+  if (g_state->pytorch_peers) {  // Python ranks do not check out; their store needs no host after init
+    g_state.reset();
+    return;
+  }
   // Note [Store lifetime]: rank 0 may host the store; leaving before every rank is done with it
   // would break a slower rank still rendezvousing. Everyone checks out; the host waits (bounded).
   try {
@@ -222,6 +253,8 @@ c10::intrusive_ptr<c10d::Store> default_store() { return comm::world_state().sto
 
 Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds> timeout) {
   auto& st = comm::world_state();
+  DTRAIN_CHECK(!st.pytorch_peers, "rank ", st.rank, ": new_group is not supported when the job has Python ranks "
+               "(Python names its groups from its own counters): use the default group");
   std::sort(ranks.begin(), ranks.end());
   DTRAIN_CHECK(std::adjacent_find(ranks.begin(), ranks.end()) == ranks.end(),
                "new_group: rank ", *std::adjacent_find(ranks.begin(), ranks.end()),

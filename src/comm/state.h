@@ -45,6 +45,10 @@ struct WorldState {
   c10::intrusive_ptr<c10d::Store> store;        // job store, prefixed with this restart attempt
   std::shared_ptr<Group::Impl> world;
   int next_group_id = 1;
+  // Python ranks share the default group (Note [PyTorch peers]); `python_store` is the unprefixed
+  // store their init_process_group uses.
+  bool pytorch_peers = false;
+  c10::intrusive_ptr<c10d::Store> python_store;
 };
 
 // The state; throws "dtrain is not initialized: call dtrain::init_process_group() first" if unset.

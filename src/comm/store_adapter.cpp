@@ -5,6 +5,12 @@ namespace dtrain::comm {
 ClientStore::ClientStore(const std::string& host, uint16_t port, std::chrono::milliseconds timeout)
     : c10d::Store(timeout), client_(host, port, timeout) {}
 
+#if DTRAIN_C10D_STORE_CLONE
+c10::intrusive_ptr<c10d::Store> ClientStore::clone() {
+  return c10::make_intrusive<ClientStore>(client_.host(), client_.port(), timeout_);
+}
+#endif
+
 void ClientStore::set(const std::string& key, const std::vector<uint8_t>& value) {
   std::lock_guard<std::mutex> g(mu_);
   client_.set(key, value);

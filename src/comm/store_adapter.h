@@ -7,6 +7,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "compat/c10d_compat.h"
 #include "store/store.h"
 
 namespace dtrain::comm {
@@ -25,6 +26,11 @@ class ClientStore : public c10d::Store {
   int64_t getNumKeys() override;
   void wait(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+
+#if DTRAIN_C10D_STORE_CLONE
+  // A second connection to the same store, for another thread.
+  c10::intrusive_ptr<c10d::Store> clone() override;
+#endif
 
   std::string local_address() const { return client_.local_address(); }
 

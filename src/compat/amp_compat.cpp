@@ -2,17 +2,35 @@
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/api/include/torch/version.h>
+
+#include <cmath>
 
 #include "dtrain/errors.h"
 
 namespace dtrain::compat {
 
+// LibTorch 2.3 added CPU kernels for the two AMP ops, and 2.4 made the per-device autocast calls
+// take the device (the CPU/GPU-named ones became deprecated wrappers).
+#define DTRAIN_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+const bool kAutocastCpuHalf = DTRAIN_TORCH_AT_LEAST(2, 4);
+
 AutocastState get_autocast(c10::DeviceType device) {
+#if DTRAIN_TORCH_AT_LEAST(2, 4)
+  return {at::autocast::is_autocast_enabled(device), at::autocast::get_autocast_dtype(device)};
+#else
   if (device == c10::DeviceType::CPU) return {at::autocast::is_cpu_enabled(), at::autocast::get_autocast_cpu_dtype()};
   return {at::autocast::is_enabled(), at::autocast::get_autocast_gpu_dtype()};
+#endif
 }
 
 void set_autocast(c10::DeviceType device, AutocastState state) {
+#if DTRAIN_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_enabled(device, state.enabled);
+  at::autocast::set_autocast_dtype(device, state.dtype);
+#else
   if (device == c10::DeviceType::CPU) {
     at::autocast::set_cpu_enabled(state.enabled);
     at::autocast::set_autocast_cpu_dtype(state.dtype);
@@ -20,6 +38,7 @@ void set_autocast(c10::DeviceType device, AutocastState state) {
     at::autocast::set_enabled(state.enabled);
     at::autocast::set_autocast_gpu_dtype(state.dtype);
   }
+#endif
 }
 
 bool autocast_cache_enabled() { return at::autocast::is_autocast_cache_enabled(); }
@@ -33,7 +52,7 @@ int autocast_decrement_nesting() {
 
 void amp_unscale_(std::vector<at::Tensor>& grads, at::Tensor& found_inf, const at::Tensor& inv_scale) {
   if (grads.empty()) return;
-  if (grads[0].is_cuda()) {
+  if (DTRAIN_TORCH_AT_LEAST(2, 3) || grads[0].is_cuda()) {
     at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
     return;
   }
@@ -47,20 +66,24 @@ void amp_unscale_(std::vector<at::Tensor>& grads, at::Tensor& found_inf, const a
 
 void amp_update_scale_(at::Tensor& scale, at::Tensor& growth_tracker, const at::Tensor& found_inf,
                        double growth_factor, double backoff_factor, int64_t growth_interval) {
-  if (scale.is_cuda()) {
+  if (DTRAIN_TORCH_AT_LEAST(2, 3) || scale.is_cuda()) {
     at::_amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval);
     return;
   }
+  // ATen's kernel multiplies the float scale by the double factor in double and rounds to float once;
+  // a float tensor times a double scalar would round the factor to float first (0.3 -> 0.300000012)
+  // and drift by an ulp from PyTorch's trajectory.
   at::NoGradGuard ng;
+  const double current = scale.item<float>();
   if (found_inf.item<float>() > 0) {
-    scale.mul_(backoff_factor);
+    scale.fill_(static_cast<float>(current * backoff_factor));
     growth_tracker.zero_();
     return;
   }
   const int64_t successful = growth_tracker.item<int32_t>() + 1;
   if (successful == growth_interval) {
-    at::Tensor grown = scale * growth_factor;
-    if (at::isfinite(grown).all().item<bool>()) scale.copy_(grown);  // never grow into inf
+    const float grown = static_cast<float>(current * growth_factor);
+    if (std::isfinite(grown)) scale.fill_(grown);  // never grow into inf
     growth_tracker.zero_();
   } else {
     growth_tracker.fill_(successful);

@@ -1,4 +1,4 @@
-// Autocast state and the AMP kernels, per LibTorch version (DESIGN.md "compat layer").
+// Autocast state and the AMP kernels, per LibTorch version.
 // LibTorch 1.13 has the autocast dispatch for CPU (bfloat16) and CUDA, but its
 // _amp_foreach_non_finite_check_and_unscale_ / _amp_update_scale_ kernels exist for CUDA only;
 // on CPU tensors they are composed from ATen ops with the same semantics.
@@ -10,6 +10,9 @@
 #include <c10/core/DeviceType.h>
 
 namespace dtrain::compat {
+
+// CPU autocast to float16 exists from LibTorch 2.4 on (1.13: bfloat16 only).
+extern const bool kAutocastCpuHalf;
 
 struct AutocastState {
   bool enabled;

@@ -1,20 +1,20 @@
 // Autograd internals DDP relies on, in one place (their headers and signatures move between LibTorch
-// versions; DESIGN.md "compat layer"). Verified against LibTorch 1.13; the same calls exist in 2.x.
+// versions). Verified against LibTorch 1.13 and 2.15.
 #pragma once
 
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
-
-namespace torch::autograd {
-struct Node;
-}
+#include <torch/csrc/autograd/variable.h>
 
 namespace dtrain::compat {
 
-using NodePtr = std::shared_ptr<torch::autograd::Node>;
+// How autograd owns its nodes: std::shared_ptr in LibTorch 1.13, c10::intrusive_ptr in recent 2.x.
+// Taken from the accessor itself, so each LibTorch gets its own without a version table.
+using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 // The AccumulateGrad node of a leaf tensor that requires grad (created if needed). Keep the
 // returned pointer alive: the variable holds it only weakly, and its hooks die with it.

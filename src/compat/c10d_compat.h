@@ -1,5 +1,4 @@
-// Every LibTorch-version-specific c10d call lives here (DESIGN.md: building against 2.x is a contained
-// change). LibTorch 1.13: ProcessGroupGloo/NCCL derive from c10d::ProcessGroup. LibTorch >= 2.0: they
+// Every LibTorch-version-specific c10d call lives here. LibTorch 1.13: ProcessGroupGloo/NCCL derive from c10d::ProcessGroup. LibTorch >= 2.0: they
 // derive from c10d::Backend, which has the same collective methods.
 #pragma once
 
@@ -19,6 +18,18 @@ using Backend = c10d::Backend;
 #else
 using Backend = c10d::ProcessGroup;
 #endif
+
+// c10d::Store::clone() (a store for another thread) is pure virtual in recent 2.x releases; a store
+// dtrain implements provides it there.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6)
+#define DTRAIN_C10D_STORE_CLONE 1
+#else
+#define DTRAIN_C10D_STORE_CLONE 0
+#endif
+
+// Joining Python ranks' default group (comm/pytorch_peers.h) needs PyTorch 2.x's store protocol and
+// ProcessGroupGloo::Options::create_default.
+#define DTRAIN_PYTORCH_PEERS_SUPPORTED (TORCH_VERSION_MAJOR >= 2)
 
 // The object collectives are called on.
 using BackendPtr = c10::intrusive_ptr<Backend>;

@@ -17,9 +17,10 @@ MemoryInfo memory_info() {
   m.rss_bytes = rss_bytes();
   m.peak_rss_bytes = peak_rss_bytes();
 #ifdef DTRAIN_WITH_CUDA
-  // CUDA builds only (nothing here can compile them): the caching allocator's aggregate counters.
+  // CUDA builds only: the caching allocator's aggregate counters. StatType::AGGREGATE is index 0 in
+  // every LibTorch, but the enum moved namespaces in 2.x, so the index is spelled out.
   namespace alloc = c10::cuda::CUDACachingAllocator;
-  const auto kAll = static_cast<size_t>(alloc::StatType::AGGREGATE);
+  constexpr size_t kAll = 0;
   for (int d = 0; d < static_cast<int>(c10::cuda::device_count()); ++d) {
     const auto stats = alloc::getDeviceStats(d);
     m.devices.push_back(DeviceMemory{"cuda:" + std::to_string(d), stats.allocated_bytes[kAll].current,

@@ -161,9 +161,12 @@ class DistTestCase(unittest.TestCase):
         return self.spawn(argv, env).finish(timeout)
 
     def spawn_python_store(self, script, port):
-        """Run a /usr/bin/python3 script (given the port) that hosts a torch TCPStore and prints
-        "ready"; it runs until its stdin is closed. Skips the test when python3-torch is missing."""
-        store = self.spawn(["/usr/bin/python3", "-c", script, port], clean_env(), stdin=subprocess.PIPE)
+        """Run a Python script (given the port) that hosts a torch TCPStore and prints "ready"; it
+        runs until its stdin is closed. The Python is $STORE_PYTHON: one whose PyTorch speaks the store
+        protocol of the LibTorch this tree was built against (/usr/bin/python3's 1.13 by default, the
+        venv's 2.x for a 2.x tree). Skips the test when that Python has no torch."""
+        python = os.environ.get("STORE_PYTHON", "/usr/bin/python3")
+        store = self.spawn([python, "-c", script, port], clean_env(PYTHONPATH=None), stdin=subprocess.PIPE)
         for _ in range(300):
             if "ready" in store.output() or store.p.poll() is not None:
                 break
@@ -171,7 +174,7 @@ class DistTestCase(unittest.TestCase):
         if "ready" not in store.output():
             res = store.finish(1)
             if "No module named 'torch'" in res.err:
-                self.skipTest("python3-torch is not installed for /usr/bin/python3")
+                self.skipTest(f"torch is not installed for {python}")
             self.fail(f"the Python TCPStore did not start:\n{res}")
         return store
 

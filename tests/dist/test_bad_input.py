@@ -1,6 +1,7 @@
 """Bad input fails fast with ONE line `hello_distributed: error: <message>` naming the value and the
 remedy, and never hangs: environment mistakes, backends, init methods, an unreachable master, a busy
 port, ranks that disagree on the world size, and two processes claiming the same rank."""
+import os
 import socket
 import unittest
 
@@ -47,8 +48,12 @@ class SingleProcess(DistTestCase):
     def test_unknown_backend(self):
         self.fails(self.env(), "'mpi2'", "gloo", args=("--backend", "mpi2"))
 
-    def test_nccl_on_cpu_only_libtorch(self):
-        self.fails(self.env(), "'nccl'", "CPU-only", "gloo", args=("--backend", "nccl"))
+    def test_nccl_without_cuda(self):
+        # A CPU-only LibTorch has no NCCL; a CUDA one on this GPU-less machine has no device for it.
+        if os.environ.get("DTRAIN_WITH_CUDA") == "ON":
+            self.fails(self.env(), "'nccl'", "CUDA device", "gloo", args=("--backend", "nccl"))
+        else:
+            self.fails(self.env(), "'nccl'", "CPU-only", "gloo", args=("--backend", "nccl"))
 
     def test_unknown_init_method(self):
         self.fails(self.env(), "'udp://x'", "env://", "tcp://", "file://", args=("--init_method", "udp://x"))

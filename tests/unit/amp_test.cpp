@@ -9,6 +9,8 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize/archive.h>
+#include <torch/version.h>
+#include "compat/amp_compat.h"
 #include "test_util.h"
 
 using dtrain::Autocast;
@@ -17,6 +19,15 @@ using dtrain::GradScalerOptions;
 
 namespace {
 using dtrain::test_util::error_of;
+
+// Whether CPU autocast is on (LibTorch 2.4 replaced is_cpu_enabled() by is_autocast_enabled(device)).
+bool cpu_autocast_on() {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  return at::autocast::is_autocast_enabled(at::kCPU);
+#else
+  return at::autocast::is_cpu_enabled();
+#endif
+}
 }  // namespace
 
 TEST(Autocast, CpuComputesMatmulAndConvInBfloat16AndKeepsLossInFloat32) {
@@ -24,7 +35,7 @@ TEST(Autocast, CpuComputesMatmulAndConvInBfloat16AndKeepsLossInFloat32) {
   torch::nn::Conv2d conv(torch::nn::Conv2dOptions(1, 2, 3));
   {
     Autocast ac(at::kCPU);
-    EXPECT_TRUE(at::autocast::is_cpu_enabled());
+    EXPECT_TRUE(cpu_autocast_on());
     at::Tensor mm = at::mm(a, a);
     EXPECT_EQ(mm.scalar_type(), at::kBFloat16);
     EXPECT_EQ(conv(at::randn({1, 1, 5, 5})).scalar_type(), at::kBFloat16);
@@ -33,7 +44,7 @@ TEST(Autocast, CpuComputesMatmulAndConvInBfloat16AndKeepsLossInFloat32) {
     auto loss = torch::nn::functional::cross_entropy(mm, at::arange(8) % 4);
     EXPECT_EQ(loss.scalar_type(), at::kFloat);
   }
-  EXPECT_FALSE(at::autocast::is_cpu_enabled());
+  EXPECT_FALSE(cpu_autocast_on());
   EXPECT_EQ(at::mm(a, a).scalar_type(), at::kFloat);
 }
 
@@ -47,12 +58,18 @@ TEST(Autocast, NestsAndRestoresThePreviousState) {
     }
     EXPECT_EQ(at::mm(a, a).scalar_type(), at::kBFloat16);
   }
-  EXPECT_FALSE(at::autocast::is_cpu_enabled());
+  EXPECT_FALSE(cpu_autocast_on());
 }
 
 TEST(Autocast, RejectsUnsupportedTypes) {
-  EXPECT_NE(error_of([] { Autocast ac(at::kCPU, at::kHalf); }).find("only bfloat16"), std::string::npos);
-  EXPECT_FALSE(at::autocast::is_cpu_enabled());
+  EXPECT_NE(error_of([] { Autocast ac(at::kCPU, at::kDouble); }).find("Autocast on CPU supports"), std::string::npos);
+  if (dtrain::compat::kAutocastCpuHalf) {  // LibTorch 2.4 added float16 to CPU autocast
+    Autocast ac(at::kCPU, at::kHalf);
+    EXPECT_EQ(at::mm(at::randn({4, 4}), at::randn({4, 4})).scalar_type(), at::kHalf);
+  } else {
+    EXPECT_NE(error_of([] { Autocast ac(at::kCPU, at::kHalf); }).find("only bfloat16"), std::string::npos);
+  }
+  EXPECT_FALSE(cpu_autocast_on());
 }
 
 namespace {
@@ -109,6 +126,49 @@ TEST(GradScaler, GrowsAfterGrowthIntervalCleanSteps) {
   EXPECT_EQ(scaler.growth_tracker(), 0);
   scaler.update(4.0);  // an explicit new scale
   EXPECT_DOUBLE_EQ(scaler.get_scale(), 4.0);
+}
+
+// PyTorch's _amp_update_scale_ multiplies the float scale by the double factor in double and rounds
+// once. With factors that are not powers of two, rounding the factor to float first drifts by an ulp
+// from the first backoff on. 60 steps, an overflow every 7th and 11th, growth every 3 clean steps.
+static float pytorch_update(float scale, int32_t& tracker, bool overflow, double growth, double backoff, int32_t interval) {
+  if (overflow) {
+    tracker = 0;
+    return static_cast<float>(static_cast<double>(scale) * backoff);
+  }
+  if (++tracker < interval) return scale;
+  tracker = 0;
+  const float grown = static_cast<float>(static_cast<double>(scale) * growth);
+  return std::isfinite(grown) ? grown : scale;
+}
+
+TEST(GradScaler, ScaleTrajectoryMatchesPyTorchBitForBitWithOddFactors) {
+  Fixture f;
+  GradScaler scaler(GradScalerOptions().init_scale(1000.0).growth_factor(1.7).backoff_factor(0.3).growth_interval(3));
+  float expected = 1000.0f;
+  int32_t tracker = 0;
+  for (int step = 1; step <= 60; ++step) {
+    const bool overflow = step % 7 == 0 || step % 11 == 0;
+    f.opt.zero_grad();
+    scaler.scale(overflow ? f.loss() * std::numeric_limits<double>::infinity() : f.loss()).backward();
+    scaler.step(f.opt);
+    scaler.update();
+    expected = pytorch_update(expected, tracker, overflow, 1.7, 0.3, 3);
+    ASSERT_EQ(static_cast<float>(scaler.get_scale()), expected) << "step " << step;
+    ASSERT_EQ(scaler.growth_tracker(), tracker) << "step " << step;
+  }
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+  // The reference above is ATen's own CPU kernel (LibTorch >= 2.3 has one) to the last bit.
+  at::Tensor s = at::full({1}, 1000.0f), t = at::zeros({1}, at::kInt);
+  float mine = 1000.0f;
+  int32_t my_tracker = 0;
+  for (int step = 1; step <= 60; ++step) {
+    const bool overflow = step % 7 == 0 || step % 11 == 0;
+    at::_amp_update_scale_(s, t, at::full({1}, overflow ? 1.0f : 0.0f), 1.7, 0.3, 3);
+    mine = pytorch_update(mine, my_tracker, overflow, 1.7, 0.3, 3);
+    ASSERT_EQ(s.item<float>(), mine) << "step " << step;
+  }
+#endif
 }
 
 TEST(GradScaler, UnscaleTwiceAndStepTwiceAreErrors) {

@@ -1,0 +1,57 @@
+// Joining a process group with Python ranks (Note [PyTorch peers] in pytorch_peers.h).
+#include "comm/pytorch_peers.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "dtrain/errors.h"
+
+namespace dtrain::comm {
+
+bool pytorch_peers_requested(bool option) {
+  const auto v = process_env()("DTRAIN_PYTORCH_PEERS");
+  DTRAIN_CHECK(!v || *v == "0" || *v == "1" || v->empty(), "DTRAIN_PYTORCH_PEERS='", *v,
+               "' is invalid: use 1 (some ranks are Python programs) or 0");
+  return option || (v && *v == "1");
+}
+
+#if DTRAIN_PYTORCH_PEERS_SUPPORTED
+
+c10::intrusive_ptr<c10d::Store> connect_pytorch_store(const Endpoint& master, int rank, int world_size,
+                                                      std::chrono::milliseconds timeout, bool agent_store) {
+  // The options of Python's _create_c10d_store for env://.
+  c10d::TCPStoreOptions o;
+  o.port = master.port;
+  o.isServer = rank == 0 && !agent_store;
+  o.numWorkers = world_size;
+  o.waitWorkers = true;
+  o.timeout = timeout;
+  o.multiTenant = true;
+  o.useLibUV = true;
+  return c10::make_intrusive<c10d::TCPStore>(master.host, o);
+}
+
+c10::intrusive_ptr<c10d::Store> pytorch_default_group_store(const c10::intrusive_ptr<c10d::Store>& base) {
+  c10::intrusive_ptr<c10d::Store> s = c10::make_intrusive<c10d::PrefixStore>("default_pg", base);
+  s = c10::make_intrusive<c10d::PrefixStore>("0/", s);
+  return c10::make_intrusive<c10d::PrefixStore>("cpu/", s);
+}
+
+#else
+
+[[noreturn]] static void unsupported() {
+  throw Error(
+      "DTRAIN_PYTORCH_PEERS needs dtrain built against LibTorch 2.x, the LibTorch of the Python ranks' "
+      "PyTorch (this one is 1.x, whose store protocol and Gloo differ): build dtrain against that PyTorch's "
+      "LibTorch (README: 'Using dtrain with your LibTorch')");
+}
+c10::intrusive_ptr<c10d::Store> connect_pytorch_store(const Endpoint&, int, int, std::chrono::milliseconds, bool) {
+  unsupported();
+}
+c10::intrusive_ptr<c10d::Store> pytorch_default_group_store(const c10::intrusive_ptr<c10d::Store>&) {
+  unsupported();
+}
+
+#endif
+
+}  // namespace dtrain::comm

@@ -1,0 +1,71 @@
+// One rank of a job shared with Python ranks (tests/dist/peer_rank.py is the Python side; both run
+// the same sequence, call for call): all_reduce, broadcast, all_gather, barrier, send/recv around a
+// ring, and this rank's DistributedSampler indices, which the test compares with Python's. Prints
+// one line per check and "peer_rank: ALL OK" at the end; any mismatch exits 1.
+#include <cstdio>
+#include <string>
+
+#include "dtrain/process_group.h"
+#include "dtrain/sampler.h"
+
+namespace {
+
+int failures = 0;
+
+void check(bool ok, const std::string& what) {
+  std::printf("%s %s\n", ok ? "ok" : "FAILED", what.c_str());
+  if (!ok) ++failures;
+}
+
+at::TensorOptions f64() { return at::TensorOptions().dtype(at::kDouble); }
+
+}  // namespace
+
+int main() {
+  try {
+    dtrain::init_process_group(dtrain::InitOptions().pytorch_peers(true));
+    const int r = dtrain::rank(), n = dtrain::world_size();
+
+    at::Tensor t = at::full({5}, r + 1.0, f64());
+    dtrain::all_reduce(t);
+    check(at::all(t == n * (n + 1) / 2.0).item<bool>(), "all_reduce SUM");
+
+    at::Tensor b = at::arange(4, f64()) + 10.0 * r;
+    dtrain::broadcast(b, n - 1);
+    check(at::equal(b, at::arange(4, f64()) + 10.0 * (n - 1)), "broadcast from the last rank");
+
+    std::vector<at::Tensor> parts;
+    for (int i = 0; i < n; ++i) parts.push_back(at::empty({2}, f64()));
+    dtrain::all_gather(parts, at::full({2}, static_cast<double>(r), f64()));
+    bool gathered = true;
+    for (int i = 0; i < n; ++i) gathered = gathered && at::all(parts[i] == i).item<bool>();
+    check(gathered, "all_gather");
+
+    dtrain::barrier();
+    check(true, "barrier");
+
+    // Ring: send to the next rank, receive from the previous one (tag 7 on both sides).
+    at::Tensor out = at::full({3}, 100.0 + r, f64()), in = at::empty({3}, f64());
+    dtrain::Work sent = dtrain::isend(out, (r + 1) % n, dtrain::Group(), 7);
+    dtrain::recv(in, (r + n - 1) % n, dtrain::Group(), 7);
+    sent.wait();
+    check(at::all(in == 100.0 + (r + n - 1) % n).item<bool>(), "send/recv ring");
+
+    dtrain::all_reduce(t, dtrain::ReduceOp::MAX);
+    check(at::all(t == n * (n + 1) / 2.0).item<bool>(), "all_reduce MAX");
+
+    dtrain::DistributedSampler sampler(101, dtrain::DistributedSamplerOptions().seed(7));
+    sampler.set_epoch(3);
+    std::string line = "sampler indices";
+    for (int64_t i : sampler.indices()) line += " " + std::to_string(i);
+    std::printf("%s\n", line.c_str());
+
+    dtrain::destroy_process_group();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "peer_rank: error: %s\n", e.what());
+    return 1;
+  }
+  if (failures) return 1;
+  std::printf("peer_rank: ALL OK\n");
+  return 0;
+}

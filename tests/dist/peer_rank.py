@@ -1,0 +1,54 @@
+"""The Python side of tests/dist/peer_rank.cpp: the same calls in the same order, with PyTorch 2.x's
+torch.distributed (gloo, env://). Prints the same lines."""
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.utils.data.distributed import DistributedSampler
+
+failures = 0
+
+
+def check(ok, what):
+    global failures
+    print(("ok " if ok else "FAILED ") + what, flush=True)
+    failures += 0 if ok else 1
+
+
+dist.init_process_group("gloo")
+r, n = dist.get_rank(), dist.get_world_size()
+f64 = dict(dtype=torch.float64)
+
+t = torch.full((5,), r + 1.0, **f64)
+dist.all_reduce(t)
+check(bool((t == n * (n + 1) / 2).all()), "all_reduce SUM")
+
+b = torch.arange(4, **f64) + 10.0 * r
+dist.broadcast(b, n - 1)
+check(torch.equal(b, torch.arange(4, **f64) + 10.0 * (n - 1)), "broadcast from the last rank")
+
+parts = [torch.empty(2, **f64) for _ in range(n)]
+dist.all_gather(parts, torch.full((2,), float(r), **f64))
+check(all(bool((p == i).all()) for i, p in enumerate(parts)), "all_gather")
+
+dist.barrier()
+check(True, "barrier")
+
+out, inp = torch.full((3,), 100.0 + r, **f64), torch.empty(3, **f64)
+sent = dist.isend(out, (r + 1) % n, tag=7)
+dist.recv(inp, (r + n - 1) % n, tag=7)
+sent.wait()
+check(bool((inp == 100.0 + (r + n - 1) % n).all()), "send/recv ring")
+
+dist.all_reduce(t, op=dist.ReduceOp.MAX)
+check(bool((t == n * (n + 1) / 2).all()), "all_reduce MAX")
+
+sampler = DistributedSampler(range(101), seed=7)
+sampler.set_epoch(3)
+print("sampler indices " + " ".join(str(i) for i in sampler), flush=True)
+
+del sent  # no reference to a Work or the backend may outlive the group (Gloo's threads join there)
+dist.destroy_process_group()
+if failures:
+    sys.exit(1)
+print("peer_rank: ALL OK", flush=True)

@@ -1,0 +1,81 @@
+"""Python and C++ ranks in one process group (InitOptions().pytorch_peers / DTRAIN_PYTORCH_PEERS=1).
+
+Every layout runs tests/dist/peer_rank.py (PyTorch 2.x from .venv, torch.distributed with gloo) and
+the dtrain program peer_rank (built against the same LibTorch) side by side: 2 and 3 ranks, with a
+Python rank 0 (Python hosts the store) and with a C++ rank 0 (dtrain hosts PyTorch's TCPStore).
+Each rank checks all_reduce, broadcast, all_gather, barrier and send/recv against the others, and every
+rank's DistributedSampler indices must equal Python's DistributedSampler for that rank.
+A LibTorch 1.13 tree cannot join PyTorch 2.x ranks; there the mode must refuse with the remedy.
+
+Env: $PEER_RANK (the C++ program), $VENV_PYTHON, $DTRAIN_TORCH_MAJOR (set by tests/dist/CMakeLists.txt).
+"""
+import os
+import subprocess
+import unittest
+
+from harness import DistTestCase, free_port, rank_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TORCH_MAJOR = int(os.environ.get("DTRAIN_TORCH_MAJOR", "0"))
+VENV_PYTHON = os.environ.get("VENV_PYTHON", "")
+
+
+def needs(path, what):
+    if not path or not os.access(path, os.X_OK):
+        raise unittest.SkipTest(f"{what} is missing ({path!r}): run scripts/setup.sh and build the tree")
+    return path
+
+
+def python_indices(rank, world):
+    """Python's DistributedSampler for one rank, without a process group."""
+    code = ("import sys\nfrom torch.utils.data.distributed import DistributedSampler as D\n"
+            "s = D(range(101), num_replicas=int(sys.argv[1]), rank=int(sys.argv[2]), seed=7)\n"
+            "s.set_epoch(3)\nprint(' '.join(map(str, s)))")
+    out = subprocess.run([VENV_PYTHON, "-c", code, str(world), str(rank)], capture_output=True, text=True,
+                         check=True, timeout=60)
+    return out.stdout.split()
+
+
+class PytorchPeers(DistTestCase):
+    def run_layout(self, kinds):
+        cxx = needs(os.environ.get("PEER_RANK", ""), "peer_rank")
+        py = [needs(VENV_PYTHON, ".venv/bin/python"), os.path.join(HERE, "peer_rank.py")]
+        port, world = free_port(), len(kinds)
+        procs = [self.spawn(py if k == "py" else [cxx],
+                            rank_env(r, world, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=world, PYTHONPATH=None))
+                 for r, k in enumerate(kinds)]
+        results = [p.finish(120) for p in procs]
+        for r, (kind, res) in enumerate(zip(kinds, results)):
+            self.assertEqual(res.rc, 0, f"rank {r} ({kind}) of {kinds}:\n{res}")
+            self.assertIn("peer_rank: ALL OK", res.out, f"rank {r} ({kind}):\n{res}")
+            self.assertEqual(res.out.count("\nok ") + res.out.startswith("ok "), 6, str(res))
+            line = [l for l in res.out.splitlines() if l.startswith("sampler indices ")]
+            self.assertEqual(line[0].split()[2:], python_indices(r, world),
+                             f"rank {r} ({kind}): sampler indices differ from Python's DistributedSampler")
+
+    @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
+    def test_python_rank_0_and_a_cxx_rank(self):
+        self.run_layout(["py", "cxx"])
+
+    @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
+    def test_cxx_rank_0_hosts_the_store_for_a_python_rank(self):
+        self.run_layout(["cxx", "py"])
+
+    @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
+    def test_three_ranks_python_first(self):
+        self.run_layout(["py", "cxx", "py"])
+
+    @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
+    def test_three_ranks_cxx_first(self):
+        self.run_layout(["cxx", "py", "cxx"])
+
+    @unittest.skipUnless(0 < TORCH_MAJOR < 2, "a LibTorch 2.x build joins Python ranks (tested above)")
+    def test_libtorch_1_refuses_with_the_remedy(self):
+        cxx = needs(os.environ.get("PEER_RANK", ""), "peer_rank")
+        res = self.run_one([cxx], rank_env(0, 1, free_port()), timeout=60)
+        self.assertNotEqual(res.rc, 0, str(res))
+        self.assertIn("DTRAIN_PYTORCH_PEERS needs dtrain built against LibTorch 2.x", res.err, str(res))
+
+
+if __name__ == "__main__":
+    unittest.main()

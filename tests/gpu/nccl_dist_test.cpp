@@ -1,0 +1,64 @@
+// NCCL and DDP on CUDA tensors, one GPU per rank (cuda:LOCAL_RANK), run through dtrain-run by
+// run_multi_gpu.sh, which reports the test skipped (exit 77) on a machine with fewer GPUs than ranks.
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+
+#include "dtrain/ddp.h"
+#include "dtrain/process_group.h"
+
+namespace {
+
+at::Device my_device() { return at::Device(at::kCUDA, dtrain::local_rank()); }
+at::TensorOptions on_gpu(at::ScalarType t = at::kFloat) { return at::TensorOptions().dtype(t).device(my_device()); }
+
+TEST(Nccl, CollectivesOnCudaTensors) {
+  const int r = dtrain::rank(), n = dtrain::world_size();
+  at::Tensor t = at::full({1000}, static_cast<double>(r + 1), on_gpu());
+  dtrain::all_reduce(t);
+  EXPECT_TRUE(at::all(t == n * (n + 1) / 2.0).item<bool>());
+
+  at::Tensor b = at::full({7}, static_cast<double>(r), on_gpu(at::kDouble));
+  dtrain::broadcast(b, n - 1);
+  EXPECT_TRUE(at::all(b == n - 1).item<bool>());
+
+  std::vector<at::Tensor> parts;
+  for (int i = 0; i < n; ++i) parts.push_back(at::empty({3}, on_gpu()));
+  dtrain::all_gather(parts, at::full({3}, static_cast<double>(10 * r), on_gpu()));
+  for (int i = 0; i < n; ++i) EXPECT_TRUE(at::all(parts[i] == 10.0 * i).item<bool>()) << i;
+}
+
+// DDP's averaged gradients equal the mean of every rank's own gradients, computed here on one GPU
+// from the same inputs (float64).
+TEST(Nccl, DdpGradientsAreTheMeanOfTheRanksGradients) {
+  const int n = dtrain::world_size();
+  torch::manual_seed(3);
+  auto net = torch::nn::Sequential(torch::nn::Linear(8, 32), torch::nn::Tanh(), torch::nn::Linear(32, 2));
+  net->to(at::kDouble);
+  auto ref = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone());
+  net->to(my_device());
+  ref->to(my_device());
+  dtrain::DistributedDataParallel ddp(net, dtrain::DDPOptions().bucket_cap_mb(0.001));
+  auto batch = [&](int rank) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(100 + rank);
+    return at::randn({6, 8}, g, at::kDouble).to(my_device());
+  };
+  ddp(batch(dtrain::rank())).pow(2).sum().backward();
+  for (int r = 0; r < n; ++r) ref->forward(batch(r)).pow(2).sum().backward();
+  auto p = net->parameters(), q = ref->parameters();
+  ASSERT_EQ(p.size(), q.size());
+  for (size_t i = 0; i < p.size(); ++i)
+    EXPECT_TRUE(at::allclose(p[i].grad(), q[i].grad() / n, 1e-10, 1e-12)) << "parameter " << i;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  dtrain::init_process_group(dtrain::InitOptions().backend("nccl"));
+  int rc = RUN_ALL_TESTS();
+  dtrain::destroy_process_group();
+  return rc;
+}
