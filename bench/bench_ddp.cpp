@@ -1,6 +1,7 @@
 // bench_ddp: training steps per second of the tutorial's two models on 2 ranks (Gloo, 1 thread per
 // rank), side by side in one run:
-//   python  PyTorch's DistributedDataParallel (bench/python/ddp_reference.py, /usr/bin/python3)
+//   python  PyTorch's DistributedDataParallel (bench/python/ddp_reference.py), PyTorch 1.13 (/usr/bin/python3)
+//   python2 the same script on PyTorch 2.x (.venv/bin/python, installed by scripts/setup.sh)
 //   dtrain  dtrain::DistributedDataParallel (options at their defaults unless given, printed)
 //   nocomm  the same C++ loop on the plain model, no DDP, no communication: the limit
 // Models: SimpleModel (MLP 128-256-256-10) and TrainModel (CNN on 3x32x32), batch 32, Adam, the
@@ -21,9 +22,9 @@
 // --profile adds, per C++ loop, forward / backward / optimizer ms per step, the time from the first
 // bucket launched to the last done, and a flat all-reduce of all gradients (the floor).
 // It prints a table (median and every run) and, last, exactly:
-//   RESULT mlp_vs_python=X cnn_vs_python=Y cnn_vs_nocomm=Z
-// X, Y: dtrain steps/s / Python steps/s; Z: dtrain CNN step time / no-comm CNN step time.
-// Goals (issue): X >= 1.3, Y >= 1.0, Z <= 1.10.
+//   RESULT mlp_vs_python=X cnn_vs_python=Y cnn_vs_nocomm=Z mlp_vs_python2=X2 cnn_vs_python2=Y2
+// X, Y: dtrain steps/s / PyTorch 1.13's steps/s; X2, Y2: the same against PyTorch 2.x; Z: dtrain CNN
+// step time / no-comm CNN step time. Goals: X2 >= 3, Y2 >= 1.0, Z <= 1.10.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -58,6 +59,9 @@
 
 #ifndef DTRAIN_BENCH_PYTHON_DIR
 #define DTRAIN_BENCH_PYTHON_DIR "bench/python"
+#endif
+#ifndef DTRAIN_BENCH_VENV_PYTHON
+#define DTRAIN_BENCH_VENV_PYTHON ".venv/bin/python"
 #endif
 
 namespace {
@@ -238,8 +242,9 @@ int driver_main(int argc, char** argv) {
   CLI::App app{"bench_ddp: DDP steps/s on the tutorial's models, dtrain vs PyTorch Python vs no communication"};
   int reps = 3, warmup = 20, mlp_steps = 300, cnn_steps = 20, mlp_block = 50, cnn_block = 5;
   std::string python = "/usr/bin/python3";
+  std::string python2 = DTRAIN_BENCH_VENV_PYTHON;
   std::string script = std::string(DTRAIN_BENCH_PYTHON_DIR) + "/ddp_reference.py";
-  std::vector<std::string> jobs{"python", "paired"};
+  std::vector<std::string> jobs{"python", "python2", "paired"};
   std::vector<std::string> models{"mlp", "cnn"};
   double bucket_cap_mb = dtrain::kDefaultBucketCapMB, first_bucket_cap_mb = dtrain::kDefaultFirstBucketCapMB;
   bool grad_as_view = false, profile = false;
@@ -249,11 +254,13 @@ int driver_main(int argc, char** argv) {
   app.add_option("--mlp_steps", mlp_steps, "timed steps, MLP (default 300)")->check(CLI::PositiveNumber);
   app.add_option("--cnn_steps", cnn_steps, "timed steps, CNN (default 20)")->check(CLI::PositiveNumber);
   app.add_option("--python", python, "Python with torch 1.13 (default /usr/bin/python3)");
+  app.add_option("--python2", python2, "Python with torch 2.x (default .venv/bin/python)");
   app.add_option("--script", script, "the reference script (default bench/python/ddp_reference.py)");
   app.add_option("--mlp_block", mlp_block, "paired jobs alternate dtrain and nocomm every this many steps (MLP, default 50)");
   app.add_option("--cnn_block", cnn_block, "the same for the CNN (default 5)");
   app.add_option("--jobs", jobs,
-                 "job kinds per model and rep (default: python paired): python, paired (dtrain and nocomm in the "
+                 "job kinds per model and rep (default: python python2 paired): python (1.13), python2 (2.x), "
+                 "paired (dtrain and nocomm in the "
                  "same 2 processes, alternating blocks), dtrain, nocomm (each alone)");
   app.add_option("--models", models, "subset of: mlp cnn");
   app.add_option("--bucket_cap_mb", bucket_cap_mb, "dtrain DDPOptions.bucket_cap_mb");
@@ -276,8 +283,8 @@ int driver_main(int argc, char** argv) {
                first_bucket_cap_mb == dtrain::kDefaultFirstBucketCapMB && !grad_as_view)
                   ? " (defaults)"
                   : "");
-  std::printf("python DDP: torch.nn.parallel.DistributedDataParallel defaults (%s %s)\n", python.c_str(),
-              script.c_str());
+  std::printf("python DDP: torch.nn.parallel.DistributedDataParallel defaults (%s %s; python2: %s)\n",
+              python.c_str(), script.c_str(), python2.c_str());
   std::printf("load average at start: %s (%u cores)\n", load_average().c_str(),
               std::thread::hardware_concurrency());
   std::fflush(stdout);
@@ -290,8 +297,8 @@ int driver_main(int argc, char** argv) {
       for (size_t k = 0; k < jobs.size(); ++k) {
         const std::string& job = jobs[(k + rep) % jobs.size()];  // rotate the order
         std::vector<std::string> cmd;
-        if (job == "python") {
-          cmd = {python, script, "--model", model, "--warmup", std::to_string(warmup), "--steps",
+        if (job == "python" || job == "python2") {
+          cmd = {job == "python" ? python : python2, script, "--model", model, "--warmup", std::to_string(warmup), "--steps",
                  std::to_string(steps)};
         } else {
           cmd = {exe, "--worker", job, model, "--warmup", std::to_string(warmup), "--steps",
@@ -302,11 +309,11 @@ int driver_main(int argc, char** argv) {
         }
         const std::string out = run_job(cmd, kWorld, timeout_s, "bench_ddp");
         const std::vector<std::string> names =
-            job == "python" ? std::vector<std::string>{"python"}
+            job == "python" || job == "python2" ? std::vector<std::string>{job}
             : job == "paired" ? std::vector<std::string>{"dtrain", "nocomm"}
                               : std::vector<std::string>{job};
         for (const auto& name : names) {
-          const double sps = parse_value(out, name == "python" ? "steps_per_s" : name + "_steps_per_s");
+          const double sps = parse_value(out, name.rfind("python", 0) == 0 ? "steps_per_s" : name + "_steps_per_s");
           if (!(sps > 0))
             throw std::runtime_error("bench_ddp: no steps_per_s for " + name + " in the output of " + job + " " +
                                      model + ":\n" + out);
@@ -327,7 +334,7 @@ int driver_main(int argc, char** argv) {
   std::printf("\n%-5s %-8s %12s %12s   %s\n", "model", "variant", "steps/s", "ms/step", "runs (steps/s)");
   std::map<std::pair<std::string, std::string>, double> med;
   for (const auto& model : models)
-    for (const std::string variant : {"python", "dtrain", "nocomm"}) {
+    for (const std::string variant : {"python", "python2", "dtrain", "nocomm"}) {
       if (!runs.count({model, variant})) continue;
       const auto& v = runs[{model, variant}];
       const double m = median(v);
@@ -346,10 +353,15 @@ int driver_main(int argc, char** argv) {
   const double y = get("cnn", "dtrain") / get("cnn", "python");
   const double z = get("cnn", "nocomm") / get("cnn", "dtrain");  // step-time ratio
   const double zm = get("mlp", "nocomm") / get("mlp", "dtrain");
-  std::printf("\nmlp: dtrain/python = %.2fx (goal >= 1.3)   dtrain step time / nocomm = %.2fx\n", x, zm);
-  std::printf("cnn: dtrain/python = %.2fx (goal >= 1.0)   dtrain step time / nocomm = %.2fx (goal <= 1.10)\n", y, z);
+  const double x2 = get("mlp", "dtrain") / get("mlp", "python2");
+  const double y2 = get("cnn", "dtrain") / get("cnn", "python2");
+  std::printf("\nmlp: dtrain/python 1.13 = %.2fx   dtrain/python 2.x = %.2fx (goal >= 3)   dtrain step time / nocomm = %.2fx\n",
+              x, x2, zm);
+  std::printf("cnn: dtrain/python 1.13 = %.2fx   dtrain/python 2.x = %.2fx (goal >= 1.0)   dtrain step time / nocomm = "
+              "%.2fx (goal <= 1.10)\n", y, y2, z);
   std::printf("load average at end: %s; bench took %.0f s\n", load_average().c_str(), secs_since(t_all));
-  std::printf("RESULT mlp_vs_python=%.2f cnn_vs_python=%.2f cnn_vs_nocomm=%.2f\n", x, y, z);
+  std::printf("RESULT mlp_vs_python=%.2f cnn_vs_python=%.2f cnn_vs_nocomm=%.2f mlp_vs_python2=%.2f cnn_vs_python2=%.2f\n",
+              x, y, z, x2, y2);
   return 0;
 }
 

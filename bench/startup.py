@@ -4,7 +4,8 @@
 Side by side, in one run, each variant started the same way from this driver:
   dtrain   dtrain-run --standalone --nproc_per_node 2 hello_distributed --report_times (launcher included)
   bare     two C++ ranks on LibTorch's c10d alone (TCPStore + ProcessGroupGloo), env vars
-  python   two /usr/bin/python3 ranks: import torch; init_process_group("gloo"); barrier()
+  python   two /usr/bin/python3 ranks (PyTorch 1.13): import torch; init_process_group("gloo"); barrier()
+  python2  the same on PyTorch 2.x (.venv/bin/python, when scripts/setup.sh installed it)
 
 Time is measured from just before the first process is spawned to the later of the two ranks'
 "first_barrier_unix_ns" stamps. Median of --repeat whole runs. Peak memory is each rank's VmHWM
@@ -91,6 +92,10 @@ def main():
         ("bare_c10d", lambda: run_env_ranks([os.path.join(b, "bare_c10d_hello")])),
         ("python", lambda: run_env_ranks(["/usr/bin/python3", os.path.join(HERE, "python", "hello_barrier.py")])),
     ]
+    venv_python = os.path.join(HERE, "..", ".venv", "bin", "python")
+    if os.access(venv_python, os.X_OK):  # PyTorch 2.x, installed by scripts/setup.sh
+        variants.append(("python2", lambda: run_env_ranks([venv_python, os.path.join(HERE, "python",
+                                                                                       "hello_barrier.py")])))
     # Warm the page cache once so the first variant is not charged for cold disk reads.
     for _, fn in variants:
         fn()
@@ -99,11 +104,14 @@ def main():
     for name, (t, m, ts) in rows.items():
         print(f"{name:<10} {t:>9.3f} {m:>14.1f}   " + " ".join(f"{x:.3f}" for x in ts))
     d, bare, py = rows["dtrain"][0], rows["bare_c10d"][0], rows["python"][0]
-    print(f"python/dtrain = {py / d:.2f}x (goal >= 1.8x)   bare_c10d/dtrain = {bare / d:.2f}x (goal >= 1.0x)")
-    print(f"RESULT dtrain_s={d:.3f} bare_c10d_s={bare:.3f} python_s={py:.3f} "
-          f"speedup_vs_python={py / d:.2f} speedup_vs_bare={bare / d:.2f} "
+    py2 = rows["python2"][0] if "python2" in rows else float("nan")
+    print(f"python 1.13/dtrain = {py / d:.2f}x   python 2.x/dtrain = {py2 / d:.2f}x (goal >= 1.8x)   "
+          f"bare_c10d/dtrain = {bare / d:.2f}x (goal >= 1.0x)")
+    print(f"RESULT dtrain_s={d:.3f} bare_c10d_s={bare:.3f} python_s={py:.3f} python2_s={py2:.3f} "
+          f"speedup_vs_python={py / d:.2f} speedup_vs_python2={py2 / d:.2f} speedup_vs_bare={bare / d:.2f} "
           f"dtrain_peak_mib={rows['dtrain'][1]:.1f} bare_peak_mib={rows['bare_c10d'][1]:.1f} "
-          f"python_peak_mib={rows['python'][1]:.1f}")
+          f"python_peak_mib={rows['python'][1]:.1f}"
+          + (f" python2_peak_mib={rows['python2'][1]:.1f}" if "python2" in rows else ""))
 
 
 if __name__ == "__main__":
