@@ -1,4 +1,5 @@
-// Collectives on 2 and 3 real processes (run by dtrain-run under ctest).
+// Collectives on 2 and 3 real processes (run by dtrain-run under ctest; on 2 also with DTRAIN_SHM=0,
+// all over Gloo).
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -13,6 +14,23 @@ namespace {
 int R() { return rank(); }
 int N() { return world_size(); }
 using dtrain::test_util::error_of;
+
+// A group of every rank whose collectives all run over Gloo (TCP), as between hosts.
+Group gloo_group() {
+  dtrain::test_util::EnvOverride off("DTRAIN_SHM", "0");
+  return new_group({});
+}
+
+// The dtrain::Error that f() throws (a failure if it throws none, or something else).
+std::string dtrain_error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a dtrain::Error";
+  return "";
+}
 }  // namespace
 
 TEST(Collectives, RankAndLocalRank) {
@@ -180,6 +198,40 @@ TEST(Collectives, BlockingSendAndRecvFromAnySource) {
   } else {
     send(at::full({1}, 1000.0f + R()), 0);
   }
+}
+
+// Over Gloo (between hosts, or DTRAIN_SHM=0) ranks that pass different sizes used to kill the
+// process from Gloo's I/O thread (std::terminate, SIGABRT). Now every rank gets a dtrain::Error on
+// its own thread, naming the rank, the operation and both calls, and the group stays usable.
+TEST(Collectives, MismatchOverGlooIsACatchableError) {
+  Group g = gloo_group();
+  ASSERT_FALSE(g.uses_shared_memory());
+  const std::string me = "rank " + std::to_string(R()) + ": ";
+  at::Tensor t = at::ones({R() == 0 ? 4 : 5});
+  std::string e = dtrain_error_of([&] { all_reduce(t, ReduceOp::SUM, g); });
+  EXPECT_EQ(e.rfind(me + "all_reduce on group '", 0), 0u) << e;
+  EXPECT_NE(e.find("(gloo, ranks [0, 1"), std::string::npos) << e;
+  EXPECT_NE(e.find("all_reduce of 4 Float elements (SUM)"), std::string::npos) << e;
+  EXPECT_NE(e.find("all_reduce of 5 Float elements (SUM)"), std::string::npos) << e;
+  EXPECT_NE(e.find("every rank must call the same collectives"), std::string::npos) << e;
+
+  // Asynchronous: the check runs on the group's worker thread, and wait() rethrows its error.
+  at::Tensor b = at::zeros({R() == 0 ? 3 : 2});
+  Work w = broadcast(b, 0, g, /*async_op=*/true);
+  e = dtrain_error_of([&] { w.wait(); });
+  EXPECT_EQ(e.rfind(me + "broadcast on group '", 0), 0u) << e;
+  EXPECT_NE(e.find("broadcast of 3 Float elements with root rank 0"), std::string::npos) << e;
+
+  // Different operations.
+  at::Tensor s = at::ones({2});
+  e = dtrain_error_of([&] { R() == 0 ? barrier(g) : all_reduce(s, ReduceOp::MAX, g); });
+  EXPECT_NE(e.find("calls barrier"), std::string::npos) << e;
+  EXPECT_NE(e.find("calls all_reduce of 2 Float elements (MAX)"), std::string::npos) << e;
+
+  // No data moved: the same group still works.
+  at::Tensor ok = at::ones({4});
+  all_reduce(ok, ReduceOp::SUM, g);
+  EXPECT_FLOAT_EQ(ok[3].item<float>(), static_cast<float>(N()));
 }
 
 TEST(Collectives, BarrierAndMonitoredBarrier) {
