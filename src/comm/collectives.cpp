@@ -168,6 +168,7 @@ Work reduce(at::Tensor& tensor, int dst, ReduceOp op, const Group& group, bool a
     int64_t n = static_cast<int64_t>(g.ranks.size());
     done = [tensor, n]() mutable { tensor.div_(n); };
   }
+  comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
   return finish(Work(g.pg->reduce(ts, opts), what(g, "reduce"), std::move(done)), async_op);
 }
 
@@ -239,6 +240,7 @@ Work gather(const at::Tensor& input, std::vector<at::Tensor>& gather_list, int d
   auto out = root_only_list(g, opts.rootRank, gather_list, input, "gather", "gather_list", "destination",
                             "dst", dst);
   std::vector<at::Tensor> in{input};
+  comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
   return finish(Work(g.pg->gather(out, in, opts), what(g, "gather")), async_op);
 }
 
@@ -253,6 +255,7 @@ Work scatter(at::Tensor& output, std::vector<at::Tensor>& scatter_list, int src,
   auto in = root_only_list(g, opts.rootRank, scatter_list, output, "scatter", "scatter_list", "source", "src",
                            src);
   std::vector<at::Tensor> out{output};
+  comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
   return finish(Work(g.pg->scatter(out, in, opts), what(g, "scatter")), async_op);
 }
 

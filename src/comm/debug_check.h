@@ -1,7 +1,8 @@
 // DTRAIN_DEBUG=DETAIL: the cross-rank check run before every collective (PyTorch's
-// TORCH_DISTRIBUTED_DEBUG=DETAIL wraps its process groups the same way). Without it, ranks that call
-// different collectives, or the same one with different shapes, hang in the transport or exchange
-// garbage; with it, every rank fails at once with one line naming the ranks and both calls.
+// TORCH_DISTRIBUTED_DEBUG=DETAIL wraps its process groups the same way). Without it the backends
+// still catch ranks that call different collectives, or the same one with different shapes (shared
+// memory: shm/comm.h; Gloo: Note [Guarded Gloo collectives]); with it the collectives are numbered
+// too, and a rank that is stuck elsewhere is named once the timeout passes.
 //
 // Protocol, per group, for the collective number `seq` (counted per group on every member):
 //   1. Describe the call in text, e.g. "all_reduce(float[4, 2], op=SUM)": the operation, the

@@ -64,11 +64,21 @@ void Work::wait() {
   if (state_->error) std::rethrow_exception(state_->error);
 }
 
-void Work::then(std::function<void()> fn) {
+void Work::then(std::function<void()> user_fn) {
   if (!state_) {
-    fn();
+    user_fn();
     return;
   }
+  // fn may run on the backend's thread, where an escaping exception would terminate the process:
+  // it is documented not to throw, and one that does is reported instead.
+  std::function<void()> fn = [user_fn = std::move(user_fn), what = state_->what] {
+    try {
+      user_fn();
+    } catch (const std::exception& e) {
+      warn_once("work-then:" + what, what + ": a Work::then callback threw (" + brief(e) +
+                                         "): callbacks must not throw; the exception was ignored");
+    }
+  };
   if (state_->work && compat::add_completion_callback(state_->work, fn)) return;
   {
     std::lock_guard<std::mutex> g(state_->then_mu);

@@ -1,8 +1,10 @@
 // Small helpers shared by the unit and multi-process tests.
 #pragma once
 
+#include <cstdlib>
 #include <exception>
 #include <functional>
+#include <optional>
 #include <string>
 
 namespace dtrain::test_util {
@@ -16,5 +18,22 @@ inline std::string error_of(const std::function<void()>& f) {
   }
   return "";
 }
+
+// Sets an environment variable for the scope (e.g. around new_group(), whose backend reads
+// DTRAIN_SHM at construction) and restores it after.
+struct EnvOverride {
+  EnvOverride(const char* var, const std::string& value) : var_(var) {
+    if (const char* old = std::getenv(var)) saved_ = old;
+    setenv(var, value.c_str(), 1);
+  }
+  ~EnvOverride() {
+    if (saved_) setenv(var_, saved_->c_str(), 1);
+    else unsetenv(var_);
+  }
+  EnvOverride(const EnvOverride&) = delete;
+  EnvOverride& operator=(const EnvOverride&) = delete;
+  const char* var_;
+  std::optional<std::string> saved_;
+};
 
 }  // namespace dtrain::test_util

@@ -1,4 +1,6 @@
-// Collectives on 2 and 3 real processes (run by dtrain-run under ctest).
+// Collectives on 2 and 3 real processes (run by dtrain-run under ctest; on 2 also with DTRAIN_SHM=0,
+// all over Gloo).
+#include <chrono>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -13,6 +15,28 @@ namespace {
 int R() { return rank(); }
 int N() { return world_size(); }
 using dtrain::test_util::error_of;
+
+// A group of every rank whose collectives all run over Gloo (TCP), as between hosts.
+Group gloo_group() {
+  dtrain::test_util::EnvOverride off("DTRAIN_SHM", "0");
+  return new_group({});
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// The dtrain::Error that f() throws (a failure if it throws none, or something else).
+std::string dtrain_error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a dtrain::Error";
+  return "";
+}
 }  // namespace
 
 TEST(Collectives, RankAndLocalRank) {
@@ -67,6 +91,23 @@ TEST(Collectives, ReduceToRankZero) {
   at::Tensor t = at::full({2}, 1.0);
   reduce(t, 0, ReduceOp::SUM);
   if (R() == 0) EXPECT_DOUBLE_EQ(t[0].item<double>(), N());
+}
+
+// AVG is a SUM and a division on the destination only (Note [AVG on Gloo]), blocking or not, on the
+// default group and on a Gloo-only one.
+TEST(Collectives, ReduceAvgGivesTheMeanOnTheDestination) {
+  const int dst = N() - 1;
+  const double mean = (N() + 1) / 2.0;  // of 1..N
+  for (const Group& g : {Group(), gloo_group()}) {
+    at::Tensor t = at::full({3}, R() + 1.0);
+    reduce(t, dst, ReduceOp::AVG, g);
+    if (R() == dst) EXPECT_DOUBLE_EQ(t[2].item<double>(), mean);
+    at::Tensor f = at::full({5}, static_cast<float>(R() + 1));
+    Work w = reduce(f, dst, ReduceOp::AVG, g, /*async_op=*/true);
+    w.wait();
+    w.wait();  // divided once
+    if (R() == dst) EXPECT_FLOAT_EQ(f[4].item<float>(), static_cast<float>(mean));
+  }
 }
 
 TEST(Collectives, AllGatherInRankOrder) {
@@ -180,6 +221,63 @@ TEST(Collectives, BlockingSendAndRecvFromAnySource) {
   } else {
     send(at::full({1}, 1000.0f + R()), 0);
   }
+}
+
+// Nobody leaves a barrier before the last rank has entered it: the last rank sleeps 300 ms first,
+// and every rank's exit time must come after its entry (one host: steady_clock is shared).
+TEST(Collectives, BarrierWaitsForTheLastRank) {
+  const int late = N() - 1;
+  for (const Group& g : {Group(), gloo_group()}) {
+    at::Tensor sync = at::ones({1});
+    all_reduce(sync, ReduceOp::SUM, g);  // start together (not a barrier: that is what is tested)
+    at::Tensor mine = at::zeros({2}, at::kLong);  // {entered, left}
+    if (R() == late) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    mine[0] = now_ns();
+    barrier(g);
+    mine[1] = now_ns();
+    std::vector<at::Tensor> all;
+    for (int r = 0; r < N(); ++r) all.push_back(at::empty({2}, at::kLong));
+    all_gather(all, mine, g);
+    const int64_t entered = all[late][0].item<int64_t>();
+    for (int r = 0; r < N(); ++r)
+      EXPECT_GE(all[r][1].item<int64_t>(), entered)
+          << "rank " << r << " left the barrier " << (entered - all[r][1].item<int64_t>()) / 1e6
+          << " ms before rank " << late << " entered it (group " << (g.uses_shared_memory() ? "shm" : "gloo") << ")";
+  }
+}
+
+// Over Gloo (between hosts, or DTRAIN_SHM=0) ranks that pass different sizes used to kill the
+// process from Gloo's I/O thread (std::terminate, SIGABRT). Now every rank gets a dtrain::Error on
+// its own thread, naming the rank, the operation and both calls, and the group stays usable.
+TEST(Collectives, MismatchOverGlooIsACatchableError) {
+  Group g = gloo_group();
+  ASSERT_FALSE(g.uses_shared_memory());
+  const std::string me = "rank " + std::to_string(R()) + ": ";
+  at::Tensor t = at::ones({R() == 0 ? 4 : 5});
+  std::string e = dtrain_error_of([&] { all_reduce(t, ReduceOp::SUM, g); });
+  EXPECT_EQ(e.rfind(me + "all_reduce on group '", 0), 0u) << e;
+  EXPECT_NE(e.find("(gloo, ranks [0, 1"), std::string::npos) << e;
+  EXPECT_NE(e.find("all_reduce of 4 Float elements (SUM)"), std::string::npos) << e;
+  EXPECT_NE(e.find("all_reduce of 5 Float elements (SUM)"), std::string::npos) << e;
+  EXPECT_NE(e.find("every rank must call the same collectives"), std::string::npos) << e;
+
+  // Asynchronous: the check runs on the group's worker thread, and wait() rethrows its error.
+  at::Tensor b = at::zeros({R() == 0 ? 3 : 2});
+  Work w = broadcast(b, 0, g, /*async_op=*/true);
+  e = dtrain_error_of([&] { w.wait(); });
+  EXPECT_EQ(e.rfind(me + "broadcast on group '", 0), 0u) << e;
+  EXPECT_NE(e.find("broadcast of 3 Float elements with root rank 0"), std::string::npos) << e;
+
+  // Different operations.
+  at::Tensor s = at::ones({2});
+  e = dtrain_error_of([&] { R() == 0 ? barrier(g) : all_reduce(s, ReduceOp::MAX, g); });
+  EXPECT_NE(e.find("calls barrier"), std::string::npos) << e;
+  EXPECT_NE(e.find("calls all_reduce of 2 Float elements (MAX)"), std::string::npos) << e;
+
+  // No data moved: the same group still works.
+  at::Tensor ok = at::ones({4});
+  all_reduce(ok, ReduceOp::SUM, g);
+  EXPECT_FLOAT_EQ(ok[3].item<float>(), static_cast<float>(N()));
 }
 
 TEST(Collectives, BarrierAndMonitoredBarrier) {

@@ -23,22 +23,10 @@ using namespace dtrain;
 namespace {
 int R() { return rank(); }
 int N() { return world_size(); }
+using dtrain::test_util::EnvOverride;
 using dtrain::test_util::error_of;
 
 // A group built with extra environment (read by the backend at construction), restored after.
-struct EnvOverride {
-  EnvOverride(const char* var, const std::string& value) : var_(var) {
-    if (const char* old = std::getenv(var)) saved_ = old;
-    setenv(var, value.c_str(), 1);
-  }
-  ~EnvOverride() {
-    if (saved_) setenv(var_, saved_->c_str(), 1);
-    else unsetenv(var_);
-  }
-  const char* var_;
-  std::optional<std::string> saved_;
-};
-
 Group group_with_env(const char* var, const std::string& value) {
   EnvOverride e(var, value);
   return new_group({});

@@ -1,6 +1,7 @@
 // ShmProcessGroup's declaration (internal to comm/shm).
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -19,14 +20,26 @@ struct ShmTopology {
   int host_index = 0;     // this rank's host, in order of first rank
   bool leader = true;     // lowest rank of its host
   int leader_local = 0;   // the leader's index among this host's ranks
+  std::vector<int> leader_labels;  // the global rank of each host's leader, for error messages
+};
+
+// What every rank must agree on before a collective starts on Gloo (Note [Guarded Gloo
+// collectives]): a fixed number of int64 so that the exchange itself can never mismatch.
+struct GlooCall {
+  int64_t op = 0;      // GlooCallKind
+  int64_t dtype = -1;  // c10::ScalarType of the tensors, -1 for none
+  int64_t count = 0;   // elements this rank sends or receives per peer
+  int64_t root = -1;   // group rank of the root, -1 for none
+  int64_t redop = -1;  // c10d::ReduceOp, -1 for none
 };
 
 class ShmProcessGroup : public compat::Backend {
  public:
-  // local: this host's segment (null when the rank is alone on its host); leaders: Gloo among host
-  // leaders (null unless this rank is a leader and there are several hosts).
+  // local: this host's segment (null when the rank is alone on its host, or without shared memory);
+  // leaders: Gloo among host leaders (null unless this rank is a leader and there are several
+  // hosts); labels: the global rank of each group rank, for error messages.
   ShmProcessGroup(int rank, int size, compat::BackendPtr gloo, std::unique_ptr<shm::Comm> local,
-                  compat::BackendPtr leaders, ShmTopology topo);
+                  compat::BackendPtr leaders, ShmTopology topo, std::vector<int> labels);
   ~ShmProcessGroup() override;
 
   const std::string getBackendName() const override { return "gloo"; }
@@ -75,14 +88,20 @@ class ShmProcessGroup : public compat::Backend {
  private:
   c10::intrusive_ptr<c10d::Work> enqueue(std::vector<at::Tensor> outputs, c10d::OpType type,
                                          std::function<void()> job);
-  c10::intrusive_ptr<c10d::Work> fallback(c10::intrusive_ptr<c10d::Work> w);
-  void wait_fallbacks();
+  // A collective on Gloo: queued, checked (agree()), then started and awaited on the worker.
+  c10::intrusive_ptr<c10d::Work> on_gloo(std::vector<at::Tensor> outputs, c10d::OpType type, GlooCall call,
+                                         std::chrono::milliseconds timeout,
+                                         std::function<c10::intrusive_ptr<c10d::Work>()> start);
+  // Throws unless every rank of `pg` (this rank is `me`; labels: their global ranks) describes `call`.
+  void agree(compat::Backend& pg, int me, const std::vector<int>& labels, const GlooCall& call,
+             std::chrono::milliseconds timeout);
   void run();
 
   compat::BackendPtr gloo_;
   std::unique_ptr<shm::Comm> local_;
   compat::BackendPtr leaders_;
   ShmTopology topo_;
+  std::vector<int> labels_;
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -91,9 +110,6 @@ class ShmProcessGroup : public compat::Backend {
   std::mutex exec_mu_;     // one job at a time on the segment (worker or inline caller)
   bool stop_ = false;
   std::thread worker_;
-
-  std::mutex fallback_mu_;
-  std::vector<c10::intrusive_ptr<c10d::Work>> fallbacks_;  // in flight on Gloo, for barrier()
 };
 
 }  // namespace dtrain::comm

@@ -54,7 +54,16 @@ ShmMode shm_mode_from_env() {
 }
 
 compat::BackendPtr make_shm_process_group(const BackendConfig& c, compat::BackendPtr gloo, ShmMode mode) {
-  if (mode == ShmMode::kOff || c.size == 1) return gloo;
+  if (c.size == 1) return gloo;  // nothing to exchange, nothing to mismatch
+  std::vector<int> labels = c.global_ranks;  // global ranks, for error messages
+  if (labels.empty())
+    for (int r = 0; r < c.size; ++r) labels.push_back(r);
+  // Without shared memory the group still wraps Gloo: its collectives are checked before they start
+  // (Note [Guarded Gloo collectives] in shm_process_group.cpp).
+  auto gloo_only = [&] {
+    return c10::make_intrusive<ShmProcessGroup>(c.rank, c.size, gloo, nullptr, compat::BackendPtr(), ShmTopology{}, labels);
+  };
+  if (mode == ShmMode::kOff) return gloo_only();
   auto& store = *c.store;
   const size_t slot_bytes = slot_bytes_from_env();
 
@@ -74,7 +83,7 @@ compat::BackendPtr make_shm_process_group(const BackendConfig& c, compat::Backen
   if (!shared) {
     DTRAIN_CHECK(mode != ShmMode::kRequired, "rank ", c.rank, ": DTRAIN_SHM=1 but no two of the group's ",
                  c.size, " ranks share a host: unset DTRAIN_SHM (or set it to 0) for this job");
-    return gloo;
+    return gloo_only();
   }
   const std::vector<int>& mine = by_host[keys[c.rank]];
   ShmTopology topo;
@@ -83,6 +92,7 @@ compat::BackendPtr make_shm_process_group(const BackendConfig& c, compat::Backen
                                      host_order.begin());
   topo.leader = mine.front() == c.rank;
   topo.leader_local = 0;
+  for (const auto& key : host_order) topo.leader_labels.push_back(labels[by_host[key].front()]);
   const int local_rank = static_cast<int>(std::find(mine.begin(), mine.end(), c.rank) - mine.begin());
 
   // 3. Segments: the host's lowest rank creates, the others attach; everyone reports.
@@ -127,13 +137,13 @@ compat::BackendPtr make_shm_process_group(const BackendConfig& c, compat::Backen
                                   ": ", first_error, ")");
     DTRAIN_CHECK(mode != ShmMode::kRequired, "rank ", c.rank, ": DTRAIN_SHM=1 but ", msg);
     warn_once("shm-unavailable", msg + "; using Gloo over TCP");
-    return gloo;
+    return gloo_only();
   }
   std::unique_ptr<shm::Comm> local;
   if (mine.size() > 1) {
-    std::vector<int> labels;  // global ranks, for error messages
-    for (int r : mine) labels.push_back(c.global_ranks.empty() ? r : c.global_ranks[r]);
-    local = std::make_unique<shm::Comm>(std::move(seg), local_rank, labels, c.timeout);
+    std::vector<int> local_labels;
+    for (int r : mine) local_labels.push_back(labels[r]);
+    local = std::make_unique<shm::Comm>(std::move(seg), local_rank, local_labels, c.timeout);
   }
   compat::BackendPtr leaders;
   if (topo.hosts > 1 && topo.leader) {
@@ -144,7 +154,7 @@ compat::BackendPtr make_shm_process_group(const BackendConfig& c, compat::Backen
     leaders = make_gloo_backend(lc);
   }
   return c10::make_intrusive<ShmProcessGroup>(c.rank, c.size, std::move(gloo), std::move(local),
-                                              std::move(leaders), topo);
+                                              std::move(leaders), topo, labels);
 }
 
 }  // namespace dtrain::comm
