@@ -6,7 +6,10 @@ or times out. Binary paths come from environment variables set by tests/dist/CMa
 
   HELLO              hello_distributed
   COLLECTIVES_TEST   collectives_test
-  DTRAIN_RUN         dtrain-run (the launcher; tests skip when it is absent)
+  DTRAIN_RUN         dtrain-run (the launcher)
+
+A variable that is set must name an existing program (else the test fails); one that is unset makes
+the test look under build*/bin and skip when nothing is there (a run by hand before any build).
   DTRAIN_BUILD_DIR   the CMake build tree (for `cmake --install`)
 
 Run one file by hand:  cd tests/dist && HELLO=../../build/bin/hello_distributed python3 -m unittest -v test_init_methods
@@ -37,12 +40,16 @@ _LAUNCH_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "SLURM_", "DTRAIN_", 
 
 
 def binary(var, name):
-    """Path of a built program: $var, else build*/bin/<name> under the repository; None if absent."""
+    """Path of a built program: $var, else build*/bin/<name> under the repository; None if absent.
+
+    A $var that names no executable fails the test: CMake sets it only for a target of this build,
+    so the program should have been built, and skipping would let a broken build pass."""
     path = os.environ.get(var)
-    if path and os.access(path, os.X_OK):
+    if path:
+        if not os.access(path, os.X_OK):
+            raise AssertionError(f"{var}={path} is not an executable file: CMake set it for the target "
+                                 f"{name}, which should have been built (cmake --build <build dir>)")
         return path
-    if path:  # set by CMake but not built (e.g. the launcher is mid-edit)
-        return None
     found = sorted(glob.glob(os.path.join(ROOT, "build*", "bin", name)), key=os.path.getmtime)
     return found[-1] if found else None
 

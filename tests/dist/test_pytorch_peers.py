@@ -13,7 +13,7 @@ import os
 import subprocess
 import unittest
 
-from harness import DistTestCase, free_port, rank_env
+from harness import DistTestCase, binary, free_port, rank_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TORCH_MAJOR = int(os.environ.get("DTRAIN_TORCH_MAJOR", "0"))
@@ -24,6 +24,11 @@ def needs(path, what):
     if not path or not os.access(path, os.X_OK):
         raise unittest.SkipTest(f"{what} is missing ({path!r}): run scripts/setup.sh and build the tree")
     return path
+
+
+def peer_rank():
+    """The C++ side: a missing $PEER_RANK (set by CMake) fails the test, as every built program does."""
+    return needs(binary("PEER_RANK", "peer_rank"), "peer_rank")
 
 
 def python_indices(rank, world):
@@ -38,7 +43,7 @@ def python_indices(rank, world):
 
 class PytorchPeers(DistTestCase):
     def run_layout(self, kinds):
-        cxx = needs(os.environ.get("PEER_RANK", ""), "peer_rank")
+        cxx = peer_rank()
         py = [needs(VENV_PYTHON, ".venv/bin/python"), os.path.join(HERE, "peer_rank.py")]
         port, world = free_port(), len(kinds)
         procs = [self.spawn(py if k == "py" else [cxx],
@@ -71,7 +76,7 @@ class PytorchPeers(DistTestCase):
 
     @unittest.skipUnless(0 < TORCH_MAJOR < 2, "a LibTorch 2.x build joins Python ranks (tested above)")
     def test_libtorch_1_refuses_with_the_remedy(self):
-        cxx = needs(os.environ.get("PEER_RANK", ""), "peer_rank")
+        cxx = peer_rank()
         res = self.run_one([cxx], rank_env(0, 1, free_port()), timeout=60)
         self.assertNotEqual(res.rc, 0, str(res))
         self.assertIn("DTRAIN_PYTORCH_PEERS needs dtrain built against LibTorch 2.x", res.err, str(res))
