@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
     }
     // doc:end loop
     std::printf("DataParallel training done: first loss %.4f, final loss %.4f\n", first_loss, loss_value);
-    std::printf("RESULT steps=%d final_loss=%.4f\n", steps, loss_value);
+    std::printf("RESULT steps=%d first_loss=%.4f final_loss=%.4f\n", steps, first_loss, loss_value);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "data_parallel: error: %s\n", e.what());
     return 1;

@@ -24,7 +24,8 @@
 // different one; here every rank builds the same dataset from --seed. It needs CUDA and NCCL; this runs
 // on CPU with Gloo (--backend nccl in a CUDA build of LibTorch). Its printed loss is rank 0's own;
 // here it is the average over ranks (one extra all_reduce per epoch).
-// The last line (rank 0) is `RESULT epochs=E final_loss=L`.
+// The last line (rank 0) is `RESULT epochs=E first_loss=F final_loss=L`: the first and the last
+// epoch's loss, averaged over ranks (with 2 or more epochs, L < F shows the model learns).
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -98,7 +99,7 @@ void train(const Args& args) {
                 static_cast<long long>(batches), static_cast<long long>(args.batch_size),
                 args.optimizer.c_str(), args.lr);
 
-  double final_loss = 0;
+  double first_loss = 0, final_loss = 0;
   // doc:begin epoch-loop
   for (int epoch = 0; epoch < args.epochs; ++epoch) {
     // Key point of the tutorial: a new shuffle (and so a new split) every epoch.
@@ -130,6 +131,7 @@ void train(const Args& args) {
     at::Tensor avg = at::tensor({epoch_loss / static_cast<double>(batches)}, at::kDouble);
     dtrain::all_reduce(avg, dtrain::ReduceOp::AVG);
     final_loss = avg.item<double>();
+    if (epoch == 0) first_loss = final_loss;
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (rank == 0) std::printf("Epoch %d/%d, Loss: %.4f (%.2f s)\n", epoch + 1, args.epochs, final_loss, secs);
     // doc:end epoch-end
@@ -137,7 +139,8 @@ void train(const Args& args) {
   // doc:end epoch-loop
 
   // doc:begin cleanup
-  if (rank == 0) std::printf("RESULT epochs=%d final_loss=%.6f\n", args.epochs, final_loss);
+  if (rank == 0)
+    std::printf("RESULT epochs=%d first_loss=%.6f final_loss=%.6f\n", args.epochs, first_loss, final_loss);
   dtrain::destroy_process_group();
   // doc:end cleanup
 }
