@@ -10,6 +10,8 @@
    header (include/dtrain/*.h and include/dtrain/datasets/*.h, not detail/) is named in docs/api.md.
 3. Troubleshooting: every error line of README's bad-input catalogue appears in
    docs/troubleshooting.md.
+4. Design notes: every `Note [Name]` cited in the code has a row in docs/design.md's index, every row
+   names a note the code still has, and nothing cites a design document outside the repository.
 
 Exit status 1 with one line per problem, naming the file and what to do.
 """
@@ -129,13 +131,51 @@ def check_troubleshooting():
     return problems
 
 
+CODE_DIRS = ("src", "include", "tools", "tests", "examples", "bench", "scripts", "cmake")
+NOTE = re.compile(r"Note \[([^\]\n]+)\]")
+SPLIT_NOTE = re.compile(r"Note \[[^\]\n]*\n")  # grep cannot find a name split over two lines
+OUTSIDE = re.compile(r"\.\./shared/|\bDESIGN\.md\b")  # the design once lived beside the repository
+
+
+def project_files():
+    files = [ROOT / "CMakeLists.txt", ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    for d in CODE_DIRS:
+        files += sorted(f for f in (ROOT / d).rglob("*") if f.is_file() and f.suffix in
+                        (".h", ".cpp", ".py", ".sh", ".txt", ".md", ".in", ".cmake", ""))
+    return [f for f in files if f.is_file() and f != pathlib.Path(__file__).resolve()]
+
+
+def check_design_notes():
+    design = ROOT / "docs/design.md"
+    if not design.is_file():
+        return ["docs/design.md is missing: write the design page with its index of notes"]
+    indexed = set(re.findall(r"^\| \[([^\]]+)\] \|", design.read_text(), re.M))
+    cited, problems = {}, []
+    for f in project_files():
+        text = f.read_text(errors="replace")
+        rel = f.relative_to(ROOT)
+        if OUTSIDE.search(text):
+            problems.append(f"{rel} cites a design document outside the repository: point to docs/design.md")
+        if SPLIT_NOTE.search(text):
+            problems.append(f"{rel} splits a Note [..] name over two lines: keep it on one so grep finds it")
+        if f.parent != ROOT / "docs" and f.name != "README.md":
+            for name in NOTE.findall(text):
+                cited.setdefault(name, rel)
+    for name, where in sorted(cited.items()):
+        if name not in indexed:
+            problems.append(f"docs/design.md: Note [{name}] ({where}) is not in the index of notes: add a row")
+    for name in sorted(indexed - set(cited)):
+        problems.append(f"docs/design.md: the index lists Note [{name}], which no code has any more: remove it")
+    return problems
+
+
 def main():
     update = "--update" in sys.argv[1:]
-    problems = check_snippets(update) + check_api() + check_troubleshooting()
+    problems = check_snippets(update) + check_api() + check_troubleshooting() + check_design_notes()
     for p in problems:
         print("doc_check: " + p)
     if not problems:
-        print("doc_check: snippets, API names and troubleshooting messages are in step with the code")
+        print("doc_check: snippets, API names, troubleshooting messages and design notes are in step with the code")
     return 1 if problems else 0
 
 

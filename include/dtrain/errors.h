@@ -1,6 +1,6 @@
 // dtrain's error type and check macros.
 //
-// Three levels (DESIGN.md "Errors"):
+// Three levels, so a message says whose mistake it is:
 //   DTRAIN_CHECK(cond, ...)   user error: one line naming the actual value and the remedy.
 //   DTRAIN_ASSERT(cond, ...)  internal invariant; a failure is a dtrain bug.
 //   warn_once(key, msg)       performance traps, printed once per process.

@@ -1,5 +1,5 @@
-// Backend factory: "gloo" (CPU) and "nccl" (CUDA builds with NCCL). A small interface instead of
-// nested #ifs at call sites (DESIGN.md); the only #if is in backend.cpp.
+// Backend factory: "gloo" (CPU) and "nccl" (CUDA builds with NCCL). Callers choose by name, so a
+// build without NCCL changes no call site: the only #if is in backend.cpp.
 #pragma once
 
 #include <chrono>

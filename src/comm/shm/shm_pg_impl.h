@@ -23,8 +23,8 @@ struct ShmTopology {
   std::vector<int> leader_labels;  // the global rank of each host's leader, for error messages
 };
 
-// What every rank must agree on before a collective starts on Gloo (Note [Guarded Gloo
-// collectives]): a fixed number of int64 so that the exchange itself can never mismatch.
+// What every rank must agree on before a collective starts on Gloo: a fixed number of int64, so
+// that the exchange itself can never mismatch (Note [Guarded Gloo collectives]).
 struct GlooCall {
   int64_t op = 0;      // GlooCallKind
   int64_t dtype = -1;  // c10::ScalarType of the tensors, -1 for none
