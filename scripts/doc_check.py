@@ -11,7 +11,8 @@
 3. Troubleshooting: every error line of README's bad-input catalogue appears in
    docs/troubleshooting.md.
 4. Design notes: every `Note [Name]` cited in the code has a row in docs/design.md's index, every row
-   names a note the code still has, and nothing cites a design document outside the repository.
+   names a note the code still has, and nothing cites a design document outside the repository or
+   an issue number (a comment says the reason itself).
 
 Exit status 1 with one line per problem, naming the file and what to do.
 """
@@ -135,6 +136,7 @@ CODE_DIRS = ("src", "include", "tools", "tests", "examples", "bench", "scripts",
 NOTE = re.compile(r"Note \[([^\]\n]+)\]")
 SPLIT_NOTE = re.compile(r"Note \[[^\]\n]*\n")  # grep cannot find a name split over two lines
 OUTSIDE = re.compile(r"\.\./shared/|\bDESIGN\.md\b")  # the design once lived beside the repository
+ISSUE = re.compile(r"\b[Ii]ssues? #?\d+")
 
 
 def project_files():
@@ -156,6 +158,8 @@ def check_design_notes():
         rel = f.relative_to(ROOT)
         if OUTSIDE.search(text):
             problems.append(f"{rel} cites a design document outside the repository: point to docs/design.md")
+        if ISSUE.search(text):
+            problems.append(f"{rel} cites an issue number ({ISSUE.search(text)[0]!r}): say the reason instead")
         if SPLIT_NOTE.search(text):
             problems.append(f"{rel} splits a Note [..] name over two lines: keep it on one so grep finds it")
         if f.parent != ROOT / "docs" and f.name != "README.md":

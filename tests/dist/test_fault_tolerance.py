@@ -1,4 +1,5 @@
-"""Fault tolerance end to end (issue 9), on train_fashion_mnist with small sizes (seconds per run):
+"""Fault tolerance end to end: a lost worker must cost a restart, not the job. On train_fashion_mnist
+with small sizes (seconds per run):
 
   * SIGKILL of a random worker at a random moment mid-epoch -> dtrain-run --max_restarts restarts the
     group -> the workers resume from the last checkpoint and finish; with 1 rank the final

@@ -1,4 +1,4 @@
-"""examples/train_fashion_mnist on real ranks (issue 4's trainer).
+"""examples/train_fashion_mnist, the main job, on real ranks.
 
   * a short 2-rank run on a subset learns (test accuracy above a measured floor), prints its RESULT
     line last, and leaves one checkpoint per epoch that Python's torch can read past its header line;
