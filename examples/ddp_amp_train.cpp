@@ -49,6 +49,7 @@ int main(int argc, char** argv) {
     // doc:begin setup
     const bool cuda = torch::cuda::is_available();
     dtrain::init_process_group(dtrain::InitOptions().backend(cuda ? "nccl" : "gloo"));
+    if (cuda) dtrain::set_cuda_device(dtrain::local_rank());  // torch.cuda.set_device(rank)
     const at::Device device = cuda ? at::Device(at::kCUDA, dtrain::local_rank()) : at::Device(at::kCPU);
 
     tutorial::TrainModel model;  // the tutorial's AMPModel has the same layers
@@ -109,7 +110,8 @@ int main(int argc, char** argv) {
     // DDP keeps the replicas identical: the sum of all parameters is the same on every rank.
     double sum = 0;
     for (const auto& p : ddp.parameters()) sum += p.detach().to(at::kDouble).sum().item<double>();
-    at::Tensor lo = at::full({1}, sum, at::kDouble), hi = lo.clone();
+    at::Tensor lo = at::full({1}, sum, at::TensorOptions(at::kDouble).device(dtrain::collective_device()));
+    at::Tensor hi = lo.clone();
     dtrain::all_reduce(lo, dtrain::ReduceOp::MIN);
     dtrain::all_reduce(hi, dtrain::ReduceOp::MAX);
     const bool agree = lo.item<double>() == hi.item<double>();

@@ -91,7 +91,8 @@ struct Config {
   int64_t threads = 0;
   std::string dump_params;
   int64_t eval_batch_size = 0;  // 0: batch_size
-  bool amp = false;             // autocast (bfloat16 on CPU) + GradScaler
+  bool amp = false;             // autocast (bfloat16 on CPU, float16 on CUDA) + GradScaler
+  std::string device = "cpu";   // "cuda": rank r trains on cuda:LOCAL_RANK with backend nccl
 };
 // doc:end config
 
@@ -106,7 +107,7 @@ std::string one_line(std::string s) {
 // True on every rank iff `ok` on every rank: one failing rank stops all of them with a clear message
 // instead of leaving the others to hang in the next collective.
 bool all_ranks_ok(bool ok) {
-  at::Tensor t = at::full({1}, ok ? 1 : 0, at::kInt);
+  at::Tensor t = at::full({1}, ok ? 1 : 0, at::TensorOptions(at::kInt).device(dtrain::collective_device()));
   dtrain::all_reduce(t, dtrain::ReduceOp::MIN);
   return t.item<int>() == 1;
 }
@@ -131,7 +132,7 @@ void collectively(const std::string& what, bool this_rank_runs, Fn&& fn) {
 // Test accuracy over the whole test set. Each rank takes its shard of a non-shuffled DistributedSampler
 // (rank r: samples r, r+W, r+2W, ...); the sampler pads the list to a multiple of W by wrapping around,
 // and those padded positions (>= n) are skipped, so every test sample is counted exactly once.
-double evaluate(FashionCNN& model, const FashionMNIST& test, int64_t batch_size) {
+double evaluate(FashionCNN& model, const FashionMNIST& test, int64_t batch_size, at::Device device) {
   torch::NoGradGuard no_grad;
   model->eval();
   const size_t n = test.size().value();
@@ -144,9 +145,10 @@ double evaluate(FashionCNN& model, const FashionMNIST& test, int64_t batch_size)
   for (size_t begin = 0; begin < mine.size(); begin += batch_size) {
     const size_t len = std::min<size_t>(batch_size, mine.size() - begin);
     auto batch = test.batch(c10::ArrayRef<size_t>(mine.data() + begin, len));
-    correct += model->forward(batch.data).argmax(1).eq(batch.target).sum().item<int64_t>();
+    correct += model->forward(batch.data.to(device)).argmax(1).eq(batch.target.to(device)).sum().item<int64_t>();
   }
-  at::Tensor counts = at::tensor({static_cast<double>(correct), static_cast<double>(mine.size())}, at::kDouble);
+  at::Tensor counts = at::tensor({static_cast<double>(correct), static_cast<double>(mine.size())}, at::kDouble)
+                          .to(dtrain::collective_device());
   dtrain::all_reduce(counts);
   model->train();
   return counts[0].item<double>() / counts[1].item<double>();
@@ -155,9 +157,15 @@ double evaluate(FashionCNN& model, const FashionMNIST& test, int64_t batch_size)
 int run(const Config& cfg) {
   // doc:begin init
   if (cfg.threads > 0) at::set_num_threads(static_cast<int>(cfg.threads));
-  dtrain::init_process_group();
+  const bool cuda = cfg.device == "cuda";
+  dtrain::init_process_group(dtrain::InitOptions().backend(cuda ? "nccl" : ""));  // "": gloo or $DTRAIN_BACKEND
   const int rank = dtrain::rank(), world = dtrain::world_size();
   const bool main_rank = rank == 0;
+  // One GPU per rank, as torch.cuda.set_device(local_rank): the model, the batches and every
+  // collective's tensors live there.
+  if (cuda) dtrain::set_cuda_device(dtrain::local_rank());
+  const at::Device device = cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(dtrain::local_rank()))
+                                 : at::Device(at::kCPU);
   if (main_rank) dtrain::warn_if_slow_blas();
   // doc:end init
 
@@ -184,6 +192,7 @@ int run(const Config& cfg) {
   // Model: the same seed everywhere (DDP broadcasts rank 0's parameters anyway).
   torch::manual_seed(static_cast<uint64_t>(cfg.seed));
   FashionCNN model;
+  model->to(device);
   dtrain::DistributedDataParallel ddp(model);
   // Adam as the tutorial; SGD (momentum 0.9) has updates linear in the gradient, which makes
   // parameter equivalence checks exact up to float rounding (Adam's first steps are ~lr * sign(grad),
@@ -236,13 +245,14 @@ int run(const Config& cfg) {
   // doc:end resume
 
   if (main_rank) {
-    std::printf("train_fashion_mnist: %d rank(s) x %d thread(s), backend %s | %zu training samples, %zu test | "
+    std::printf("train_fashion_mnist: %d rank(s) x %d thread(s), %s, backend %s | %zu training samples, %zu test | "
                 "batch %lld per rank (%lld global), %lld steps/epoch | %s lr %g, grad_clip %g, %lld epoch(s), "
                 "seed %lld\n",
-                world, at::get_num_threads(), dtrain::backend().c_str(), train->size().value(),
+                world, at::get_num_threads(), cuda ? "cuda:LOCAL_RANK" : "cpu", dtrain::backend().c_str(),
+                train->size().value(),
                 test->size().value(), static_cast<long long>(cfg.batch_size),
                 static_cast<long long>(cfg.batch_size * world), static_cast<long long>(steps),
-                cfg.optimizer == "sgd" ? "SGD(momentum 0.9)" : (cfg.amp ? "Adam+amp(bf16)" : "Adam"), cfg.lr,
+                cfg.optimizer == "sgd" ? "SGD(momentum 0.9)" : (cfg.amp ? (cuda ? "Adam+amp(fp16)" : "Adam+amp(bf16)") : "Adam"), cfg.lr,
                 cfg.grad_clip, static_cast<long long>(cfg.epochs), static_cast<long long>(cfg.seed));
     std::fflush(stdout);
   }
@@ -290,7 +300,10 @@ int run(const Config& cfg) {
       double grad_norm = NAN;  // known with --grad_clip; else the monitor samples it
       {
         auto phase = monitor.phase(dtrain::Phase::kForward);
-        dtrain::Autocast autocast(at::kCPU, at::kBFloat16, /*enabled=*/cfg.amp);
+        // Autocast's defaults, as PyTorch's: bfloat16 on the CPU, float16 on CUDA.
+        dtrain::Autocast autocast(device.type(), cuda ? at::kHalf : at::kBFloat16, /*enabled=*/cfg.amp);
+        batch.data = batch.data.to(device);
+        batch.target = batch.target.to(device);
         logits = ddp(batch.data);  // (B, 10)
         loss = torch::nn::functional::cross_entropy(logits, batch.target);
       }
@@ -329,13 +342,14 @@ int run(const Config& cfg) {
 
     // doc:begin epoch-stats
     // Epoch statistics over all ranks (each rank's samples, padded duplicates included, as PyTorch).
-    at::Tensor stats = at::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(seen)}, at::kDouble);
+    at::Tensor stats = at::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(seen)}, at::kDouble)
+                           .to(dtrain::collective_device());
     dtrain::all_reduce(stats);
     train_loss = stats[0].item<double>() / stats[2].item<double>();
     const double train_accuracy = stats[1].item<double>() / stats[2].item<double>();
     const double epoch_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - te).count();
     const auto tt = std::chrono::steady_clock::now();
-    test_accuracy = evaluate(model, *test, cfg.eval_batch_size > 0 ? cfg.eval_batch_size : cfg.batch_size);
+    test_accuracy = evaluate(model, *test, cfg.eval_batch_size > 0 ? cfg.eval_batch_size : cfg.batch_size, device);
     const double test_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - tt).count();
     if (main_rank) {
       std::printf("Epoch %lld/%lld: Loss=%.4f, Acc=%.4f, Test Acc=%.4f | train %.1f s (%.0f samples/s), test %.1f s\n",
@@ -356,8 +370,9 @@ int run(const Config& cfg) {
   at::Tensor mine = at::zeros({8}, at::kLong);
   for (size_t i = 0; i < sha.size() && i < 64; ++i)  // the 64 hex digits, 8 per int64
     mine[static_cast<int64_t>(i / 8)] += static_cast<int64_t>(static_cast<unsigned char>(sha[i])) << (8 * (i % 8));
+  mine = mine.to(dtrain::collective_device());
   std::vector<at::Tensor> all(dtrain::world_size());
-  for (auto& t : all) t = at::empty({8}, at::kLong);
+  for (auto& t : all) t = at::empty({8}, mine.options());
   dtrain::all_gather(all, mine);
   int first_disagreeing = -1;
   for (int r = 0; r < dtrain::world_size() && first_disagreeing < 0; ++r)
@@ -420,7 +435,10 @@ int main(int argc, char** argv) {
               "sleep this long after every step (fault-injection tests: lets an outside kill land mid-epoch)");
   numbers.add("--threads", cfg.threads, Allowed::kNonNegativeInteger,
               "intra-op threads per rank (default: $OMP_NUM_THREADS; 0: LibTorch's)");
-  app.add_flag("--amp", cfg.amp, "mixed precision: autocast (bfloat16 on CPU) + GradScaler");
+  app.add_flag("--amp", cfg.amp, "mixed precision: autocast (bfloat16 on CPU, float16 on CUDA) + GradScaler");
+  app.add_option("--device", cfg.device,
+                 "cpu, or cuda: rank r trains on cuda:LOCAL_RANK with backend nccl (one GPU per rank)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_option("--dump_params", cfg.dump_params,
                  "rank 0 writes the final parameters' raw float32 bytes here (what params_sha256 hashes)");
   // Note [eval batch size]: evaluating with batches larger than the training batch was up to 10x

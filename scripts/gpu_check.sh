@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with NVIDIA GPUs, builds dtrain against the PyTorch found there and runs
-# the CUDA/NCCL tests (ctest -L gpu) and a DDP run of the trainer on the GPUs, then prints one line
-#   RESULT gpu_check=pass|fail gpus=N torch=<version> cuda_test=<ctest outcome> nccl_test=<...> ddp_train=<...>
+# the CUDA/NCCL tests (ctest -L gpu), a DDP run of ddp_amp_train (autocast float16 + GradScaler) and
+# of the trainer (--device cuda, then resumed from its checkpoint) on up to 2 GPUs, then prints
+#   RESULT gpu_check=pass|fail gpus=N torch=<version> cuda_test=<ctest outcome> nccl_1=<...> nccl_2=<...>
+#          amp_train=<...> trainer=<...> trainer_resume=<...>
+# (a test needing more GPUs than the machine has is "skipped", which does not fail the check).
 #
 #   scripts/gpu_check.sh prepare   here (Debian, registries reachable): downloads the header-only and
 #                                  test dependencies that a GPU image may lack (GoogleTest, CLI11,
-#                                  nlohmann-json, zlib headers) into .gpu-deps/ (git-ignored)
+#                                  nlohmann-json, zlib headers) and copies Fashion-MNIST into
+#                                  .gpu-deps/ (git-ignored; carry it to the GPU machine)
 #   scripts/gpu_check.sh           there: build into build-gpu/ and run; .gpu-deps/ is used when present
 #
 # Python: $DTRAIN_PYTHON, else .venv/bin/python when it imports torch, else python3.
@@ -17,7 +21,11 @@ if [ "${1:-}" = prepare ]; then
   rm -rf .gpu-deps && mkdir -p .gpu-deps/debs
   (cd .gpu-deps/debs && apt-get download libgtest-dev googletest libcli11-dev nlohmann-json3-dev zlib1g-dev)
   for f in .gpu-deps/debs/*.deb; do dpkg-deb -x "$f" .gpu-deps/root; done
+  # zlib's headers only: its libz.a is not position-independent, and the libz.so link points to a
+  # libz.so.1 the deb does not carry; the GPU machine's own libz.so.1 is used.
+  rm -f .gpu-deps/root/usr/lib/x86_64-linux-gnu/libz.*
   rm -rf .gpu-deps/debs
+  mkdir -p .gpu-deps/fashion-mnist && cp /usr/share/datasets/fashion-mnist/*.gz .gpu-deps/fashion-mnist/
   echo "gpu_check: dependencies in .gpu-deps/root ($(du -sh .gpu-deps | cut -f1))"
   exit 0
 fi
@@ -33,16 +41,24 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 echo "gpu_check: torch $torch_version ($prefix), ${gpus} GPU(s)"
 
 deps=""
+extra=()
 if [ -d .gpu-deps/root ]; then
   r=$PWD/.gpu-deps/root
   deps=";$r/usr;$r/usr/lib/x86_64-linux-gnu/cmake;$r/usr/share/cmake"
   export CPATH="$r/usr/include${CPATH:+:$CPATH}"
+  # The deb's libz.so links to a libz.so.1.x it does not carry: point CMake at the machine's own.
+  [ -e /usr/include/zlib.h ] || extra+=("-DZLIB_INCLUDE_DIR=$r/usr/include")
+  if ! ldconfig -p | grep -q 'libz\.so .*x86-64'; then
+    extra+=("-DZLIB_LIBRARY=$(ldconfig -p | awk '/libz\.so\.1 .*x86-64/ {print $NF; exit}')")
+  fi
 fi
+data=/usr/share/datasets/fashion-mnist
+[ -d .gpu-deps/fashion-mnist ] && data=$PWD/.gpu-deps/fashion-mnist
 log=build-gpu/gpu_check.log
 mkdir -p build-gpu
 {
   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDTRAIN_BUILD_BENCH=OFF \
-        "-DCMAKE_PREFIX_PATH=$prefix$deps" &&
+        "-DCMAKE_PREFIX_PATH=$prefix$deps" "${extra[@]}" &&
   cmake --build build-gpu -j"$(nproc)" --target dtrain-run cuda_test nccl_dist_test train_fashion_mnist ddp_amp_train
 } >"$log" 2>&1
 build_rc=$?
@@ -64,17 +80,42 @@ outcome() {
   fi
 }
 cuda=$(outcome gpu_cuda_test)
-nccl=$(outcome gpu_nccl_dist_test_2)
-
-# DDP of the trainer's companion on the GPUs: ddp_amp_train picks NCCL and cuda:LOCAL_RANK by itself.
+nccl1=$(outcome gpu_nccl_dist_test_1)
+nccl2=$(outcome gpu_nccl_dist_test_2)
 nproc=$(( gpus >= 2 ? 2 : 1 ))
-train_out=$(build-gpu/bin/dtrain-run --standalone --nproc_per_node "$nproc" build-gpu/bin/ddp_amp_train --steps 50 2>&1)
-echo "$train_out" >>"$log"
-ddp=$(echo "$train_out" | grep -o 'params_agree=1' >/dev/null && echo "passed_on_${nproc}" || echo failed)
-echo "$train_out" | grep RESULT | sed 's/^/gpu_check: /'
+
+# ran NAME COMMAND...: runs a DDP job, logs it, echoes its RESULT lines; the verdict goes to $verdict_of.
+ran() {
+  local name=$1; shift
+  local out
+  out=$("$@" 2>&1)
+  echo "== $name: $*" >>"$log"; echo "$out" >>"$log"
+  echo "$out" | grep -E 'RESULT|resumed from|error' | sed "s/^/gpu_check: $name: /"
+  if echo "$out" | grep -q 'RESULT.*ranks_agree=1\|RESULT.*params_agree=1'; then
+    verdict_of="passed_on_$nproc"
+  else
+    echo "$out" | tail -20 >&2; verdict_of=failed
+  fi
+}
+run=build-gpu/bin/dtrain-run
+# ddp_amp_train picks NCCL and cuda:LOCAL_RANK by itself: autocast float16 and GradScaler on CUDA.
+ran amp_train "$run" --standalone --nproc_per_node "$nproc" build-gpu/bin/ddp_amp_train --steps 50
+amp=$verdict_of
+ckpt=build-gpu/gpu_check_ckpt
+rm -rf "$ckpt"
+common=(--device cuda --data_dir "$data" --subset 8192 --test_subset 2000 --checkpoint_dir "$ckpt" --checkpoint_every 40)
+ran trainer "$run" --standalone --nproc_per_node "$nproc" build-gpu/bin/train_fashion_mnist --epochs 1 "${common[@]}"
+trainer=$verdict_of
+# A second epoch resumed from the first one's checkpoint: rank 0's tensors back on every rank's GPU.
+ran trainer_resume "$run" --standalone --nproc_per_node "$nproc" build-gpu/bin/train_fashion_mnist --epochs 2 "${common[@]}"
+resume=$verdict_of
+grep -q "resumed from" "$log" || resume=failed
 
 verdict=pass
-for v in "$cuda" "$nccl" "$ddp"; do case "$v" in failed) verdict=fail ;; esac; done
-[ "$cuda" = passed ] || verdict=fail  # one GPU is enough for these: skipping them here is a failure
-echo "RESULT gpu_check=$verdict gpus=$gpus torch=$torch_version cuda_test=$cuda nccl_test=$nccl ddp_train=$ddp"
+for v in "$cuda" "$nccl1" "$nccl2" "$amp" "$trainer" "$resume"; do case "$v" in failed) verdict=fail ;; esac; done
+# One GPU is enough for these: skipping them here is a failure.
+[ "$cuda" = passed ] && [ "$nccl1" = passed ] || verdict=fail
+line="RESULT gpu_check=$verdict gpus=$gpus torch=$torch_version cuda_test=$cuda nccl_1=$nccl1 nccl_2=$nccl2 amp_train=$amp trainer=$trainer trainer_resume=$resume"
+echo "$line" | tee -a "$log"
+[ -n "${OUT:-}" ] && cp "$log" "$OUT/" 2>/dev/null
 [ $verdict = pass ]

@@ -120,6 +120,13 @@ int world_size();
 int local_rank();
 int local_world_size();
 std::string backend();
+// The device whose tensors a group's collectives take: the CPU for "gloo"; for "nccl" the calling
+// thread's current CUDA device, which each rank sets to its own GPU first (PyTorch's recipe,
+// torch.cuda.set_device(local_rank); here set_cuda_device(local_rank())).
+at::Device collective_device(const Group& group = Group());
+// Makes cuda:index the calling thread's current CUDA device (torch.cuda.set_device). Throws when
+// this LibTorch or machine has no CUDA device, or index is not one of the visible devices.
+void set_cuda_device(int index);
 // The store every rank of this job shares (for small out-of-band exchanges).
 c10::intrusive_ptr<c10d::Store> default_store();
 

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <sstream>
 
 #include "checkpoint/file_io.h"
@@ -76,7 +77,7 @@ at::Tensor bytes_tensor(const std::string& s) {
 }
 
 std::string tensor_bytes(const at::Tensor& t) {
-  const at::Tensor c = t.contiguous();
+  const at::Tensor c = t.cpu().contiguous();
   return std::string(static_cast<const char*>(c.data_ptr()), c.numel());
 }
 
@@ -123,10 +124,29 @@ std::string encode(const TrainingState& st, const std::vector<std::string>& rank
   return os.str();
 }
 
+// The one device every parameter and buffer of `st.model` is on, or nullopt (no model, none, or a
+// model spread over several devices, whose tensors then return to the devices they were saved from).
+std::optional<at::Device> model_device(const TrainingState& st) {
+  if (!st.model) return std::nullopt;
+  std::optional<at::Device> device;
+  for (const auto& t : st.model->parameters()) {
+    if (device && *device != t.device()) return std::nullopt;
+    device = t.device();
+  }
+  for (const auto& t : st.model->buffers()) {
+    if (device && *device != t.device()) return std::nullopt;
+    device = t.device();
+  }
+  return device;
+}
+
 // Parses the payload into `a` and checks its version; throws with the reason (no file name).
-void parse(const std::string& payload, torch::serialize::InputArchive& a) {
+// Tensors are loaded onto `device` when given (PyTorch's map_location): rank 0 saved its own GPU's
+// tensors, and every rank must get them on its own GPU, the optimizer's state included.
+void parse(const std::string& payload, torch::serialize::InputArchive& a, std::optional<at::Device> device) {
   try {
-    a.load_from(payload.data(), payload.size());
+    // c10::optional is not std::optional before LibTorch 2.4.
+    a.load_from(payload.data(), payload.size(), device ? c10::optional<at::Device>(*device) : c10::nullopt);
   } catch (const c10::Error& e) {
     throw Error("its archive does not parse: " + std::string(e.what_without_backtrace()).substr(0, 200));
   }
@@ -190,9 +210,11 @@ bool distributed() { return is_initialized() && world_size() > 1; }
 // Rank 0's string on every rank (itself when not distributed).
 std::string broadcast_string(const std::string& s) {
   if (!distributed()) return s;
-  at::Tensor len = at::full({1}, static_cast<int64_t>(s.size()), at::kLong);
+  const at::Device dev = collective_device();  // CUDA under NCCL
+  at::Tensor len = at::full({1}, static_cast<int64_t>(s.size()), at::TensorOptions(at::kLong).device(dev));
   broadcast(len, 0);
-  at::Tensor bytes = rank() == 0 ? bytes_tensor(s) : at::empty({len.item<int64_t>()}, at::kByte);
+  at::Tensor bytes = rank() == 0 ? bytes_tensor(s).to(dev)
+                                 : at::empty({len.item<int64_t>()}, at::TensorOptions(at::kByte).device(dev));
   if (bytes.numel() > 0) broadcast(bytes, 0);
   return tensor_bytes(bytes);
 }
@@ -201,15 +223,17 @@ std::string broadcast_string(const std::string& s) {
 std::vector<std::string> gather_packs(const std::string& mine) {
   if (!distributed()) return {mine};
   const int world = world_size();
+  const at::Device dev = collective_device();  // CUDA under NCCL
   std::vector<at::Tensor> lens(world);
-  for (auto& t : lens) t = at::empty({1}, at::kLong);
-  all_gather(lens, at::full({1}, static_cast<int64_t>(mine.size()), at::kLong));
+  for (auto& t : lens) t = at::empty({1}, at::TensorOptions(at::kLong).device(dev));
+  all_gather(lens, at::full({1}, static_cast<int64_t>(mine.size()), at::TensorOptions(at::kLong).device(dev)));
   int64_t longest = 0;
   for (const auto& t : lens) longest = std::max(longest, t.item<int64_t>());
   at::Tensor padded = at::zeros({longest}, at::kByte);
   if (!mine.empty()) std::memcpy(padded.data_ptr(), mine.data(), mine.size());
+  padded = padded.to(dev);
   std::vector<at::Tensor> packs(world);
-  for (auto& t : packs) t = at::empty({longest}, at::kByte);
+  for (auto& t : packs) t = at::empty({longest}, padded.options());
   all_gather(packs, padded);
   std::vector<std::string> out;
   for (int r = 0; r < world; ++r) out.push_back(tensor_bytes(packs[r]).substr(0, lens[r].item<int64_t>()));
@@ -239,7 +263,7 @@ void load_checkpoint(const std::string& path, TrainingState& state) {
   }
   torch::serialize::InputArchive a;
   try {
-    parse(payload, a);
+    parse(payload, a, model_device(state));
   } catch (const Error& e) {
     throw Error("checkpoint " + path + " is unusable: " + e.what());
   }
@@ -312,7 +336,7 @@ std::optional<std::string> CheckpointManager::load_latest(TrainingState& state) 
       try {
         std::string f = ckpt::read_file(*it);
         torch::serialize::InputArchive probe;
-        parse(ckpt::unframe(f), probe);
+        parse(ckpt::unframe(f), probe, at::Device(at::kCPU));  // only checks that it parses
         framed = std::move(f);
         outcome = "ok " + *it;
         break;
@@ -342,7 +366,7 @@ std::optional<std::string> CheckpointManager::load_latest(TrainingState& state) 
   }
   // 3.
   torch::serialize::InputArchive a;
-  parse(payload, a);
+  parse(payload, a, model_device(state));
   restore(a, state, path, is_initialized() ? rank() : 0);
   return path;
 }

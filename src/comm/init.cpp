@@ -36,7 +36,17 @@ namespace dtrain {
 namespace comm {
 namespace {
 
-std::unique_ptr<WorldState> g_state;
+// The process group of this process. If the program exits without destroy_process_group() (an
+// error on the way, say), this holder's destructor runs among the static destructors, after CUDA
+// has begun shutting down: destroying an NCCL group then aborts the process ("driver shutting
+// down") and hides the program's own error and exit status. At that point the state is left to the
+// operating system instead, as it would be after a crash.
+struct StateHolder : std::unique_ptr<WorldState> {
+  ~StateHolder() {
+    if (get() && get()->backend == "nccl") (void)release();
+  }
+};
+StateHolder g_state;
 std::mutex g_mu;
 
 std::chrono::milliseconds resolve_timeout(const InitOptions& o) {
@@ -214,7 +224,7 @@ void init_process_group(const InitOptions& o) {
   std::vector<int> all(st->world_size);
   for (int i = 0; i < st->world_size; ++i) all[i] = i;
   st->world = make_group(*st, "default", all, st->timeout);
-  g_state = std::move(st);
+  static_cast<std::unique_ptr<WorldState>&>(g_state) = std::move(st);
 }
 
 bool is_initialized() { return comm::world_state_or_null() != nullptr; }

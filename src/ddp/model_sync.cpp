@@ -61,9 +61,10 @@ void verify_same_model(const std::vector<std::string>& names, const std::vector<
   const std::string text = join(lines);
   // Step 1-2.
   const int64_t h = static_cast<int64_t>(std::hash<std::string>{}(text));
+  const auto on = at::TensorOptions(at::kLong).device(collective_device(group));  // CUDA under NCCL
   std::vector<at::Tensor> hashes;
-  for (int i = 0; i < group.size(); ++i) hashes.push_back(at::empty({1}, at::kLong));
-  all_gather(hashes, at::full({1}, h, at::kLong), group);
+  for (int i = 0; i < group.size(); ++i) hashes.push_back(at::empty({1}, on));
+  all_gather(hashes, at::full({1}, h, on), group);
   bool same = true;
   for (const auto& t : hashes) same = same && t.item<int64_t>() == h;
   if (same) return;

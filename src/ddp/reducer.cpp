@@ -197,8 +197,9 @@ void Reducer::finalize() {
     // 1 where this rank used the parameter; MAX over ranks tells which were used anywhere.
     std::vector<int32_t> used(params_.size());
     for (size_t i = 0; i < params_.size(); ++i) used[i] = unused_[i] ? 0 : 1;
-    used_anywhere = at::tensor(used, at::kInt);
+    used_anywhere = at::tensor(used, at::kInt).to(collective_device(group_));  // CUDA under NCCL
     all_reduce(used_anywhere, ReduceOp::MAX, group_);
+    used_anywhere = used_anywhere.cpu();
   }
   for (auto& b : buckets_) {
     b.work.wait();

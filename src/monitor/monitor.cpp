@@ -340,7 +340,7 @@ void Monitor::Impl::aggregate() {
   std::vector<std::vector<double>> all(kNumFields, std::vector<double>(size));
   if (distributed) {
     const Group& g = o.process_group();
-    const auto dev = g.backend() == "nccl" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+    const at::Device dev = collective_device(g);
     at::Tensor in = at::from_blob(mine, {kNumFields}, at::kDouble).to(dev, /*non_blocking=*/false, /*copy=*/true);
     std::vector<at::Tensor> out;
     for (int r = 0; r < size; ++r) out.push_back(at::empty({kNumFields}, in.options()));
@@ -410,21 +410,23 @@ void Monitor::close() {
     std::vector<std::string> parts{part};
     if (s.distributed) {
       const Group& g = s.o.process_group();
+      const at::Device dev = collective_device(g);  // CUDA under NCCL
       std::vector<at::Tensor> sizes;
-      for (int r = 0; r < s.size; ++r) sizes.push_back(at::empty({1}, at::kLong));
-      all_gather(sizes, at::full({1}, static_cast<int64_t>(part.size()), at::kLong), g);
+      for (int r = 0; r < s.size; ++r) sizes.push_back(at::empty({1}, at::TensorOptions(at::kLong).device(dev)));
+      all_gather(sizes, at::full({1}, static_cast<int64_t>(part.size()), at::TensorOptions(at::kLong).device(dev)), g);
       int64_t max_size = 1;
       for (auto& t : sizes) max_size = std::max(max_size, t.item<int64_t>());
       at::Tensor mine = at::zeros({max_size}, at::kByte);
       std::memcpy(mine.data_ptr(), part.data(), part.size());
+      mine = mine.to(dev);
       std::vector<at::Tensor> list;
       if (s.rank == 0)
-        for (int r = 0; r < s.size; ++r) list.push_back(at::empty({max_size}, at::kByte));
+        for (int r = 0; r < s.size; ++r) list.push_back(at::empty({max_size}, mine.options()));
       gather(mine, list, g.ranks()[0], g);
       if (s.rank == 0) {
         parts.clear();
         for (int r = 0; r < s.size; ++r)
-          parts.emplace_back(static_cast<const char*>(list[r].data_ptr()), sizes[r].item<int64_t>());
+          parts.emplace_back(static_cast<const char*>(list[r].cpu().data_ptr()), sizes[r].item<int64_t>());
       }
     }
     if (s.rank == 0) write_text(s.path("trace.json"), monitor::merge_trace(parts));

@@ -46,6 +46,15 @@ TEST(Collectives, RankAndLocalRank) {
   EXPECT_EQ(backend(), "gloo");
 }
 
+// Gloo groups take CPU tensors; choosing a CUDA device on this GPU-less machine says why it cannot.
+TEST(Collectives, CollectiveDeviceAndSetCudaDevice) {
+  EXPECT_EQ(collective_device(), at::Device(at::kCPU));
+  EXPECT_EQ(collective_device(gloo_group()), at::Device(at::kCPU));
+  const std::string err = dtrain_error_of([] { set_cuda_device(R()); });
+  EXPECT_NE(err.find("set_cuda_device(" + std::to_string(R()) + ")"), std::string::npos) << err;
+  EXPECT_NE(err.find("no CUDA device is visible"), std::string::npos) << err;
+}
+
 TEST(Collectives, AllReduceOps) {
   auto v = [](ReduceOp op) {
     at::Tensor t = at::full({3}, R() + 1.0);

@@ -180,6 +180,24 @@ class TrainFashionMNIST(DistTestCase):
         self.assertIn(ERROR_PREFIX, res.err, str(res))
         self.assertNotIn("RESULT", res.out, str(res))
 
+    def test_device_cuda_without_a_gpu_fails_every_rank(self):
+        # No GPU here: a CPU-only LibTorch has no NCCL, a CUDA one finds no device for it. Either way
+        # every rank stops at once with one line naming the backend and the way out.
+        port = free_port()
+        why = "CUDA device" if os.environ.get("DTRAIN_WITH_CUDA") == "ON" else "CPU-only"
+        results = self.run_ranks([trainer(), "--device", "cuda", "--subset", 64],
+                                 [rank_env(r, 2, port, DTRAIN_TIMEOUT_S=30) for r in range(2)], timeout=60)
+        for res in results:
+            self.assertEqual(res.rc, 1, str(res))
+            self.assertLess(res.seconds, 20, str(res))
+            self.assertOneLineError(res, "'nccl'", why, "gloo", prefix=ERROR_PREFIX)
+
+    def test_unknown_device_is_refused(self):
+        res = self.run_one([trainer(), "--device", "tpu"], clean_env(), timeout=30)
+        self.assertNotEqual(res.rc, 0, str(res))
+        self.assertIn("tpu", res.err, str(res))
+        self.assertIn("cuda", res.err, str(res))
+
     # (flag, bad value, what the error says is allowed): every numeric flag, out of range and not a number.
     BAD_FLAGS = [("--epochs", "0", "a positive integer"), ("--epochs", "-1", "a positive integer"),
                  ("--epochs", "1.5", "a positive integer"), ("--batch_size", "0", "a positive integer"),

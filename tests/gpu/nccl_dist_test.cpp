@@ -1,11 +1,17 @@
 // NCCL and DDP on CUDA tensors, one GPU per rank (cuda:LOCAL_RANK), run through dtrain-run by
 // run_multi_gpu.sh, which reports the test skipped (exit 77) on a machine with fewer GPUs than ranks.
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
 
+#include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
 #include "dtrain/process_group.h"
 
@@ -53,11 +59,50 @@ TEST(Nccl, DdpGradientsAreTheMeanOfTheRanksGradients) {
     EXPECT_TRUE(at::allclose(p[i].grad(), q[i].grad() / n, 1e-10, 1e-12)) << "parameter " << i;
 }
 
+// A checkpoint of a model and its Adam state on the GPU: rank 0 writes its own device's tensors,
+// and every rank gets them back on its own device (the optimizer's moments too, or its next step
+// would mix devices), with the values rank 0 saved.
+TEST(Nccl, CheckpointRestoresOntoEachRanksOwnDevice) {
+  torch::manual_seed(5);
+  auto net = torch::nn::Linear(4, 3);
+  net->to(my_device());
+  dtrain::DistributedDataParallel ddp(net);
+  torch::optim::Adam opt(ddp.parameters(), torch::optim::AdamOptions(0.1));
+  ddp(at::ones({2, 4}, on_gpu())).sum().backward();
+  opt.step();
+  const at::Tensor saved_weight = net->weight.detach().clone();
+
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           ("dtrain_gpu_ckpt_" + std::string(std::getenv("MASTER_PORT") ? std::getenv("MASTER_PORT") : "0")))
+                              .string();
+  dtrain::CheckpointManager manager(dir);
+  dtrain::TrainingState state;
+  state.model = net.get();
+  state.optimizer = &opt;
+  state.step = 1;
+  manager.save(state);
+
+  {
+    torch::NoGradGuard no_grad;
+    net->weight.fill_(7.0);
+  }
+  ASSERT_TRUE(manager.load_latest(state).has_value());
+  EXPECT_EQ(net->weight.device(), my_device());
+  EXPECT_TRUE(at::equal(net->weight.detach(), saved_weight));
+  // The restored moments are on this rank's device: the next step runs.
+  opt.zero_grad();
+  ddp(at::ones({2, 4}, on_gpu())).sum().backward();
+  EXPECT_NO_THROW(opt.step());
+  dtrain::barrier();
+  if (dtrain::rank() == 0) std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   dtrain::init_process_group(dtrain::InitOptions().backend("nccl"));
+  dtrain::set_cuda_device(dtrain::local_rank());
   int rc = RUN_ALL_TESTS();
   dtrain::destroy_process_group();
   return rc;

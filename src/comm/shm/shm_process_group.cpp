@@ -319,7 +319,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::barrier(const c10d::BarrierOptio
 
 // The rest always runs on Gloo, checked first (Note [Guarded Gloo collectives]).
 #define DTRAIN_ON_GLOO(outputs, type, call, timeout, ...) \
-  return on_gloo(outputs, c10d::OpType::type, call, timeout, [=]() mutable { return gloo_->__VA_ARGS__; })
+  return on_gloo(outputs, c10d::OpType::type, call, timeout, [=, gloo = gloo_]() mutable { return gloo->__VA_ARGS__; })
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce_coalesced(std::vector<at::Tensor>& t,
                                                                     const c10d::AllreduceCoalescedOptions& o) {
