@@ -118,6 +118,8 @@ TEST(ShmComm, AllReduceOpsAndDtypes) {
     check_reduce<float>(n, 3000, DType::F32, RedOp::PROD);
     check_reduce<double>(n, 3000, DType::F64, RedOp::SUM);
     check_reduce<c10::Half>(n, 5000, DType::F16, RedOp::SUM);
+    check_reduce<c10::Half>(n, 3001, DType::F16, RedOp::MIN);
+    check_reduce<c10::Half>(n, 3001, DType::F16, RedOp::MAX);
     check_reduce<c10::BFloat16>(n, 5000, DType::BF16, RedOp::SUM);
   }
 }
@@ -156,9 +158,46 @@ TEST(ShmKernels, StreamingCombineMatchesCombine) {
           ASSERT_EQ(o[shift + i], want[shift + i]) << "shift " << shift << " count " << count << " alias " << alias;
           ASSERT_EQ(sh[shift + i], want[shift + i]) << "shift " << shift << " count " << count << " alias " << alias;
         }
-        if (alias != 3 && shift > 0) ASSERT_EQ(shared[shift - 1], -2.f);  // nothing written outside
-        if (alias != 3) ASSERT_EQ(shared[shift + count], -2.f);
+        if (alias != 3 && shift > 0) {
+          ASSERT_EQ(shared[shift - 1], -2.f);  // nothing written outside
+        }
+        if (alias != 3) {
+          ASSERT_EQ(shared[shift + count], -2.f);
+        }
       }
+}
+
+// float16 takes a vectorized F16C path on CPUs that have it: every op, on values that round, overflow
+// to infinity, are subnormal, signed zeros, infinities and NaNs, at lengths with and without a tail,
+// equals c10::Half's own conversions element by element (NaN: any NaN).
+TEST(ShmKernels, Float16CombineEqualsCHalfConversions) {
+  const float specials[] = {0.f, -0.f, 1.f, -1.5f, 0.1f, 65504.f, 60000.f, -60000.f, 6e-8f, 3e-5f, -2e-7f,
+                            INFINITY, -INFINITY, NAN, 1e-3f, 333.3f, 2049.f, 0.33325f};
+  const size_t ns = sizeof(specials) / sizeof(specials[0]);
+  for (size_t count : {size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{ns * ns}, size_t{ns * ns + 5}}) {
+    std::vector<c10::Half> a(count), b(count), out(count);
+    for (size_t i = 0; i < count; ++i) {
+      a[i] = c10::Half(i < ns * ns ? specials[i % ns] : value(0, i));
+      b[i] = c10::Half(i < ns * ns ? specials[i / ns] : value(1, i));
+    }
+    for (RedOp op : {RedOp::SUM, RedOp::PROD, RedOp::MIN, RedOp::MAX}) {
+      combine(out.data(), a.data(), b.data(), count, DType::F16, op);
+      for (size_t i = 0; i < count; ++i) {
+        const float x = static_cast<float>(a[i]), y = static_cast<float>(b[i]);
+        const float r = op == RedOp::SUM ? x + y : op == RedOp::PROD ? x * y : op == RedOp::MIN ? std::min(x, y)
+                                                                                               : std::max(x, y);
+        const c10::Half want(r);
+        const float got = static_cast<float>(out[i]);
+        if (std::isnan(static_cast<float>(want))) {
+          ASSERT_TRUE(std::isnan(got)) << to_string(op) << " of " << x << " and " << y << " gave " << got;
+        } else {
+          ASSERT_EQ(std::memcmp(&want, &out[i], sizeof(c10::Half)), 0)
+              << to_string(op) << " of " << x << " and " << y << ": " << got << " instead of "
+              << static_cast<float>(want);
+        }
+      }
+    }
+  }
 }
 
 TEST(ShmComm, ManyBackToBackOpsKeepTheirOrder) {
