@@ -4,8 +4,8 @@
 //
 //   ./build/bin/dtrain-run --standalone --nproc_per_node 2 ./build/bin/train_fashion_mnist
 //   # two machines, as the tutorial's torchrun lines:
-//   dtrain-run --nnodes 2 --node_rank 0 --nproc_per_node 4 --master_addr 192.168.1.1 --master_port 29500 \
-//       train_fashion_mnist --epochs 30 --batch_size 32          # (node_rank 1 on the other machine)
+//   dtrain-run --nnodes 2 --node_rank 0 --nproc_per_node 4 --master_addr 192.168.1.1 --master_port 29500
+//       train_fashion_mnist --epochs 30 --batch_size 32          # (one line; node_rank 1 on the other)
 //
 // Python (the tutorial):                            C++ (here):
 //   dist.init_process_group(backend)                  dtrain::init_process_group()

@@ -72,7 +72,7 @@ void check_call(const Group::Impl& g, const char* op, const Parts&... parts) {
   std::string desc = op;
   desc += "(";
   bool first = true;
-  auto add = [&](const std::string& p) {
+  [[maybe_unused]] auto add = [&](const std::string& p) {  // unused when there are no parts (barrier)
     desc += (first ? "" : ", ") + p;
     first = false;
   };

@@ -90,7 +90,9 @@ TEST(DDPOptions, GradientAsBucketViewMakesGradsSlicesOfTheBucket) {
             EXPECT_EQ(static_cast<char*>(g.data_ptr()) - static_cast<char*>(first.data_ptr()), offset) << where;
           } else {
             EXPECT_EQ(static_cast<int64_t>(g.storage().nbytes()), g.numel() * g.element_size()) << where;
-            if (i != buckets[b][0]) EXPECT_FALSE(g.is_alias_of(first)) << where;
+            if (i != buckets[b][0]) {
+              EXPECT_FALSE(g.is_alias_of(first)) << where;
+            }
           }
           offset += g.numel() * g.element_size();
         }

@@ -272,8 +272,12 @@ TEST(DDP, BucketCapsAndGradientViewsGiveTheSameResult) {
       tutorial::SimpleModel m;
       DistributedDataParallel ddp(m, DDPOptions().bucket_cap_mb(cap).first_bucket_cap_mb(std::min(cap, 1.0))
                                          .gradient_as_bucket_view(as_view));
-      if (cap == 0.001) EXPECT_EQ(ddp.bucket_param_indices().size(), 3u);
-      if (cap == 100.0) EXPECT_LE(ddp.bucket_param_indices().size(), 2u);
+      if (cap == 0.001) {
+        EXPECT_EQ(ddp.bucket_param_indices().size(), 3u);
+      }
+      if (cap == 100.0) {
+        EXPECT_LE(ddp.bucket_param_indices().size(), 2u);
+      }
       torch::optim::Adam opt(ddp.parameters(), 1e-3);
       for (int s = 0; s < 5; ++s) {
         auto [x, y] = batch({128}, s);

@@ -131,7 +131,9 @@ TEST_P(PipelineEquivalence, MatchesOneProcessAndCountsActivations) {
     auto r = pipe.step(pipe.is_first() ? x : at::Tensor(), pipe.is_last() ? y : at::Tensor(), loss_fn);
     opt.step();
     EXPECT_NEAR(r.loss, ref_losses[step], 1e-9 * std::abs(ref_losses[step])) << "step " << step;
-    if (pipe.is_last()) EXPECT_EQ(r.output.sizes(), (std::vector<int64_t>{kBatch, kOut}));
+    if (pipe.is_last()) {
+      EXPECT_EQ(r.output.sizes(), (std::vector<int64_t>{kBatch, kOut}));
+    }
     // Activation memory, counted by the pipeline itself.
     const int64_t live = pipe.max_live_micro_batches();
     if (schedule == Schedule::kGPipe) {

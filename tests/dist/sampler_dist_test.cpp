@@ -41,7 +41,9 @@ TEST(SamplerDist, RanksPartitionTheDatasetEveryEpoch) {
       } else {
         EXPECT_EQ(distinct.numel(), 1001) << "some index is on no rank";
       }
-      if (previous.defined()) EXPECT_FALSE(at::equal(all, previous)) << "epoch " << epoch;
+      if (previous.defined()) {
+        EXPECT_FALSE(at::equal(all, previous)) << "epoch " << epoch;
+      }
       previous = all;
     }
   }

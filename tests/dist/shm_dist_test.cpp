@@ -111,7 +111,9 @@ TEST(Shm, UnsupportedCallsFallBackToGloo) {
   EXPECT_NE(error_of([&] { broadcast(nc, 0); }).find("not contiguous"), std::string::npos);
   at::Tensor r = at::full({3}, 2.0);
   reduce(r, 0, ReduceOp::SUM);
-  if (R() == 0) EXPECT_EQ(r[0].item<double>(), 2.0 * N());
+  if (R() == 0) {
+    EXPECT_EQ(r[0].item<double>(), 2.0 * N());
+  }
   at::Tensor out = at::empty({2});
   std::vector<at::Tensor> inputs(N());
   for (int k = 0; k < N(); ++k) inputs[k] = at::full({2}, static_cast<double>(k));
@@ -159,7 +161,9 @@ TEST(Shm, MismatchedShapesFailEveryRankNamingBothCalls) {
   at::Tensor t = at::ones({R() == 0 ? 8 : 16});
   std::string err = error_of([&] { all_reduce(t, ReduceOp::SUM, g); });
   EXPECT_NE(err.find("mismatched collectives"), std::string::npos) << err;
-  if (R() < 2) EXPECT_NE(err.find("all_reduce of 8 float32 (SUM)"), std::string::npos) << err;
+  if (R() < 2) {
+    EXPECT_NE(err.find("all_reduce of 8 float32 (SUM)"), std::string::npos) << err;
+  }
   EXPECT_EQ(err.rfind("rank " + std::to_string(R()) + ": ", 0), 0u) << err;  // names this rank first
   EXPECT_NE(error_of([&] { all_reduce(t, ReduceOp::SUM, g); }), "");
 }

@@ -235,7 +235,9 @@ TEST(DistributedSampler, WorksWithDataLoaderWorkers) {
         }
         EXPECT_EQ(got, sampler.indices()) << "rank " << rank << " epoch " << epoch;
         std::set<int64_t> distinct(got.begin(), got.end());
-        if (drop_last) EXPECT_EQ(distinct.size(), got.size()) << "each index once";
+        if (drop_last) {
+          EXPECT_EQ(distinct.size(), got.size()) << "each index once";
+        }
         EXPECT_NE(got, prev[rank]) << "epoch " << epoch << " repeats the previous order";
         prev[rank] = got;
         all_ranks.insert(got.begin(), got.end());
