@@ -86,7 +86,8 @@ Core::Core(std::shared_ptr<torch::nn::Module> module, DDPOptions options) : impl
     const auto& o = s.options;
     std::cerr << "[dtrain DDP] " << s.params.size() << " parameters in " << assignment.size()
               << " buckets (first " << o.first_bucket_cap_mb() << " MB, then " << o.bucket_cap_mb()
-              << " MB), group of " << group.size() << " ranks (" << group.backend() << "), " << s.buffers.size()
+              << " MB), group of " << group.size() << " ranks (" << group.backend()
+              << (group.uses_shared_memory() ? ", shared memory" : "") << "), " << s.buffers.size()
               << " buffers | broadcast_buffers=" << o.broadcast_buffers()
               << " find_unused_parameters=" << o.find_unused_parameters()
               << " gradient_as_bucket_view=" << o.gradient_as_bucket_view() << " static_graph=" << o.static_graph()

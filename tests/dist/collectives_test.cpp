@@ -39,6 +39,9 @@ std::string dtrain_error_of(const std::function<void()>& f) {
 }
 }  // namespace
 
+// Shared memory here, Gloo in dist_collectives_test_gloo_2.
+TEST(Collectives, DefaultGroupRunsOverTheTransportThisRunTests) { expect_default_group_transport_from_env(); }
+
 TEST(Collectives, RankAndLocalRank) {
   EXPECT_TRUE(is_initialized());
   EXPECT_EQ(local_world_size(), N());  // dtrain-run on one node

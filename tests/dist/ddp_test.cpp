@@ -149,6 +149,9 @@ constexpr double kTol = 1e-6;
 
 }  // namespace
 
+// DDP's buckets go through the default group: shared memory here, Gloo in dist_ddp_test_gloo_2.
+TEST(DDP, DefaultGroupRunsOverTheTransportThisRunTests) { expect_default_group_transport_from_env(); }
+
 TEST(DDP, MlpMatchesSingleProcessSgdAndAdam) {
   for (std::string opt : {"sgd", "adam"}) {
     torch::manual_seed(rank());  // different initial weights per rank: DDP must broadcast rank 0's

@@ -5,7 +5,24 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "dtrain/process_group.h"
+
+// ctest runs some programs twice on one host: as is, where the default group takes shared memory,
+// and with DTRAIN_SHM=0 (dtrain_dist_test_gloo in CMakeLists.txt), where it must take Gloo alone, the
+// path between hosts. A program checks which one it got, so that neither variant can silently test
+// the other's path.
+inline bool shm_disabled_by_env() {
+  const char* v = std::getenv("DTRAIN_SHM");
+  return v && std::string(v) == "0";
+}
+inline void expect_default_group_transport_from_env() {
+  EXPECT_EQ(dtrain::Group().uses_shared_memory(), !shm_disabled_by_env())
+      << "DTRAIN_SHM=" << (std::getenv("DTRAIN_SHM") ? std::getenv("DTRAIN_SHM") : "(unset)")
+      << ", ranks of one host: the default group runs over the other transport";
+}
 
 class DistEnvironment : public ::testing::Environment {
  public:

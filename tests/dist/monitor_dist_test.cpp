@@ -149,6 +149,8 @@ TEST(Monitor, InfoLogsBucketsAndSetupOnRankZero) {
     EXPECT_NE(log.find("bucket 0:"), std::string::npos) << log;
     EXPECT_NE(log.find("6.weight"), std::string::npos) << "parameter names: " << log;
     EXPECT_NE(log.find("find_unused_parameters"), std::string::npos) << "setup options: " << log;
+    // The ranks share a host: the buckets go through shared memory, and the line says so.
+    EXPECT_NE(log.find("ranks (gloo, shared memory)"), std::string::npos) << log;
   } else {
     EXPECT_EQ(log.find("[dtrain DDP]"), std::string::npos) << log;
   }

@@ -1,6 +1,7 @@
 // Shared-memory collectives through the process-group interface, on 2, 3 and 4 real ranks of one
 // host (dtrain-run): the default group uses them, results match Gloo (bit for bit on 2 ranks),
-// unsupported calls fall back to Gloo, hierarchical all-reduce across simulated hosts, errors.
+// unsupported calls fall back to Gloo, hierarchical all-reduce across simulated hosts (of
+// rank-dependent data too, against the sum of every rank's inputs), errors.
 //
 // `shm_dist_test --loop_allreduce` (used by test_shm.py): init, print "ready", all_reduce until a
 // collective fails, print that error and exit 1.
@@ -147,6 +148,97 @@ TEST(Shm, HierarchicalAllReduceAcrossSimulatedHosts) {
   broadcast(b, N() - 1, g);  // across hosts: Gloo
   EXPECT_EQ(b[3].item<double>(), 7.0);
   barrier(g);
+}
+
+namespace {
+// Every rank's input for one call: values that differ between ranks and between elements, drawn from a
+// seed that names the rank, so that each rank can regenerate all the others' inputs. `integral`: small
+// integers, whose sums are exact in every dtype and order (|sum| <= 64 on 4 ranks, exact in bfloat16).
+std::vector<at::Tensor> inputs_of_all_ranks(int64_t n, at::ScalarType dt, bool integral, int call) {
+  std::vector<at::Tensor> in;
+  for (int r = 0; r < N(); ++r) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(100000 * call + r);
+    in.push_back((integral ? at::randint(-16, 17, {n}, g, at::kDouble) : at::randn({n}, g, at::kDouble)).to(dt));
+  }
+  return in;
+}
+
+// Unit roundoff of each floating dtype, for the bound on a sum's rounding error.
+double eps_of(at::ScalarType dt) {
+  switch (dt) {
+    case at::kDouble: return 0x1p-52;
+    case at::kFloat: return 0x1p-23;
+    case at::kHalf: return 0x1p-10;
+    default: return 0x1p-7;  // bfloat16
+  }
+}
+}  // namespace
+
+// all_reduce of rank-dependent, non-constant data, element by element against the sum of every rank's
+// input computed here. A constant fill cannot show a chunk reduced twice, a part taken from the wrong
+// rank or the wrong offset, or a tail left out; these inputs do. Lengths straddle chunk boundaries
+// (1 KiB of elements per chunk with 4 KiB slots; DDP's default 1 MiB slots too), on three layouts of
+// simulated hosts: one host; ranks 0-1 | the rest; even | odd ranks (the hosts' leaders are then 0 and 1
+// and their local ranks are not contiguous). With 3 and 4 ranks the last two are hierarchical:
+// shared memory inside each host, Gloo between the leaders, shared memory again to spread the result.
+TEST(Shm, AllReduceOfRankDependentDataEqualsTheSumOfEveryRanksInputs) {
+  struct Layout {
+    const char* name;
+    std::string (*host)(int rank);
+  };
+  const Layout layouts[] = {{"one host", [](int) { return std::string("one"); }},
+                            {"0-1 | rest", [](int r) { return std::string(r < 2 ? "a" : "b"); }},
+                            {"even | odd", [](int r) { return std::string(r % 2 ? "odd" : "even"); }}};
+  const std::pair<const char*, std::vector<int64_t>> slots[] = {{"4096", {1, 3, 1021, 5003, 70001}},
+                                                                {"1048576", {1, 300007}}};
+  int call = 0;
+  for (const Layout& layout : layouts)
+    for (const auto& [slot_bytes, lengths] : slots) {
+      Group g = [&] {
+        EnvOverride host("DTRAIN_SHM_HOST", layout.host(R()));
+        EnvOverride slot("DTRAIN_SHM_SLOT_BYTES", slot_bytes);
+        return new_group({});
+      }();
+      int on_my_host = 0;
+      bool some_host_shared = false;
+      for (int r = 0; r < N(); ++r) {
+        on_my_host += layout.host(r) == layout.host(R());
+        for (int k = 0; k < r; ++k) some_host_shared = some_host_shared || layout.host(k) == layout.host(r);
+      }
+      ASSERT_EQ(g.uses_shared_memory(), on_my_host > 1) << layout.name;
+      for (auto dt : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+        // With no two ranks on a host the group is Gloo alone, and Gloo 1.13 has no bfloat16.
+        if (dt == at::kBFloat16 && !some_host_shared) continue;
+        for (int64_t n : lengths)
+          for (bool integral : {true, false}) {
+            const std::string where = std::string(layout.name) + ", slots of " + slot_bytes + ", " +
+                                      c10::toString(dt) + ", n=" + std::to_string(n) +
+                                      (integral ? ", integers" : ", normal");
+            auto in = inputs_of_all_ranks(n, dt, integral, ++call);
+            at::Tensor sum = at::zeros({n}, at::kDouble), abs_sum = at::zeros({n}, at::kDouble);
+            for (const auto& x : in) {
+              sum += x.to(at::kDouble);
+              abs_sum += x.to(at::kDouble).abs();
+            }
+            at::Tensor t = in[R()].clone();
+            all_reduce(t, ReduceOp::SUM, g);
+            at::Tensor err = (t.to(at::kDouble) - sum).abs();
+            if (integral) {
+              EXPECT_EQ(err.max().item<double>(), 0.0) << where << ": first wrong element "
+                                                       << err.nonzero().min().item<int64_t>();
+            } else {
+              // Each of the N - 1 additions rounds once (bfloat16: the leaders add in float32):
+              // |error| <= N * eps * sum |x_r|. A missing or misplaced part is off by a whole input.
+              at::Tensor excess = err - N() * eps_of(dt) * abs_sum;
+              EXPECT_LE(excess.max().item<double>(), 0.0) << where << ": first element beyond rounding "
+                                                          << (excess > 0).nonzero().min().item<int64_t>();
+            }
+            t = in[R()].clone();
+            all_reduce(t, ReduceOp::MAX, g);
+            EXPECT_TRUE(at::equal(t, at::stack(in).amax(0))) << where << " (MAX)";
+          }
+      }
+    }
 }
 
 TEST(Shm, RequiredWithoutASharedHostFailsOnEveryRank) {

@@ -6,6 +6,8 @@ with small sizes (seconds per run):
     params_sha256 is bit-identical to an uninterrupted run with the same seed, on 1 and on 2 ranks;
   * the same on two nodes (two launchers, one worker each, on loopback): both launchers agree on the
     restart and the final params_sha256 equals the uninterrupted 2-rank run's;
+  * the 2-rank exact resume again over Gloo alone (DTRAIN_SHM=0, as between hosts), against an
+    uninterrupted run over Gloo;
   * SIGSTOP of a random worker -> the other rank's collective times out (DTRAIN_TIMEOUT_S=5) with an
     error naming the operation and the ranks -> restart -> the run finishes;
   * dtrain-run itself SIGKILLed -> no worker lingers;
@@ -24,7 +26,7 @@ import unittest
 import zlib
 
 from harness import DistTestCase, clean_env, free_port, wait_until
-from test_train_fashion_mnist import ERROR_PREFIX, RESULT_RE, launcher, trainer
+from test_train_fashion_mnist import ERROR_PREFIX, RESULT_RE, assert_ddp_transport, launcher, trainer, transport_env
 
 # 384 samples on 2 ranks x batch 32: 6 steps per epoch, 12 in all; 200 test samples.
 COMMON = ("--subset", 384, "--test_subset", 200, "--batch_size", 32, "--seed", 5, "--threads", 1)
@@ -99,11 +101,20 @@ class FaultTolerance(DistTestCase):
 
     _references = {}
 
-    def reference(self, nproc=2):
-        """params_sha256 of an uninterrupted run (no checkpoints at all)."""
-        if nproc not in FaultTolerance._references:
-            FaultTolerance._references[nproc] = self.sha_of(self.start(nproc=nproc).finish(RUN_TIMEOUT_S))
-        return FaultTolerance._references[nproc]
+    def reference(self, nproc=2, transport=None):
+        """params_sha256 of an uninterrupted run (no checkpoints at all); `transport`: that of
+        test_train_fashion_mnist.TRANSPORTS, checked, else whatever this host gives."""
+        key = (nproc, transport)
+        if key not in FaultTolerance._references:
+            res = self.start(nproc=nproc, env=self.env_for(transport)).finish(RUN_TIMEOUT_S)
+            if transport:
+                assert_ddp_transport(self, res, transport, nproc)
+            FaultTolerance._references[key] = self.sha_of(res)
+        return FaultTolerance._references[key]
+
+    @staticmethod
+    def env_for(transport):
+        return clean_env(DTRAIN_TIMEOUT_S=30, **(transport_env(transport) if transport else {}))
 
     def wait_for_checkpoint(self, proc, folder, nproc=2):
         ok = wait_until(lambda: checkpoints(folder) or proc.p.poll() is not None, 60)
@@ -115,16 +126,18 @@ class FaultTolerance(DistTestCase):
             self.fail(f"expected 2 workers under the launcher, found {workers}:\n{proc.finish(1)}")
         return workers
 
-    def kill_and_resume(self, nproc):
+    def kill_and_resume(self, nproc, transport=None):
         with tempfile.TemporaryDirectory() as ckpt:
             proc = self.start("--checkpoint_dir", ckpt, "--checkpoint_every", 2, "--step_sleep_ms", 150, restarts=2,
-                              nproc=nproc)
+                              nproc=nproc, env=self.env_for(transport))
             victim = self.rng.choice(self.wait_for_checkpoint(proc, ckpt, nproc))
             os.kill(victim, signal.SIGKILL)
             res = proc.finish(RUN_TIMEOUT_S)
         self.assertIn("restarting all workers (restart 1 of 2) after: rank", res.err, str(res))
         self.assertIn(f"pid {victim}) failed first: it was killed by SIGKILL", res.err, str(res))
         self.assertIn("resumed from ", res.out, str(res))
+        if transport:  # both attempts
+            assert_ddp_transport(self, res, transport, nproc)
         return self.sha_of(res)
 
     def test_sigkill_of_the_worker_restarts_and_ends_identical(self):
@@ -136,7 +149,12 @@ class FaultTolerance(DistTestCase):
 
     def test_sigkill_of_a_random_worker_ends_identical_on_two_ranks(self):
         # Needs DDP to re-hook parameters that checkpoint loading replaced (Note [Replaced parameters]).
-        self.assertEqual(self.kill_and_resume(2), self.reference(2))
+        self.assertEqual(self.kill_and_resume(2, "shared memory"), self.reference(2, "shared memory"))
+
+    def test_sigkill_of_a_random_worker_ends_identical_on_two_ranks_over_gloo(self):
+        # The buckets over Gloo's TCP, the path between hosts: its all-reduces are asynchronous work
+        # of another kind, and a resumed step must still reproduce the uninterrupted run to the bit.
+        self.assertEqual(self.kill_and_resume(2, "gloo"), self.reference(2, "gloo"))
 
     def test_sigkill_on_two_nodes_restarts_both_and_ends_identical(self):
         port = free_port()
@@ -156,7 +174,8 @@ class FaultTolerance(DistTestCase):
         self.assertIn(f"pid {victim}) failed first: it was killed by SIGKILL", results[victim_node].err)
         self.assertIn(f"node {victim_node} (", results[1 - victim_node].err)
         self.assertIn("resumed from ", results[0].out, str(results[0]))
-        self.assertEqual(self.sha_of(results[0]), self.reference(2), "the restarted 2-node run ended with other parameters")
+        self.assertEqual(self.sha_of(results[0]), self.reference(2, "shared memory"),
+                         "the restarted 2-node run ended with other parameters")
 
     def test_sigstop_times_out_and_restarts(self):
         with tempfile.TemporaryDirectory() as ckpt:

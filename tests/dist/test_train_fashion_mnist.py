@@ -4,7 +4,8 @@
     line last, and leaves one checkpoint per epoch that Python's torch can read past its header line;
   * 2 ranks x batch 32 end with the same parameters as 1 rank x batch 64: DistributedSampler gives
     rank r the list perm[r::2], so step b of the two ranks covers perm[64b:64b+64] -- exactly the batch
-    the single rank takes at step b -- and DDP's averaged gradient equals the full batch's;
+    the single rank takes at step b -- and DDP's averaged gradient equals the full batch's; with the
+    buckets over shared memory (one host) and over Gloo alone (DTRAIN_SHM=0, the path between hosts);
   * a bad --data_dir fails every rank fast with one error line and exit status 1;
   * a bad numeric flag fails every rank at once, before the process group, with one line naming the
     flag, the value and what is allowed;
@@ -26,6 +27,25 @@ RESULT_RE = re.compile(r"^(?:\[rank 0\] )?RESULT epochs=(\d+) test_accuracy=([0-
 RUN_TIMEOUT_S = 150  # a hang fails the test; a normal run here takes 20-60 s on a loaded 2-core machine
 ERROR_PREFIX = "train_fashion_mnist: error:"
 
+# The two paths DDP's buckets take between ranks of one host: the environment that picks each, and how
+# rank 0's DDP names it under DTRAIN_DEBUG=INFO (src/ddp/core.cpp). Gloo's TCP is also the path between
+# hosts, which a one-host test reaches only with DTRAIN_SHM=0.
+TRANSPORTS = {"shared memory": ({}, "gloo, shared memory"), "gloo": ({"DTRAIN_SHM": 0}, "gloo")}
+DDP_GROUP_RE = re.compile(r"^\[rank 0\] \[dtrain DDP\] .* group of (\d+) ranks \(([^)]*)\)", re.M)
+
+
+def transport_env(transport):
+    """Environment for a run whose DDP uses `transport` and says so (check with assert_ddp_transport)."""
+    return dict(TRANSPORTS[transport][0], DTRAIN_DEBUG="INFO")
+
+
+def assert_ddp_transport(test, res, transport, nranks=2):
+    """Every DDP of the run (one per attempt) sent its buckets over `transport`: a variant meant for
+    Gloo that quietly took shared memory would test nothing new."""
+    found = DDP_GROUP_RE.findall(res.err)
+    test.assertTrue(found, f"no '[dtrain DDP] ... group of' line (DTRAIN_DEBUG=INFO):\n{res}")
+    test.assertEqual(set(found), {(str(nranks), TRANSPORTS[transport][1])}, f"not over {transport}:\n{res}")
+
 
 def trainer():
     path = binary("TRAIN_FASHION_MNIST", "train_fashion_mnist")
@@ -42,9 +62,9 @@ def launcher():
 
 
 class TrainFashionMNIST(DistTestCase):
-    def launch(self, nproc, *args):
+    def launch(self, nproc, *args, env=None):
         res = self.run_one([launcher(), "--standalone", "--nproc_per_node", nproc, "--grace_period", 2,
-                            trainer(), *args], clean_env(DTRAIN_TIMEOUT_S=60), timeout=RUN_TIMEOUT_S)
+                            trainer(), *args], clean_env(DTRAIN_TIMEOUT_S=60, **(env or {})), timeout=RUN_TIMEOUT_S)
         self.assertEqual(res.rc, 0, str(res))
         lines = res.out.strip().splitlines()
         m = RESULT_RE.match(lines[-1]) if lines else None
@@ -130,12 +150,23 @@ class TrainFashionMNIST(DistTestCase):
         # (Clipping over 2 epochs is left out on purpose: there even 1 rank with 1 vs 2 threads ends
         # 8e-5 apart, at the same 11491 parameters -- a ReLU at ~0 flipping on rounding, whose jump the
         # clipped step carries on; nothing DDP-specific.)
+        self.check_two_ranks_equal_one(("--epochs", 2), ("--epochs", 1, "--grad_clip", 1.0),
+                                       transport="shared memory")
+
+    def test_two_ranks_of_32_equal_one_rank_of_64_over_gloo(self):
+        # The same over Gloo's TCP, as between hosts. The transport moves the averaged gradient and
+        # nothing else, so the 2-epoch case suffices (clipping acts on what it delivers).
+        self.check_two_ranks_equal_one(("--epochs", 2), transport="gloo")
+
+    def check_two_ranks_equal_one(self, *cases, transport):
         common = ("--subset", 256, "--seed", 3, "--threads", 1, "--optimizer", "sgd", "--lr", 0.05)
-        for case in (("--epochs", 2), ("--epochs", 1, "--grad_clip", 1.0)):
+        for case in cases:
             with self.subTest(case=case), tempfile.TemporaryDirectory() as tmp:
                 one, two = os.path.join(tmp, "one.bin"), os.path.join(tmp, "two.bin")
                 _, m1 = self.launch(1, *common, *case, "--batch_size", 64, "--dump_params", one)
-                _, m2 = self.launch(2, *common, *case, "--batch_size", 32, "--dump_params", two)
+                res2, m2 = self.launch(2, *common, *case, "--batch_size", 32, "--dump_params", two,
+                                       env=transport_env(transport))
+                assert_ddp_transport(self, res2, transport)
                 a, b = self.read_params(one, m1), self.read_params(two, m2)
                 self.assertEqual(len(a), len(b))
                 self.assertEqual(len(a), 421642, "parameter count of conv32-conv64-fc128-fc10")
