@@ -23,6 +23,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOWED = os.path.join(ROOT, "tests", "skips_allowed.txt")
+sys.path.insert(0, os.path.join(ROOT, "tests", "common"))
+from proc_util import non_loopback_ipv4  # noqa: E402  (the tests' own test for the same fact)
 
 RANK_PREFIX = re.compile(r"^\[rank \d+\] ")  # dtrain-run's prefix on each worker's line
 TEST_START = re.compile(r"^\d+/\d+ Test: (.+)$")
@@ -46,7 +48,8 @@ def machine_facts(build_dir):
             torch_major = int(m.group(1)) if m else None
     except OSError:
         pass
-    return {"root": os.geteuid() == 0, "gpus": gpus, "torch_major": torch_major}
+    return {"root": os.geteuid() == 0, "gpus": gpus, "torch_major": torch_major,
+            "loopback_only": non_loopback_ipv4() is None}
 
 
 def holds(condition, facts):
@@ -54,6 +57,8 @@ def holds(condition, facts):
         return True
     if condition in ("root", "not-root"):
         return facts["root"] == (condition == "root")
+    if condition == "loopback-only":
+        return facts["loopback_only"]
     m = re.fullmatch(r"gpus<(\d+)", condition)
     if m:
         return facts["gpus"] < int(m.group(1))

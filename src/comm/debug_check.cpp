@@ -1,12 +1,12 @@
 #include "comm/debug_check.h"
 
 #include <atomic>
-#include <cstdlib>
 #include <sstream>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "comm/state.h"
+#include "common/env.h"
 #include "store/store.h"
 
 namespace dtrain {
@@ -16,12 +16,10 @@ namespace {
 std::atomic<int> g_level{-1};
 
 DebugLevel parse_env() {
-  const char* v = std::getenv("DTRAIN_DEBUG");
-  const std::string s = v ? v : "";
-  if (s.empty() || s == "OFF") return DebugLevel::OFF;
+  const std::string s = env::choice("DTRAIN_DEBUG");
   if (s == "INFO") return DebugLevel::INFO;
   if (s == "DETAIL") return DebugLevel::DETAIL;
-  throw Error("DTRAIN_DEBUG=" + s + " is not a debug level: use OFF, INFO or DETAIL");
+  return DebugLevel::OFF;
 }
 
 }  // namespace

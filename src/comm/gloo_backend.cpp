@@ -3,11 +3,10 @@
 // headers, and a system's gloo may differ from the one inside LibTorch, so nothing compiled here may
 // depend on gloo's definitions. The process group is created by LibTorch's own (out-of-line)
 // constructor; this file only fills the Options and allocates the object.
-#include <sstream>
-
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "comm/backend.h"
+#include "common/env.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::comm {
@@ -23,13 +22,10 @@ static_assert(sizeof(c10d::ProcessGroupGloo::Options) < gloo::opaque::kPoisonByt
 
 compat::BackendPtr make_gloo_backend(const BackendConfig& c) {
   auto opts = c10d::ProcessGroupGloo::Options::create(c.timeout);
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
-    std::stringstream ss(ifname);
-    for (std::string iface; std::getline(ss, iface, ',');)
-      if (!iface.empty()) opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
-  } else {
+  for (const std::string& iface : env::list("GLOO_SOCKET_IFNAME"))
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
+  if (opts->devices.empty())
     opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(c.bind_address));
-  }
   opts->threads = 2;
   return c10::make_intrusive<c10d::ProcessGroupGloo>(c.store, c.rank, c.size, opts);
 }

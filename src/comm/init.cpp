@@ -54,14 +54,9 @@ std::chrono::milliseconds resolve_timeout(const InitOptions& o) {
     DTRAIN_CHECK(o.timeout()->count() > 0, "timeout must be > 0 ms, got ", o.timeout()->count());
     return *o.timeout();
   }
-  if (auto v = process_env()("DTRAIN_TIMEOUT_S")) {
-    char* end = nullptr;
-    double s = std::strtod(v->c_str(), &end);
-    DTRAIN_CHECK(end && *end == '\0' && s > 0, "DTRAIN_TIMEOUT_S='", *v,
-                 "' is not a positive number of seconds");
-    return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
-  }
-  return kDefaultTimeout;
+  // Unset, the table's fallback applies: it must be the public kDefaultTimeout (PyTorch's 30 min).
+  DTRAIN_ASSERT(std::strtod(env::knob("DTRAIN_TIMEOUT_S").fallback, nullptr) * 1000 == kDefaultTimeout.count());
+  return std::chrono::milliseconds(static_cast<int64_t>(*env::seconds("DTRAIN_TIMEOUT_S") * 1000));
 }
 
 // The local address of the interface that routes to host (a UDP connect sends nothing).
@@ -92,12 +87,12 @@ c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const Launch
   if (m.rfind("file://", 0) == 0) {
     std::string path = m.substr(7);
     DTRAIN_CHECK(!path.empty(), "init_method '", m, "' has no path: use file:///shared/dir/file");
-    auto master = process_env()("MASTER_ADDR");
+    auto master = env::host("MASTER_ADDR");
     st.bind_address = master ? local_address_towards(*master) : "127.0.0.1";
     return c10::make_intrusive<c10d::FileStore>(path, st.world_size);
   }
   Endpoint ep;
-  if (m == "env://") ep = master_from_env(process_env());
+  if (m == "env://") ep = master_from_env(env::process());
   else if (m.rfind("tcp://", 0) == 0) ep = parse_tcp_url(m);
   else DTRAIN_CHECK(false, "unknown init_method '", m, "': use env://, tcp://host:port or file:///path");
 
@@ -188,10 +183,10 @@ void init_process_group(const InitOptions& o) {
   DTRAIN_CHECK(!g_state, "init_process_group was called twice: call destroy_process_group() first");
   init_debug_level();  // a bad DTRAIN_DEBUG fails here, not in the first collective
   auto st = std::make_unique<WorldState>();
-  st->backend = !o.backend().empty() ? o.backend() : process_env()("DTRAIN_BACKEND").value_or("gloo");
+  st->backend = !o.backend().empty() ? o.backend() : env::choice("DTRAIN_BACKEND");
   check_backend_name(st->backend);
   st->timeout = resolve_timeout(o);
-  LaunchEnv le = read_launch_env(process_env(), o.rank(), o.world_size());
+  LaunchEnv le = read_launch_env(env::process(), o.rank(), o.world_size());
   st->rank = le.rank;
   st->world_size = le.world_size;
   st->launcher = le.launcher;

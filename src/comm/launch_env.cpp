@@ -1,8 +1,5 @@
 #include "comm/launch_env.h"
 
-#include <cerrno>
-#include <cstdlib>
-
 #include "dtrain/errors.h"
 
 namespace dtrain::comm {
@@ -29,37 +26,21 @@ constexpr Source kSources[] = {
     {"srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
 };
 
-std::optional<int> read_int(const EnvLookup& env, const char* name, const std::string& remedy) {
+// The table bounds these below 2^24, so they fit an int.
+std::optional<int> read_int(const EnvLookup& from, const char* name, const std::string& remedy) {
   if (!name) return std::nullopt;
-  auto v = env(name);
+  auto v = env::integer(name, from, remedy);
   if (!v) return std::nullopt;
-  return parse_nonneg_int(*v, name, remedy);
+  return static_cast<int>(*v);
 }
 
 }  // namespace
 
-EnvLookup process_env() {
-  return [](const std::string& name) -> std::optional<std::string> {
-    const char* v = std::getenv(name.c_str());
-    if (!v || !*v) return std::nullopt;
-    return std::string(v);
-  };
-}
-
-int parse_nonneg_int(const std::string& value, const std::string& what, const std::string& remedy) {
-  errno = 0;
-  char* end = nullptr;
-  long v = std::strtol(value.c_str(), &end, 10);
-  bool ok = !value.empty() && end && *end == '\0' && errno == 0 && v >= 0 && v <= 1 << 24;
-  DTRAIN_CHECK(ok, what, "='", value, "' is not a non-negative integer: ", remedy);
-  return static_cast<int>(v);
-}
-
-LaunchEnv read_launch_env(const EnvLookup& env, int explicit_rank, int explicit_world) {
+LaunchEnv read_launch_env(const EnvLookup& from, int explicit_rank, int explicit_world) {
   LaunchEnv out;
   for (const Source& s : kSources) {
-    auto r = read_int(env, s.rank, kRankRemedy);
-    auto w = read_int(env, s.size, kRankRemedy);
+    auto r = read_int(from, s.rank, kRankRemedy);
+    auto w = read_int(from, s.size, kRankRemedy);
     if (!r && !w) continue;
     DTRAIN_CHECK(r || explicit_rank >= 0, s.rank, " is not set but ", s.size, "=", *w,
                  " is: set both, or ", kRankRemedy);
@@ -67,25 +48,27 @@ LaunchEnv read_launch_env(const EnvLookup& env, int explicit_rank, int explicit_
                  " is: set both, or ", kRankRemedy);
     out.rank = r.value_or(-1);
     out.world_size = w.value_or(-1);
-    out.local_rank = read_int(env, s.local_rank, "set it to the rank within this host").value_or(-1);
+    out.local_rank = read_int(from, s.local_rank, "set it to the rank within this host").value_or(-1);
     out.local_world_size =
-        read_int(env, s.local_size, "set it to the number of ranks on this host").value_or(-1);
+        read_int(from, s.local_size, "set it to the number of ranks on this host").value_or(-1);
     out.launcher = s.launcher;
     break;
   }
-  if (auto v = env("SLURM_NTASKS_PER_NODE"); v && out.launcher == "srun")
-    if (v->find_first_not_of("0123456789") == std::string::npos)
-      out.local_world_size = parse_nonneg_int(*v, "SLURM_NTASKS_PER_NODE", "");
-  out.dtrain_agent_store = env("DTRAIN_AGENT_STORE").value_or("") == "1";
-  out.torchelastic_agent_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
+  // Slurm writes "2(x3)" for 2 tasks on each of 3 nodes, and "2,1" for uneven nodes: only a plain
+  // number says how many ranks this host has.
+  if (auto v = env::text("SLURM_NTASKS_PER_NODE", from); v && out.launcher == "srun")
+    if (v->size() <= 7 && v->find_first_not_of("0123456789") == std::string::npos)
+      out.local_world_size = std::stoi(*v);
+  out.dtrain_agent_store = env::flag("DTRAIN_AGENT_STORE", from);
+  out.torchelastic_agent_store = env::choice("TORCHELASTIC_USE_AGENT_STORE", from) == "True";
   if (out.dtrain_agent_store) out.launcher = "dtrain-run";
   else if (out.torchelastic_agent_store) out.launcher = "torchrun";
   // The attempt number keys the rendezvous (a restarted group must not meet the keys of the failed
   // one in a store that outlives it): dtrain-run's, else torchrun's.
-  if (auto v = env("DTRAIN_RESTART_COUNT"))
-    out.restart_count = parse_nonneg_int(*v, "DTRAIN_RESTART_COUNT", "it is set by dtrain-run");
-  else if (auto t = env("TORCHELASTIC_RESTART_COUNT"))
-    out.restart_count = parse_nonneg_int(*t, "TORCHELASTIC_RESTART_COUNT", "it is set by torchrun");
+  if (auto v = read_int(from, "DTRAIN_RESTART_COUNT", ""))
+    out.restart_count = *v;
+  else if (auto t = read_int(from, "TORCHELASTIC_RESTART_COUNT", ""))
+    out.restart_count = *t;
 
   if (explicit_rank >= 0) out.rank = explicit_rank;
   if (explicit_world >= 0) out.world_size = explicit_world;
@@ -101,26 +84,14 @@ LaunchEnv read_launch_env(const EnvLookup& env, int explicit_rank, int explicit_
   return out;
 }
 
-static uint16_t parse_port(const std::string& value, const std::string& what) {
-  long v = -1;
-  if (!value.empty() && value.find_first_not_of("0123456789") == std::string::npos &&
-      value.size() <= 5)
-    v = std::strtol(value.c_str(), nullptr, 10);
-  DTRAIN_CHECK(v >= 1 && v <= 65535, what, "='", value,
-               "' is not a valid port: use a number from 1 to 65535 (29500 is PyTorch's default)");
-  return static_cast<uint16_t>(v);
-}
-
-Endpoint master_from_env(const EnvLookup& env) {
-  auto addr = env("MASTER_ADDR");
+Endpoint master_from_env(const EnvLookup& from) {
+  auto addr = env::host("MASTER_ADDR", from);
   DTRAIN_CHECK(addr, "MASTER_ADDR is not set: set it to the address of the rank-0 host "
                      "(127.0.0.1 on one machine), or launch with dtrain-run");
-  DTRAIN_CHECK(addr->find_first_of(" /\t") == std::string::npos, "MASTER_ADDR='", *addr,
-               "' is not a host name or address: use e.g. 127.0.0.1 or node0.example");
-  auto port = env("MASTER_PORT");
+  auto port = env::port("MASTER_PORT", from);
   DTRAIN_CHECK(port, "MASTER_PORT is not set: set it to a free port on the rank-0 host (e.g. 29500), "
                      "or launch with dtrain-run");
-  return Endpoint{*addr, parse_port(*port, "MASTER_PORT")};
+  return Endpoint{*addr, *port};
 }
 
 Endpoint parse_tcp_url(const std::string& url) {
@@ -143,7 +114,7 @@ Endpoint parse_tcp_url(const std::string& url) {
   }
   auto slash = port.find('/');
   if (slash != std::string::npos) port = port.substr(0, slash);  // tolerate a trailing path
-  return Endpoint{host, parse_port(port, "the port of init_method '" + url + "'")};
+  return Endpoint{host, env::parse_port(port, "the port of init_method '" + url + "'")};
 }
 
 }  // namespace dtrain::comm

@@ -3,17 +3,18 @@
 // (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID). Torch-free, so it is unit-tested on its own.
 //
 // Every malformed value is a dtrain::Error with one line naming the variable, its value and the remedy.
+// The variables are read through common/env.h (their table and validation); this file adds what
+// spans several of them: which launcher's set wins, and that the rank is below the world size.
 #pragma once
 
 #include <cstdint>
-#include <functional>
-#include <optional>
 #include <string>
+
+#include "common/env.h"
 
 namespace dtrain::comm {
 
-using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
-EnvLookup process_env();  // getenv; an empty value counts as unset
+using EnvLookup = env::Lookup;  // env::process(), or a map in unit tests
 
 struct LaunchEnv {
   int rank = -1;              // -1: not found in the environment
@@ -28,18 +29,15 @@ struct LaunchEnv {
 
 // Parses the launch variables; explicit_rank / explicit_world (>= 0) override them.
 // Checks 0 <= rank < world_size.
-LaunchEnv read_launch_env(const EnvLookup& env, int explicit_rank = -1, int explicit_world = -1);
+LaunchEnv read_launch_env(const EnvLookup& from, int explicit_rank = -1, int explicit_world = -1);
 
 struct Endpoint {
   std::string host;
   uint16_t port = 0;
 };
 // MASTER_ADDR and MASTER_PORT (env://).
-Endpoint master_from_env(const EnvLookup& env);
+Endpoint master_from_env(const EnvLookup& from);
 // "tcp://host:port", "tcp://[v6addr]:port".
 Endpoint parse_tcp_url(const std::string& url);
-
-// Parses a non-negative decimal int; `what` names the source in the error ("RANK").
-int parse_nonneg_int(const std::string& value, const std::string& what, const std::string& remedy);
 
 }  // namespace dtrain::comm

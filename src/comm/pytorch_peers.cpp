@@ -9,10 +9,9 @@
 namespace dtrain::comm {
 
 bool pytorch_peers_requested(bool option) {
-  const auto v = process_env()("DTRAIN_PYTORCH_PEERS");
-  DTRAIN_CHECK(!v || *v == "0" || *v == "1" || v->empty(), "DTRAIN_PYTORCH_PEERS='", *v,
-               "' is invalid: use 1 (some ranks are Python programs) or 0");
-  return option || (v && *v == "1");
+  // Read even when the option is set, so that a bad value is reported either way.
+  const bool from_env = env::flag("DTRAIN_PYTORCH_PEERS");
+  return option || from_env;
 }
 
 #if DTRAIN_PYTORCH_PEERS_SUPPORTED

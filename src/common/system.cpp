@@ -8,6 +8,7 @@
 #include <fstream>
 #include <string>
 
+#include "common/env.h"
 #include "dtrain/errors.h"
 
 namespace dtrain {
@@ -34,8 +35,14 @@ void warn_if_slow_blas() {
 }
 
 void reduce_allocator_churn() {
-  const char* off = std::getenv("DTRAIN_MALLOC_TUNING");
-  if (off && std::string(off) == "0") return;
+  // Called first thing in a training program, usually outside any try: a bad value warns instead.
+  bool on = true;
+  try {
+    on = env::flag("DTRAIN_MALLOC_TUNING");
+  } catch (const Error& e) {
+    warn_once("malloc-tuning", std::string(e.what()) + " (the tuning stays on)");
+  }
+  if (!on) return;
   mallopt(M_MMAP_THRESHOLD, 32 << 20);   // glibc's maximum on 64-bit; also freezes the dynamic threshold
   mallopt(M_TRIM_THRESHOLD, 512 << 20);  // keep freed memory for the next step
 }

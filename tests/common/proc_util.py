@@ -1,5 +1,7 @@
 """Helpers that the Python test suites in tests/dist and tests/launcher share (stdlib only)."""
+import fcntl
 import socket
+import struct
 import time
 
 
@@ -20,3 +22,19 @@ def wait_until(pred, timeout=10.0, step=0.05):
             return True
         time.sleep(step)
     return pred()
+
+
+def non_loopback_ipv4():
+    """An IPv4 address of this machine outside 127.0.0.0/8 (the first interface's that has one), or
+    None on a machine with loopback only."""
+    siocgifaddr = 0x8915  # ioctl: the interface's IPv4 address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue  # no IPv4 address on this interface
+            addr = socket.inet_ntoa(packed[20:24])
+            if not addr.startswith("127."):
+                return addr
+    return None

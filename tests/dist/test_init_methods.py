@@ -2,6 +2,7 @@
 tcp://host:port with rank and world size from the environment, and file:// (c10d FileStore)."""
 import os
 import tempfile
+import time
 import unittest
 
 from harness import DistTestCase, binary, clean_env, free_port, hello, rank_env
@@ -47,6 +48,25 @@ class InitMethods(DistTestCase):
         argv = [hello(), "--init_method", f"file://{path}", "--timeout_s", 30]
         results = self.run_ranks(argv, [clean_env(RANK=r, WORLD_SIZE=3) for r in range(3)])
         self.assertPassed(results, 3)
+
+    def test_store_host_waits_at_most_min_of_timeout_and_10_s_at_destroy(self):
+        # docs/api.md, destroy_process_group: "The rank hosting the store waits (at most min(timeout,
+        # 10 s)) until every rank has checked out". Rank 1 is killed before it checks out; rank 0 (the
+        # store's host) then destroys after --hold_s 1 and must wait that long, and no longer.
+        for timeout_s, wait_s in ((2, 2), (60, 10)):
+            port = free_port()
+            procs = [self.spawn([hello(), "--timeout_s", timeout_s, "--hold_s", 1], rank_env(r, 2, port))
+                     for r in range(2)]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not all("check passed" in p.output() for p in procs):
+                time.sleep(0.01)
+            checked = time.monotonic()
+            procs[1].kill()
+            res = procs[0].finish(60)
+            self.assertEqual(res.rc, 0, str(res))
+            waited = procs[0].start + res.seconds - checked - 1  # minus --hold_s
+            self.assertGreater(waited, wait_s - 0.5, f"timeout {timeout_s} s: rank 0 left after {waited:.1f} s")
+            self.assertLess(waited, wait_s + 5, f"timeout {timeout_s} s: rank 0 left after {waited:.1f} s")
 
     def test_collectives_test_without_launcher(self):
         # The GoogleTest collectives suite on 3 ranks started by hand (rank 0 hosts the store).

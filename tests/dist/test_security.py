@@ -1,12 +1,15 @@
 """Nothing a job opens listens beyond the master address: the store that rank 0 hosts listens on
-MASTER_ADDR (127.0.0.1) only, never 0.0.0.0, and Gloo's sockets are bound to 127.0.0.1 too.
+MASTER_ADDR only, never 0.0.0.0, and Gloo's sockets are bound to the address of the interface that
+routes to the master (README, "Trust model"), or to GLOO_SOCKET_IFNAME's interface when it is set.
 
 Sockets are read from /proc/net/tcp{,6} and matched to a process through /proc/<pid>/fd inodes."""
 import os
+import socket
 import time
 import unittest
 
 from harness import DistTestCase, clean_env, free_port, hello, rank_env
+from proc_util import non_loopback_ipv4
 
 LISTEN = "0A"
 LOOPBACK = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it (little-endian hex)
@@ -25,8 +28,14 @@ sys.stdin.read()
 """
 
 
+def hex_ipv4(addr):
+    """addr as /proc/net/tcp writes it: "127.0.0.1" -> "0100007F"."""
+    return socket.inet_aton(addr)[::-1].hex().upper()
+
+
 def tcp_sockets():
-    """[(family, local_ip_hex, port, state, inode)] for every TCP socket in this network namespace."""
+    """[(family, local_ip_hex, port, state, inode, remote_port)] for every TCP socket in this network
+    namespace."""
     out = []
     for family in ("tcp", "tcp6"):
         try:
@@ -37,7 +46,7 @@ def tcp_sockets():
         for line in lines:
             cols = line.split()
             ip, port = cols[1].split(":")
-            out.append((family, ip, int(port, 16), cols[3], int(cols[9])))
+            out.append((family, ip, int(port, 16), cols[3], int(cols[9]), int(cols[2].split(":")[1], 16)))
     return out
 
 
@@ -57,8 +66,8 @@ def socket_inodes(pid):
 
 
 def describe(sock):
-    family, ip, port, state, inode = sock
-    return f"{family} {ip}:{port} state {state} inode {inode}"
+    family, ip, port, state, inode, remote_port = sock
+    return f"{family} {ip}:{port} (to port {remote_port}) state {state} inode {inode}"
 
 
 class Security(DistTestCase):
@@ -72,13 +81,18 @@ class Security(DistTestCase):
             inodes |= socket_inodes(pid)
         return [s for s in tcp_sockets() if s[4] in inodes and s[4] != 0]
 
-    def assertLoopback(self, socks, what):
-        bad = [describe(s) for s in socks if not (s[0] == "tcp" and s[1] == LOOPBACK)]
-        self.assertEqual(bad, [], f"{what} not bound to 127.0.0.1")
+    def assertBound(self, socks, addr, what):
+        bad = [describe(s) for s in socks if not (s[0] == "tcp" and s[1] == hex_ipv4(addr))]
+        self.assertEqual(bad, [], f"{what} not bound to {addr}")
 
-    def test_rank0_store_and_gloo_bind_loopback_only(self):
+    def assertLoopback(self, socks, what):
+        self.assertBound(socks, "127.0.0.1", what)
+
+    def watch_job(self, addr, **extra):
+        """Runs a 2-rank job with MASTER_ADDR=addr until both ranks hold their group; returns the
+        store's port and every TCP socket the ranks had meanwhile: (port, [socket])."""
         port = free_port()
-        procs = [self.spawn([hello(), "--timeout_s", 30, "--hold_s", 4], rank_env(r, 2, port))
+        procs = [self.spawn([hello(), "--timeout_s", 30, "--hold_s", 4], rank_env(r, 2, port, addr=addr, **extra))
                  for r in range(2)]
         pids = [p.pid for p in procs]
         seen = {}  # inode -> socket, every socket of the ranks seen while the job ran
@@ -93,21 +107,46 @@ class Security(DistTestCase):
             self.fail("the job did not pass:\n" + "\n".join(str(p.finish(1)) for p in procs))
         for s in self.sockets_of(pids):
             seen[s[4]] = s
-        everything = tcp_sockets()
 
-        # The store: listening on 127.0.0.1:MASTER_PORT, and nobody listens on that port elsewhere.
-        on_port = [s for s in everything if s[2] == port and s[3] == LISTEN]
-        self.assertEqual([describe(s) for s in on_port if s[1] != LOOPBACK], [],
-                         f"something listens on port {port} beyond 127.0.0.1")
-        self.assertEqual(len(on_port), 1, f"the store does not listen on 127.0.0.1:{port}: {on_port}")
+        # The store: listening on addr:MASTER_PORT, and nobody listens on that port elsewhere.
+        on_port = [s for s in tcp_sockets() if s[2] == port and s[3] == LISTEN]
+        self.assertEqual([describe(s) for s in on_port if s[1] != hex_ipv4(addr)], [],
+                         f"something listens on port {port} beyond {addr}")
+        self.assertEqual(len(on_port), 1, f"the store does not listen on {addr}:{port}: {on_port}")
         self.assertIn(on_port[0][4], socket_inodes(pids[0]), "the store's socket is not rank 0's")
-
-        # Every socket the ranks opened (store, store clients, Gloo listeners and pairs): loopback.
-        self.assertLoopback(seen.values(), "sockets of the ranks")
-        established = [s for s in seen.values() if s[3] == "01" and s[2] != port]
-        self.assertTrue(established, "no Gloo connection between the ranks was seen")
         for p in procs:
             self.assertEqual(p.finish(30).rc, 0)
+        return port, list(seen.values())
+
+    def gloo_sockets(self, port, socks):
+        """The sockets that are not the store's (its listener, its connections): Gloo's."""
+        gloo = [s for s in socks if port not in (s[2], s[5])]
+        self.assertTrue([s for s in gloo if s[3] == "01"], "no Gloo connection between the ranks was seen")
+        return gloo
+
+    def test_rank0_store_and_gloo_bind_loopback_only(self):
+        port, socks = self.watch_job("127.0.0.1")
+        # Every socket the ranks opened (store, store clients, Gloo listeners and pairs): loopback.
+        self.assertLoopback(socks, "sockets of the ranks")
+        self.gloo_sockets(port, socks)
+
+    def test_gloo_binds_the_interface_that_routes_to_the_master(self):
+        addr = non_loopback_ipv4()
+        if addr is None:
+            self.skipTest("this machine has no IPv4 address besides loopback")
+        port, socks = self.watch_job(addr)
+        # Not 127.0.0.1 nor 0.0.0.0 nor the host's name: the address that reaches MASTER_ADDR.
+        self.assertBound(socks, addr, "sockets of the ranks")
+        self.gloo_sockets(port, socks)
+
+    def test_gloo_socket_ifname_overrides_the_route(self):
+        addr = non_loopback_ipv4()
+        if addr is None:
+            self.skipTest("this machine has no IPv4 address besides loopback")
+        port, socks = self.watch_job(addr, GLOO_SOCKET_IFNAME="lo")
+        store = [s for s in socks if port in (s[2], s[5])]
+        self.assertBound(store, addr, "the store's sockets")
+        self.assertLoopback(self.gloo_sockets(port, socks), "Gloo's sockets with GLOO_SOCKET_IFNAME=lo")
 
     def test_gloo_listener_binds_loopback(self):
         # Deterministic view of Gloo's listening socket: rank 0 waits in Gloo's connect for a rank 1

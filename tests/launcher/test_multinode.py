@@ -1,6 +1,7 @@
 """dtrain-run: several launchers (nodes) on one machine, and across two network namespaces."""
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -172,6 +173,40 @@ class MultiNodeTest(unittest.TestCase):
             last = err.strip().splitlines()[-1]
             self.assertIn("exited with code 21", last)
             self.assertIn("(the last failure, after 1 restart(s) of --max_restarts 1)", last)
+
+    def test_a_node_that_never_reports_ends_the_job_after_rdzv_timeout(self):
+        # README: "a launcher that never reports ends the job after --rdzv_timeout". Node 1's launcher
+        # is stopped (SIGSTOP) once its worker runs; then node 0's worker fails, and node 0 waits for
+        # node 1's outcome of the attempt: it must give up after --rdzv_timeout 3, without a restart.
+        port = free_port()
+        go = os.path.join(self.tmp, "go")
+        extra = ["--max_restarts", "1", "--grace_period", "1"]
+
+        def args(n):
+            return ["--nnodes", 2, "--node_rank", n, "--nproc_per_node", 1, "--master_addr", "127.0.0.1",
+                    "--master_port", port, "--rdzv_timeout", 3, "--monitor_interval", "0.1", *extra]
+
+        n0 = start(args(0) + ["sh", "-c", f"while [ ! -e {go} ]; do sleep 0.05; done; exit 5"])
+        n1 = start(args(1) + [PY, "-c", "import time; time.sleep(60)", self.marker])
+        try:
+            deadline = time.monotonic() + 20
+            while not pids_with_marker(self.marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertTrue(pids_with_marker(self.marker), "node 1's worker did not start")
+            os.kill(n1.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            open(go, "w").close()
+            (rc0, _, err0), = finish(n0, timeout=30)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(n1.pid, signal.SIGKILL)
+            finish(n1)
+        self.assertEqual(rc0, 1, err0)
+        self.assertNotIn("restarting all workers", err0)
+        self.assertIn("node_rank 1 did not report the end of attempt 0 within --rdzv_timeout 3s", err0)
+        # 3 s for the outcome, then up to 3 s more keeping the store up for node 1 (it never comes).
+        self.assertGreater(took, 3, err0)
+        self.assertLess(took, 3 + 3 + 5, err0)
 
     def test_nodes_disagree_on_max_restarts(self):
         port = free_port()

@@ -71,6 +71,26 @@ class UsageTest(unittest.TestCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertRegex(r.stdout, r"^dtrain-run \d+\.\d+\.\d+\n$")
 
+    def test_loads_no_libtorch(self):
+        # README: "The launcher does not link LibTorch, so it starts in milliseconds" (a whole launch
+        # of two `true` workers takes about 10 ms here; loading LibTorch alone takes hundreds).
+        p = start(["--standalone", "--nproc_per_node", "1", PY, "-c", "import time; time.sleep(5)"])
+        try:
+            maps = ""
+
+            def read_maps():
+                nonlocal maps
+                with open(f"/proc/{p.pid}/maps") as f:
+                    maps = f.read()
+                return "dtrain-run" in maps
+
+            self.assertTrue(wait_until(read_maps, timeout=5), "could not read the launcher's memory map")
+            libs = sorted({line.split()[-1] for line in maps.splitlines() if ".so" in line})
+            self.assertEqual([lib for lib in libs if "torch" in lib or "libc10" in lib], [], libs)
+        finally:
+            p.terminate()  # forwarded to the worker, so nothing outlives the test
+            p.communicate(timeout=10)
+
     def test_max_restarts_accepted(self):
         r = run(["--max_restarts", "3", "--standalone", "true"])
         self.assertEqual(r.returncode, 0, r.stderr)

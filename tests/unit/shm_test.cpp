@@ -9,7 +9,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -285,6 +287,41 @@ TEST(ShmComm, ADeadRankIsNoticedWithoutWaitingForTheTimeout) {
   EXPECT_NE(errors[0].find("exited"), std::string::npos) << errors[0];
 }
 
+// README: "a rank that died is noticed within 50 ms". Rank 1 dies while rank 0 already waits in the
+// all-reduce (asleep on the futex by then); rank 0 must fail within 50 ms of the death. The waits
+// look for dead peers every 10 ms, so a failure here is not noise.
+TEST(ShmComm, ADeadRankIsNoticedWithin50Milliseconds) {
+  using Clock = std::chrono::steady_clock;
+  // [0]: when rank 1 died, [1]: when rank 0's all-reduce failed (steady clock, shared by fork()).
+  auto* t = static_cast<std::atomic<int64_t>*>(
+      mmap(nullptr, 2 * sizeof(std::atomic<int64_t>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(t, MAP_FAILED);
+  auto now_ns = [] { return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count(); };
+  for (int trial = 0; trial < 5; ++trial) {
+    t[0] = t[1] = 0;
+    auto errors = run_ranks(2, [&](Comm& c, int r) {
+      float x = 1;
+      if (r == 1) {
+        usleep(100 * 1000 + trial * 7000);  // a different phase against the waiter's checks each time
+        t[0] = now_ns();
+        _exit(3);
+      }
+      try {
+        c.all_reduce(&x, 1, DType::F32, RedOp::SUM);
+      } catch (...) {
+        t[1] = now_ns();
+        throw;
+      }
+    }, std::chrono::seconds(30));
+    EXPECT_NE(errors[0].find("exited"), std::string::npos) << errors[0];
+    ASSERT_TRUE(t[0] > 0 && t[1] > 0) << "rank 1 did not die, or rank 0 did not fail";
+    const double ms = (t[1] - t[0]) / 1e6;
+    std::printf("trial %d: rank 0 noticed the death after %.2f ms\n", trial, ms);
+    EXPECT_LT(ms, 50.0) << "trial " << trial;
+  }
+  munmap(t, 2 * sizeof(std::atomic<int64_t>));
+}
+
 TEST(ShmSegment, AttachChecksTheSizeAndUnlinkRemovesTheName) {
   Segment seg = Segment::create(Segment::unique_name("size"), 2, kSlot);
   try {
@@ -297,4 +334,8 @@ TEST(ShmSegment, AttachChecksTheSizeAndUnlinkRemovesTheName) {
   seg.unlink();
   EXPECT_EQ(shm_open(name.c_str(), O_RDWR, 0600), -1);
   EXPECT_NE(Segment::unique_name("x"), Segment::unique_name("x"));
+  // README: the names carry the creator's pid and a random 64-bit id (16 hex digits).
+  const std::string n = Segment::unique_name("x");
+  EXPECT_EQ(n.rfind("/dtrain-" + std::to_string(getpid()) + "-", 0), 0u) << n;
+  EXPECT_EQ(n.size(), std::string("/dtrain-" + std::to_string(getpid()) + "-").size() + 16 + 2) << n;
 }

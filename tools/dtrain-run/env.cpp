@@ -2,22 +2,16 @@
 #include "env.h"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 
-extern char** environ;
+#include "common/env.h"
 
 namespace dtrain::run {
 
 std::vector<WorkerSpec> make_worker_specs(const LaunchOptions& o, uint16_t master_port, int attempt) {
   const int world = o.nnodes * o.nproc_per_node;
-  std::map<std::string, std::string> base;
-  for (char** e = environ; *e; ++e) {
-    const char* eq = std::strchr(*e, '=');
-    if (eq) base[std::string(*e, static_cast<size_t>(eq - *e))] = eq + 1;
-  }
-  if (!base.count("OMP_NUM_THREADS"))
+  std::map<std::string, std::string> base = env::all_variables();
+  if (!env::text("OMP_NUM_THREADS"))
     base["OMP_NUM_THREADS"] = std::to_string(std::max(1, online_cores() / o.nproc_per_node));
   base["WORLD_SIZE"] = std::to_string(world);
   base["LOCAL_WORLD_SIZE"] = std::to_string(o.nproc_per_node);

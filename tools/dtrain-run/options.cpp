@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/env.h"
+
 namespace dtrain::run {
 
 namespace {
@@ -49,8 +51,7 @@ std::string resolve_program(const std::string& program) {
       throw UsageError("program '" + program + "' is not an executable file (chmod +x it, or run it through its interpreter)");
     return program;
   }
-  const char* path = std::getenv("PATH");
-  std::string dirs = path ? path : "/usr/local/bin:/usr/bin:/bin";
+  const std::string dirs = *env::text("PATH");  // the table's fallback when unset
   size_t start = 0;
   for (;;) {
     size_t end = dirs.find(':', start);

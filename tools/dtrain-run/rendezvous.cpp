@@ -1,9 +1,10 @@
 // Node rendezvous (see rendezvous.h for the numbered protocol).
 #include "rendezvous.h"
 
-#include <cstdlib>
 #include <sstream>
 #include <vector>
+
+#include "common/env.h"
 
 namespace dtrain::run {
 
@@ -18,16 +19,10 @@ const std::string kPrefix = "dtrain-run/";
 constexpr Millis kVerdictLinger{5000};  // node 0 waits this long for nodes to read a failed verdict
 
 // How often node 0 names the nodes it still waits for: often enough that a wait of --rdzv_timeout
-// (900 s by default) never looks like a hang, rarely enough not to flood the console. The
-// environment variable DTRAIN_RUN_RDZV_REPORT_S (seconds, > 0) overrides it for the launcher's
-// tests, which cannot wait 30 s; it is not a user setting.
+// (900 s by default) never looks like a hang, rarely enough not to flood the console. 30 s, the
+// fallback of DTRAIN_RUN_RDZV_REPORT_S in src/common/env.cpp, which the launcher's tests lower.
 Millis report_period() {
-  if (const char* v = std::getenv("DTRAIN_RUN_RDZV_REPORT_S")) {
-    char* end = nullptr;
-    const double s = std::strtod(v, &end);
-    if (end != v && *end == '\0' && s > 0 && s < 1e6) return Millis(static_cast<int64_t>(s * 1000));
-  }
-  return Millis(30000);
+  return Millis(static_cast<int64_t>(*env::seconds("DTRAIN_RUN_RDZV_REPORT_S") * 1000));
 }
 
 std::string seconds(Millis ms) {

@@ -4,12 +4,12 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include <cstdlib>
 #include <fstream>
 #include <map>
 
 #include "comm/shm/shm_pg_impl.h"
 #include "comm/shm/shm_process_group.h"
+#include "common/env.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::comm {
@@ -22,7 +22,7 @@ std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
 // /dev/shm mount. DTRAIN_SHM_HOST overrides it (e.g. to treat the processes of one machine as
 // separate hosts and exercise the hierarchical path).
 std::string host_key() {
-  if (const char* h = std::getenv("DTRAIN_SHM_HOST"); h && *h) return std::string("env:") + h;
+  if (auto h = env::text("DTRAIN_SHM_HOST")) return "env:" + *h;
   char hostname[256] = {0};
   gethostname(hostname, sizeof(hostname) - 1);
   std::string boot;
@@ -32,25 +32,15 @@ std::string host_key() {
   return detail::cat(hostname, "/", boot, "/", st.st_dev, ":", st.st_ino);
 }
 
-size_t slot_bytes_from_env() {
-  const char* v = std::getenv("DTRAIN_SHM_SLOT_BYTES");
-  if (!v || !*v) return size_t{1} << 20;
-  char* end = nullptr;
-  unsigned long long n = std::strtoull(v, &end, 10);
-  DTRAIN_CHECK(end && *end == '\0' && n >= 4096 && n <= (1ull << 28) && n % 64 == 0,
-               "DTRAIN_SHM_SLOT_BYTES='", v, "' is invalid: use a multiple of 64 between 4096 and 268435456");
-  return static_cast<size_t>(n);
-}
+size_t slot_bytes_from_env() { return static_cast<size_t>(*env::integer("DTRAIN_SHM_SLOT_BYTES")); }
 
 }  // namespace
 
 ShmMode shm_mode_from_env() {
-  const char* v = std::getenv("DTRAIN_SHM");
-  if (!v || !*v || std::string(v) == "auto") return ShmMode::kAuto;
-  if (std::string(v) == "0") return ShmMode::kOff;
-  if (std::string(v) == "1") return ShmMode::kRequired;
-  throw Error(detail::cat("DTRAIN_SHM='", v, "' is invalid: use 0 (Gloo only), 1 (require shared memory) "
-                          "or leave it unset (shared memory where ranks share a host)"));
+  const std::string v = env::choice("DTRAIN_SHM");
+  if (v == "0") return ShmMode::kOff;
+  if (v == "1") return ShmMode::kRequired;
+  return ShmMode::kAuto;
 }
 
 compat::BackendPtr make_shm_process_group(const BackendConfig& c, compat::BackendPtr gloo, ShmMode mode) {
