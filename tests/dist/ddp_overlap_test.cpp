@@ -137,11 +137,12 @@ TEST(DDPOverlap, FirstBucketIsAveragedWhileTheSlowFirstLayerIsStillInBackward) {
     ASSERT_TRUE(seen) << "step " << step << ": bucket 0's average never reached its gradient while the slow "
                       << "layer held backward for " << kPollLimit.count() << " s: DDP did not overlap "
                       << "the all-reduce with backward";
-    if (rank() == 0)  // the others joined the all-reduce late: rank 0 computed on in the meantime
+    if (rank() == 0) {  // the others joined the all-reduce late: rank 0 computed on in the meantime
       EXPECT_GE(ms_between(entered_slow, seen_at), kMargin.count())
           << "step " << step << ": rank 0 reached the slow layer only once bucket 0 was done, though the "
           << "other ranks started backward " << kPeerDelay.count() << " ms late: DDP waited for the "
           << "all-reduce inside backward instead of overlapping it";
+    }
     EXPECT_GE(ms_between(seen_at, backward_returned), kMargin.count()) << "step " << step;
     EXPECT_TRUE(averaged()) << "step " << step << ": backward returned another gradient";
 
