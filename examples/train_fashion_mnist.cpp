@@ -22,7 +22,8 @@
 //   RESULT epochs=E test_accuracy=A train_loss=L params_sha256=H ranks_agree=1
 // A: test-set accuracy as a fraction in [0, 1] (every test sample counted once, over all ranks);
 // L: mean training loss of the last epoch over all ranks; H: SHA-256 of the raw float32 bytes of all
-// parameters in registration order (the bytes --dump_params writes; omitted without OpenSSL).
+// parameters in registration order (the bytes --dump_params writes), which every rank also computes
+// for ranks_agree.
 // Exit status: 0 on success, 1 on any error (one line "train_fashion_mnist: error: ..." on stderr of
 // every rank).
 #include <chrono>
@@ -385,9 +386,9 @@ int run(const Config& cfg) {
       std::fprintf(stderr, "train_fashion_mnist: warning: rank %d's final parameters differ from rank 0's\n",
                    first_disagreeing);
     std::printf("training took %.1f s\n", total_s);
-    std::printf("RESULT epochs=%lld test_accuracy=%.4f train_loss=%.4f%s ranks_agree=%d\n",
-                static_cast<long long>(cfg.epochs), test_accuracy, train_loss,
-                sha.empty() ? "" : (" params_sha256=" + sha).c_str(), first_disagreeing < 0 ? 1 : 0);
+    std::printf("RESULT epochs=%lld test_accuracy=%.4f train_loss=%.4f params_sha256=%s ranks_agree=%d\n",
+                static_cast<long long>(cfg.epochs), test_accuracy, train_loss, sha.c_str(),
+                first_disagreeing < 0 ? 1 : 0);
     std::fflush(stdout);
   }
   dtrain::destroy_process_group();

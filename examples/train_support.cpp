@@ -12,9 +12,7 @@
 
 #include <CLI/CLI.hpp>
 
-#ifdef DTRAIN_HAVE_OPENSSL
 #include <openssl/evp.h>
-#endif
 
 #include "dtrain/errors.h"
 
@@ -123,7 +121,6 @@ std::string parameter_bytes(const std::vector<at::Tensor>& params) {
 }
 
 std::string sha256_hex(const std::string& bytes) {
-#ifdef DTRAIN_HAVE_OPENSSL
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
   DTRAIN_CHECK(EVP_Digest(bytes.data(), bytes.size(), digest, &len, EVP_sha256(), nullptr) == 1,
@@ -135,10 +132,6 @@ std::string sha256_hex(const std::string& bytes) {
     hex += kHex[digest[i] & 15];
   }
   return hex;
-#else
-  (void)bytes;
-  return "";
-#endif
 }
 
 void write_file(const std::string& path, const std::string& bytes) {

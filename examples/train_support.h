@@ -53,7 +53,7 @@ class NumericFlags {
 // The raw bytes of every parameter in order (float32 contiguous, host byte order): what --dump_params
 // writes and what params_sha256 hashes.
 std::string parameter_bytes(const std::vector<at::Tensor>& params);
-// Lower-case hex SHA-256 of `bytes` (OpenSSL's libcrypto); empty when built without OpenSSL.
+// Lower-case hex SHA-256 of `bytes` (OpenSSL's libcrypto, which examples/CMakeLists.txt requires).
 std::string sha256_hex(const std::string& bytes);
 // Writes `bytes` to `path` (throws dtrain::Error naming the path on failure).
 void write_file(const std::string& path, const std::string& bytes);

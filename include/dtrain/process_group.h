@@ -101,6 +101,12 @@ class Group {
   // its host (backend "gloo", DTRAIN_SHM unset or 1, at least two of the group's ranks on the host).
   bool uses_shared_memory() const;
   int group_rank(int global_rank) const;  // throws if not a member
+  // The group's name, the same on every rank: "default" for the world, "group<N>" for the job's N-th
+  // new_group.
+  const std::string& name() const;
+  // The number of the object the members are constructing together on this group (0, 1, ...; see
+  // Note [Group-agreed ids]). Each member calls it once per such object; throws for non-members.
+  int64_t next_object_index() const;
 
   struct Impl;
   explicit Group(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -109,6 +115,17 @@ class Group {
  private:
   std::shared_ptr<Impl> impl_;
 };
+
+// Note [Group-agreed ids]: an object that a group's members construct together (a
+// DistributedDataParallel, a Pipeline) and that names things its peers must name alike (message
+// tags, store keys) takes its number from the group, never from a count kept per process. Ranks
+// outside a subgroup build nothing on it, so a per-process count would already differ between them
+// and the subgroup's members when the next object on the world is built: neighbours would wait on
+// different tags and ranks would read store keys nobody writes. Construction is collective, like
+// the group's collectives (every member, in the same order), so next_object_index() returns the same
+// number on every member; with the group's name, which every rank agrees on, it names the object
+// across the job (store keys "<kind>/<group name>/<index>/..."). Message tags need only the index:
+// each group has its own transport.
 
 // --- lifetime -------------------------------------------------------------------------------------
 void init_process_group(const InitOptions& options = InitOptions());

@@ -28,6 +28,8 @@ struct Group::Impl {
   std::chrono::milliseconds timeout{0};
   // DTRAIN_DEBUG=DETAIL: collectives checked on this group so far (src/comm/debug_check.h).
   mutable std::atomic<uint64_t> debug_seq{0};
+  // Objects built on this group so far (Note [Group-agreed ids]).
+  mutable std::atomic<int64_t> objects{0};
 };
 
 namespace comm {

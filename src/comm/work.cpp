@@ -124,5 +124,12 @@ int Group::group_rank(int global_rank) const {
                "'");
   return it->second;
 }
+const std::string& Group::name() const { return comm::resolve(*this).name; }
+int64_t Group::next_object_index() const {
+  const auto& g = comm::resolve(*this);
+  DTRAIN_CHECK(g.rank >= 0, "rank ", comm::world_state().rank, " is not a member of group '", g.name,
+               "': only its members build objects on it");
+  return g.objects.fetch_add(1);
+}
 
 }  // namespace dtrain

@@ -1,6 +1,5 @@
 // DistributedDataParallel's non-template core: construction (checks, broadcast, buckets, hooks) and
 // the per-forward steps. The protocol is described in include/dtrain/ddp.h and src/ddp/reducer.h.
-#include <atomic>
 #include <cstdlib>
 #include <iostream>
 #include <unordered_set>
@@ -16,8 +15,6 @@
 
 namespace dtrain::ddp {
 namespace {
-
-std::atomic<int> g_instances{0};
 
 bool debug_info() { return get_debug_level() != DebugLevel::OFF; }  // INFO or DETAIL
 
@@ -72,8 +69,9 @@ Core::Core(std::shared_ptr<torch::nn::Module> module, DDPOptions options) : impl
   DTRAIN_CHECK(!s.params.empty(),
                "DistributedDataParallel: the module has no parameter that requires a gradient: nothing to "
                "synchronize");
-  const int id = g_instances++;
-  verify_same_model(s.names, s.params, group, id);
+  // Note [Group-agreed ids]: the keys through which the members explain a model mismatch.
+  verify_same_model(s.names, s.params, group,
+                    detail::cat("ddp/", group.name(), "/", group.next_object_index(), "/model/"));
   std::vector<at::Tensor> state = s.params;
   state.insert(state.end(), s.buffers.begin(), s.buffers.end());
   broadcast_from_first_rank(state, group);

@@ -56,7 +56,7 @@ std::string explain(const std::vector<std::vector<std::string>>& all, const std:
 }  // namespace
 
 void verify_same_model(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
-                       const Group& group, int instance_id) {
+                       const Group& group, const std::string& key_prefix) {
   const auto lines = describe(names, params);
   const std::string text = join(lines);
   // Step 1-2.
@@ -70,11 +70,10 @@ void verify_same_model(const std::vector<std::string>& names, const std::vector<
   if (same) return;
   // Step 3.
   auto store = default_store();
-  const std::string prefix = "ddp" + std::to_string(instance_id) + "/model/";
-  store->set(prefix + std::to_string(rank()), std::vector<uint8_t>(text.begin(), text.end()));
+  store->set(key_prefix + std::to_string(rank()), std::vector<uint8_t>(text.begin(), text.end()));
   std::vector<std::vector<std::string>> all;
   for (int r : group.ranks()) {
-    auto v = store->get(prefix + std::to_string(r));
+    auto v = store->get(key_prefix + std::to_string(r));
     all.push_back(split(std::string(v.begin(), v.end())));
   }
   throw Error(detail::cat("rank ", rank(), ": ", explain(all, group.ranks())));

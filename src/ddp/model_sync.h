@@ -4,8 +4,9 @@
 //   1. Each rank describes its parameters ("name shape dtype" per line) and hashes the text.
 //   2. One all_gather of the hashes: equal everywhere -> done (the common case costs one tiny
 //      collective).
-//   3. Otherwise every rank publishes its description in the store and reads everyone's, and all
-//      ranks throw the same one-line error naming the first differing parameter and the ranks.
+//   3. Otherwise every rank publishes its description in the store under key_prefix (this DDP's own,
+//      the same on every member: Note [Group-agreed ids]) and reads everyone's, and all ranks throw
+//      the same one-line error naming the first differing parameter and the ranks.
 // broadcast_from_first_rank: rank 0 of the group broadcasts tensors, coalesced per dtype into
 // flat buffers (one collective per dtype instead of one per tensor).
 #pragma once
@@ -18,7 +19,7 @@
 namespace dtrain::ddp {
 
 void verify_same_model(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
-                       const Group& group, int instance_id);
+                       const Group& group, const std::string& key_prefix);
 
 void broadcast_from_first_rank(const std::vector<at::Tensor>& tensors, const Group& group);
 

@@ -6,8 +6,8 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include <atomic>
 #include <chrono>
+#include <limits>
 #include <optional>
 #include <sstream>
 
@@ -24,9 +24,8 @@ using pipeline::PeerFailed;
 
 namespace {
 
-// Point-to-point tags of the pipelines (2 per instance), far from the small tags users pick.
+// Point-to-point tags of the pipelines (2 per pipeline on a group), far from the small tags users pick.
 constexpr int kTagBase = 0x70000000;
-std::atomic<int> g_instances{0};
 
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -48,7 +47,7 @@ struct Pipeline::Impl {
   c10::Device device{at::kCPU};
   std::unique_ptr<Links> links;
   std::unique_ptr<ddp::Core> ddp;  // replicas > 1
-  int instance = 0;
+  std::string store_prefix;  // this pipeline's keys in the job store (Note [Group-agreed ids])
   int64_t steps = 0;
   PipelineStepStats stats;
 
@@ -110,10 +109,15 @@ void Pipeline::Impl::init(std::vector<torch::nn::Sequential> parts, bool whole_m
   }
   const auto params = stage_module->parameters();
   if (!params.empty()) device = params[0].device();
-  instance = g_instances++;
+  // Note [Group-agreed ids]: numbered on the agreement group, whose ranks all build this pipeline and
+  // read each other's error keys. Its links' group is that group (replicas == 1) or a group just made
+  // for this pipeline, so no other pipeline's messages share their tags.
+  const int64_t index = layout.agreement.next_object_index();
+  DTRAIN_ASSERT(index < (std::numeric_limits<int>::max() - kTagBase) / 2, "pipeline tags exhausted on a group");
+  store_prefix = detail::cat("pipeline/", layout.agreement.name(), "/", index, "/");
   const auto& ranks = layout.pipeline.ranks();
   links = std::make_unique<Links>(layout.pipeline, s > 0 ? ranks[s - 1] : -1, s + 1 < p ? ranks[s + 1] : -1,
-                                  kTagBase + 2 * instance, device);
+                                  kTagBase + 2 * static_cast<int>(index), device);
   if (layout.replicas > 1) {
     DDPOptions o = options.ddp();
     o.process_group(layout.stage_group);
@@ -156,7 +160,7 @@ void Pipeline::Impl::fail_step(const at::Tensor& agreement) {
     if (a[1 + r] > 0) origin = layout.agreement.ranks()[r];
   std::string msg = "unknown failure";
   if (origin >= 0) {
-    const auto bytes = default_store()->get(detail::cat("dtrain/pipeline/", instance, "/", steps, "/error/", origin));
+    const auto bytes = default_store()->get(detail::cat(store_prefix, steps, "/error/", origin));
     msg.assign(bytes.begin(), bytes.end());
   }
   throw Error(detail::cat("rank ", dtrain::rank(), ": pipeline step ", steps, " failed: ", msg));
@@ -292,7 +296,7 @@ PipelineStepResult Pipeline::step(const at::Tensor& input, const at::Tensor& tar
     }
   }
   if (!local_error.empty())
-    default_store()->set(detail::cat("dtrain/pipeline/", m.instance, "/", m.steps, "/error/", dtrain::rank()),
+    default_store()->set(detail::cat(m.store_prefix, m.steps, "/error/", dtrain::rank()),
                          std::vector<uint8_t>(local_error.begin(), local_error.end()));
   // [loss on the last stage, one failure flag per rank of the agreement group]
   at::Tensor agreement = at::zeros({1 + m.layout.agreement.size()}, at::kDouble);

@@ -1,14 +1,10 @@
 // Pipeline parallelism on 2 and 4 real ranks (one stage per rank; 2 stages x 2 replicas on 4).
 //
 // Equivalence: after 10 SGD steps, every stage's parameters equal those of one process training the
-// unsplit model on the same batches (the reference runs inside every rank). The models are float64:
-// micro-batching changes the order of the gradient sums, which in float32 moves parameters by ~1e-6
-// relative after a few steps, too close to the 1e-5 bar to tell a schedule bug from rounding.
+// unsplit model on the same batches (the reference runs inside every rank; pipeline_models.h).
 #include <chrono>
 
 #include <torch/autograd.h>
-#include <torch/nn/functional/loss.h>
-#include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/functional.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
@@ -17,19 +13,16 @@
 #include "dist_main.h"
 #include "dtrain/data_parallel.h"  // balance_by_size
 #include "dtrain/pipeline.h"
+#include "pipeline_models.h"
 #include "test_util.h"
 
 using namespace dtrain;
+using namespace dtrain::test_pipeline;
 using torch::nn::Linear;
-using torch::nn::ReLU;
 using torch::nn::Sequential;
-namespace F = torch::nn::functional;
 using dtrain::test_util::error_of;
 
 namespace {
-
-constexpr int kBatch = 16;  // divisible by chunks 1, 2, 4, 8 and by 2 replicas
-constexpr int kIn = 12, kHidden = 24, kOut = 6;
 
 // Failure injection: the stage whose forward (or backward) throws, and on which call.
 struct Injection {
@@ -63,21 +56,6 @@ torch::nn::Functional injector(int stage) {
   });
 }
 
-// The unsplit model: Linear, ReLU, Linear, ReLU, Linear in float64, the same weights on every rank.
-Sequential make_model() {
-  torch::manual_seed(7);
-  Sequential m(Linear(kIn, kHidden), ReLU(), Linear(kHidden, kHidden), ReLU(), Linear(kHidden, kOut));
-  m->to(at::kDouble);
-  return m;
-}
-
-std::pair<at::Tensor, at::Tensor> batch(int step) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(100 + step);
-  return {at::randn({kBatch, kIn}, g, at::kDouble), at::randint(0, kOut, {kBatch}, g)};
-}
-
-at::Tensor loss_fn(const at::Tensor& out, const at::Tensor& target) { return F::cross_entropy(out, target); }
-
 torch::optim::SGD make_opt(std::vector<at::Tensor> ps) {
   return torch::optim::SGD(ps, torch::optim::SGDOptions(0.1).momentum(0.9));
 }
@@ -96,21 +74,6 @@ std::pair<Sequential, std::vector<double>> reference(int steps) {
     losses.push_back(loss.item<double>());
   }
   return {model, losses};
-}
-
-// Largest relative difference between the pipeline's stage and the same layers of the reference.
-double stage_diff(const Pipeline& pipe, const Sequential& ref) {
-  std::vector<at::Tensor> want;
-  for (int64_t k = pipe.first_layer(); k < pipe.first_layer() + pipe.balance()[pipe.stage()]; ++k)
-    for (const auto& p : (*ref)[k]->parameters()) want.push_back(p);
-  const auto got = pipe.parameters();
-  EXPECT_EQ(got.size(), want.size());
-  double worst = 0;
-  for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) {
-    const double scale = std::max(want[i].abs().max().item<double>(), 1e-3);
-    worst = std::max(worst, (got[i] - want[i]).abs().max().item<double>() / scale);
-  }
-  return worst;
 }
 
 using Param = std::tuple<Schedule, int64_t>;

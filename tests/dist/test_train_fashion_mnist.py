@@ -23,7 +23,7 @@ import unittest
 from harness import ROOT, DistTestCase, binary, clean_env, free_port, rank_env
 
 RESULT_RE = re.compile(r"^(?:\[rank 0\] )?RESULT epochs=(\d+) test_accuracy=([0-9.]+) train_loss=([0-9.]+)"
-                       r"(?: params_sha256=([0-9a-f]{64}))? ranks_agree=([01])$")
+                       r" params_sha256=([0-9a-f]{64}) ranks_agree=([01])$")
 RUN_TIMEOUT_S = 150  # a hang fails the test; a normal run here takes 20-60 s on a loaded 2-core machine
 ERROR_PREFIX = "train_fashion_mnist: error:"
 
@@ -177,8 +177,8 @@ class TrainFashionMNIST(DistTestCase):
     def read_params(self, path, match):
         with open(path, "rb") as f:
             data = f.read()
-        if match.group(4):  # params_sha256 hashes exactly the dumped bytes
-            self.assertEqual(hashlib.sha256(data).hexdigest(), match.group(4))
+        # params_sha256 hashes exactly the dumped bytes
+        self.assertEqual(hashlib.sha256(data).hexdigest(), match.group(4))
         values = array.array("f")
         values.frombytes(data)
         return values
