@@ -270,7 +270,26 @@ Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds>
   if (ranks.empty())
     for (int i = 0; i < st.world_size; ++i) ranks.push_back(i);
   std::string name = "group" + std::to_string(st.next_group_id++);
-  return Group(comm::make_group(st, name, std::move(ranks), timeout.value_or(st.timeout)));
+  const auto group_timeout = timeout.value_or(st.timeout);
+  auto g = comm::make_group(st, name, std::move(ranks), group_timeout);
+  // Note [new_group barrier]: a member that finishes connecting first could drop the group (and
+  // close its connections) while a peer is still completing its own handshake with it, which then
+  // fails with "Connection closed by peer". Members return only once all of them have connected,
+  // as PyTorch's store-based barrier after new_group.
+  if (g->rank >= 0 && g->ranks.size() > 1) {
+    const std::string key = "pg/" + name + "/connected";
+    const int64_t size = static_cast<int64_t>(g->ranks.size());
+    st.store->add(key, 1);
+    const auto deadline = std::chrono::steady_clock::now() + group_timeout;
+    int64_t connected = 0;
+    while ((connected = st.store->add(key, 0)) < size) {
+      DTRAIN_CHECK(std::chrono::steady_clock::now() < deadline, "rank ", st.rank, ": new_group '", name, "': only ",
+                   connected, " of its ", size, " members connected within ", group_timeout.count(),
+                   " ms: every rank must call new_group with the same ranks in the same order");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  return Group(std::move(g));
 }
 
 }  // namespace dtrain
