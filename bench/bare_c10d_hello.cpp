@@ -29,12 +29,11 @@ int main() {
   auto store = c10::make_intrusive<c10d::TCPStore>(std::getenv("MASTER_ADDR"), opts);
   auto pg_opts = c10d::ProcessGroupGloo::Options::create();
   pg_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(
-      c10::make_intrusive<c10d::PrefixStore>("pg", store), rank, world, pg_opts);
+  auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("pg", store), rank,
+                                                        world, pg_opts);
   pg->barrier()->wait();
-  auto now = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                 std::chrono::system_clock::now().time_since_epoch())
-                 .count();
+  auto now =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   std::printf("first_barrier_unix_ns=%lld\n", static_cast<long long>(now));
   std::printf("peak_rss_kb=%ld\n", peak_rss_kb());
   return 0;

@@ -63,8 +63,10 @@ double memcpy_bandwidth(size_t bytes) {
 
 std::string human(size_t b) {
   char buf[32];
-  if (b >= (1u << 20)) std::snprintf(buf, sizeof(buf), "%zu MB", b >> 20);
-  else std::snprintf(buf, sizeof(buf), "%zu KB", b >> 10);
+  if (b >= (1u << 20))
+    std::snprintf(buf, sizeof(buf), "%zu MB", b >> 20);
+  else
+    std::snprintf(buf, sizeof(buf), "%zu KB", b >> 10);
   return buf;
 }
 
@@ -131,9 +133,9 @@ int driver_main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   std::printf("load average at start: %s (%u cores)\n", load_average().c_str(), std::thread::hardware_concurrency());
   std::fflush(stdout);
-  const std::string out = run_job({self_exe(), "--worker", "--reps", std::to_string(reps), "--max_bytes",
-                                   std::to_string(max_bytes)},
-                                  2, 1800, "bench_allreduce");
+  const std::string out =
+      run_job({self_exe(), "--worker", "--reps", std::to_string(reps), "--max_bytes", std::to_string(max_bytes)}, 2,
+              1800, "bench_allreduce");
   std::fputs(out.c_str(), stdout);
   return 0;
 }

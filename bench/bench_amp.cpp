@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
     std::printf("\n");
   }
   const double fp32 = median(runs["fp32"]), ac = median(runs["autocast"]), gs = median(runs["autocast+gs"]);
-  std::printf("RESULT fp32_ms=%.2f autocast_ms=%.2f autocast_speedup=%.2f scaler_overhead=%.3f\n", fp32, ac,
-              fp32 / ac, gs / ac);
+  std::printf("RESULT fp32_ms=%.2f autocast_ms=%.2f autocast_speedup=%.2f scaler_overhead=%.3f\n", fp32, ac, fp32 / ac,
+              gs / ac);
   return 0;
 }

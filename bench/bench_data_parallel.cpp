@@ -163,11 +163,12 @@ int driver_main(int argc, char** argv) {
 
   const std::string exe = self_exe();
   const auto t_all = Clock::now();
-  std::printf("bench_data_parallel: the same global batch per step for every variant; Adam; warm-up %d steps; "
-              "%d reps, interleaved, median reported\n"
-              "  single: 1 process, 1 thread | dp: DataParallel, 2 CPU replicas (threads), 1 intra-op thread "
-              "each | ddp: 2 processes, Gloo, batch/2 each, 1 thread each | single2: 1 process, 2 intra-op threads\n",
-              warmup, reps);
+  std::printf(
+      "bench_data_parallel: the same global batch per step for every variant; Adam; warm-up %d steps; "
+      "%d reps, interleaved, median reported\n"
+      "  single: 1 process, 1 thread | dp: DataParallel, 2 CPU replicas (threads), 1 intra-op thread "
+      "each | ddp: 2 processes, Gloo, batch/2 each, 1 thread each | single2: 1 process, 2 intra-op threads\n",
+      warmup, reps);
   std::printf("load average at start: %s (%u cores)\n", load_average().c_str(), std::thread::hardware_concurrency());
   std::fflush(stdout);
 
@@ -183,11 +184,15 @@ int driver_main(int argc, char** argv) {
         std::vector<std::pair<std::string, std::string>> env;
         if (job == "single2") env.emplace_back("OMP_NUM_THREADS", "2");
         if (job == "dp_omp") env.emplace_back("OMP_NUM_THREADS", "");  // unset: see the Note above
-        const std::vector<std::string> cmd{exe, "--worker", job, c, "--warmup", std::to_string(warmup),
-                                           "--steps", std::to_string(steps), "--threads", std::to_string(threads)};
+        const std::vector<std::string> cmd{exe,         "--worker",
+                                           job,         c,
+                                           "--warmup",  std::to_string(warmup),
+                                           "--steps",   std::to_string(steps),
+                                           "--threads", std::to_string(threads)};
         const std::string out = run_job(cmd, job == "ddp" ? 2 : 1, timeout_s, "bench_data_parallel", env);
         const double sps = parse_value(out, "steps_per_s");
-        if (!(sps > 0)) throw std::runtime_error("bench_data_parallel: no steps_per_s from " + job + " " + c + ":\n" + out);
+        if (!(sps > 0))
+          throw std::runtime_error("bench_data_parallel: no steps_per_s from " + job + " " + c + ":\n" + out);
         runs[{c, job}].push_back(sps);
         const std::string th = parse_line(out, "main_thread_num_threads=");
         if (!th.empty()) notes[c + " " + job] = th;
@@ -204,8 +209,7 @@ int driver_main(int argc, char** argv) {
       const double m = median(runs[{c, v}]);
       med[{c, v}] = m;
       const double base = runs.count({c, "single"}) ? median(runs[{c, "single"}]) : std::nan("");
-      std::printf("%-7s %-8s %10.2f %10.3f %12.0f %8.2fx  ", c.c_str(), v.c_str(), m, 1e3 / m, m * cfg.batch,
-                  m / base);
+      std::printf("%-7s %-8s %10.2f %10.3f %12.0f %8.2fx  ", c.c_str(), v.c_str(), m, 1e3 / m, m * cfg.batch, m / base);
       for (double x : runs[{c, v}]) std::printf(" %.2f", x);
       auto it = notes.find(c + " " + v);
       if (it != notes.end()) std::printf("   (%s)", it->second.c_str());
@@ -217,10 +221,11 @@ int driver_main(int argc, char** argv) {
     return a == med.end() || b == med.end() ? std::nan("") : a->second / b->second;
   };
   std::printf("load average at end: %s; bench took %.0f s\n", load_average().c_str(), secs_since(t_all));
-  std::printf("RESULT mlp_dp_vs_single=%.2f mlp_ddp_vs_single=%.2f cnn_dp_vs_single=%.2f cnn_ddp_vs_single=%.2f "
-              "mlp256_dp_vs_single=%.2f mlp256_ddp_vs_single=%.2f\n",
-              ratio("mlp32", "dp"), ratio("mlp32", "ddp"), ratio("cnn32", "dp"), ratio("cnn32", "ddp"),
-              ratio("mlp256", "dp"), ratio("mlp256", "ddp"));
+  std::printf(
+      "RESULT mlp_dp_vs_single=%.2f mlp_ddp_vs_single=%.2f cnn_dp_vs_single=%.2f cnn_ddp_vs_single=%.2f "
+      "mlp256_dp_vs_single=%.2f mlp256_ddp_vs_single=%.2f\n",
+      ratio("mlp32", "dp"), ratio("mlp32", "ddp"), ratio("cnn32", "dp"), ratio("cnn32", "ddp"), ratio("mlp256", "dp"),
+      ratio("mlp256", "ddp"));
   return 0;
 }
 

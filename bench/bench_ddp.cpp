@@ -66,7 +66,7 @@
 
 namespace {
 
-constexpr int kBatches = 4;     // distinct pre-made batches, cycled (as ddp_reference.py)
+constexpr int kBatches = 4;  // distinct pre-made batches, cycled (as ddp_reference.py)
 constexpr int kWorld = 2;
 
 using namespace bench;
@@ -90,7 +90,7 @@ struct Loop {
   Model model;
   std::optional<dtrain::DistributedDataParallel<typename Model::ContainedType>> ddp;
   std::unique_ptr<torch::optim::Adam> opt;
-  double secs = 0;                                    // timed steps (rank 0)
+  double secs = 0;  // timed steps (rank 0)
   int steps = 0;
   std::string timeline;
   double t_fwd = 0, t_bwd = 0, t_opt = 0, t_comm = 0, t_pre = 0, t_post = 0;  // --profile sums
@@ -129,16 +129,18 @@ struct Loop {
         return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
       };
       if (launch >= 0 && done >= launch) {
-        t_pre += (launch - ns(t1)) * 1e-9;   // backward compute + hooks up to the (last) launch
+        t_pre += (launch - ns(t1)) * 1e-9;  // backward compute + hooks up to the (last) launch
         t_comm += (done - launch) * 1e-9;
-        t_post += (ns(t2) - done) * 1e-9;    // writing the averages back, end of backward
+        t_post += (ns(t2) - done) * 1e-9;  // writing the averages back, end of backward
       }
       timeline.clear();  // the last profiled step's events, microseconds after backward started
       for (const auto& e : ddp->last_backward_events())
         if (e.kind == dtrain::DDPEvent::kGradReady || e.kind == dtrain::DDPEvent::kBucketLaunched ||
             e.kind == dtrain::DDPEvent::kBucketDone)
-        timeline += (e.kind == dtrain::DDPEvent::kGradReady ? " g" : e.kind == dtrain::DDPEvent::kBucketLaunched ? " L" : " D") +
-                    std::to_string(e.index) + "@" + std::to_string((e.time_ns - ns(t1)) / 1000);
+          timeline += (e.kind == dtrain::DDPEvent::kGradReady        ? " g"
+                       : e.kind == dtrain::DDPEvent::kBucketLaunched ? " L"
+                                                                     : " D") +
+                      std::to_string(e.index) + "@" + std::to_string((e.time_ns - ns(t1)) / 1000);
       timeline += " end@" + std::to_string((ns(t2) - ns(t1)) / 1000);
     }
   }
@@ -153,8 +155,8 @@ int run_worker(const WorkerArgs& a) {
   if (a.variant != "nocomm") loops.push_back(std::make_unique<Loop<Model>>("dtrain", a));
   if (a.variant != "dtrain") loops.push_back(std::make_unique<Loop<Model>>("nocomm", a));
 
-  const std::vector<int64_t> shape = a.model == "mlp" ? std::vector<int64_t>{a.batch_size, 128}
-                                                      : std::vector<int64_t>{a.batch_size, 3, 32, 32};
+  const std::vector<int64_t> shape =
+      a.model == "mlp" ? std::vector<int64_t>{a.batch_size, 128} : std::vector<int64_t>{a.batch_size, 3, 32, 32};
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1 + rank);
   std::vector<std::pair<at::Tensor, at::Tensor>> batches;
   for (int i = 0; i < kBatches; ++i)
@@ -170,7 +172,8 @@ int run_worker(const WorkerArgs& a) {
       auto& l = *loops[(k + b) % loops.size()];  // alternate which loop goes first
       dtrain::barrier();
       const auto t0 = Clock::now();
-      for (int i = done; i < done + n; ++i) l.step(batches[i % kBatches].first, batches[i % kBatches].second, a.profile);
+      for (int i = done; i < done + n; ++i)
+        l.step(batches[i % kBatches].first, batches[i % kBatches].second, a.profile);
       l.secs += secs_since(t0);
       l.steps += n;
     }
@@ -197,11 +200,12 @@ int run_worker(const WorkerArgs& a) {
     if (rank == 0)
       for (auto& l : loops) {
         if (!l->timeline.empty()) std::printf("timeline_%s (us):%s\n", l->name.c_str(), l->timeline.c_str());
-        std::printf("profile_%s fwd_ms=%.3f bwd_ms=%.3f (to launch %.3f, launch->done %.3f, after %.3f) opt_ms=%.3f "
-                    "flat_allreduce_%lldKB_ms=%.3f\n",
-                    l->name.c_str(), 1e3 * l->t_fwd / l->steps, 1e3 * l->t_bwd / l->steps, 1e3 * l->t_pre / l->steps,
-                    1e3 * l->t_comm / l->steps, 1e3 * l->t_post / l->steps, 1e3 * l->t_opt / l->steps,
-                    static_cast<long long>(numel * 4 / 1024), ms[ms.size() / 2]);
+        std::printf(
+            "profile_%s fwd_ms=%.3f bwd_ms=%.3f (to launch %.3f, launch->done %.3f, after %.3f) opt_ms=%.3f "
+            "flat_allreduce_%lldKB_ms=%.3f\n",
+            l->name.c_str(), 1e3 * l->t_fwd / l->steps, 1e3 * l->t_bwd / l->steps, 1e3 * l->t_pre / l->steps,
+            1e3 * l->t_comm / l->steps, 1e3 * l->t_post / l->steps, 1e3 * l->t_opt / l->steps,
+            static_cast<long long>(numel * 4 / 1024), ms[ms.size() / 2]);
       }
   }
   std::fflush(stdout);
@@ -256,7 +260,8 @@ int driver_main(int argc, char** argv) {
   app.add_option("--python", python, "Python with torch 1.13 (default /usr/bin/python3)");
   app.add_option("--python2", python2, "Python with torch 2.x (default .venv/bin/python)");
   app.add_option("--script", script, "the reference script (default bench/python/ddp_reference.py)");
-  app.add_option("--mlp_block", mlp_block, "paired jobs alternate dtrain and nocomm every this many steps (MLP, default 50)");
+  app.add_option("--mlp_block", mlp_block,
+                 "paired jobs alternate dtrain and nocomm every this many steps (MLP, default 50)");
   app.add_option("--cnn_block", cnn_block, "the same for the CNN (default 5)");
   app.add_option("--jobs", jobs,
                  "job kinds per model and rep (default: python python2 paired): python (1.13), python2 (2.x), "
@@ -272,21 +277,22 @@ int driver_main(int argc, char** argv) {
 
   const std::string exe = self_exe();
   const auto t_all = Clock::now();
-  std::printf("bench_ddp: %d ranks, Gloo on loopback, OMP_NUM_THREADS=1 + set_num_threads(1) per rank, batch 32, "
-              "Adam; warm-up %d steps, timed %d (mlp) / %d (cnn); %d reps, interleaved; dtrain and nocomm "
-              "alternate in blocks of %d (mlp) / %d (cnn) steps inside the same 2 processes\n",
-              kWorld, warmup, mlp_steps, cnn_steps, reps, mlp_block, cnn_block);
-  std::printf("dtrain DDPOptions: bucket_cap_mb=%g first_bucket_cap_mb=%g gradient_as_bucket_view=%d "
-              "broadcast_buffers=1 find_unused_parameters=0 static_graph=0%s\n",
-              bucket_cap_mb, first_bucket_cap_mb, grad_as_view ? 1 : 0,
-              (bucket_cap_mb == dtrain::kDefaultBucketCapMB &&
-               first_bucket_cap_mb == dtrain::kDefaultFirstBucketCapMB && !grad_as_view)
-                  ? " (defaults)"
-                  : "");
-  std::printf("python DDP: torch.nn.parallel.DistributedDataParallel defaults (%s %s; python2: %s)\n",
-              python.c_str(), script.c_str(), python2.c_str());
-  std::printf("load average at start: %s (%u cores)\n", load_average().c_str(),
-              std::thread::hardware_concurrency());
+  std::printf(
+      "bench_ddp: %d ranks, Gloo on loopback, OMP_NUM_THREADS=1 + set_num_threads(1) per rank, batch 32, "
+      "Adam; warm-up %d steps, timed %d (mlp) / %d (cnn); %d reps, interleaved; dtrain and nocomm "
+      "alternate in blocks of %d (mlp) / %d (cnn) steps inside the same 2 processes\n",
+      kWorld, warmup, mlp_steps, cnn_steps, reps, mlp_block, cnn_block);
+  std::printf(
+      "dtrain DDPOptions: bucket_cap_mb=%g first_bucket_cap_mb=%g gradient_as_bucket_view=%d "
+      "broadcast_buffers=1 find_unused_parameters=0 static_graph=0%s\n",
+      bucket_cap_mb, first_bucket_cap_mb, grad_as_view ? 1 : 0,
+      (bucket_cap_mb == dtrain::kDefaultBucketCapMB && first_bucket_cap_mb == dtrain::kDefaultFirstBucketCapMB &&
+       !grad_as_view)
+          ? " (defaults)"
+          : "");
+  std::printf("python DDP: torch.nn.parallel.DistributedDataParallel defaults (%s %s; python2: %s)\n", python.c_str(),
+              script.c_str(), python2.c_str());
+  std::printf("load average at start: %s (%u cores)\n", load_average().c_str(), std::thread::hardware_concurrency());
   std::fflush(stdout);
 
   std::map<std::pair<std::string, std::string>, std::vector<double>> runs;  // (model, variant) -> steps/s
@@ -298,20 +304,37 @@ int driver_main(int argc, char** argv) {
         const std::string& job = jobs[(k + rep) % jobs.size()];  // rotate the order
         std::vector<std::string> cmd;
         if (job == "python" || job == "python2") {
-          cmd = {job == "python" ? python : python2, script, "--model", model, "--warmup", std::to_string(warmup), "--steps",
+          cmd = {job == "python" ? python : python2,
+                 script,
+                 "--model",
+                 model,
+                 "--warmup",
+                 std::to_string(warmup),
+                 "--steps",
                  std::to_string(steps)};
         } else {
-          cmd = {exe, "--worker", job, model, "--warmup", std::to_string(warmup), "--steps",
-                 std::to_string(steps), "--block", std::to_string(model == "mlp" ? mlp_block : cnn_block),
-                 "--bucket_cap_mb", std::to_string(bucket_cap_mb), "--first_bucket_cap_mb",
-                 std::to_string(first_bucket_cap_mb), "--grad_as_view", grad_as_view ? "1" : "0"};
+          cmd = {exe,
+                 "--worker",
+                 job,
+                 model,
+                 "--warmup",
+                 std::to_string(warmup),
+                 "--steps",
+                 std::to_string(steps),
+                 "--block",
+                 std::to_string(model == "mlp" ? mlp_block : cnn_block),
+                 "--bucket_cap_mb",
+                 std::to_string(bucket_cap_mb),
+                 "--first_bucket_cap_mb",
+                 std::to_string(first_bucket_cap_mb),
+                 "--grad_as_view",
+                 grad_as_view ? "1" : "0"};
           if (profile) cmd.push_back("--profile");
         }
         const std::string out = run_job(cmd, kWorld, timeout_s, "bench_ddp");
-        const std::vector<std::string> names =
-            job == "python" || job == "python2" ? std::vector<std::string>{job}
-            : job == "paired" ? std::vector<std::string>{"dtrain", "nocomm"}
-                              : std::vector<std::string>{job};
+        const std::vector<std::string> names = job == "python" || job == "python2" ? std::vector<std::string>{job}
+                                               : job == "paired" ? std::vector<std::string>{"dtrain", "nocomm"}
+                                                                 : std::vector<std::string>{job};
         for (const auto& name : names) {
           const double sps = parse_value(out, name.rfind("python", 0) == 0 ? "steps_per_s" : name + "_steps_per_s");
           if (!(sps > 0))
@@ -355,13 +378,17 @@ int driver_main(int argc, char** argv) {
   const double zm = get("mlp", "nocomm") / get("mlp", "dtrain");
   const double x2 = get("mlp", "dtrain") / get("mlp", "python2");
   const double y2 = get("cnn", "dtrain") / get("cnn", "python2");
-  std::printf("\nmlp: dtrain/python 1.13 = %.2fx   dtrain/python 2.x = %.2fx (goal >= 3)   dtrain step time / nocomm = %.2fx\n",
-              x, x2, zm);
-  std::printf("cnn: dtrain/python 1.13 = %.2fx   dtrain/python 2.x = %.2fx (goal >= 1.0)   dtrain step time / nocomm = "
-              "%.2fx (goal <= 1.10)\n", y, y2, z);
+  std::printf(
+      "\nmlp: dtrain/python 1.13 = %.2fx   dtrain/python 2.x = %.2fx (goal >= 3)   dtrain step time / nocomm = %.2fx\n",
+      x, x2, zm);
+  std::printf(
+      "cnn: dtrain/python 1.13 = %.2fx   dtrain/python 2.x = %.2fx (goal >= 1.0)   dtrain step time / nocomm = "
+      "%.2fx (goal <= 1.10)\n",
+      y, y2, z);
   std::printf("load average at end: %s; bench took %.0f s\n", load_average().c_str(), secs_since(t_all));
-  std::printf("RESULT mlp_vs_python=%.2f cnn_vs_python=%.2f cnn_vs_nocomm=%.2f mlp_vs_python2=%.2f cnn_vs_python2=%.2f\n",
-              x, y, z, x2, y2);
+  std::printf(
+      "RESULT mlp_vs_python=%.2f cnn_vs_python=%.2f cnn_vs_nocomm=%.2f mlp_vs_python2=%.2f cnn_vs_python2=%.2f\n", x, y,
+      z, x2, y2);
   return 0;
 }
 

@@ -152,14 +152,13 @@ int driver_main(int argc, char** argv) {
   app.add_option("--timeout_s", timeout_s, "limit per job");
   CLI11_PARSE(app, argc, argv);
 
-  std::map<std::string, std::vector<double>> ms;  // "<ranks>/<variant>" -> per repetition
+  std::map<std::string, std::vector<double>> ms;     // "<ranks>/<variant>" -> per repetition
   std::map<std::string, std::vector<double>> ratio;  // "<ranks>/<variant>" -> per repetition (paired blocks)
   for (int r = 0; r < reps; ++r)
     for (int world : {1, 2}) {
-      const std::string out =
-          bench::run_job({bench::self_exe(), "--worker", "--blocks", std::to_string(blocks), "--steps",
-                          std::to_string(steps)},
-                         world, timeout_s, "bench_monitor");
+      const std::string out = bench::run_job(
+          {bench::self_exe(), "--worker", "--blocks", std::to_string(blocks), "--steps", std::to_string(steps)}, world,
+          timeout_s, "bench_monitor");
       for (const char* v : {"off", "on", "detail"}) {
         const double x = bench::parse_value(out, std::string(v) + "_ms");
         if (x == x) ms[std::to_string(world) + "/" + v].push_back(x);
@@ -168,26 +167,28 @@ int driver_main(int argc, char** argv) {
       }
     }
 
-  std::printf("TrainModel (CNN 3x32x32), batch 32 per rank, Adam, DDP, 1 thread per rank, %d blocks x %d steps "
-              "per variant, %d reps, load %s\n",
-              blocks, steps, reps, bench::load_average().c_str());
-  std::printf("%-6s %-8s %12s %10s   runs (ms/step) | paired-block ratio per run\n", "ranks", "variant",
-              "median ms", "vs off");
+  std::printf(
+      "TrainModel (CNN 3x32x32), batch 32 per rank, Adam, DDP, 1 thread per rank, %d blocks x %d steps "
+      "per variant, %d reps, load %s\n",
+      blocks, steps, reps, bench::load_average().c_str());
+  std::printf("%-6s %-8s %12s %10s   runs (ms/step) | paired-block ratio per run\n", "ranks", "variant", "median ms",
+              "vs off");
   auto med = [&](const std::string& k) { return ms[k].empty() ? 0.0 : bench::median(ms[k]); };
   auto medr = [&](const std::string& k) { return ratio[k].empty() ? 1.0 : bench::median(ratio[k]); };
   for (int world : {1, 2})
     for (const char* v : {"off", "on", "detail"}) {
       const std::string k = std::to_string(world) + "/" + v;
       if (ms[k].empty()) continue;
-      std::printf("%-6d %-8s %12.2f %+9.2f%%  ", world, v, med(k), 100 * (med(k) / med(std::to_string(world) + "/off") - 1));
+      std::printf("%-6d %-8s %12.2f %+9.2f%%  ", world, v, med(k),
+                  100 * (med(k) / med(std::to_string(world) + "/off") - 1));
       for (double x : ms[k]) std::printf(" %.2f", x);
       std::printf(" |");
       for (double x : ratio[k]) std::printf(" %.3f", x);
       std::printf("\n");
     }
   // The overheads: median over repetitions of each run's median paired-block ratio, minus 1.
-  std::printf("RESULT monitor_overhead_1rank=%.4f monitor_overhead_2rank=%.4f detail_overhead=%.4f\n",
-              medr("1/on") - 1, medr("2/on") - 1, medr("2/detail") - 1);
+  std::printf("RESULT monitor_overhead_1rank=%.4f monitor_overhead_2rank=%.4f detail_overhead=%.4f\n", medr("1/on") - 1,
+              medr("2/on") - 1, medr("2/detail") - 1);
   return 0;
 }
 

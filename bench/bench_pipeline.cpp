@@ -140,10 +140,10 @@ int driver_main(int argc, char** argv) {
       for (int64_t c : chunk_list) jobs.emplace_back(s, c);
     std::rotate(jobs.begin(), jobs.begin() + rep % jobs.size(), jobs.end());
     for (const auto& [s, c] : jobs) {
-      const std::string out = run_job({self_exe(), "--worker", "--schedule", s, "--chunks", std::to_string(c),
-                                       "--batch", std::to_string(batch), "--steps", std::to_string(steps),
-                                       "--warmup", std::to_string(warmup)},
-                                      kWorld, timeout_s, "bench_pipeline");
+      const std::string out =
+          run_job({self_exe(), "--worker", "--schedule", s, "--chunks", std::to_string(c), "--batch",
+                   std::to_string(batch), "--steps", std::to_string(steps), "--warmup", std::to_string(warmup)},
+                  kWorld, timeout_s, "bench_pipeline");
       const std::string key = s + "/" + std::to_string(c);
       ms[key].push_back(parse_value(out, "step_ms"));
       idle[key].push_back(parse_value(out, "idle"));
@@ -153,7 +153,9 @@ int driver_main(int argc, char** argv) {
   }
   std::printf("stages: %s (layers per rank, balanced by parameter count); unsplit model, 1 process: %.3f ms/step\n\n",
               balance.c_str(), median(single));
-  std::printf("| schedule | chunks | micro-batch | step ms (median) | all runs | idle measured | idle theory (p-1)/(m+p-1) |\n");
+  std::printf(
+      "| schedule | chunks | micro-batch | step ms (median) | all runs | idle measured | idle theory (p-1)/(m+p-1) "
+      "|\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   for (const auto& s : schedules)
     for (int64_t c : chunk_list) {
@@ -167,9 +169,10 @@ int driver_main(int argc, char** argv) {
     }
   auto m = [&](int64_t c) { return median(ms["1f1b/" + std::to_string(c)]); };
   auto i = [&](int64_t c) { return median(idle["1f1b/" + std::to_string(c)]); };
-  std::printf("\nRESULT chunks1_ms=%.3f chunks2_ms=%.3f chunks4_ms=%.3f chunks8_ms=%.3f idle1=%.3f idle2=%.3f "
-              "idle4=%.3f idle8=%.3f single_ms=%.3f\n",
-              m(1), m(2), m(4), m(8), i(1), i(2), i(4), i(8), median(single));
+  std::printf(
+      "\nRESULT chunks1_ms=%.3f chunks2_ms=%.3f chunks4_ms=%.3f chunks8_ms=%.3f idle1=%.3f idle2=%.3f "
+      "idle4=%.3f idle8=%.3f single_ms=%.3f\n",
+      m(1), m(2), m(4), m(8), i(1), i(2), i(4), i(8), median(single));
   return 0;
 }
 

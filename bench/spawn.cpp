@@ -159,8 +159,10 @@ int main_of(const char* name, int argc, char** argv, int (*worker)(int, char**),
   try {
     return is_worker ? worker(argc - 1, argv + 1) : driver(argc, argv);
   } catch (const std::exception& e) {
-    if (is_worker) std::fprintf(stderr, "%s worker: error: %s\n", name, e.what());
-    else std::fprintf(stderr, "%s\n", e.what());
+    if (is_worker)
+      std::fprintf(stderr, "%s worker: error: %s\n", name, e.what());
+    else
+      std::fprintf(stderr, "%s\n", e.what());
     return 1;
   }
 }

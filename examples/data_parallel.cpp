@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
       opt.zero_grad();
       at::Tensor outputs = dp(inputs);  // (B, 10): scattered over the replicas, gathered on device
       at::Tensor loss = torch::nn::functional::cross_entropy(outputs, labels);
-      loss.backward();                  // the replicas' gradients are summed into model's
+      loss.backward();  // the replicas' gradients are summed into model's
       opt.step();
       loss_value = loss.item<double>();
       if (s == 0) first_loss = loss_value;

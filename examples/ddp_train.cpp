@@ -60,7 +60,7 @@ struct Args {
 // on every rank.
 std::pair<at::Tensor, at::Tensor> make_dataset(uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  at::Tensor images = at::randn({kDatasetSize, 3, 32, 32}, gen);  // (N, C, H, W)
+  at::Tensor images = at::randn({kDatasetSize, 3, 32, 32}, gen);      // (N, C, H, W)
   at::Tensor labels = at::randint(0, kClasses, {kDatasetSize}, gen);  // (N,)
   return {images, labels};
 }
@@ -96,8 +96,8 @@ void train(const Args& args) {
   if (rank == 0)
     std::printf("ddp_train: %d ranks (%s), %lld samples per rank in %lld batches of %lld, %s lr=%g\n",
                 dtrain::world_size(), dtrain::backend().c_str(), static_cast<long long>(per_rank),
-                static_cast<long long>(batches), static_cast<long long>(args.batch_size),
-                args.optimizer.c_str(), args.lr);
+                static_cast<long long>(batches), static_cast<long long>(args.batch_size), args.optimizer.c_str(),
+                args.lr);
 
   double first_loss = 0, final_loss = 0;
   // doc:begin epoch-loop
@@ -112,7 +112,7 @@ void train(const Args& args) {
     double epoch_loss = 0;
     for (int64_t start = 0; start < per_rank; start += args.batch_size) {
       const at::Tensor idx = all.slice(0, start, std::min(start + args.batch_size, per_rank));
-      const at::Tensor inputs = images.index_select(0, idx);  // (B, 3, 32, 32)
+      const at::Tensor inputs = images.index_select(0, idx);   // (B, 3, 32, 32)
       const at::Tensor targets = labels.index_select(0, idx);  // (B,)
 
       optimizer->zero_grad();
@@ -139,8 +139,7 @@ void train(const Args& args) {
   // doc:end epoch-loop
 
   // doc:begin cleanup
-  if (rank == 0)
-    std::printf("RESULT epochs=%d first_loss=%.6f final_loss=%.6f\n", args.epochs, first_loss, final_loss);
+  if (rank == 0) std::printf("RESULT epochs=%d first_loss=%.6f final_loss=%.6f\n", args.epochs, first_loss, final_loss);
   dtrain::destroy_process_group();
   // doc:end cleanup
 }
@@ -154,8 +153,7 @@ int main(int argc, char** argv) {
   app.add_option("--epochs", args.epochs, "epochs to train (default 2)")->check(CLI::NonNegativeNumber);
   app.add_option("--batch_size", args.batch_size, "batch size per rank (default 32)")->check(CLI::PositiveNumber);
   app.add_option("--lr", args.lr, "learning rate (default 1e-3)")->check(CLI::PositiveNumber);
-  app.add_option("--optimizer", args.optimizer, "adam (the tutorial's) or sgd")
-      ->check(CLI::IsMember({"adam", "sgd"}));
+  app.add_option("--optimizer", args.optimizer, "adam (the tutorial's) or sgd")->check(CLI::IsMember({"adam", "sgd"}));
   app.add_option("--backend", args.backend, "gloo (CPU) or nccl (CUDA builds)");
   app.add_option("--seed", args.seed, "seed of the synthetic dataset, the same on every rank (default 0)");
   app.add_option("--local_rank,--local-rank", args.local_rank, "passed by dtrain-run --use_local_rank_arg");

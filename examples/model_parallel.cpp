@@ -41,10 +41,10 @@ using namespace torch::nn;
 // The tutorial's ModelParallel: features1 on d0, features2 on d1, classifier on d0.
 struct ModelParallelImpl : Module {
   ModelParallelImpl(c10::Device d0, c10::Device d1) : d0(d0), d1(d1) {
-    features1 = register_module("features1", Sequential(Conv2d(Conv2dOptions(3, 64, 3).padding(1)), ReLU(),
-                                                        MaxPool2d(2)));
-    features2 = register_module("features2", Sequential(Conv2d(Conv2dOptions(64, 128, 3).padding(1)), ReLU(),
-                                                        AdaptiveAvgPool2d(1), Flatten()));
+    features1 =
+        register_module("features1", Sequential(Conv2d(Conv2dOptions(3, 64, 3).padding(1)), ReLU(), MaxPool2d(2)));
+    features2 = register_module(
+        "features2", Sequential(Conv2d(Conv2dOptions(64, 128, 3).padding(1)), ReLU(), AdaptiveAvgPool2d(1), Flatten()));
     classifier = register_module("classifier", Linear(128, 10));
     features1->to(d0);
     features2->to(d1);
@@ -75,7 +75,8 @@ struct Task {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1234);
   std::pair<at::Tensor, at::Tensor> batch(int64_t b) {
     at::Tensor labels = at::randint(0, 10, {b}, gen);
-    at::Tensor inputs = class_means.index_select(0, labels).expand({b, 3, 32, 32}) + 0.5 * at::randn({b, 3, 32, 32}, gen);
+    at::Tensor inputs =
+        class_means.index_select(0, labels).expand({b, 3, 32, 32}) + 0.5 * at::randn({b, 3, 32, 32}, gen);
     return {inputs, labels};
   }
 };
@@ -84,8 +85,7 @@ struct Task {
 // The tutorial's loop; returns the first and the last loss. The input starts on the CPU (the model
 // moves it).
 template <typename Model>
-std::pair<double, double> train(Model& model, c10::Device out_device, int steps, int64_t batch_size,
-                                const char* name) {
+std::pair<double, double> train(Model& model, c10::Device out_device, int steps, int64_t batch_size, const char* name) {
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
   Task task;
   model->train();

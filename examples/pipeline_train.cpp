@@ -7,9 +7,10 @@
 //
 // Python (the tutorial, deprecated torch.distributed.pipeline.sync):   C++ (dtrain):
 //   model = nn.Sequential(l1.to("cuda:0"), l2.to("cuda:1"))               the whole Sequential on every rank;
-//   model = Pipe(model, chunks=4)                                         dtrain::Pipeline pipe(seq, PipelineOptions().chunks(4))
-//   output = model(input).local_value(); loss(output).backward()          pipe.step(input, target, loss_fn)
-//   optimizer.step()                                                      optimizer.step() on every rank
+//   model = Pipe(model, chunks=4)                                         dtrain::Pipeline pipe(seq,
+//   PipelineOptions().chunks(4)) output = model(input).local_value(); loss(output).backward()          pipe.step(input,
+//   target, loss_fn) optimizer.step()                                                      optimizer.step() on every
+//   rank
 // Pipe runs the stages on the GPUs of one process; dtrain runs them on ranks (processes, machines), so
 // every rank steps its own stage's optimizer. The task: labels from a fixed random linear "teacher" of
 // the inputs, so the loss falls. The last line (rank 0) is `RESULT steps=N first_loss=A final_loss=B`.
@@ -47,11 +48,11 @@ int main(int argc, char** argv) {
   // The same initial weights on every rank: each keeps only its own stage's layers.
   torch::manual_seed(0);
   tutorial::SimpleModel model;
-  dtrain::Pipeline pipe(model->net, dtrain::PipelineOptions()
-                                        .chunks(chunks)
-                                        .schedule(schedule == "gpipe" ? dtrain::Schedule::kGPipe
-                                                                      : dtrain::Schedule::k1F1B)
-                                        .replicas(replicas));
+  dtrain::Pipeline pipe(model->net,
+                        dtrain::PipelineOptions()
+                            .chunks(chunks)
+                            .schedule(schedule == "gpipe" ? dtrain::Schedule::kGPipe : dtrain::Schedule::k1F1B)
+                            .replicas(replicas));
   std::printf("rank %d: stage %d of %d (replica %d), layers %lld..%lld of the SimpleModel\n", dtrain::rank(),
               pipe.stage(), pipe.num_stages(), pipe.replica(), static_cast<long long>(pipe.first_layer()),
               static_cast<long long>(pipe.first_layer() + pipe.balance()[pipe.stage()] - 1));
@@ -62,7 +63,9 @@ int main(int argc, char** argv) {
   // Data: the same stream on every rank (each replica takes its slice of a global batch).
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
   const at::Tensor teacher = at::randn({128, 10}, gen);
-  auto loss_fn = [](const at::Tensor& out, const at::Tensor& t) { return torch::nn::functional::cross_entropy(out, t); };
+  auto loss_fn = [](const at::Tensor& out, const at::Tensor& t) {
+    return torch::nn::functional::cross_entropy(out, t);
+  };
   double first_loss = 0, loss = 0;
   for (int step = 0; step < steps; ++step) {
     at::Tensor x = at::randn({batch_size * replicas, 128}, gen);  // (R*B, 128)
@@ -80,8 +83,7 @@ int main(int argc, char** argv) {
                   static_cast<long long>(pipe.max_live_micro_batches()));
   }
   // doc:end loop
-  if (dtrain::rank() == 0)
-    std::printf("RESULT steps=%d first_loss=%.4f final_loss=%.4f\n", steps, first_loss, loss);
+  if (dtrain::rank() == 0) std::printf("RESULT steps=%d first_loss=%.4f final_loss=%.4f\n", steps, first_loss, loss);
   dtrain::destroy_process_group();
   return 0;
 }

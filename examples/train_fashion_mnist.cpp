@@ -63,11 +63,11 @@ struct FashionCNNImpl : torch::nn::Module {
     fc1 = register_module("fc1", Linear(64 * 7 * 7, 128));
     fc2 = register_module("fc2", Linear(128, 10));
   }
-  at::Tensor forward(at::Tensor x) {                                     // (B, 1, 28, 28)
-    x = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);            // (B, 32, 14, 14)
-    x = torch::max_pool2d(torch::relu(conv2->forward(x)), 2);            // (B, 64, 7, 7)
-    x = torch::relu(fc1->forward(x.flatten(1)));                         // (B, 128)
-    return fc2->forward(x);                                              // (B, 10) logits
+  at::Tensor forward(at::Tensor x) {                           // (B, 1, 28, 28)
+    x = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);  // (B, 32, 14, 14)
+    x = torch::max_pool2d(torch::relu(conv2->forward(x)), 2);  // (B, 64, 7, 7)
+    x = torch::relu(fc1->forward(x.flatten(1)));               // (B, 128)
+    return fc2->forward(x);                                    // (B, 10) logits
   }
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
@@ -165,8 +165,8 @@ int run(const Config& cfg) {
   // One GPU per rank, as torch.cuda.set_device(local_rank): the model, the batches and every
   // collective's tensors live there.
   if (cuda) dtrain::set_cuda_device(dtrain::local_rank());
-  const at::Device device = cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(dtrain::local_rank()))
-                                 : at::Device(at::kCPU);
+  const at::Device device =
+      cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(dtrain::local_rank())) : at::Device(at::kCPU);
   if (main_rank) dtrain::warn_if_slow_blas();
   // doc:end init
 
@@ -185,8 +185,8 @@ int run(const Config& cfg) {
     collectively("preparing --checkpoint_dir", main_rank, [&] {
       std::error_code ec;
       std::filesystem::create_directories(cfg.checkpoint_dir, ec);
-      DTRAIN_CHECK(!ec && std::filesystem::is_directory(cfg.checkpoint_dir), "--checkpoint_dir ",
-                   cfg.checkpoint_dir, ": cannot create the folder: ", ec ? ec.message() : "not a folder");
+      DTRAIN_CHECK(!ec && std::filesystem::is_directory(cfg.checkpoint_dir), "--checkpoint_dir ", cfg.checkpoint_dir,
+                   ": cannot create the folder: ", ec ? ec.message() : "not a folder");
     });
 
   // doc:begin model
@@ -200,7 +200,8 @@ int run(const Config& cfg) {
   // so rounding noise in a near-zero gradient can move a parameter by up to 2 * lr).
   std::unique_ptr<torch::optim::Optimizer> optimizer_ptr;
   if (cfg.optimizer == "sgd")
-    optimizer_ptr = std::make_unique<torch::optim::SGD>(ddp.parameters(), torch::optim::SGDOptions(cfg.lr).momentum(0.9));
+    optimizer_ptr =
+        std::make_unique<torch::optim::SGD>(ddp.parameters(), torch::optim::SGDOptions(cfg.lr).momentum(0.9));
   else
     optimizer_ptr = std::make_unique<torch::optim::Adam>(ddp.parameters(), torch::optim::AdamOptions(cfg.lr));
   torch::optim::Optimizer& optimizer = *optimizer_ptr;
@@ -211,8 +212,7 @@ int run(const Config& cfg) {
   // doc:begin loader
   dtrain::DistributedSampler sampler(train->size().value(), dtrain::DistributedSamplerOptions().seed(cfg.seed));
   auto loader = torch::data::make_data_loader(
-      train->batched(), sampler,
-      torch::data::DataLoaderOptions().batch_size(cfg.batch_size).workers(cfg.num_workers));
+      train->batched(), sampler, torch::data::DataLoaderOptions().batch_size(cfg.batch_size).workers(cfg.num_workers));
   const int64_t steps = (static_cast<int64_t>(sampler.size()) + cfg.batch_size - 1) / cfg.batch_size;
   // doc:end loader
 
@@ -246,15 +246,16 @@ int run(const Config& cfg) {
   // doc:end resume
 
   if (main_rank) {
-    std::printf("train_fashion_mnist: %d rank(s) x %d thread(s), %s, backend %s | %zu training samples, %zu test | "
-                "batch %lld per rank (%lld global), %lld steps/epoch | %s lr %g, grad_clip %g, %lld epoch(s), "
-                "seed %lld\n",
-                world, at::get_num_threads(), cuda ? "cuda:LOCAL_RANK" : "cpu", dtrain::backend().c_str(),
-                train->size().value(),
-                test->size().value(), static_cast<long long>(cfg.batch_size),
-                static_cast<long long>(cfg.batch_size * world), static_cast<long long>(steps),
-                cfg.optimizer == "sgd" ? "SGD(momentum 0.9)" : (cfg.amp ? (cuda ? "Adam+amp(fp16)" : "Adam+amp(bf16)") : "Adam"), cfg.lr,
-                cfg.grad_clip, static_cast<long long>(cfg.epochs), static_cast<long long>(cfg.seed));
+    std::printf(
+        "train_fashion_mnist: %d rank(s) x %d thread(s), %s, backend %s | %zu training samples, %zu test | "
+        "batch %lld per rank (%lld global), %lld steps/epoch | %s lr %g, grad_clip %g, %lld epoch(s), "
+        "seed %lld\n",
+        world, at::get_num_threads(), cuda ? "cuda:LOCAL_RANK" : "cpu", dtrain::backend().c_str(),
+        train->size().value(), test->size().value(), static_cast<long long>(cfg.batch_size),
+        static_cast<long long>(cfg.batch_size * world), static_cast<long long>(steps),
+        cfg.optimizer == "sgd" ? "SGD(momentum 0.9)"
+                               : (cfg.amp ? (cuda ? "Adam+amp(fp16)" : "Adam+amp(bf16)") : "Adam"),
+        cfg.lr, cfg.grad_clip, static_cast<long long>(cfg.epochs), static_cast<long long>(cfg.seed));
     std::fflush(stdout);
   }
 
@@ -290,8 +291,8 @@ int run(const Config& cfg) {
       state.step = global_step;
       state.epoch = epoch;
       state.sampler_position = std::min<int64_t>(step * cfg.batch_size, static_cast<int64_t>(sampler.size()));
-      state.values = {{"loss_sum", loss_sum}, {"correct", static_cast<double>(correct)},
-                      {"seen", static_cast<double>(seen)}};
+      state.values = {
+          {"loss_sum", loss_sum}, {"correct", static_cast<double>(correct)}, {"seen", static_cast<double>(seen)}};
       checkpoints->save(state);
     };
     // doc:end save-checkpoint
@@ -330,8 +331,12 @@ int run(const Config& cfg) {
       correct += step_correct;
       seen += b;
       ++step;
-      monitor.end_step(dtrain::StepInfo().loss(step_loss).samples(b).accuracy(static_cast<double>(step_correct) / b)
-                           .lr(cfg.lr).grad_norm(grad_norm));
+      monitor.end_step(dtrain::StepInfo()
+                           .loss(step_loss)
+                           .samples(b)
+                           .accuracy(static_cast<double>(step_correct) / b)
+                           .lr(cfg.lr)
+                           .grad_norm(grad_norm));
       ++global_step;
       if (checkpoints && cfg.checkpoint_every > 0 && global_step % cfg.checkpoint_every == 0) save_checkpoint();
       if (cfg.step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(cfg.step_sleep_ms));
@@ -415,7 +420,8 @@ int main(int argc, char** argv) {
               "samples per step on each rank (global batch = this x ranks)");
   numbers.add("--lr", cfg.lr, Allowed::kPositiveNumber, "learning rate");
   app.add_option("--optimizer", cfg.optimizer, "adam, or sgd (momentum 0.9)")
-      ->check(CLI::IsMember({"adam", "sgd"}))->capture_default_str();
+      ->check(CLI::IsMember({"adam", "sgd"}))
+      ->capture_default_str();
   numbers.add("--seed", cfg.seed, Allowed::kInteger, "seed of the initial weights and of the sampler's shuffle");
   numbers.add("--num_workers", cfg.num_workers, Allowed::kNonNegativeInteger,
               "data-loader threads per rank (0: load in the training thread)");
@@ -439,7 +445,8 @@ int main(int argc, char** argv) {
   app.add_flag("--amp", cfg.amp, "mixed precision: autocast (bfloat16 on CPU, float16 on CUDA) + GradScaler");
   app.add_option("--device", cfg.device,
                  "cpu, or cuda: rank r trains on cuda:LOCAL_RANK with backend nccl (one GPU per rank)")
-      ->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   app.add_option("--dump_params", cfg.dump_params,
                  "rank 0 writes the final parameters' raw float32 bytes here (what params_sha256 hashes)");
   // Note [eval batch size]: evaluating with batches larger than the training batch was up to 10x

@@ -24,17 +24,23 @@ std::string errno_text() { return std::strerror(errno); }
 
 const char* allowed_text(Allowed allowed) {
   switch (allowed) {
-    case Allowed::kInteger: return "an integer";
-    case Allowed::kPositiveInteger: return "a positive integer";
-    case Allowed::kNonNegativeInteger: return "an integer >= 0";
-    case Allowed::kPositiveNumber: return "a number > 0";
-    case Allowed::kNonNegativeNumber: return "a number >= 0";
+    case Allowed::kInteger:
+      return "an integer";
+    case Allowed::kPositiveInteger:
+      return "a positive integer";
+    case Allowed::kNonNegativeInteger:
+      return "an integer >= 0";
+    case Allowed::kPositiveNumber:
+      return "a number > 0";
+    case Allowed::kNonNegativeNumber:
+      return "a number >= 0";
   }
   return "a number";
 }
 
 bool is_integer(Allowed allowed) {
-  return allowed == Allowed::kInteger || allowed == Allowed::kPositiveInteger || allowed == Allowed::kNonNegativeInteger;
+  return allowed == Allowed::kInteger || allowed == Allowed::kPositiveInteger ||
+         allowed == Allowed::kNonNegativeInteger;
 }
 
 // The whole of `s` as a number of the allowed kind (decimal integers; finite numbers), in range.
@@ -70,9 +76,8 @@ NumericFlags::Flag& NumericFlags::add_text(const std::string& name, const std::s
   Flag& f = flags_.emplace_back();
   f.text = default_text;
   f.allowed = allowed;
-  f.option = app_.add_option(name, f.text, help)
-                 ->type_name(is_integer(allowed) ? "INT" : "FLOAT")
-                 ->default_str(default_text);
+  f.option =
+      app_.add_option(name, f.text, help)->type_name(is_integer(allowed) ? "INT" : "FLOAT")->default_str(default_text);
   return f;
 }
 

@@ -16,9 +16,9 @@ namespace tutorial {
 // doc:begin simple-model
 struct SimpleModelImpl : torch::nn::Module {
   SimpleModelImpl() {
-    net = register_module("net", torch::nn::Sequential(torch::nn::Linear(128, 256), torch::nn::ReLU(),
-                                                       torch::nn::Linear(256, 256), torch::nn::ReLU(),
-                                                       torch::nn::Linear(256, 10)));
+    net = register_module(
+        "net", torch::nn::Sequential(torch::nn::Linear(128, 256), torch::nn::ReLU(), torch::nn::Linear(256, 256),
+                                     torch::nn::ReLU(), torch::nn::Linear(256, 10)));
   }
   at::Tensor forward(const at::Tensor& x) { return net->forward(x); }  // (B, 128) -> (B, 10)
   torch::nn::Sequential net{nullptr};
@@ -30,10 +30,9 @@ TORCH_MODULE(SimpleModel);
 struct TrainModelImpl : torch::nn::Module {
   TrainModelImpl() {
     using namespace torch::nn;
-    net = register_module(
-        "net", Sequential(Conv2d(Conv2dOptions(3, 64, 3).padding(1)), ReLU(), MaxPool2d(2),
-                          Conv2d(Conv2dOptions(64, 128, 3).padding(1)), ReLU(), AdaptiveAvgPool2d(1),
-                          Flatten(), Linear(128, 10)));
+    net = register_module("net", Sequential(Conv2d(Conv2dOptions(3, 64, 3).padding(1)), ReLU(), MaxPool2d(2),
+                                            Conv2d(Conv2dOptions(64, 128, 3).padding(1)), ReLU(), AdaptiveAvgPool2d(1),
+                                            Flatten(), Linear(128, 10)));
   }
   at::Tensor forward(const at::Tensor& x) { return net->forward(x); }  // (B, 3, 32, 32) -> (B, 10)
   torch::nn::Sequential net{nullptr};

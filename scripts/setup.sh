@@ -12,6 +12,7 @@ PKGS=(
   dataset-fashion-mnist             # the real data set
   openmpi-bin                       # the mpirun launch path is tested for real
   python3-venv                      # .venv/ for PyPI's torch 2.x
+  clang-format                      # ctest format_check: the tree stays as .clang-format lays it out
   iproute2 procps                   # network namespaces for the multi-host test; ps for orphan checks
 )
 missing=()

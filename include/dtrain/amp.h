@@ -52,8 +52,8 @@ namespace dtrain {
 // dtype defaults: bfloat16 on CPU (the only CPU autocast type in LibTorch 1.13), float16 on CUDA.
 class Autocast {
  public:
-  explicit Autocast(c10::DeviceType device, std::optional<c10::ScalarType> dtype = std::nullopt,
-                    bool enabled = true, bool cache_enabled = true);
+  explicit Autocast(c10::DeviceType device, std::optional<c10::ScalarType> dtype = std::nullopt, bool enabled = true,
+                    bool cache_enabled = true);
   ~Autocast();
   Autocast(const Autocast&) = delete;
   Autocast& operator=(const Autocast&) = delete;

@@ -78,7 +78,7 @@ struct TrainingState {
   int64_t epoch = 0;  // the caller's meaning (e.g. the epoch in progress)
   // Per-rank values (running loss sums, counters): saved for every rank, restored to each rank.
   std::map<std::string, double> values;
-  bool rng = true;    // save and restore the RNG states
+  bool rng = true;  // save and restore the RNG states
 };
 
 struct CheckpointOptions {

@@ -68,8 +68,8 @@ struct DDPOptions {
 //   kGradsSynced     every .grad() holds the average; backward() returns next (index -1)
 struct DDPEvent {
   enum Kind { kGradReady, kBucketLaunched, kBucketDone, kBackwardEnd, kGradsSynced } kind;
-  int index;         // parameter index (kGradReady), bucket index, or -1
-  int64_t time_ns;   // steady clock
+  int index;        // parameter index (kGradReady), bucket index, or -1
+  int64_t time_ns;  // steady clock
 };
 // Called for every DDPEvent as it is recorded, on the thread that runs backward. Keep it cheap.
 using DDPEventHook = std::function<void(const DDPEvent&)>;
@@ -138,8 +138,7 @@ class DistributedDataParallel {
  public:
   explicit DistributedDataParallel(std::shared_ptr<ModuleType> module, DDPOptions options = DDPOptions())
       : module_(std::move(module)), core_(std::make_unique<ddp::Core>(module_, std::move(options))) {}
-  explicit DistributedDataParallel(torch::nn::ModuleHolder<ModuleType> holder,
-                                   DDPOptions options = DDPOptions())
+  explicit DistributedDataParallel(torch::nn::ModuleHolder<ModuleType> holder, DDPOptions options = DDPOptions())
       : DistributedDataParallel(holder.ptr(), std::move(options)) {}
 
   // Runs the wrapped module's forward with DDP's pre/post steps.

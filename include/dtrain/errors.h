@@ -32,15 +32,14 @@ void warn_once(const std::string& key, const std::string& msg);
 
 }  // namespace dtrain
 
-#define DTRAIN_CHECK(cond, ...)                                   \
-  do {                                                            \
+#define DTRAIN_CHECK(cond, ...)                                             \
+  do {                                                                      \
     if (!(cond)) throw ::dtrain::Error(::dtrain::detail::cat(__VA_ARGS__)); \
   } while (0)
 
-#define DTRAIN_ASSERT(cond, ...)                                                      \
-  do {                                                                                \
-    if (!(cond))                                                                      \
-      throw ::dtrain::Error(::dtrain::detail::cat("internal error (a dtrain bug) at ", \
-                                                  __FILE__, ":", __LINE__, ": ",      \
-                                                  #cond, " ", ##__VA_ARGS__));        \
+#define DTRAIN_ASSERT(cond, ...)                                                                                      \
+  do {                                                                                                                \
+    if (!(cond))                                                                                                      \
+      throw ::dtrain::Error(::dtrain::detail::cat("internal error (a dtrain bug) at ", __FILE__, ":", __LINE__, ": ", \
+                                                  #cond, " ", ##__VA_ARGS__));                                        \
   } while (0)

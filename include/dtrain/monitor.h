@@ -57,9 +57,9 @@ namespace dtrain {
 // --- the tutorial's monitor_training() ------------------------------------------------------------
 
 struct DeviceMemory {
-  std::string device;      // "cuda:0"
-  int64_t allocated = 0;   // bytes held by tensors
-  int64_t reserved = 0;    // bytes held by the caching allocator
+  std::string device;     // "cuda:0"
+  int64_t allocated = 0;  // bytes held by tensors
+  int64_t reserved = 0;   // bytes held by the caching allocator
 };
 struct MemoryInfo {
   int64_t rss_bytes = 0;
@@ -79,9 +79,9 @@ void monitor_training(std::FILE* out = stdout);
 using FilePtr = std::FILE*;  // (DTRAIN_ARG's `const T&` must mean FILE* const&)
 
 struct ProgressOptions {
-  DTRAIN_ARG(std::string, label, "")          // printed first, e.g. "epoch 2/5"
-  DTRAIN_ARG(int64_t, total, 0)               // steps (> 0)
-  DTRAIN_ARG(int64_t, samples_per_step, 0)    // global batch, for samples/s
+  DTRAIN_ARG(std::string, label, "")        // printed first, e.g. "epoch 2/5"
+  DTRAIN_ARG(int64_t, total, 0)             // steps (> 0)
+  DTRAIN_ARG(int64_t, samples_per_step, 0)  // global batch, for samples/s
   DTRAIN_ARG(FilePtr, out, stdout)
   // Draw a bar redrawn in place (at most 5 times a second). Default: whether `out` is a terminal;
   // otherwise plain lines, one each time another 1/lines of the total is done.
@@ -111,9 +111,9 @@ class Progress {
 // --- plots ----------------------------------------------------------------------------------------
 
 struct PlotSeries {
-  std::string title;        // "loss"
-  std::vector<double> x;    // steps
-  std::vector<double> y;    // NaN values are skipped
+  std::string title;      // "loss"
+  std::vector<double> x;  // steps
+  std::vector<double> y;  // NaN values are skipped
 };
 // A standalone SVG document: one panel per series stacked vertically, each a polyline with axes and
 // min/max labels. A series without finite points gets its panel and a "no data" note.
@@ -126,7 +126,7 @@ enum class Phase { kForward = 0, kBackward = 1, kOptimizer = 2 };
 // What the training loop knows about a step. NaN / 0: not known.
 struct StepInfo {
   DTRAIN_ARG(double, loss, std::numeric_limits<double>::quiet_NaN())
-  DTRAIN_ARG(int64_t, samples, 0)  // samples this rank processed in the step
+  DTRAIN_ARG(int64_t, samples, 0)                                         // samples this rank processed in the step
   DTRAIN_ARG(double, accuracy, std::numeric_limits<double>::quiet_NaN())  // fraction right, this step
   DTRAIN_ARG(double, lr, std::numeric_limits<double>::quiet_NaN())
   DTRAIN_ARG(double, grad_norm, std::numeric_limits<double>::quiet_NaN())  // else computed (watch)
@@ -134,7 +134,7 @@ struct StepInfo {
 
 // One rank's step (milliseconds; NaN where not known).
 struct StepMetrics {
-  int64_t step = 0;          // 1-based over the run
+  int64_t step = 0;  // 1-based over the run
   double step_ms = 0, other_ms = 0, forward_ms = 0, backward_ms = 0, optimizer_ms = 0;
   double comm_ms = 0, comm_wait_ms = 0;
   double loss = 0, accuracy = 0, lr = 0, grad_norm = 0;
@@ -151,15 +151,15 @@ struct RankStat {
 
 // Rank 0's aggregate of one window of log_every steps over all ranks.
 struct WindowMetrics {
-  int64_t step = 0;          // last step of the window
-  int64_t steps = 0;         // steps in the window
-  double time_s = 0;         // seconds since the monitor started
+  int64_t step = 0;   // last step of the window
+  int64_t steps = 0;  // steps in the window
+  double time_s = 0;  // seconds since the monitor started
   int epoch = 0;
   double loss = 0, accuracy = 0, lr = 0, grad_norm = 0;  // mean over ranks of the window means
   double samples_per_s = 0;  // global: every rank's samples / the slowest rank's window time
   RankStat step_ms, other_ms, forward_ms, backward_ms, optimizer_ms, comm_ms, comm_wait_ms, rss_mb;
-  int slowest_rank = 0;      // the rank with the largest compute time (step - comm_wait): the one
-                             // the others wait for
+  int slowest_rank = 0;  // the rank with the largest compute time (step - comm_wait): the one
+                         // the others wait for
 };
 // One JSON object (one line, no newline) of a window; NaN values become null.
 std::string metrics_json(const WindowMetrics& w);

@@ -130,9 +130,9 @@ class Pipeline {
   // This rank's stage (its layers of the model).
   const torch::nn::Sequential& stage_module() const;
   std::vector<at::Tensor> parameters() const;
-  int stage() const;       // this rank's stage index
+  int stage() const;  // this rank's stage index
   int num_stages() const;
-  int replica() const;     // this rank's replica index (0 without replicas)
+  int replica() const;  // this rank's replica index (0 without replicas)
   bool is_first() const { return stage() == 0; }
   bool is_last() const { return stage() == num_stages() - 1; }
   // Layers per stage (as used), and the index of this stage's first layer in the Sequential.

@@ -93,7 +93,7 @@ class Group {
   bool is_default() const { return impl_ == nullptr; }
   // Whether the calling process belongs to this group.
   bool is_member() const;
-  int rank() const;   // rank inside the group (-1 for non-members)
+  int rank() const;  // rank inside the group (-1 for non-members)
   int size() const;
   const std::vector<int>& ranks() const;  // global ranks of the members, sorted
   std::string backend() const;
@@ -168,8 +168,7 @@ void set_debug_level_from_env();
 std::string to_string(DebugLevel level);
 
 // --- collectives (src/dst are global ranks) ------------------------------------------------------
-Work all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::SUM, const Group& group = Group(),
-                bool async_op = false);
+Work all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::SUM, const Group& group = Group(), bool async_op = false);
 Work broadcast(at::Tensor& tensor, int src, const Group& group = Group(), bool async_op = false);
 Work reduce(at::Tensor& tensor, int dst, ReduceOp op = ReduceOp::SUM, const Group& group = Group(),
             bool async_op = false);
@@ -180,15 +179,14 @@ Work all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input, const
 Work reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op = ReduceOp::SUM,
                     const Group& group = Group(), bool async_op = false);
 // gather_list: group.size() tensors on dst, empty elsewhere.
-Work gather(const at::Tensor& input, std::vector<at::Tensor>& gather_list, int dst = 0,
-            const Group& group = Group(), bool async_op = false);
+Work gather(const at::Tensor& input, std::vector<at::Tensor>& gather_list, int dst = 0, const Group& group = Group(),
+            bool async_op = false);
 // scatter_list: group.size() tensors on src, empty elsewhere.
-Work scatter(at::Tensor& output, std::vector<at::Tensor>& scatter_list, int src = 0,
-             const Group& group = Group(), bool async_op = false);
+Work scatter(at::Tensor& output, std::vector<at::Tensor>& scatter_list, int src = 0, const Group& group = Group(),
+             bool async_op = false);
 Work barrier(const Group& group = Group(), bool async_op = false);
 // Like barrier, but on timeout throws naming the ranks that did not arrive. Gloo only (as PyTorch).
-void monitored_barrier(const Group& group = Group(),
-                       std::optional<std::chrono::milliseconds> timeout = std::nullopt,
+void monitored_barrier(const Group& group = Group(), std::optional<std::chrono::milliseconds> timeout = std::nullopt,
                        bool wait_all_ranks = false);
 
 // Point to point. tag distinguishes concurrent messages between the same pair.

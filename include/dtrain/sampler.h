@@ -105,7 +105,7 @@ class DistributedSampler : public torch::data::samplers::Sampler<std::vector<siz
   int64_t rank_ = 0;
   size_t dataset_size_ = 0;
   size_t num_samples_ = 0;
-  std::shared_ptr<std::atomic<int64_t>> epoch_;  // shared by copies (Note [set_epoch])
+  std::shared_ptr<std::atomic<int64_t>> epoch_;   // shared by copies (Note [set_epoch])
   std::shared_ptr<std::atomic<int64_t>> resume_;  // shared by copies: resume_at()'s position, or -1
 
   // The current pass (next()).

@@ -6,15 +6,14 @@
 
 namespace dtrain {
 
-Autocast::Autocast(c10::DeviceType device, std::optional<c10::ScalarType> dtype, bool enabled,
-                   bool cache_enabled)
+Autocast::Autocast(c10::DeviceType device, std::optional<c10::ScalarType> dtype, bool enabled, bool cache_enabled)
     : device_(device) {
-  DTRAIN_CHECK(device == c10::DeviceType::CPU || device == c10::DeviceType::CUDA,
-               "Autocast: device type ", device, " is not supported: use at::kCPU or at::kCUDA");
+  DTRAIN_CHECK(device == c10::DeviceType::CPU || device == c10::DeviceType::CUDA, "Autocast: device type ", device,
+               " is not supported: use at::kCPU or at::kCUDA");
   const c10::ScalarType fast = dtype.value_or(device == c10::DeviceType::CPU ? at::kBFloat16 : at::kHalf);
   if (device == c10::DeviceType::CPU && compat::kAutocastCpuHalf)
-    DTRAIN_CHECK(fast == at::kBFloat16 || fast == at::kHalf, "Autocast on CPU supports bfloat16 or float16, got ",
-                 fast, ": use at::kBFloat16");
+    DTRAIN_CHECK(fast == at::kBFloat16 || fast == at::kHalf, "Autocast on CPU supports bfloat16 or float16, got ", fast,
+                 ": use at::kBFloat16");
   else if (device == c10::DeviceType::CPU)
     DTRAIN_CHECK(fast == at::kBFloat16, "Autocast on CPU supports only bfloat16 in this LibTorch, got ", fast,
                  ": use at::kBFloat16");

@@ -17,8 +17,7 @@ namespace dtrain {
 
 GradScaler::GradScaler(GradScalerOptions options) : options_(std::move(options)) {
   DTRAIN_CHECK(options_.init_scale() > 0, "GradScaler: init_scale must be > 0, got ", options_.init_scale());
-  DTRAIN_CHECK(options_.growth_factor() > 1.0, "GradScaler: growth_factor must be > 1, got ",
-               options_.growth_factor());
+  DTRAIN_CHECK(options_.growth_factor() > 1.0, "GradScaler: growth_factor must be > 1, got ", options_.growth_factor());
   DTRAIN_CHECK(options_.backoff_factor() > 0 && options_.backoff_factor() < 1.0,
                "GradScaler: backoff_factor must be in (0, 1), got ", options_.backoff_factor());
   DTRAIN_CHECK(options_.growth_interval() > 0, "GradScaler: growth_interval must be > 0, got ",
@@ -94,10 +93,11 @@ void GradScaler::update(std::optional<double> new_scale) {
         found.add_(kv.second.found_inf);
         recorded = true;
       }
-    DTRAIN_CHECK(recorded, "GradScaler: update() with no inf checks recorded: call step(optimizer) "
-                           "(or unscale_) before update()");
-    compat::amp_update_scale_(scale_, growth_tracker_, found, options_.growth_factor(),
-                              options_.backoff_factor(), options_.growth_interval());
+    DTRAIN_CHECK(recorded,
+                 "GradScaler: update() with no inf checks recorded: call step(optimizer) "
+                 "(or unscale_) before update()");
+    compat::amp_update_scale_(scale_, growth_tracker_, found, options_.growth_factor(), options_.backoff_factor(),
+                              options_.growth_interval());
   }
   per_optimizer_.clear();
 }
@@ -107,9 +107,7 @@ double GradScaler::get_scale() const {
   return scale_.defined() ? scale_.item<float>() : options_.init_scale();
 }
 
-int64_t GradScaler::growth_tracker() const {
-  return growth_tracker_.defined() ? growth_tracker_.item<int32_t>() : 0;
-}
+int64_t GradScaler::growth_tracker() const { return growth_tracker_.defined() ? growth_tracker_.item<int32_t>() : 0; }
 
 std::map<std::string, double> GradScaler::state_dict() const {
   if (!options_.enabled()) return {};
@@ -143,8 +141,8 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
   std::map<std::string, double> state;
   for (const char* key : {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}) {
     c10::IValue v;
-    DTRAIN_CHECK(archive.try_read(std::string("grad_scaler.") + key, v),
-                 "GradScaler: the archive has no grad_scaler.", key, ": it was not saved with GradScaler::save");
+    DTRAIN_CHECK(archive.try_read(std::string("grad_scaler.") + key, v), "GradScaler: the archive has no grad_scaler.",
+                 key, ": it was not saved with GradScaler::save");
     state[key] = v.toDouble();
   }
   load_state_dict(state);

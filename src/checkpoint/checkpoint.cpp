@@ -57,10 +57,13 @@ void check_manifest(const std::string& saved_text, const torch::nn::Module& mode
   }
   const auto mine = manifest_of(model);
   const std::string head = "checkpoint " + file + " does not match the model: ";
-  const std::string tail = " (a checkpoint of a different model? use another checkpoint folder or build the same model)";
+  const std::string tail =
+      " (a checkpoint of a different model? use another checkpoint folder or build the same model)";
   for (size_t i = 0; i < std::max(saved.size(), mine.size()); ++i) {
-    if (i >= saved.size()) throw Error(head + "the model's tensor '" + mine[i].first + "' is not in the checkpoint" + tail);
-    if (i >= mine.size()) throw Error(head + "the checkpoint's tensor '" + saved[i].first + "' is not in the model" + tail);
+    if (i >= saved.size())
+      throw Error(head + "the model's tensor '" + mine[i].first + "' is not in the checkpoint" + tail);
+    if (i >= mine.size())
+      throw Error(head + "the checkpoint's tensor '" + saved[i].first + "' is not in the model" + tail);
     if (saved[i].first != mine[i].first)
       throw Error(head + "tensor #" + std::to_string(i) + " is '" + saved[i].first + "' in the checkpoint but '" +
                   mine[i].first + "' in the model" + tail);
@@ -171,12 +174,11 @@ void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::st
   const int64_t world = read_int(a, "world_size");
   DTRAIN_CHECK(world >= 1, "checkpoint ", file, " has world_size ", world);
   if (my_rank >= world)
-    warn_once("checkpoint-world", detail::cat("checkpoint ", file, " was saved by ", world,
-                                              " ranks: rank ", my_rank, " takes the RNG state and values of rank ",
-                                              my_rank % world));
+    warn_once("checkpoint-world", detail::cat("checkpoint ", file, " was saved by ", world, " ranks: rank ", my_rank,
+                                              " takes the RNG state and values of rank ", my_rank % world));
   at::Tensor pack;
-  DTRAIN_CHECK(a.try_read("rank_state_" + std::to_string(my_rank % world), pack, /*is_buffer=*/true),
-               "checkpoint ", file, " lacks the state of rank ", my_rank % world);
+  DTRAIN_CHECK(a.try_read("rank_state_" + std::to_string(my_rank % world), pack, /*is_buffer=*/true), "checkpoint ",
+               file, " lacks the state of rank ", my_rank % world);
 
   if (st.model) {
     torch::serialize::InputArchive m;
@@ -300,8 +302,8 @@ std::vector<std::string> CheckpointManager::list() const {
 }
 
 std::string CheckpointManager::save(const TrainingState& state) {
-  DTRAIN_CHECK(state.step >= 0 && state.step <= 9999999999LL, "CheckpointManager::save: step must be in [0, 9999999999], got ",
-               state.step);
+  DTRAIN_CHECK(state.step >= 0 && state.step <= 9999999999LL,
+               "CheckpointManager::save: step must be in [0, 9999999999], got ", state.step);
   char name[32];
   std::snprintf(name, sizeof name, "_%010lld.pt", static_cast<long long>(state.step));
   const std::string path = (fs::path(dir_) / (options_.prefix() + name)).string();
@@ -323,7 +325,8 @@ std::string CheckpointManager::save(const TrainingState& state) {
     }
   }
   error = broadcast_string(error);  // 3.
-  if (!error.empty()) throw Error(distributed() && rank() != 0 ? "rank 0 failed to save a checkpoint: " + error : error);
+  if (!error.empty())
+    throw Error(distributed() && rank() != 0 ? "rank 0 failed to save a checkpoint: " + error : error);
   return path;
 }
 

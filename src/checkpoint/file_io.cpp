@@ -35,16 +35,15 @@ uint32_t crc32_of(const std::string& bytes) {
 }
 
 std::string remedy(int err) {
-  if (err == ENOSPC || err == EDQUOT || err == EFBIG)
-    return "free space there or choose another checkpoint folder";
+  if (err == ENOSPC || err == EDQUOT || err == EFBIG) return "free space there or choose another checkpoint folder";
   if (err == EACCES || err == EPERM || err == EROFS)
     return "make the folder writable or choose another checkpoint folder";
   return "check the checkpoint folder";
 }
 
 [[noreturn]] void fail(const std::string& what, const std::string& file, int err) {
-  throw Error(detail::cat("cannot ", what, " checkpoint file ", file, ": ", std::strerror(err), ": ",
-                          remedy(err), " (the previous checkpoints are untouched)"));
+  throw Error(detail::cat("cannot ", what, " checkpoint file ", file, ": ", std::strerror(err), ": ", remedy(err),
+                          " (the previous checkpoints are untouched)"));
 }
 
 }  // namespace

@@ -42,7 +42,7 @@ struct Reader {
 
 std::string state_bytes(at::Generator gen) {
   std::lock_guard<std::mutex> lock(gen.mutex());  // as torch.get_rng_state()
-  at::Tensor s = gen.get_state().contiguous();     // (N,) uint8 on the CPU
+  at::Tensor s = gen.get_state().contiguous();    // (N,) uint8 on the CPU
   return std::string(static_cast<const char*>(s.data_ptr()), s.numel());
 }
 

@@ -33,8 +33,8 @@ static compat::BackendPtr make_nccl(const BackendConfig& c) {
   // would corrupt the heap, so a mismatch is refused.
   const std::string loaded = c10d::getNcclVersion();  // "2.30.7"
   const std::string compiled = std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR) + ".";
-  DTRAIN_CHECK(loaded.rfind(compiled, 0) == 0, "rank ", c.rank, ": dtrain was compiled with nccl.h ",
-               NCCL_MAJOR, ".", NCCL_MINOR, " but LibTorch loads NCCL ", loaded,
+  DTRAIN_CHECK(loaded.rfind(compiled, 0) == 0, "rank ", c.rank, ": dtrain was compiled with nccl.h ", NCCL_MAJOR, ".",
+               NCCL_MINOR, " but LibTorch loads NCCL ", loaded,
                ": rebuild dtrain with the nccl.h of that NCCL first in the include path");
   auto opts = c10d::ProcessGroupNCCL::Options::create();
   opts->timeout = c.timeout;

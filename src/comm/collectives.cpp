@@ -24,10 +24,14 @@ using comm::resolve;
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
     case ReduceOp::SUM:
-    case ReduceOp::AVG: return c10d::ReduceOp::SUM;
-    case ReduceOp::MIN: return c10d::ReduceOp::MIN;
-    case ReduceOp::MAX: return c10d::ReduceOp::MAX;
-    case ReduceOp::PRODUCT: return c10d::ReduceOp::PRODUCT;
+    case ReduceOp::AVG:
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::MIN:
+      return c10d::ReduceOp::MIN;
+    case ReduceOp::MAX:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::PRODUCT:
+      return c10d::ReduceOp::PRODUCT;
   }
   DTRAIN_ASSERT(false, "unknown ReduceOp");
   return c10d::ReduceOp::SUM;
@@ -42,9 +46,8 @@ const Group::Impl& member_group(const Group& group, const char* op) {
 
 int group_rank(const Group::Impl& g, int global, const char* role, const char* op) {
   auto it = g.group_rank_of.find(global);
-  DTRAIN_CHECK(it != g.group_rank_of.end(), op, ": ", role, "=", global,
-               " is not a member of group '", g.name, "' (", g.ranks.size(),
-               " ranks): use a global rank that belongs to the group");
+  DTRAIN_CHECK(it != g.group_rank_of.end(), op, ": ", role, "=", global, " is not a member of group '", g.name, "' (",
+               g.ranks.size(), " ranks): use a global rank that belongs to the group");
   return it->second;
 }
 
@@ -59,9 +62,9 @@ std::string what(const Group::Impl& g, const char* op) {
     }
     ranks += std::to_string(g.ranks[i]) + (i + 1 < g.ranks.size() ? ", " : "]");
   }
-  return detail::cat("rank ", comm::world_state().rank, ": ", op, " on group '", g.name, "' (", g.backend,
-                     ", ranks ", ranks, g.ranks.size() > 8 ? detail::cat(" (", g.ranks.size(), " ranks)") : "",
-                     ", timeout ", g.timeout.count() / 1000.0, " s)");
+  return detail::cat("rank ", comm::world_state().rank, ": ", op, " on group '", g.name, "' (", g.backend, ", ranks ",
+                     ranks, g.ranks.size() > 8 ? detail::cat(" (", g.ranks.size(), " ranks)") : "", ", timeout ",
+                     g.timeout.count() / 1000.0, " s)");
 }
 
 // DTRAIN_DEBUG=DETAIL: every member describes its call and the descriptions must agree
@@ -103,8 +106,8 @@ void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, siz
   for (const auto& t : list) {
     check_tensor(t, op);
     DTRAIN_CHECK(t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type(), op, ": ", name,
-                 " holds a tensor of shape ", t.sizes(), " ", t.scalar_type(), ", expected ",
-                 like.sizes(), " ", like.scalar_type());
+                 " holds a tensor of shape ", t.sizes(), " ", t.scalar_type(), ", expected ", like.sizes(), " ",
+                 like.scalar_type());
   }
 }
 
@@ -112,11 +115,16 @@ void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, siz
 
 std::string to_string(ReduceOp op) {
   switch (op) {
-    case ReduceOp::SUM: return "SUM";
-    case ReduceOp::AVG: return "AVG";
-    case ReduceOp::MIN: return "MIN";
-    case ReduceOp::MAX: return "MAX";
-    case ReduceOp::PRODUCT: return "PRODUCT";
+    case ReduceOp::SUM:
+      return "SUM";
+    case ReduceOp::AVG:
+      return "AVG";
+    case ReduceOp::MIN:
+      return "MIN";
+    case ReduceOp::MAX:
+      return "MAX";
+    case ReduceOp::PRODUCT:
+      return "PRODUCT";
   }
   return "?";
 }
@@ -172,8 +180,7 @@ Work reduce(at::Tensor& tensor, int dst, ReduceOp op, const Group& group, bool a
   return finish(Work(g.pg->reduce(ts, opts), what(g, "reduce"), std::move(done)), async_op);
 }
 
-Work all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input, const Group& group,
-                bool async_op) {
+Work all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input, const Group& group, bool async_op) {
   const auto& g = member_group(group, "all_gather");
   check_tensor(input, "all_gather");
   check_list(outputs, input, g.ranks.size(), "all_gather", "outputs");
@@ -186,8 +193,8 @@ Work all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input, const
   return finish(Work(g.pg->allgather(out, in, opts), what(g, "all_gather")), async_op);
 }
 
-Work reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op,
-                    const Group& group, bool async_op) {
+Work reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op, const Group& group,
+                    bool async_op) {
   const auto& g = member_group(group, "reduce_scatter");
   check_tensor(output, "reduce_scatter");
   check_list(inputs, output, g.ranks.size(), "reduce_scatter", "inputs");
@@ -220,40 +227,35 @@ std::vector<std::vector<at::Tensor>> root_only_list(const Group::Impl& g, int ro
     check_list(list, like, g.ranks.size(), op, list_name);
     nested.push_back(list);
   } else {
-    DTRAIN_CHECK(list.empty(), op, ": ", list_name, " must be empty on non-", role, " rank ",
-                 comm::world_state().rank, " (", root_name, "=", root, "): pass ", list_name, " only on the ",
-                 role, " rank");
+    DTRAIN_CHECK(list.empty(), op, ": ", list_name, " must be empty on non-", role, " rank ", comm::world_state().rank,
+                 " (", root_name, "=", root, "): pass ", list_name, " only on the ", role, " rank");
   }
   return nested;
 }
 
 }  // namespace
 
-Work gather(const at::Tensor& input, std::vector<at::Tensor>& gather_list, int dst, const Group& group,
-            bool async_op) {
+Work gather(const at::Tensor& input, std::vector<at::Tensor>& gather_list, int dst, const Group& group, bool async_op) {
   const auto& g = member_group(group, "gather");
   check_tensor(input, "gather");
   check_call(g, "gather", "input=" + comm::describe(input), detail::cat("dst=", dst));
   c10d::GatherOptions opts;
   opts.rootRank = group_rank(g, dst, "dst", "gather");
   opts.timeout = g.timeout;
-  auto out = root_only_list(g, opts.rootRank, gather_list, input, "gather", "gather_list", "destination",
-                            "dst", dst);
+  auto out = root_only_list(g, opts.rootRank, gather_list, input, "gather", "gather_list", "destination", "dst", dst);
   std::vector<at::Tensor> in{input};
   comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
   return finish(Work(g.pg->gather(out, in, opts), what(g, "gather")), async_op);
 }
 
-Work scatter(at::Tensor& output, std::vector<at::Tensor>& scatter_list, int src, const Group& group,
-             bool async_op) {
+Work scatter(at::Tensor& output, std::vector<at::Tensor>& scatter_list, int src, const Group& group, bool async_op) {
   const auto& g = member_group(group, "scatter");
   check_tensor(output, "scatter");
   check_call(g, "scatter", "output=" + comm::describe(output), detail::cat("src=", src));
   c10d::ScatterOptions opts;
   opts.rootRank = group_rank(g, src, "src", "scatter");
   opts.timeout = g.timeout;
-  auto in = root_only_list(g, opts.rootRank, scatter_list, output, "scatter", "scatter_list", "source", "src",
-                           src);
+  auto in = root_only_list(g, opts.rootRank, scatter_list, output, "scatter", "scatter_list", "source", "src", src);
   std::vector<at::Tensor> out{output};
   comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
   return finish(Work(g.pg->scatter(out, in, opts), what(g, "scatter")), async_op);
@@ -268,11 +270,10 @@ Work barrier(const Group& group, bool async_op) {
   return finish(Work(g.pg->barrier(opts), what(g, "barrier")), async_op);
 }
 
-void monitored_barrier(const Group& group, std::optional<std::chrono::milliseconds> timeout,
-                       bool wait_all_ranks) {
+void monitored_barrier(const Group& group, std::optional<std::chrono::milliseconds> timeout, bool wait_all_ranks) {
   const auto& g = member_group(group, "monitored_barrier");
-  DTRAIN_CHECK(g.backend == "gloo", "monitored_barrier needs the gloo backend, the group uses '",
-               g.backend, "': create a gloo subgroup for it");
+  DTRAIN_CHECK(g.backend == "gloo", "monitored_barrier needs the gloo backend, the group uses '", g.backend,
+               "': create a gloo subgroup for it");
   // No DETAIL check here: monitored_barrier exists to report absent ranks within its own timeout.
   c10d::BarrierOptions opts;
   opts.timeout = timeout.value_or(g.timeout);
@@ -285,9 +286,7 @@ void monitored_barrier(const Group& group, std::optional<std::chrono::millisecon
   }
 }
 
-void send(const at::Tensor& tensor, int dst, const Group& group, int tag) {
-  isend(tensor, dst, group, tag).wait();
-}
+void send(const at::Tensor& tensor, int dst, const Group& group, int tag) { isend(tensor, dst, group, tag).wait(); }
 
 int recv(at::Tensor& tensor, int src, const Group& group, int tag) {
   const auto& g = member_group(group, "recv");

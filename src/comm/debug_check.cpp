@@ -42,9 +42,12 @@ void set_debug_level_from_env() { g_level.store(static_cast<int>(parse_env())); 
 
 std::string to_string(DebugLevel level) {
   switch (level) {
-    case DebugLevel::OFF: return "OFF";
-    case DebugLevel::INFO: return "INFO";
-    case DebugLevel::DETAIL: return "DETAIL";
+    case DebugLevel::OFF:
+      return "OFF";
+    case DebugLevel::INFO:
+      return "INFO";
+    case DebugLevel::DETAIL:
+      return "DETAIL";
   }
   return "?";
 }
@@ -71,9 +74,7 @@ void check_same_call(const Group::Impl& g, const std::string& desc) {
   auto& st = world_state();
   c10d::Store& s = *st.store;
   const uint64_t seq = g.debug_seq.fetch_add(1);
-  auto key = [&](uint64_t q, size_t r) {
-    return detail::cat("debug/", g.name, "/", q, "/", r);
-  };
+  auto key = [&](uint64_t q, size_t r) { return detail::cat("debug/", g.name, "/", q, "/", r); };
   // Step 2.
   s.set(key(seq, g.rank), store::to_bytes(desc));
   if (seq >= 2) s.deleteKey(key(seq - 2, g.rank));
@@ -86,17 +87,19 @@ void check_same_call(const Group::Impl& g, const std::string& desc) {
       calls[r] = store::to_string(s.get(key(seq, r)));
     } catch (const std::exception& e) {
       throw Error(detail::cat("rank ", st.rank, ": DTRAIN_DEBUG=DETAIL: rank ", g.ranks[r],
-                              " did not reach collective #", seq, " on group '", g.name, "' (rank ", st.rank,
-                              " calls ", desc, ") within the timeout: it is stuck elsewhere, has failed, or "
-                              "calls fewer collectives (", brief(e), ")"));
+                              " did not reach collective #", seq, " on group '", g.name, "' (rank ", st.rank, " calls ",
+                              desc,
+                              ") within the timeout: it is stuck elsewhere, has failed, or "
+                              "calls fewer collectives (",
+                              brief(e), ")"));
     }
   }
   // Step 4.
   for (size_t r = 1; r < n; ++r) {
     if (calls[r] == calls[0]) continue;
     throw Error(detail::cat("rank ", st.rank, ": DTRAIN_DEBUG=DETAIL: collective #", seq, " on group '", g.name,
-                            "' differs across ranks: rank ", g.ranks[0], " calls ", calls[0], " but rank ",
-                            g.ranks[r], " calls ", calls[r],
+                            "' differs across ranks: rank ", g.ranks[0], " calls ", calls[0], " but rank ", g.ranks[r],
+                            " calls ", calls[r],
                             ": every rank must call the same collectives in the same order with the same "
                             "shapes and dtypes"));
   }

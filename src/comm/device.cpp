@@ -16,7 +16,8 @@ int visible_cuda_devices() {
 
 void set_cuda_device(int index) {
   const int n = visible_cuda_devices();
-  DTRAIN_CHECK(n > 0, "set_cuda_device(", index, "): no CUDA device is visible (a CPU-only LibTorch, no GPU, or "
+  DTRAIN_CHECK(n > 0, "set_cuda_device(", index,
+               "): no CUDA device is visible (a CPU-only LibTorch, no GPU, or "
                "CUDA_VISIBLE_DEVICES empty): run on the CPU with backend 'gloo'");
   DTRAIN_CHECK(index >= 0 && index < n, "set_cuda_device(", index, "): this process sees ", n,
                " CUDA device(s), cuda:0 to cuda:", n - 1, ": start at most ", n,

@@ -24,8 +24,7 @@ compat::BackendPtr make_gloo_backend(const BackendConfig& c) {
   auto opts = c10d::ProcessGroupGloo::Options::create(c.timeout);
   for (const std::string& iface : env::list("GLOO_SOCKET_IFNAME"))
     opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
-  if (opts->devices.empty())
-    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(c.bind_address));
+  if (opts->devices.empty()) opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(c.bind_address));
   opts->threads = 2;
   return c10::make_intrusive<c10d::ProcessGroupGloo>(c.store, c.rank, c.size, opts);
 }

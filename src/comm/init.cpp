@@ -71,8 +71,7 @@ std::string local_address_towards(const std::string& host) {
     socklen_t len = sizeof(ss);
     char buf[INET6_ADDRSTRLEN] = {0};
     if (getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) == 0 &&
-        getnameinfo(reinterpret_cast<sockaddr*>(&ss), len, buf, sizeof(buf), nullptr, 0,
-                    NI_NUMERICHOST) == 0)
+        getnameinfo(reinterpret_cast<sockaddr*>(&ss), len, buf, sizeof(buf), nullptr, 0, NI_NUMERICHOST) == 0)
       out = buf;
   }
   if (fd >= 0) close(fd);
@@ -81,8 +80,7 @@ std::string local_address_towards(const std::string& host) {
 }
 
 // Step 2: the store this job's ranks share.
-c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const LaunchEnv& le,
-                                              WorldState& st) {
+c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const LaunchEnv& le, WorldState& st) {
   const std::string& m = o.init_method();
   if (m.rfind("file://", 0) == 0) {
     std::string path = m.substr(7);
@@ -92,9 +90,12 @@ c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const Launch
     return c10::make_intrusive<c10d::FileStore>(path, st.world_size);
   }
   Endpoint ep;
-  if (m == "env://") ep = master_from_env(env::process());
-  else if (m.rfind("tcp://", 0) == 0) ep = parse_tcp_url(m);
-  else DTRAIN_CHECK(false, "unknown init_method '", m, "': use env://, tcp://host:port or file:///path");
+  if (m == "env://")
+    ep = master_from_env(env::process());
+  else if (m.rfind("tcp://", 0) == 0)
+    ep = parse_tcp_url(m);
+  else
+    DTRAIN_CHECK(false, "unknown init_method '", m, "': use env://, tcp://host:port or file:///path");
 
   if (st.pytorch_peers) {
     st.bind_address = local_address_towards(ep.host);
@@ -113,8 +114,7 @@ c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const Launch
     st.bind_address = local_address_towards(ep.host);
     return c10::make_intrusive<c10d::TCPStore>(ep.host, opts);
   }
-  if (!le.dtrain_agent_store && st.rank == 0)
-    st.server = std::make_unique<store::StoreServer>(ep.host, ep.port);
+  if (!le.dtrain_agent_store && st.rank == 0) st.server = std::make_unique<store::StoreServer>(ep.host, ep.port);
   auto client = c10::make_intrusive<ClientStore>(ep.host, ep.port, st.timeout);
   st.bind_address = client->local_address();
   return client;
@@ -142,12 +142,10 @@ WorldState& world_state() {
   return *g_state;
 }
 
-const Group::Impl& resolve(const Group& group) {
-  return group.is_default() ? *world_state().world : group.impl();
-}
+const Group::Impl& resolve(const Group& group) { return group.is_default() ? *world_state().world : group.impl(); }
 
-std::shared_ptr<Group::Impl> make_group(WorldState& st, const std::string& name,
-                                        std::vector<int> ranks, std::chrono::milliseconds timeout) {
+std::shared_ptr<Group::Impl> make_group(WorldState& st, const std::string& name, std::vector<int> ranks,
+                                        std::chrono::milliseconds timeout) {
   auto g = std::make_shared<Group::Impl>();
   g->name = name;
   g->backend = st.backend;
@@ -161,15 +159,17 @@ std::shared_ptr<Group::Impl> make_group(WorldState& st, const std::string& name,
     BackendConfig c;
     c.name = st.backend;
     c.pytorch_peers = st.pytorch_peers;
-    if (st.pytorch_peers) c.store = pytorch_default_group_store(st.python_store);
-    else c.store = c10::make_intrusive<c10d::PrefixStore>("pg/" + name, st.store);
+    if (st.pytorch_peers)
+      c.store = pytorch_default_group_store(st.python_store);
+    else
+      c.store = c10::make_intrusive<c10d::PrefixStore>("pg/" + name, st.store);
     c.rank = g->rank;
     c.size = static_cast<int>(g->ranks.size());
     c.timeout = timeout;
     c.bind_address = st.bind_address;
     c.global_ranks = g->ranks;
-    g->pg = with_context(detail::cat("rank ", st.rank, ": creating the ", st.backend, " process group '", name,
-                                     "' (", g->ranks.size(), " ranks) failed: "),
+    g->pg = with_context(detail::cat("rank ", st.rank, ": creating the ", st.backend, " process group '", name, "' (",
+                                     g->ranks.size(), " ranks) failed: "),
                          [&] { return make_backend(c); });
   }
   return g;
@@ -192,26 +192,30 @@ void init_process_group(const InitOptions& o) {
   st->launcher = le.launcher;
   st->pytorch_peers = pytorch_peers_requested(o.pytorch_peers());
   if (st->pytorch_peers) {
-    DTRAIN_CHECK(st->backend == "gloo", "rank ", st->rank, ": with Python ranks in the job (DTRAIN_PYTORCH_PEERS) "
-                 "the backend must be 'gloo', got '", st->backend, "'");
-    DTRAIN_CHECK(!detail_checks_on(), "rank ", st->rank, ": DTRAIN_DEBUG=DETAIL compares calls through dtrain's "
+    DTRAIN_CHECK(st->backend == "gloo", "rank ", st->rank,
+                 ": with Python ranks in the job (DTRAIN_PYTORCH_PEERS) "
+                 "the backend must be 'gloo', got '",
+                 st->backend, "'");
+    DTRAIN_CHECK(!detail_checks_on(), "rank ", st->rank,
+                 ": DTRAIN_DEBUG=DETAIL compares calls through dtrain's "
                  "store keys, which Python ranks never write: unset DTRAIN_DEBUG when the job has Python ranks");
-    DTRAIN_CHECK(o.init_method().rfind("file://", 0) != 0, "rank ", st->rank, ": with Python ranks in the job "
-                 "use init_method env:// or tcp://, got '", o.init_method(), "'");
+    DTRAIN_CHECK(o.init_method().rfind("file://", 0) != 0, "rank ", st->rank,
+                 ": with Python ranks in the job "
+                 "use init_method env:// or tcp://, got '",
+                 o.init_method(), "'");
   }
 
   // The store's socket errors carry their remedy; they become dtrain::Errors naming the rank.
-  c10::intrusive_ptr<c10d::Store> base = with_context(detail::cat("rank ", st->rank, ": init_process_group: "),
-                                                      [&] { return connect_store(o, le, *st); });
-  st->store = c10::make_intrusive<c10d::PrefixStore>(
-      "dtrain/a" + std::to_string(le.restart_count), base);
+  c10::intrusive_ptr<c10d::Store> base =
+      with_context(detail::cat("rank ", st->rank, ": init_process_group: "), [&] { return connect_store(o, le, *st); });
+  st->store = c10::make_intrusive<c10d::PrefixStore>("dtrain/a" + std::to_string(le.restart_count), base);
   if (st->pytorch_peers) {
     // Python ranks take part in no dtrain check: the launcher's local ranks, else one host.
     st->local_rank = le.local_rank >= 0 ? le.local_rank : st->rank;
     st->local_world_size = le.local_world_size > 0 ? le.local_world_size : st->world_size;
   } else {
-    LocalRanks lr = rendezvous_check(*st->store, st->rank, st->world_size, st->bind_address,
-                                     le.local_rank, le.local_world_size, st->timeout);
+    LocalRanks lr = rendezvous_check(*st->store, st->rank, st->world_size, st->bind_address, le.local_rank,
+                                     le.local_world_size, st->timeout);
     st->local_rank = lr.local_rank;
     st->local_world_size = lr.local_world_size;
   }
@@ -237,10 +241,9 @@ void destroy_process_group() {
   try {
     g_state->store->add("destroy", 1);
     if (g_state->server) {
-      auto deadline = std::chrono::steady_clock::now() + std::min<std::chrono::milliseconds>(
-                                                              g_state->timeout, std::chrono::seconds(10));
-      while (g_state->store->add("destroy", 0) < g_state->world_size &&
-             std::chrono::steady_clock::now() < deadline)
+      auto deadline = std::chrono::steady_clock::now() +
+                      std::min<std::chrono::milliseconds>(g_state->timeout, std::chrono::seconds(10));
+      while (g_state->store->add("destroy", 0) < g_state->world_size && std::chrono::steady_clock::now() < deadline)
         std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
   } catch (const std::exception&) {
@@ -258,15 +261,15 @@ c10::intrusive_ptr<c10d::Store> default_store() { return comm::world_state().sto
 
 Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds> timeout) {
   auto& st = comm::world_state();
-  DTRAIN_CHECK(!st.pytorch_peers, "rank ", st.rank, ": new_group is not supported when the job has Python ranks "
+  DTRAIN_CHECK(!st.pytorch_peers, "rank ", st.rank,
+               ": new_group is not supported when the job has Python ranks "
                "(Python names its groups from its own counters): use the default group");
   std::sort(ranks.begin(), ranks.end());
-  DTRAIN_CHECK(std::adjacent_find(ranks.begin(), ranks.end()) == ranks.end(),
-               "new_group: rank ", *std::adjacent_find(ranks.begin(), ranks.end()),
-               " is listed twice: list each rank once");
+  DTRAIN_CHECK(std::adjacent_find(ranks.begin(), ranks.end()) == ranks.end(), "new_group: rank ",
+               *std::adjacent_find(ranks.begin(), ranks.end()), " is listed twice: list each rank once");
   for (int r : ranks)
-    DTRAIN_CHECK(r >= 0 && r < st.world_size, "new_group: rank ", r, " is out of range for world size ",
-                 st.world_size, ": ranks go from 0 to ", st.world_size - 1);
+    DTRAIN_CHECK(r >= 0 && r < st.world_size, "new_group: rank ", r, " is out of range for world size ", st.world_size,
+                 ": ranks go from 0 to ", st.world_size - 1);
   if (ranks.empty())
     for (int i = 0; i < st.world_size; ++i) ranks.push_back(i);
   std::string name = "group" + std::to_string(st.next_group_id++);

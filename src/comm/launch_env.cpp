@@ -42,27 +42,27 @@ LaunchEnv read_launch_env(const EnvLookup& from, int explicit_rank, int explicit
     auto r = read_int(from, s.rank, kRankRemedy);
     auto w = read_int(from, s.size, kRankRemedy);
     if (!r && !w) continue;
-    DTRAIN_CHECK(r || explicit_rank >= 0, s.rank, " is not set but ", s.size, "=", *w,
-                 " is: set both, or ", kRankRemedy);
-    DTRAIN_CHECK(w || explicit_world >= 0, s.size, " is not set but ", s.rank, "=", *r,
-                 " is: set both, or ", kRankRemedy);
+    DTRAIN_CHECK(r || explicit_rank >= 0, s.rank, " is not set but ", s.size, "=", *w, " is: set both, or ",
+                 kRankRemedy);
+    DTRAIN_CHECK(w || explicit_world >= 0, s.size, " is not set but ", s.rank, "=", *r, " is: set both, or ",
+                 kRankRemedy);
     out.rank = r.value_or(-1);
     out.world_size = w.value_or(-1);
     out.local_rank = read_int(from, s.local_rank, "set it to the rank within this host").value_or(-1);
-    out.local_world_size =
-        read_int(from, s.local_size, "set it to the number of ranks on this host").value_or(-1);
+    out.local_world_size = read_int(from, s.local_size, "set it to the number of ranks on this host").value_or(-1);
     out.launcher = s.launcher;
     break;
   }
   // Slurm writes "2(x3)" for 2 tasks on each of 3 nodes, and "2,1" for uneven nodes: only a plain
   // number says how many ranks this host has.
   if (auto v = env::text("SLURM_NTASKS_PER_NODE", from); v && out.launcher == "srun")
-    if (v->size() <= 7 && v->find_first_not_of("0123456789") == std::string::npos)
-      out.local_world_size = std::stoi(*v);
+    if (v->size() <= 7 && v->find_first_not_of("0123456789") == std::string::npos) out.local_world_size = std::stoi(*v);
   out.dtrain_agent_store = env::flag("DTRAIN_AGENT_STORE", from);
   out.torchelastic_agent_store = env::choice("TORCHELASTIC_USE_AGENT_STORE", from) == "True";
-  if (out.dtrain_agent_store) out.launcher = "dtrain-run";
-  else if (out.torchelastic_agent_store) out.launcher = "torchrun";
+  if (out.dtrain_agent_store)
+    out.launcher = "dtrain-run";
+  else if (out.torchelastic_agent_store)
+    out.launcher = "torchrun";
   // The attempt number keys the rendezvous (a restarted group must not meet the keys of the failed
   // one in a store that outlives it): dtrain-run's, else torchrun's.
   if (auto v = read_int(from, "DTRAIN_RESTART_COUNT", ""))
@@ -75,8 +75,8 @@ LaunchEnv read_launch_env(const EnvLookup& from, int explicit_rank, int explicit
   DTRAIN_CHECK(out.rank >= 0, "RANK is not set: ", kRankRemedy);
   DTRAIN_CHECK(out.world_size >= 0, "WORLD_SIZE is not set: ", kRankRemedy);
   DTRAIN_CHECK(out.world_size > 0, "WORLD_SIZE=0 is invalid: the world needs at least one rank");
-  DTRAIN_CHECK(out.rank < out.world_size, "RANK=", out.rank, " is out of range for WORLD_SIZE=",
-               out.world_size, ": ranks go from 0 to ", out.world_size - 1);
+  DTRAIN_CHECK(out.rank < out.world_size, "RANK=", out.rank, " is out of range for WORLD_SIZE=", out.world_size,
+               ": ranks go from 0 to ", out.world_size - 1);
   if (out.local_rank >= 0 && out.local_world_size > 0) {
     DTRAIN_CHECK(out.local_rank < out.local_world_size, "LOCAL_RANK=", out.local_rank,
                  " is out of range for LOCAL_WORLD_SIZE=", out.local_world_size);
@@ -86,11 +86,13 @@ LaunchEnv read_launch_env(const EnvLookup& from, int explicit_rank, int explicit
 
 Endpoint master_from_env(const EnvLookup& from) {
   auto addr = env::host("MASTER_ADDR", from);
-  DTRAIN_CHECK(addr, "MASTER_ADDR is not set: set it to the address of the rank-0 host "
-                     "(127.0.0.1 on one machine), or launch with dtrain-run");
+  DTRAIN_CHECK(addr,
+               "MASTER_ADDR is not set: set it to the address of the rank-0 host "
+               "(127.0.0.1 on one machine), or launch with dtrain-run");
   auto port = env::port("MASTER_PORT", from);
-  DTRAIN_CHECK(port, "MASTER_PORT is not set: set it to a free port on the rank-0 host (e.g. 29500), "
-                     "or launch with dtrain-run");
+  DTRAIN_CHECK(port,
+               "MASTER_PORT is not set: set it to a free port on the rank-0 host (e.g. 29500), "
+               "or launch with dtrain-run");
   return Endpoint{*addr, *port};
 }
 
@@ -101,8 +103,8 @@ Endpoint parse_tcp_url(const std::string& url) {
   std::string host, port;
   if (!rest.empty() && rest[0] == '[') {
     auto close = rest.find(']');
-    DTRAIN_CHECK(close != std::string::npos && close + 1 < rest.size() && rest[close + 1] == ':',
-                 "init_method '", url, "' is not tcp://[ipv6]:port");
+    DTRAIN_CHECK(close != std::string::npos && close + 1 < rest.size() && rest[close + 1] == ':', "init_method '", url,
+                 "' is not tcp://[ipv6]:port");
     host = rest.substr(1, close - 1);
     port = rest.substr(close + 2);
   } else {

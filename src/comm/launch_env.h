@@ -17,13 +17,13 @@ namespace dtrain::comm {
 using EnvLookup = env::Lookup;  // env::process(), or a map in unit tests
 
 struct LaunchEnv {
-  int rank = -1;              // -1: not found in the environment
+  int rank = -1;  // -1: not found in the environment
   int world_size = -1;
-  int local_rank = -1;        // -1: unknown (derived from host names at rendezvous)
+  int local_rank = -1;  // -1: unknown (derived from host names at rendezvous)
   int local_world_size = -1;
-  std::string launcher;       // "dtrain-run", "torchrun", "mpirun", "mpich", "srun", "env" or ""
-  bool dtrain_agent_store = false;       // dtrain-run hosts the store at MASTER_ADDR:MASTER_PORT
-  bool torchelastic_agent_store = false; // torchrun hosts a c10d TCPStore there
+  std::string launcher;                   // "dtrain-run", "torchrun", "mpirun", "mpich", "srun", "env" or ""
+  bool dtrain_agent_store = false;        // dtrain-run hosts the store at MASTER_ADDR:MASTER_PORT
+  bool torchelastic_agent_store = false;  // torchrun hosts a c10d TCPStore there
   int restart_count = 0;
 };
 

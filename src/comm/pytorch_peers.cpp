@@ -47,9 +47,7 @@ c10::intrusive_ptr<c10d::Store> pytorch_default_group_store(const c10::intrusive
 c10::intrusive_ptr<c10d::Store> connect_pytorch_store(const Endpoint&, int, int, std::chrono::milliseconds, bool) {
   unsupported();
 }
-c10::intrusive_ptr<c10d::Store> pytorch_default_group_store(const c10::intrusive_ptr<c10d::Store>&) {
-  unsupported();
-}
+c10::intrusive_ptr<c10d::Store> pytorch_default_group_store(const c10::intrusive_ptr<c10d::Store>&) { unsupported(); }
 
 #endif
 

@@ -31,8 +31,7 @@ std::vector<std::string> split_lines(const std::string& s) {
 }
 
 // Step 3 on rank 0. Returns the verdict text.
-std::string judge(c10d::Store& store, int world_size, const std::string& my_host,
-                  std::chrono::milliseconds timeout) {
+std::string judge(c10d::Store& store, int world_size, const std::string& my_host, std::chrono::milliseconds timeout) {
   std::vector<std::string> hosts{my_host};
   for (int r = 1; r < world_size; ++r) {
     const std::string key = "rank/" + std::to_string(r);
@@ -50,9 +49,8 @@ std::string judge(c10d::Store& store, int world_size, const std::string& my_host
     auto lines = split_lines(to_string(store.get(key)));
     DTRAIN_ASSERT(lines.size() == 2, "bad rendezvous record for rank ", r);
     if (lines[0] != std::to_string(world_size))
-      return detail::cat("error\nranks disagree on the world size: rank 0 has WORLD_SIZE=", world_size,
-                         ", rank ", r, " has WORLD_SIZE=", lines[0],
-                         ": give every rank the same WORLD_SIZE");
+      return detail::cat("error\nranks disagree on the world size: rank 0 has WORLD_SIZE=", world_size, ", rank ", r,
+                         " has WORLD_SIZE=", lines[0], ": give every rank the same WORLD_SIZE");
     hosts.push_back(lines[1]);
   }
   std::ostringstream verdict;
@@ -89,8 +87,7 @@ LocalRanks rendezvous_check(c10d::Store& store, int rank, int world_size, const 
   char hostname[256] = {0};
   gethostname(hostname, sizeof(hostname) - 1);
   const std::string host_key = std::string(hostname) + "/" + address;
-  store.set("rank/" + std::to_string(rank),
-            to_bytes(std::to_string(world_size) + "\n" + host_key));
+  store.set("rank/" + std::to_string(rank), to_bytes(std::to_string(world_size) + "\n" + host_key));
   // Steps 3-4.
   if (rank == 0) {
     std::string v = judge(store, world_size, host_key, timeout);
@@ -103,8 +100,8 @@ LocalRanks rendezvous_check(c10d::Store& store, int rank, int world_size, const 
     store.wait({"verdict"}, timeout + std::chrono::seconds(5));
     verdict = to_string(store.get("verdict"));
   } catch (const std::exception& e) {
-    throw Error(detail::cat("rank ", rank, ": rank 0 gave no rendezvous verdict within ",
-                            seconds(timeout), ": is rank 0 running with the same MASTER_ADDR/PORT?"));
+    throw Error(detail::cat("rank ", rank, ": rank 0 gave no rendezvous verdict within ", seconds(timeout),
+                            ": is rank 0 running with the same MASTER_ADDR/PORT?"));
   }
   auto lines = split_lines(verdict);
   if (!lines.empty() && lines[0] == "error") {
@@ -114,14 +111,12 @@ LocalRanks rendezvous_check(c10d::Store& store, int rank, int world_size, const 
       } catch (const std::exception&) {
       }
     }
-    throw Error(detail::cat("rank ", rank, ": rendezvous failed: ",
-                            lines.size() > 1 ? lines[1] : "(no reason)"));
+    throw Error(detail::cat("rank ", rank, ": rendezvous failed: ", lines.size() > 1 ? lines[1] : "(no reason)"));
   }
   DTRAIN_ASSERT(lines.size() >= 2 && lines[0] == "ok", "bad rendezvous verdict");
   if (lines[1] != std::to_string(world_size))
-    throw Error(detail::cat("rank ", rank, ": ranks disagree on the world size: rank 0 has WORLD_SIZE=",
-                            lines[1], ", rank ", rank, " has WORLD_SIZE=", world_size,
-                            ": give every rank the same WORLD_SIZE"));
+    throw Error(detail::cat("rank ", rank, ": ranks disagree on the world size: rank 0 has WORLD_SIZE=", lines[1],
+                            ", rank ", rank, " has WORLD_SIZE=", world_size, ": give every rank the same WORLD_SIZE"));
   LocalRanks out;
   if (env_local_rank >= 0 && env_local_world > 0) {
     out.local_rank = env_local_rank;

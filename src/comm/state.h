@@ -19,11 +19,11 @@ class StoreServer;
 namespace dtrain {
 
 struct Group::Impl {
-  std::string name;                 // "default" or "group<N>"
+  std::string name;  // "default" or "group<N>"
   std::string backend;
-  compat::BackendPtr pg;            // null for non-members
-  int rank = -1;                    // rank inside the group
-  std::vector<int> ranks;           // global ranks, sorted
+  compat::BackendPtr pg;                       // null for non-members
+  int rank = -1;                               // rank inside the group
+  std::vector<int> ranks;                      // global ranks, sorted
   std::unordered_map<int, int> group_rank_of;  // global -> group rank
   std::chrono::milliseconds timeout{0};
   // DTRAIN_DEBUG=DETAIL: collectives checked on this group so far (src/comm/debug_check.h).
@@ -44,7 +44,7 @@ struct WorldState {
   std::chrono::milliseconds timeout{0};
   std::string bind_address;
   std::unique_ptr<store::StoreServer> server;  // when rank 0 hosts the rendezvous
-  c10::intrusive_ptr<c10d::Store> store;        // job store, prefixed with this restart attempt
+  c10::intrusive_ptr<c10d::Store> store;       // job store, prefixed with this restart attempt
   std::shared_ptr<Group::Impl> world;
   int next_group_id = 1;
   // Python ranks share the default group (Note [PyTorch peers]); `python_store` is the unprefixed
@@ -70,6 +70,6 @@ std::string brief(const std::exception& e);
 
 namespace dtrain::comm {
 // Builds a group over `ranks` (global, sorted); members construct their backend.
-std::shared_ptr<Group::Impl> make_group(WorldState& st, const std::string& name,
-                                        std::vector<int> ranks, std::chrono::milliseconds timeout);
+std::shared_ptr<Group::Impl> make_group(WorldState& st, const std::string& name, std::vector<int> ranks,
+                                        std::chrono::milliseconds timeout);
 }  // namespace dtrain::comm

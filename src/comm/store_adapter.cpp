@@ -16,8 +16,7 @@ void ClientStore::set(const std::string& key, const std::vector<uint8_t>& value)
   client_.set(key, value);
 }
 
-std::vector<uint8_t> ClientStore::compareSet(const std::string& key,
-                                             const std::vector<uint8_t>& expected,
+std::vector<uint8_t> ClientStore::compareSet(const std::string& key, const std::vector<uint8_t>& expected,
                                              const std::vector<uint8_t>& desired) {
   std::lock_guard<std::mutex> g(mu_);
   return client_.compare_set(key, expected, desired);

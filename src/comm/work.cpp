@@ -18,7 +18,7 @@ struct Work::State {
   c10::intrusive_ptr<c10d::Work> work;  // null for composed operations (on_done does the waiting)
   std::string what;                     // "rank 1: all_reduce on group 'default' (gloo)"
   std::function<void()> on_done;
-  std::function<bool()> parts_done;     // composed operations: whether their parts have finished
+  std::function<bool()> parts_done;  // composed operations: whether their parts have finished
   std::once_flag once;
   std::exception_ptr error;
   // Work::then callbacks for works without a completion future: run after the first wait().
@@ -49,9 +49,11 @@ void Work::wait() {
       // reaches the others as the backend's timeout (Gloo: "Timed out waiting ..."); say so plainly.
       const std::string msg = brief(e);
       const bool timed_out = msg.find("imed out") != std::string::npos || msg.find("imeout") != std::string::npos;
-      s->error = std::make_exception_ptr(Error(
-          s->what + (timed_out ? " timed out (a rank of the group did not take part in time: hung, stopped or dead?): "
-                               : " failed: ") + msg));
+      s->error = std::make_exception_ptr(
+          Error(s->what +
+                (timed_out ? " timed out (a rank of the group did not take part in time: hung, stopped or dead?): "
+                           : " failed: ") +
+                msg));
     }
     std::vector<std::function<void()>> fns;
     {
@@ -120,8 +122,7 @@ bool Group::uses_shared_memory() const {
 int Group::group_rank(int global_rank) const {
   const auto& g = comm::resolve(*this);
   auto it = g.group_rank_of.find(global_rank);
-  DTRAIN_CHECK(it != g.group_rank_of.end(), "rank ", global_rank, " is not a member of group '", g.name,
-               "'");
+  DTRAIN_CHECK(it != g.group_rank_of.end(), "rank ", global_rank, " is not a member of group '", g.name, "'");
   return it->second;
 }
 const std::string& Group::name() const { return comm::resolve(*this).name; }

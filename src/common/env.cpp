@@ -20,8 +20,8 @@ using R = Reader;
 Knob flag_row(const char* name, Reader r, const char* fallback, const char* allowed, const char* meaning) {
   return {name, r, Type::kFlag, fallback, allowed, "", meaning, {"0", "1"}};
 }
-Knob choice_row(const char* name, Reader r, std::vector<std::string> choices, const char* fallback,
-                const char* allowed, const char* meaning) {
+Knob choice_row(const char* name, Reader r, std::vector<std::string> choices, const char* fallback, const char* allowed,
+                const char* meaning) {
   return {name, r, Type::kChoice, fallback, allowed, "", meaning, std::move(choices)};
 }
 // Launch variables: ranks and sizes up to 2^24, far above any job and far below int's range.
@@ -51,9 +51,17 @@ std::vector<Knob> make_table() {
                  "share a host)",
                  "Shared-memory collectives for ranks on one host (backend gloo): `auto` where ranks share "
                  "a host, `0` never, `1` required (an error if they cannot be set up)."),
-      {"DTRAIN_SHM_SLOT_BYTES", R::kLibrary, Type::kInteger, "1048576",
-       "a multiple of 64 between 4096 and 268435456", "", "Chunk size of the shared-memory collectives, in bytes.",
-       {}, 4096, int64_t{1} << 28, 64},
+      {"DTRAIN_SHM_SLOT_BYTES",
+       R::kLibrary,
+       Type::kInteger,
+       "1048576",
+       "a multiple of 64 between 4096 and 268435456",
+       "",
+       "Chunk size of the shared-memory collectives, in bytes.",
+       {},
+       4096,
+       int64_t{1} << 28,
+       64},
       row("DTRAIN_SHM_HOST", R::kLibrary, Type::kText, "", "any text", "",
           "Overrides the key of \"the same host\" (unset: host name, boot id and the identity of "
           "`/dev/shm`), e.g. to make the processes of one machine act as separate hosts."),
@@ -73,7 +81,8 @@ std::vector<Knob> make_table() {
                "torchrun's attempt number, used when `DTRAIN_RESTART_COUNT` is unset."),
       row("GLOO_SOCKET_IFNAME", R::kLibrary, Type::kList, "", "interface names, comma-separated", "",
           "Interfaces Gloo binds to, as in PyTorch. Unset: the interface that routes to the master."),
-      rank_row("RANK", R::kLibrary, kRankSet, "This process's rank (dtrain-run, torchrun), unless `InitOptions::rank` is set."),
+      rank_row("RANK", R::kLibrary, kRankSet,
+               "This process's rank (dtrain-run, torchrun), unless `InitOptions::rank` is set."),
       rank_row("WORLD_SIZE", R::kLibrary, kRankSet, "Number of ranks, unless `InitOptions::world_size` is set."),
       rank_row("LOCAL_RANK", R::kLibrary, kRankSet, "Rank within this host (unset: derived from host names)."),
       rank_row("LOCAL_WORLD_SIZE", R::kLibrary, kRankSet, "Ranks on this host (unset: derived from host names)."),
@@ -81,11 +90,13 @@ std::vector<Knob> make_table() {
       rank_row("OMPI_COMM_WORLD_SIZE", R::kLibrary, kRankSet, "OpenMPI's mpirun: the world size."),
       rank_row("OMPI_COMM_WORLD_LOCAL_RANK", R::kLibrary, kRankSet, "OpenMPI's mpirun: the local rank."),
       rank_row("OMPI_COMM_WORLD_LOCAL_SIZE", R::kLibrary, kRankSet, "OpenMPI's mpirun: the ranks on this host."),
-      rank_row("PMI_RANK", R::kLibrary, kRankSet, "MPICH and Intel MPI: the rank, when `RANK` and OpenMPI's are unset."),
+      rank_row("PMI_RANK", R::kLibrary, kRankSet,
+               "MPICH and Intel MPI: the rank, when `RANK` and OpenMPI's are unset."),
       rank_row("PMI_SIZE", R::kLibrary, kRankSet, "MPICH and Intel MPI: the world size."),
       rank_row("MPI_LOCALRANKID", R::kLibrary, kRankSet, "MPICH and Intel MPI: the local rank."),
       rank_row("MPI_LOCALNRANKS", R::kLibrary, kRankSet, "MPICH and Intel MPI: the ranks on this host."),
-      rank_row("SLURM_PROCID", R::kLibrary, kRankSet, "Slurm's srun: the rank, when no MPI or torchrun variable is set."),
+      rank_row("SLURM_PROCID", R::kLibrary, kRankSet,
+               "Slurm's srun: the rank, when no MPI or torchrun variable is set."),
       rank_row("SLURM_NTASKS", R::kLibrary, kRankSet, "Slurm's srun: the world size."),
       rank_row("SLURM_LOCALID", R::kLibrary, kRankSet, "Slurm's srun: the local rank."),
       row("SLURM_NTASKS_PER_NODE", R::kLibrary, Type::kText, "", "a number, or Slurm's `N(xK)` form", "",
@@ -103,8 +114,7 @@ std::vector<Knob> make_table() {
       row("OMP_NUM_THREADS", R::kLauncher, Type::kText, "", "any text", "",
           "Left alone when set; unset, each worker gets cores / `--nproc_per_node` (at least 1)."),
       // Set by dtrain-run for the program; dtrain reads neither.
-      row("DTRAIN_RUN_ID", R::kNobody, Type::kText, "", "any text", "",
-          "`--run_id`, also as `TORCHELASTIC_RUN_ID`."),
+      row("DTRAIN_RUN_ID", R::kNobody, Type::kText, "", "any text", "", "`--run_id`, also as `TORCHELASTIC_RUN_ID`."),
       row("DTRAIN_MAX_RESTARTS", R::kNobody, Type::kText, "", "a non-negative integer", "",
           "`--max_restarts`, also as `TORCHELASTIC_MAX_RESTARTS`."),
   };
@@ -112,14 +122,22 @@ std::vector<Knob> make_table() {
 
 const char* type_name(Type t) {
   switch (t) {
-    case Type::kFlag: return "flag";
-    case Type::kChoice: return "choice";
-    case Type::kInteger: return "integer";
-    case Type::kSeconds: return "seconds";
-    case Type::kPort: return "port";
-    case Type::kHost: return "host";
-    case Type::kText: return "text";
-    case Type::kList: return "list";
+    case Type::kFlag:
+      return "flag";
+    case Type::kChoice:
+      return "choice";
+    case Type::kInteger:
+      return "integer";
+    case Type::kSeconds:
+      return "seconds";
+    case Type::kPort:
+      return "port";
+    case Type::kHost:
+      return "host";
+    case Type::kText:
+      return "text";
+    case Type::kList:
+      return "list";
   }
   return "?";
 }
@@ -138,7 +156,9 @@ std::optional<std::string> value_of(const Knob& k, const Lookup& from) {
   return std::nullopt;
 }
 
-bool is_number_like(Type t) { return t == Type::kInteger || t == Type::kSeconds || t == Type::kPort || t == Type::kHost; }
+bool is_number_like(Type t) {
+  return t == Type::kInteger || t == Type::kSeconds || t == Type::kPort || t == Type::kHost;
+}
 
 [[noreturn]] void invalid(const Knob& k, const std::string& value, const std::string& remedy = "") {
   if (is_number_like(k.type)) {
@@ -272,8 +292,8 @@ std::string markdown_tables() {
       if (k.reader != s.reader) continue;
       const std::string fallback = *k.fallback ? detail::cat("`", k.fallback, "`") : "unset";
       const std::string remedy = *k.remedy ? detail::cat(": ", k.remedy) : "";
-      os << "| `" << k.name << "` | " << type_name(k.type) << " | " << fallback << " | " << k.allowed << remedy
-         << " | " << k.meaning << " |\n";
+      os << "| `" << k.name << "` | " << type_name(k.type) << " | " << fallback << " | " << k.allowed << remedy << " | "
+         << k.meaning << " |\n";
     }
     os << "\n";
   }

@@ -34,9 +34,9 @@ struct Knob {
   // noun phrase ("NAME='x' is not <allowed>"); for the other types a list of values
   // ("NAME='x' is invalid: use <allowed>").
   const char* allowed;
-  const char* remedy;    // after a number's, port's or host's error ("" = none)
+  const char* remedy;  // after a number's, port's or host's error ("" = none)
   const char* meaning;
-  std::vector<std::string> choices;  // kFlag and kChoice: the accepted spellings
+  std::vector<std::string> choices;        // kFlag and kChoice: the accepted spellings
   int64_t min = 0, max = 0, multiple = 1;  // kInteger
 };
 

@@ -64,8 +64,8 @@ void amp_unscale_(std::vector<at::Tensor>& grads, at::Tensor& found_inf, const a
   }
 }
 
-void amp_update_scale_(at::Tensor& scale, at::Tensor& growth_tracker, const at::Tensor& found_inf,
-                       double growth_factor, double backoff_factor, int64_t growth_interval) {
+void amp_update_scale_(at::Tensor& scale, at::Tensor& growth_tracker, const at::Tensor& found_inf, double growth_factor,
+                       double backoff_factor, int64_t growth_interval) {
   if (DTRAIN_TORCH_AT_LEAST(2, 3) || scale.is_cuda()) {
     at::_amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval);
     return;

@@ -29,7 +29,7 @@ int autocast_decrement_nesting();
 // grads *= inv_scale in place; found_inf = 1 if any element of any grad is inf or NaN.
 void amp_unscale_(std::vector<at::Tensor>& grads, at::Tensor& found_inf, const at::Tensor& inv_scale);
 // PyTorch's scale update: back off on overflow, grow after growth_interval clean steps.
-void amp_update_scale_(at::Tensor& scale, at::Tensor& growth_tracker, const at::Tensor& found_inf,
-                       double growth_factor, double backoff_factor, int64_t growth_interval);
+void amp_update_scale_(at::Tensor& scale, at::Tensor& growth_tracker, const at::Tensor& found_inf, double growth_factor,
+                       double backoff_factor, int64_t growth_interval);
 
 }  // namespace dtrain::compat

@@ -45,8 +45,10 @@ std::vector<torch::autograd::Node*> reachable_nodes(const std::vector<at::Tensor
   };
   for (const auto& t : outputs) {
     if (!t.defined() || !t.requires_grad()) continue;
-    if (t.grad_fn()) visit(t.grad_fn().get());
-    else visit(torch::autograd::impl::try_get_grad_accumulator(t).get());  // the output is a leaf
+    if (t.grad_fn())
+      visit(t.grad_fn().get());
+    else
+      visit(torch::autograd::impl::try_get_grad_accumulator(t).get());  // the output is a leaf
   }
   while (!stack.empty()) {
     auto* n = stack.back();

@@ -1,5 +1,5 @@
-// Every LibTorch-version-specific c10d call lives here. LibTorch 1.13: ProcessGroupGloo/NCCL derive from c10d::ProcessGroup. LibTorch >= 2.0: they
-// derive from c10d::Backend, which has the same collective methods.
+// Every LibTorch-version-specific c10d call lives here. LibTorch 1.13: ProcessGroupGloo/NCCL derive from
+// c10d::ProcessGroup. LibTorch >= 2.0: they derive from c10d::Backend, which has the same collective methods.
 #pragma once
 
 #include <torch/csrc/api/include/torch/version.h>

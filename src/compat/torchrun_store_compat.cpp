@@ -70,14 +70,13 @@ void check_torchrun_store(const std::string& host, uint16_t port, int rank) {
   const char get_num_keys = 6;
   if (send(s.fd, &get_num_keys, 1, MSG_NOSIGNAL) != 1) return;
   char answer[8];
-  if (read_exactly(s.fd, answer, sizeof(answer), std::chrono::steady_clock::now() + std::chrono::seconds(3)))
-    return;
+  if (read_exactly(s.fd, answer, sizeof(answer), std::chrono::steady_clock::now() + std::chrono::seconds(3))) return;
   // 3. No answer: a torchrun from PyTorch >= 2.1.
-  throw Error(detail::cat(
-      "rank ", rank, ": the store torchrun hosts at ", host, ":", port,
-      " does not answer LibTorch 1.13's TCPStore protocol (torchrun from PyTorch >= 2.1 added a handshake "
-      "that 1.13 cannot speak): build dtrain against LibTorch 2.x (README: 'Using dtrain with your "
-      "LibTorch'), or start the job with dtrain-run"));
+  throw Error(
+      detail::cat("rank ", rank, ": the store torchrun hosts at ", host, ":", port,
+                  " does not answer LibTorch 1.13's TCPStore protocol (torchrun from PyTorch >= 2.1 added a handshake "
+                  "that 1.13 cannot speak): build dtrain against LibTorch 2.x (README: 'Using dtrain with your "
+                  "LibTorch'), or start the job with dtrain-run"));
 }
 
 #endif

@@ -34,20 +34,20 @@ std::string find_file(const std::string& root, const std::string& name) {
 
 FashionMNIST::FashionMNIST(const std::string& root, Mode mode, const FashionMNISTOptions& options)
     : mode_(mode), options_(options) {
-  DTRAIN_CHECK(!options.standardize() || options.stddev() > 0,
-               "FashionMNIST: stddev must be > 0 to standardize, got ", options.stddev());
+  DTRAIN_CHECK(!options.standardize() || options.stddev() > 0, "FashionMNIST: stddev must be > 0 to standardize, got ",
+               options.stddev());
   const std::string prefix = mode == Mode::kTrain ? "train" : "t10k";
   images_file_ = find_file(root, prefix + "-images-idx3-ubyte");
   labels_file_ = find_file(root, prefix + "-labels-idx1-ubyte");
 
   data::IdxArray labels = data::read_idx(labels_file_, data::kIdxLabelsMagic, "labels", options.max_samples());
   data::IdxArray images = data::read_idx(images_file_, data::kIdxImagesMagic, "pixels", options.max_samples());
-  DTRAIN_CHECK(images.dims[0] == labels.dims[0], images_file_, " holds ", images.dims[0], " images but ",
-               labels_file_, " holds ", labels.dims[0], " labels: the files do not belong together");
+  DTRAIN_CHECK(images.dims[0] == labels.dims[0], images_file_, " holds ", images.dims[0], " images but ", labels_file_,
+               " holds ", labels.dims[0], " labels: the files do not belong together");
   DTRAIN_ASSERT(images.items == labels.items, images.items, " vs ", labels.items);
   for (size_t i = 0; i < labels.items; ++i) {
-    DTRAIN_CHECK(labels.data[i] < kNumClasses, labels_file_, ": corrupt: label ", int(labels.data[i]),
-                 " at index ", i, " is not in [0, ", kNumClasses - 1, "]");
+    DTRAIN_CHECK(labels.data[i] < kNumClasses, labels_file_, ": corrupt: label ", int(labels.data[i]), " at index ", i,
+                 " is not in [0, ", kNumClasses - 1, "]");
   }
 
   const auto n = static_cast<int64_t>(images.items);
@@ -72,8 +72,7 @@ torch::data::Example<> FashionMNIST::batch(c10::ArrayRef<size_t> indices) const 
   const auto n = static_cast<size_t>(images_.size(0));
   std::vector<int64_t> idx(indices.begin(), indices.end());
   for (size_t k = 0; k < indices.size(); ++k) {
-    DTRAIN_CHECK(indices[k] < n, "FashionMNIST: index ", indices[k], " out of range for a dataset of ", n,
-                 " samples");
+    DTRAIN_CHECK(indices[k] < n, "FashionMNIST: index ", indices[k], " out of range for a dataset of ", n, " samples");
   }
   const at::Tensor index = at::from_blob(idx.data(), {static_cast<int64_t>(idx.size())}, at::kLong);
   at::Tensor data = images_.index_select(0, index);     // (B,1,H,W)

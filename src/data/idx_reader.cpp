@@ -85,15 +85,14 @@ std::string describe_magic(uint32_t magic) {
 
 }  // namespace
 
-IdxArray read_idx(const std::string& path, uint32_t expected_magic, const char* what,
-                  std::optional<size_t> max_items) {
+IdxArray read_idx(const std::string& path, uint32_t expected_magic, const char* what, std::optional<size_t> max_items) {
   Reader in(path);
 
   // Header: magic, then one uint32 per dimension.
   uint8_t head[4];
   const size_t got_head = in.read(head, 4);
-  DTRAIN_CHECK(got_head == 4, path, ": truncated: expected a 4-byte IDX header, got ", got_head,
-               " bytes", in.gzip_note());
+  DTRAIN_CHECK(got_head == 4, path, ": truncated: expected a 4-byte IDX header, got ", got_head, " bytes",
+               in.gzip_note());
   const uint32_t magic = big_endian(head);
   DTRAIN_CHECK(magic == expected_magic, path, ": not an IDX file of the expected kind: magic number ",
                describe_magic(magic), ", expected ", describe_magic(expected_magic));
@@ -110,21 +109,19 @@ IdxArray read_idx(const std::string& path, uint32_t expected_magic, const char* 
     if (d > 0) {
       DTRAIN_CHECK(out.dims[d] > 0, path, ": corrupt header: dimension ", d, " is 0");
       item_bytes *= out.dims[d];
-      DTRAIN_CHECK(item_bytes <= kMaxIdxBytes, path, ": corrupt header: items of ", item_bytes,
-                   "+ bytes");
+      DTRAIN_CHECK(item_bytes <= kMaxIdxBytes, path, ": corrupt header: items of ", item_bytes, "+ bytes");
     }
   }
   const uint64_t count = out.dims[0];
-  DTRAIN_CHECK(count * item_bytes <= kMaxIdxBytes, path, ": corrupt header: ", count, " items of ",
-               item_bytes, " bytes");
+  DTRAIN_CHECK(count * item_bytes <= kMaxIdxBytes, path, ": corrupt header: ", count, " items of ", item_bytes,
+               " bytes");
 
   // Values: all of them, or the first max_items items.
   out.items = max_items ? std::min<size_t>(*max_items, count) : count;
   const size_t want = out.items * item_bytes;
   out.data.resize(want);
   const size_t got = in.read(out.data.data(), want);
-  DTRAIN_CHECK(got == want, path, ": truncated: expected ", want, " bytes of ", what, ", got ", got,
-               in.gzip_note());
+  DTRAIN_CHECK(got == want, path, ": truncated: expected ", want, " bytes of ", what, ", got ", got, in.gzip_note());
   if (out.items == count) {
     uint8_t extra[4096];
     const size_t more = in.read(extra, sizeof(extra));

@@ -81,8 +81,7 @@ std::vector<int64_t> DistributedSampler::indices() const {
   for (size_t i = static_cast<size_t>(rank_); i < total; i += static_cast<size_t>(num_replicas_)) {
     mine.push_back(all[i]);
   }
-  DTRAIN_ASSERT(mine.size() == num_samples_, "rank ", rank_, " got ", mine.size(), " indices, expected ",
-                num_samples_);
+  DTRAIN_ASSERT(mine.size() == num_samples_, "rank ", rank_, " got ", mine.size(), " indices, expected ", num_samples_);
   return mine;
 }
 
@@ -141,8 +140,8 @@ void DistributedSampler::load(torch::serialize::InputArchive& archive) {
   DTRAIN_CHECK(replicas == num_replicas_, kWhat, "saved with num_replicas = ", replicas,
                ", loading into one with num_replicas = ", num_replicas_);
   const int64_t seed = read_int("seed");
-  DTRAIN_CHECK(seed == options_.seed(), kWhat, "saved with seed = ", seed, ", loading into one with seed = ",
-               options_.seed());
+  DTRAIN_CHECK(seed == options_.seed(), kWhat, "saved with seed = ", seed,
+               ", loading into one with seed = ", options_.seed());
   const bool shuffle = read_bool("shuffle");
   DTRAIN_CHECK(shuffle == options_.shuffle(), kWhat, "saved with shuffle = ", shuffle,
                ", loading into one with shuffle = ", options_.shuffle());
@@ -161,8 +160,8 @@ void DistributedSampler::load(torch::serialize::InputArchive& archive) {
   if (started) {
     pass_indices_ = indices();
     pass_started_ = true;
-    DTRAIN_CHECK(position >= 0 && static_cast<size_t>(position) <= pass_indices_.size(), kWhat,
-                 "saved position ", position, " is outside [0, ", pass_indices_.size(), "]");
+    DTRAIN_CHECK(position >= 0 && static_cast<size_t>(position) <= pass_indices_.size(), kWhat, "saved position ",
+                 position, " is outside [0, ", pass_indices_.size(), "]");
     position_ = static_cast<size_t>(position);
   } else {
     pass_indices_.clear();

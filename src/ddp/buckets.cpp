@@ -11,7 +11,7 @@ std::vector<std::vector<int>> assign_buckets(const std::vector<at::Tensor>& para
   struct Open {
     std::vector<int> members;
     size_t bytes = 0;
-    size_t order = 0;  // visit order of its first member
+    size_t order = 0;         // visit order of its first member
     bool closed_one = false;  // this (dtype, device) already closed its first bucket
   };
   std::map<std::pair<int, std::string>, Open> open;  // (dtype, device) -> open bucket
@@ -33,8 +33,7 @@ std::vector<std::vector<int>> assign_buckets(const std::vector<at::Tensor>& para
   }
   for (auto& kv : open)
     if (!kv.second.members.empty()) closed.emplace_back(kv.second.order, std::move(kv.second.members));
-  std::stable_sort(closed.begin(), closed.end(),
-                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::stable_sort(closed.begin(), closed.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   std::vector<std::vector<int>> out;
   for (auto& c : closed) out.push_back(std::move(c.second));
   return out;

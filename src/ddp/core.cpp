@@ -24,7 +24,7 @@ struct Core::Impl {
   std::shared_ptr<torch::nn::Module> module;
   DDPOptions options;
   std::vector<std::string> names;
-  std::vector<at::Tensor> params;   // parameters that require grad, registration order
+  std::vector<at::Tensor> params;  // parameters that require grad, registration order
   std::vector<at::Tensor> buffers;
   std::unique_ptr<Reducer> reducer;
   bool sync = true;
@@ -78,21 +78,20 @@ Core::Core(std::shared_ptr<torch::nn::Module> module, DDPOptions options) : impl
 
   auto assignment = assign_buckets(s.params, static_cast<size_t>(s.options.first_bucket_cap_mb() * 1048576.0),
                                    static_cast<size_t>(s.options.bucket_cap_mb() * 1048576.0));
-  s.reducer = std::make_unique<Reducer>(s.params, s.names, assignment, group,
-                                        s.options.gradient_as_bucket_view(), s.track_unused);
+  s.reducer = std::make_unique<Reducer>(s.params, s.names, assignment, group, s.options.gradient_as_bucket_view(),
+                                        s.track_unused);
   if (debug_info() && group.rank() == 0) {
     const auto& o = s.options;
-    std::cerr << "[dtrain DDP] " << s.params.size() << " parameters in " << assignment.size()
-              << " buckets (first " << o.first_bucket_cap_mb() << " MB, then " << o.bucket_cap_mb()
-              << " MB), group of " << group.size() << " ranks (" << group.backend()
-              << (group.uses_shared_memory() ? ", shared memory" : "") << "), " << s.buffers.size()
-              << " buffers | broadcast_buffers=" << o.broadcast_buffers()
+    std::cerr << "[dtrain DDP] " << s.params.size() << " parameters in " << assignment.size() << " buckets (first "
+              << o.first_bucket_cap_mb() << " MB, then " << o.bucket_cap_mb() << " MB), group of " << group.size()
+              << " ranks (" << group.backend() << (group.uses_shared_memory() ? ", shared memory" : "") << "), "
+              << s.buffers.size() << " buffers | broadcast_buffers=" << o.broadcast_buffers()
               << " find_unused_parameters=" << o.find_unused_parameters()
               << " gradient_as_bucket_view=" << o.gradient_as_bucket_view() << " static_graph=" << o.static_graph()
               << " debug=" << to_string(get_debug_level()) << "\n";
     for (size_t b = 0; b < assignment.size(); ++b) {
-      std::cerr << "[dtrain DDP]   bucket " << b << ": " << s.reducer->buckets()[b].buffer.numel() * s.params[assignment[b][0]].element_size()
-                << " bytes:";
+      std::cerr << "[dtrain DDP]   bucket " << b << ": "
+                << s.reducer->buckets()[b].buffer.numel() * s.params[assignment[b][0]].element_size() << " bytes:";
       for (int i : assignment[b]) std::cerr << " " << s.names[i];
       std::cerr << "\n";
     }

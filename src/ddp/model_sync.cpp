@@ -45,8 +45,8 @@ std::string explain(const std::vector<std::vector<std::string>>& all, const std:
     std::ostringstream os;
     os << "DistributedDataParallel: ranks disagree on the model: rank " << ranks[0] << " has " << ref.size()
        << " parameters, rank " << ranks[r] << " has " << mine.size() << "; first difference at parameter #" << i
-       << ": rank " << ranks[0] << " " << (i < ref.size() ? ref[i] : "(none)") << " vs rank " << ranks[r]
-       << " " << (i < mine.size() ? mine[i] : "(none)")
+       << ": rank " << ranks[0] << " " << (i < ref.size() ? ref[i] : "(none)") << " vs rank " << ranks[r] << " "
+       << (i < mine.size() ? mine[i] : "(none)")
        << ": build the same model (same layers, shapes and dtypes) on every rank";
     return os.str();
   }
@@ -55,8 +55,8 @@ std::string explain(const std::vector<std::vector<std::string>>& all, const std:
 
 }  // namespace
 
-void verify_same_model(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
-                       const Group& group, const std::string& key_prefix) {
+void verify_same_model(const std::vector<std::string>& names, const std::vector<at::Tensor>& params, const Group& group,
+                       const std::string& key_prefix) {
   const auto lines = describe(names, params);
   const std::string text = join(lines);
   // Step 1-2.
@@ -83,8 +83,7 @@ void broadcast_from_first_rank(const std::vector<at::Tensor>& tensors, const Gro
   if (tensors.empty() || group.size() == 1) return;
   at::NoGradGuard ng;
   std::map<std::pair<int, std::string>, std::vector<at::Tensor>> by_type;
-  for (const auto& t : tensors)
-    by_type[{static_cast<int>(t.scalar_type()), t.device().str()}].push_back(t);
+  for (const auto& t : tensors) by_type[{static_cast<int>(t.scalar_type()), t.device().str()}].push_back(t);
   for (auto& kv : by_type) {
     std::vector<at::Tensor> flat_parts;
     for (const auto& t : kv.second) flat_parts.push_back(t.reshape({-1}));

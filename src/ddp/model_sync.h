@@ -18,8 +18,8 @@
 
 namespace dtrain::ddp {
 
-void verify_same_model(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
-                       const Group& group, const std::string& key_prefix);
+void verify_same_model(const std::vector<std::string>& names, const std::vector<at::Tensor>& params, const Group& group,
+                       const std::string& key_prefix);
 
 void broadcast_from_first_rank(const std::vector<at::Tensor>& tensors, const Group& group);
 

@@ -9,8 +9,7 @@ namespace dtrain::ddp {
 namespace {
 
 int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
 
@@ -28,8 +27,7 @@ at::Tensor slot(const at::Tensor& buffer, int64_t offset, const at::Tensor& para
 }  // namespace
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
-                 std::vector<std::vector<int>> assignment, Group group, bool gradient_as_bucket_view,
-                 bool track_unused)
+                 std::vector<std::vector<int>> assignment, Group group, bool gradient_as_bucket_view, bool track_unused)
     : params_(std::move(params)),
       names_(std::move(names)),
       group_(std::move(group)),
@@ -145,8 +143,10 @@ void Reducer::on_grad_ready(int index) {
   at::Tensor& view = buckets_[bucket_of_[index]].views[slot_of_[index]];
   {
     at::NoGradGuard ng;
-    if (!grad.defined()) view.zero_();
-    else if (!(as_view_ && grad.data_ptr() == view.data_ptr())) view.copy_(grad);
+    if (!grad.defined())
+      view.zero_();
+    else if (!(as_view_ && grad.data_ptr() == view.data_ptr()))
+      view.copy_(grad);
   }
   mark_ready(index);
 }
@@ -185,12 +185,13 @@ void Reducer::finalize() {
     for (auto& b : buckets_)
       if (b.launched) b.work.wait();  // leave no collective in flight
     reset_iteration();
-    throw Error(detail::cat(
-        "rank ", dtrain::rank(),
-        ": DistributedDataParallel: expected every parameter to receive a gradient in this backward, "
-        "but ", count, " did not: ", missing.str(),
-        ". Pass DDPOptions().find_unused_parameters(true) if some parameters are unused in a forward, "
-        "and make sure every output that depends on them takes part in the loss"));
+    throw Error(
+        detail::cat("rank ", dtrain::rank(),
+                    ": DistributedDataParallel: expected every parameter to receive a gradient in this backward, "
+                    "but ",
+                    count, " did not: ", missing.str(),
+                    ". Pass DDPOptions().find_unused_parameters(true) if some parameters are unused in a forward, "
+                    "and make sure every output that depends on them takes part in the loss"));
   }
   at::Tensor used_anywhere;
   if (track_unused_) {

@@ -30,10 +30,10 @@
 namespace dtrain::ddp {
 
 struct Bucket {
-  std::vector<int> params;          // parameter indices, in the order they sit in the buffer
-  at::Tensor buffer;                // flat, dtype/device of its parameters
-  std::vector<at::Tensor> views;    // views[k] is params[k]'s slot, shaped like the parameter
-  int pending = 0;                  // gradients not yet ready this iteration
+  std::vector<int> params;        // parameter indices, in the order they sit in the buffer
+  at::Tensor buffer;              // flat, dtype/device of its parameters
+  std::vector<at::Tensor> views;  // views[k] is params[k]'s slot, shaped like the parameter
+  int pending = 0;                // gradients not yet ready this iteration
   bool launched = false;
   Work work;
   // Set by the work's completion callback (0 until then); a fresh one per launch, so a late
@@ -59,10 +59,10 @@ class Reducer {
 
  private:
   void rehook_replaced_parameters();
-  void on_grad_ready(int index);     // steps 2-3
+  void on_grad_ready(int index);  // steps 2-3
   void mark_ready(int index);
   void launch_ready_buckets();
-  void finalize();                   // step 4
+  void finalize();  // step 4
   void reset_iteration();
   void record(DDPEvent::Kind kind, int index, int64_t time_ns = 0);  // 0: now
 
@@ -71,8 +71,8 @@ class Reducer {
   std::vector<compat::NodePtr> accumulators_;  // kept alive: the hooks live on them
   std::vector<uintptr_t> hook_keys_;
   std::vector<Bucket> buckets_;
-  std::vector<int> bucket_of_;                 // param -> bucket
-  std::vector<int> slot_of_;                   // param -> index inside its bucket
+  std::vector<int> bucket_of_;  // param -> bucket
+  std::vector<int> slot_of_;    // param -> index inside its bucket
   Group group_;
   int group_size_;
   bool as_view_;
@@ -82,7 +82,7 @@ class Reducer {
   // a mutex keeps it safe for device threads too).
   std::mutex mu_;
   bool armed_ = false;
-  bool started_ = false;               // a hook fired in this backward
+  bool started_ = false;  // a hook fired in this backward
   std::vector<bool> ready_;
   std::vector<bool> unused_;
   size_t next_to_launch_ = 0;

@@ -43,8 +43,22 @@ constexpr int kBucketLaunched = DDPEvent::kBucketLaunched, kBucketDone = DDPEven
 
 // The fields every rank contributes per window, in all_gather order.
 enum Field {
-  kStepMs, kOtherMs, kForwardMs, kBackwardMs, kOptimizerMs, kCommMs, kCommWaitMs, kLoss, kAccuracy, kLr,
-  kGradNorm, kSamples, kWindowS, kRssMb, kComputeMs, kNumFields
+  kStepMs,
+  kOtherMs,
+  kForwardMs,
+  kBackwardMs,
+  kOptimizerMs,
+  kCommMs,
+  kCommWaitMs,
+  kLoss,
+  kAccuracy,
+  kLr,
+  kGradNorm,
+  kSamples,
+  kWindowS,
+  kRssMb,
+  kComputeMs,
+  kNumFields
 };
 
 // Length of the union of [begin, end] intervals.
@@ -109,7 +123,7 @@ struct Monitor::Impl {
   int64_t t0 = 0;
   std::vector<at::Tensor> params;
   int epoch = 0;
-  int64_t step = 0;            // steps ended so far
+  int64_t step = 0;  // steps ended so far
   int64_t step_start = 0;
   double phase_ms[3] = {0, 0, 0};
   bool closed = false;
@@ -141,9 +155,7 @@ struct Monitor::Impl {
   void trace(const char* name, int tid, int64_t b, int64_t e, int index = -1) {
     timeline->add(monitor::TraceRecord{name, tid, b, e, step + 1, index});
   }
-  std::string path(const std::string& name) const {
-    return (std::filesystem::path(o.output_dir()) / name).string();
-  }
+  std::string path(const std::string& name) const { return (std::filesystem::path(o.output_dir()) / name).string(); }
   void aggregate();
   // sqrt(sum of squares) over the watched parameters' gradients, as clip_grad_norm_'s total norm
   // (NaN when nothing is watched).
@@ -159,7 +171,8 @@ struct Monitor::Impl {
   }
 };
 
-Monitor::Monitor(MonitorOptions options) : impl_(std::make_unique<Impl>()), self_(std::make_shared<std::atomic<Monitor*>>(this)) {
+Monitor::Monitor(MonitorOptions options)
+    : impl_(std::make_unique<Impl>()), self_(std::make_shared<std::atomic<Monitor*>>(this)) {
   auto& s = *impl_;
   s.o = std::move(options);
   DTRAIN_CHECK(s.o.log_every() > 0, "MonitorOptions: log_every must be > 0 steps, got ", s.o.log_every());
@@ -190,8 +203,8 @@ Monitor::Monitor(MonitorOptions options) : impl_(std::make_unique<Impl>()), self
       DTRAIN_CHECK(s.rank_file, "Monitor: cannot create ", p, ": ", std::strerror(errno));
     }
     if (s.o.trace_steps() != 0)
-      s.timeline = std::make_unique<monitor::Timeline>(s.path("trace_rank" + std::to_string(s.rank) + ".part"),
-                                                       s.rank, s.t0);
+      s.timeline =
+          std::make_unique<monitor::Timeline>(s.path("trace_rank" + std::to_string(s.rank) + ".part"), s.rank, s.t0);
   }
   if (s.o.progress() && s.rank == 0 && s.o.total_steps() > 0)
     s.progress = std::make_unique<Progress>(
@@ -264,12 +277,15 @@ void Monitor::on_ddp_event(int kind, int index, int64_t t) {
         if (s.tracing()) s.trace("allreduce bucket", 1, s.launch_ns[index], t, index);
       }
       break;
-    case kBackwardEnd: s.backward_end = t; break;
+    case kBackwardEnd:
+      s.backward_end = t;
+      break;
     case kGradsSynced:
       s.synced = t;
       if (s.tracing() && s.backward_end > 0) s.trace("ddp wait for gradients", 0, s.backward_end, t);
       break;
-    default: break;
+    default:
+      break;
   }
 }
 
@@ -308,9 +324,20 @@ void Monitor::end_step(const StepInfo& info) {
     if (m.step % s.o.log_every() == 0) std::fflush(s.rank_file);
   }
 
-  const double values[kNumFields] = {m.step_ms, m.other_ms, m.forward_ms, m.backward_ms, m.optimizer_ms,
-                                     m.comm_ms, m.comm_wait_ms, m.loss, m.accuracy, m.lr, m.grad_norm,
-                                     static_cast<double>(m.samples), m.step_ms / 1e3, m.rss_mb,
+  const double values[kNumFields] = {m.step_ms,
+                                     m.other_ms,
+                                     m.forward_ms,
+                                     m.backward_ms,
+                                     m.optimizer_ms,
+                                     m.comm_ms,
+                                     m.comm_wait_ms,
+                                     m.loss,
+                                     m.accuracy,
+                                     m.lr,
+                                     m.grad_norm,
+                                     static_cast<double>(m.samples),
+                                     m.step_ms / 1e3,
+                                     m.rss_mb,
                                      m.step_ms - m.comm_wait_ms};
   for (int f = 0; f < kNumFields; ++f)
     if (std::isfinite(values[f])) s.sums[f] += values[f], ++s.counts[f];

@@ -15,11 +15,20 @@ std::string escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '&': out += "&amp;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -43,8 +52,8 @@ std::string svg_plot(const std::vector<PlotSeries>& series, const std::string& t
   const double height = kTop + series.size() * (kPanelHeight + kGap);
   std::ostringstream os;
   os << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-     << "<svg xmlns=\"http://www.w3.org/2000/svg\" version=\"1.1\" width=\"" << kWidth << "\" height=\""
-     << height << "\" viewBox=\"0 0 " << kWidth << " " << height << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
+     << "<svg xmlns=\"http://www.w3.org/2000/svg\" version=\"1.1\" width=\"" << kWidth << "\" height=\"" << height
+     << "\" viewBox=\"0 0 " << kWidth << " " << height << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
      << "<rect x=\"0\" y=\"0\" width=\"" << kWidth << "\" height=\"" << height << "\" fill=\"white\"/>\n"
      << "<text x=\"" << kWidth / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"16\">" << escape(title)
      << "</text>\n";
@@ -74,8 +83,10 @@ std::string svg_plot(const std::vector<PlotSeries>& series, const std::string& t
     auto px = [&](double x) { return kLeft + (x - x0) / (x1 - x0) * w; };
     auto py = [&](double y) { return top + h - (y - y0) / (y1 - y0) * h; };
     // Axis labels: y min/max at the left, x min/max below.
-    os << "<text x=\"" << kLeft - 6 << "\" y=\"" << coord(top + 4) << "\" text-anchor=\"end\">" << num(y1) << "</text>\n"
-       << "<text x=\"" << kLeft - 6 << "\" y=\"" << coord(top + h) << "\" text-anchor=\"end\">" << num(y0) << "</text>\n"
+    os << "<text x=\"" << kLeft - 6 << "\" y=\"" << coord(top + 4) << "\" text-anchor=\"end\">" << num(y1)
+       << "</text>\n"
+       << "<text x=\"" << kLeft - 6 << "\" y=\"" << coord(top + h) << "\" text-anchor=\"end\">" << num(y0)
+       << "</text>\n"
        << "<text x=\"" << kLeft << "\" y=\"" << coord(top + h + 16) << "\">" << num(x0) << "</text>\n"
        << "<text x=\"" << coord(kLeft + w) << "\" y=\"" << coord(top + h + 16) << "\" text-anchor=\"end\">" << num(x1)
        << "</text>\n"

@@ -76,9 +76,10 @@ std::string merge_trace(const std::vector<std::string>& parts) {
     out += detail::cat("{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":", r, ",\"args\":{\"name\":\"rank ", r,
                        "\"}},\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":", r,
                        ",\"args\":{\"sort_index\":", r, "}},\n");
-    out += detail::cat("{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", r,
-                       ",\"tid\":0,\"args\":{\"name\":\"compute\"}},\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", r,
-                       ",\"tid\":1,\"args\":{\"name\":\"communication\"}}");
+    out +=
+        detail::cat("{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", r,
+                    ",\"tid\":0,\"args\":{\"name\":\"compute\"}},\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", r,
+                    ",\"tid\":1,\"args\":{\"name\":\"communication\"}}");
     out += parts[r].empty() && r + 1 == parts.size() ? "\n" : ",\n";
     out += parts[r];
   }

@@ -20,12 +20,12 @@
 namespace dtrain::monitor {
 
 struct TraceRecord {
-  const char* name;   // a string literal
-  int tid;            // 0 compute, 1 communication
-  int64_t begin_ns;   // steady clock
+  const char* name;  // a string literal
+  int tid;           // 0 compute, 1 communication
+  int64_t begin_ns;  // steady clock
   int64_t end_ns;
   int64_t step;
-  int index;          // bucket index, or -1
+  int index;  // bucket index, or -1
 };
 
 class Timeline {

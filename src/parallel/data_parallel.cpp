@@ -20,11 +20,11 @@ bool same_device(const c10::Device& want, const c10::Device& have) {
 struct Core::Impl {
   DataParallelOptions options{{}};
   std::vector<std::shared_ptr<torch::nn::Module>> replicas;  // [0] is the module itself
-  std::vector<std::vector<at::Tensor>> params, buffers;       // per replica, parameters() order
-  std::vector<compat::NodePtr> accumulators;                  // of replicas 1..n-1 (kept alive)
+  std::vector<std::vector<at::Tensor>> params, buffers;      // per replica, parameters() order
+  std::vector<compat::NodePtr> accumulators;                 // of replicas 1..n-1 (kept alive)
   std::mutex mu;
-  bool armed = false;       // a forward with grad is waiting for its backward
-  size_t used = 0;          // replicas used by that forward
+  bool armed = false;  // a forward with grad is waiting for its backward
+  size_t used = 0;     // replicas used by that forward
 
   // Step 4, at the end of backward: replica gradients into the module's gradients.
   void reduce_gradients() {
@@ -36,8 +36,10 @@ struct Core::Impl {
         if (!rg.defined()) continue;
         at::Tensor& target = params[0][j].mutable_grad();
         at::Tensor moved = rg.to(params[0][j].device());
-        if (!target.defined()) target = moved.is_same(rg) ? moved.clone() : moved;
-        else target.add_(moved);
+        if (!target.defined())
+          target = moved.is_same(rg) ? moved.clone() : moved;
+        else
+          target.add_(moved);
         rg = at::Tensor();
       }
     armed = false;
@@ -64,8 +66,9 @@ Core::Core(std::shared_ptr<torch::nn::Module> module, DataParallelOptions option
   DTRAIN_CHECK(s.options.dim() >= 0, "DataParallel: dim must be >= 0, got ", s.options.dim());
   if (!s.options.output_device()) s.options.output_device(devs[0]);
   for (const auto& p : module->parameters())
-    DTRAIN_CHECK(same_device(devs[0], p.device()), "DataParallel: the module must have its parameters on device_ids[0] (",
-                 devs[0], ") but a parameter is on ", p.device(), ": call module->to(", devs[0], ") first");
+    DTRAIN_CHECK(same_device(devs[0], p.device()),
+                 "DataParallel: the module must have its parameters on device_ids[0] (", devs[0],
+                 ") but a parameter is on ", p.device(), ": call module->to(", devs[0], ") first");
   s.replicas.push_back(module);
   for (size_t i = 1; i < devs.size(); ++i) {
     std::shared_ptr<torch::nn::Module> r;
@@ -108,8 +111,8 @@ size_t Core::prepare(const std::vector<at::Tensor>& inputs, std::vector<std::vec
   size_t n = devs.size();
   std::vector<std::vector<at::Tensor>> per_input;
   for (const auto& t : inputs) {
-    DTRAIN_CHECK(t.dim() > s.options.dim(), "DataParallel: cannot scatter a tensor of shape ", t.sizes(),
-                 " along dim ", s.options.dim());
+    DTRAIN_CHECK(t.dim() > s.options.dim(), "DataParallel: cannot scatter a tensor of shape ", t.sizes(), " along dim ",
+                 s.options.dim());
     per_input.push_back(t.chunk(static_cast<int64_t>(devs.size()), s.options.dim()));
     n = std::min(n, per_input.back().size());
   }

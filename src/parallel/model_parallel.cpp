@@ -41,8 +41,7 @@ std::vector<int64_t> balance_by_size(const std::vector<int64_t>& sizes, int64_t 
 }
 
 ModelParallelSequentialImpl::ModelParallelSequentialImpl(torch::nn::Sequential sequential,
-                                                         std::vector<c10::Device> devices,
-                                                         std::vector<int64_t> balance)
+                                                         std::vector<c10::Device> devices, std::vector<int64_t> balance)
     : devices_(std::move(devices)) {
   DTRAIN_CHECK(!devices_.empty(), "ModelParallelSequential: no devices given: pass one device per stage");
   const int64_t layers = static_cast<int64_t>(sequential->size());

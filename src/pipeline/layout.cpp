@@ -7,7 +7,8 @@ Layout make_layout(const Group& group, int replicas) {
   Layout l;
   DTRAIN_CHECK(replicas >= 1, "PipelineOptions: replicas must be >= 1, got ", replicas);
   if (replicas == 1) {
-    DTRAIN_CHECK(group.is_member(), "Pipeline: rank ", rank(), " is not a member of the pipeline's group: "
+    DTRAIN_CHECK(group.is_member(), "Pipeline: rank ", rank(),
+                 " is not a member of the pipeline's group: "
                  "construct the pipeline only on its ranks");
     l.pipeline = group;
     l.agreement = group;
@@ -17,8 +18,8 @@ Layout make_layout(const Group& group, int replicas) {
   }
   DTRAIN_CHECK(group.is_default(), "PipelineOptions: replicas > 1 lays out the whole world; leave group unset");
   const int world = world_size();
-  DTRAIN_CHECK(world % replicas == 0, "PipelineOptions: replicas=", replicas, " does not divide the world of ",
-               world, " ranks: use a divisor (stages = world / replicas)");
+  DTRAIN_CHECK(world % replicas == 0, "PipelineOptions: replicas=", replicas, " does not divide the world of ", world,
+               " ranks: use a divisor (stages = world / replicas)");
   l.replicas = replicas;
   l.stages = world / replicas;
   l.stage = rank() % l.stages;

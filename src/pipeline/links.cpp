@@ -15,8 +15,8 @@ void Links::post(Peer to, at::Tensor t) {
 
 void Links::send(Peer to, const at::Tensor& t) {
   DTRAIN_ASSERT(has(to) && !fail_sent_[to], "send to a missing or ended link");
-  DTRAIN_CHECK(t.dim() <= kMaxDims, "pipeline: a stage boundary tensor has ", t.dim(),
-               " dimensions; at most ", kMaxDims, " are supported: flatten it before the boundary");
+  DTRAIN_CHECK(t.dim() <= kMaxDims, "pipeline: a stage boundary tensor has ", t.dim(), " dimensions; at most ",
+               kMaxDims, " are supported: flatten it before the boundary");
   std::vector<int64_t> h(kHeaderLen, 0);
   h[0] = kStatusOk;
   h[1] = static_cast<int64_t>(t.scalar_type());

@@ -47,7 +47,7 @@ struct Pipeline::Impl {
   c10::Device device{at::kCPU};
   std::unique_ptr<Links> links;
   std::unique_ptr<ddp::Core> ddp;  // replicas > 1
-  std::string store_prefix;  // this pipeline's keys in the job store (Note [Group-agreed ids])
+  std::string store_prefix;        // this pipeline's keys in the job store (Note [Group-agreed ids])
   int64_t steps = 0;
   PipelineStepStats stats;
 
@@ -96,10 +96,13 @@ void Pipeline::Impl::init(std::vector<torch::nn::Sequential> parts, bool whole_m
     auto it = model->begin() + first_layer;
     for (int64_t k = 0; k < balance[s]; ++k, ++it) stage_module->push_back(*it);
   } else {
-    DTRAIN_CHECK(options.balance().empty(), "Pipeline: balance is for a whole Sequential; with one module per "
+    DTRAIN_CHECK(options.balance().empty(),
+                 "Pipeline: balance is for a whole Sequential; with one module per "
                  "stage leave it empty");
-    DTRAIN_CHECK(static_cast<int>(parts.size()) == p, "Pipeline: ", parts.size(), " stage modules given but the "
-                 "pipeline has ", p, " ranks: give one module per stage");
+    DTRAIN_CHECK(static_cast<int>(parts.size()) == p, "Pipeline: ", parts.size(),
+                 " stage modules given but the "
+                 "pipeline has ",
+                 p, " ranks: give one module per stage");
     for (int k = 0; k < p; ++k) {
       DTRAIN_CHECK(!parts[k].is_empty(), "Pipeline: stage module ", k, " is null");
       balance.push_back(static_cast<int64_t>(parts[k]->size()));
@@ -133,8 +136,8 @@ at::Tensor Pipeline::Impl::run_forward(const at::Tensor& x, int64_t i) {
     return stage_module->forward(x);
   } catch (const c10::Error& e) {
     throw Error(detail::cat("pipeline boundary mismatch: stage ", layout.stage - 1, " (rank ",
-                            links->peer_rank(Links::kPrev), ") outputs ", describe(x), " but stage ",
-                            layout.stage, " (rank ", dtrain::rank(), ", layers ", first_layer, "..",
+                            links->peer_rank(Links::kPrev), ") outputs ", describe(x), " but stage ", layout.stage,
+                            " (rank ", dtrain::rank(), ", layers ", first_layer, "..",
                             first_layer + balance[layout.stage] - 1, ") cannot take it: ", brief(e),
                             " -- check the balance or the stage modules"));
   }
@@ -226,8 +229,8 @@ PipelineStepResult Pipeline::step(const at::Tensor& input, const at::Tensor& tar
       DTRAIN_CHECK(target.defined(), "Pipeline::step: the last stage needs the target batch, got an undefined tensor");
       DTRAIN_CHECK(loss_fn, "Pipeline::step: the last stage needs a loss_fn");
       tgt_chunks = target.chunk(chunks, 0);
-      DTRAIN_CHECK(static_cast<int64_t>(tgt_chunks.size()) == chunks, "Pipeline::step: the target's ",
-                   target.size(0), " samples split into ", tgt_chunks.size(), " micro-batches, not chunks=", chunks);
+      DTRAIN_CHECK(static_cast<int64_t>(tgt_chunks.size()) == chunks, "Pipeline::step: the target's ", target.size(0),
+                   " samples split into ", tgt_chunks.size(), " micro-batches, not chunks=", chunks);
     }
     if (m.ddp) m.ddp->pre_forward();  // buffers from the stage group's first rank, once per step
     for (const Action& a : pipeline::make_schedule(m.options.schedule(), m.layout.stages, m.layout.stage, chunks)) {
@@ -240,8 +243,9 @@ PipelineStepResult Pipeline::step(const at::Tensor& input, const at::Tensor& tar
         at::Tensor out = m.run_forward(x, i);
         if (last) {
           action = detail::cat("loss of micro-batch ", i);
-          DTRAIN_CHECK(out.size(0) == tgt_chunks[i].size(0), "Pipeline::step: micro-batch ", i, " has ",
-                       out.size(0), " outputs but ", tgt_chunks[i].size(0), " targets: give the last stage the "
+          DTRAIN_CHECK(out.size(0) == tgt_chunks[i].size(0), "Pipeline::step: micro-batch ", i, " has ", out.size(0),
+                       " outputs but ", tgt_chunks[i].size(0),
+                       " targets: give the last stage the "
                        "targets of the same batch");
           at::Tensor loss = loss_fn(out, tgt_chunks[i]);
           DTRAIN_CHECK(loss.numel() == 1, "Pipeline::step: loss_fn must return a scalar, got shape ", loss.sizes());
@@ -267,8 +271,10 @@ PipelineStepResult Pipeline::step(const at::Tensor& input, const at::Tensor& tar
         }
         const auto tc = Clock::now();
         if (l.output.requires_grad()) {
-          if (last) l.output.backward();
-          else torch::autograd::backward({l.output}, {grad});
+          if (last)
+            l.output.backward();
+          else
+            torch::autograd::backward({l.output}, {grad});
         }
         st.compute_s += since(tc);
         if (!first) {

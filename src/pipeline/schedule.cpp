@@ -21,8 +21,8 @@ std::string to_string(Schedule s) { return s == Schedule::kGPipe ? "GPipe" : "1F
 namespace pipeline {
 
 std::vector<Action> make_schedule(Schedule schedule, int stages, int stage, int64_t chunks) {
-  DTRAIN_CHECK(stages >= 1 && stage >= 0 && stage < stages, "pipeline schedule: stage ", stage,
-               " is not in [0, ", stages, ")");
+  DTRAIN_CHECK(stages >= 1 && stage >= 0 && stage < stages, "pipeline schedule: stage ", stage, " is not in [0, ",
+               stages, ")");
   DTRAIN_CHECK(chunks >= 1, "pipeline: chunks must be >= 1, got ", chunks);
   std::vector<Action> out;
   out.reserve(2 * chunks);

@@ -35,8 +35,10 @@ constexpr Millis kRetryInterval{75};
 std::string seconds_text(Millis ms) {
   char buf[32];
   double s = ms.count() / 1000.0;
-  if (ms.count() % 1000 == 0) snprintf(buf, sizeof(buf), "%llds", static_cast<long long>(ms.count() / 1000));
-  else snprintf(buf, sizeof(buf), "%.1fs", s);
+  if (ms.count() % 1000 == 0)
+    snprintf(buf, sizeof(buf), "%llds", static_cast<long long>(ms.count() / 1000));
+  else
+    snprintf(buf, sizeof(buf), "%.1fs", s);
   return buf;
 }
 
@@ -55,8 +57,10 @@ int try_connect(const addrinfo* ai, Millis budget) {
     int n = poll(&p, 1, static_cast<int>(std::max<int64_t>(budget.count(), 1)));
     int err = 0;
     socklen_t len = sizeof(err);
-    if (n <= 0) err = n == 0 ? ETIMEDOUT : errno;
-    else getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    if (n <= 0)
+      err = n == 0 ? ETIMEDOUT : errno;
+    else
+      getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
     if (err != 0) {
       close(fd);
       errno = err;
@@ -147,7 +151,8 @@ std::vector<uint8_t> StoreClient::Impl::call(const Writer& request, Status* stat
   uint8_t len_le[4];
   recv_all(len_le, 4);
   uint32_t len = decode_u32(len_le);
-  if (len == 0 || len > kMaxFrameBytes) throw std::runtime_error("malformed response from the rendezvous at " + where());
+  if (len == 0 || len > kMaxFrameBytes)
+    throw std::runtime_error("malformed response from the rendezvous at " + where());
   std::vector<uint8_t> payload(len);
   recv_all(payload.data(), len);
   *status = static_cast<Status>(payload[0]);
@@ -237,8 +242,10 @@ std::string StoreClient::local_address() const {
   char buf[INET6_ADDRSTRLEN] = {0};
   if (ss.ss_family == AF_INET6) {
     auto* a6 = reinterpret_cast<sockaddr_in6*>(&ss);
-    if (IN6_IS_ADDR_V4MAPPED(&a6->sin6_addr)) inet_ntop(AF_INET, &a6->sin6_addr.s6_addr[12], buf, sizeof(buf));
-    else inet_ntop(AF_INET6, &a6->sin6_addr, buf, sizeof(buf));
+    if (IN6_IS_ADDR_V4MAPPED(&a6->sin6_addr))
+      inet_ntop(AF_INET, &a6->sin6_addr.s6_addr[12], buf, sizeof(buf));
+    else
+      inet_ntop(AF_INET6, &a6->sin6_addr, buf, sizeof(buf));
   } else {
     inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr, buf, sizeof(buf));
   }

@@ -99,8 +99,8 @@ class Reader {
   }
   int64_t i64() {
     auto b = blob();
-    if (b.size() != 8) throw std::runtime_error("malformed store message: integer field of size " +
-                                                std::to_string(b.size()));
+    if (b.size() != 8)
+      throw std::runtime_error("malformed store message: integer field of size " + std::to_string(b.size()));
     uint64_t v = 0;
     for (int i = 0; i < 8; ++i) v |= uint64_t(b[i]) << (8 * i);
     return static_cast<int64_t>(v);

@@ -45,7 +45,7 @@ struct Connection {
 
 struct Waiter {
   int fd;
-  Op op;                            // kGet (answer with the value) or kWait
+  Op op;  // kGet (answer with the value) or kWait
   std::vector<std::string> keys;
   bool has_deadline;
   Clock::time_point deadline;
@@ -91,8 +91,7 @@ void StoreServer::Impl::bind_and_listen(uint16_t requested_port) {
   addrinfo* res = nullptr;
   const std::string port_str = std::to_string(requested_port);
   int rc = getaddrinfo(host.c_str(), port_str.c_str(), &hints, &res);
-  if (rc != 0)
-    throw std::runtime_error("cannot resolve the rendezvous address '" + host + "': " + gai_strerror(rc));
+  if (rc != 0) throw std::runtime_error("cannot resolve the rendezvous address '" + host + "': " + gai_strerror(rc));
   int last_errno = 0;
   for (addrinfo* ai = res; ai; ai = ai->ai_next) {
     int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
@@ -114,7 +113,9 @@ void StoreServer::Impl::bind_and_listen(uint16_t requested_port) {
   if (listen_fd < 0) {
     const std::string where = "port " + std::to_string(requested_port) + " on " + host;
     if (last_errno == EADDRINUSE)
-      throw std::runtime_error(where + " is already in use: choose another port (MASTER_PORT, or dtrain-run --master_port), or use dtrain-run --standalone for a free one");
+      throw std::runtime_error(where +
+                               " is already in use: choose another port (MASTER_PORT, or dtrain-run --master_port), or "
+                               "use dtrain-run --standalone for a free one");
     if (last_errno == EADDRNOTAVAIL)
       throw std::runtime_error("cannot listen on " + where + ": " + host +
                                " is not an address of this machine (set --master_addr to one of its addresses)");

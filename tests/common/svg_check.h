@@ -22,7 +22,8 @@ inline std::string svg_problem(const std::string& doc) {
     if (tag.find('<') != std::string::npos) return "'<' inside a tag at " + std::to_string(i);
     if (!tag.empty() && tag[0] == '/') {
       const std::string name = tag.substr(1);
-      if (open.empty() || open.back() != name) return "</" + name + "> does not close <" + (open.empty() ? "" : open.back()) + ">";
+      if (open.empty() || open.back() != name)
+        return "</" + name + "> does not close <" + (open.empty() ? "" : open.back()) + ">";
       open.pop_back();
     } else if (!tag.empty() && tag.back() == '/') {
       if (open.empty()) return "element outside the root";

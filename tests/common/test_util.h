@@ -27,8 +27,10 @@ struct EnvOverride {
     setenv(var, value.c_str(), 1);
   }
   ~EnvOverride() {
-    if (saved_) setenv(var_, saved_->c_str(), 1);
-    else unsetenv(var_);
+    if (saved_)
+      setenv(var_, saved_->c_str(), 1);
+    else
+      unsetenv(var_);
   }
   EnvOverride(const EnvOverride&) = delete;
   EnvOverride& operator=(const EnvOverride&) = delete;

@@ -49,8 +49,8 @@ TEST(Collectives, RankAndLocalRank) {
   EXPECT_EQ(backend(), "gloo");
 }
 
-// Groups created and dropped back to back, each behind new_group's barrier (Note [new_group
-// barrier]): every one completes, and a group made after them still works. The race the barrier
+// Groups created and dropped back to back, each behind new_group's barrier
+// (Note [new_group barrier]): every one completes, and a group made after them still works. The race the barrier
 // closes (a member dropping its connections during a peer's handshake) was seen only on a loaded
 // machine, about one group in six; this loop does not reproduce it reliably without the barrier.
 TEST(Collectives, GroupsCreatedAndDroppedAtOnce) {
@@ -99,8 +99,7 @@ TEST(Collectives, AsyncAllReduceAndAvgAfterWait) {
 
 TEST(Collectives, AvgOnIntegersIsAClearError) {
   at::Tensor t = at::ones({2}, at::kLong);
-  EXPECT_NE(error_of([&] { all_reduce(t, ReduceOp::AVG); }).find("needs a floating-point tensor"),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { all_reduce(t, ReduceOp::AVG); }).find("needs a floating-point tensor"), std::string::npos);
 }
 
 TEST(Collectives, BroadcastFromLastRank) {
@@ -204,8 +203,7 @@ TEST(Collectives, GatherAndScatter) {
 TEST(Collectives, ListSizeMismatchIsAClearError) {
   std::vector<at::Tensor> out{at::empty({2})};
   if (N() > 1) {
-    EXPECT_NE(error_of([&] { all_gather(out, at::ones({2})); }).find("pass one tensor per rank"),
-              std::string::npos);
+    EXPECT_NE(error_of([&] { all_gather(out, at::ones({2})); }).find("pass one tensor per rank"), std::string::npos);
   }
 }
 
@@ -219,7 +217,8 @@ TEST(Collectives, GatherAndScatterListsOnlyOnTheRoot) {
   if (R() != 0)
     EXPECT_NE(g.find("gather_list must be empty on non-destination rank " + std::to_string(R()) +
                      " (dst=0): pass gather_list only on the destination rank"),
-              std::string::npos) << g;
+              std::string::npos)
+        << g;
   else
     EXPECT_NE(g.find("pass one tensor per rank"), std::string::npos) << g;
   if (R() != N() - 1)
@@ -259,7 +258,7 @@ TEST(Collectives, BarrierWaitsForTheLastRank) {
   const int late = N() - 1;
   for (const Group& g : {Group(), gloo_group()}) {
     at::Tensor sync = at::ones({1});
-    all_reduce(sync, ReduceOp::SUM, g);  // start together (not a barrier: that is what is tested)
+    all_reduce(sync, ReduceOp::SUM, g);           // start together (not a barrier: that is what is tested)
     at::Tensor mine = at::zeros({2}, at::kLong);  // {entered, left}
     if (R() == late) std::this_thread::sleep_for(std::chrono::milliseconds(300));
     mine[0] = now_ns();
@@ -271,8 +270,8 @@ TEST(Collectives, BarrierWaitsForTheLastRank) {
     const int64_t entered = all[late][0].item<int64_t>();
     for (int r = 0; r < N(); ++r)
       EXPECT_GE(all[r][1].item<int64_t>(), entered)
-          << "rank " << r << " left the barrier " << (entered - all[r][1].item<int64_t>()) / 1e6
-          << " ms before rank " << late << " entered it (group " << (g.uses_shared_memory() ? "shm" : "gloo") << ")";
+          << "rank " << r << " left the barrier " << (entered - all[r][1].item<int64_t>()) / 1e6 << " ms before rank "
+          << late << " entered it (group " << (g.uses_shared_memory() ? "shm" : "gloo") << ")";
   }
 }
 

@@ -67,8 +67,8 @@ TEST(DDPOptions, GradientAsBucketViewMakesGradsSlicesOfTheBucket) {
   for (bool as_view : {true, false}) {
     ThreeLayers m;
     // Small caps: several buckets, some holding more than one parameter.
-    DistributedDataParallel ddp(m, DDPOptions().bucket_cap_mb(0.01).first_bucket_cap_mb(0.001)
-                                       .gradient_as_bucket_view(as_view));
+    DistributedDataParallel ddp(
+        m, DDPOptions().bucket_cap_mb(0.01).first_bucket_cap_mb(0.001).gradient_as_bucket_view(as_view));
     const auto params = ddp.parameters();
     const auto buckets = ddp.bucket_param_indices();
     ASSERT_GE(buckets.size(), 2u);
@@ -82,8 +82,8 @@ TEST(DDPOptions, GradientAsBucketViewMakesGradsSlicesOfTheBucket) {
         for (int i : buckets[b]) {
           const at::Tensor& g = params[i].grad();
           ASSERT_TRUE(g.defined());
-          const auto where = testing::Message() << "bucket " << b << " param " << i << " step " << step
-                                                << " as_view " << as_view;
+          const auto where = testing::Message()
+                             << "bucket " << b << " param " << i << " step " << step << " as_view " << as_view;
           if (as_view) {
             EXPECT_TRUE(g.is_alias_of(first)) << where;
             EXPECT_EQ(static_cast<int64_t>(g.storage().nbytes()), bucket_bytes) << where;

@@ -32,7 +32,7 @@ namespace {
 constexpr int kBatch = 4;
 // Delays of a hundred milliseconds or more against margins of 50 ms: a loaded 2-core machine's
 // scheduling delays (a few ms, rarely more) must not decide the outcome.
-constexpr auto kPeerDelay = std::chrono::milliseconds(200);     // how late ranks other than 0 start backward
+constexpr auto kPeerDelay = std::chrono::milliseconds(200);      // how late ranks other than 0 start backward
 constexpr auto kSlowAfterSeen = std::chrono::milliseconds(100);  // the slow layer's work after the average came
 constexpr auto kMargin = std::chrono::milliseconds(50);
 // How long the slow layer waits for the average at most; a DDP that does not overlap fails here.
@@ -84,8 +84,8 @@ TEST(DDPOverlap, FirstBucketIsAveragedWhileTheSlowFirstLayerIsStillInBackward) {
   SlowFirstLayer model;
   // Buckets (reverse registration order): {fc3.bias, fc3.weight} (2 KiB > first cap 1 KiB),
   // {fc2.bias, fc2.weight} (16 KiB > cap 10 KiB), {fc1.bias, fc1.weight}.
-  DistributedDataParallel ddp(model, DDPOptions().first_bucket_cap_mb(0.001).bucket_cap_mb(0.01)
-                                         .gradient_as_bucket_view(true));
+  DistributedDataParallel ddp(
+      model, DDPOptions().first_bucket_cap_mb(0.001).bucket_cap_mb(0.01).gradient_as_bucket_view(true));
   ASSERT_EQ(ddp.bucket_param_indices(), (std::vector<std::vector<int>>{{5, 4}, {3, 2}, {1, 0}}));
   // With gradient_as_bucket_view, fc3.bias's gradient is its slot in bucket 0, whatever .grad() is
   // later set to; watch that memory.

@@ -209,10 +209,9 @@ TEST(DDP, UnusedBranchWithFindUnusedParameters) {
     EXPECT_LT(d, kTol) << opt;
   }
   torch::manual_seed(0);
-  double d = equivalence(Branchy(), Branchy(), {16}, "sgd",
-                         DDPOptions().static_graph(true), [](auto& m, const at::Tensor& x, int, int) {
-                           return m.forward(x, false);
-                         }, true, 5);
+  double d = equivalence(
+      Branchy(), Branchy(), {16}, "sgd", DDPOptions().static_graph(true),
+      [](auto& m, const at::Tensor& x, int, int) { return m.forward(x, false); }, true, 5);
   EXPECT_LT(d, kTol) << "static_graph";
 }
 
@@ -244,9 +243,7 @@ TEST(DDP, NoSyncAccumulationEqualsOneStepOnTheConcatenation) {
       auto micro_x = x.chunk(k), micro_y = y.chunk(k);
       opt.zero_grad();
       for (int m = 0; m < k; ++m) {
-        auto step = [&] {
-          (F::cross_entropy(ddp(chunk(micro_x[m], r, n)), chunk(micro_y[m], r, n)) / k).backward();
-        };
+        auto step = [&] { (F::cross_entropy(ddp(chunk(micro_x[m], r, n)), chunk(micro_y[m], r, n)) / k).backward(); };
         if (m < k - 1) {
           auto guard = ddp.no_sync();
           step();
@@ -273,8 +270,8 @@ TEST(DDP, BucketCapsAndGradientViewsGiveTheSameResult) {
     for (bool as_view : {false, true}) {
       torch::manual_seed(7);
       tutorial::SimpleModel m;
-      DistributedDataParallel ddp(m, DDPOptions().bucket_cap_mb(cap).first_bucket_cap_mb(std::min(cap, 1.0))
-                                         .gradient_as_bucket_view(as_view));
+      DistributedDataParallel ddp(
+          m, DDPOptions().bucket_cap_mb(cap).first_bucket_cap_mb(std::min(cap, 1.0)).gradient_as_bucket_view(as_view));
       if (cap == 0.001) {
         EXPECT_EQ(ddp.bucket_param_indices().size(), 3u);
       }
@@ -285,8 +282,7 @@ TEST(DDP, BucketCapsAndGradientViewsGiveTheSameResult) {
       for (int s = 0; s < 5; ++s) {
         auto [x, y] = batch({128}, s);
         opt.zero_grad();
-        F::cross_entropy(ddp(chunk(x, rank(), world_size()).to(at::kFloat)), chunk(y, rank(), world_size()))
-            .backward();
+        F::cross_entropy(ddp(chunk(x, rank(), world_size()).to(at::kFloat)), chunk(y, rank(), world_size())).backward();
         opt.step();
       }
       auto ps = m->parameters();

@@ -30,9 +30,9 @@ class DistEnvironment : public ::testing::Environment {
   void TearDown() override { dtrain::destroy_process_group(); }
 };
 
-#define DTRAIN_DIST_TEST_MAIN()                                         \
-  int main(int argc, char** argv) {                                     \
-    ::testing::InitGoogleTest(&argc, argv);                             \
-    ::testing::AddGlobalTestEnvironment(new DistEnvironment());         \
-    return RUN_ALL_TESTS();                                             \
+#define DTRAIN_DIST_TEST_MAIN()                                 \
+  int main(int argc, char** argv) {                             \
+    ::testing::InitGoogleTest(&argc, argv);                     \
+    ::testing::AddGlobalTestEnvironment(new DistEnvironment()); \
+    return RUN_ALL_TESTS();                                     \
   }

@@ -39,9 +39,7 @@ bool in(const std::vector<int>& ranks, int r) { return std::find(ranks.begin(), 
 class CheckedPipeline {
  public:
   explicit CheckedPipeline(PipelineOptions options)
-      : pipe_(make_model(), std::move(options)),
-        opt_(pipe_.parameters(), 0.1),
-        ref_opt_(ref_->parameters(), 0.1) {}
+      : pipe_(make_model(), std::move(options)), opt_(pipe_.parameters(), 0.1), ref_opt_(ref_->parameters(), 0.1) {}
 
   void step(int n, const std::string& what) {
     SCOPED_TRACE(what);
@@ -114,8 +112,10 @@ void expect_mean_gradients(const Group& group, const std::string& what) {
     const auto ps = alone->parameters();
     for (size_t i = 0; i < ps.size(); ++i) {
       at::Tensor g = ps[i].grad() / group.size();
-      if (want.size() <= i) want.push_back(g);
-      else want[i] += g;
+      if (want.size() <= i)
+        want.push_back(g);
+      else
+        want[i] += g;
     }
   }
   const auto got = ddp.module()->parameters();
@@ -131,9 +131,8 @@ TEST(GroupIds, DDPOnASubgroupThenOnTheWorld) {
   expect_mean_gradients(Group(), "DDP on the world");
   // A model that differs on the last rank: every rank must get the explanation, which DDP exchanges
   // through the store under its id; ranks disagreeing on the id wait for keys nobody writes.
-  const std::string err = test_util::error_of([&] {
-    DistributedDataParallel bad(make_linear(rank() + 1 == world_size() ? 6 : 5));
-  });
+  const std::string err =
+      test_util::error_of([&] { DistributedDataParallel bad(make_linear(rank() + 1 == world_size() ? 6 : 5)); });
   EXPECT_NE(err.find("ranks disagree on the model"), std::string::npos) << err;
   EXPECT_NE(err.find("first difference at parameter #"), std::string::npos) << err;
   if (in(ranks, rank())) expect_mean_gradients(sub, "DDP on the subgroup, again");

@@ -176,8 +176,10 @@ TEST(DebugDetail, MismatchedAllReduceShapeFailsEveryRankWithinMilliseconds) {
   // A different operation is caught too.
   at::Tensor u = at::ones({3});
   const std::string err2 = error_of([&] {
-    if (rank() == 0) all_reduce(u);
-    else broadcast(u, 0);
+    if (rank() == 0)
+      all_reduce(u);
+    else
+      broadcast(u, 0);
   });
   EXPECT_NE(err2.find("rank 0 calls all_reduce(Float[3], op=SUM) but rank 1 calls broadcast(Float[3], src=0)"),
             std::string::npos)

@@ -18,9 +18,9 @@
 
 using namespace dtrain;
 using namespace dtrain::test_pipeline;
+using dtrain::test_util::error_of;
 using torch::nn::Linear;
 using torch::nn::Sequential;
-using dtrain::test_util::error_of;
 
 namespace {
 
@@ -36,8 +36,7 @@ Injection g_inject;
 // Identity in forward; throws in backward when armed (a failure inside autograd).
 struct ThrowInBackward : torch::autograd::Function<ThrowInBackward> {
   static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
-                                                 torch::autograd::variable_list g) {
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
     throw std::runtime_error("injected backward failure");
     return g;
   }
@@ -135,8 +134,9 @@ TEST(Pipeline, AutomaticBalanceByParameterCount) {
   int64_t total = 0;
   for (auto b : pipe.balance()) total += b;
   EXPECT_EQ(total, 5);
-  EXPECT_EQ(pipe.balance(), balance_by_size({kIn * kHidden + kHidden, 0, kHidden * kHidden + kHidden, 0,
-                                             kHidden * kOut + kOut}, world_size()));
+  EXPECT_EQ(pipe.balance(),
+            balance_by_size({kIn * kHidden + kHidden, 0, kHidden * kHidden + kHidden, 0, kHidden * kOut + kOut},
+                            world_size()));
 }
 
 TEST(Pipeline, ExplicitBalance) {
@@ -145,7 +145,9 @@ TEST(Pipeline, ExplicitBalance) {
   EXPECT_EQ(pipe.balance(), (std::vector<int64_t>{1, 4}));
   EXPECT_EQ(pipe.stage_module()->size(), pipe.stage() == 0 ? 1u : 4u);
   EXPECT_EQ(pipe.first_layer(), pipe.stage() == 0 ? 0 : 1);
-  EXPECT_NE(error_of([] { Pipeline bad(make_model(), PipelineOptions().balance({2, 2})); }).find("sums to 4"),
+  EXPECT_NE(error_of([] {
+              Pipeline bad(make_model(), PipelineOptions().balance({2, 2}));
+            }).find("sums to 4"),
             std::string::npos);
 }
 
@@ -195,13 +197,14 @@ TEST(PipelineFailure, AStageThatThrowsFailsEveryRankAndThePipelineRecovers) {
       const auto t0 = std::chrono::steady_clock::now();
       const std::string err = error_of([&] { run(); });
       const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const std::string what = c.where == Injection::kForward ? "injected forward failure"
+      const std::string what = c.where == Injection::kForward    ? "injected forward failure"
                                : c.where == Injection::kBackward ? "injected backward failure"
                                                                  : "injected loss failure";
       SCOPED_TRACE(to_string(schedule) + " stage " + std::to_string(c.stage) + " " + what);
       EXPECT_NE(err.find(what), std::string::npos) << err;
       EXPECT_NE(err.find("stage " + std::to_string(c.stage) + " (rank " + std::to_string(c.stage) + ") failed in"),
-                std::string::npos) << err;
+                std::string::npos)
+          << err;
       EXPECT_NE(err.find("rank " + std::to_string(rank()) + ": pipeline step"), std::string::npos) << err;
       EXPECT_LT(took, 20.0) << "the failure took " << took << " s to reach rank " << rank();
       // The channels were emptied: the next step works.
@@ -258,7 +261,8 @@ TEST(Pipeline2D, AFailureInOneReplicaFailsAllRanks) {
   const std::string err = error_of([&] { pipe.step(x.chunk(2)[0], y.chunk(2)[0], loss_fn); });
   g_inject = Injection{};
   EXPECT_NE(err.find("stage 1 (rank 1) failed in forward of micro-batch 0: injected forward failure"),
-            std::string::npos) << err;
+            std::string::npos)
+      << err;
 }
 
 }  // namespace

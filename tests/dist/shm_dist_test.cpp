@@ -172,10 +172,14 @@ std::vector<at::Tensor> inputs_of_all_ranks(int64_t n, at::ScalarType dt, bool i
 // Unit roundoff of each floating dtype, for the bound on a sum's rounding error.
 double eps_of(at::ScalarType dt) {
   switch (dt) {
-    case at::kDouble: return 0x1p-52;
-    case at::kFloat: return 0x1p-23;
-    case at::kHalf: return 0x1p-10;
-    default: return 0x1p-7;  // bfloat16
+    case at::kDouble:
+      return 0x1p-52;
+    case at::kFloat:
+      return 0x1p-23;
+    case at::kHalf:
+      return 0x1p-10;
+    default:
+      return 0x1p-7;  // bfloat16
   }
 }
 }  // namespace
@@ -217,9 +221,8 @@ TEST(Shm, AllReduceOfRankDependentDataEqualsTheSumOfEveryRanksInputs) {
         if (dt == at::kBFloat16 && !some_host_shared) continue;
         for (int64_t n : lengths)
           for (bool integral : {true, false}) {
-            const std::string where = std::string(layout.name) + ", slots of " + slot_bytes + ", " +
-                                      c10::toString(dt) + ", n=" + std::to_string(n) +
-                                      (integral ? ", integers" : ", normal");
+            const std::string where = std::string(layout.name) + ", slots of " + slot_bytes + ", " + c10::toString(dt) +
+                                      ", n=" + std::to_string(n) + (integral ? ", integers" : ", normal");
             auto in = inputs_of_all_ranks(n, dt, integral, ++call);
             at::Tensor sum = at::zeros({n}, at::kDouble), abs_sum = at::zeros({n}, at::kDouble);
             for (const auto& x : in) {
@@ -230,14 +233,14 @@ TEST(Shm, AllReduceOfRankDependentDataEqualsTheSumOfEveryRanksInputs) {
             all_reduce(t, ReduceOp::SUM, g);
             at::Tensor err = (t.to(at::kDouble) - sum).abs();
             if (integral) {
-              EXPECT_EQ(err.max().item<double>(), 0.0) << where << ": first wrong element "
-                                                       << err.nonzero().min().item<int64_t>();
+              EXPECT_EQ(err.max().item<double>(), 0.0)
+                  << where << ": first wrong element " << err.nonzero().min().item<int64_t>();
             } else {
               // Each of the N - 1 additions rounds once (bfloat16: the leaders add in float32):
               // |error| <= N * eps * sum |x_r|. A missing or misplaced part is off by a whole input.
               at::Tensor excess = err - N() * eps_of(dt) * abs_sum;
-              EXPECT_LE(excess.max().item<double>(), 0.0) << where << ": first element beyond rounding "
-                                                          << (excess > 0).nonzero().min().item<int64_t>();
+              EXPECT_LE(excess.max().item<double>(), 0.0)
+                  << where << ": first element beyond rounding " << (excess > 0).nonzero().min().item<int64_t>();
             }
             t = in[R()].clone();
             all_reduce(t, ReduceOp::MAX, g);

@@ -97,8 +97,9 @@ TEST(CudaMonitor, MemoryInfoReportsTheTensorsHeldOnTheDevice) {
 
 int main(int argc, char** argv) {
   if (!torch::cuda::is_available()) {
-    std::printf("SKIPPED: no CUDA device here (torch::cuda::device_count() == 0); run scripts/gpu_check.sh "
-                "on a machine with a GPU\n");
+    std::printf(
+        "SKIPPED: no CUDA device here (torch::cuda::device_count() == 0); run scripts/gpu_check.sh "
+        "on a machine with a GPU\n");
     return 77;
   }
   ::testing::InitGoogleTest(&argc, argv);

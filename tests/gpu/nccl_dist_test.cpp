@@ -72,9 +72,10 @@ TEST(Nccl, CheckpointRestoresOntoEachRanksOwnDevice) {
   opt.step();
   const at::Tensor saved_weight = net->weight.detach().clone();
 
-  const std::string dir = (std::filesystem::temp_directory_path() /
-                           ("dtrain_gpu_ckpt_" + std::string(std::getenv("MASTER_PORT") ? std::getenv("MASTER_PORT") : "0")))
-                              .string();
+  const std::string dir =
+      (std::filesystem::temp_directory_path() /
+       ("dtrain_gpu_ckpt_" + std::string(std::getenv("MASTER_PORT") ? std::getenv("MASTER_PORT") : "0")))
+          .string();
   dtrain::CheckpointManager manager(dir);
   dtrain::TrainingState state;
   state.model = net.get();

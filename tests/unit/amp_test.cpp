@@ -131,7 +131,8 @@ TEST(GradScaler, GrowsAfterGrowthIntervalCleanSteps) {
 // PyTorch's _amp_update_scale_ multiplies the float scale by the double factor in double and rounds
 // once. With factors that are not powers of two, rounding the factor to float first drifts by an ulp
 // from the first backoff on. 60 steps, an overflow every 7th and 11th, growth every 3 clean steps.
-static float pytorch_update(float scale, int32_t& tracker, bool overflow, double growth, double backoff, int32_t interval) {
+static float pytorch_update(float scale, int32_t& tracker, bool overflow, double growth, double backoff,
+                            int32_t interval) {
   if (overflow) {
     tracker = 0;
     return static_cast<float>(static_cast<double>(scale) * backoff);

@@ -191,7 +191,9 @@ TEST_P(Corruption, NewestBadFallsBackToThePreviousWithAWarning) {
   EXPECT_EQ(*loaded, dir + "/checkpoint_0000000001.pt");
   EXPECT_NE(err.find("dtrain warning: checkpoint " + newest + " is unusable"), std::string::npos) << err;
   EXPECT_NE(err.find("falling back to the previous one"), std::string::npos) << err;
-  const char* reason = GetParam() == "truncated" ? "truncated" : GetParam() == "bitflip" ? "CRC-32" : "not a dtrain checkpoint";
+  const char* reason = GetParam() == "truncated" ? "truncated"
+                       : GetParam() == "bitflip" ? "CRC-32"
+                                                 : "not a dtrain checkpoint";
   EXPECT_NE(err.find(reason), std::string::npos) << err;
   EXPECT_EQ(flat(other), good);
 
@@ -224,7 +226,8 @@ TEST_F(Checkpoint, DifferentModelNamesTheFirstMismatchingTensor) {
   dtrain::TrainingState back;
   back.model = big.ptr().get();
   const std::string msg = error_of([&] { dtrain::CheckpointManager(dir).load_latest(back); });
-  EXPECT_NE(msg.find("checkpoint " + path + " does not match the model: tensor 'fc1.weight' is Float [8, 4] in the "
+  EXPECT_NE(msg.find("checkpoint " + path +
+                     " does not match the model: tensor 'fc1.weight' is Float [8, 4] in the "
                      "checkpoint but Float [16, 4] in the model"),
             std::string::npos)
       << msg;
@@ -262,7 +265,9 @@ TEST_F(Checkpoint, AFileInPlaceOfTheFolderIsAClearError) {
 }
 
 TEST_F(Checkpoint, UnwritableFolderKeepsThePreviousCheckpoint) {
-  if (::geteuid() == 0) GTEST_SKIP() << "root writes into read-only folders (tests/dist/test_fault_tolerance.py covers it with a read-only mount)";
+  if (::geteuid() == 0)
+    GTEST_SKIP()
+        << "root writes into read-only folders (tests/dist/test_fault_tolerance.py covers it with a read-only mount)";
   Net net;
   dtrain::TrainingState st;
   st.model = net.ptr().get();
@@ -273,15 +278,17 @@ TEST_F(Checkpoint, UnwritableFolderKeepsThePreviousCheckpoint) {
   ::chmod(dir.c_str(), 0555);
   st.step = 2;
   const std::string msg = error_of([&] { mgr.save(st); });
-  EXPECT_NE(msg.find("cannot create checkpoint file " + dir + "/.checkpoint_0000000002.pt.tmp."), std::string::npos) << msg;
+  EXPECT_NE(msg.find("cannot create checkpoint file " + dir + "/.checkpoint_0000000002.pt.tmp."), std::string::npos)
+      << msg;
   EXPECT_NE(msg.find("Permission denied"), std::string::npos) << msg;
   EXPECT_NE(msg.find("make the folder writable"), std::string::npos) << msg;
   EXPECT_EQ(read(first), bytes);
 }
 
 TEST_F(Checkpoint, BadOptionsAreClearErrors) {
-  EXPECT_NE(error_of([] { dtrain::CheckpointManager("/tmp/x", dtrain::CheckpointOptions().keep(0)); })
-                .find("keep must be >= 1, got 0"),
+  EXPECT_NE(error_of([] {
+              dtrain::CheckpointManager("/tmp/x", dtrain::CheckpointOptions().keep(0));
+            }).find("keep must be >= 1, got 0"),
             std::string::npos);
   EXPECT_NE(error_of([] { dtrain::CheckpointManager(""); }).find("the checkpoint folder is empty"), std::string::npos);
   dtrain::DistributedSampler s(10, dtrain::DistributedSamplerOptions().num_replicas(2).rank(0));

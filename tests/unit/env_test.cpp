@@ -53,14 +53,30 @@ std::vector<fs::path> sources() {
 // Reads k through the accessor of its type (the fallback, with an empty lookup).
 void read_as_its_type(const env::Knob& k, const env::Lookup& from) {
   switch (k.type) {
-    case env::Type::kFlag: env::flag(k.name, from); return;
-    case env::Type::kChoice: env::choice(k.name, from); return;
-    case env::Type::kInteger: env::integer(k.name, from); return;
-    case env::Type::kSeconds: env::seconds(k.name, from); return;
-    case env::Type::kPort: env::port(k.name, from); return;
-    case env::Type::kHost: env::host(k.name, from); return;
-    case env::Type::kText: env::text(k.name, from); return;
-    case env::Type::kList: env::list(k.name, from); return;
+    case env::Type::kFlag:
+      env::flag(k.name, from);
+      return;
+    case env::Type::kChoice:
+      env::choice(k.name, from);
+      return;
+    case env::Type::kInteger:
+      env::integer(k.name, from);
+      return;
+    case env::Type::kSeconds:
+      env::seconds(k.name, from);
+      return;
+    case env::Type::kPort:
+      env::port(k.name, from);
+      return;
+    case env::Type::kHost:
+      env::host(k.name, from);
+      return;
+    case env::Type::kText:
+      env::text(k.name, from);
+      return;
+    case env::Type::kList:
+      env::list(k.name, from);
+      return;
   }
 }
 
@@ -76,8 +92,8 @@ TEST(Env, UnsetVariablesHaveTheTablesFallback) {
   EXPECT_EQ(env::choice("DTRAIN_SHM", none), "auto");
   EXPECT_EQ(env::choice("DTRAIN_DEBUG", none), "OFF");
   EXPECT_EQ(env::choice("DTRAIN_BACKEND", none), "gloo");
-  EXPECT_EQ(env::seconds("DTRAIN_TIMEOUT_S", none), 1800.0);           // PyTorch's 30 min
-  EXPECT_EQ(env::seconds("DTRAIN_RUN_RDZV_REPORT_S", none), 30.0);    // docs: "then every 30 s"
+  EXPECT_EQ(env::seconds("DTRAIN_TIMEOUT_S", none), 1800.0);        // PyTorch's 30 min
+  EXPECT_EQ(env::seconds("DTRAIN_RUN_RDZV_REPORT_S", none), 30.0);  // docs: "then every 30 s"
   EXPECT_EQ(env::integer("DTRAIN_SHM_SLOT_BYTES", none), int64_t{1} << 20);
   EXPECT_TRUE(env::flag("DTRAIN_MALLOC_TUNING", none));
   EXPECT_FALSE(env::flag("DTRAIN_PYTORCH_PEERS", none));
@@ -89,10 +105,16 @@ TEST(Env, UnsetVariablesHaveTheTablesFallback) {
 }
 
 TEST(Env, GoodValuesAreParsed) {
-  const auto v = vars({{"DTRAIN_SHM", "0"}, {"DTRAIN_DEBUG", "DETAIL"}, {"DTRAIN_TIMEOUT_S", "2.5"},
-                       {"DTRAIN_SHM_SLOT_BYTES", "4096"}, {"DTRAIN_PYTORCH_PEERS", "1"}, {"RANK", "3"},
-                       {"MASTER_ADDR", "node0.example"}, {"MASTER_PORT", "29500"},
-                       {"GLOO_SOCKET_IFNAME", "eth0,,ib0"}, {"DTRAIN_SHM_HOST", "a b"}});
+  const auto v = vars({{"DTRAIN_SHM", "0"},
+                       {"DTRAIN_DEBUG", "DETAIL"},
+                       {"DTRAIN_TIMEOUT_S", "2.5"},
+                       {"DTRAIN_SHM_SLOT_BYTES", "4096"},
+                       {"DTRAIN_PYTORCH_PEERS", "1"},
+                       {"RANK", "3"},
+                       {"MASTER_ADDR", "node0.example"},
+                       {"MASTER_PORT", "29500"},
+                       {"GLOO_SOCKET_IFNAME", "eth0,,ib0"},
+                       {"DTRAIN_SHM_HOST", "a b"}});
   EXPECT_EQ(env::choice("DTRAIN_SHM", v), "0");
   EXPECT_EQ(env::choice("DTRAIN_DEBUG", v), "DETAIL");
   EXPECT_EQ(env::seconds("DTRAIN_TIMEOUT_S", v), 2.5);

@@ -114,9 +114,8 @@ FashionMNIST* FashionMNISTFiles::test_ = nullptr;
 }  // namespace
 
 TEST_F(FashionMNISTFiles, ShapesTypesAndLabelsMatchPython) {
-  for (auto [ds, n, labels, sums] :
-       {std::tuple{train_, 60000, kTrainFirstLabels, kTrainFirstPixelSums},
-        std::tuple{test_, 10000, kTestFirstLabels, kTestFirstPixelSums}}) {
+  for (auto [ds, n, labels, sums] : {std::tuple{train_, 60000, kTrainFirstLabels, kTrainFirstPixelSums},
+                                     std::tuple{test_, 10000, kTestFirstLabels, kTestFirstPixelSums}}) {
     ASSERT_EQ(ds->size().value(), static_cast<size_t>(n));
     EXPECT_EQ(ds->images().sizes(), (std::vector<int64_t>{n, 1, 28, 28}));
     EXPECT_EQ(ds->images().scalar_type(), at::kFloat);
@@ -166,9 +165,9 @@ TEST(FashionMNIST, StandardizeUsesMeanAndStd) {
   FashionMNIST def(kRoot, FashionMNIST::Mode::kTest, FashionMNISTOptions().standardize(true).max_samples(10));
   FashionMNIST raw(kRoot, FashionMNIST::Mode::kTest, FashionMNISTOptions().max_samples(10));
   EXPECT_TRUE(at::allclose(def.images(), (raw.images() - 0.2860) / 0.3530));
-  EXPECT_NE(error_of([] { FashionMNIST(kRoot, FashionMNIST::Mode::kTest,
-                                       FashionMNISTOptions().standardize(true).stddev(0)); })
-                .find("stddev must be > 0"),
+  EXPECT_NE(error_of([] {
+              FashionMNIST(kRoot, FashionMNIST::Mode::kTest, FashionMNISTOptions().standardize(true).stddev(0));
+            }).find("stddev must be > 0"),
             std::string::npos);
 }
 
@@ -237,8 +236,7 @@ TEST(FashionMNIST, MissingFileOrFolder) {
   dir.copy_test_split(false);
   fs::remove(dir.path() / "t10k-images-idx3-ubyte.gz");
   std::string msg = error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
-  EXPECT_NE(msg.find((dir.path() / "t10k-images-idx3-ubyte.gz").string() + ": missing"), std::string::npos)
-      << msg;
+  EXPECT_NE(msg.find((dir.path() / "t10k-images-idx3-ubyte.gz").string() + ": missing"), std::string::npos) << msg;
   msg = error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTrain); });
   EXPECT_NE(msg.find("train-images-idx3-ubyte.gz: missing"), std::string::npos) << msg;
   msg = error_of([] { FashionMNIST("/nonexistent/fmnist", FashionMNIST::Mode::kTest); });
@@ -271,8 +269,7 @@ TEST(FashionMNIST, TruncatedFiles) {
     const fs::path images = dir.path() / "t10k-images-idx3-ubyte";
     fs::resize_file(images, 16 + 1234);
     const std::string msg = error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
-    EXPECT_NE(msg.find(images.string() + ": truncated: expected 7840000 bytes of pixels, got 1234"),
-              std::string::npos)
+    EXPECT_NE(msg.find(images.string() + ": truncated: expected 7840000 bytes of pixels, got 1234"), std::string::npos)
         << msg;
   }
   {  // gzipped, cut in the middle of the stream
@@ -281,8 +278,7 @@ TEST(FashionMNIST, TruncatedFiles) {
     const fs::path images = dir.path() / "t10k-images-idx3-ubyte.gz";
     fs::resize_file(images, fs::file_size(images) / 2);
     const std::string msg = error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
-    EXPECT_NE(msg.find(images.string() + ": truncated: expected 7840000 bytes of pixels, got "),
-              std::string::npos)
+    EXPECT_NE(msg.find(images.string() + ": truncated: expected 7840000 bytes of pixels, got "), std::string::npos)
         << msg;
     EXPECT_NE(msg.find("gzip stream ends early"), std::string::npos) << msg;
   }
@@ -331,13 +327,12 @@ TEST(FashionMNIST, CorruptFiles) {
 }
 
 TEST(IdxReader, ReadsHeaderAndPrefix) {
-  auto labels = dtrain::data::read_idx(kRoot + "/train-labels-idx1-ubyte.gz", dtrain::data::kIdxLabelsMagic,
-                                       "labels", 5);
+  auto labels =
+      dtrain::data::read_idx(kRoot + "/train-labels-idx1-ubyte.gz", dtrain::data::kIdxLabelsMagic, "labels", 5);
   EXPECT_EQ(labels.dims, (std::vector<uint32_t>{60000}));
   EXPECT_EQ(labels.items, 5u);
   EXPECT_EQ(labels.data, (std::vector<uint8_t>{9, 0, 0, 3, 0}));
-  auto images = dtrain::data::read_idx(kRoot + "/t10k-images-idx3-ubyte.gz", dtrain::data::kIdxImagesMagic,
-                                       "pixels");
+  auto images = dtrain::data::read_idx(kRoot + "/t10k-images-idx3-ubyte.gz", dtrain::data::kIdxImagesMagic, "pixels");
   EXPECT_EQ(images.dims, (std::vector<uint32_t>{10000, 28, 28}));
   EXPECT_EQ(images.data.size(), 7840000u);
 }

@@ -33,8 +33,11 @@ std::string error_of(const std::function<void()>& f) {
 }  // namespace
 
 TEST(LaunchEnv, TorchrunStyle) {
-  LaunchEnv le = read_launch_env(env_of({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
-                                         {"LOCAL_WORLD_SIZE", "2"}, {"DTRAIN_AGENT_STORE", "1"}}));
+  LaunchEnv le = read_launch_env(env_of({{"RANK", "3"},
+                                         {"WORLD_SIZE", "4"},
+                                         {"LOCAL_RANK", "1"},
+                                         {"LOCAL_WORLD_SIZE", "2"},
+                                         {"DTRAIN_AGENT_STORE", "1"}}));
   EXPECT_EQ(le.rank, 3);
   EXPECT_EQ(le.world_size, 4);
   EXPECT_EQ(le.local_rank, 1);
@@ -53,12 +56,15 @@ TEST(LaunchEnv, RestartCountFromDtrainRunElseTorchrun) {
   EXPECT_EQ(with({}), 0);
   EXPECT_EQ(with({{"TORCHELASTIC_RESTART_COUNT", "2"}}), 2);
   EXPECT_EQ(with({{"DTRAIN_RESTART_COUNT", "1"}, {"TORCHELASTIC_RESTART_COUNT", "1"}}), 1);
-  EXPECT_NE(error_of([&] { with({{"TORCHELASTIC_RESTART_COUNT", "x"}}); }).find("TORCHELASTIC_RESTART_COUNT"),
+  EXPECT_NE(error_of([&] {
+              with({{"TORCHELASTIC_RESTART_COUNT", "x"}});
+            }).find("TORCHELASTIC_RESTART_COUNT"),
             std::string::npos);
 }
 
 TEST(LaunchEnv, OpenMpi) {
-  LaunchEnv le = read_launch_env(env_of({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+  LaunchEnv le = read_launch_env(env_of({{"OMPI_COMM_WORLD_RANK", "1"},
+                                         {"OMPI_COMM_WORLD_SIZE", "2"},
                                          {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
                                          {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}}));
   EXPECT_EQ(le.rank, 1);
@@ -68,8 +74,8 @@ TEST(LaunchEnv, OpenMpi) {
 }
 
 TEST(LaunchEnv, Slurm) {
-  LaunchEnv le = read_launch_env(env_of({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"},
-                                         {"SLURM_LOCALID", "1"}, {"SLURM_NTASKS_PER_NODE", "4"}}));
+  LaunchEnv le = read_launch_env(
+      env_of({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"}, {"SLURM_NTASKS_PER_NODE", "4"}}));
   EXPECT_EQ(le.rank, 5);
   EXPECT_EQ(le.world_size, 8);
   EXPECT_EQ(le.local_rank, 1);
@@ -78,8 +84,8 @@ TEST(LaunchEnv, Slurm) {
 }
 
 TEST(LaunchEnv, RankWinsOverSchedulerVariables) {
-  LaunchEnv le = read_launch_env(
-      env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}}));
+  LaunchEnv le =
+      read_launch_env(env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}}));
   EXPECT_EQ(le.rank, 1);
   EXPECT_EQ(le.world_size, 2);
 }
@@ -92,16 +98,21 @@ TEST(LaunchEnv, ExplicitValuesOverride) {
 
 TEST(LaunchEnv, BadValuesNameTheVariable) {
   EXPECT_NE(error_of([] { read_launch_env(env_of({})); }).find("RANK is not set"), std::string::npos);
-  EXPECT_NE(error_of([] { read_launch_env(env_of({{"RANK", "x1"}, {"WORLD_SIZE", "2"}})); })
-                .find("RANK='x1' is not a non-negative integer"),
+  EXPECT_NE(error_of([] {
+              read_launch_env(env_of({{"RANK", "x1"}, {"WORLD_SIZE", "2"}}));
+            }).find("RANK='x1' is not a non-negative integer"),
             std::string::npos);
-  EXPECT_NE(error_of([] { read_launch_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "-2"}})); })
-                .find("WORLD_SIZE='-2'"),
+  EXPECT_NE(error_of([] {
+              read_launch_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "-2"}}));
+            }).find("WORLD_SIZE='-2'"),
             std::string::npos);
-  EXPECT_NE(error_of([] { read_launch_env(env_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}})); })
-                .find("RANK=2 is out of range for WORLD_SIZE=2"),
+  EXPECT_NE(error_of([] {
+              read_launch_env(env_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}}));
+            }).find("RANK=2 is out of range for WORLD_SIZE=2"),
             std::string::npos);
-  EXPECT_NE(error_of([] { read_launch_env(env_of({{"RANK", "0"}})); }).find("WORLD_SIZE is not set"),
+  EXPECT_NE(error_of([] {
+              read_launch_env(env_of({{"RANK", "0"}}));
+            }).find("WORLD_SIZE is not set"),
             std::string::npos);
 }
 
@@ -109,8 +120,9 @@ TEST(LaunchEnv, MasterAddressAndPort) {
   auto ep = dtrain::comm::master_from_env(env_of({{"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}}));
   EXPECT_EQ(ep.host, "10.0.0.1");
   EXPECT_EQ(ep.port, 29500);
-  EXPECT_NE(error_of([] { dtrain::comm::master_from_env(env_of({{"MASTER_PORT", "1"}})); })
-                .find("MASTER_ADDR is not set"),
+  EXPECT_NE(error_of([] {
+              dtrain::comm::master_from_env(env_of({{"MASTER_PORT", "1"}}));
+            }).find("MASTER_ADDR is not set"),
             std::string::npos);
   EXPECT_NE(error_of([] {
               dtrain::comm::master_from_env(env_of({{"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}}));
@@ -129,6 +141,5 @@ TEST(LaunchEnv, TcpUrls) {
   auto b = dtrain::comm::parse_tcp_url("tcp://[::1]:29500");
   EXPECT_EQ(b.host, "::1");
   EXPECT_EQ(b.port, 29500);
-  EXPECT_NE(error_of([] { dtrain::comm::parse_tcp_url("tcp://host"); }).find("has no port"),
-            std::string::npos);
+  EXPECT_NE(error_of([] { dtrain::comm::parse_tcp_url("tcp://host"); }).find("has no port"), std::string::npos);
 }

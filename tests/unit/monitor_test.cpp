@@ -91,7 +91,7 @@ TEST(Progress, BadTotalIsAClearError) {
 TEST(Plot, SvgIsWellFormedWithOnePointPerValue) {
   PlotSeries a{"loss <train>", {1, 2, 3, 4}, {2.0, 1.5, 1.2, 1.0}};
   PlotSeries b{"accuracy", {1, 2, 3, 4}, {NAN, NAN, NAN, NAN}};  // no data: a note, no polyline
-  PlotSeries c{"throughput", {10}, {500}};                      // one point: still drawn
+  PlotSeries c{"throughput", {10}, {500}};                       // one point: still drawn
   const std::string svg = svg_plot({a, b, c}, "run & test");
   EXPECT_EQ(test_util::svg_problem(svg), "");
   EXPECT_NE(svg.find("loss &lt;train&gt;"), std::string::npos) << "titles are escaped";
@@ -107,7 +107,11 @@ TEST(Monitor, JsonLinesTraceAndPlotInOneProcess) {
   torch::manual_seed(0);
   torch::nn::Linear model(8, 4);
   {
-    Monitor mon(MonitorOptions().output_dir(dir.path.string()).log_every(5).trace_steps(3).per_rank_metrics(true)
+    Monitor mon(MonitorOptions()
+                    .output_dir(dir.path.string())
+                    .log_every(5)
+                    .trace_steps(3)
+                    .per_rank_metrics(true)
                     .progress(false));
     mon.watch_parameters(model->parameters());
     for (int step = 1; step <= 12; ++step) {
@@ -150,8 +154,8 @@ TEST(Monitor, JsonLinesTraceAndPlotInOneProcess) {
     EXPECT_DOUBLE_EQ(j["lr"].get<double>(), 0.1);
     EXPECT_GT(j["grad_norm"].get<double>(), 0.0);
     EXPECT_GT(j["samples_per_s"].get<double>(), 0.0);
-    for (const char* f : {"step_ms", "other_ms", "forward_ms", "backward_ms", "optimizer_ms", "comm_ms",
-                          "comm_wait_ms", "rss_mb"}) {
+    for (const char* f :
+         {"step_ms", "other_ms", "forward_ms", "backward_ms", "optimizer_ms", "comm_ms", "comm_wait_ms", "rss_mb"}) {
       ASSERT_TRUE(j.contains(f)) << f;
       for (const char* k : {"min", "mean", "max", "max_rank"}) EXPECT_TRUE(j[f].contains(k)) << f << "." << k;
       EXPECT_LE(j[f]["min"].get<double>(), j[f]["max"].get<double>()) << f;

@@ -98,7 +98,7 @@ TEST(DistributedSampler, PartitionsAreCompleteDisjointAndEqual) {
           if (drop_last) {
             ASSERT_EQ(seen.size(), total);  // disjoint
           } else {
-            ASSERT_EQ(seen.size(), n);      // complete
+            ASSERT_EQ(seen.size(), n);  // complete
             // Padding repeats at most ceil(total / n) times each.
             for (auto& [i, count] : seen) ASSERT_LE(static_cast<size_t>(count), (total + n - 1) / n);
           }
@@ -153,9 +153,9 @@ TEST(DistributedSampler, RejectsBadArguments) {
   // No process group here: the defaults cannot be taken from it.
   const std::string msg = error_of([] { DistributedSampler(10); });
   EXPECT_NE(msg.find("init_process_group"), std::string::npos) << msg;
-  EXPECT_NE(error_of([] { DistributedSampler(10, DistributedSamplerOptions().num_replicas(2)); })
-                .find("rank not given"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([] { DistributedSampler(10, DistributedSamplerOptions().num_replicas(2)); }).find("rank not given"),
+      std::string::npos);
 }
 
 TEST(DistributedSampler, NextWalksOnePassAndResetStartsAnother) {
@@ -209,9 +209,7 @@ namespace {
 // data = the sample's index.
 struct IndexDataset : torch::data::datasets::Dataset<IndexDataset> {
   explicit IndexDataset(size_t n) : n(n) {}
-  torch::data::Example<> get(size_t i) override {
-    return {torch::tensor(static_cast<int64_t>(i)), torch::tensor(0)};
-  }
+  torch::data::Example<> get(size_t i) override { return {torch::tensor(static_cast<int64_t>(i)), torch::tensor(0)}; }
   c10::optional<size_t> size() const override { return n; }
   size_t n;
 };
@@ -226,8 +224,8 @@ TEST(DistributedSampler, WorksWithDataLoaderWorkers) {
       std::multiset<int64_t> all_ranks;
       for (int64_t rank = 0; rank < replicas; ++rank) {
         DistributedSampler sampler(n, opts(replicas, rank).drop_last(drop_last));
-        auto loader = torch::data::make_data_loader(
-            IndexDataset(n), sampler, torch::data::DataLoaderOptions().batch_size(8).workers(3));
+        auto loader = torch::data::make_data_loader(IndexDataset(n), sampler,
+                                                    torch::data::DataLoaderOptions().batch_size(8).workers(3));
         sampler.set_epoch(epoch);  // after make_data_loader: reaches the loader's copy
         std::vector<int64_t> got;
         for (auto& batch : *loader) {

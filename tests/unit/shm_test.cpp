@@ -75,33 +75,46 @@ void expect_ok(const std::vector<std::string>& errors) {
 }
 
 // Deterministic per-rank data with values that make float sums order-sensitive.
-float value(int rank, size_t i) { return static_cast<float>((i * 7919 + rank * 104729) % 1000) * 0.001f + rank * 1e-3f; }
+float value(int rank, size_t i) {
+  return static_cast<float>((i * 7919 + rank * 104729) % 1000) * 0.001f + rank * 1e-3f;
+}
 
 template <class T>
 void check_reduce(int n, size_t count, DType dt, RedOp op, size_t slot = kSlot) {
-  auto errors = run_ranks(n, [&](Comm& c, int r) {
-    std::vector<T> data(count);
-    for (size_t i = 0; i < count; ++i) data[i] = T(value(r, i));
-    c.all_reduce(data.data(), count, dt, op);
-    for (size_t i = 0; i < count; ++i) {
-      // Expected: combined in rank order, rounded to T after every step (as the kernels do).
-      T acc = T(value(0, i));
-      for (int k = 1; k < n; ++k) {
-        float a = static_cast<float>(acc), b = static_cast<float>(T(value(k, i)));
-        double ad = static_cast<double>(acc), bd = static_cast<double>(T(value(k, i)));
-        switch (op) {
-          case RedOp::SUM: acc = std::is_same_v<T, double> ? T(ad + bd) : T(a + b); break;
-          case RedOp::PROD: acc = std::is_same_v<T, double> ? T(ad * bd) : T(a * b); break;
-          case RedOp::MIN: acc = T(std::min(ad, bd)); break;
-          case RedOp::MAX: acc = T(std::max(ad, bd)); break;
+  auto errors = run_ranks(
+      n,
+      [&](Comm& c, int r) {
+        std::vector<T> data(count);
+        for (size_t i = 0; i < count; ++i) data[i] = T(value(r, i));
+        c.all_reduce(data.data(), count, dt, op);
+        for (size_t i = 0; i < count; ++i) {
+          // Expected: combined in rank order, rounded to T after every step (as the kernels do).
+          T acc = T(value(0, i));
+          for (int k = 1; k < n; ++k) {
+            float a = static_cast<float>(acc), b = static_cast<float>(T(value(k, i)));
+            double ad = static_cast<double>(acc), bd = static_cast<double>(T(value(k, i)));
+            switch (op) {
+              case RedOp::SUM:
+                acc = std::is_same_v<T, double> ? T(ad + bd) : T(a + b);
+                break;
+              case RedOp::PROD:
+                acc = std::is_same_v<T, double> ? T(ad * bd) : T(a * b);
+                break;
+              case RedOp::MIN:
+                acc = T(std::min(ad, bd));
+                break;
+              case RedOp::MAX:
+                acc = T(std::max(ad, bd));
+                break;
+            }
+          }
+          if (std::memcmp(&acc, &data[i], sizeof(T)) != 0)
+            throw std::runtime_error("element " + std::to_string(i) +
+                                     " differs: " + std::to_string(static_cast<double>(data[i])) + " vs " +
+                                     std::to_string(static_cast<double>(acc)));
         }
-      }
-      if (std::memcmp(&acc, &data[i], sizeof(T)) != 0)
-        throw std::runtime_error("element " + std::to_string(i) + " differs: " +
-                                 std::to_string(static_cast<double>(data[i])) + " vs " +
-                                 std::to_string(static_cast<double>(acc)));
-    }
-  }, std::chrono::seconds(10), slot);
+      },
+      std::chrono::seconds(10), slot);
   expect_ok(errors);
 }
 
@@ -154,8 +167,7 @@ TEST(ShmKernels, StreamingCombineMatchesCombine) {
         combine(want.data() + shift, a.data() + shift, b.data() + shift, count, DType::F32, RedOp::SUM);
         float* o = alias == 1 ? a.data() : alias == 2 ? b.data() : out.data();
         float* sh = alias == 3 ? a.data() : shared.data();
-        combine_streaming(o + shift, sh + shift, a.data() + shift, b.data() + shift, count, DType::F32,
-                          RedOp::SUM);
+        combine_streaming(o + shift, sh + shift, a.data() + shift, b.data() + shift, count, DType::F32, RedOp::SUM);
         for (size_t i = 0; i < count; ++i) {
           ASSERT_EQ(o[shift + i], want[shift + i]) << "shift " << shift << " count " << count << " alias " << alias;
           ASSERT_EQ(sh[shift + i], want[shift + i]) << "shift " << shift << " count " << count << " alias " << alias;
@@ -173,8 +185,8 @@ TEST(ShmKernels, StreamingCombineMatchesCombine) {
 // to infinity, are subnormal, signed zeros, infinities and NaNs, at lengths with and without a tail,
 // equals c10::Half's own conversions element by element (NaN: any NaN).
 TEST(ShmKernels, Float16CombineEqualsCHalfConversions) {
-  const float specials[] = {0.f, -0.f, 1.f, -1.5f, 0.1f, 65504.f, 60000.f, -60000.f, 6e-8f, 3e-5f, -2e-7f,
-                            INFINITY, -INFINITY, NAN, 1e-3f, 333.3f, 2049.f, 0.33325f};
+  const float specials[] = {0.f,   -0.f,   1.f,      -1.5f,     0.1f, 65504.f, 60000.f, -60000.f, 6e-8f,
+                            3e-5f, -2e-7f, INFINITY, -INFINITY, NAN,  1e-3f,   333.3f,  2049.f,   0.33325f};
   const size_t ns = sizeof(specials) / sizeof(specials[0]);
   for (size_t count : {size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{ns * ns}, size_t{ns * ns + 5}}) {
     std::vector<c10::Half> a(count), b(count), out(count);
@@ -186,8 +198,10 @@ TEST(ShmKernels, Float16CombineEqualsCHalfConversions) {
       combine(out.data(), a.data(), b.data(), count, DType::F16, op);
       for (size_t i = 0; i < count; ++i) {
         const float x = static_cast<float>(a[i]), y = static_cast<float>(b[i]);
-        const float r = op == RedOp::SUM ? x + y : op == RedOp::PROD ? x * y : op == RedOp::MIN ? std::min(x, y)
-                                                                                               : std::max(x, y);
+        const float r = op == RedOp::SUM    ? x + y
+                        : op == RedOp::PROD ? x * y
+                        : op == RedOp::MIN  ? std::min(x, y)
+                                            : std::max(x, y);
         const c10::Half want(r);
         const float got = static_cast<float>(out[i]);
         if (std::isnan(static_cast<float>(want))) {
@@ -258,30 +272,40 @@ TEST(ShmComm, MismatchedShapesFailEveryRankWithBothCalls) {
 TEST(ShmComm, DifferentOperationsAreCaught) {
   auto errors = run_ranks(2, [](Comm& c, int r) {
     float x = 1;
-    if (r == 0) c.all_reduce(&x, 1, DType::F32, RedOp::SUM);
-    else c.broadcast(&x, sizeof(x), 0);
+    if (r == 0)
+      c.all_reduce(&x, 1, DType::F32, RedOp::SUM);
+    else
+      c.broadcast(&x, sizeof(x), 0);
   });
   EXPECT_NE(errors[0].find("broadcast of 4 bytes from rank 0"), std::string::npos) << errors[0];
   EXPECT_NE(errors[1].find("mismatched collectives"), std::string::npos) << errors[1];
 }
 
 TEST(ShmComm, AMissingRankTimesOutNamingIt) {
-  auto errors = run_ranks(2, [](Comm& c, int r) {
-    float x = 1;
-    if (r == 0) c.all_reduce(&x, 1, DType::F32, RedOp::SUM);
-    else usleep(1500 * 1000);  // alive but never calls
-  }, std::chrono::milliseconds(300));
+  auto errors = run_ranks(
+      2,
+      [](Comm& c, int r) {
+        float x = 1;
+        if (r == 0)
+          c.all_reduce(&x, 1, DType::F32, RedOp::SUM);
+        else
+          usleep(1500 * 1000);  // alive but never calls
+      },
+      std::chrono::milliseconds(300));
   EXPECT_NE(errors[0].find("timed out after 300 ms waiting for rank 1"), std::string::npos) << errors[0];
   EXPECT_EQ(errors[1], "");
 }
 
 TEST(ShmComm, ADeadRankIsNoticedWithoutWaitingForTheTimeout) {
   auto start = std::chrono::steady_clock::now();
-  auto errors = run_ranks(2, [](Comm& c, int r) {
-    float x = 1;
-    if (r == 1) _exit(3);
-    c.all_reduce(&x, 1, DType::F32, RedOp::SUM);
-  }, std::chrono::seconds(30));
+  auto errors = run_ranks(
+      2,
+      [](Comm& c, int r) {
+        float x = 1;
+        if (r == 1) _exit(3);
+        c.all_reduce(&x, 1, DType::F32, RedOp::SUM);
+      },
+      std::chrono::seconds(30));
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   EXPECT_NE(errors[0].find("rank 1 (pid"), std::string::npos) << errors[0];
   EXPECT_NE(errors[0].find("exited"), std::string::npos) << errors[0];
@@ -296,23 +320,28 @@ TEST(ShmComm, ADeadRankIsNoticedWithin50Milliseconds) {
   auto* t = static_cast<std::atomic<int64_t>*>(
       mmap(nullptr, 2 * sizeof(std::atomic<int64_t>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
   ASSERT_NE(t, MAP_FAILED);
-  auto now_ns = [] { return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count(); };
+  auto now_ns = [] {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+  };
   for (int trial = 0; trial < 5; ++trial) {
     t[0] = t[1] = 0;
-    auto errors = run_ranks(2, [&](Comm& c, int r) {
-      float x = 1;
-      if (r == 1) {
-        usleep(100 * 1000 + trial * 7000);  // a different phase against the waiter's checks each time
-        t[0] = now_ns();
-        _exit(3);
-      }
-      try {
-        c.all_reduce(&x, 1, DType::F32, RedOp::SUM);
-      } catch (...) {
-        t[1] = now_ns();
-        throw;
-      }
-    }, std::chrono::seconds(30));
+    auto errors = run_ranks(
+        2,
+        [&](Comm& c, int r) {
+          float x = 1;
+          if (r == 1) {
+            usleep(100 * 1000 + trial * 7000);  // a different phase against the waiter's checks each time
+            t[0] = now_ns();
+            _exit(3);
+          }
+          try {
+            c.all_reduce(&x, 1, DType::F32, RedOp::SUM);
+          } catch (...) {
+            t[1] = now_ns();
+            throw;
+          }
+        },
+        std::chrono::seconds(30));
     EXPECT_NE(errors[0].find("exited"), std::string::npos) << errors[0];
     ASSERT_TRUE(t[0] > 0 && t[1] > 0) << "rank 1 did not die, or rank 0 did not fail";
     const double ms = (t[1] - t[0]) / 1e6;

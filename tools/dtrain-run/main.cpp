@@ -56,7 +56,8 @@ std::string hostname() {
 // Without --log_dir: the failed rank's last stderr lines.
 void show_tail(const AttemptResult& result) {
   if (result.tail.empty()) return;
-  say("last " + std::to_string(result.tail.size()) + " lines of rank " + std::to_string(result.tail_rank) + "'s stderr:");
+  say("last " + std::to_string(result.tail.size()) + " lines of rank " + std::to_string(result.tail_rank) +
+      "'s stderr:");
   std::string block;
   for (const auto& l : result.tail) block += "[rank " + std::to_string(result.tail_rank) + "] " + l + "\n";
   write_fully(STDERR_FILENO, block.data(), block.size());
@@ -137,8 +138,8 @@ int run(const LaunchOptions& o) {
   show_tail(result);
   if (!result.summary.empty())
     say(result.summary + (result.exit_code == 1 && attempt > 0
-                              ? " (the last failure, after " + std::to_string(attempt) + " restart(s) of --max_restarts " +
-                                    std::to_string(o.max_restarts) + ")"
+                              ? " (the last failure, after " + std::to_string(attempt) +
+                                    " restart(s) of --max_restarts " + std::to_string(o.max_restarts) + ")"
                               : ""));
   if (rdzv) {
     try {

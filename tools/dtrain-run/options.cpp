@@ -40,15 +40,16 @@ bool parse_double(const std::string& s, double* out) {
 // Resolves `program` like execvp does: names with a '/' as given, others through PATH.
 std::string resolve_program(const std::string& program) {
   auto usable = [](const std::string& p) {
-    struct stat st{};
+    struct stat st {};
     return stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(p.c_str(), X_OK) == 0;
   };
   if (program.find('/') != std::string::npos) {
-    struct stat st{};
+    struct stat st {};
     if (stat(program.c_str(), &st) != 0)
       throw UsageError("program '" + program + "' not found: " + std::strerror(errno));
     if (!usable(program))
-      throw UsageError("program '" + program + "' is not an executable file (chmod +x it, or run it through its interpreter)");
+      throw UsageError("program '" + program +
+                       "' is not an executable file (chmod +x it, or run it through its interpreter)");
     return program;
   }
   const std::string dirs = *env::text("PATH");  // the table's fallback when unset
@@ -81,9 +82,10 @@ LaunchOptions parse_options(int argc, char** argv) {
   std::string monitor = "0.1", rdzv_timeout = "900", grace = "5", redirects = "0", tee = "0";
   std::string run_id;
 
-  CLI::App app{"dtrain-run: start N worker processes per node with torchrun's environment "
-               "(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...).",
-               "dtrain-run"};
+  CLI::App app{
+      "dtrain-run: start N worker processes per node with torchrun's environment "
+      "(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...).",
+      "dtrain-run"};
   app.footer("Usage: dtrain-run [OPTIONS] PROGRAM [ARGS...]   (everything after PROGRAM goes to it)");
   app.add_option("--nproc_per_node,--nproc-per-node", nproc, "workers per node: a number or 'auto' (= CPU cores)");
   app.add_option("--nnodes", nnodes, "number of nodes (default 1)");
@@ -96,12 +98,14 @@ LaunchOptions parse_options(int argc, char** argv) {
   app.add_option("--monitor_interval,--monitor-interval", monitor, "seconds between checks (default 0.1)");
   app.add_option("--rdzv_timeout,--rdzv-timeout", rdzv_timeout, "seconds nodes wait for each other (default 900)");
   app.add_option("--grace_period,--grace-period", grace, "seconds between SIGTERM and SIGKILL (default 5)");
-  app.add_option("--log_dir,--log-dir", o.log_dir, "write <log_dir>/<run_id>/attempt_<restart>/<rank>/{stdout,stderr}.log");
+  app.add_option("--log_dir,--log-dir", o.log_dir,
+                 "write <log_dir>/<run_id>/attempt_<restart>/<rank>/{stdout,stderr}.log");
   app.add_option("--redirects,-r", redirects, "streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both");
   app.add_option("--tee,-t", tee, "streams to log files and console: 0 none, 1 stdout, 2 stderr, 3 both");
   app.add_flag("--use_local_rank_arg,--use-local-rank-arg", o.use_local_rank_arg,
                "pass --local_rank=N as the program's first argument");
-  app.add_option("--run_id,--run-id,--rdzv_id,--rdzv-id", run_id, "job id exported as TORCHELASTIC_RUN_ID (default none)");
+  app.add_option("--run_id,--run-id,--rdzv_id,--rdzv-id", run_id,
+                 "job id exported as TORCHELASTIC_RUN_ID (default none)");
 
   // 1. Split at the program.
   std::vector<std::string> launcher_args;
@@ -118,14 +122,17 @@ LaunchOptions parse_options(int argc, char** argv) {
     std::string name = a.substr(0, a.find('='));
     const CLI::Option* opt = app.get_option_no_throw(name);
     if (!opt)
-      throw UsageError("unknown option '" + name + "' before the program (see dtrain-run --help; options after the program go to it)");
+      throw UsageError("unknown option '" + name +
+                       "' before the program (see dtrain-run --help; options after the program go to it)");
     launcher_args.push_back(a);
     if (a.find('=') == std::string::npos && opt->get_items_expected_max() > 0) {  // takes a value
       if (i + 1 >= argc) throw UsageError(name + " needs a value");
       launcher_args.push_back(argv[++i]);
     }
   }
-  if (i >= argc) throw UsageError("no program given: dtrain-run [OPTIONS] PROGRAM [ARGS...] (e.g. dtrain-run --nproc_per_node 2 ./train)");
+  if (i >= argc)
+    throw UsageError(
+        "no program given: dtrain-run [OPTIONS] PROGRAM [ARGS...] (e.g. dtrain-run --nproc_per_node 2 ./train)");
   o.program = argv[i];
   for (++i; i < argc; ++i) o.program_args.push_back(argv[i]);
 
@@ -166,18 +173,21 @@ LaunchOptions parse_options(int argc, char** argv) {
     throw UsageError("--rdzv_timeout must be a number of seconds > 0, got '" + rdzv_timeout + "'");
   if (!parse_double(grace, &o.grace_period) || o.grace_period < 0)
     throw UsageError("--grace_period must be a number of seconds >= 0, got '" + grace + "'");
-  if (!parse_int(redirects, &v) || v < 0 || v > 3) throw UsageError(std_mask_text("--redirects") + ", got '" + redirects + "'");
+  if (!parse_int(redirects, &v) || v < 0 || v > 3)
+    throw UsageError(std_mask_text("--redirects") + ", got '" + redirects + "'");
   o.redirects = static_cast<int>(v);
   if (!parse_int(tee, &v) || v < 0 || v > 3) throw UsageError(std_mask_text("--tee") + ", got '" + tee + "'");
   o.tee = static_cast<int>(v);
   if ((o.redirects || o.tee) && o.log_dir.empty())
-    throw UsageError(std::string(o.redirects ? "--redirects" : "--tee") + " needs --log_dir DIR to write the log files to");
+    throw UsageError(std::string(o.redirects ? "--redirects" : "--tee") +
+                     " needs --log_dir DIR to write the log files to");
   if (o.master_addr.empty()) throw UsageError("--master_addr must not be empty (e.g. --master_addr 127.0.0.1)");
   if (!run_id.empty()) o.run_id = run_id;
   if (o.run_id.find('/') != std::string::npos || o.run_id == "." || o.run_id == "..")
     throw UsageError("--run_id must not contain '/', got '" + o.run_id + "'");
   if (o.standalone) {
-    if (o.nnodes != 1) throw UsageError("--standalone runs one node, but --nnodes is " + nnodes + " (drop one of them)");
+    if (o.nnodes != 1)
+      throw UsageError("--standalone runs one node, but --nnodes is " + nnodes + " (drop one of them)");
     o.master_addr = "127.0.0.1";
     o.master_port = 0;  // the store binds a free port
   }

@@ -37,7 +37,7 @@ struct LaunchOptions {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   bool standalone = false;
-  int max_restarts = 0;        // restarts of the whole group after a failure (one-node jobs)
+  int max_restarts = 0;           // restarts of the whole group after a failure (one-node jobs)
   double monitor_interval = 0.1;  // seconds
   double rdzv_timeout = 900;      // seconds
   double grace_period = 5;        // seconds between SIGTERM and SIGKILL
@@ -45,10 +45,10 @@ struct LaunchOptions {
   int redirects = kStdNone;       // streams sent to the log files only
   int tee = kStdNone;             // streams sent to the log files and the console
   bool use_local_rank_arg = false;
-  std::string run_id = "none";    // torchrun's default rdzv id
+  std::string run_id = "none";  // torchrun's default rdzv id
 
-  std::string program;            // as given
-  std::string program_path;       // resolved through PATH
+  std::string program;                    // as given
+  std::string program_path;               // resolved through PATH
   std::vector<std::string> program_args;  // everything after the program
 };
 

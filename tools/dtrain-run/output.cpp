@@ -18,7 +18,10 @@ void write_fully(int fd, const char* data, size_t n) {
 }
 
 OutputStream::OutputStream(int rank, int console_fd, int log_fd, bool keep_tail)
-    : prefix_("[rank " + std::to_string(rank) + "] "), console_fd_(console_fd), log_fd_(log_fd), keep_tail_(keep_tail) {}
+    : prefix_("[rank " + std::to_string(rank) + "] "),
+      console_fd_(console_fd),
+      log_fd_(log_fd),
+      keep_tail_(keep_tail) {}
 
 OutputStream::~OutputStream() {
   if (log_fd_ >= 0) close(log_fd_);

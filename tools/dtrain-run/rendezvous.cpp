@@ -21,9 +21,7 @@ constexpr Millis kVerdictLinger{5000};  // node 0 waits this long for nodes to r
 // How often node 0 names the nodes it still waits for: often enough that a wait of --rdzv_timeout
 // (900 s by default) never looks like a hang, rarely enough not to flood the console. 30 s, the
 // fallback of DTRAIN_RUN_RDZV_REPORT_S in src/common/env.cpp, which the launcher's tests lower.
-Millis report_period() {
-  return Millis(static_cast<int64_t>(*env::seconds("DTRAIN_RUN_RDZV_REPORT_S") * 1000));
-}
+Millis report_period() { return Millis(static_cast<int64_t>(*env::seconds("DTRAIN_RUN_RDZV_REPORT_S") * 1000)); }
 
 std::string seconds(Millis ms) {
   std::ostringstream s;
@@ -32,8 +30,8 @@ std::string seconds(Millis ms) {
 }
 
 std::string world_text(const NodeInfo& n) {
-  return "--nnodes " + std::to_string(n.nnodes) + " --nproc_per_node " + std::to_string(n.nproc_per_node) +
-         " (world " + std::to_string(n.nnodes * n.nproc_per_node) + ")";
+  return "--nnodes " + std::to_string(n.nnodes) + " --nproc_per_node " + std::to_string(n.nproc_per_node) + " (world " +
+         std::to_string(n.nnodes * n.nproc_per_node) + ")";
 }
 
 // "0, 2": the node ranks named in an error.
@@ -59,7 +57,8 @@ NodeRendezvous::NodeRendezvous(const std::string& host, uint16_t port, Millis ti
   try {
     client_ = std::make_unique<dtrain::store::StoreClient>(host, port, timeout);
   } catch (const std::runtime_error& e) {
-    throw std::runtime_error(std::string(e.what()) + " (is node 0's dtrain-run running with this --master_addr and "
+    throw std::runtime_error(std::string(e.what()) +
+                             " (is node 0's dtrain-run running with this --master_addr and "
                              "--master_port? --rdzv_timeout sets how long to wait for it)");
   }
 }
@@ -69,8 +68,8 @@ void NodeRendezvous::join(const NodeInfo& me, const Say& say) {
   // 2. Arrive.
   const int64_t arrival = client_->add(kPrefix + "arrivals", 1);
   client_->set(kPrefix + "arrival/" + std::to_string(arrival),
-              to_bytes(std::to_string(me.nnodes) + " " + std::to_string(me.nproc_per_node) + " " +
-                       std::to_string(me.node_rank) + " " + std::to_string(me.max_restarts) + " " + me.hostname));
+               to_bytes(std::to_string(me.nnodes) + " " + std::to_string(me.nproc_per_node) + " " +
+                        std::to_string(me.node_rank) + " " + std::to_string(me.max_restarts) + " " + me.hostname));
   // 3. Node 0 judges.
   if (me.node_rank == 0) client_->set(kPrefix + "verdict", to_bytes(check_arrivals(me, say)));
   // 4. Everyone follows the verdict. Node 0 may take the whole timeout collecting nodes.
@@ -78,8 +77,8 @@ void NodeRendezvous::join(const NodeInfo& me, const Say& say) {
   try {
     verdict = to_string(client_->get(kPrefix + "verdict", timeout_ * 2 + Millis(5000)));
   } catch (const dtrain::store::TimeoutError&) {
-    throw std::runtime_error("node 0 gave no rendezvous verdict within " + seconds(timeout_ * 2) +
-                             " at " + client_->host() + ":" + std::to_string(client_->port()));
+    throw std::runtime_error("node 0 gave no rendezvous verdict within " + seconds(timeout_ * 2) + " at " +
+                             client_->host() + ":" + std::to_string(client_->port()));
   }
   client_->set(kPrefix + "verdict_read/" + std::to_string(arrival), to_bytes("1"));
   if (verdict != "ok") {
@@ -95,9 +94,9 @@ void NodeRendezvous::join(const NodeInfo& me, const Say& say) {
     throw std::runtime_error(verdict);
   }
   if (arrival > me.nnodes)
-    throw std::runtime_error("more nodes joined than --nnodes " + std::to_string(me.nnodes) + ": this node (node_rank " +
-                             std::to_string(me.node_rank) + ") arrived as number " + std::to_string(arrival) +
-                             "; give each node a distinct --node_rank below --nnodes");
+    throw std::runtime_error("more nodes joined than --nnodes " + std::to_string(me.nnodes) +
+                             ": this node (node_rank " + std::to_string(me.node_rank) + ") arrived as number " +
+                             std::to_string(arrival) + "; give each node a distinct --node_rank below --nnodes");
 }
 
 std::string NodeRendezvous::check_arrivals(const NodeInfo& me, const Say& say) {
@@ -149,8 +148,9 @@ std::string NodeRendezvous::check_arrivals(const NodeInfo& me, const Say& say) {
       return node_text(n) + " has a --node_rank outside 0.." + std::to_string(me.nnodes - 1);
     int& slot = seen[static_cast<size_t>(n.node_rank)];
     if (slot >= 0)
-      return "two nodes have --node_rank " + std::to_string(n.node_rank) + ": " + nodes[static_cast<size_t>(slot)].hostname +
-             " and " + n.hostname + "; give each node a distinct --node_rank";
+      return "two nodes have --node_rank " + std::to_string(n.node_rank) + ": " +
+             nodes[static_cast<size_t>(slot)].hostname + " and " + n.hostname +
+             "; give each node a distinct --node_rank";
     slot = static_cast<int>(nodes.size());
     nodes.push_back(n);
   }
@@ -186,14 +186,15 @@ std::vector<int> NodeRendezvous::attempt_outcomes(int attempt, int node_rank, in
     if (r == node_rank) continue;
     const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
     try {
-      codes[static_cast<size_t>(r)] = std::stoi(to_string(client_->get(base + std::to_string(r), std::max(left, Millis(1)))));
+      codes[static_cast<size_t>(r)] =
+          std::stoi(to_string(client_->get(base + std::to_string(r), std::max(left, Millis(1)))));
     } catch (const dtrain::store::TimeoutError&) {
       missing.push_back(r);
     }
   }
   if (!missing.empty())
-    throw std::runtime_error("node_rank " + comma_list(missing) + " did not report the end of attempt " + std::to_string(attempt) +
-                             " within --rdzv_timeout " + seconds(timeout_) +
+    throw std::runtime_error("node_rank " + comma_list(missing) + " did not report the end of attempt " +
+                             std::to_string(attempt) + " within --rdzv_timeout " + seconds(timeout_) +
                              " (did its dtrain-run die?): the nodes cannot agree on a restart");
   return codes;
 }

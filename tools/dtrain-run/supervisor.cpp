@@ -176,7 +176,7 @@ void Supervisor::handle_signals() {
   signalfd_siginfo si{};
   while (read(signal_fd_, &si, sizeof(si)) == ssize_t(sizeof(si))) {
     int signo = static_cast<int>(si.ssi_signo);
-    if (signo == SIGCHLD) continue;  // reap() runs every iteration anyway
+    if (signo == SIGCHLD) continue;        // reap() runs every iteration anyway
     if (forwarded_signal_ || stopping_) {  // a second signal: no more grace
       if (!forwarded_signal_) forwarded_signal_ = signo;
       kill_groups(SIGKILL);
@@ -239,8 +239,7 @@ void Supervisor::check_remote() {
       stop_all(SIGTERM);
       return;
     }
-    if (!node0_done_seen_ && opts_.node_rank != 0)
-      node0_done_seen_ = rdzv_->client().check({"dtrain-run/done/0"});
+    if (!node0_done_seen_ && opts_.node_rank != 0) node0_done_seen_ = rdzv_->client().check({"dtrain-run/done/0"});
   } catch (const std::exception& e) {
     if (node0_done_seen_) return;  // node 0 finished cleanly and took its store: keep going
     remote_summary_ = "stopping this node's workers: lost the rendezvous at " + opts_.master_addr + ":" +
@@ -270,7 +269,8 @@ std::string Supervisor::failure_summary(const Worker& w, int attempt, bool for_r
                   ", pid " + std::to_string(w.pid) + ") failed first: it " + describe_status(w.status);
   if (!opts_.log_dir.empty()) {
     const std::string dir = log_path(attempt, w.spec.rank);
-    s += "; logs" + std::string(for_remote ? " on that node" : "") + ": " + dir + "/stderr.log and " + dir + "/stdout.log";
+    s += "; logs" + std::string(for_remote ? " on that node" : "") + ": " + dir + "/stderr.log and " + dir +
+         "/stdout.log";
   } else if (for_remote) {
     s += "; see that node's console";
   } else if (w.err->tail().empty()) {

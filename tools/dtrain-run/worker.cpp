@@ -74,7 +74,7 @@ SpawnedWorker spawn_worker(const WorkerSpec& spec) {
     setpgid(0, 0);
     if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) child_fail(report[1], errno);
     if (getppid() != launcher) _exit(127);  // the launcher died before prctl took effect
-    struct sigaction dfl{};
+    struct sigaction dfl {};
     dfl.sa_handler = SIG_DFL;
     for (int s = 1; s < NSIG; ++s) sigaction(s, &dfl, nullptr);  // fails harmlessly for KILL/STOP
     sigset_t none;

@@ -67,8 +67,7 @@ class FashionMNIST : public torch::data::datasets::Dataset<FashionMNIST> {
   static constexpr size_t kNumClasses = 10;
   // torchvision's FashionMNIST.classes, indexed by label.
   static constexpr std::array<const char*, kNumClasses> kClassNames = {
-      "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-      "Sandal",      "Shirt",   "Sneaker",  "Bag",   "Ankle boot"};
+      "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"};
 
   // Loads <root>/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]. Throws dtrain::Error.
   explicit FashionMNIST(const std::string& root = kDefaultRoot, Mode mode = Mode::kTrain,
@@ -84,7 +83,7 @@ class FashionMNIST : public torch::data::datasets::Dataset<FashionMNIST> {
   // Example<> batches without per-sample work. Shares the tensors (no copy).
   FashionMNISTBatches batched() const;
 
-  const at::Tensor& images() const { return images_; }  // (N,1,28,28) float
+  const at::Tensor& images() const { return images_; }    // (N,1,28,28) float
   const at::Tensor& targets() const { return targets_; }  // (N) int64
   bool is_train() const { return mode_ == Mode::kTrain; }
   // The files this dataset was read from.
@@ -101,8 +100,7 @@ class FashionMNIST : public torch::data::datasets::Dataset<FashionMNIST> {
 };
 
 // FashionMNIST::batched(): batches as one Example<> (data (B,1,28,28), target (B)).
-class FashionMNISTBatches
-    : public torch::data::datasets::BatchDataset<FashionMNISTBatches, torch::data::Example<>> {
+class FashionMNISTBatches : public torch::data::datasets::BatchDataset<FashionMNISTBatches, torch::data::Example<>> {
  public:
   explicit FashionMNISTBatches(FashionMNIST dataset) : dataset_(std::move(dataset)) {}
   torch::data::Example<> get_batch(c10::ArrayRef<size_t> indices) override { return dataset_.batch(indices); }

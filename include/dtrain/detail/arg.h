@@ -4,15 +4,15 @@
 
 #include <utility>
 
-#define DTRAIN_ARG(T, name, init)                                   \
- public:                                                            \
-  auto name(T new_##name)->decltype(*this) {                        \
-    this->name##_ = std::move(new_##name);                          \
-    return *this;                                                   \
-  }                                                                 \
-  const T& name() const noexcept { return this->name##_; }          \
-                                                                    \
- private:                                                           \
-  T name##_ = init;                                                 \
-                                                                    \
+#define DTRAIN_ARG(T, name, init)                          \
+ public:                                                   \
+  auto name(T new_##name)->decltype(*this) {               \
+    this->name##_ = std::move(new_##name);                 \
+    return *this;                                          \
+  }                                                        \
+  const T& name() const noexcept { return this->name##_; } \
+                                                           \
+ private:                                                  \
+  T name##_ = init;                                        \
+                                                           \
  public:

@@ -30,10 +30,14 @@ enum OpKind : uint32_t { kAllReduce = 1, kBroadcast = 2, kAllGather = 3, kBarrie
 
 const char* kind_name(uint32_t k) {
   switch (k) {
-    case kAllReduce: return "all_reduce";
-    case kBroadcast: return "broadcast";
-    case kAllGather: return "all_gather";
-    case kBarrier: return "barrier";
+    case kAllReduce:
+      return "all_reduce";
+    case kBroadcast:
+      return "broadcast";
+    case kAllGather:
+      return "all_gather";
+    case kBarrier:
+      return "barrier";
   }
   return "unknown collective";
 }
@@ -83,8 +87,7 @@ constexpr auto kCheckPeriod = std::chrono::nanoseconds(kSleepNs);
 }  // namespace
 
 Comm::Comm(Segment segment, int rank, std::vector<int> labels, std::chrono::milliseconds timeout)
-    : seg_(std::move(segment)), rank_(rank), n_(seg_.nranks()), labels_(std::move(labels)),
-      timeout_(timeout) {
+    : seg_(std::move(segment)), rank_(rank), n_(seg_.nranks()), labels_(std::move(labels)), timeout_(timeout) {
   DTRAIN_ASSERT(static_cast<int>(labels_.size()) == n_ && rank_ >= 0 && rank_ < n_);
   seg_.ctl(rank_).pid_namespace = pid_namespace();
   seg_.ctl(rank_).pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
@@ -100,8 +103,10 @@ std::string Comm::describe(const OpDesc& d) const {
     case kBroadcast:
       return detail::cat("broadcast of ", d.count, " bytes from rank ",
                          d.root >= 0 && d.root < n_ ? labels_[d.root] : d.root);
-    case kAllGather: return detail::cat("all_gather of ", d.count, " bytes");
-    case kBarrier: return "barrier";
+    case kAllGather:
+      return detail::cat("all_gather of ", d.count, " bytes");
+    case kBarrier:
+      return "barrier";
   }
   return "an unknown collective";
 }
@@ -179,8 +184,8 @@ void Comm::wait_for(int peer, Phase p, uint32_t s) {
       // The peer may have signalled and exited since the load above: only a missing signal counts.
       if (pid > 0 && seg_.ctl(peer).pid_namespace == seg_.ctl(rank_).pid_namespace && exited(pid) &&
           !reached(c.value.load(std::memory_order_acquire), s))
-        fail(detail::cat("rank ", labels_[rank_], ": ", op_name(), " over shared memory: rank ",
-                         labels_[peer], " (pid ", pid, ") exited before completing it"));
+        fail(detail::cat("rank ", labels_[rank_], ": ", op_name(), " over shared memory: rank ", labels_[peer],
+                         " (pid ", pid, ") exited before completing it"));
       next_check = now + kCheckPeriod;
     }
     if (now - start < kSpin + kYield) {
@@ -205,11 +210,11 @@ void Comm::publish(const OpDesc& d) {
 
 void Comm::check_peer(int peer, const OpDesc& mine) {
   const OpDesc& theirs = seg_.ctl(peer).desc[mine.op_id % 2];
-  if (theirs.op_id == mine.op_id && theirs.op == mine.op && theirs.count == mine.count &&
-      theirs.dtype == mine.dtype && theirs.redop == mine.redop && theirs.root == mine.root)
+  if (theirs.op_id == mine.op_id && theirs.op == mine.op && theirs.count == mine.count && theirs.dtype == mine.dtype &&
+      theirs.redop == mine.redop && theirs.root == mine.root)
     return;
-  fail(detail::cat("rank ", labels_[rank_], ": mismatched collectives over shared memory: rank ",
-                   labels_[rank_], " called ", describe(mine), " but rank ", labels_[peer], " called ",
+  fail(detail::cat("rank ", labels_[rank_], ": mismatched collectives over shared memory: rank ", labels_[rank_],
+                   " called ", describe(mine), " but rank ", labels_[peer], " called ",
                    theirs.op_id == mine.op_id ? describe(theirs) : std::string("a different number of collectives"),
                    ": every rank must call the same collectives in the same order with the same "
                    "shapes and dtypes"));

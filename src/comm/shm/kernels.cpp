@@ -16,41 +16,72 @@ namespace dtrain::shm {
 
 size_t element_size(DType t) {
   switch (t) {
-    case DType::F32: return 4;
-    case DType::F64: return 8;
+    case DType::F32:
+      return 4;
+    case DType::F64:
+      return 8;
     case DType::F16:
-    case DType::BF16: return 2;
+    case DType::BF16:
+      return 2;
   }
   return 0;
 }
 
 const char* to_string(DType t) {
   switch (t) {
-    case DType::F32: return "float32";
-    case DType::F64: return "float64";
-    case DType::F16: return "float16";
-    case DType::BF16: return "bfloat16";
+    case DType::F32:
+      return "float32";
+    case DType::F64:
+      return "float64";
+    case DType::F16:
+      return "float16";
+    case DType::BF16:
+      return "bfloat16";
   }
   return "unknown dtype";
 }
 
 const char* to_string(RedOp op) {
   switch (op) {
-    case RedOp::SUM: return "SUM";
-    case RedOp::PROD: return "PRODUCT";
-    case RedOp::MIN: return "MIN";
-    case RedOp::MAX: return "MAX";
+    case RedOp::SUM:
+      return "SUM";
+    case RedOp::PROD:
+      return "PRODUCT";
+    case RedOp::MIN:
+      return "MIN";
+    case RedOp::MAX:
+      return "MAX";
   }
   return "unknown op";
 }
 
 namespace {
 
-struct Sum { template <class T> T operator()(T a, T b) const { return a + b; } };
-struct Prod { template <class T> T operator()(T a, T b) const { return a * b; } };
+struct Sum {
+  template <class T>
+  T operator()(T a, T b) const {
+    return a + b;
+  }
+};
+struct Prod {
+  template <class T>
+  T operator()(T a, T b) const {
+    return a * b;
+  }
+};
 // std::min/std::max keep `a` when the comparison is false, as Gloo's min/max do.
-struct Min { template <class T> T operator()(T a, T b) const { return std::min(a, b); } };
-struct Max { template <class T> T operator()(T a, T b) const { return std::max(a, b); } };
+struct Min {
+  template <class T>
+  T operator()(T a, T b) const {
+    return std::min(a, b);
+  }
+};
+struct Max {
+  template <class T>
+  T operator()(T a, T b) const {
+    return std::max(a, b);
+  }
+};
 
 // Native types: one loop the compiler vectorizes. out may alias a or b, but only index for index
 // (each index is read before it is written), so there is no loop-carried dependence: ivdep lets the
@@ -80,15 +111,19 @@ template <class Op>
 __attribute__((target("avx,f16c"))) inline __m256 lanes(__m256 a, __m256 b) {
   static_assert(std::is_same_v<Op, Sum> || std::is_same_v<Op, Prod> || std::is_same_v<Op, Min> ||
                 std::is_same_v<Op, Max>);
-  if constexpr (std::is_same_v<Op, Sum>) return _mm256_add_ps(a, b);
-  else if constexpr (std::is_same_v<Op, Prod>) return _mm256_mul_ps(a, b);
-  else if constexpr (std::is_same_v<Op, Min>) return _mm256_min_ps(b, a);  // b < a ? b : a
-  else return _mm256_max_ps(b, a);                                          // b > a ? b : a
+  if constexpr (std::is_same_v<Op, Sum>)
+    return _mm256_add_ps(a, b);
+  else if constexpr (std::is_same_v<Op, Prod>)
+    return _mm256_mul_ps(a, b);
+  else if constexpr (std::is_same_v<Op, Min>)
+    return _mm256_min_ps(b, a);  // b < a ? b : a
+  else
+    return _mm256_max_ps(b, a);  // b > a ? b : a
 }
 
 template <class Op>
-__attribute__((target("avx,f16c"), noinline)) void loop_f16c(c10::Half* out, const c10::Half* a,
-                                                              const c10::Half* b, size_t n, Op op) {
+__attribute__((target("avx,f16c"), noinline)) void loop_f16c(c10::Half* out, const c10::Half* a, const c10::Half* b,
+                                                             size_t n, Op op) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)));
@@ -118,8 +153,8 @@ void dispatch(void* out, const void* a, const void* b, size_t n, DType t, Op op)
         return loop_f16c(static_cast<c10::Half*>(out), static_cast<const c10::Half*>(a),
                          static_cast<const c10::Half*>(b), n, op);
 #endif
-      return loop16(static_cast<c10::Half*>(out), static_cast<const c10::Half*>(a),
-                    static_cast<const c10::Half*>(b), n, op);
+      return loop16(static_cast<c10::Half*>(out), static_cast<const c10::Half*>(a), static_cast<const c10::Half*>(b), n,
+                    op);
     case DType::BF16:
       return loop16(static_cast<c10::BFloat16*>(out), static_cast<const c10::BFloat16*>(a),
                     static_cast<const c10::BFloat16*>(b), n, op);
@@ -153,8 +188,7 @@ void stream_copy(char* dst, const char* src, size_t bytes) {
 
 }  // namespace
 
-void combine_streaming(void* out, void* shared, const void* a, const void* b, size_t count, DType t,
-                       RedOp op) {
+void combine_streaming(void* out, void* shared, const void* a, const void* b, size_t count, DType t, RedOp op) {
   const size_t es = element_size(t);
   const size_t block = 4096 / es;  // the block just written is still in L1 when it is streamed
   for (size_t done = 0; done < count; done += block) {
@@ -170,10 +204,14 @@ void combine_streaming(void* out, void* shared, const void* a, const void* b, si
 
 void combine(void* out, const void* a, const void* b, size_t count, DType t, RedOp op) {
   switch (op) {
-    case RedOp::SUM: return dispatch(out, a, b, count, t, Sum{});
-    case RedOp::PROD: return dispatch(out, a, b, count, t, Prod{});
-    case RedOp::MIN: return dispatch(out, a, b, count, t, Min{});
-    case RedOp::MAX: return dispatch(out, a, b, count, t, Max{});
+    case RedOp::SUM:
+      return dispatch(out, a, b, count, t, Sum{});
+    case RedOp::PROD:
+      return dispatch(out, a, b, count, t, Prod{});
+    case RedOp::MIN:
+      return dispatch(out, a, b, count, t, Min{});
+    case RedOp::MAX:
+      return dispatch(out, a, b, count, t, Max{});
   }
 }
 

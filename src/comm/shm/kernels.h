@@ -26,7 +26,6 @@ void combine(void* out, const void* a, const void* b, size_t count, DType t, Red
 // core, which on the machines measured here made the 2-rank all-reduce about twice as fast at every
 // size from 64 KB to 64 MB (see README, shared-memory benchmark). Ends with a store fence, so a
 // release store that follows publishes the values.
-void combine_streaming(void* out, void* shared, const void* a, const void* b, size_t count, DType t,
-                       RedOp op);
+void combine_streaming(void* out, void* shared, const void* a, const void* b, size_t count, DType t, RedOp op);
 
 }  // namespace dtrain::shm

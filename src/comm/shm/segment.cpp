@@ -55,13 +55,14 @@ Segment Segment::create(const std::string& name, int nranks, size_t slot_bytes) 
   if (ftruncate(fd, static_cast<off_t>(total)) != 0) {
     int e = errno;
     close(fd);
-    throw Error(detail::cat("sizing the shared-memory segment ", name, " to ", total, " bytes failed: ",
-                            errno_text(e), ": free space in /dev/shm or set DTRAIN_SHM=0"));
+    throw Error(detail::cat("sizing the shared-memory segment ", name, " to ", total, " bytes failed: ", errno_text(e),
+                            ": free space in /dev/shm or set DTRAIN_SHM=0"));
   }
   if (int e = posix_fallocate(fd, 0, static_cast<off_t>(total)); e != 0) {
     close(fd);
     throw Error(detail::cat("reserving ", total, " bytes for the shared-memory segment ", name,
-                            " failed: ", errno_text(e), ": /dev/shm is too small (df -h /dev/shm); "
+                            " failed: ", errno_text(e),
+                            ": /dev/shm is too small (df -h /dev/shm); "
                             "enlarge it or set DTRAIN_SHM=0"));
   }
   void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -90,8 +91,9 @@ Segment Segment::attach(const std::string& name, int nranks, size_t slot_bytes) 
   struct stat st {};
   if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != total) {
     close(fd);
-    throw Error(detail::cat("the shared-memory segment ", name, " has ", st.st_size, " bytes, expected ",
-                            total, " (", nranks, " ranks, ", slot_bytes, "-byte slots): another job "
+    throw Error(detail::cat("the shared-memory segment ", name, " has ", st.st_size, " bytes, expected ", total, " (",
+                            nranks, " ranks, ", slot_bytes,
+                            "-byte slots): another job "
                             "reused the name, or the ranks disagree on the group; set DTRAIN_SHM=0"));
   }
   void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -144,9 +146,7 @@ void Segment::unlink() {
   unlinked_ = true;
 }
 
-RankCtl& Segment::ctl(int rank) const {
-  return reinterpret_cast<RankCtl*>(base_ + ctl_offset())[rank];
-}
+RankCtl& Segment::ctl(int rank) const { return reinterpret_cast<RankCtl*>(base_ + ctl_offset())[rank]; }
 
 char* Segment::slot(int rank, int buffer) const {
   return base_ + data_offset(nranks_) + (static_cast<size_t>(rank) * 2 + buffer) * slot_bytes_;

@@ -22,11 +22,11 @@ namespace dtrain::shm {
 
 struct OpDesc {
   uint64_t op_id = 0;
-  uint64_t count = 0;   // elements (all_reduce) or bytes (broadcast, all_gather)
-  uint32_t op = 0;      // OpKind
-  uint32_t dtype = 0;   // DType for all_reduce
-  uint32_t redop = 0;   // RedOp for all_reduce
-  int32_t root = -1;    // broadcast
+  uint64_t count = 0;  // elements (all_reduce) or bytes (broadcast, all_gather)
+  uint32_t op = 0;     // OpKind
+  uint32_t dtype = 0;  // DType for all_reduce
+  uint32_t redop = 0;  // RedOp for all_reduce
+  int32_t root = -1;   // broadcast
 };
 
 struct alignas(64) Counter {

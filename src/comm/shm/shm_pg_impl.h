@@ -16,10 +16,10 @@
 namespace dtrain::comm {
 
 struct ShmTopology {
-  int hosts = 1;          // distinct hosts in the group
-  int host_index = 0;     // this rank's host, in order of first rank
-  bool leader = true;     // lowest rank of its host
-  int leader_local = 0;   // the leader's index among this host's ranks
+  int hosts = 1;                   // distinct hosts in the group
+  int host_index = 0;              // this rank's host, in order of first rank
+  bool leader = true;              // lowest rank of its host
+  int leader_local = 0;            // the leader's index among this host's ranks
   std::vector<int> leader_labels;  // the global rank of each host's leader, for error messages
 };
 
@@ -63,19 +63,16 @@ class ShmProcessGroup : public compat::Backend {
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& out,
                                                      std::vector<at::Tensor>& in,
                                                      const c10d::AllgatherOptions& o) override;
-  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& out,
-                                        std::vector<at::Tensor>& in, const c10d::GatherOptions& o) override;
-  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& out,
-                                         std::vector<std::vector<at::Tensor>>& in,
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
+                                        const c10d::GatherOptions& o) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
                                          const c10d::ScatterOptions& o) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& out,
-                                                std::vector<std::vector<at::Tensor>>& in,
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
                                                 const c10d::ReduceScatterOptions& o) override;
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                                       const c10d::ReduceScatterOptions& o) override;
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& os,
-                                               std::vector<int64_t>& is,
-                                               const c10d::AllToAllOptions& o) override;
+                                               std::vector<int64_t>& is, const c10d::AllToAllOptions& o) override;
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
                                           const c10d::AllToAllOptions& o) override;
   void monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all_ranks) override;
@@ -86,8 +83,7 @@ class ShmProcessGroup : public compat::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& t, int tag) override;
 
  private:
-  c10::intrusive_ptr<c10d::Work> enqueue(std::vector<at::Tensor> outputs, c10d::OpType type,
-                                         std::function<void()> job);
+  c10::intrusive_ptr<c10d::Work> enqueue(std::vector<at::Tensor> outputs, c10d::OpType type, std::function<void()> job);
   // A collective on Gloo: queued, checked (agree()), then started and awaited on the worker.
   c10::intrusive_ptr<c10d::Work> on_gloo(std::vector<at::Tensor> outputs, c10d::OpType type, GlooCall call,
                                          std::chrono::milliseconds timeout,
@@ -106,8 +102,8 @@ class ShmProcessGroup : public compat::Backend {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
-  int pending_ = 0;        // queued or running jobs
-  std::mutex exec_mu_;     // one job at a time on the segment (worker or inline caller)
+  int pending_ = 0;     // queued or running jobs
+  std::mutex exec_mu_;  // one job at a time on the segment (worker or inline caller)
   bool stop_ = false;
   std::thread worker_;
 };

@@ -20,14 +20,17 @@ thread_local bool t_blocking_call = false;
 class ShmWork : public c10d::Work {
  public:
   ShmWork(std::vector<at::Tensor> outputs, c10d::OpType type)
-      : c10d::Work(-1, type), outputs_(std::move(outputs)),
+      : c10d::Work(-1, type),
+        outputs_(std::move(outputs)),
         future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   void complete(std::exception_ptr e) {
     finish(e);
-    if (e) future_->setError(e);
-    else future_->markCompleted(c10::IValue(outputs_));
+    if (e)
+      future_->setError(e);
+    else
+      future_->markCompleted(c10::IValue(outputs_));
   }
 
  private:
@@ -38,11 +41,16 @@ class ShmWork : public c10d::Work {
 std::optional<shm::DType> shm_dtype(const at::Tensor& t) {
   if (!t.defined() || !t.device().is_cpu() || !t.is_contiguous() || t.is_sparse()) return std::nullopt;
   switch (t.scalar_type()) {
-    case at::kFloat: return shm::DType::F32;
-    case at::kDouble: return shm::DType::F64;
-    case at::kHalf: return shm::DType::F16;
-    case at::kBFloat16: return shm::DType::BF16;
-    default: return std::nullopt;
+    case at::kFloat:
+      return shm::DType::F32;
+    case at::kDouble:
+      return shm::DType::F64;
+    case at::kHalf:
+      return shm::DType::F16;
+    case at::kBFloat16:
+      return shm::DType::BF16;
+    default:
+      return std::nullopt;
   }
 }
 
@@ -69,34 +77,59 @@ bool plain_cpu(const at::Tensor& t) {
 // worker, or the caller for a blocking call): Gloo numbers its collectives as they start, so every
 // rank must start them in the same order. Point-to-point needs no check: send and recv match by tag.
 enum GlooCallKind : int64_t {
-  kAllReduce = 1, kBroadcast, kReduce, kAllGather, kGather, kScatter, kReduceScatter, kAllToAll, kBarrier
+  kAllReduce = 1,
+  kBroadcast,
+  kReduce,
+  kAllGather,
+  kGather,
+  kScatter,
+  kReduceScatter,
+  kAllToAll,
+  kBarrier
 };
 
 const char* kind_name(int64_t k) {
   switch (k) {
-    case kAllReduce: return "all_reduce";
-    case kBroadcast: return "broadcast";
-    case kReduce: return "reduce";
-    case kAllGather: return "all_gather";
-    case kGather: return "gather";
-    case kScatter: return "scatter";
-    case kReduceScatter: return "reduce_scatter";
-    case kAllToAll: return "all_to_all";
-    case kBarrier: return "barrier";
+    case kAllReduce:
+      return "all_reduce";
+    case kBroadcast:
+      return "broadcast";
+    case kReduce:
+      return "reduce";
+    case kAllGather:
+      return "all_gather";
+    case kGather:
+      return "gather";
+    case kScatter:
+      return "scatter";
+    case kReduceScatter:
+      return "reduce_scatter";
+    case kAllToAll:
+      return "all_to_all";
+    case kBarrier:
+      return "barrier";
   }
   return "an unknown collective";
 }
 
 const char* redop_name(int64_t op) {
   switch (op) {
-    case c10d::ReduceOp::SUM: return "SUM";
-    case c10d::ReduceOp::AVG: return "AVG";
-    case c10d::ReduceOp::PRODUCT: return "PRODUCT";
-    case c10d::ReduceOp::MIN: return "MIN";
-    case c10d::ReduceOp::MAX: return "MAX";
-    case c10d::ReduceOp::BAND: return "BAND";
-    case c10d::ReduceOp::BOR: return "BOR";
-    case c10d::ReduceOp::BXOR: return "BXOR";
+    case c10d::ReduceOp::SUM:
+      return "SUM";
+    case c10d::ReduceOp::AVG:
+      return "AVG";
+    case c10d::ReduceOp::PRODUCT:
+      return "PRODUCT";
+    case c10d::ReduceOp::MIN:
+      return "MIN";
+    case c10d::ReduceOp::MAX:
+      return "MAX";
+    case c10d::ReduceOp::BAND:
+      return "BAND";
+    case c10d::ReduceOp::BOR:
+      return "BOR";
+    case c10d::ReduceOp::BXOR:
+      return "BXOR";
   }
   return "?";
 }
@@ -133,16 +166,17 @@ std::string describe(const GlooCall& c, const std::vector<int>& labels) {
 
 }  // namespace
 
-BlockingCallScope::BlockingCallScope(bool blocking) : previous_(t_blocking_call) {
-  t_blocking_call = blocking;
-}
+BlockingCallScope::BlockingCallScope(bool blocking) : previous_(t_blocking_call) { t_blocking_call = blocking; }
 BlockingCallScope::~BlockingCallScope() { t_blocking_call = previous_; }
 
-ShmProcessGroup::ShmProcessGroup(int rank, int size, compat::BackendPtr gloo,
-                                 std::unique_ptr<shm::Comm> local, compat::BackendPtr leaders,
-                                 ShmTopology topo, std::vector<int> labels)
-    : compat::Backend(rank, size), gloo_(std::move(gloo)), local_(std::move(local)),
-      leaders_(std::move(leaders)), topo_(std::move(topo)), labels_(std::move(labels)) {
+ShmProcessGroup::ShmProcessGroup(int rank, int size, compat::BackendPtr gloo, std::unique_ptr<shm::Comm> local,
+                                 compat::BackendPtr leaders, ShmTopology topo, std::vector<int> labels)
+    : compat::Backend(rank, size),
+      gloo_(std::move(gloo)),
+      local_(std::move(local)),
+      leaders_(std::move(leaders)),
+      topo_(std::move(topo)),
+      labels_(std::move(labels)) {
   worker_ = std::thread([this] { run(); });
 }
 
@@ -174,8 +208,8 @@ void ShmProcessGroup::run() {
   }
 }
 
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::enqueue(std::vector<at::Tensor> outputs,
-                                                        c10d::OpType type, std::function<void()> job) {
+c10::intrusive_ptr<c10d::Work> ShmProcessGroup::enqueue(std::vector<at::Tensor> outputs, c10d::OpType type,
+                                                        std::function<void()> job) {
   auto work = c10::make_intrusive<ShmWork>(std::move(outputs), type);
   auto task = [work, job = std::move(job)] {
     std::exception_ptr error;
@@ -188,7 +222,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::enqueue(std::vector<at::Tensor> 
   };
   std::unique_lock<std::mutex> lock(mu_);
   if (t_blocking_call && pending_ == 0) {  // Note [Inline blocking collectives]
-    ++pending_;  // later calls queue behind this one and the worker waits for exec_mu_
+    ++pending_;                            // later calls queue behind this one and the worker waits for exec_mu_
     lock.unlock();
     {
       std::lock_guard<std::mutex> exec(exec_mu_);
@@ -230,10 +264,10 @@ void ShmProcessGroup::agree(compat::Backend& pg, int me, const std::vector<int>&
     std::memcpy(&theirs, all[r].data_ptr(), sizeof(theirs));
     if (std::memcmp(&theirs, &call, sizeof(call)) == 0) continue;
     // Not a dtrain::Error: dtrain::Work prefixes it with the rank, the operation and the group.
-    throw std::runtime_error(detail::cat(
-        "mismatched collectives over Gloo: rank ", labels.at(me), " calls ", describe(call, labels), " but rank ",
-        labels.at(r), " calls ", describe(theirs, labels),
-        ": every rank must call the same collectives in the same order with the same shapes and dtypes"));
+    throw std::runtime_error(
+        detail::cat("mismatched collectives over Gloo: rank ", labels.at(me), " calls ", describe(call, labels),
+                    " but rank ", labels.at(r), " calls ", describe(theirs, labels),
+                    ": every rank must call the same collectives in the same order with the same shapes and dtypes"));
   }
 }
 
@@ -267,12 +301,12 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce(std::vector<at::Tensor
         if (!v[0].is_same(t)) t.copy_(v[0]);
       } catch (const std::exception& e) {
         // The host's other ranks wait in the broadcast below: fail them too, now.
-        if (local_) local_->abort(detail::cat("rank ", rank_, " (host leader): all_reduce between hosts failed: ", e.what()));
+        if (local_)
+          local_->abort(detail::cat("rank ", rank_, " (host leader): all_reduce between hosts failed: ", e.what()));
         throw;
       }
     }
-    if (local_ && topo_.hosts > 1)
-      local_->broadcast(t.data_ptr(), t.numel() * t.element_size(), topo_.leader_local);
+    if (local_ && topo_.hosts > 1) local_->broadcast(t.data_ptr(), t.numel() * t.element_size(), topo_.leader_local);
   });
 }
 
@@ -283,16 +317,15 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::broadcast(std::vector<at::Tensor
                    [this, tensors, opts]() mutable { return gloo_->broadcast(tensors, opts); });
   at::Tensor t = tensors[0];
   const int root = static_cast<int>(opts.rootRank);  // one host: local index == group rank
-  return enqueue({t}, c10d::OpType::BROADCAST, [this, t, root] {
-    local_->broadcast(t.data_ptr(), t.numel() * t.element_size(), root);
-  });
+  return enqueue({t}, c10d::OpType::BROADCAST,
+                 [this, t, root] { local_->broadcast(t.data_ptr(), t.numel() * t.element_size(), root); });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                           std::vector<at::Tensor>& inputs,
                                                           const c10d::AllgatherOptions& opts) {
-  bool ok = topo_.hosts == 1 && local_ && inputs.size() == 1 && outputs.size() == 1 &&
-            plain_cpu(inputs[0]) && static_cast<int>(outputs[0].size()) == size_;
+  bool ok = topo_.hosts == 1 && local_ && inputs.size() == 1 && outputs.size() == 1 && plain_cpu(inputs[0]) &&
+            static_cast<int>(outputs[0].size()) == size_;
   if (ok)
     for (const auto& o : outputs[0])
       ok = ok && plain_cpu(o) && o.scalar_type() == inputs[0].scalar_type() && o.numel() == inputs[0].numel();
@@ -339,8 +372,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allgather_coalesced(std::vector<
 }
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::gather(std::vector<std::vector<at::Tensor>>& out,
                                                        std::vector<at::Tensor>& in, const c10d::GatherOptions& o) {
-  DTRAIN_ON_GLOO(out.empty() ? std::vector<at::Tensor>{} : out[0], GATHER, call_of(kGather, in, o.rootRank),
-                 o.timeout, gather(out, in, o));
+  DTRAIN_ON_GLOO(out.empty() ? std::vector<at::Tensor>{} : out[0], GATHER, call_of(kGather, in, o.rootRank), o.timeout,
+                 gather(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::scatter(std::vector<at::Tensor>& out,
                                                         std::vector<std::vector<at::Tensor>>& in,
@@ -360,8 +393,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_reduce_scatter_base(at::Tensor&
 }
 // all_to_all: ranks may legitimately send different amounts, so only the operation and dtype are
 // checked (count -1).
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall_base(at::Tensor& out, at::Tensor& in,
-                                                              std::vector<int64_t>& os, std::vector<int64_t>& is,
+c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& os,
+                                                              std::vector<int64_t>& is,
                                                               const c10d::AllToAllOptions& o) {
   GlooCall c = call_of(kAllToAll, {in});
   c.count = -1;

@@ -36,8 +36,7 @@ ShmMode shm_mode_from_env();
 //   4. Any error: kAuto warns once and wraps `gloo` alone; kRequired throws. Otherwise the creators
 //      unlink the names (Note [Segment lifetime]) and, with several hosts, the host leaders build
 //      a Gloo group among themselves.
-compat::BackendPtr make_shm_process_group(const BackendConfig& config, compat::BackendPtr gloo,
-                                          ShmMode mode);
+compat::BackendPtr make_shm_process_group(const BackendConfig& config, compat::BackendPtr gloo, ShmMode mode);
 
 // Note [Inline blocking collectives]: a caller that waits at once (async_op=false) marks the call
 // with a BlockingCallScope; the shared-memory group then runs it on the calling thread when nothing

@@ -44,14 +44,15 @@ ShmMode shm_mode_from_env() {
 }
 
 compat::BackendPtr make_shm_process_group(const BackendConfig& c, compat::BackendPtr gloo, ShmMode mode) {
-  if (c.size == 1) return gloo;  // nothing to exchange, nothing to mismatch
+  if (c.size == 1) return gloo;              // nothing to exchange, nothing to mismatch
   std::vector<int> labels = c.global_ranks;  // global ranks, for error messages
   if (labels.empty())
     for (int r = 0; r < c.size; ++r) labels.push_back(r);
   // Without shared memory the group still wraps Gloo: its collectives are checked before they start
   // (Note [Guarded Gloo collectives] in shm_process_group.cpp).
   auto gloo_only = [&] {
-    return c10::make_intrusive<ShmProcessGroup>(c.rank, c.size, gloo, nullptr, compat::BackendPtr(), ShmTopology{}, labels);
+    return c10::make_intrusive<ShmProcessGroup>(c.rank, c.size, gloo, nullptr, compat::BackendPtr(), ShmTopology{},
+                                                labels);
   };
   if (mode == ShmMode::kOff) return gloo_only();
   auto& store = *c.store;
@@ -71,15 +72,15 @@ compat::BackendPtr make_shm_process_group(const BackendConfig& c, compat::Backen
   for (const auto& [k, ranks] : by_host) shared = shared || ranks.size() > 1;
   // 2. Nobody shares a host.
   if (!shared) {
-    DTRAIN_CHECK(mode != ShmMode::kRequired, "rank ", c.rank, ": DTRAIN_SHM=1 but no two of the group's ",
-                 c.size, " ranks share a host: unset DTRAIN_SHM (or set it to 0) for this job");
+    DTRAIN_CHECK(mode != ShmMode::kRequired, "rank ", c.rank, ": DTRAIN_SHM=1 but no two of the group's ", c.size,
+                 " ranks share a host: unset DTRAIN_SHM (or set it to 0) for this job");
     return gloo_only();
   }
   const std::vector<int>& mine = by_host[keys[c.rank]];
   ShmTopology topo;
   topo.hosts = static_cast<int>(host_order.size());
-  topo.host_index = static_cast<int>(std::find(host_order.begin(), host_order.end(), keys[c.rank]) -
-                                     host_order.begin());
+  topo.host_index =
+      static_cast<int>(std::find(host_order.begin(), host_order.end(), keys[c.rank]) - host_order.begin());
   topo.leader = mine.front() == c.rank;
   topo.leader_local = 0;
   for (const auto& key : host_order) topo.leader_labels.push_back(labels[by_host[key].front()]);
@@ -123,8 +124,8 @@ compat::BackendPtr make_shm_process_group(const BackendConfig& c, compat::Backen
   seg.unlink();  // every rank of the host has attached (or failed): Note [Segment lifetime]
   // 4. Agreement.
   if (failed_rank >= 0) {
-    std::string msg = detail::cat("shared-memory collectives are unavailable (group rank ", failed_rank,
-                                  ": ", first_error, ")");
+    std::string msg =
+        detail::cat("shared-memory collectives are unavailable (group rank ", failed_rank, ": ", first_error, ")");
     DTRAIN_CHECK(mode != ShmMode::kRequired, "rank ", c.rank, ": DTRAIN_SHM=1 but ", msg);
     warn_once("shm-unavailable", msg + "; using Gloo over TCP");
     return gloo_only();
@@ -143,8 +144,8 @@ compat::BackendPtr make_shm_process_group(const BackendConfig& c, compat::Backen
     lc.size = topo.hosts;
     leaders = make_gloo_backend(lc);
   }
-  return c10::make_intrusive<ShmProcessGroup>(c.rank, c.size, std::move(gloo), std::move(local),
-                                              std::move(leaders), topo, labels);
+  return c10::make_intrusive<ShmProcessGroup>(c.rank, c.size, std::move(gloo), std::move(local), std::move(leaders),
+                                              topo, labels);
 }
 
 }  // namespace dtrain::comm
