@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "comm/gloo_backend.h"
 #include "comm/shm/shm_process_group.h"
 #include "dtrain/errors.h"
 
@@ -51,5 +52,7 @@ compat::BackendPtr make_backend(const BackendConfig& config) {
   const ShmMode mode = shm_mode_from_env();
   return make_shm_process_group(config, make_gloo_backend(config), mode);
 }
+
+bool uses_shared_memory(const compat::BackendPtr& pg) { return has_shared_memory_segment(pg); }
 
 }  // namespace dtrain::comm

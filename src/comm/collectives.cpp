@@ -13,7 +13,7 @@
 #include <ATen/ATen.h>
 
 #include "comm/debug_check.h"
-#include "comm/shm/shm_process_group.h"
+#include "comm/call_hint.h"
 #include "comm/state.h"
 
 namespace dtrain {

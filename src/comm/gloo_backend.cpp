@@ -5,7 +5,7 @@
 // constructor; this file only fills the Options and allocates the object.
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
-#include "comm/backend.h"
+#include "comm/gloo_backend.h"
 #include "common/env.h"
 #include "dtrain/errors.h"
 

@@ -3,7 +3,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "comm/shm/shm_process_group.h"
+#include "comm/backend.h"
 #include "comm/state.h"
 
 namespace dtrain {

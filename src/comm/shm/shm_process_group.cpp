@@ -1,5 +1,6 @@
 #include "comm/shm/shm_pg_impl.h"
 #include "comm/shm/shm_process_group.h"
+#include "comm/call_hint.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
@@ -12,8 +13,6 @@
 
 namespace dtrain::comm {
 namespace {
-
-thread_local bool t_blocking_call = false;
 
 // Completes like Gloo's works: wait() rethrows the error; getFuture() is completed with the outputs
 // (or the error) on the worker thread, so completion callbacks run there.
@@ -166,9 +165,6 @@ std::string describe(const GlooCall& c, const std::vector<int>& labels) {
 
 }  // namespace
 
-BlockingCallScope::BlockingCallScope(bool blocking) : previous_(t_blocking_call) { t_blocking_call = blocking; }
-BlockingCallScope::~BlockingCallScope() { t_blocking_call = previous_; }
-
 ShmProcessGroup::ShmProcessGroup(int rank, int size, compat::BackendPtr gloo, std::unique_ptr<shm::Comm> local,
                                  compat::BackendPtr leaders, ShmTopology topo, std::vector<int> labels)
     : compat::Backend(rank, size),
@@ -221,8 +217,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::enqueue(std::vector<at::Tensor> 
     work->complete(error);
   };
   std::unique_lock<std::mutex> lock(mu_);
-  if (t_blocking_call && pending_ == 0) {  // Note [Inline blocking collectives]
-    ++pending_;                            // later calls queue behind this one and the worker waits for exec_mu_
+  if (caller_waits_at_once() && pending_ == 0) {  // Note [Inline blocking collectives]
+    ++pending_;                                   // later calls queue behind this one and the worker waits for exec_mu_
     lock.unlock();
     {
       std::lock_guard<std::mutex> exec(exec_mu_);
@@ -427,7 +423,7 @@ void ShmProcessGroup::monitoredBarrier(const c10d::BarrierOptions& o, bool wait_
 void ShmProcessGroup::setSequenceNumberForGroup() { gloo_->setSequenceNumberForGroup(); }
 uint64_t ShmProcessGroup::getSequenceNumberForGroup() { return gloo_->getSequenceNumberForGroup(); }
 
-bool uses_shared_memory(const compat::BackendPtr& pg) {
+bool has_shared_memory_segment(const compat::BackendPtr& pg) {
   auto* s = dynamic_cast<ShmProcessGroup*>(pg.get());
   return s && s->has_local();
 }

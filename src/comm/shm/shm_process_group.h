@@ -13,11 +13,15 @@
 // one leader per host, shared memory to spread the result; the other collectives use Gloo.
 //
 // Setup (make_backend, comm/backend.cpp): see make_shm_process_group below.
+//
+// Layering: shm/ depends on the lowest layer of comm/ (backend_config.h, call_hint.h) and on
+// gloo_backend.h (it wraps and creates Gloo groups); the factory (backend.cpp) is the only file above
+// that includes this header, so the front end (collectives, Group) never sees the shared-memory group.
 #pragma once
 
 #include <string>
 
-#include "comm/backend.h"
+#include "comm/backend_config.h"
 #include "compat/c10d_compat.h"
 
 namespace dtrain::comm {
@@ -38,22 +42,7 @@ ShmMode shm_mode_from_env();
 //      a Gloo group among themselves.
 compat::BackendPtr make_shm_process_group(const BackendConfig& config, compat::BackendPtr gloo, ShmMode mode);
 
-// Note [Inline blocking collectives]: a caller that waits at once (async_op=false) marks the call
-// with a BlockingCallScope; the shared-memory group then runs it on the calling thread when nothing
-// is queued, saving two thread hand-offs (tens of microseconds; far more on a loaded machine).
-// Asynchronous calls (DDP's buckets during backward) still run on the worker thread.
-class BlockingCallScope {
- public:
-  explicit BlockingCallScope(bool blocking);
-  ~BlockingCallScope();
-  BlockingCallScope(const BlockingCallScope&) = delete;
-  BlockingCallScope& operator=(const BlockingCallScope&) = delete;
-
- private:
-  bool previous_;
-};
-
 // Whether `pg` is a ShmProcessGroup with a shared-memory segment for this rank's host.
-bool uses_shared_memory(const compat::BackendPtr& pg);
+bool has_shared_memory_segment(const compat::BackendPtr& pg);
 
 }  // namespace dtrain::comm

@@ -9,6 +9,7 @@
 
 #include "comm/shm/shm_pg_impl.h"
 #include "comm/shm/shm_process_group.h"
+#include "comm/gloo_backend.h"
 #include "common/env.h"
 #include "dtrain/errors.h"
 

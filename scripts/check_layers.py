@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Fails when a source file includes a header of a layer it must not use (docs/design.md, "Layers
+and dependency direction" and "comm/ inside").
+
+  scripts/check_layers.py
+
+Every `#include "..."` in src/ is mapped to the layer that owns the header: src/DIR/... belongs to
+DIR, and each public header include/dtrain/NAME.h to the directory that implements it. A file may
+include its own layer and the layers its directory lists in USES below; comm/ has its own one-way
+order inside (COMM_RULES). Exit status 0 clean, 1 with one line per offending include.
+"""
+import fnmatch
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SRC = os.path.join(ROOT, "src")
+
+# What each directory of src/ may use besides itself: the arrows of docs/design.md's diagram.
+USES = {
+    "store": set(),
+    "common": set(),
+    "compat": {"common"},
+    "comm": {"common", "compat", "store"},
+    "ddp": {"comm", "compat", "common"},
+    "amp": {"comm", "compat", "common"},
+    "parallel": {"comm", "compat", "common"},
+    "data": {"comm", "compat", "common"},
+    "pipeline": {"ddp", "parallel", "comm", "compat", "common"},
+    "checkpoint": {"amp", "data", "comm", "compat", "common"},
+    "monitor": {"ddp", "comm", "compat", "common"},
+}
+
+# The directory behind each public header (include/dtrain/NAME.h or include/dtrain/NAME/...).
+PUBLIC_OWNER = {
+    "errors": "common", "system": "common", "process_group": "comm", "amp": "amp", "ddp": "ddp",
+    "data_parallel": "parallel", "sampler": "data", "datasets": "data", "checkpoint": "checkpoint",
+    "monitor": "monitor", "pipeline": "pipeline", "detail": "common",
+}
+
+# comm/ inside, one way: front end -> factory (backend.h) -> backends -> lowest layer.
+# (file pattern, include patterns it must not use, why)
+BACKENDS = ["comm/shm/*", "comm/gloo_backend.h"]
+COMM_RULES = [
+    ("comm/shm/*", ["comm/backend.h", "comm/state.h", "comm/debug_check.h", "comm/init*"],
+     "a backend sees only backend_config.h, call_hint.h and gloo_backend.h of comm/"),
+    ("comm/gloo_backend.*", ["comm/backend.h", "comm/shm/*", "comm/state.h"],
+     "a backend sees only backend_config.h and call_hint.h of comm/"),
+    ("comm/backend_config.h", ["comm/*"], "the lowest layer of comm/ includes nothing of comm/"),
+    ("comm/call_hint.*", ["comm/*"], "the lowest layer of comm/ includes nothing of comm/"),
+]
+# Everything else in comm/ is front end: it reaches backends only through backend.h.
+FRONT_END_EXEMPT = ["comm/shm/*", "comm/gloo_backend.*", "comm/backend.cpp", "comm/backend_config.h",
+                    "comm/call_hint.*"]
+
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+
+
+def owner(header):
+    top = header.split("/", 1)[0]
+    if top == "dtrain":
+        name = header.split("/")[1].split(".")[0]
+        return "*" if name == "dtrain" else PUBLIC_OWNER.get(name)
+    return top if top in USES else None  # anything else is outside src/ (gloo_opaque, third party)
+
+
+def matches(path, patterns):
+    return any(fnmatch.fnmatch(path, p) for p in patterns)
+
+
+def main():
+    errors = []
+    for dirpath, _, files in os.walk(SRC):
+        for f in sorted(files):
+            if not f.endswith((".h", ".cpp", ".cu")):
+                continue
+            path = os.path.relpath(os.path.join(dirpath, f), SRC)
+            layer = path.split("/", 1)[0]
+            with open(os.path.join(dirpath, f), encoding="utf-8") as fh:
+                for n, line in enumerate(fh, 1):
+                    m = INCLUDE.match(line)
+                    if not m:
+                        continue
+                    inc = m.group(1)
+                    where = f"src/{path}:{n}: includes \"{inc}\""
+                    to = owner(inc)
+                    if to == "*":
+                        errors.append(f"{where}: the umbrella header is for users; include what is used")
+                    elif to and to != layer and to not in USES.get(layer, set()):
+                        errors.append(f"{where}: {layer}/ must not use {to}/ (it may use: "
+                                      f"{', '.join(sorted(USES.get(layer, []))) or 'nothing'})")
+                    for pattern, banned, why in COMM_RULES:
+                        if fnmatch.fnmatch(path, pattern) and matches(inc, banned) and inc != path:
+                            if not (pattern.endswith("*") and fnmatch.fnmatch(inc, pattern)):
+                                errors.append(f"{where}: {why}")
+                    if path.startswith("comm/") and not matches(path, FRONT_END_EXEMPT) and matches(inc, BACKENDS):
+                        errors.append(f"{where}: comm's front end reaches backends only through comm/backend.h")
+    for e in errors:
+        print(f"check_layers: {e}")
+    if errors:
+        print(f"check_layers: {len(errors)} include(s) against docs/design.md's layers; move the code or the "
+              "include so each arrow points down")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
