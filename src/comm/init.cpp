@@ -54,8 +54,7 @@ std::chrono::milliseconds resolve_timeout(const InitOptions& o) {
     DTRAIN_CHECK(o.timeout()->count() > 0, "timeout must be > 0 ms, got ", o.timeout()->count());
     return *o.timeout();
   }
-  // Unset, the table's fallback applies: it must be the public kDefaultTimeout (PyTorch's 30 min).
-  DTRAIN_ASSERT(std::strtod(env::knob("DTRAIN_TIMEOUT_S").fallback, nullptr) * 1000 == kDefaultTimeout.count());
+  // Unset, the table's fallback applies: kDefaultTimeout, PyTorch's 30 min (ctest env_test).
   return std::chrono::milliseconds(static_cast<int64_t>(*env::seconds("DTRAIN_TIMEOUT_S") * 1000));
 }
 

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "common/env.h"
+#include "dtrain/process_group.h"
 #include "test_util.h"
 
 namespace env = dtrain::env;
@@ -92,7 +93,9 @@ TEST(Env, UnsetVariablesHaveTheTablesFallback) {
   EXPECT_EQ(env::choice("DTRAIN_SHM", none), "auto");
   EXPECT_EQ(env::choice("DTRAIN_DEBUG", none), "OFF");
   EXPECT_EQ(env::choice("DTRAIN_BACKEND", none), "gloo");
-  EXPECT_EQ(env::seconds("DTRAIN_TIMEOUT_S", none), 1800.0);        // PyTorch's 30 min
+  // init_process_group's timeout when neither InitOptions nor the variable sets one: the public
+  // kDefaultTimeout, PyTorch's 30 min.
+  EXPECT_EQ(env::seconds("DTRAIN_TIMEOUT_S", none).value() * 1000, double(dtrain::kDefaultTimeout.count()));
   EXPECT_EQ(env::seconds("DTRAIN_RUN_RDZV_REPORT_S", none), 30.0);  // docs: "then every 30 s"
   EXPECT_EQ(env::integer("DTRAIN_SHM_SLOT_BYTES", none), int64_t{1} << 20);
   EXPECT_TRUE(env::flag("DTRAIN_MALLOC_TUNING", none));
