@@ -3,11 +3,11 @@
 #include <unistd.h>
 
 #include <sstream>
-#include <thread>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "comm/store_count.h"
 #include "dtrain/errors.h"
 #include "store/store.h"
 
@@ -67,11 +67,10 @@ void linger_until_read(c10d::Store& store, int world_size) {
   try {
     int64_t joined = 0;
     for (int r = 1; r < world_size; ++r) joined += store.check({"rank/" + std::to_string(r)}) ? 1 : 0;
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-    while (store.add("verdict_read", 0) < joined && std::chrono::steady_clock::now() < deadline)
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    wait_for_count(store, "verdict_read", joined, std::chrono::seconds(2), "rank 0: rendezvous",
+                   "every rank that joined must read the verdict");
   } catch (const std::exception&) {
-    // The store is gone: nobody is left to tell.
+    // The store is gone, or a rank did not read the verdict in time: rank 0 throws its own error now.
   }
 }
 
