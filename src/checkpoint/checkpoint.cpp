@@ -210,36 +210,11 @@ void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::st
 bool distributed() { return is_initialized() && world_size() > 1; }
 
 // Rank 0's string on every rank (itself when not distributed).
-std::string broadcast_string(const std::string& s) {
-  if (!distributed()) return s;
-  const at::Device dev = collective_device();  // CUDA under NCCL
-  at::Tensor len = at::full({1}, static_cast<int64_t>(s.size()), at::TensorOptions(at::kLong).device(dev));
-  broadcast(len, 0);
-  at::Tensor bytes = rank() == 0 ? bytes_tensor(s).to(dev)
-                                 : at::empty({len.item<int64_t>()}, at::TensorOptions(at::kByte).device(dev));
-  if (bytes.numel() > 0) broadcast(bytes, 0);
-  return tensor_bytes(bytes);
-}
+std::string broadcast_string(const std::string& s) { return distributed() ? broadcast_bytes(s, 0) : s; }
 
-// Every rank's pack, on every rank (rank 0 needs them).
+// Every rank's pack on rank 0 (only rank 0 writes the file).
 std::vector<std::string> gather_packs(const std::string& mine) {
-  if (!distributed()) return {mine};
-  const int world = world_size();
-  const at::Device dev = collective_device();  // CUDA under NCCL
-  std::vector<at::Tensor> lens(world);
-  for (auto& t : lens) t = at::empty({1}, at::TensorOptions(at::kLong).device(dev));
-  all_gather(lens, at::full({1}, static_cast<int64_t>(mine.size()), at::TensorOptions(at::kLong).device(dev)));
-  int64_t longest = 0;
-  for (const auto& t : lens) longest = std::max(longest, t.item<int64_t>());
-  at::Tensor padded = at::zeros({longest}, at::kByte);
-  if (!mine.empty()) std::memcpy(padded.data_ptr(), mine.data(), mine.size());
-  padded = padded.to(dev);
-  std::vector<at::Tensor> packs(world);
-  for (auto& t : packs) t = at::empty({longest}, padded.options());
-  all_gather(packs, padded);
-  std::vector<std::string> out;
-  for (int r = 0; r < world; ++r) out.push_back(tensor_bytes(packs[r]).substr(0, lens[r].item<int64_t>()));
-  return out;
+  return distributed() ? gather_bytes(mine, 0) : std::vector<std::string>{mine};
 }
 
 std::string one_line(std::string s) {

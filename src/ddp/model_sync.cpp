@@ -1,5 +1,6 @@
 #include "ddp/model_sync.h"
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <sstream>
@@ -61,13 +62,8 @@ void verify_same_model(const std::vector<std::string>& names, const std::vector<
   const std::string text = join(lines);
   // Step 1-2.
   const int64_t h = static_cast<int64_t>(std::hash<std::string>{}(text));
-  const auto on = at::TensorOptions(at::kLong).device(collective_device(group));  // CUDA under NCCL
-  std::vector<at::Tensor> hashes;
-  for (int i = 0; i < group.size(); ++i) hashes.push_back(at::empty({1}, on));
-  all_gather(hashes, at::full({1}, h, on), group);
-  bool same = true;
-  for (const auto& t : hashes) same = same && t.item<int64_t>() == h;
-  if (same) return;
+  const auto hashes = all_gather_values(std::vector<int64_t>{h}, group);
+  if (std::all_of(hashes.begin(), hashes.end(), [&](const auto& v) { return v[0] == h; })) return;
   // Step 3.
   auto store = default_store();
   store->set(key_prefix + std::to_string(rank()), std::vector<uint8_t>(text.begin(), text.end()));

@@ -193,14 +193,12 @@ void Reducer::finalize() {
                     ". Pass DDPOptions().find_unused_parameters(true) if some parameters are unused in a forward, "
                     "and make sure every output that depends on them takes part in the loss"));
   }
-  at::Tensor used_anywhere;
+  std::vector<int64_t> used_anywhere;
   if (track_unused_) {
     // 1 where this rank used the parameter; MAX over ranks tells which were used anywhere.
-    std::vector<int32_t> used(params_.size());
+    std::vector<int64_t> used(params_.size());
     for (size_t i = 0; i < params_.size(); ++i) used[i] = unused_[i] ? 0 : 1;
-    used_anywhere = at::tensor(used, at::kInt).to(collective_device(group_));  // CUDA under NCCL
-    all_reduce(used_anywhere, ReduceOp::MAX, group_);
-    used_anywhere = used_anywhere.cpu();
+    used_anywhere = all_reduce_values(used, ReduceOp::MAX, group_);
   }
   for (auto& b : buckets_) {
     b.work.wait();
@@ -208,9 +206,8 @@ void Reducer::finalize() {
     record(DDPEvent::kBucketDone, static_cast<int>(&b - &buckets_[0]), b.done_ns ? b.done_ns->load() : 0);
   }
   at::NoGradGuard ng;
-  const int32_t* used = used_anywhere.defined() ? used_anywhere.data_ptr<int32_t>() : nullptr;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (used && used[i] == 0) continue;
+    if (!used_anywhere.empty() && used_anywhere[i] == 0) continue;
     at::Tensor& view = buckets_[bucket_of_[i]].views[slot_of_[i]];
     at::Tensor& grad = params_[i].mutable_grad();
     if (as_view_) {

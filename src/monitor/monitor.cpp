@@ -366,17 +366,9 @@ void Monitor::Impl::aggregate() {
   mine[kRssMb] = rss_bytes() / 1048576.0;
   std::vector<std::vector<double>> all(kNumFields, std::vector<double>(size));
   if (distributed) {
-    const Group& g = o.process_group();
-    const at::Device dev = collective_device(g);
-    at::Tensor in = at::from_blob(mine, {kNumFields}, at::kDouble).to(dev, /*non_blocking=*/false, /*copy=*/true);
-    std::vector<at::Tensor> out;
-    for (int r = 0; r < size; ++r) out.push_back(at::empty({kNumFields}, in.options()));
-    all_gather(out, in, g);
-    for (int r = 0; r < size; ++r) {
-      at::Tensor c = out[r].cpu();
-      const double* p = c.data_ptr<double>();
-      for (int f = 0; f < kNumFields; ++f) all[f][r] = p[f];
-    }
+    const auto every = all_gather_values(std::vector<double>(mine, mine + kNumFields), o.process_group());
+    for (int r = 0; r < size; ++r)
+      for (int f = 0; f < kNumFields; ++f) all[f][r] = every[r][f];
   } else {
     for (int f = 0; f < kNumFields; ++f) all[f][0] = mine[f];
   }
@@ -430,31 +422,14 @@ void Monitor::close() {
   if (s.rank_file) std::fflush(s.rank_file);
 
   if (s.timeline) {
-    // The merge: each rank's part file, gathered to rank 0 as bytes (sizes first, then padded).
+    // The merge: each rank's part file, gathered to the group's first rank.
     s.timeline->finish();
     const std::string part_path = s.timeline->part_path();
     std::string part = read_file(part_path);
     std::vector<std::string> parts{part};
     if (s.distributed) {
       const Group& g = s.o.process_group();
-      const at::Device dev = collective_device(g);  // CUDA under NCCL
-      std::vector<at::Tensor> sizes;
-      for (int r = 0; r < s.size; ++r) sizes.push_back(at::empty({1}, at::TensorOptions(at::kLong).device(dev)));
-      all_gather(sizes, at::full({1}, static_cast<int64_t>(part.size()), at::TensorOptions(at::kLong).device(dev)), g);
-      int64_t max_size = 1;
-      for (auto& t : sizes) max_size = std::max(max_size, t.item<int64_t>());
-      at::Tensor mine = at::zeros({max_size}, at::kByte);
-      std::memcpy(mine.data_ptr(), part.data(), part.size());
-      mine = mine.to(dev);
-      std::vector<at::Tensor> list;
-      if (s.rank == 0)
-        for (int r = 0; r < s.size; ++r) list.push_back(at::empty({max_size}, mine.options()));
-      gather(mine, list, g.ranks()[0], g);
-      if (s.rank == 0) {
-        parts.clear();
-        for (int r = 0; r < s.size; ++r)
-          parts.emplace_back(static_cast<const char*>(list[r].cpu().data_ptr()), sizes[r].item<int64_t>());
-      }
+      parts = gather_bytes(part, g.ranks()[0], g);
     }
     if (s.rank == 0) write_text(s.path("trace.json"), monitor::merge_trace(parts));
     std::remove(part_path.c_str());

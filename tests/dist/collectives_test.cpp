@@ -102,6 +102,36 @@ TEST(Collectives, AvgOnIntegersIsAClearError) {
   EXPECT_NE(error_of([&] { all_reduce(t, ReduceOp::AVG); }).find("needs a floating-point tensor"), std::string::npos);
 }
 
+// The small control messages: plain values in and out, on the world and on a subgroup of the others.
+TEST(Collectives, SmallMessages) {
+  EXPECT_EQ(all_reduce_values(std::vector<int64_t>{R(), 1}, ReduceOp::MAX), (std::vector<int64_t>{N() - 1, 1}));
+  EXPECT_EQ(all_reduce_values(std::vector<double>{0.5 * R()})[0], 0.25 * N() * (N() - 1));
+  const auto gathered = all_gather_values(std::vector<double>{1.0 * R(), -1.0});
+  ASSERT_EQ(gathered.size(), static_cast<size_t>(N()));
+  for (int r = 0; r < N(); ++r) EXPECT_EQ(gathered[r], (std::vector<double>{1.0 * r, -1.0}));
+
+  // Texts of different lengths, the empty one included.
+  auto text_of = [](int r) { return std::string(static_cast<size_t>(r) * 3, static_cast<char>('a' + r)); };
+  EXPECT_EQ(broadcast_bytes(R() == N() - 1 ? text_of(N() - 1) : "ignored", N() - 1), text_of(N() - 1));
+  EXPECT_EQ(broadcast_bytes(R() == 0 ? "" : "ignored", 0), "");
+  const auto all = all_gather_bytes(text_of(R()));
+  ASSERT_EQ(all.size(), static_cast<size_t>(N()));
+  for (int r = 0; r < N(); ++r) EXPECT_EQ(all[r], text_of(r));
+
+  std::vector<int> others;
+  for (int r = 1; r < N(); ++r) others.push_back(r);
+  Group sub = new_group(others);
+  if (!sub.is_member()) return;
+  const auto at_last = gather_bytes(text_of(R()), N() - 1, sub);
+  if (R() != N() - 1) {
+    EXPECT_TRUE(at_last.empty());
+  } else {
+    ASSERT_EQ(at_last.size(), others.size());
+    for (size_t i = 0; i < others.size(); ++i) EXPECT_EQ(at_last[i], text_of(others[i]));
+  }
+  EXPECT_EQ(all_gather_values(std::vector<int64_t>{R()}, sub).front(), std::vector<int64_t>{1});
+}
+
 TEST(Collectives, BroadcastFromLastRank) {
   at::Tensor t = at::full({5}, static_cast<float>(R()));
   broadcast(t, N() - 1);
