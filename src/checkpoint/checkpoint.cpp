@@ -16,6 +16,7 @@
 
 #include "checkpoint/file_io.h"
 #include "checkpoint/rank_state.h"
+#include "common/util.h"
 #include "dtrain/amp.h"
 #include "dtrain/errors.h"
 #include "dtrain/process_group.h"
@@ -50,8 +51,7 @@ std::string manifest_text(const torch::nn::Module& model) {
 
 void check_manifest(const std::string& saved_text, const torch::nn::Module& model, const std::string& file) {
   std::vector<std::pair<std::string, std::string>> saved;
-  std::istringstream in(saved_text);
-  for (std::string line; std::getline(in, line);) {
+  for (const std::string& line : util::split(saved_text)) {
     const size_t sp = line.find(' ');
     saved.emplace_back(line.substr(0, sp), sp == std::string::npos ? "" : line.substr(sp + 1));
   }
@@ -217,12 +217,6 @@ std::vector<std::string> gather_packs(const std::string& mine) {
   return distributed() ? gather_bytes(mine, 0) : std::vector<std::string>{mine};
 }
 
-std::string one_line(std::string s) {
-  for (char& c : s)
-    if (c == '\n') c = ' ';
-  return s;
-}
-
 }  // namespace
 
 // --- single process ----------------------------------------------------------------------------------
@@ -234,7 +228,7 @@ void save_checkpoint(const std::string& path, const TrainingState& state) {
 void load_checkpoint(const std::string& path, TrainingState& state) {
   std::string payload;
   try {
-    payload = ckpt::unframe(ckpt::read_file(path));
+    payload = ckpt::unframe(util::read_file(path, "checkpoint file"));
   } catch (const Error& e) {
     throw Error("checkpoint " + path + " is unusable: " + e.what());
   }
@@ -267,7 +261,7 @@ std::vector<std::string> CheckpointManager::list() const {
         name.compare(name.size() - 3, 3, ".pt") != 0)
       continue;
     const std::string digits = name.substr(head.size(), 10);
-    if (!std::all_of(digits.begin(), digits.end(), ::isdigit)) continue;
+    if (!util::is_digits(digits)) continue;
     found.emplace_back(std::stoll(digits), it->path().string());
   }
   std::sort(found.begin(), found.end());
@@ -294,9 +288,9 @@ std::string CheckpointManager::save(const TrainingState& state) {
       auto all = list();  // keep the newest `keep`
       for (size_t i = 0; i + static_cast<size_t>(options_.keep()) < all.size(); ++i) fs::remove(all[i], ec);
     } catch (const c10::Error& e) {
-      error = one_line(e.what_without_backtrace());
+      error = util::one_line(e.what_without_backtrace());
     } catch (const std::exception& e) {
-      error = one_line(e.what());
+      error = util::one_line(e.what());
     }
   }
   error = broadcast_string(error);  // 3.
@@ -312,7 +306,7 @@ std::optional<std::string> CheckpointManager::load_latest(TrainingState& state) 
     const auto files = list();
     for (auto it = files.rbegin(); it != files.rend(); ++it) {
       try {
-        std::string f = ckpt::read_file(*it);
+        std::string f = util::read_file(*it, "checkpoint file");
         torch::serialize::InputArchive probe;
         parse(ckpt::unframe(f), probe, at::Device(at::kCPU));  // only checks that it parses
         framed = std::move(f);
@@ -320,7 +314,7 @@ std::optional<std::string> CheckpointManager::load_latest(TrainingState& state) 
         break;
       } catch (const std::exception& e) {
         std::fprintf(stderr, "dtrain warning: checkpoint %s is unusable (%s); %s\n", it->c_str(),
-                     one_line(e.what()).c_str(),
+                     util::one_line(e.what()).c_str(),
                      std::next(it) == files.rend() ? "no older one is left" : "falling back to the previous one");
         std::fflush(stderr);
       }

@@ -5,13 +5,10 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include "common/util.h"
+
 namespace dtrain::ddp {
 namespace {
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // A tensor shaped like `param` that aliases buffer[offset : offset + numel]. Built with set_() rather
 // than narrow().view(): autograd must not see it as a view, because LibTorch's
@@ -83,7 +80,7 @@ void Reducer::reset_iteration() {
 }
 
 void Reducer::record(DDPEvent::Kind kind, int index, int64_t time_ns) {
-  events_.push_back(DDPEvent{kind, index, time_ns ? time_ns : now_ns()});
+  events_.push_back(DDPEvent{kind, index, time_ns ? time_ns : util::now_ns()});
   if (hook_) hook_(events_.back());
 }
 
@@ -168,7 +165,7 @@ void Reducer::launch_ready_buckets() {
     b.work = all_reduce(b.buffer, ReduceOp::SUM, group_, /*async_op=*/true);
     b.launched = true;
     b.done_ns = std::make_shared<std::atomic<int64_t>>(0);
-    b.work.then([d = b.done_ns] { d->store(now_ns()); });
+    b.work.then([d = b.done_ns] { d->store(util::now_ns()); });
     ++next_to_launch_;
   }
 }

@@ -24,6 +24,7 @@
 
 #include <ATen/ATen.h>
 
+#include "common/util.h"
 #include "dtrain/ddp.h"
 #include "dtrain/monitor.h"
 #include "dtrain/system.h"
@@ -31,11 +32,6 @@
 
 namespace dtrain {
 namespace {
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // Monitor::watch passes DDPEvent::Kind as an int (monitor.h does not include the DDP module headers).
 constexpr int kBucketLaunched = DDPEvent::kBucketLaunched, kBucketDone = DDPEvent::kBucketDone,
@@ -98,13 +94,6 @@ RankStat rank_stat(const std::vector<double>& v) {
   }
   s.mean = sum / v.size();
   return s;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::ostringstream os;
-  os << f.rdbuf();
-  return os.str();
 }
 
 void write_text(const std::string& path, const std::string& text) {
@@ -186,7 +175,7 @@ Monitor::Monitor(MonitorOptions options)
     s.size = g.size();
     if (s.distributed) barrier(g);  // the ranks' timelines start together
   }
-  s.t0 = now_ns();
+  s.t0 = util::now_ns();
   s.step_start = s.t0;
   if (!s.o.output_dir().empty()) {
     std::error_code ec;
@@ -247,13 +236,13 @@ void Monitor::end_epoch() {
 
 void Monitor::begin_step() {
   auto& s = *impl_;
-  s.step_start = now_ns();
+  s.step_start = util::now_ns();
   s.phase_ms[0] = s.phase_ms[1] = s.phase_ms[2] = 0;
 }
 
-Monitor::PhaseScope::PhaseScope(Monitor* m, Phase p) : m_(m), p_(p), t0_(now_ns()) {}
+Monitor::PhaseScope::PhaseScope(Monitor* m, Phase p) : m_(m), p_(p), t0_(util::now_ns()) {}
 Monitor::PhaseScope::~PhaseScope() {
-  if (m_) m_->phase_done(p_, t0_, now_ns());
+  if (m_) m_->phase_done(p_, t0_, util::now_ns());
 }
 
 void Monitor::phase_done(Phase p, int64_t t0, int64_t t1) {
@@ -292,7 +281,7 @@ void Monitor::on_ddp_event(int kind, int index, int64_t t) {
 void Monitor::end_step(const StepInfo& info) {
   auto& s = *impl_;
   DTRAIN_CHECK(!s.closed, "Monitor::end_step after close(): create a new Monitor for a new run");
-  const int64_t t = now_ns();
+  const int64_t t = util::now_ns();
   StepMetrics& m = s.last;
   m.step = s.step + 1;
   m.step_ms = (t - s.step_start) / 1e6;
@@ -354,7 +343,7 @@ void Monitor::end_step(const StepInfo& info) {
                        s.epoch_samples * s.size);
   }
   if (s.window_steps == s.o.log_every()) s.aggregate();
-  s.step_start = now_ns();  // monitoring's own time counts to no step
+  s.step_start = util::now_ns();  // monitoring's own time counts to no step
   s.phase_ms[0] = s.phase_ms[1] = s.phase_ms[2] = 0;
 }
 
@@ -381,7 +370,7 @@ void Monitor::Impl::aggregate() {
   WindowMetrics wm;
   wm.step = step;
   wm.steps = n;
-  wm.time_s = (now_ns() - t0) / 1e9;
+  wm.time_s = (util::now_ns() - t0) / 1e9;
   wm.epoch = epoch;
   wm.loss = finite_mean(all[kLoss]);
   wm.accuracy = finite_mean(all[kAccuracy]);
@@ -425,7 +414,7 @@ void Monitor::close() {
     // The merge: each rank's part file, gathered to the group's first rank.
     s.timeline->finish();
     const std::string part_path = s.timeline->part_path();
-    std::string part = read_file(part_path);
+    const std::string part = util::read_file(part_path, "timeline part");
     std::vector<std::string> parts{part};
     if (s.distributed) {
       const Group& g = s.o.process_group();

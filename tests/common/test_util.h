@@ -7,6 +7,8 @@
 #include <optional>
 #include <string>
 
+#include "dtrain/errors.h"
+
 namespace dtrain::test_util {
 
 // The message of the exception f() throws, or "" when it throws none.
@@ -17,6 +19,17 @@ inline std::string error_of(const std::function<void()>& f) {
     return e.what();
   }
   return "";
+}
+
+// The message of the dtrain::Error f() throws, or "(no dtrain::Error thrown)". Any other exception
+// goes on, so the test fails naming it.
+inline std::string dtrain_error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const dtrain::Error& e) {
+    return e.what();
+  }
+  return "(no dtrain::Error thrown)";
 }
 
 // Sets an environment variable for the scope (e.g. around new_group(), whose backend reads

@@ -7,6 +7,7 @@
 
 #include "dist_main.h"
 #include "dtrain/errors.h"
+#include "common/util.h"
 #include "test_util.h"
 
 using namespace dtrain;
@@ -14,7 +15,9 @@ using namespace dtrain;
 namespace {
 int R() { return rank(); }
 int N() { return world_size(); }
+using dtrain::test_util::dtrain_error_of;
 using dtrain::test_util::error_of;
+using dtrain::util::now_ns;
 
 // A group of every rank whose collectives all run over Gloo (TCP), as between hosts.
 Group gloo_group() {
@@ -22,21 +25,6 @@ Group gloo_group() {
   return new_group({});
 }
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-// The dtrain::Error that f() throws (a failure if it throws none, or something else).
-std::string dtrain_error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a dtrain::Error";
-  return "";
-}
 }  // namespace
 
 // Shared memory here, Gloo in dist_collectives_test_gloo_2.

@@ -28,8 +28,9 @@ TEST(StoreCount, TimeoutNamesTheCountTheKeyAndTheRemedy) {
   c10d::HashStore store;
   store.add("pg/x/connected", 1);
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string e = error_of(
-      [&] { wait_for_count(store, "pg/x/connected", 3, std::chrono::milliseconds(100), "rank 1: new_group", "fix it"); });
+  const std::string e = error_of([&] {
+    wait_for_count(store, "pg/x/connected", 3, std::chrono::milliseconds(100), "rank 1: new_group", "fix it");
+  });
   EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(100));
   EXPECT_EQ(e,
             "rank 1: new_group: only 1 of 3 members reached store key 'pg/x/connected' within 100 ms (2 missing): "
