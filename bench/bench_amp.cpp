@@ -17,6 +17,7 @@
 #include <torch/optim/adam.h>
 
 #include "dtrain/amp.h"
+#include "spawn.h"
 #include "tutorial_models.h"
 
 namespace {
@@ -44,11 +45,6 @@ double step_ms(const std::string& variant, int steps) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / steps;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -68,11 +64,12 @@ int main(int argc, char** argv) {
   std::printf("TrainModel (CNN 3x32x32), batch 32, Adam, %d thread(s), %d steps x %d reps\n", threads, steps, reps);
   std::printf("%-12s %10s   runs (ms/step)\n", "variant", "median ms");
   for (const auto& v : variants) {
-    std::printf("%-12s %10.2f  ", v.c_str(), median(runs[v]));
+    std::printf("%-12s %10.2f  ", v.c_str(), bench::median(runs[v]));
     for (double x : runs[v]) std::printf(" %.2f", x);
     std::printf("\n");
   }
-  const double fp32 = median(runs["fp32"]), ac = median(runs["autocast"]), gs = median(runs["autocast+gs"]);
+  const double fp32 = bench::median(runs["fp32"]), ac = bench::median(runs["autocast"]),
+               gs = bench::median(runs["autocast+gs"]);
   std::printf("RESULT fp32_ms=%.2f autocast_ms=%.2f autocast_speedup=%.2f scaler_overhead=%.3f\n", fp32, ac, fp32 / ac,
               gs / ac);
   return 0;

@@ -1,6 +1,8 @@
 // See spawn.h.
 #include "spawn.h"
 
+#include "common/util.h"
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -36,15 +38,8 @@ int free_port() {
   return ntohs(addr.sin_port);
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 std::string load_average() {
-  std::string s = read_file("/proc/loadavg");
+  std::string s = dtrain::util::read_file("/proc/loadavg");
   std::istringstream in(s);
   std::string a, b, c;
   in >> a >> b >> c;
@@ -116,7 +111,7 @@ std::string run_job(const std::vector<std::string>& argv, int world, double time
   }
   std::vector<std::string> outs;
   for (auto& l : logs) {
-    outs.push_back(read_file(l));
+    outs.push_back(dtrain::util::read_file(l, "rank log"));
     unlink(l.c_str());
   }
   if (failed || timed_out) {

@@ -20,8 +20,7 @@ inline double secs_since(Clock::time_point t0) { return std::chrono::duration<do
 std::string run_job(const std::vector<std::string>& argv, int world, double timeout_s, const std::string& who,
                     const std::vector<std::pair<std::string, std::string>>& env = {});
 
-int free_port();  // a free TCP port on 127.0.0.1
-std::string read_file(const std::string& path);
+int free_port();             // a free TCP port on 127.0.0.1
 std::string load_average();  // "/proc/loadavg"'s first three fields
 std::string self_exe();      // this binary's path
 double median(std::vector<double> v);

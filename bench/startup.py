@@ -16,19 +16,14 @@ Prints a table and a final `RESULT ...` line.
 """
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "common"))
+from proc_util import free_port  # noqa: E402
 
 
 def parse(out):

@@ -110,11 +110,9 @@ int main(int argc, char** argv) {
     // DDP keeps the replicas identical: the sum of all parameters is the same on every rank.
     double sum = 0;
     for (const auto& p : ddp.parameters()) sum += p.detach().to(at::kDouble).sum().item<double>();
-    at::Tensor lo = at::full({1}, sum, at::TensorOptions(at::kDouble).device(dtrain::collective_device()));
-    at::Tensor hi = lo.clone();
-    dtrain::all_reduce(lo, dtrain::ReduceOp::MIN);
-    dtrain::all_reduce(hi, dtrain::ReduceOp::MAX);
-    const bool agree = lo.item<double>() == hi.item<double>();
+    const double lo = dtrain::all_reduce_values(std::vector<double>{sum}, dtrain::ReduceOp::MIN)[0];
+    const double hi = dtrain::all_reduce_values(std::vector<double>{sum}, dtrain::ReduceOp::MAX)[0];
+    const bool agree = lo == hi;
     // doc:end params-agree
     if (dtrain::rank() == 0)
       std::printf("RESULT steps=%d first_loss=%.4f final_loss=%.4f params_agree=%d\n", steps, first_loss, last_loss,

@@ -108,9 +108,7 @@ std::string one_line(std::string s) {
 // True on every rank iff `ok` on every rank: one failing rank stops all of them with a clear message
 // instead of leaving the others to hang in the next collective.
 bool all_ranks_ok(bool ok) {
-  at::Tensor t = at::full({1}, ok ? 1 : 0, at::TensorOptions(at::kInt).device(dtrain::collective_device()));
-  dtrain::all_reduce(t, dtrain::ReduceOp::MIN);
-  return t.item<int>() == 1;
+  return dtrain::all_reduce_values(std::vector<int64_t>{ok ? 1 : 0}, dtrain::ReduceOp::MIN)[0] == 1;
 }
 
 // Runs `fn` on every rank (or on rank 0 only) and rethrows its failure on every rank.
@@ -148,11 +146,9 @@ double evaluate(FashionCNN& model, const FashionMNIST& test, int64_t batch_size,
     auto batch = test.batch(c10::ArrayRef<size_t>(mine.data() + begin, len));
     correct += model->forward(batch.data.to(device)).argmax(1).eq(batch.target.to(device)).sum().item<int64_t>();
   }
-  at::Tensor counts = at::tensor({static_cast<double>(correct), static_cast<double>(mine.size())}, at::kDouble)
-                          .to(dtrain::collective_device());
-  dtrain::all_reduce(counts);
+  const auto counts = dtrain::all_reduce_values(std::vector<double>{double(correct), double(mine.size())});
   model->train();
-  return counts[0].item<double>() / counts[1].item<double>();
+  return counts[0] / counts[1];
 }
 
 int run(const Config& cfg) {
@@ -348,11 +344,9 @@ int run(const Config& cfg) {
 
     // doc:begin epoch-stats
     // Epoch statistics over all ranks (each rank's samples, padded duplicates included, as PyTorch).
-    at::Tensor stats = at::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(seen)}, at::kDouble)
-                           .to(dtrain::collective_device());
-    dtrain::all_reduce(stats);
-    train_loss = stats[0].item<double>() / stats[2].item<double>();
-    const double train_accuracy = stats[1].item<double>() / stats[2].item<double>();
+    const auto stats = dtrain::all_reduce_values(std::vector<double>{loss_sum, double(correct), double(seen)});
+    train_loss = stats[0] / stats[2];
+    const double train_accuracy = stats[1] / stats[2];
     const double epoch_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - te).count();
     const auto tt = std::chrono::steady_clock::now();
     test_accuracy = evaluate(model, *test, cfg.eval_batch_size > 0 ? cfg.eval_batch_size : cfg.batch_size, device);
@@ -360,7 +354,7 @@ int run(const Config& cfg) {
     if (main_rank) {
       std::printf("Epoch %lld/%lld: Loss=%.4f, Acc=%.4f, Test Acc=%.4f | train %.1f s (%.0f samples/s), test %.1f s\n",
                   static_cast<long long>(epoch), static_cast<long long>(cfg.epochs), train_loss, train_accuracy,
-                  test_accuracy, epoch_s, stats[2].item<double>() / epoch_s, test_s);
+                  test_accuracy, epoch_s, stats[2] / epoch_s, test_s);
       std::fflush(stdout);
     }
     // doc:end epoch-stats
@@ -373,16 +367,10 @@ int run(const Config& cfg) {
   // DDP keeps every rank's parameters identical: check it (each rank's hash, compared on rank 0).
   const std::string bytes = train::parameter_bytes(ddp.parameters());
   const std::string sha = train::sha256_hex(bytes);
-  at::Tensor mine = at::zeros({8}, at::kLong);
-  for (size_t i = 0; i < sha.size() && i < 64; ++i)  // the 64 hex digits, 8 per int64
-    mine[static_cast<int64_t>(i / 8)] += static_cast<int64_t>(static_cast<unsigned char>(sha[i])) << (8 * (i % 8));
-  mine = mine.to(dtrain::collective_device());
-  std::vector<at::Tensor> all(dtrain::world_size());
-  for (auto& t : all) t = at::empty({8}, mine.options());
-  dtrain::all_gather(all, mine);
+  const std::vector<std::string> all = dtrain::all_gather_bytes(sha);
   int first_disagreeing = -1;
   for (int r = 0; r < dtrain::world_size() && first_disagreeing < 0; ++r)
-    if (!at::equal(all[r], all[0])) first_disagreeing = r;
+    if (all[r] != all[0]) first_disagreeing = r;
   // doc:end ranks-agree
   if (main_rank) {
     const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -189,6 +189,27 @@ Work barrier(const Group& group = Group(), bool async_op = false);
 void monitored_barrier(const Group& group = Group(), std::optional<std::chrono::milliseconds> timeout = std::nullopt,
                        bool wait_all_ranks = false);
 
+// --- small control messages (flags, counts, hashes, short texts) ---------------------------------
+// Plain C++ values in and out, as torch.distributed's all_gather_object and broadcast_object_list:
+// each call moves them to collective_device(group) (the CPU under Gloo, CUDA under NCCL, which takes
+// no CPU tensor), runs the collective and copies the result back. Blocking; every member calls it.
+// For bulk data use the tensor collectives above.
+//   bool all_ok = dtrain::all_reduce_values(std::vector<int64_t>{ok ? 1 : 0}, dtrain::ReduceOp::MIN)[0] == 1;
+// Element-wise reduction of every member's vector (each member passes the same length).
+std::vector<int64_t> all_reduce_values(const std::vector<int64_t>& mine, ReduceOp op = ReduceOp::SUM,
+                                       const Group& group = Group());
+std::vector<double> all_reduce_values(const std::vector<double>& mine, ReduceOp op = ReduceOp::SUM,
+                                      const Group& group = Group());
+// Every member's vector, in group-rank order (each member passes the same length).
+std::vector<std::vector<int64_t>> all_gather_values(const std::vector<int64_t>& mine, const Group& group = Group());
+std::vector<std::vector<double>> all_gather_values(const std::vector<double>& mine, const Group& group = Group());
+// Byte strings of any length. broadcast_bytes: the global rank src's bytes (the argument is read on
+// src only). all_gather_bytes: every member's, in group-rank order. gather_bytes: every member's on
+// the global rank dst, an empty vector elsewhere.
+std::string broadcast_bytes(const std::string& bytes, int src, const Group& group = Group());
+std::vector<std::string> all_gather_bytes(const std::string& mine, const Group& group = Group());
+std::vector<std::string> gather_bytes(const std::string& mine, int dst, const Group& group = Group());
+
 // Point to point. tag distinguishes concurrent messages between the same pair.
 void send(const at::Tensor& tensor, int dst, const Group& group = Group(), int tag = 0);
 // src = -1 receives from any rank. Returns the global rank of the sender.

@@ -16,6 +16,7 @@
 
 #include "checkpoint/file_io.h"
 #include "checkpoint/rank_state.h"
+#include "common/util.h"
 #include "dtrain/amp.h"
 #include "dtrain/errors.h"
 #include "dtrain/process_group.h"
@@ -50,8 +51,7 @@ std::string manifest_text(const torch::nn::Module& model) {
 
 void check_manifest(const std::string& saved_text, const torch::nn::Module& model, const std::string& file) {
   std::vector<std::pair<std::string, std::string>> saved;
-  std::istringstream in(saved_text);
-  for (std::string line; std::getline(in, line);) {
+  for (const std::string& line : util::split(saved_text)) {
     const size_t sp = line.find(' ');
     saved.emplace_back(line.substr(0, sp), sp == std::string::npos ? "" : line.substr(sp + 1));
   }
@@ -210,42 +210,11 @@ void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::st
 bool distributed() { return is_initialized() && world_size() > 1; }
 
 // Rank 0's string on every rank (itself when not distributed).
-std::string broadcast_string(const std::string& s) {
-  if (!distributed()) return s;
-  const at::Device dev = collective_device();  // CUDA under NCCL
-  at::Tensor len = at::full({1}, static_cast<int64_t>(s.size()), at::TensorOptions(at::kLong).device(dev));
-  broadcast(len, 0);
-  at::Tensor bytes = rank() == 0 ? bytes_tensor(s).to(dev)
-                                 : at::empty({len.item<int64_t>()}, at::TensorOptions(at::kByte).device(dev));
-  if (bytes.numel() > 0) broadcast(bytes, 0);
-  return tensor_bytes(bytes);
-}
+std::string broadcast_string(const std::string& s) { return distributed() ? broadcast_bytes(s, 0) : s; }
 
-// Every rank's pack, on every rank (rank 0 needs them).
+// Every rank's pack on rank 0 (only rank 0 writes the file).
 std::vector<std::string> gather_packs(const std::string& mine) {
-  if (!distributed()) return {mine};
-  const int world = world_size();
-  const at::Device dev = collective_device();  // CUDA under NCCL
-  std::vector<at::Tensor> lens(world);
-  for (auto& t : lens) t = at::empty({1}, at::TensorOptions(at::kLong).device(dev));
-  all_gather(lens, at::full({1}, static_cast<int64_t>(mine.size()), at::TensorOptions(at::kLong).device(dev)));
-  int64_t longest = 0;
-  for (const auto& t : lens) longest = std::max(longest, t.item<int64_t>());
-  at::Tensor padded = at::zeros({longest}, at::kByte);
-  if (!mine.empty()) std::memcpy(padded.data_ptr(), mine.data(), mine.size());
-  padded = padded.to(dev);
-  std::vector<at::Tensor> packs(world);
-  for (auto& t : packs) t = at::empty({longest}, padded.options());
-  all_gather(packs, padded);
-  std::vector<std::string> out;
-  for (int r = 0; r < world; ++r) out.push_back(tensor_bytes(packs[r]).substr(0, lens[r].item<int64_t>()));
-  return out;
-}
-
-std::string one_line(std::string s) {
-  for (char& c : s)
-    if (c == '\n') c = ' ';
-  return s;
+  return distributed() ? gather_bytes(mine, 0) : std::vector<std::string>{mine};
 }
 
 }  // namespace
@@ -259,7 +228,7 @@ void save_checkpoint(const std::string& path, const TrainingState& state) {
 void load_checkpoint(const std::string& path, TrainingState& state) {
   std::string payload;
   try {
-    payload = ckpt::unframe(ckpt::read_file(path));
+    payload = ckpt::unframe(util::read_file(path, "checkpoint file"));
   } catch (const Error& e) {
     throw Error("checkpoint " + path + " is unusable: " + e.what());
   }
@@ -292,7 +261,7 @@ std::vector<std::string> CheckpointManager::list() const {
         name.compare(name.size() - 3, 3, ".pt") != 0)
       continue;
     const std::string digits = name.substr(head.size(), 10);
-    if (!std::all_of(digits.begin(), digits.end(), ::isdigit)) continue;
+    if (!util::is_digits(digits)) continue;
     found.emplace_back(std::stoll(digits), it->path().string());
   }
   std::sort(found.begin(), found.end());
@@ -319,9 +288,9 @@ std::string CheckpointManager::save(const TrainingState& state) {
       auto all = list();  // keep the newest `keep`
       for (size_t i = 0; i + static_cast<size_t>(options_.keep()) < all.size(); ++i) fs::remove(all[i], ec);
     } catch (const c10::Error& e) {
-      error = one_line(e.what_without_backtrace());
+      error = util::one_line(e.what_without_backtrace());
     } catch (const std::exception& e) {
-      error = one_line(e.what());
+      error = util::one_line(e.what());
     }
   }
   error = broadcast_string(error);  // 3.
@@ -337,7 +306,7 @@ std::optional<std::string> CheckpointManager::load_latest(TrainingState& state) 
     const auto files = list();
     for (auto it = files.rbegin(); it != files.rend(); ++it) {
       try {
-        std::string f = ckpt::read_file(*it);
+        std::string f = util::read_file(*it, "checkpoint file");
         torch::serialize::InputArchive probe;
         parse(ckpt::unframe(f), probe, at::Device(at::kCPU));  // only checks that it parses
         framed = std::move(f);
@@ -345,7 +314,7 @@ std::optional<std::string> CheckpointManager::load_latest(TrainingState& state) 
         break;
       } catch (const std::exception& e) {
         std::fprintf(stderr, "dtrain warning: checkpoint %s is unusable (%s); %s\n", it->c_str(),
-                     one_line(e.what()).c_str(),
+                     util::one_line(e.what()).c_str(),
                      std::next(it) == files.rend() ? "no older one is left" : "falling back to the previous one");
         std::fflush(stderr);
       }

@@ -77,15 +77,6 @@ std::string unframe(const std::string& file_bytes) {
   return payload;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  DTRAIN_CHECK(f, "cannot open checkpoint file ", path, ": ", std::strerror(errno));
-  std::ostringstream os;
-  os << f.rdbuf();
-  DTRAIN_CHECK(!f.bad(), "cannot read checkpoint file ", path, ": ", std::strerror(errno));
-  return os.str();
-}
-
 void write_atomic(const std::string& path, const std::string& bytes) {
   // 1. temporary file beside the target (same file system, so rename is atomic);
   // 2. write + fsync; 3. rename over the target; 4. fsync the folder so the rename is durable.

@@ -12,8 +12,6 @@ std::string frame(const std::string& payload);
 // says), trailing bytes, or a CRC-32 mismatch (corrupt).
 std::string unframe(const std::string& file_bytes);
 
-// The whole file. Throws dtrain::Error naming the path.
-std::string read_file(const std::string& path);
 // Writes `bytes` to `path` atomically: a temporary file beside it, write, fsync, rename, fsync of
 // the folder. On failure the temporary file is removed, `path` (if it existed) is untouched, and a
 // dtrain::Error names the file, the reason (strerror) and the remedy.

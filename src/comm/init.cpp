@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <thread>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -27,6 +26,7 @@
 #include "comm/pytorch_peers.h"
 #include "comm/rendezvous_check.h"
 #include "comm/state.h"
+#include "comm/store_count.h"
 #include "comm/debug_check.h"
 #include "comm/store_adapter.h"
 #include "compat/torchrun_store_compat.h"
@@ -54,8 +54,7 @@ std::chrono::milliseconds resolve_timeout(const InitOptions& o) {
     DTRAIN_CHECK(o.timeout()->count() > 0, "timeout must be > 0 ms, got ", o.timeout()->count());
     return *o.timeout();
   }
-  // Unset, the table's fallback applies: it must be the public kDefaultTimeout (PyTorch's 30 min).
-  DTRAIN_ASSERT(std::strtod(env::knob("DTRAIN_TIMEOUT_S").fallback, nullptr) * 1000 == kDefaultTimeout.count());
+  // Unset, the table's fallback applies: kDefaultTimeout, PyTorch's 30 min (ctest env_test).
   return std::chrono::milliseconds(static_cast<int64_t>(*env::seconds("DTRAIN_TIMEOUT_S") * 1000));
 }
 
@@ -240,14 +239,14 @@ void destroy_process_group() {
   // would break a slower rank still rendezvousing. Everyone checks out; the host waits (bounded).
   try {
     g_state->store->add("destroy", 1);
-    if (g_state->server) {
-      auto deadline = std::chrono::steady_clock::now() +
-                      std::min<std::chrono::milliseconds>(g_state->timeout, std::chrono::seconds(10));
-      while (g_state->store->add("destroy", 0) < g_state->world_size && std::chrono::steady_clock::now() < deadline)
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
+    if (g_state->server)
+      wait_for_count(*g_state->store, "destroy", g_state->world_size,
+                     std::min<std::chrono::milliseconds>(g_state->timeout, std::chrono::seconds(10)),
+                     detail::cat("rank ", g_state->rank, ": destroy_process_group"),
+                     "every rank must call destroy_process_group");
   } catch (const std::exception&) {
-    // The store is gone (host exited): nothing to wait for.
+    // The store is gone (host exited), or a rank never checked out (it failed, say): destroy goes on,
+    // as it would after the wait.
   }
   g_state.reset();
 }
@@ -281,16 +280,10 @@ Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds>
   // as PyTorch's store-based barrier after new_group.
   if (g->rank >= 0 && g->ranks.size() > 1) {
     const std::string key = "pg/" + name + "/connected";
-    const int64_t size = static_cast<int64_t>(g->ranks.size());
     st.store->add(key, 1);
-    const auto deadline = std::chrono::steady_clock::now() + group_timeout;
-    int64_t connected = 0;
-    while ((connected = st.store->add(key, 0)) < size) {
-      DTRAIN_CHECK(std::chrono::steady_clock::now() < deadline, "rank ", st.rank, ": new_group '", name, "': only ",
-                   connected, " of its ", size, " members connected within ", group_timeout.count(),
-                   " ms: every rank must call new_group with the same ranks in the same order");
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    comm::wait_for_count(*st.store, key, static_cast<int64_t>(g->ranks.size()), group_timeout,
+                         detail::cat("rank ", st.rank, ": new_group '", name, "'"),
+                         "every rank must call new_group with the same ranks in the same order");
   }
   return Group(std::move(g));
 }

@@ -1,5 +1,6 @@
 #include "comm/launch_env.h"
 
+#include "common/util.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::comm {
@@ -56,7 +57,7 @@ LaunchEnv read_launch_env(const EnvLookup& from, int explicit_rank, int explicit
   // Slurm writes "2(x3)" for 2 tasks on each of 3 nodes, and "2,1" for uneven nodes: only a plain
   // number says how many ranks this host has.
   if (auto v = env::text("SLURM_NTASKS_PER_NODE", from); v && out.launcher == "srun")
-    if (v->size() <= 7 && v->find_first_not_of("0123456789") == std::string::npos) out.local_world_size = std::stoi(*v);
+    if (v->size() <= 7 && util::is_digits(*v)) out.local_world_size = std::stoi(*v);
   out.dtrain_agent_store = env::flag("DTRAIN_AGENT_STORE", from);
   out.torchelastic_agent_store = env::choice("TORCHELASTIC_USE_AGENT_STORE", from) == "True";
   if (out.dtrain_agent_store)

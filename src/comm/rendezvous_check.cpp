@@ -1,13 +1,12 @@
 #include "comm/rendezvous_check.h"
 
-#include <unistd.h>
-
 #include <sstream>
-#include <thread>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "comm/store_count.h"
+#include "common/util.h"
 #include "dtrain/errors.h"
 #include "store/store.h"
 
@@ -21,13 +20,6 @@ std::string seconds(std::chrono::milliseconds t) {
   std::ostringstream os;
   os << t.count() / 1000.0 << " s";
   return os.str();
-}
-
-std::vector<std::string> split_lines(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string line; std::getline(ss, line);) out.push_back(line);
-  return out;
 }
 
 // Step 3 on rank 0. Returns the verdict text.
@@ -46,7 +38,7 @@ std::string judge(c10d::Store& store, int world_size, const std::string& my_host
                          " (WORLD_SIZE=", world_size,
                          " on rank 0): start every rank, or check WORLD_SIZE and the master address");
     }
-    auto lines = split_lines(to_string(store.get(key)));
+    auto lines = util::split(to_string(store.get(key)));
     DTRAIN_ASSERT(lines.size() == 2, "bad rendezvous record for rank ", r);
     if (lines[0] != std::to_string(world_size))
       return detail::cat("error\nranks disagree on the world size: rank 0 has WORLD_SIZE=", world_size, ", rank ", r,
@@ -67,11 +59,10 @@ void linger_until_read(c10d::Store& store, int world_size) {
   try {
     int64_t joined = 0;
     for (int r = 1; r < world_size; ++r) joined += store.check({"rank/" + std::to_string(r)}) ? 1 : 0;
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-    while (store.add("verdict_read", 0) < joined && std::chrono::steady_clock::now() < deadline)
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    wait_for_count(store, "verdict_read", joined, std::chrono::seconds(2), "rank 0: rendezvous",
+                   "every rank that joined must read the verdict");
   } catch (const std::exception&) {
-    // The store is gone: nobody is left to tell.
+    // The store is gone, or a rank did not read the verdict in time: rank 0 throws its own error now.
   }
 }
 
@@ -84,9 +75,7 @@ LocalRanks rendezvous_check(c10d::Store& store, int rank, int world_size, const 
     throw Error(detail::cat("rank ", rank, ": another process already joined as rank ", rank,
                             ": give each process a distinct RANK"));
   // Step 2.
-  char hostname[256] = {0};
-  gethostname(hostname, sizeof(hostname) - 1);
-  const std::string host_key = std::string(hostname) + "/" + address;
+  const std::string host_key = util::host_name() + "/" + address;
   store.set("rank/" + std::to_string(rank), to_bytes(std::to_string(world_size) + "\n" + host_key));
   // Steps 3-4.
   if (rank == 0) {
@@ -103,7 +92,7 @@ LocalRanks rendezvous_check(c10d::Store& store, int rank, int world_size, const 
     throw Error(detail::cat("rank ", rank, ": rank 0 gave no rendezvous verdict within ", seconds(timeout),
                             ": is rank 0 running with the same MASTER_ADDR/PORT?"));
   }
-  auto lines = split_lines(verdict);
+  auto lines = util::split(verdict);
   if (!lines.empty() && lines[0] == "error") {
     if (rank != 0) {
       try {

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "common/util.h"
 #include "dtrain/errors.h"
 
 extern char** environ;
@@ -229,8 +230,7 @@ std::optional<double> seconds(const char* name, const Lookup& from) {
 
 uint16_t parse_port(const std::string& value, const std::string& what) {
   long v = -1;
-  if (!value.empty() && value.find_first_not_of("0123456789") == std::string::npos && value.size() <= 5)
-    v = std::strtol(value.c_str(), nullptr, 10);
+  if (util::is_digits(value) && value.size() <= 5) v = std::strtol(value.c_str(), nullptr, 10);
   if (v < 1 || v > 65535) {
     const Knob& k = knob("MASTER_PORT");  // every port is checked as MASTER_PORT is
     throw Error(detail::cat(what, "='", value, "' is not ", k.allowed, ": ", k.remedy));
@@ -260,8 +260,7 @@ std::vector<std::string> list(const char* name, const Lookup& from) {
   std::vector<std::string> out;
   auto v = value_of(typed(name, Type::kList), from);
   if (!v) return out;
-  std::stringstream ss(*v);
-  for (std::string item; std::getline(ss, item, ',');)
+  for (const std::string& item : util::split(*v, ','))
     if (!item.empty()) out.push_back(item);
   return out;
 }

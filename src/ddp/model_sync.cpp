@@ -1,11 +1,14 @@
 #include "ddp/model_sync.h"
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <sstream>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "common/util.h"
 
 namespace dtrain::ddp {
 namespace {
@@ -17,19 +20,6 @@ std::vector<std::string> describe(const std::vector<std::string>& names, const s
     os << "'" << names[i] << "' " << params[i].sizes() << " " << params[i].scalar_type();
     out.push_back(os.str());
   }
-  return out;
-}
-
-std::string join(const std::vector<std::string>& lines) {
-  std::string s;
-  for (const auto& l : lines) s += l + "\n";
-  return s;
-}
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string line; std::getline(ss, line);) out.push_back(line);
   return out;
 }
 
@@ -58,23 +48,18 @@ std::string explain(const std::vector<std::vector<std::string>>& all, const std:
 void verify_same_model(const std::vector<std::string>& names, const std::vector<at::Tensor>& params, const Group& group,
                        const std::string& key_prefix) {
   const auto lines = describe(names, params);
-  const std::string text = join(lines);
+  const std::string text = util::join(lines, "\n");
   // Step 1-2.
   const int64_t h = static_cast<int64_t>(std::hash<std::string>{}(text));
-  const auto on = at::TensorOptions(at::kLong).device(collective_device(group));  // CUDA under NCCL
-  std::vector<at::Tensor> hashes;
-  for (int i = 0; i < group.size(); ++i) hashes.push_back(at::empty({1}, on));
-  all_gather(hashes, at::full({1}, h, on), group);
-  bool same = true;
-  for (const auto& t : hashes) same = same && t.item<int64_t>() == h;
-  if (same) return;
+  const auto hashes = all_gather_values(std::vector<int64_t>{h}, group);
+  if (std::all_of(hashes.begin(), hashes.end(), [&](const auto& v) { return v[0] == h; })) return;
   // Step 3.
   auto store = default_store();
   store->set(key_prefix + std::to_string(rank()), std::vector<uint8_t>(text.begin(), text.end()));
   std::vector<std::vector<std::string>> all;
   for (int r : group.ranks()) {
     auto v = store->get(key_prefix + std::to_string(r));
-    all.push_back(split(std::string(v.begin(), v.end())));
+    all.push_back(util::split(std::string(v.begin(), v.end())));
   }
   throw Error(detail::cat("rank ", rank(), ": ", explain(all, group.ranks())));
 }

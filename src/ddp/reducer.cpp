@@ -5,13 +5,10 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include "common/util.h"
+
 namespace dtrain::ddp {
 namespace {
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // A tensor shaped like `param` that aliases buffer[offset : offset + numel]. Built with set_() rather
 // than narrow().view(): autograd must not see it as a view, because LibTorch's
@@ -83,7 +80,7 @@ void Reducer::reset_iteration() {
 }
 
 void Reducer::record(DDPEvent::Kind kind, int index, int64_t time_ns) {
-  events_.push_back(DDPEvent{kind, index, time_ns ? time_ns : now_ns()});
+  events_.push_back(DDPEvent{kind, index, time_ns ? time_ns : util::now_ns()});
   if (hook_) hook_(events_.back());
 }
 
@@ -168,7 +165,7 @@ void Reducer::launch_ready_buckets() {
     b.work = all_reduce(b.buffer, ReduceOp::SUM, group_, /*async_op=*/true);
     b.launched = true;
     b.done_ns = std::make_shared<std::atomic<int64_t>>(0);
-    b.work.then([d = b.done_ns] { d->store(now_ns()); });
+    b.work.then([d = b.done_ns] { d->store(util::now_ns()); });
     ++next_to_launch_;
   }
 }
@@ -193,14 +190,12 @@ void Reducer::finalize() {
                     ". Pass DDPOptions().find_unused_parameters(true) if some parameters are unused in a forward, "
                     "and make sure every output that depends on them takes part in the loss"));
   }
-  at::Tensor used_anywhere;
+  std::vector<int64_t> used_anywhere;
   if (track_unused_) {
     // 1 where this rank used the parameter; MAX over ranks tells which were used anywhere.
-    std::vector<int32_t> used(params_.size());
+    std::vector<int64_t> used(params_.size());
     for (size_t i = 0; i < params_.size(); ++i) used[i] = unused_[i] ? 0 : 1;
-    used_anywhere = at::tensor(used, at::kInt).to(collective_device(group_));  // CUDA under NCCL
-    all_reduce(used_anywhere, ReduceOp::MAX, group_);
-    used_anywhere = used_anywhere.cpu();
+    used_anywhere = all_reduce_values(used, ReduceOp::MAX, group_);
   }
   for (auto& b : buckets_) {
     b.work.wait();
@@ -208,9 +203,8 @@ void Reducer::finalize() {
     record(DDPEvent::kBucketDone, static_cast<int>(&b - &buckets_[0]), b.done_ns ? b.done_ns->load() : 0);
   }
   at::NoGradGuard ng;
-  const int32_t* used = used_anywhere.defined() ? used_anywhere.data_ptr<int32_t>() : nullptr;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (used && used[i] == 0) continue;
+    if (!used_anywhere.empty() && used_anywhere[i] == 0) continue;
     at::Tensor& view = buckets_[bucket_of_[i]].views[slot_of_[i]];
     at::Tensor& grad = params_[i].mutable_grad();
     if (as_view_) {

@@ -24,6 +24,7 @@
 
 #include <ATen/ATen.h>
 
+#include "common/util.h"
 #include "dtrain/ddp.h"
 #include "dtrain/monitor.h"
 #include "dtrain/system.h"
@@ -31,11 +32,6 @@
 
 namespace dtrain {
 namespace {
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // Monitor::watch passes DDPEvent::Kind as an int (monitor.h does not include the DDP module headers).
 constexpr int kBucketLaunched = DDPEvent::kBucketLaunched, kBucketDone = DDPEvent::kBucketDone,
@@ -98,13 +94,6 @@ RankStat rank_stat(const std::vector<double>& v) {
   }
   s.mean = sum / v.size();
   return s;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::ostringstream os;
-  os << f.rdbuf();
-  return os.str();
 }
 
 void write_text(const std::string& path, const std::string& text) {
@@ -186,7 +175,7 @@ Monitor::Monitor(MonitorOptions options)
     s.size = g.size();
     if (s.distributed) barrier(g);  // the ranks' timelines start together
   }
-  s.t0 = now_ns();
+  s.t0 = util::now_ns();
   s.step_start = s.t0;
   if (!s.o.output_dir().empty()) {
     std::error_code ec;
@@ -247,13 +236,13 @@ void Monitor::end_epoch() {
 
 void Monitor::begin_step() {
   auto& s = *impl_;
-  s.step_start = now_ns();
+  s.step_start = util::now_ns();
   s.phase_ms[0] = s.phase_ms[1] = s.phase_ms[2] = 0;
 }
 
-Monitor::PhaseScope::PhaseScope(Monitor* m, Phase p) : m_(m), p_(p), t0_(now_ns()) {}
+Monitor::PhaseScope::PhaseScope(Monitor* m, Phase p) : m_(m), p_(p), t0_(util::now_ns()) {}
 Monitor::PhaseScope::~PhaseScope() {
-  if (m_) m_->phase_done(p_, t0_, now_ns());
+  if (m_) m_->phase_done(p_, t0_, util::now_ns());
 }
 
 void Monitor::phase_done(Phase p, int64_t t0, int64_t t1) {
@@ -292,7 +281,7 @@ void Monitor::on_ddp_event(int kind, int index, int64_t t) {
 void Monitor::end_step(const StepInfo& info) {
   auto& s = *impl_;
   DTRAIN_CHECK(!s.closed, "Monitor::end_step after close(): create a new Monitor for a new run");
-  const int64_t t = now_ns();
+  const int64_t t = util::now_ns();
   StepMetrics& m = s.last;
   m.step = s.step + 1;
   m.step_ms = (t - s.step_start) / 1e6;
@@ -354,7 +343,7 @@ void Monitor::end_step(const StepInfo& info) {
                        s.epoch_samples * s.size);
   }
   if (s.window_steps == s.o.log_every()) s.aggregate();
-  s.step_start = now_ns();  // monitoring's own time counts to no step
+  s.step_start = util::now_ns();  // monitoring's own time counts to no step
   s.phase_ms[0] = s.phase_ms[1] = s.phase_ms[2] = 0;
 }
 
@@ -366,17 +355,9 @@ void Monitor::Impl::aggregate() {
   mine[kRssMb] = rss_bytes() / 1048576.0;
   std::vector<std::vector<double>> all(kNumFields, std::vector<double>(size));
   if (distributed) {
-    const Group& g = o.process_group();
-    const at::Device dev = collective_device(g);
-    at::Tensor in = at::from_blob(mine, {kNumFields}, at::kDouble).to(dev, /*non_blocking=*/false, /*copy=*/true);
-    std::vector<at::Tensor> out;
-    for (int r = 0; r < size; ++r) out.push_back(at::empty({kNumFields}, in.options()));
-    all_gather(out, in, g);
-    for (int r = 0; r < size; ++r) {
-      at::Tensor c = out[r].cpu();
-      const double* p = c.data_ptr<double>();
-      for (int f = 0; f < kNumFields; ++f) all[f][r] = p[f];
-    }
+    const auto every = all_gather_values(std::vector<double>(mine, mine + kNumFields), o.process_group());
+    for (int r = 0; r < size; ++r)
+      for (int f = 0; f < kNumFields; ++f) all[f][r] = every[r][f];
   } else {
     for (int f = 0; f < kNumFields; ++f) all[f][0] = mine[f];
   }
@@ -389,7 +370,7 @@ void Monitor::Impl::aggregate() {
   WindowMetrics wm;
   wm.step = step;
   wm.steps = n;
-  wm.time_s = (now_ns() - t0) / 1e9;
+  wm.time_s = (util::now_ns() - t0) / 1e9;
   wm.epoch = epoch;
   wm.loss = finite_mean(all[kLoss]);
   wm.accuracy = finite_mean(all[kAccuracy]);
@@ -430,31 +411,14 @@ void Monitor::close() {
   if (s.rank_file) std::fflush(s.rank_file);
 
   if (s.timeline) {
-    // The merge: each rank's part file, gathered to rank 0 as bytes (sizes first, then padded).
+    // The merge: each rank's part file, gathered to the group's first rank.
     s.timeline->finish();
     const std::string part_path = s.timeline->part_path();
-    std::string part = read_file(part_path);
+    const std::string part = util::read_file(part_path, "timeline part");
     std::vector<std::string> parts{part};
     if (s.distributed) {
       const Group& g = s.o.process_group();
-      const at::Device dev = collective_device(g);  // CUDA under NCCL
-      std::vector<at::Tensor> sizes;
-      for (int r = 0; r < s.size; ++r) sizes.push_back(at::empty({1}, at::TensorOptions(at::kLong).device(dev)));
-      all_gather(sizes, at::full({1}, static_cast<int64_t>(part.size()), at::TensorOptions(at::kLong).device(dev)), g);
-      int64_t max_size = 1;
-      for (auto& t : sizes) max_size = std::max(max_size, t.item<int64_t>());
-      at::Tensor mine = at::zeros({max_size}, at::kByte);
-      std::memcpy(mine.data_ptr(), part.data(), part.size());
-      mine = mine.to(dev);
-      std::vector<at::Tensor> list;
-      if (s.rank == 0)
-        for (int r = 0; r < s.size; ++r) list.push_back(at::empty({max_size}, mine.options()));
-      gather(mine, list, g.ranks()[0], g);
-      if (s.rank == 0) {
-        parts.clear();
-        for (int r = 0; r < s.size; ++r)
-          parts.emplace_back(static_cast<const char*>(list[r].cpu().data_ptr()), sizes[r].item<int64_t>());
-      }
+      parts = gather_bytes(part, g.ranks()[0], g);
     }
     if (s.rank == 0) write_text(s.path("trace.json"), monitor::merge_trace(parts));
     std::remove(part_path.c_str());

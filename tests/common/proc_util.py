@@ -1,5 +1,6 @@
 """Helpers that the Python test suites in tests/dist and tests/launcher share (stdlib only)."""
 import fcntl
+import os
 import socket
 import struct
 import time
@@ -38,3 +39,31 @@ def non_loopback_ipv4():
             if not addr.startswith("127."):
                 return addr
     return None
+
+
+def proc_stat(pid):
+    """(state, ppid) of process `pid` from /proc/<pid>/stat (state "Z": a zombie), or None when it is
+    gone. The command name may hold spaces and parentheses: the fields after its last ")" are split."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
+def alive(pid):
+    """Whether `pid` runs (a zombie does not count)."""
+    st = proc_stat(pid)
+    return st is not None and st[0] != "Z"
+
+
+def children(pid):
+    """Live (non-zombie) processes whose parent is `pid`, sorted."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = proc_stat(d)
+            if st and st[1] == pid and st[0] != "Z":
+                out.append(int(d))
+    return sorted(out)

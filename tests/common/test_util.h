@@ -7,16 +7,25 @@
 #include <optional>
 #include <string>
 
+#include "dtrain/errors.h"
+
 namespace dtrain::test_util {
 
-// The message of the exception f() throws, or "" when it throws none.
-inline std::string error_of(const std::function<void()>& f) {
+// The message of the E that f() throws, or `none` when it throws nothing. Another exception goes on,
+// so the test fails naming it.
+template <typename E = std::exception>
+std::string error_of(const std::function<void()>& f, const std::string& none = "") {
   try {
     f();
-  } catch (const std::exception& e) {
+  } catch (const E& e) {
     return e.what();
   }
-  return "";
+  return none;
+}
+
+// The message of the dtrain::Error f() throws, or "(no dtrain::Error thrown)".
+inline std::string dtrain_error_of(const std::function<void()>& f) {
+  return error_of<dtrain::Error>(f, "(no dtrain::Error thrown)");
 }
 
 // Sets an environment variable for the scope (e.g. around new_group(), whose backend reads

@@ -7,6 +7,7 @@
 
 #include "dist_main.h"
 #include "dtrain/errors.h"
+#include "common/util.h"
 #include "test_util.h"
 
 using namespace dtrain;
@@ -14,7 +15,9 @@ using namespace dtrain;
 namespace {
 int R() { return rank(); }
 int N() { return world_size(); }
+using dtrain::test_util::dtrain_error_of;
 using dtrain::test_util::error_of;
+using dtrain::util::now_ns;
 
 // A group of every rank whose collectives all run over Gloo (TCP), as between hosts.
 Group gloo_group() {
@@ -22,21 +25,6 @@ Group gloo_group() {
   return new_group({});
 }
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-// The dtrain::Error that f() throws (a failure if it throws none, or something else).
-std::string dtrain_error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a dtrain::Error";
-  return "";
-}
 }  // namespace
 
 // Shared memory here, Gloo in dist_collectives_test_gloo_2.
@@ -100,6 +88,36 @@ TEST(Collectives, AsyncAllReduceAndAvgAfterWait) {
 TEST(Collectives, AvgOnIntegersIsAClearError) {
   at::Tensor t = at::ones({2}, at::kLong);
   EXPECT_NE(error_of([&] { all_reduce(t, ReduceOp::AVG); }).find("needs a floating-point tensor"), std::string::npos);
+}
+
+// The small control messages: plain values in and out, on the world and on a subgroup of the others.
+TEST(Collectives, SmallMessages) {
+  EXPECT_EQ(all_reduce_values(std::vector<int64_t>{R(), 1}, ReduceOp::MAX), (std::vector<int64_t>{N() - 1, 1}));
+  EXPECT_EQ(all_reduce_values(std::vector<double>{0.5 * R()})[0], 0.25 * N() * (N() - 1));
+  const auto gathered = all_gather_values(std::vector<double>{1.0 * R(), -1.0});
+  ASSERT_EQ(gathered.size(), static_cast<size_t>(N()));
+  for (int r = 0; r < N(); ++r) EXPECT_EQ(gathered[r], (std::vector<double>{1.0 * r, -1.0}));
+
+  // Texts of different lengths, the empty one included.
+  auto text_of = [](int r) { return std::string(static_cast<size_t>(r) * 3, static_cast<char>('a' + r)); };
+  EXPECT_EQ(broadcast_bytes(R() == N() - 1 ? text_of(N() - 1) : "ignored", N() - 1), text_of(N() - 1));
+  EXPECT_EQ(broadcast_bytes(R() == 0 ? "" : "ignored", 0), "");
+  const auto all = all_gather_bytes(text_of(R()));
+  ASSERT_EQ(all.size(), static_cast<size_t>(N()));
+  for (int r = 0; r < N(); ++r) EXPECT_EQ(all[r], text_of(r));
+
+  std::vector<int> others;
+  for (int r = 1; r < N(); ++r) others.push_back(r);
+  Group sub = new_group(others);
+  if (!sub.is_member()) return;
+  const auto at_last = gather_bytes(text_of(R()), N() - 1, sub);
+  if (R() != N() - 1) {
+    EXPECT_TRUE(at_last.empty());
+  } else {
+    ASSERT_EQ(at_last.size(), others.size());
+    for (size_t i = 0; i < others.size(); ++i) EXPECT_EQ(at_last[i], text_of(others[i]));
+  }
+  EXPECT_EQ(all_gather_values(std::vector<int64_t>{R()}, sub).front(), std::vector<int64_t>{1});
 }
 
 TEST(Collectives, BroadcastFromLastRank) {

@@ -25,7 +25,7 @@ import unittest
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
-from proc_util import free_port, wait_until  # noqa: E402  (re-exported to the dist tests)
+from proc_util import alive, children, free_port, wait_until  # noqa: E402  (re-exported to the dist tests)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

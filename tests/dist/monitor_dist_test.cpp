@@ -16,6 +16,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
+#include "common/util.h"
 #include "dist_main.h"
 #include "dtrain/ddp.h"
 #include "dtrain/monitor.h"
@@ -32,13 +33,6 @@ namespace {
 fs::path shared_dir(const std::string& what) {
   const char* port = std::getenv("MASTER_PORT");
   return fs::temp_directory_path() / ("dtrain_monitor_" + what + "_" + (port ? port : "0"));
-}
-
-std::string slurp(const fs::path& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::ostringstream os;
-  os << f.rdbuf();
-  return os.str();
 }
 
 // Several layers and tiny buckets: the first buckets are full (and start their all-reduce) while
@@ -100,7 +94,7 @@ TEST(Monitor, TraceFromEveryRankShowsOverlapAndRankZeroFindsTheSlowRank) {
 
     // The trace: valid JSON, events from both ranks, and on each rank a bucket all-reduce that
     // started before autograd finished (the "ddp wait" span starts where backward's own work ends).
-    auto trace = nlohmann::json::parse(slurp(dir / "trace.json"));
+    auto trace = nlohmann::json::parse(dtrain::util::read_file(dir / "trace.json"));
     std::set<int> pids;
     std::map<std::pair<int, int64_t>, double> first_launch, wait_start;  // (rank, step) -> us
     for (const auto& e : trace["traceEvents"]) {
@@ -128,7 +122,7 @@ TEST(Monitor, TraceFromEveryRankShowsOverlapAndRankZeroFindsTheSlowRank) {
       EXPECT_EQ(overlapped, steps) << "rank " << r << ": a bucket's all-reduce starts before backward ends";
     }
     EXPECT_FALSE(fs::exists(dir / "trace_rank0.part")) << "parts are removed after the merge";
-    const std::string svg = slurp(dir / "plot.svg");
+    const std::string svg = dtrain::util::read_file(dir / "plot.svg");
     EXPECT_EQ(test_util::svg_problem(svg), "");
   }
   barrier();  // rank 1 removes its part after the gather: look only once it is past close()

@@ -25,37 +25,13 @@ import time
 import unittest
 import zlib
 
-from harness import DistTestCase, clean_env, free_port, wait_until
+from harness import DistTestCase, alive, children, clean_env, free_port, wait_until
 from test_train_fashion_mnist import ERROR_PREFIX, RESULT_RE, assert_ddp_transport, launcher, trainer, transport_env
 
 # 384 samples on 2 ranks x batch 32: 6 steps per epoch, 12 in all; 200 test samples.
 COMMON = ("--subset", 384, "--test_subset", 200, "--batch_size", 32, "--seed", 5, "--threads", 1)
 RUN_TIMEOUT_S = 120
 SEED = int(os.environ.get("DTRAIN_FAULT_SEED", random.randrange(1 << 30)))
-
-
-def children(pid):
-    """Live (non-zombie) processes whose parent is `pid`."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(d))
-    return sorted(out)
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def read_bytes(path):

@@ -18,8 +18,8 @@ import tempfile
 import time
 import unittest
 
-from harness import DistTestCase, clean_env, free_port, hello, wait_until
-from test_fault_tolerance import checkpoints, children
+from harness import DistTestCase, children, clean_env, free_port, hello, wait_until
+from test_fault_tolerance import checkpoints
 from test_train_fashion_mnist import RESULT_RE, trainer
 
 TORCH_MAJOR = int(os.environ.get("DTRAIN_TORCH_MAJOR", "0"))

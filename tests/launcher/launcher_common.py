@@ -5,14 +5,16 @@ $<TARGET_FILE:dtrain-run>). Workers are shell / python one-liners, so no LibTorc
 Every process started here is bounded by a timeout.
 """
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
-from proc_util import free_port, wait_until  # noqa: E402  (re-exported to the launcher tests)
+from proc_util import alive, free_port, wait_until  # noqa: E402  (re-exported to the launcher tests)
 
 DTRAIN_RUN = os.environ.get("DTRAIN_RUN", "")
 PY = sys.executable  # the interpreter running the tests, also used for python workers
@@ -57,12 +59,10 @@ def pids_with_marker(marker):
         try:
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 cmd = f.read()
-            with open(f"/proc/{d}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
         argv = cmd.split(b"\0")
-        if marker.encode() in argv and not argv[0].endswith(b"dtrain-run") and state != "Z":
+        if marker.encode() in argv and not argv[0].endswith(b"dtrain-run") and alive(d):
             found.append(int(d))
     return found
 
@@ -74,6 +74,21 @@ def kill_marker(marker):
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+class MarkedTestCase(unittest.TestCase):
+    """A launcher test with a scratch folder (self.tmp, prefix tmp_prefix) and a marker (self.marker)
+    that its long-lived workers carry as an argument, so that tearDown kills any a failure left behind."""
+    tmp_prefix = "dtrain_launcher_"
+
+    def setUp(self):
+        require_launcher(self)
+        self.tmp = tempfile.mkdtemp(prefix=self.tmp_prefix)
+        self.marker = f"dtrainmark{os.getpid()}x{time.monotonic_ns()}"
+
+    def tearDown(self):
+        kill_marker(self.marker)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def listeners(port):

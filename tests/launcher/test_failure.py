@@ -1,23 +1,14 @@
 """dtrain-run: failure propagation, signal deaths, signal forwarding, no orphans, PDEATHSIG."""
 import os
 import signal
-import tempfile
-import shutil
 import time
 import unittest
 
-from launcher_common import PY, kill_marker, pids_with_marker, require_launcher, run, start, wait_until
+from launcher_common import MarkedTestCase, PY, pids_with_marker, run, start, wait_until
 
 
-class FailureTest(unittest.TestCase):
-    def setUp(self):
-        require_launcher(self)
-        self.tmp = tempfile.mkdtemp(prefix="dtrain_fail_")
-        self.marker = f"dtrainmark{os.getpid()}x{time.monotonic_ns()}"
-
-    def tearDown(self):
-        kill_marker(self.marker)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+class FailureTest(MarkedTestCase):
+    tmp_prefix = "dtrain_fail_"
 
     def summary(self, stderr):
         return stderr.strip().splitlines()[-1]

@@ -3,11 +3,10 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 import unittest
 
-from launcher_common import (DTRAIN_RUN, PY, clean_env, free_port, kill_marker, pids_with_marker,
+from launcher_common import (MarkedTestCase, DTRAIN_RUN, PY, clean_env, free_port, pids_with_marker,
                              require_launcher, start)
 
 PRINT_ENV = 'echo "rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE node=$NODE_RANK group=$GROUP_RANK"'
@@ -32,15 +31,8 @@ def finish(*procs, timeout=40):
     return results
 
 
-class MultiNodeTest(unittest.TestCase):
-    def setUp(self):
-        require_launcher(self)
-        self.marker = f"dtrainmn{os.getpid()}x{time.monotonic_ns()}"
-        self.tmp = tempfile.mkdtemp(prefix="dtrain_mn_")
-
-    def tearDown(self):
-        kill_marker(self.marker)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+class MultiNodeTest(MarkedTestCase):
+    tmp_prefix = "dtrain_mn_"
 
     def test_two_nodes(self):
         port = free_port()

@@ -3,24 +3,15 @@ DTRAIN_RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT) incremented, logs per atte
 the job fails with the last failure's summary; a signal to the launcher is never restarted; a
 SIGSTOPped worker is woken (SIGCONT) so it can act on SIGTERM. Several nodes: test_multinode.py."""
 import os
-import shutil
 import signal
-import tempfile
 import time
 import unittest
 
-from launcher_common import PY, kill_marker, pids_with_marker, require_launcher, run, start, wait_until
+from launcher_common import MarkedTestCase, PY, pids_with_marker, run, start, wait_until
 
 
-class RestartTest(unittest.TestCase):
-    def setUp(self):
-        require_launcher(self)
-        self.tmp = tempfile.mkdtemp(prefix="dtrain_restart_")
-        self.marker = f"dtrainmark{os.getpid()}x{time.monotonic_ns()}"
-
-    def tearDown(self):
-        kill_marker(self.marker)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+class RestartTest(MarkedTestCase):
+    tmp_prefix = "dtrain_restart_"
 
     def test_restarts_until_an_attempt_succeeds(self):
         # Attempts 0 and 1: rank 1 fails; attempt 2 succeeds. Every worker records its attempt.

@@ -14,11 +14,14 @@
 #include <sstream>
 
 #include "common/env.h"
+#include "common/util.h"
+#include "dtrain/process_group.h"
 #include "test_util.h"
 
 namespace env = dtrain::env;
 namespace fs = std::filesystem;
 using dtrain::test_util::error_of;
+using dtrain::util::read_file;
 
 namespace {
 
@@ -30,13 +33,6 @@ env::Lookup vars(std::map<std::string, std::string> m) {
     if (it == m.end() || it->second.empty()) return std::nullopt;
     return it->second;
   };
-}
-
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p);
-  std::ostringstream s;
-  s << f.rdbuf();
-  return s.str();
 }
 
 // The C++ files of the library, its public headers and the launcher.
@@ -92,7 +88,9 @@ TEST(Env, UnsetVariablesHaveTheTablesFallback) {
   EXPECT_EQ(env::choice("DTRAIN_SHM", none), "auto");
   EXPECT_EQ(env::choice("DTRAIN_DEBUG", none), "OFF");
   EXPECT_EQ(env::choice("DTRAIN_BACKEND", none), "gloo");
-  EXPECT_EQ(env::seconds("DTRAIN_TIMEOUT_S", none), 1800.0);        // PyTorch's 30 min
+  // init_process_group's timeout when neither InitOptions nor the variable sets one: the public
+  // kDefaultTimeout, PyTorch's 30 min.
+  EXPECT_EQ(env::seconds("DTRAIN_TIMEOUT_S", none).value() * 1000, double(dtrain::kDefaultTimeout.count()));
   EXPECT_EQ(env::seconds("DTRAIN_RUN_RDZV_REPORT_S", none), 30.0);  // docs: "then every 30 s"
   EXPECT_EQ(env::integer("DTRAIN_SHM_SLOT_BYTES", none), int64_t{1} << 20);
   EXPECT_TRUE(env::flag("DTRAIN_MALLOC_TUNING", none));
@@ -186,7 +184,7 @@ TEST(Env, EveryRowIsWellFormed) {
 }
 
 TEST(Env, DocsShowExactlyTheTable) {
-  const std::string doc = slurp(kRoot / "docs/environment.md");
+  const std::string doc = read_file(kRoot / "docs/environment.md");
   const std::string begin = "<!-- env-table:begin -->\n", end = "<!-- env-table:end -->";
   const auto b = doc.find(begin), e = doc.find(end);
   ASSERT_TRUE(b != std::string::npos && e != std::string::npos && b < e)
@@ -206,7 +204,7 @@ TEST(Env, EveryDtrainNameInTheSourcesIsARow) {
       cmake_defs(R"(target_compile_definitions\(([^)]*)\))");
   const auto files = sources();
   for (const auto& f : files) {
-    const std::string text = slurp(f);
+    const std::string text = read_file(f);
     for (std::sregex_iterator m(text.begin(), text.end(), define), end; m != end; ++m) macros.insert((*m)[1]);
   }
   std::vector<fs::path> cmake_files{kRoot / "CMakeLists.txt"};
@@ -214,7 +212,7 @@ TEST(Env, EveryDtrainNameInTheSourcesIsARow) {
     for (const auto& e : fs::recursive_directory_iterator(kRoot / dir))
       if (e.path().filename() == "CMakeLists.txt") cmake_files.push_back(e.path());
   for (const auto& path : cmake_files) {
-    const std::string text = slurp(path);
+    const std::string text = read_file(path);
     for (std::sregex_iterator m(text.begin(), text.end(), cmake_defs), end; m != end; ++m) {
       const std::string args = (*m)[1];
       for (std::sregex_iterator n(args.begin(), args.end(), name); n != end; ++n) macros.insert(n->str());
@@ -223,7 +221,7 @@ TEST(Env, EveryDtrainNameInTheSourcesIsARow) {
   ASSERT_TRUE(macros.count("DTRAIN_CHECK") && macros.count("DTRAIN_WITH_CUDA")) << "the scan finds the macros";
   std::set<std::string> seen;
   for (const auto& f : files) {
-    std::istringstream in(slurp(f));
+    std::istringstream in(read_file(f));
     int lineno = 0;
     for (std::string line; std::getline(in, line);) {
       ++lineno;
@@ -244,7 +242,7 @@ TEST(Env, OnlyEnvCppReadsTheEnvironment) {
   const fs::path allowed = kRoot / "src/common/env.cpp";
   for (const auto& f : sources()) {
     if (f == allowed) continue;
-    std::istringstream in(slurp(f));
+    std::istringstream in(read_file(f));
     int lineno = 0;
     for (std::string line; std::getline(in, line);) {
       ++lineno;

@@ -13,10 +13,12 @@
 
 #include "data/idx_reader.h"
 #include "dtrain/sampler.h"
+#include "test_util.h"
 
 namespace fs = std::filesystem;
 using dtrain::datasets::FashionMNIST;
 using dtrain::datasets::FashionMNISTOptions;
+using dtrain::test_util::dtrain_error_of;
 
 namespace {
 
@@ -40,15 +42,6 @@ constexpr double kTrainMean = 0.2860405969887955, kTrainStd = 0.3530242445149223
 std::vector<int64_t> to_vector(const at::Tensor& t) {
   at::Tensor c = t.contiguous().to(at::kLong);
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const dtrain::Error& e) {
-    return e.what();
-  }
-  return "(no dtrain::Error thrown)";
 }
 
 std::string read_file(const fs::path& p, bool gunzip) {
@@ -152,9 +145,9 @@ TEST_F(FashionMNISTFiles, GetAndBatchAgree) {
     EXPECT_TRUE(at::equal(b.data[k], one.data));
     EXPECT_EQ(b.target[k].item<int64_t>(), one.target.item<int64_t>());
   }
-  EXPECT_NE(error_of([&] { test_->get(10000); }).find("index 10000 out of range"), std::string::npos);
+  EXPECT_NE(dtrain_error_of([&] { test_->get(10000); }).find("index 10000 out of range"), std::string::npos);
   const std::vector<size_t> bad = {1, 10000};
-  EXPECT_NE(error_of([&] { test_->batch(bad); }).find("index 10000 out of range"), std::string::npos);
+  EXPECT_NE(dtrain_error_of([&] { test_->batch(bad); }).find("index 10000 out of range"), std::string::npos);
 }
 
 TEST(FashionMNIST, StandardizeUsesMeanAndStd) {
@@ -165,7 +158,7 @@ TEST(FashionMNIST, StandardizeUsesMeanAndStd) {
   FashionMNIST def(kRoot, FashionMNIST::Mode::kTest, FashionMNISTOptions().standardize(true).max_samples(10));
   FashionMNIST raw(kRoot, FashionMNIST::Mode::kTest, FashionMNISTOptions().max_samples(10));
   EXPECT_TRUE(at::allclose(def.images(), (raw.images() - 0.2860) / 0.3530));
-  EXPECT_NE(error_of([] {
+  EXPECT_NE(dtrain_error_of([] {
               FashionMNIST(kRoot, FashionMNIST::Mode::kTest, FashionMNISTOptions().standardize(true).stddev(0));
             }).find("stddev must be > 0"),
             std::string::npos);
@@ -235,11 +228,11 @@ TEST(FashionMNIST, MissingFileOrFolder) {
   TempDir dir;
   dir.copy_test_split(false);
   fs::remove(dir.path() / "t10k-images-idx3-ubyte.gz");
-  std::string msg = error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
+  std::string msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
   EXPECT_NE(msg.find((dir.path() / "t10k-images-idx3-ubyte.gz").string() + ": missing"), std::string::npos) << msg;
-  msg = error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTrain); });
+  msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTrain); });
   EXPECT_NE(msg.find("train-images-idx3-ubyte.gz: missing"), std::string::npos) << msg;
-  msg = error_of([] { FashionMNIST("/nonexistent/fmnist", FashionMNIST::Mode::kTest); });
+  msg = dtrain_error_of([] { FashionMNIST("/nonexistent/fmnist", FashionMNIST::Mode::kTest); });
   EXPECT_NE(msg.find("/nonexistent/fmnist does not exist"), std::string::npos) << msg;
 }
 
@@ -249,16 +242,16 @@ TEST(FashionMNIST, WrongMagicNumber) {
   // A labels file where the images should be.
   fs::copy_file(dir.path() / "t10k-labels-idx1-ubyte", dir.path() / "t10k-images-idx3-ubyte",
                 fs::copy_options::overwrite_existing);
-  std::string msg = error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
+  std::string msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
   EXPECT_NE(msg.find("t10k-images-idx3-ubyte: not an IDX file of the expected kind: magic number 2049"),
             std::string::npos)
       << msg;
   // Garbage.
   write_file(dir.path() / "t10k-images-idx3-ubyte", "hello, world, not an IDX file");
-  msg = error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
+  msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
   EXPECT_NE(msg.find("magic number"), std::string::npos) << msg;
   write_file(dir.path() / "t10k-images-idx3-ubyte", "");
-  msg = error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
+  msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
   EXPECT_NE(msg.find("truncated: expected a 4-byte IDX header, got 0 bytes"), std::string::npos) << msg;
 }
 
@@ -268,7 +261,7 @@ TEST(FashionMNIST, TruncatedFiles) {
     dir.copy_test_split(true);
     const fs::path images = dir.path() / "t10k-images-idx3-ubyte";
     fs::resize_file(images, 16 + 1234);
-    const std::string msg = error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
+    const std::string msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
     EXPECT_NE(msg.find(images.string() + ": truncated: expected 7840000 bytes of pixels, got 1234"), std::string::npos)
         << msg;
   }
@@ -277,7 +270,7 @@ TEST(FashionMNIST, TruncatedFiles) {
     dir.copy_test_split(false);
     const fs::path images = dir.path() / "t10k-images-idx3-ubyte.gz";
     fs::resize_file(images, fs::file_size(images) / 2);
-    const std::string msg = error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
+    const std::string msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
     EXPECT_NE(msg.find(images.string() + ": truncated: expected 7840000 bytes of pixels, got "), std::string::npos)
         << msg;
     EXPECT_NE(msg.find("gzip stream ends early"), std::string::npos) << msg;
@@ -286,7 +279,7 @@ TEST(FashionMNIST, TruncatedFiles) {
     TempDir dir;
     dir.copy_test_split(true);
     fs::resize_file(dir.path() / "t10k-labels-idx1-ubyte", 8 + 10);
-    const std::string msg = error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
+    const std::string msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
     EXPECT_NE(msg.find("truncated: expected 10000 bytes of labels, got 10"), std::string::npos) << msg;
   }
 }
@@ -299,7 +292,7 @@ TEST(FashionMNIST, CorruptFiles) {
   std::string bytes = read_file(images, false);
   for (size_t i = bytes.size() / 2; i < bytes.size() / 2 + 64; ++i) bytes[i] = static_cast<char>(~bytes[i]);
   write_file(images, bytes);
-  std::string msg = error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
+  std::string msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
   EXPECT_NE(msg.find(images.string() + ": "), std::string::npos) << msg;
   EXPECT_NE(msg.find("corrupt"), std::string::npos) << msg;
 
@@ -310,7 +303,7 @@ TEST(FashionMNIST, CorruptFiles) {
   labels[7] = static_cast<char>(0x0f);  // count 10000 (0x2710) -> 0x270f = 9999
   labels.pop_back();
   write_file(mixed.path() / "t10k-labels-idx1-ubyte", labels);
-  msg = error_of([&] { FashionMNIST(mixed.path().string(), FashionMNIST::Mode::kTest); });
+  msg = dtrain_error_of([&] { FashionMNIST(mixed.path().string(), FashionMNIST::Mode::kTest); });
   EXPECT_NE(msg.find("holds 10000 images but"), std::string::npos) << msg;
   EXPECT_NE(msg.find("holds 9999 labels"), std::string::npos) << msg;
 
@@ -318,11 +311,11 @@ TEST(FashionMNIST, CorruptFiles) {
   labels = read_file(dir.path() / "t10k-labels-idx1-ubyte.gz", true);
   labels[8 + 5] = static_cast<char>(200);
   write_file(mixed.path() / "t10k-labels-idx1-ubyte", labels);
-  msg = error_of([&] { FashionMNIST(mixed.path().string(), FashionMNIST::Mode::kTest); });
+  msg = dtrain_error_of([&] { FashionMNIST(mixed.path().string(), FashionMNIST::Mode::kTest); });
   EXPECT_NE(msg.find("label 200 at index 5"), std::string::npos) << msg;
   labels[8 + 5] = 1;
   write_file(mixed.path() / "t10k-labels-idx1-ubyte", labels + "xyz");
-  msg = error_of([&] { FashionMNIST(mixed.path().string(), FashionMNIST::Mode::kTest); });
+  msg = dtrain_error_of([&] { FashionMNIST(mixed.path().string(), FashionMNIST::Mode::kTest); });
   EXPECT_NE(msg.find("3 unexpected bytes after the 10000 items"), std::string::npos) << msg;
 }
 

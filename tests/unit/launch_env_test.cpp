@@ -6,10 +6,12 @@
 #include <gtest/gtest.h>
 
 #include "dtrain/errors.h"
+#include "test_util.h"
 
 using dtrain::comm::EnvLookup;
 using dtrain::comm::LaunchEnv;
 using dtrain::comm::read_launch_env;
+using dtrain::test_util::dtrain_error_of;
 
 namespace {
 
@@ -19,15 +21,6 @@ EnvLookup env_of(std::map<std::string, std::string> vars) {
     if (it == vars.end() || it->second.empty()) return std::nullopt;
     return it->second;
   };
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const dtrain::Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 }  // namespace
@@ -56,7 +49,7 @@ TEST(LaunchEnv, RestartCountFromDtrainRunElseTorchrun) {
   EXPECT_EQ(with({}), 0);
   EXPECT_EQ(with({{"TORCHELASTIC_RESTART_COUNT", "2"}}), 2);
   EXPECT_EQ(with({{"DTRAIN_RESTART_COUNT", "1"}, {"TORCHELASTIC_RESTART_COUNT", "1"}}), 1);
-  EXPECT_NE(error_of([&] {
+  EXPECT_NE(dtrain_error_of([&] {
               with({{"TORCHELASTIC_RESTART_COUNT", "x"}});
             }).find("TORCHELASTIC_RESTART_COUNT"),
             std::string::npos);
@@ -97,20 +90,20 @@ TEST(LaunchEnv, ExplicitValuesOverride) {
 }
 
 TEST(LaunchEnv, BadValuesNameTheVariable) {
-  EXPECT_NE(error_of([] { read_launch_env(env_of({})); }).find("RANK is not set"), std::string::npos);
-  EXPECT_NE(error_of([] {
+  EXPECT_NE(dtrain_error_of([] { read_launch_env(env_of({})); }).find("RANK is not set"), std::string::npos);
+  EXPECT_NE(dtrain_error_of([] {
               read_launch_env(env_of({{"RANK", "x1"}, {"WORLD_SIZE", "2"}}));
             }).find("RANK='x1' is not a non-negative integer"),
             std::string::npos);
-  EXPECT_NE(error_of([] {
+  EXPECT_NE(dtrain_error_of([] {
               read_launch_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "-2"}}));
             }).find("WORLD_SIZE='-2'"),
             std::string::npos);
-  EXPECT_NE(error_of([] {
+  EXPECT_NE(dtrain_error_of([] {
               read_launch_env(env_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}}));
             }).find("RANK=2 is out of range for WORLD_SIZE=2"),
             std::string::npos);
-  EXPECT_NE(error_of([] {
+  EXPECT_NE(dtrain_error_of([] {
               read_launch_env(env_of({{"RANK", "0"}}));
             }).find("WORLD_SIZE is not set"),
             std::string::npos);
@@ -120,15 +113,15 @@ TEST(LaunchEnv, MasterAddressAndPort) {
   auto ep = dtrain::comm::master_from_env(env_of({{"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}}));
   EXPECT_EQ(ep.host, "10.0.0.1");
   EXPECT_EQ(ep.port, 29500);
-  EXPECT_NE(error_of([] {
+  EXPECT_NE(dtrain_error_of([] {
               dtrain::comm::master_from_env(env_of({{"MASTER_PORT", "1"}}));
             }).find("MASTER_ADDR is not set"),
             std::string::npos);
-  EXPECT_NE(error_of([] {
+  EXPECT_NE(dtrain_error_of([] {
               dtrain::comm::master_from_env(env_of({{"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}}));
             }).find("MASTER_PORT='70000' is not a valid port"),
             std::string::npos);
-  EXPECT_NE(error_of([] {
+  EXPECT_NE(dtrain_error_of([] {
               dtrain::comm::master_from_env(env_of({{"MASTER_ADDR", "h"}, {"MASTER_PORT", "http"}}));
             }).find("MASTER_PORT='http'"),
             std::string::npos);
@@ -141,5 +134,5 @@ TEST(LaunchEnv, TcpUrls) {
   auto b = dtrain::comm::parse_tcp_url("tcp://[::1]:29500");
   EXPECT_EQ(b.host, "::1");
   EXPECT_EQ(b.port, 29500);
-  EXPECT_NE(error_of([] { dtrain::comm::parse_tcp_url("tcp://host"); }).find("has no port"), std::string::npos);
+  EXPECT_NE(dtrain_error_of([] { dtrain::comm::parse_tcp_url("tcp://host"); }).find("has no port"), std::string::npos);
 }

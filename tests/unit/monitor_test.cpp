@@ -13,28 +13,17 @@
 #include <torch/nn/modules/linear.h>
 
 #include "dtrain/monitor.h"
+#include "common/util.h"
 #include "svg_check.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
 using namespace dtrain;
 using dtrain::test_util::error_of;
+using dtrain::util::read_file;
+using dtrain::util::split;
 
 namespace {
-
-std::string slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::ostringstream os;
-  os << f.rdbuf();
-  return os.str();
-}
-
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> out;
-  std::istringstream is(text);
-  for (std::string l; std::getline(is, l);) out.push_back(l);
-  return out;
-}
 
 struct TempDir {
   fs::path path;
@@ -66,7 +55,7 @@ TEST(Progress, PlainLinesWhenNotATerminal) {
   const std::string out = progress_output(false, 50);
   EXPECT_EQ(out.find('\r'), std::string::npos) << "no carriage returns in a log";
   EXPECT_EQ(out.find('\033'), std::string::npos) << "no escape codes in a log";
-  const auto lines = lines_of(out);
+  const auto lines = split(out);
   ASSERT_EQ(lines.size(), 10u) << out;  // one per 10%
   for (const auto& l : lines) {
     EXPECT_EQ(l.rfind("epoch 1/2 ", 0), 0u) << l;
@@ -141,7 +130,7 @@ TEST(Monitor, JsonLinesTraceAndPlotInOneProcess) {
   }
 
   // metrics.jsonl: one window per line (steps 5, 10, and the last partial window at close).
-  const auto lines = lines_of(slurp((dir.path / "metrics.jsonl").string()));
+  const auto lines = split(read_file((dir.path / "metrics.jsonl").string()));
   ASSERT_EQ(lines.size(), 3u);
   const int64_t expect_step[] = {5, 10, 12}, expect_steps[] = {5, 5, 2};
   const double expect_loss[] = {3.0, 8.0, 11.5};  // means of the losses given
@@ -166,12 +155,12 @@ TEST(Monitor, JsonLinesTraceAndPlotInOneProcess) {
     EXPECT_EQ(j["slowest_rank"], 0);
   }
   // Per-rank lines: every step.
-  const auto rank_lines = lines_of(slurp((dir.path / "metrics_rank0.jsonl").string()));
+  const auto rank_lines = split(read_file((dir.path / "metrics_rank0.jsonl").string()));
   ASSERT_EQ(rank_lines.size(), 12u);
   EXPECT_EQ(nlohmann::json::parse(rank_lines[11])["step"], 12);
 
   // trace.json: valid JSON; the first 3 steps only; the part file is gone.
-  auto trace = nlohmann::json::parse(slurp((dir.path / "trace.json").string()));
+  auto trace = nlohmann::json::parse(read_file((dir.path / "trace.json").string()));
   int forwards = 0;
   for (const auto& e : trace["traceEvents"])
     if (e["name"] == "forward") {
@@ -182,7 +171,7 @@ TEST(Monitor, JsonLinesTraceAndPlotInOneProcess) {
   EXPECT_EQ(forwards, 3);
   EXPECT_FALSE(fs::exists(dir.path / "trace_rank0.part"));
 
-  const std::string svg = slurp((dir.path / "plot.svg").string());
+  const std::string svg = read_file((dir.path / "plot.svg").string());
   EXPECT_EQ(test_util::svg_problem(svg), "");
   EXPECT_EQ(test_util::polyline_point_counts(svg), (std::vector<int>{3, 3, 3}));  // loss, accuracy, throughput
 }

@@ -12,8 +12,11 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "test_util.h"
+
 using dtrain::DistributedSampler;
 using dtrain::DistributedSamplerOptions;
+using dtrain::test_util::dtrain_error_of;
 
 namespace {
 
@@ -30,16 +33,6 @@ std::vector<int64_t> drain(DistributedSampler& s, size_t batch_size) {
     for (size_t i : *batch) out.push_back(static_cast<int64_t>(i));
   }
   return out;
-}
-
-template <typename Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const dtrain::Error& e) {
-    return e.what();
-  }
-  return "(no dtrain::Error thrown)";
 }
 
 }  // namespace
@@ -145,17 +138,18 @@ TEST(DistributedSampler, CopiesShareTheEpoch) {
 }
 
 TEST(DistributedSampler, RejectsBadArguments) {
-  EXPECT_NE(error_of([] { DistributedSampler(10, opts(4, 4)); }).find("got rank 4"), std::string::npos);
-  EXPECT_NE(error_of([] { DistributedSampler(10, opts(4, -1)); }).find("got rank -1"), std::string::npos);
-  EXPECT_NE(error_of([] { DistributedSampler(10, opts(0, 0)); }).find("num_replicas must be > 0, got 0"),
+  EXPECT_NE(dtrain_error_of([] { DistributedSampler(10, opts(4, 4)); }).find("got rank 4"), std::string::npos);
+  EXPECT_NE(dtrain_error_of([] { DistributedSampler(10, opts(4, -1)); }).find("got rank -1"), std::string::npos);
+  EXPECT_NE(dtrain_error_of([] { DistributedSampler(10, opts(0, 0)); }).find("num_replicas must be > 0, got 0"),
             std::string::npos);
-  EXPECT_NE(error_of([] { DistributedSampler(10, opts(-2, 0)); }).find("got -2"), std::string::npos);
+  EXPECT_NE(dtrain_error_of([] { DistributedSampler(10, opts(-2, 0)); }).find("got -2"), std::string::npos);
   // No process group here: the defaults cannot be taken from it.
-  const std::string msg = error_of([] { DistributedSampler(10); });
+  const std::string msg = dtrain_error_of([] { DistributedSampler(10); });
   EXPECT_NE(msg.find("init_process_group"), std::string::npos) << msg;
-  EXPECT_NE(
-      error_of([] { DistributedSampler(10, DistributedSamplerOptions().num_replicas(2)); }).find("rank not given"),
-      std::string::npos);
+  EXPECT_NE(dtrain_error_of([] {
+              DistributedSampler(10, DistributedSamplerOptions().num_replicas(2));
+            }).find("rank not given"),
+            std::string::npos);
 }
 
 TEST(DistributedSampler, NextWalksOnePassAndResetStartsAnother) {
@@ -201,7 +195,7 @@ TEST(DistributedSampler, SaveLoadResumesMidEpoch) {
   out.save_to(buf2);
   torch::serialize::InputArchive in2;
   in2.load_from(buf2);
-  const std::string msg = error_of([&] { other_seed.load(in2); });
+  const std::string msg = dtrain_error_of([&] { other_seed.load(in2); });
   EXPECT_NE(msg.find("seed = 9"), std::string::npos) << msg;
 }
 

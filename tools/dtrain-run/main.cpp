@@ -13,6 +13,7 @@
 //      run a fresh attempt (all workers restarted) up to --max_restarts times.
 //   5. Report: a failed rank's last stderr lines (without --log_dir) and ONE summary line; node 0
 //      waits (bounded) for every node to finish before its store goes away. Exit 0, 1 or 128+signo.
+#include "common/util.h"
 #include "options.h"
 #include "output.h"
 #include "rendezvous.h"
@@ -45,12 +46,6 @@ sigset_t handled_signals(bool with_chld) {
   sigaddset(&set, SIGHUP);
   if (with_chld) sigaddset(&set, SIGCHLD);
   return set;
-}
-
-std::string hostname() {
-  char buf[256] = {0};
-  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
-  return buf;
 }
 
 // Without --log_dir: the failed rank's last stderr lines.
@@ -109,7 +104,7 @@ int run(const LaunchOptions& o) {
     pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
     const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.rdzv_timeout * 1000));
     rdzv.emplace(o.master_addr, port, timeout);
-    rdzv->join(NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, o.max_restarts, hostname()}, say);
+    rdzv->join(NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, o.max_restarts, dtrain::util::host_name()}, say);
     pthread_sigmask(SIG_BLOCK, &terminating, nullptr);
   }
 

@@ -1,6 +1,7 @@
 // Supervising one attempt (see supervisor.h for the steps).
 #include "supervisor.h"
 
+#include "common/util.h"
 #include "env.h"
 
 #include <fcntl.h>
@@ -9,7 +10,6 @@
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -20,11 +20,7 @@ namespace dtrain::run {
 
 namespace {
 
-double now_s() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
+double now_s() { return dtrain::util::now_ns() * 1e-9; }
 
 void mkdir_p(const std::string& path) {
   for (size_t pos = 1; pos <= path.size(); ++pos) {

@@ -11,6 +11,7 @@
 #include "comm/shm/shm_process_group.h"
 #include "comm/gloo_backend.h"
 #include "common/env.h"
+#include "common/util.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::comm {
@@ -24,13 +25,11 @@ std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
 // separate hosts and exercise the hierarchical path).
 std::string host_key() {
   if (auto h = env::text("DTRAIN_SHM_HOST")) return "env:" + *h;
-  char hostname[256] = {0};
-  gethostname(hostname, sizeof(hostname) - 1);
   std::string boot;
   std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
   struct stat st {};
   stat("/dev/shm", &st);
-  return detail::cat(hostname, "/", boot, "/", st.st_dev, ":", st.st_ino);
+  return detail::cat(util::host_name(), "/", boot, "/", st.st_dev, ":", st.st_ino);
 }
 
 size_t slot_bytes_from_env() { return static_cast<size_t>(*env::integer("DTRAIN_SHM_SLOT_BYTES")); }
