@@ -41,15 +41,20 @@ def machine_facts(build_dir):
         gpus = sum(line.startswith("GPU ") for line in out.splitlines())
     except (OSError, subprocess.SubprocessError):
         gpus = 0
-    torch_major = None
+    torch_major, sanitize = None, "OFF"
     try:
         with open(os.path.join(build_dir, "CMakeCache.txt")) as f:
-            m = re.search(r"^DTRAIN_TORCH_MAJOR:INTERNAL=(\d+)$", f.read(), re.M)
-            torch_major = int(m.group(1)) if m else None
+            cache = f.read()
+        m = re.search(r"^DTRAIN_TORCH_MAJOR:INTERNAL=(\d+)$", cache, re.M)
+        torch_major = int(m.group(1)) if m else None
+        m = re.search(r"^DTRAIN_SANITIZE:\w+=(.*)$", cache, re.M)
+        sanitize = m.group(1) if m else "OFF"
     except OSError:
         pass
+    # The tree's sanitizers (CMakeLists.txt: DTRAIN_SANITIZE ON is AddressSanitizer + UBSan).
+    sanitizer = {"thread": "tsan"}.get(sanitize, "asan" if sanitize.upper() in ("ON", "TRUE", "1", "YES") else None)
     return {"root": os.geteuid() == 0, "gpus": gpus, "torch_major": torch_major,
-            "loopback_only": non_loopback_ipv4() is None}
+            "loopback_only": non_loopback_ipv4() is None, "sanitizer": sanitizer}
 
 
 def holds(condition, facts):
@@ -59,6 +64,8 @@ def holds(condition, facts):
         return facts["root"] == (condition == "root")
     if condition == "loopback-only":
         return facts["loopback_only"]
+    if condition in ("asan", "tsan"):
+        return facts["sanitizer"] == condition
     m = re.fullmatch(r"gpus<(\d+)", condition)
     if m:
         return facts["gpus"] < int(m.group(1))

@@ -3,8 +3,9 @@
 #   build/         against Debian's LibTorch 1.13 (CPU)
 #   build-torch2/  against the LibTorch 2.x inside .venv's torch wheel (CUDA + NCCL compiled in;
 #                  the tests that need a GPU report themselves skipped)
-# and finally the unit tests and a 2-rank DDP test under AddressSanitizer + UBSan (scripts/sanitize.sh,
-# tree build-asan, LibTorch 1.13).
+# and finally the sanitizer trees (scripts/sanitize.sh, LibTorch 1.13): the unit and multi-process tests
+# under AddressSanitizer + UBSan (build-asan), the shared-memory and DDP tests under ThreadSanitizer
+# (build-tsan).
 #   ./scripts/test.sh              everything
 #   ./scripts/test.sh -R dist_     extra arguments go to ctest in both trees; the sanitizer run is skipped
 #   DTRAIN_TREES=build ./scripts/test.sh   only the trees named (build, build-torch2)

@@ -128,7 +128,6 @@ void Comm::abort(const std::string& message) {
   uint32_t expected = 0;
   if (h.aborted.compare_exchange_strong(expected, 1)) {
     std::strncpy(h.abort_message, message.c_str(), sizeof(h.abort_message) - 1);
-    std::atomic_thread_fence(std::memory_order_release);
     h.aborted.store(2, std::memory_order_release);
     // Wake every sleeper so the other ranks see the abort at once.
     for (int r = 0; r < n_; ++r)

@@ -77,7 +77,6 @@ Segment Segment::create(const std::string& name, int nranks, size_t slot_bytes) 
   h->slot_bytes = slot_bytes;
   h->total_bytes = total;
   h->version = kVersion;
-  std::atomic_thread_fence(std::memory_order_release);
   reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->store(kMagic, std::memory_order_release);
   return s;
 }
