@@ -29,8 +29,8 @@ struct Pipeline::Impl {
 
   // One micro-batch's state on one stage between its forward and its backward (or its W).
   struct Live {
-    at::Tensor input;   // the received activation (a leaf requiring grad) or the input chunk
-    at::Tensor output;  // what backward starts from: the sent output, or the weighted loss
+    at::Tensor input;                         // the received activation (a leaf requiring grad) or the input chunk
+    at::Tensor output;                        // what backward starts from: the sent output, or the weighted loss
     std::vector<pipeline::WeightPart> parts;  // ZB-H1: layer outputs waiting for their W
   };
 

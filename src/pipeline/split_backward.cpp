@@ -62,8 +62,7 @@ at::Tensor backward_input(const at::Tensor& root, const at::Tensor& root_grad, c
 void backward_weight(std::vector<WeightPart>& parts) {
   for (auto& part : parts) {
     if (!part.grad.defined()) continue;  // the loss did not depend on this layer's output
-    torch::autograd::backward({part.output}, {part.grad}, /*retain_graph=*/false, /*create_graph=*/false,
-                              part.params);
+    torch::autograd::backward({part.output}, {part.grad}, /*retain_graph=*/false, /*create_graph=*/false, part.params);
   }
   parts.clear();
 }

@@ -145,7 +145,8 @@ PipelineStepResult Pipeline::step(const at::Tensor& input, const at::Tensor& tar
       DTRAIN_CHECK(loss_fn, "Pipeline::step: the last stage needs a loss_fn");
       run.tgt_chunks = target.chunk(chunks, 0);
       DTRAIN_CHECK(static_cast<int64_t>(run.tgt_chunks.size()) == chunks, "Pipeline::step: the target's ",
-                   target.size(0), " samples split into ", run.tgt_chunks.size(), " micro-batches, not chunks=", chunks);
+                   target.size(0), " samples split into ", run.tgt_chunks.size(),
+                   " micro-batches, not chunks=", chunks);
     }
     if (m.ddp) m.ddp->pre_forward();  // buffers from the stage group's first rank, once per step
     for (const Action& a : pipeline::make_schedule(m.options.schedule(), m.layout.stages, m.layout.stage, chunks,

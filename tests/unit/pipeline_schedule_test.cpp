@@ -118,8 +118,7 @@ TEST(PipelineSchedule, KnownOrders) {
   auto a = make_schedule(Schedule::kInterleaved1F1B, 2, 0, 4, 2);
   std::string got;
   for (const auto& x : a) got += to_string(x) + "@" + std::to_string(x.stage) + " ";
-  EXPECT_EQ(got,
-            "F0@0 F1@0 F0@2 F1@2 F2@0 B0@2 F3@0 B1@2 F2@2 B0@0 F3@2 B1@0 B2@2 B3@2 B2@0 B3@0 ");
+  EXPECT_EQ(got, "F0@0 F1@0 F0@2 F1@2 F2@0 B0@2 F3@0 B1@2 F2@2 B0@0 F3@2 B1@0 B2@2 B3@2 B2@0 B3@0 ");
 }
 
 using Case = std::tuple<Schedule, int, int, int64_t>;  // schedule, ranks, virtual stages, micro-batches
@@ -203,8 +202,7 @@ TEST(PipelineSchedule, BadInputIsOneClearError) {
             "virtual_stages(1) or the interleaved schedule");
   EXPECT_EQ(error_of([] { make_schedule(Schedule::kInterleaved1F1B, 1, 0, 4, 2); }),
             "PipelineOptions: Interleaved1F1B needs at least 2 pipeline ranks, got 1: use Schedule::k1F1B");
-  EXPECT_EQ(error_of([] { make_schedule(Schedule::kZeroBubbleH1, 2, 0, 0); }),
-            "pipeline: chunks must be >= 1, got 0");
+  EXPECT_EQ(error_of([] { make_schedule(Schedule::kZeroBubbleH1, 2, 0, 0); }), "pipeline: chunks must be >= 1, got 0");
 }
 
 // B then W gives the full backward's gradients, for the input and every parameter.
