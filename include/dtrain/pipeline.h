@@ -41,15 +41,17 @@
 //      gradient from stage s+1 (or backpropagates the loss), runs backward, and sends the input's
 //      gradient to stage s-1 (under ZB-H1, B sends it and a later W adds the weight gradients).
 //      Gradients accumulate in the parameters over the micro-batches.
-//      Every message is a small header (status, dtype, shape) then the tensor, sent asynchronously.
+//      Every message is a small header (status, dtype, message id, shape) then the tensor, sent
+//      asynchronously; the receiver checks the id (the boundary and the micro-batch).
 //   3. Agreement: one all-reduce over the pipeline group (over all ranks with replicas > 1) carries
 //      the loss to every rank and tells whether any rank failed (Note [pipeline failure]).
 //   4. With replicas > 1, DDP (over the ranks holding the same stage) averages the accumulated
 //      gradients; then the caller's optimizer steps on every rank.
 //
-// Note [pipeline failure]: a stage that throws (its forward, backward or the loss) must make every
-// rank fail with that error, without hanging. The failing rank writes its message to the job's store,
-// sends a FAIL header on both of its outgoing channels (to stage s+1 and to stage s-1), and goes to
+// Note [pipeline failure]: a stage that throws (its forward, backward, weight gradient or the loss) must
+// make every rank fail with that error, without hanging. The failing rank writes its message to the
+// job's store, sends a FAIL header on both of its outgoing channels (to the next rank and to the
+// previous one; with virtual stages they form a ring and every rank has both), and goes to
 // the agreement. A rank that receives FAIL where it expected data does the same (without a message),
 // so every rank blocked on a receive is released: the chain of waits ends at a failed rank. The
 // agreement then tells everyone which ranks failed (the lowest one's message is used); every rank
