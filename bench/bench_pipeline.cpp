@@ -1,6 +1,14 @@
 // bench_pipeline: step time of the tutorial's SimpleModel (Linear 128-256, ReLU, Linear 256-256, ReLU,
-// Linear 256-10) split over 2 ranks (one stage each, 1 thread per rank, Gloo), for chunks 1, 2, 4, 8
-// and both schedules, with the measured idle fraction against the theory (p - 1) / (m + p - 1).
+// Linear 256-10) split over 2 ranks (1 thread per rank), for chunks 1, 2, 4, 8 and every schedule
+// (GPipe, 1F1B, interleaved 1F1B with 2 virtual stages per rank, ZB-H1), each beside its theoretical
+// step time and idle fraction. The stages talk over Gloo on loopback TCP: the pipeline's point-to-point
+// messages have no shared-memory path (yet), so small micro-batches pay a TCP round trip per message.
+//
+// Theory, from the unsplit model's step time S in one process, p = 2 ranks, m micro-batches, and the
+// stages assumed equal and communication free: GPipe and 1F1B S/p * (m + p - 1) / m; interleaved
+// 1F1B with v chunks per rank divides the bubble by v: S/p * (m + (p - 1) / v) / m; ZB-H1, with F, B
+// and W of equal cost, 1F1B's * (3m + p - 1) / (3(m + p - 1)), which is (3m + 1) / (3(m + 1)) on 2
+// stages. Idle theory = 1 - (S/p) / theoretical step.
 //
 //   ./build/bin/bench_pipeline [--batch 512] [--steps 40] [--warmup 5] [--reps 3]
 //
@@ -13,10 +21,14 @@
 // imbalance between the two stages. The driver also times the unsplit model in one process on the
 // same batch (1 thread) for scale. Adam steps are included in the step time.
 // Last line: RESULT chunks1_ms=.. chunks2_ms=.. chunks4_ms=.. chunks8_ms=.. idle1=.. idle8=.. (1F1B)
+// single_ms=.. speedup_vs_single_4=.. vs_theory_4=.. zb_vs_1f1b_2=..: at chunks 4, the unsplit model's
+// step time over the fastest schedule's, and that schedule's theoretical step time over its measured
+// one (1 = as fast as theory); at chunks 2, ZB-H1's step time over 1F1B's (theory 7/9 = 0.78).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -38,6 +50,40 @@ namespace {
 using namespace bench;
 constexpr int kWorld = 2;
 constexpr int kBatches = 4;  // distinct pre-made batches, cycled
+constexpr int kVirtual = 2;  // model chunks per rank of the interleaved schedule
+
+struct ScheduleSpec {
+  const char* flag;
+  dtrain::Schedule schedule;
+  int virtual_stages;
+};
+const std::vector<ScheduleSpec> kSchedules = {{"gpipe", dtrain::Schedule::kGPipe, 1},
+                                              {"1f1b", dtrain::Schedule::k1F1B, 1},
+                                              {"interleaved", dtrain::Schedule::kInterleaved1F1B, kVirtual},
+                                              {"zb", dtrain::Schedule::kZeroBubbleH1, 1}};
+
+const ScheduleSpec& spec_of(const std::string& flag) {
+  for (const auto& s : kSchedules)
+    if (flag == s.flag) return s;
+  throw std::runtime_error("bench_pipeline: unknown schedule " + flag);
+}
+
+bool runs(const ScheduleSpec& s, int64_t chunks) {
+  return s.schedule != dtrain::Schedule::kInterleaved1F1B || chunks % kWorld == 0;
+}
+
+// The theoretical step time (module comment) for `single_ms` in one process.
+double theory_ms(const ScheduleSpec& s, int64_t chunks, double single_ms) {
+  const double p = kWorld, m = static_cast<double>(chunks), per_rank = single_ms / p;
+  switch (s.schedule) {
+    case dtrain::Schedule::kInterleaved1F1B:
+      return per_rank * (m + (p - 1) / s.virtual_stages) / m;
+    case dtrain::Schedule::kZeroBubbleH1:
+      return per_rank * (3 * m + p - 1) / (3 * m);
+    default:
+      return per_rank * (m + p - 1) / m;
+  }
+}
 
 at::Tensor loss_fn(const at::Tensor& out, const at::Tensor& t) { return torch::nn::functional::cross_entropy(out, t); }
 
@@ -65,8 +111,10 @@ int worker_main(int argc, char** argv) {
     dtrain::init_process_group();
     torch::manual_seed(0);
     tutorial::SimpleModel model;
-    dtrain::Pipeline pipe(model->net, dtrain::PipelineOptions().chunks(chunks).schedule(
-                                          schedule == "gpipe" ? dtrain::Schedule::kGPipe : dtrain::Schedule::k1F1B));
+    const ScheduleSpec& spec = spec_of(schedule);
+    dtrain::Pipeline pipe(
+        model->net,
+        dtrain::PipelineOptions().chunks(chunks).schedule(spec.schedule).virtual_stages(spec.virtual_stages));
     torch::optim::Adam opt(pipe.parameters(), torch::optim::AdamOptions(1e-3));
     const auto batches = make_batches(batch);
     double step_s = 0, compute_s = 0;
@@ -85,9 +133,11 @@ int worker_main(int argc, char** argv) {
     // [step time, idle fraction] averaged over the ranks.
     at::Tensor r = at::tensor({step_s / steps, 1.0 - compute_s / step_s}, at::kDouble);
     dtrain::all_reduce(r, dtrain::ReduceOp::AVG);
+    std::string balance;
+    for (int64_t b : pipe.balance()) balance += (balance.empty() ? "" : "+") + std::to_string(b);
     if (dtrain::rank() == 0)
-      std::printf("balance=%lld+%lld step_ms=%.4f idle=%.4f\n", static_cast<long long>(pipe.balance()[0]),
-                  static_cast<long long>(pipe.balance()[1]), r[0].item<double>() * 1e3, r[1].item<double>());
+      std::printf("balance=%s step_ms=%.4f idle=%.4f\n", balance.c_str(), r[0].item<double>() * 1e3,
+                  r[1].item<double>());
     dtrain::destroy_process_group();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_pipeline worker: error: %s\n", e.what());
@@ -115,7 +165,7 @@ double single_process_ms(int64_t batch, int steps, int warmup) {
 }
 
 int driver_main(int argc, char** argv) {
-  CLI::App app{"Pipeline step time and idle fraction, SimpleModel over 2 ranks"};
+  CLI::App app{"Pipeline step time and idle fraction of every schedule, SimpleModel over 2 ranks"};
   int64_t batch = 512;
   int steps = 40, warmup = 5, reps = 3;
   double timeout_s = 300;
@@ -127,17 +177,19 @@ int driver_main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   dtrain::reduce_allocator_churn();
 
-  const std::vector<std::string> schedules = {"gpipe", "1f1b"};
   const std::vector<int64_t> chunk_list = {1, 2, 4, 8};
   std::map<std::string, std::vector<double>> ms, idle;
+  std::map<std::string, std::string> balance;
   std::vector<double> single;
-  std::string balance;
-  std::printf("bench_pipeline: SimpleModel over %d ranks, batch %lld, %d timed steps, %d reps, load %s\n", kWorld,
-              static_cast<long long>(batch), steps, reps, load_average().c_str());
+  std::printf(
+      "bench_pipeline: SimpleModel over %d ranks (Gloo point-to-point over loopback TCP), batch %lld, %d timed "
+      "steps, %d reps, load %s\n",
+      kWorld, static_cast<long long>(batch), steps, reps, load_average().c_str());
   for (int rep = 0; rep < reps; ++rep) {
     std::vector<std::pair<std::string, int64_t>> jobs;
-    for (const auto& s : schedules)
-      for (int64_t c : chunk_list) jobs.emplace_back(s, c);
+    for (const auto& s : kSchedules)
+      for (int64_t c : chunk_list)
+        if (runs(s, c)) jobs.emplace_back(s.flag, c);
     std::rotate(jobs.begin(), jobs.begin() + rep % jobs.size(), jobs.end());
     for (const auto& [s, c] : jobs) {
       const std::string out =
@@ -147,32 +199,48 @@ int driver_main(int argc, char** argv) {
       const std::string key = s + "/" + std::to_string(c);
       ms[key].push_back(parse_value(out, "step_ms"));
       idle[key].push_back(parse_value(out, "idle"));
-      balance = parse_line(out, "balance=").substr(0, parse_line(out, "balance=").find(' '));
+      const std::string line = parse_line(out, "balance=");  // "balance=2+3 step_ms=..."
+      balance[s] = line.substr(8, line.find(' ') - 8);
     }
     single.push_back(single_process_ms(batch, steps, warmup));
   }
-  std::printf("stages: %s (layers per rank, balanced by parameter count); unsplit model, 1 process: %.3f ms/step\n\n",
-              balance.c_str(), median(single));
+  const double single_ms = median(single);
   std::printf(
-      "| schedule | chunks | micro-batch | step ms (median) | all runs | idle measured | idle theory (p-1)/(m+p-1) "
+      "stages (layers per stage, balanced by parameter count): 1F1B %s, interleaved %s (rank r holds "
+      "stages r and r + %d); unsplit model, 1 process: %.3f ms/step\n\n",
+      balance["1f1b"].c_str(), balance["interleaved"].c_str(), kWorld, single_ms);
+  std::printf(
+      "| schedule | chunks | micro-batch | step ms (median) | theory ms | all runs | idle measured | idle theory "
       "|\n");
-  std::printf("|---|---|---|---|---|---|---|\n");
-  for (const auto& s : schedules)
+  std::printf("|---|---|---|---|---|---|---|---|\n");
+  for (const auto& s : kSchedules)
     for (int64_t c : chunk_list) {
-      const std::string key = s + "/" + std::to_string(c);
-      std::string runs;
-      for (double v : ms[key]) runs += (runs.empty() ? "" : " ") + std::to_string(v).substr(0, 6);
-      const double theory = (kWorld - 1.0) / (c + kWorld - 1.0);
-      std::printf("| %s | %lld | %lld | %.3f | %s | %.3f | %.3f |\n", s == "gpipe" ? "GPipe" : "1F1B",
-                  static_cast<long long>(c), static_cast<long long>(batch / c), median(ms[key]), runs.c_str(),
-                  median(idle[key]), theory);
+      const std::string name = dtrain::to_string(s.schedule);
+      if (!runs(s, c)) {
+        std::printf("| %s | %lld | - | needs chunks a multiple of %d | | | | |\n", name.c_str(),
+                    static_cast<long long>(c), kWorld);
+        continue;
+      }
+      const std::string key = std::string(s.flag) + "/" + std::to_string(c);
+      std::string all;
+      for (double v : ms[key]) all += (all.empty() ? "" : " ") + std::to_string(v).substr(0, 6);
+      const double theory = theory_ms(s, c, single_ms);
+      std::printf("| %s | %lld | %lld | %.3f | %.3f | %s | %.3f | %.3f |\n", name.c_str(), static_cast<long long>(c),
+                  static_cast<long long>(batch / c), median(ms[key]), theory, all.c_str(), median(idle[key]),
+                  1.0 - single_ms / kWorld / theory);
     }
-  auto m = [&](int64_t c) { return median(ms["1f1b/" + std::to_string(c)]); };
+  auto m = [&](const std::string& s, int64_t c) { return median(ms[s + "/" + std::to_string(c)]); };
   auto i = [&](int64_t c) { return median(idle["1f1b/" + std::to_string(c)]); };
+  const ScheduleSpec* fastest = &kSchedules[0];
+  for (const auto& s : kSchedules)
+    if (m(s.flag, 4) < m(fastest->flag, 4)) fastest = &s;
+  std::printf("\nfastest at chunks 4: %s\n", dtrain::to_string(fastest->schedule).c_str());
   std::printf(
       "\nRESULT chunks1_ms=%.3f chunks2_ms=%.3f chunks4_ms=%.3f chunks8_ms=%.3f idle1=%.3f idle2=%.3f "
-      "idle4=%.3f idle8=%.3f single_ms=%.3f\n",
-      m(1), m(2), m(4), m(8), i(1), i(2), i(4), i(8), median(single));
+      "idle4=%.3f idle8=%.3f single_ms=%.3f speedup_vs_single_4=%.3f vs_theory_4=%.3f zb_vs_1f1b_2=%.3f\n",
+      m("1f1b", 1), m("1f1b", 2), m("1f1b", 4), m("1f1b", 8), i(1), i(2), i(4), i(8), single_ms,
+      single_ms / m(fastest->flag, 4), theory_ms(*fastest, 4, single_ms) / m(fastest->flag, 4),
+      m("zb", 2) / m("1f1b", 2));
   return 0;
 }
 

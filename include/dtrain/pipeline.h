@@ -1,5 +1,6 @@
 // Pipeline parallelism across ranks: the tutorial's `Pipe(model, chunks=4)` (section 5.2) made real,
-// with GPipe and 1F1B schedules, and combinable with DDP (stages x replicas).
+// with GPipe, 1F1B, interleaved 1F1B and zero-bubble (ZB-H1) schedules, and combinable with DDP
+// (stages x replicas).
 //
 //   dtrain::init_process_group();                               // e.g. 2 ranks: 2 stages
 //   torch::nn::Sequential model(Linear(128, 256), ReLU(), Linear(256, 256), ReLU(), Linear(256, 10));
@@ -16,28 +17,41 @@
 // Every rank builds the whole Sequential (with the same seed, or loads the same weights) and keeps only
 // its stage's layers: stage i = rank i of the pipeline group. The split is `balance` (layers per
 // stage) or, when empty, balance_by_size over the layers' parameter counts (as ModelParallelSequential).
+// With virtual_stages(v) > 1 (Schedule::kInterleaved1F1B) the model is split into p * v stages and rank
+// r holds v of them, the model chunks r, r + p, ..., r + (v-1)p: activations go from rank r to r + 1 and
+// from the last rank back to rank 0 for the next chunk, and gradients the opposite way.
 //
 // Protocol of one step (every rank of the pipeline calls step()):
 //   1. The first stage splits the batch into `chunks` micro-batches along dim 0 (at::chunk); the last
 //      stage splits the target the same way.
-//   2. Each stage runs its schedule, a list of F(i) / B(i) actions (src/pipeline/schedule.cpp):
+//   2. Each rank runs its schedule, a list of F(i) / B(i) / W(i) actions, each for one of its stages
+//      (src/pipeline/schedule.cpp gives the orders as numbered steps):
 //        GPipe: F(0..m-1), then B(m-1..0): every micro-batch's activations are stored at once (m).
 //        1F1B:  min(p-s-1, m) warm-up forwards, then alternate one forward / one backward, then the
 //               remaining backwards: stage s stores at most min(p-s, m) <= p micro-batches.
+//        Interleaved 1F1B (Megatron): the same over v chunks per rank, p micro-batches per chunk in
+//               turn; m must be a multiple of p. The bubble shrinks v-fold; rank r stores at most
+//               min((v-1)p + 2(p-r-1) + 1, mv) chunk-micro-batches.
+//        ZB-H1: 1F1B whose backward is split into B (the input gradient, which stage s-1 waits for)
+//               and W (the weight gradients), stage s holding back s W's to run in the cool-down's
+//               bubble. B and W of one micro-batch share its autograd graph (src/pipeline/split_backward.h).
 //      F(i) receives the activation from stage s-1 (or takes input chunk i), runs the stage, and sends
 //      the output to stage s+1 (or computes loss_fn(out_i, target_i) * n_i / N on the last stage, so
 //      the summed gradient equals the whole batch's mean-loss gradient). B(i) receives the output's
 //      gradient from stage s+1 (or backpropagates the loss), runs backward, and sends the input's
-//      gradient to stage s-1. Gradients accumulate in the parameters over the micro-batches.
-//      Every message is a small header (status, dtype, shape) then the tensor, sent asynchronously.
+//      gradient to stage s-1 (under ZB-H1, B sends it and a later W adds the weight gradients).
+//      Gradients accumulate in the parameters over the micro-batches.
+//      Every message is a small header (status, dtype, message id, shape) then the tensor, sent
+//      asynchronously; the receiver checks the id (the boundary and the micro-batch).
 //   3. Agreement: one all-reduce over the pipeline group (over all ranks with replicas > 1) carries
 //      the loss to every rank and tells whether any rank failed (Note [pipeline failure]).
 //   4. With replicas > 1, DDP (over the ranks holding the same stage) averages the accumulated
 //      gradients; then the caller's optimizer steps on every rank.
 //
-// Note [pipeline failure]: a stage that throws (its forward, backward or the loss) must make every
-// rank fail with that error, without hanging. The failing rank writes its message to the job's store,
-// sends a FAIL header on both of its outgoing channels (to stage s+1 and to stage s-1), and goes to
+// Note [pipeline failure]: a stage that throws (its forward, backward, weight gradient or the loss) must
+// make every rank fail with that error, without hanging. The failing rank writes its message to the
+// job's store, sends a FAIL header on both of its outgoing channels (to the next rank and to the
+// previous one; with virtual stages they form a ring and every rank has both), and goes to
 // the agreement. A rank that receives FAIL where it expected data does the same (without a message),
 // so every rank blocked on a receive is released: the chain of waits ends at a failed rank. The
 // agreement then tells everyone which ranks failed (the lowest one's message is used); every rank
@@ -66,8 +80,10 @@
 namespace dtrain {
 
 enum class Schedule {
-  kGPipe,  // all forwards, then all backwards (torch's Pipe, "fill-drain")
-  k1F1B,   // one forward, one backward in steady state (PipeDream-Flush); activations bounded by stages
+  kGPipe,            // all forwards, then all backwards (torch's Pipe, "fill-drain")
+  k1F1B,             // one forward, one backward in steady state (PipeDream-Flush); activations bounded by stages
+  kInterleaved1F1B,  // Megatron's: virtual_stages chunks per rank, the bubble divided by their number
+  kZeroBubbleH1,     // ZB-H1: backward split into input gradient (B) and weight gradient (W), W fills the bubble
 };
 std::string to_string(Schedule s);
 
@@ -81,7 +97,12 @@ struct PipelineOptions {
   // Micro-batches per step (>= 1). The batch must have at least `chunks` samples.
   DTRAIN_ARG(int64_t, chunks, 1)
   DTRAIN_ARG(Schedule, schedule, Schedule::kGPipe)
-  // Layers per stage, summing to the Sequential's size. Empty: balanced by parameter count.
+  // Model chunks per rank (kInterleaved1F1B only; >= 1): the model is split into stages * virtual_stages
+  // stages, rank r holding stages r, r + stages, ... With the interleaved schedule, chunks must be a
+  // multiple of the pipeline's ranks (as in Megatron).
+  DTRAIN_ARG(int, virtual_stages, 1)
+  // Layers per stage (stages * virtual_stages entries), summing to the Sequential's size. Empty: balanced
+  // by parameter count.
   DTRAIN_ARG(std::vector<int64_t>, balance, {})
   // The ranks of the pipeline, in stage order (default: the world). Ignored with replicas > 1.
   DTRAIN_ARG(Group, group, Group())
@@ -113,9 +134,10 @@ class Pipeline {
   // loss_fn(output micro-batch, target micro-batch) -> scalar, called on the last stage.
   using LossFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
 
-  // Splits `model` into stages (options.balance(), or by parameter count); this rank keeps its stage.
+  // Splits `model` into stages (options.balance(), or by parameter count); this rank keeps its stage(s).
   Pipeline(torch::nn::Sequential model, PipelineOptions options = PipelineOptions());
-  // One module per stage, in order (options.balance() must be empty); this rank keeps its own.
+  // One module per stage (stages * virtual_stages), in order (options.balance() must be empty); this rank
+  // keeps its own.
   Pipeline(std::vector<torch::nn::Sequential> stages, PipelineOptions options = PipelineOptions());
   ~Pipeline();
   Pipeline(const Pipeline&) = delete;
@@ -127,24 +149,30 @@ class Pipeline {
   // parameters (zero them before, as usual); call the optimizer after it on every rank.
   PipelineStepResult step(const at::Tensor& input, const at::Tensor& target, const LossFn& loss_fn);
 
-  // This rank's stage (its layers of the model).
+  // This rank's stage (its layers of the model); with virtual_stages > 1 it throws: use stage_modules().
   const torch::nn::Sequential& stage_module() const;
-  std::vector<at::Tensor> parameters() const;
-  int stage() const;  // this rank's stage index
-  int num_stages() const;
+  // This rank's stages, one per virtual stage: global stages stage(), stage() + num_stages(), ...
+  const std::vector<torch::nn::Sequential>& stage_modules() const;
+  std::vector<at::Tensor> parameters() const;  // of every stage this rank holds
+  int stage() const;                           // this rank's index in the pipeline (its first stage)
+  int num_stages() const;                      // ranks of the pipeline
+  int virtual_stages() const;
   int replica() const;  // this rank's replica index (0 without replicas)
   bool is_first() const { return stage() == 0; }
   bool is_last() const { return stage() == num_stages() - 1; }
-  // Layers per stage (as used), and the index of this stage's first layer in the Sequential.
+  // Layers per stage (as used; stages * virtual_stages entries), and the index in the Sequential of the
+  // first layer of this rank's chunk-th stage (global stage stage() + chunk * num_stages()).
   const std::vector<int64_t>& balance() const;
-  int64_t first_layer() const;
+  int64_t first_layer(int chunk = 0) const;
   const PipelineOptions& options() const;
   // The pipeline group (stage order) and, with replicas > 1, this stage's data-parallel group.
   const Group& pipeline_group() const;
   const Group& stage_group() const;
 
-  // The most micro-batches whose activations this stage held at once during the last step
-  // (GPipe: chunks; 1F1B: min(stages - stage, chunks)). Counted by the implementation.
+  // The most micro-batches whose activations this rank held at once during the last step, counting
+  // one per stage and micro-batch from its forward until its backward (under ZB-H1 until its W).
+  // GPipe: chunks; 1F1B: min(stages - stage, chunks); schedule.cpp gives the others. Counted by the
+  // implementation.
   int64_t max_live_micro_batches() const;
   const PipelineStepStats& last_step_stats() const;
 
@@ -156,14 +184,20 @@ class Pipeline {
 
 namespace pipeline {
 
-// One action of a stage's schedule.
+// One action of a rank's schedule. kBackward is the whole backward, except under ZB-H1, where it is the
+// input gradient only and kWeight the weight gradients of the same micro-batch.
 struct Action {
-  enum Kind { kForward, kBackward } kind;
+  enum Kind { kForward, kBackward, kWeight } kind;
   int64_t micro_batch;
+  int stage = 0;  // the global stage (virtual stage index) it runs
 };
+std::string to_string(const Action& a);  // "F3", "B3", "W3"
 
-// The ordered actions of `stage` out of `stages` for `chunks` micro-batches.
-std::vector<Action> make_schedule(Schedule schedule, int stages, int stage, int64_t chunks);
+// The ordered actions of rank `stage` out of `stages` for `chunks` micro-batches, with virtual_stages
+// stages per rank (interleaved only). Throws the options' errors for a bad combination.
+std::vector<Action> make_schedule(Schedule schedule, int stages, int stage, int64_t chunks, int virtual_stages = 1);
+// The errors of make_schedule, without building one.
+void check_schedule(Schedule schedule, int stages, int64_t chunks, int virtual_stages);
 
 }  // namespace pipeline
 }  // namespace dtrain

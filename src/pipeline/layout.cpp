@@ -3,7 +3,17 @@
 
 namespace dtrain::pipeline {
 
-Layout make_layout(const Group& group, int replicas) {
+namespace {
+
+void link_neighbours(Layout& l) {
+  const auto& ranks = l.pipeline.ranks();
+  const int p = l.stages, s = l.stage;
+  const bool ring = l.virtual_stages > 1;
+  if (s > 0 || ring) l.prev = ranks[(s + p - 1) % p];
+  if (s + 1 < p || ring) l.next = ranks[(s + 1) % p];
+}
+
+Layout make_groups(const Group& group, int replicas) {
   Layout l;
   DTRAIN_CHECK(replicas >= 1, "PipelineOptions: replicas must be >= 1, got ", replicas);
   if (replicas == 1) {
@@ -38,6 +48,16 @@ Layout make_layout(const Group& group, int replicas) {
     if (s == l.stage) l.stage_group = g;
   }
   l.agreement = Group();
+  return l;
+}
+
+}  // namespace
+
+Layout make_layout(const Group& group, int replicas, int virtual_stages) {
+  DTRAIN_CHECK(virtual_stages >= 1, "PipelineOptions: virtual_stages must be >= 1, got ", virtual_stages);
+  Layout l = make_groups(group, replicas);
+  l.virtual_stages = virtual_stages;
+  link_neighbours(l);
   return l;
 }
 

@@ -13,7 +13,7 @@ void Links::post(Peer to, at::Tensor t) {
   in_flight_.push_back(std::move(t));
 }
 
-void Links::send(Peer to, const at::Tensor& t) {
+void Links::send(Peer to, const at::Tensor& t, int64_t id) {
   DTRAIN_ASSERT(has(to) && !fail_sent_[to], "send to a missing or ended link");
   DTRAIN_CHECK(t.dim() <= kMaxDims, "pipeline: a stage boundary tensor has ", t.dim(), " dimensions; at most ",
                kMaxDims, " are supported: flatten it before the boundary");
@@ -21,7 +21,8 @@ void Links::send(Peer to, const at::Tensor& t) {
   h[0] = kStatusOk;
   h[1] = static_cast<int64_t>(t.scalar_type());
   h[2] = t.dim();
-  for (int64_t d = 0; d < t.dim(); ++d) h[3 + d] = t.size(d);
+  h[3] = id;
+  for (int64_t d = 0; d < t.dim(); ++d) h[4 + d] = t.size(d);
   post(to, at::tensor(h, at::kLong).to(device_));
   post(to, t.detach().contiguous());
 }
@@ -32,7 +33,7 @@ at::Tensor Links::recv_header(Peer from) {
   return header.cpu();
 }
 
-at::Tensor Links::recv(Peer from) {
+at::Tensor Links::recv(Peer from, int64_t id) {
   DTRAIN_ASSERT(has(from) && !fail_read_[from], "recv from a missing or ended link");
   at::Tensor header = recv_header(from);
   const int64_t* h = header.data_ptr<int64_t>();
@@ -41,7 +42,9 @@ at::Tensor Links::recv(Peer from) {
     throw PeerFailed();
   }
   DTRAIN_ASSERT(h[0] == kStatusOk && h[2] >= 0 && h[2] <= kMaxDims, "corrupt pipeline header");
-  std::vector<int64_t> shape(h + 3, h + 3 + h[2]);
+  DTRAIN_ASSERT(h[3] == id, "pipeline message out of order: expected message ", id, " from rank ", peer_[from],
+                ", got ", h[3]);
+  std::vector<int64_t> shape(h + 4, h + 4 + h[2]);
   at::Tensor t = at::empty(shape, at::TensorOptions(static_cast<at::ScalarType>(h[1])).device(device_));
   dtrain::recv(t, peer_[from], group_, tag_in(from));
   return t;
@@ -66,7 +69,7 @@ void Links::drain() {
         fail_read_[p] = true;
         break;
       }
-      std::vector<int64_t> shape(h + 3, h + 3 + h[2]);
+      std::vector<int64_t> shape(h + 4, h + 4 + h[2]);
       at::Tensor t = at::empty(shape, at::TensorOptions(static_cast<at::ScalarType>(h[1])).device(device_));
       dtrain::recv(t, peer_[p], group_, tag_in(p));
     }

@@ -20,12 +20,20 @@ namespace dtrain::test_pipeline {
 constexpr int kBatch = 16;  // divisible by chunks 1, 2, 4, 8 and by 2 replicas
 constexpr int kIn = 12, kHidden = 24, kOut = 6;
 
-// The unsplit model: Linear, ReLU, Linear, ReLU, Linear in float64, the same weights on every rank.
-inline torch::nn::Sequential make_model() {
+// The unsplit model: `linears` Linear layers with a ReLU between each two (3: Linear, ReLU, Linear, ReLU,
+// Linear; 5 makes 9 layers, enough for 4 ranks x 2 virtual stages) in float64, the same weights on
+// every rank.
+inline torch::nn::Sequential make_model(int linears = 3) {
   using torch::nn::Linear;
   using torch::nn::ReLU;
   torch::manual_seed(7);
-  torch::nn::Sequential m(Linear(kIn, kHidden), ReLU(), Linear(kHidden, kHidden), ReLU(), Linear(kHidden, kOut));
+  torch::nn::Sequential m(Linear(kIn, kHidden));
+  for (int k = 0; k < linears - 2; ++k) {
+    m->push_back(ReLU());
+    m->push_back(Linear(kHidden, kHidden));
+  }
+  m->push_back(ReLU());
+  m->push_back(Linear(kHidden, kOut));
   m->to(at::kDouble);
   return m;
 }
@@ -40,11 +48,15 @@ inline at::Tensor loss_fn(const at::Tensor& out, const at::Tensor& target) {
   return torch::nn::functional::cross_entropy(out, target);
 }
 
-// Largest relative difference between the pipeline's stage and the same layers of the reference.
+// Largest relative difference between the pipeline's stages on this rank and the same layers of the
+// reference.
 inline double stage_diff(const Pipeline& pipe, const torch::nn::Sequential& ref) {
   std::vector<at::Tensor> want;
-  for (int64_t k = pipe.first_layer(); k < pipe.first_layer() + pipe.balance()[pipe.stage()]; ++k)
-    for (const auto& p : (*ref)[k]->parameters()) want.push_back(p);
+  for (int c = 0; c < pipe.virtual_stages(); ++c) {
+    const int64_t first = pipe.first_layer(c), n = pipe.balance()[c * pipe.num_stages() + pipe.stage()];
+    for (int64_t k = first; k < first + n; ++k)
+      for (const auto& p : (*ref)[k]->parameters()) want.push_back(p);
+  }
   const auto got = pipe.parameters();
   EXPECT_EQ(got.size(), want.size());
   double worst = 0;

@@ -1,7 +1,9 @@
-// Pipeline parallelism on 2 and 4 real ranks (one stage per rank; 2 stages x 2 replicas on 4).
+// Pipeline parallelism on 2 and 4 real ranks, every schedule (one stage per rank, or 2 virtual stages
+// per rank for the interleaved one; 2 stages x 2 replicas on 4).
 //
 // Equivalence: after 10 SGD steps, every stage's parameters equal those of one process training the
-// unsplit model on the same batches (the reference runs inside every rank; pipeline_models.h).
+// unsplit model on the same batches (the reference runs inside every rank; pipeline_models.h), within
+// 1e-6 relative in float64.
 #include <chrono>
 
 #include <torch/autograd.h>
@@ -13,6 +15,7 @@
 #include "dist_main.h"
 #include "dtrain/data_parallel.h"  // balance_by_size
 #include "dtrain/pipeline.h"
+#include "pipeline_inject.h"
 #include "pipeline_models.h"
 #include "test_util.h"
 
@@ -24,44 +27,24 @@ using torch::nn::Sequential;
 
 namespace {
 
-// Failure injection: the stage whose forward (or backward) throws, and on which call.
-struct Injection {
-  int stage = -1;
-  enum Where { kForward, kBackward, kLoss } where = kForward;
-  int on_call = 0;  // throw on this micro-batch call of the step (0-based)
-  int calls = 0;
-};
-Injection g_inject;
-
-// Identity in forward; throws in backward when armed (a failure inside autograd).
-struct ThrowInBackward : torch::autograd::Function<ThrowInBackward> {
-  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
-    throw std::runtime_error("injected backward failure");
-    return g;
-  }
-};
-
-// A layer that is the identity unless the injection targets its stage.
-torch::nn::Functional injector(int stage) {
-  return torch::nn::Functional([stage](at::Tensor x) {
-    if (g_inject.stage != stage) return x;
-    const int call = g_inject.calls++;
-    if (call != g_inject.on_call) return x;
-    if (g_inject.where == Injection::kForward)
-      throw std::runtime_error("injected forward failure in stage " + std::to_string(stage));
-    if (g_inject.where == Injection::kBackward) return ThrowInBackward::apply(x);
-    return x;
-  });
-}
-
 torch::optim::SGD make_opt(std::vector<at::Tensor> ps) {
   return torch::optim::SGD(ps, torch::optim::SGDOptions(0.1).momentum(0.9));
 }
 
+constexpr Schedule kAllSchedules[] = {Schedule::kGPipe, Schedule::k1F1B, Schedule::kInterleaved1F1B,
+                                      Schedule::kZeroBubbleH1};
+
+// The options of each schedule in these tests: the interleaved one with 2 virtual stages per rank (on a
+// deeper model: 9 layers for up to 8 stages).
+PipelineOptions options_for(Schedule schedule, int64_t chunks) {
+  return PipelineOptions().chunks(chunks).schedule(schedule).virtual_stages(schedule == Schedule::kInterleaved1F1B ? 2
+                                                                                                                   : 1);
+}
+int linears_for(Schedule schedule) { return schedule == Schedule::kInterleaved1F1B ? 5 : 3; }
+
 // One process, the whole model, the whole batch: the reference, with its loss per step.
-std::pair<Sequential, std::vector<double>> reference(int steps) {
-  Sequential model = make_model();
+std::pair<Sequential, std::vector<double>> reference(int steps, int linears = 3) {
+  Sequential model = make_model(linears);
   auto opt = make_opt(model->parameters());
   std::vector<double> losses;
   for (int s = 0; s < steps; ++s) {
@@ -81,10 +64,12 @@ class PipelineEquivalence : public ::testing::TestWithParam<Param> {};
 
 TEST_P(PipelineEquivalence, MatchesOneProcessAndCountsActivations) {
   const auto [schedule, chunks] = GetParam();
+  if (schedule == Schedule::kInterleaved1F1B && chunks % world_size() != 0)
+    GTEST_SKIP() << "the interleaved schedule needs chunks a multiple of the ranks (BadInput tests the error)";
   constexpr int kSteps = 10;
-  auto [ref, ref_losses] = reference(kSteps);
-  Pipeline pipe(make_model(), PipelineOptions().chunks(chunks).schedule(schedule));
-  const int p = pipe.num_stages(), s = pipe.stage();
+  auto [ref, ref_losses] = reference(kSteps, linears_for(schedule));
+  Pipeline pipe(make_model(linears_for(schedule)), options_for(schedule, chunks));
+  const int p = pipe.num_stages(), s = pipe.stage(), v = pipe.virtual_stages();
   ASSERT_EQ(p, world_size());
   auto opt = make_opt(pipe.parameters());
   for (int step = 0; step < kSteps; ++step) {
@@ -100,34 +85,25 @@ TEST_P(PipelineEquivalence, MatchesOneProcessAndCountsActivations) {
     const int64_t live = pipe.max_live_micro_batches();
     if (schedule == Schedule::kGPipe) {
       EXPECT_EQ(live, chunks);
-    } else {
+    } else if (schedule == Schedule::k1F1B) {
       EXPECT_LE(live, p);
       EXPECT_EQ(live, std::min<int64_t>(p - s, chunks));
+    } else if (schedule == Schedule::kZeroBubbleH1) {  // counted until W: at most p, as the paper's p * M_B
+      EXPECT_LE(live, std::min<int64_t>(p, chunks));
+      EXPECT_GE(live, std::min<int64_t>(p - s, chunks));
+    } else {
+      EXPECT_EQ(live, std::min<int64_t>((v - 1) * p + 2 * (p - s - 1) + 1, chunks * v));
     }
   }
-  EXPECT_LT(stage_diff(pipe, ref), 1e-5) << to_string(schedule) << " chunks=" << chunks << " stage " << s;
+  EXPECT_LT(stage_diff(pipe, ref), 1e-6) << to_string(schedule) << " chunks=" << chunks << " stage " << s;
 }
 
 INSTANTIATE_TEST_SUITE_P(SchedulesAndChunks, PipelineEquivalence,
-                         ::testing::Combine(::testing::Values(Schedule::kGPipe, Schedule::k1F1B),
-                                            ::testing::Values(1, 2, 4, 8)),
+                         ::testing::Combine(::testing::ValuesIn(kAllSchedules), ::testing::Values(1, 2, 4, 8)),
                          [](const auto& info) {
                            return to_string(std::get<0>(info.param)) + "_chunks" +
                                   std::to_string(std::get<1>(info.param));
                          });
-
-TEST(Pipeline, ScheduleShapes) {
-  using pipeline::Action;
-  // 1F1B on the first of 4 stages with 6 micro-batches: 3 warm-up forwards, then alternate.
-  auto a = pipeline::make_schedule(Schedule::k1F1B, 4, 0, 6);
-  std::string got;
-  for (const auto& x : a) got += (x.kind == Action::kForward ? "F" : "B") + std::to_string(x.micro_batch) + " ";
-  EXPECT_EQ(got, "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5 ");
-  auto g = pipeline::make_schedule(Schedule::kGPipe, 2, 1, 3);
-  got.clear();
-  for (const auto& x : g) got += (x.kind == Action::kForward ? "F" : "B") + std::to_string(x.micro_batch) + " ";
-  EXPECT_EQ(got, "F0 F1 F2 B2 B1 B0 ");
-}
 
 TEST(Pipeline, AutomaticBalanceByParameterCount) {
   Pipeline pipe(make_model(), PipelineOptions().chunks(2));
@@ -151,24 +127,6 @@ TEST(Pipeline, ExplicitBalance) {
             std::string::npos);
 }
 
-// Stages given one module each, with an injector after the first layer of every stage.
-std::vector<Sequential> injectable_stages(int p) {
-  Sequential whole = make_model();
-  // Split 5 layers over p stages the same way as balance_by_size does for the test's sizes.
-  std::vector<int64_t> bal = p == 2 ? std::vector<int64_t>{3, 2} : std::vector<int64_t>{1, 2, 1, 1};
-  std::vector<Sequential> stages;
-  int64_t k = 0;
-  for (int s = 0; s < p; ++s) {
-    Sequential st;
-    for (int64_t j = 0; j < bal[s]; ++j, ++k) {
-      st->push_back(*(whole->begin() + k));
-      if (j == 0) st->push_back(injector(s));
-    }
-    stages.push_back(st);
-  }
-  return stages;
-}
-
 struct FailCase {
   int stage;
   Injection::Where where;
@@ -177,18 +135,24 @@ struct FailCase {
 
 TEST(PipelineFailure, AStageThatThrowsFailsEveryRankAndThePipelineRecovers) {
   const int p = world_size();
-  for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
-    Pipeline pipe(injectable_stages(p), PipelineOptions().chunks(4).schedule(schedule));
-    std::vector<FailCase> cases = {{0, Injection::kForward, 0},  {p - 1, Injection::kForward, 2},
-                                   {1, Injection::kForward, 3},  {0, Injection::kBackward, 1},
-                                   {p - 1, Injection::kLoss, 1}, {p - 1, Injection::kBackward, 3}};
+  for (Schedule schedule : kAllSchedules) {
+    const int v = schedule == Schedule::kInterleaved1F1B ? 2 : 1, last = p * v - 1;
+    Pipeline pipe(injectable_stages(p * v, linears_for(schedule)), options_for(schedule, 4));
+    std::vector<FailCase> cases = {{0, Injection::kForward, 0}, {last, Injection::kForward, 2},
+                                   {1, Injection::kForward, 3}, {0, Injection::kBackward, 1},
+                                   {last, Injection::kLoss, 1}, {last, Injection::kBackward, 3},
+                                   {0, Injection::kWeight, 1},  {last, Injection::kWeight, 2}};
+    if (v > 1) {  // the ring's wrap: the last rank's first chunk feeds rank 0's second
+      cases.push_back({p, Injection::kForward, 1});
+      cases.push_back({p, Injection::kBackward, 2});
+    }
     for (const FailCase& c : cases) {
       auto [x, y] = batch(0);
       auto run = [&] {
         g_inject.calls = 0;
         int loss_calls = 0;
         return pipe.step(x, y, [&](const at::Tensor& out, const at::Tensor& t) {
-          if (g_inject.where == Injection::kLoss && g_inject.stage == pipe.stage() && loss_calls++ == c.on_call)
+          if (g_inject.where == Injection::kLoss && g_inject.stage == last && loss_calls++ == c.on_call)
             throw std::runtime_error("injected loss failure");
           return loss_fn(out, t);
         });
@@ -199,12 +163,19 @@ TEST(PipelineFailure, AStageThatThrowsFailsEveryRankAndThePipelineRecovers) {
       const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const std::string what = c.where == Injection::kForward    ? "injected forward failure"
                                : c.where == Injection::kBackward ? "injected backward failure"
+                               : c.where == Injection::kWeight   ? "injected weight gradient failure"
                                                                  : "injected loss failure";
       SCOPED_TRACE(to_string(schedule) + " stage " + std::to_string(c.stage) + " " + what);
       EXPECT_NE(err.find(what), std::string::npos) << err;
-      EXPECT_NE(err.find("stage " + std::to_string(c.stage) + " (rank " + std::to_string(c.stage) + ") failed in"),
+      EXPECT_NE(err.find("stage " + std::to_string(c.stage) + " (rank " + std::to_string(c.stage % p) + ") failed in"),
                 std::string::npos)
           << err;
+      if (c.where == Injection::kWeight) {  // ZB-H1 computes weight gradients in W, the others in backward
+        const bool zb = schedule == Schedule::kZeroBubbleH1;
+        EXPECT_NE(err.find(zb ? "failed in weight gradient of micro-batch" : "failed in backward of micro-batch"),
+                  std::string::npos)
+            << err;
+      }
       EXPECT_NE(err.find("rank " + std::to_string(rank()) + ": pipeline step"), std::string::npos) << err;
       EXPECT_LT(took, 20.0) << "the failure took " << took << " s to reach rank " << rank();
       // The channels were emptied: the next step works.
@@ -213,6 +184,28 @@ TEST(PipelineFailure, AStageThatThrowsFailsEveryRankAndThePipelineRecovers) {
       EXPECT_TRUE(std::isfinite(r.loss));
     }
   }
+}
+
+// Bad options: one line naming the value and the remedy, on every rank, before any step.
+TEST(PipelineFailure, BadScheduleOptionsAreOneClearError) {
+  const int p = world_size();
+  EXPECT_EQ(error_of([&] { Pipeline bad(make_model(5), options_for(Schedule::kInterleaved1F1B, p + 1)); }),
+            "PipelineOptions: Interleaved1F1B needs chunks to be a multiple of the " + std::to_string(p) +
+                " pipeline ranks, got chunks=" + std::to_string(p + 1) + ": use chunks=" + std::to_string(2 * p));
+  EXPECT_EQ(
+      error_of([&] { Pipeline bad(make_model(5), options_for(Schedule::kInterleaved1F1B, p).virtual_stages(0)); }),
+      "PipelineOptions: virtual_stages must be >= 1, got 0");
+  EXPECT_NE(error_of([&] {
+              Pipeline bad(make_model(), options_for(Schedule::kZeroBubbleH1, 2).virtual_stages(2));
+            }).find("virtual_stages=2 needs Schedule::kInterleaved1F1B"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { Pipeline bad(injectable_stages(p), options_for(Schedule::kInterleaved1F1B, p)); })
+                .find(std::to_string(p) + " stage modules given but the pipeline has " + std::to_string(2 * p) +
+                      " stages (" + std::to_string(p) + " ranks x 2 virtual stages)"),
+            std::string::npos);
+  Pipeline pipe(make_model(5), options_for(Schedule::kInterleaved1F1B, p));
+  EXPECT_EQ(pipe.stage_modules().size(), 2u);
+  EXPECT_NE(error_of([&] { pipe.stage_module(); }).find("use stage_modules()"), std::string::npos);
 }
 
 TEST(PipelineFailure, BoundaryShapeMismatchNamesBothStages) {
@@ -232,9 +225,9 @@ TEST(PipelineFailure, BoundaryShapeMismatchNamesBothStages) {
 TEST(Pipeline2D, TwoStagesTimesTwoReplicasMatchOneProcess) {
   if (world_size() != 4) GTEST_SKIP() << "4 ranks";
   constexpr int kSteps = 10;
-  auto [ref, ref_losses] = reference(kSteps);
-  for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B}) {
-    Pipeline pipe(make_model(), PipelineOptions().chunks(2).schedule(schedule).replicas(2));
+  for (Schedule schedule : kAllSchedules) {
+    auto [ref, ref_losses] = reference(kSteps, linears_for(schedule));
+    Pipeline pipe(make_model(linears_for(schedule)), options_for(schedule, 2).replicas(2));
     ASSERT_EQ(pipe.num_stages(), 2);
     EXPECT_EQ(pipe.stage(), rank() % 2);
     EXPECT_EQ(pipe.replica(), rank() / 2);
@@ -247,14 +240,14 @@ TEST(Pipeline2D, TwoStagesTimesTwoReplicasMatchOneProcess) {
       opt.step();
       EXPECT_NEAR(r.loss, ref_losses[step], 1e-9 * std::abs(ref_losses[step]));
     }
-    EXPECT_LT(stage_diff(pipe, ref), 1e-5) << to_string(schedule);
+    EXPECT_LT(stage_diff(pipe, ref), 1e-6) << to_string(schedule);
   }
 }
 
 TEST(Pipeline2D, AFailureInOneReplicaFailsAllRanks) {
   if (world_size() != 4) GTEST_SKIP() << "4 ranks";
   // Rank 1 = stage 1 of replica 0 throws; rank 3 (stage 1 of replica 1) must not wait in DDP.
-  std::vector<Sequential> stages = injectable_stages(2);
+  std::vector<Sequential> stages = injectable_stages(2);  // 2 stages of 2 replicas
   Pipeline pipe(stages, PipelineOptions().chunks(2).replicas(2));
   auto [x, y] = batch(0);
   g_inject = Injection{rank() == 1 ? 1 : -1, Injection::kForward, 0, 0};
