@@ -230,11 +230,10 @@ int run(const Config& cfg) {
       start_epoch = state.epoch;
       global_step = state.step;
       if (main_rank) {
-        const char* restart = std::getenv("DTRAIN_RESTART_COUNT");
-        std::printf("resumed from %s: epoch %lld, step %lld of the epoch, %lld steps done (restart %s)\n",
+        std::printf("resumed from %s: epoch %lld, step %lld of the epoch, %lld steps done (restart %d)\n",
                     path->c_str(), static_cast<long long>(start_epoch),
                     static_cast<long long>(state.sampler_position / cfg.batch_size),
-                    static_cast<long long>(global_step), restart ? restart : "0");
+                    static_cast<long long>(global_step), dtrain::restart_count());
         std::fflush(stdout);
       }
     }

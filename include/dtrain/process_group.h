@@ -136,6 +136,9 @@ int rank();
 int world_size();
 int local_rank();
 int local_world_size();
+// How many times the launcher has restarted the job: DTRAIN_RESTART_COUNT from dtrain-run, else
+// TORCHELASTIC_RESTART_COUNT from torchrun, else 0.
+int restart_count();
 std::string backend();
 // The device whose tensors a group's collectives take: the CPU for "gloo"; for "nccl" the calling
 // thread's current CUDA device, which each rank sets to its own GPU first (PyTorch's recipe,

@@ -189,6 +189,7 @@ void init_process_group(const InitOptions& o) {
   st->rank = le.rank;
   st->world_size = le.world_size;
   st->launcher = le.launcher;
+  st->restart_count = le.restart_count;
   st->pytorch_peers = pytorch_peers_requested(o.pytorch_peers());
   if (st->pytorch_peers) {
     DTRAIN_CHECK(st->backend == "gloo", "rank ", st->rank,
@@ -255,6 +256,7 @@ int rank() { return comm::world_state().rank; }
 int world_size() { return comm::world_state().world_size; }
 int local_rank() { return comm::world_state().local_rank; }
 int local_world_size() { return comm::world_state().local_world_size; }
+int restart_count() { return comm::world_state().restart_count; }
 std::string backend() { return comm::world_state().backend; }
 c10::intrusive_ptr<c10d::Store> default_store() { return comm::world_state().store; }
 

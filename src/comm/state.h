@@ -39,6 +39,7 @@ struct WorldState {
   int world_size = 0;
   int local_rank = -1;
   int local_world_size = 0;
+  int restart_count = 0;  // the launcher's attempt number (0 on the first start)
   std::string backend;
   std::string launcher;
   std::chrono::milliseconds timeout{0};

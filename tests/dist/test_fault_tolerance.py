@@ -110,6 +110,8 @@ class FaultTolerance(DistTestCase):
         self.assertIn("restarting all workers (restart 1 of 2) after: rank", res.err, str(res))
         self.assertIn(f"pid {victim}) failed first: it was killed by SIGKILL", res.err, str(res))
         self.assertIn("resumed from ", res.out, str(res))
+        # The worker learns its attempt from dtrain::restart_count(), which reads the launcher's variable.
+        self.assertRegex(res.out, r"resumed from .* \(restart 1\)", str(res))
         if transport:  # both attempts
             assert_ddp_transport(self, res, transport, nproc)
         return self.sha_of(res)
