@@ -49,27 +49,6 @@ double time_allreduce(at::Tensor& t, const dtrain::Group& g, double target_s) {
   return x.item<double>();
 }
 
-double memcpy_bandwidth(size_t bytes) {
-  std::vector<char> a(bytes, 1), b(bytes, 2);
-  std::memcpy(b.data(), a.data(), bytes);
-  std::vector<double> runs;
-  for (int r = 0; r < 7; ++r) {
-    auto t0 = Clock::now();
-    std::memcpy(b.data(), a.data(), bytes);
-    runs.push_back(bytes / secs_since(t0));
-  }
-  return median(runs);
-}
-
-std::string human(size_t b) {
-  char buf[32];
-  if (b >= (1u << 20))
-    std::snprintf(buf, sizeof(buf), "%zu MB", b >> 20);
-  else
-    std::snprintf(buf, sizeof(buf), "%zu KB", b >> 10);
-  return buf;
-}
-
 int worker_main(int argc, char** argv) {
   int reps = 3;
   size_t max_bytes = size_t{256} << 20;
@@ -107,7 +86,7 @@ int worker_main(int argc, char** argv) {
     if (bytes <= (size_t{1} << 20)) small_speedups.push_back(tg / ts);
     if (bytes == (size_t{64} << 20)) shm_busbw_64 = bytes / ts * bus;
     if (rank == 0)
-      std::printf("%10s %12zu | %10.1f %10.2f %10.2f | %10.1f %10.2f %10.2f | %7.1fx\n", human(bytes).c_str(),
+      std::printf("%10s %12zu | %10.1f %10.2f %10.2f | %10.1f %10.2f %10.2f | %7.1fx\n", human_bytes(bytes).c_str(),
                   bytes / 4, ts * 1e6, bytes / ts / 1e9, bytes / ts * bus / 1e9, tg * 1e6, bytes / tg / 1e9,
                   bytes / tg * bus / 1e9, tg / ts);
     std::fflush(stdout);
@@ -125,19 +104,8 @@ int worker_main(int argc, char** argv) {
 }
 
 int driver_main(int argc, char** argv) {
-  CLI::App app{"bench_allreduce: all_reduce over shared memory vs Gloo, 2 ranks on this host"};
-  int reps = 3;
-  size_t max_bytes = size_t{256} << 20;
-  app.add_option("--reps", reps, "rounds per size (median reported; default 3)")->check(CLI::PositiveNumber);
-  app.add_option("--max_bytes", max_bytes, "largest size (default 268435456 = 256 MB)");
-  CLI11_PARSE(app, argc, argv);
-  std::printf("load average at start: %s (%u cores)\n", load_average().c_str(), std::thread::hardware_concurrency());
-  std::fflush(stdout);
-  const std::string out =
-      run_job({self_exe(), "--worker", "--reps", std::to_string(reps), "--max_bytes", std::to_string(max_bytes)}, 2,
-              1800, "bench_allreduce");
-  std::fputs(out.c_str(), stdout);
-  return 0;
+  return transfer_driver("bench_allreduce", "all_reduce over shared memory vs Gloo, 2 ranks on this host", argc, argv,
+                         3, size_t{256} << 20);
 }
 
 }  // namespace

@@ -1,6 +1,10 @@
 // See spawn.h.
 #include "spawn.h"
 
+#include <CLI/CLI.hpp>
+
+#include "cli_checks.h"
+
 #include "common/util.h"
 
 #include <arpa/inet.h>
@@ -17,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -160,6 +165,47 @@ int main_of(const char* name, int argc, char** argv, int (*worker)(int, char**),
       std::fprintf(stderr, "%s\n", e.what());
     return 1;
   }
+}
+
+double memcpy_bandwidth(size_t bytes, int runs) {
+  std::vector<char> a(bytes, 1), b(bytes, 2);
+  std::memcpy(b.data(), a.data(), bytes);  // fault the pages in first
+  std::vector<double> rates;
+  for (int r = 0; r < runs; ++r) {
+    auto t0 = Clock::now();
+    std::memcpy(b.data(), a.data(), bytes);
+    rates.push_back(bytes / secs_since(t0));
+  }
+  return median(rates);
+}
+
+std::string human_bytes(size_t b) {
+  char buf[32];
+  if (b >= (size_t{1} << 20))
+    std::snprintf(buf, sizeof(buf), "%zu MB", b >> 20);
+  else if (b >= 1024)
+    std::snprintf(buf, sizeof(buf), "%zu KB", b >> 10);
+  else
+    std::snprintf(buf, sizeof(buf), "%zu B", b);
+  return buf;
+}
+
+int transfer_driver(const char* name, const char* about, int argc, char** argv, int default_reps,
+                    size_t default_max_bytes) {
+  CLI::App app{std::string(name) + ": " + about};
+  int reps = default_reps;
+  size_t max_bytes = default_max_bytes;
+  app.add_option("--reps", reps, "rounds per size (median reported; default " + std::to_string(default_reps) + ")")
+      ->check(dtrain_cli::positive());
+  app.add_option("--max_bytes", max_bytes, "largest size (default " + std::to_string(default_max_bytes) + ")");
+  CLI11_PARSE(app, argc, argv);
+  std::printf("load average at start: %s (%u cores)\n", load_average().c_str(), std::thread::hardware_concurrency());
+  std::fflush(stdout);
+  const std::string out =
+      run_job({self_exe(), "--worker", "--reps", std::to_string(reps), "--max_bytes", std::to_string(max_bytes)}, 2,
+              1800, name);
+  std::fputs(out.c_str(), stdout);
+  return 0;
 }
 
 }  // namespace bench

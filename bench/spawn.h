@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,6 +27,15 @@ std::string self_exe();      // this binary's path
 double median(std::vector<double> v);
 double parse_value(const std::string& out, const std::string& key);         // `key=` value, or nan
 std::string parse_line(const std::string& out, const std::string& prefix);  // the line from prefix, or ""
+
+// One thread's memcpy bandwidth (bytes/s) between two buffers of `bytes`: the median of `runs`.
+double memcpy_bandwidth(size_t bytes, int runs = 7);
+std::string human_bytes(size_t b);  // "4 KB", "64 MB", "512 B"
+
+// The driver of a 2-rank transfer benchmark taking --reps and --max_bytes: parses them, prints the
+// load, runs `self --worker --reps R --max_bytes B` as 2 ranks and prints rank 0's output.
+int transfer_driver(const char* name, const char* about, int argc, char** argv, int default_reps,
+                    size_t default_max_bytes);
 
 // A benchmark binary's main(): `prog --worker ARGS` is one rank of the job and runs worker(ARGS);
 // anything else is the driver and runs driver(argv). An exception ends the process with exit code 1

@@ -269,6 +269,58 @@ TEST(Shm, MismatchedShapesFailEveryRankNamingBothCalls) {
   EXPECT_NE(error_of([&] { all_reduce(t, ReduceOp::SUM, g); }), "");
 }
 
+// Point-to-point over shared memory (Note [Shared-memory point-to-point]): a ring of isend/irecv
+// over every dtype and sizes from empty to several times the 1 MiB ring, against Gloo's group.
+TEST(Shm, SendRecvInARingMatchesGlooForEveryDtypeAndSize) {
+  Group shm = new_group({});
+  Group gloo = group_with_env("DTRAIN_SHM", "0");
+  ASSERT_TRUE(shm.uses_shared_memory());
+  ASSERT_FALSE(gloo.uses_shared_memory());
+  const int next = (R() + 1) % N(), prev = (R() + N() - 1) % N();
+  for (auto dt : {at::kFloat, at::kDouble, at::kBFloat16, at::kLong, at::kByte, at::kBool}) {
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{1000}, int64_t{3} << 20}) {
+      at::Tensor mine = rank_data(n, at::kFloat, R()).reshape({n == 1000 ? 10 : 1, -1}).to(dt);
+      at::Tensor from_shm = at::empty_like(mine), from_gloo = at::empty_like(mine);
+      for (auto* g : {&shm, &gloo}) {
+        Work s = isend(mine, next, *g, /*tag=*/7);
+        Work r = irecv(g == &shm ? from_shm : from_gloo, prev, *g, 7);
+        r.wait();
+        s.wait();
+      }
+      at::Tensor expected = rank_data(n, at::kFloat, prev).reshape(mine.sizes()).to(dt);
+      EXPECT_TRUE(at::equal(from_shm, expected)) << dt << " " << n;
+      EXPECT_TRUE(at::equal(from_gloo, expected)) << dt << " " << n;
+    }
+  }
+}
+
+TEST(Shm, SendRecvOfDifferentShapesFailsBothRanksWithOneLine) {
+  Group g = new_group({});  // the pair 0-1 is unusable afterwards
+  ASSERT_TRUE(g.uses_shared_memory());
+  if (R() > 1) return;
+  std::string err = error_of([&] {
+    if (R() == 0) {
+      send(at::ones({4}), 1, g, /*tag=*/3);
+    } else {
+      at::Tensor t = at::empty({5});
+      recv(t, 0, g, 3);
+    }
+  });
+  EXPECT_NE(err.find("rank 1: recv from rank 0 (tag 3) expected Float [5] but rank 0 sent Float [4]: sender and "
+                     "receiver must pass tensors of the same dtype and shape"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(err.find('\n'), std::string::npos) << err;
+  std::string later = error_of([&] {
+    at::Tensor t = at::ones({5});
+    if (R() == 0)
+      send(t, 1, g, 4);
+    else
+      recv(t, 0, g, 4);
+  });
+  EXPECT_NE(later.find("expected Float [5] but rank 0 sent Float [4]"), std::string::npos) << later;
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "--loop_allreduce") {
     try {

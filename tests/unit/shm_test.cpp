@@ -19,60 +19,16 @@
 #include <vector>
 
 #include "comm/shm/comm.h"
+#include "shm_fork.h"
 #include "dtrain/errors.h"
 
 using namespace dtrain::shm;
-using Fn = std::function<void(Comm&, int)>;
+using shm_fork::expect_ok;
+using shm_fork::Fn;
+using shm_fork::kSlot;
+using shm_fork::run_ranks;
 
 namespace {
-
-constexpr size_t kSlot = 4096;  // small slots so that modest sizes take several chunks
-
-// Runs fn on n forked ranks; returns each rank's error message ("" = success).
-std::vector<std::string> run_ranks(int n, const Fn& fn, std::chrono::milliseconds timeout = std::chrono::seconds(10),
-                                   size_t slot = kSlot) {
-  Segment seg = Segment::create(Segment::unique_name("test"), n, slot);
-  std::vector<int> labels;
-  for (int r = 0; r < n; ++r) labels.push_back(r);
-  std::vector<pid_t> pids;
-  std::vector<int> fds;
-  for (int r = 0; r < n; ++r) {
-    int p[2];
-    EXPECT_EQ(pipe(p), 0);
-    pid_t pid = fork();
-    if (pid == 0) {
-      close(p[0]);
-      std::string err;
-      try {
-        Comm comm(Segment::attach(seg.name(), n, slot), r, labels, timeout);
-        fn(comm, r);
-      } catch (const std::exception& e) {
-        err = e.what();
-        if (err.empty()) err = "(empty error)";
-      }
-      (void)!write(p[1], err.data(), err.size());
-      _exit(0);
-    }
-    close(p[1]);
-    pids.push_back(pid);
-    fds.push_back(p[0]);
-  }
-  std::vector<std::string> errors(n);
-  for (int r = 0; r < n; ++r) {
-    char buf[1024];
-    ssize_t k;
-    while ((k = read(fds[r], buf, sizeof(buf))) > 0) errors[r].append(buf, k);
-    close(fds[r]);
-    int status = 0;
-    waitpid(pids[r], &status, 0);
-    if (!WIFEXITED(status) && errors[r].empty()) errors[r] = "rank died";
-  }
-  return errors;
-}
-
-void expect_ok(const std::vector<std::string>& errors) {
-  for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
-}
 
 // Deterministic per-rank data with values that make float sums order-sensitive.
 float value(int rank, size_t i) {

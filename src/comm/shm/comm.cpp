@@ -1,27 +1,13 @@
 #include "comm/shm/comm.h"
 
-#include <linux/futex.h>
 #include <sched.h>
-#include <signal.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <climits>
-#include <cstdio>
 #include <cstring>
-#include <ctime>
 
+#include "comm/shm/sync.h"
 #include "dtrain/errors.h"
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define DTRAIN_CPU_RELAX() _mm_pause()
-#else
-#define DTRAIN_CPU_RELAX() std::atomic_signal_fence(std::memory_order_seq_cst)
-#endif
 
 namespace dtrain::shm {
 namespace {
@@ -43,46 +29,6 @@ const char* kind_name(uint32_t k) {
 }
 
 bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
-
-void futex_wait(std::atomic<uint32_t>* addr, uint32_t expected, long timeout_ns) {
-  timespec ts{0, timeout_ns};
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-
-void futex_wake(std::atomic<uint32_t>* addr) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
-}
-
-using Clock = std::chrono::steady_clock;
-
-uint64_t pid_namespace() {
-  struct stat st {};
-  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
-}
-
-// Whether a process of this pid namespace has exited (gone, or a zombie not yet reaped).
-bool exited(int32_t pid) {
-  if (kill(pid, 0) != 0) return errno == ESRCH;
-  char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-  FILE* f = std::fopen(path, "r");
-  if (!f) return false;
-  char buf[512] = {0};
-  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
-  std::fclose(f);
-  const char* paren = std::strrchr(buf, ')');  // "pid (comm) S ..."
-  return n > 0 && paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
-}
-
-// Spin for this long, then yield for this long, then sleep on the futex.
-constexpr auto kSpin = std::chrono::microseconds(30);
-constexpr auto kYield = std::chrono::microseconds(300);
-constexpr long kSleepNs = 10'000'000;  // futex timeout: how often a sleeper wakes to check for failures
-// How often a waiter checks the abort flag, the timeout and whether the awaited process exited: at
-// every wake-up of a sleeper, so a dead peer is noticed within about 10 ms (README promises 50;
-// ShmComm.ADeadRankIsNoticedWithin50Milliseconds measures it). A check costs a kill() and a read of
-// /proc/<pid>/stat, nothing beside a 10 ms sleep. It was 50 ms, which put the worst case above 50.
-constexpr auto kCheckPeriod = std::chrono::nanoseconds(kSleepNs);
 
 }  // namespace
 
@@ -132,6 +78,10 @@ void Comm::abort(const std::string& message) {
     // Wake every sleeper so the other ranks see the abort at once.
     for (int r = 0; r < n_; ++r)
       for (auto& c : seg_.ctl(r).phase) futex_wake(&c.value);
+    for (int r = 0; r < n_; ++r) {  // and point-to-point waiters (p2p.h), which check the flag too
+      seg_.bell(r).value.fetch_add(1, std::memory_order_seq_cst);
+      futex_wake(&seg_.bell(r).value);
+    }
   }
 }
 

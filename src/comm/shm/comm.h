@@ -43,6 +43,8 @@ class Comm {
 
   int rank() const { return rank_; }
   int size() const { return n_; }
+  const std::vector<int>& labels() const { return labels_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
   const Segment& segment() const { return seg_; }
 
  private:

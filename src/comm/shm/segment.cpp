@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
 #include <new>
 #include <random>
@@ -17,18 +18,34 @@ namespace dtrain::shm {
 namespace {
 
 constexpr uint64_t kMagic = 0x6474726e73686d31ULL;  // "dtrnshm1"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;                    // 2: point-to-point bells and channels
 
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 size_t ctl_offset() { return align_up(sizeof(Header), 4096); }
 size_t data_offset(int nranks) { return align_up(ctl_offset() + sizeof(RankCtl) * nranks, 4096); }
+size_t bells_offset(int nranks, size_t slot_bytes) {
+  return data_offset(nranks) + static_cast<size_t>(nranks) * 2 * slot_bytes;
+}
+size_t chans_offset(int nranks, size_t slot_bytes) {
+  return bells_offset(nranks, slot_bytes) + sizeof(Counter) * nranks;
+}
+size_t rings_offset(int nranks, size_t slot_bytes) {
+  return align_up(chans_offset(nranks, slot_bytes) + sizeof(ChanCtl) * nranks * nranks, 4096);
+}
+constexpr size_t kRingBudget = size_t{64} << 20;
 
 std::string errno_text(int e) { return std::strerror(e); }
 
 }  // namespace
 
+size_t channel_bytes(int nranks, size_t slot_bytes) {
+  const size_t pairs = static_cast<size_t>(nranks) * nranks;
+  size_t b = std::min(slot_bytes, kRingBudget / pairs) / 4096 * 4096;
+  return std::max<size_t>(b, 4096);
+}
+
 size_t segment_bytes(int nranks, size_t slot_bytes) {
-  return data_offset(nranks) + static_cast<size_t>(nranks) * 2 * slot_bytes;
+  return rings_offset(nranks, slot_bytes) + static_cast<size_t>(nranks) * nranks * channel_bytes(nranks, slot_bytes);
 }
 
 std::string Segment::unique_name(const std::string& tag) {
@@ -72,7 +89,11 @@ Segment Segment::create(const std::string& name, int nranks, size_t slot_bytes) 
                ": set DTRAIN_SHM=0 to use Gloo only");
   s.base_ = static_cast<char*>(p);
   Header* h = new (s.base_) Header();
+  s.chan_bytes_ = channel_bytes(nranks, slot_bytes);
   for (int r = 0; r < nranks; ++r) new (&s.ctl(r)) RankCtl();
+  for (int r = 0; r < nranks; ++r) new (&s.bell(r)) Counter();
+  for (int a = 0; a < nranks; ++a)
+    for (int b = 0; b < nranks; ++b) new (&s.chan(a, b)) ChanCtl();
   h->nranks = static_cast<uint32_t>(nranks);
   h->slot_bytes = slot_bytes;
   h->total_bytes = total;
@@ -106,6 +127,7 @@ Segment Segment::attach(const std::string& name, int nranks, size_t slot_bytes) 
   s.total_ = total;
   s.nranks_ = nranks;
   s.slot_bytes_ = slot_bytes;
+  s.chan_bytes_ = channel_bytes(nranks, slot_bytes);
   s.unlinked_ = true;  // only the creator unlinks
   const Header& h = s.header();
   uint64_t magic = reinterpret_cast<const std::atomic<uint64_t>*>(&h.magic)->load(std::memory_order_acquire);
@@ -125,6 +147,7 @@ Segment& Segment::operator=(Segment&& o) noexcept {
     base_ = std::exchange(o.base_, nullptr);
     total_ = o.total_;
     slot_bytes_ = o.slot_bytes_;
+    chan_bytes_ = o.chan_bytes_;
     nranks_ = o.nranks_;
     owner_ = std::exchange(o.owner_, false);
     unlinked_ = std::exchange(o.unlinked_, true);
@@ -149,6 +172,18 @@ RankCtl& Segment::ctl(int rank) const { return reinterpret_cast<RankCtl*>(base_ 
 
 char* Segment::slot(int rank, int buffer) const {
   return base_ + data_offset(nranks_) + (static_cast<size_t>(rank) * 2 + buffer) * slot_bytes_;
+}
+
+Counter& Segment::bell(int rank) const {
+  return reinterpret_cast<Counter*>(base_ + bells_offset(nranks_, slot_bytes_))[rank];
+}
+
+ChanCtl& Segment::chan(int src, int dst) const {
+  return reinterpret_cast<ChanCtl*>(base_ + chans_offset(nranks_, slot_bytes_))[src * nranks_ + dst];
+}
+
+char* Segment::ring(int src, int dst) const {
+  return base_ + rings_offset(nranks_, slot_bytes_) + (static_cast<size_t>(src) * nranks_ + dst) * chan_bytes_;
 }
 
 void Segment::prefault(int rank) const { std::memset(slot(rank, 0), 0, 2 * slot_bytes_); }

@@ -5,6 +5,10 @@
 //   RankCtl   per rank: three step counters (scatter / reduce / gather), each on its own cache line
 //             with a sleeper count for futex wake-ups; the pid; the last two op descriptors
 //   slots     per rank: two buffers of slot_bytes (double buffering: step s uses buffer s % 2)
+//   bells     per rank: a counter that every peer bumps (and futex-wakes) when a point-to-point
+//             channel to or from that rank changes, so one futex covers all of a rank's channels
+//   channels  per ordered pair (src, dst): ChanCtl (bytes written, bytes read, broken flag and
+//             message) and a byte ring of chan_bytes (p2p.h)
 //
 // Note [Segment lifetime]: the creator (the host's lowest rank) creates the name with O_EXCL and a
 // random per-job id, reserves the memory (posix_fallocate: a full /dev/shm fails here with a clear
@@ -41,6 +45,16 @@ struct alignas(64) RankCtl {
   OpDesc desc[2];
 };
 
+// One direction of a point-to-point channel: the sender advances `head`, the receiver `tail` (both
+// count bytes since the start, so head - tail bytes of the ring are unread). A broken channel (a
+// mismatched message) fails every later operation on it with `message`.
+struct alignas(64) ChanCtl {
+  alignas(64) std::atomic<uint64_t> head{0};
+  alignas(64) std::atomic<uint64_t> tail{0};
+  alignas(64) std::atomic<uint32_t> broken{0};  // 0 ok, 1 being written, 2 message readable
+  char message[440] = {0};
+};
+
 struct alignas(64) Header {
   uint64_t magic = 0;
   uint32_t version = 0;
@@ -75,6 +89,10 @@ class Segment {
   RankCtl& ctl(int rank) const;
   char* slot(int rank, int buffer) const;
   size_t slot_bytes() const { return slot_bytes_; }
+  Counter& bell(int rank) const;
+  ChanCtl& chan(int src, int dst) const;
+  char* ring(int src, int dst) const;
+  size_t chan_bytes() const { return chan_bytes_; }
   int nranks() const { return nranks_; }
   const std::string& name() const { return name_; }
   // Touches this rank's slots so that their pages are resident before the first collective.
@@ -86,6 +104,7 @@ class Segment {
   char* base_ = nullptr;
   size_t total_ = 0;
   size_t slot_bytes_ = 0;
+  size_t chan_bytes_ = 0;
   int nranks_ = 0;
   bool owner_ = false;
   bool unlinked_ = false;
@@ -93,5 +112,8 @@ class Segment {
 
 // Bytes of the segment for `nranks` ranks with slots of `slot_bytes`.
 size_t segment_bytes(int nranks, size_t slot_bytes);
+// Bytes of each point-to-point ring: slot_bytes, shrunk (to no less than 4 KiB) so that all the
+// rings of a host take at most 64 MiB of /dev/shm however many ranks it has.
+size_t channel_bytes(int nranks, size_t slot_bytes);
 
 }  // namespace dtrain::shm

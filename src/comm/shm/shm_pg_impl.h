@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "comm/shm/comm.h"
+#include "comm/shm/p2p.h"
 #include "compat/c10d_compat.h"
 
 namespace dtrain::comm {
@@ -21,6 +22,7 @@ struct ShmTopology {
   bool leader = true;              // lowest rank of its host
   int leader_local = 0;            // the leader's index among this host's ranks
   std::vector<int> leader_labels;  // the global rank of each host's leader, for error messages
+  std::vector<int> host_ranks;     // the group ranks on this rank's host, in order (local rank -> group rank)
 };
 
 // What every rank must agree on before a collective starts on Gloo: a fixed number of int64, so
@@ -32,6 +34,9 @@ struct GlooCall {
   int64_t root = -1;   // group rank of the root, -1 for none
   int64_t redop = -1;  // c10d::ReduceOp, -1 for none
 };
+
+// Point-to-point over `local`'s segment, naming dtypes and shapes as c10 does ("Float [4, 5]").
+std::shared_ptr<shm::P2p> make_p2p(std::shared_ptr<shm::Comm> local);
 
 class ShmProcessGroup : public compat::Backend {
  public:
@@ -83,6 +88,11 @@ class ShmProcessGroup : public compat::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& t, int tag) override;
 
  private:
+  // This host's local rank of group rank `r`, or -1 when r is on another host or there is no segment.
+  int local_rank_of(int r) const;
+  // A point-to-point operation over the segment (Note [Shared-memory point-to-point]).
+  c10::intrusive_ptr<c10d::Work> p2p(std::vector<at::Tensor>& t, int peer_local, int tag, bool is_send);
+
   c10::intrusive_ptr<c10d::Work> enqueue(std::vector<at::Tensor> outputs, c10d::OpType type, std::function<void()> job);
   // A collective on Gloo: queued, checked (agree()), then started and awaited on the worker.
   c10::intrusive_ptr<c10d::Work> on_gloo(std::vector<at::Tensor> outputs, c10d::OpType type, GlooCall call,
@@ -94,7 +104,8 @@ class ShmProcessGroup : public compat::Backend {
   void run();
 
   compat::BackendPtr gloo_;
-  std::unique_ptr<shm::Comm> local_;
+  std::shared_ptr<shm::Comm> local_;
+  std::shared_ptr<shm::P2p> p2p_;  // with local_; shared with the point-to-point works it hands out
   compat::BackendPtr leaders_;
   ShmTopology topo_;
   std::vector<int> labels_;

@@ -173,6 +173,7 @@ ShmProcessGroup::ShmProcessGroup(int rank, int size, compat::BackendPtr gloo, st
       leaders_(std::move(leaders)),
       topo_(std::move(topo)),
       labels_(std::move(labels)) {
+  if (local_) p2p_ = make_p2p(local_);
   worker_ = std::thread([this] { run(); });
 }
 
@@ -403,17 +404,6 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall(std::vector<at::Tensor>
   DTRAIN_ON_GLOO(out, ALLTOALL, c, o.timeout, alltoall(out, in, o));
 }
 #undef DTRAIN_ON_GLOO
-
-// Point-to-point is not awaited by barrier() (as in Gloo, whose barrier skips send/recv).
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::send(std::vector<at::Tensor>& t, int dst, int tag) {
-  return gloo_->send(t, dst, tag);
-}
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::recv(std::vector<at::Tensor>& t, int src, int tag) {
-  return gloo_->recv(t, src, tag);
-}
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::recvAnysource(std::vector<at::Tensor>& t, int tag) {
-  return gloo_->recvAnysource(t, tag);
-}
 
 // Queued, unchecked (it exists to report the ranks that do not come, within its own timeout): Gloo
 // numbers it among the collectives, which start on the worker in the queue's order.

@@ -83,6 +83,7 @@ compat::BackendPtr make_shm_process_group(const BackendConfig& c, compat::Backen
       static_cast<int>(std::find(host_order.begin(), host_order.end(), keys[c.rank]) - host_order.begin());
   topo.leader = mine.front() == c.rank;
   topo.leader_local = 0;
+  topo.host_ranks = mine;
   for (const auto& key : host_order) topo.leader_labels.push_back(labels[by_host[key].front()]);
   const int local_rank = static_cast<int>(std::find(mine.begin(), mine.end(), c.rank) - mine.begin());
 

@@ -1,0 +1,457 @@
+#include "comm/shm/p2p.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "dtrain/errors.h"
+
+namespace dtrain::shm {
+namespace {
+
+constexpr uint64_t kMagic = 0x6470327068647231ULL;  // "dp2phdr1"
+// Bytes published at a time: a large message becomes visible to the receiver in pieces, so that
+// it copies out while the sender is still copying in.
+constexpr uint64_t kPublishBytes = 256 << 10;
+
+struct WireHeader {
+  uint64_t magic = kMagic;
+  uint64_t seq = 0;  // 1, 2, ... per channel: a check that both sides walk the ring alike
+  MsgDesc desc;
+};
+constexpr uint64_t kHeaderBytes = 256;
+static_assert(sizeof(WireHeader) <= kHeaderBytes, "the header must fit its slot in the stream");
+
+bool same_layout(const MsgDesc& a, const MsgDesc& b) {
+  return a.dtype == b.dtype && a.ndim == b.ndim && a.bytes == b.bytes && std::equal(a.sizes, a.sizes + a.ndim, b.sizes);
+}
+
+}  // namespace
+
+struct P2p::Op {
+  bool is_send = false;
+  int peer = -1;  // local rank; -1: any source
+  char* data = nullptr;
+  MsgDesc desc;
+  Clock::time_point posted;
+  // send: the header, then how much of header + payload is in the ring, and the ring offset just
+  // past the message once it is all there
+  WireHeader header;
+  uint64_t written = 0;
+  uint64_t end = 0;
+  // recv
+  int source = -1;
+  std::atomic<bool> finishing{false};  // the first completion wins (a timeout races with progress)
+  std::atomic<bool> done{false};
+  std::string error;  // written before done
+};
+
+struct P2p::Outgoing {
+  std::mutex mu;
+  uint64_t head = 0;  // this process is the channel's only writer
+  uint64_t seq = 0;
+  std::deque<std::shared_ptr<Op>> unsent;    // front may be partly written
+  std::deque<std::shared_ptr<Op>> inflight;  // all written, waiting for the receiver to take it
+};
+
+struct P2p::Stashed {
+  int src = -1;
+  MsgDesc desc;
+  std::vector<char> data;
+  uint64_t filled = 0;
+};
+
+struct P2p::Incoming {
+  uint64_t tail = 0;  // this process is the channel's only reader
+  uint64_t seq = 0;
+  bool have_header = false;
+  WireHeader header;
+  uint64_t taken = 0;  // payload bytes copied out so far
+  std::shared_ptr<Op> op;
+  std::shared_ptr<Stashed> stash;
+};
+
+namespace {
+
+// Copies n bytes between a linear buffer and the ring at stream offset pos (wrapping at cap).
+void to_ring(char* ring, uint64_t cap, uint64_t pos, const char* src, uint64_t n) {
+  const uint64_t at = pos % cap, first = std::min(n, cap - at);
+  std::memcpy(ring + at, src, first);
+  if (n > first) std::memcpy(ring, src + first, n - first);
+}
+
+void from_ring(const char* ring, uint64_t cap, uint64_t pos, char* dst, uint64_t n) {
+  const uint64_t at = pos % cap, first = std::min(n, cap - at);
+  std::memcpy(dst, ring + at, first);
+  if (n > first) std::memcpy(dst + first, ring, n - first);
+}
+
+}  // namespace
+
+P2p::P2p(std::shared_ptr<Comm> comm, Describe describe)
+    : comm_(std::move(comm)),
+      seg_(comm_->segment()),
+      me_(comm_->rank()),
+      n_(comm_->size()),
+      describe_(std::move(describe)) {
+  for (int r = 0; r < n_; ++r) {
+    out_.push_back(std::make_unique<Outgoing>());
+    in_.push_back(std::make_unique<Incoming>());
+  }
+}
+
+P2p::~P2p() = default;
+
+int P2p::source(const Op& op) { return op.source; }
+
+std::string P2p::what(const Op& op) const {
+  const auto& labels = comm_->labels();
+  if (op.is_send) return detail::cat("send to rank ", labels[op.peer], " (tag ", op.desc.tag, ")");
+  if (op.peer < 0) return detail::cat("recv from any rank (tag ", op.desc.tag, ")");
+  return detail::cat("recv from rank ", labels[op.peer], " (tag ", op.desc.tag, ")");
+}
+
+void P2p::ring_bell(int rank) {
+  Counter& b = seg_.bell(rank);
+  b.value.fetch_add(1, std::memory_order_seq_cst);
+  if (b.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake(&b.value);
+}
+
+void P2p::break_channel(int src, int dst, const std::string& message) {
+  ChanCtl& c = seg_.chan(src, dst);
+  uint32_t expected = 0;
+  if (c.broken.compare_exchange_strong(expected, 1)) {
+    std::strncpy(c.message, message.c_str(), sizeof(c.message) - 1);
+    c.broken.store(2, std::memory_order_release);
+  }
+  ring_bell(src);
+  ring_bell(dst);
+}
+
+std::string P2p::channel_error(int src, int dst) const {
+  const ChanCtl& c = seg_.chan(src, dst);
+  uint32_t b = c.broken.load(std::memory_order_acquire);
+  if (b == 0) return "";
+  // The breaking rank is copying its message (a few hundred bytes): wait for it, boundedly.
+  for (int i = 0; b == 1 && i < 1000000; ++i) {
+    DTRAIN_CPU_RELAX();
+    if (i > 1000) sched_yield();
+    b = c.broken.load(std::memory_order_acquire);
+  }
+  if (b == 1) return "a point-to-point channel broke (the rank that broke it stopped before saying why)";
+  return std::string(c.message, strnlen(c.message, sizeof(c.message)));
+}
+
+void P2p::complete(Op& op, std::string error) {
+  if (op.finishing.exchange(true)) return;
+  op.error = std::move(error);
+  op.done.store(true, std::memory_order_release);
+}
+
+std::shared_ptr<P2p::Op> P2p::send(int dst, const void* data, const MsgDesc& desc) {
+  DTRAIN_ASSERT(dst >= 0 && dst < n_ && dst != me_ && desc.ndim >= 0 && desc.ndim <= kMaxDims);
+  auto op = std::make_shared<Op>();
+  op->is_send = true;
+  op->peer = dst;
+  op->data = const_cast<char*>(static_cast<const char*>(data));
+  op->desc = desc;
+  op->posted = Clock::now();
+  Outgoing& o = *out_[dst];
+  {
+    std::lock_guard<std::mutex> lock(o.mu);
+    op->header.seq = ++o.seq;
+    op->header.desc = desc;
+    o.unsent.push_back(op);
+  }
+  progress_send(dst);
+  return op;
+}
+
+std::shared_ptr<P2p::Op> P2p::recv(int src, void* data, const MsgDesc& desc) {
+  DTRAIN_ASSERT(src >= -1 && src < n_ && src != me_ && desc.ndim >= 0 && desc.ndim <= kMaxDims);
+  auto op = std::make_shared<Op>();
+  op->peer = src;
+  op->data = static_cast<char*>(data);
+  op->desc = desc;
+  op->posted = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(in_mu_);
+    if (src >= 0) {
+      std::string broken = channel_error(src, me_);
+      if (!broken.empty()) {
+        complete(*op, broken);
+        return op;
+      }
+    }
+    if (!match_stash(op)) posted_.push_back(op);
+  }
+  if (src >= 0)
+    progress_recv(src);
+  else
+    for (int r = 0; r < n_; ++r) progress_recv(r);
+  return op;
+}
+
+bool P2p::match_stash(const std::shared_ptr<Op>& op) {
+  auto it = std::find_if(stash_.begin(), stash_.end(), [&](const std::shared_ptr<Stashed>& s) {
+    return (op->peer < 0 || s->src == op->peer) && s->desc.tag == op->desc.tag;
+  });
+  if (it == stash_.end()) return false;
+  std::shared_ptr<Stashed> s = *it;
+  stash_.erase(it);
+  const auto& labels = comm_->labels();
+  if (!same_layout(s->desc, op->desc)) {
+    std::string msg = detail::cat("rank ", labels[me_], ": ", what(*op), " expected ", describe_(op->desc),
+                                  " but rank ", labels[s->src], " sent ", describe_(s->desc),
+                                  ": sender and receiver must pass tensors of the same dtype and shape");
+    break_channel(s->src, me_, msg);
+    complete(*op, msg);
+    return true;
+  }
+  std::memcpy(op->data, s->data.data(), s->filled);
+  Incoming& in = *in_[s->src];
+  if (in.stash == s) {  // still arriving: the rest goes straight to the receive
+    in.stash.reset();
+    in.op = op;
+  } else {
+    op->source = s->src;
+    complete(*op, "");
+  }
+  return true;
+}
+
+void P2p::progress_send(int dst) {
+  Outgoing& o = *out_[dst];
+  std::lock_guard<std::mutex> lock(o.mu);
+  if (o.unsent.empty() && o.inflight.empty()) return;
+  std::string broken = channel_error(me_, dst);
+  if (!broken.empty()) {
+    for (auto& op : o.inflight) complete(*op, broken);
+    for (auto& op : o.unsent) complete(*op, broken);
+    o.inflight.clear();
+    o.unsent.clear();
+    return;
+  }
+  ChanCtl& c = seg_.chan(me_, dst);
+  char* ring = seg_.ring(me_, dst);
+  const uint64_t cap = seg_.chan_bytes();
+  uint64_t tail = c.tail.load(std::memory_order_acquire);
+  while (!o.unsent.empty()) {
+    Op& op = *o.unsent.front();
+    const uint64_t total = kHeaderBytes + op.desc.bytes;
+    uint64_t room = cap - (o.head - tail);
+    if (room == 0) {
+      tail = c.tail.load(std::memory_order_acquire);
+      room = cap - (o.head - tail);
+      if (room == 0) break;
+    }
+    const uint64_t n = std::min({room, total - op.written, kPublishBytes});
+    // The stream is the header's kHeaderBytes, then the payload.
+    uint64_t done = 0;
+    if (op.written < kHeaderBytes) {
+      const uint64_t h = std::min(n, kHeaderBytes - op.written);
+      char header[kHeaderBytes] = {0};
+      std::memcpy(header, &op.header, sizeof(op.header));
+      to_ring(ring, cap, o.head, header + op.written, h);
+      done = h;
+    }
+    if (done < n) to_ring(ring, cap, o.head + done, op.data + (op.written + done - kHeaderBytes), n - done);
+    o.head += n;
+    op.written += n;
+    c.head.store(o.head, std::memory_order_release);
+    ring_bell(dst);
+    if (op.written == total) {
+      op.end = o.head;
+      o.inflight.push_back(o.unsent.front());
+      o.unsent.pop_front();
+    }
+  }
+  tail = c.tail.load(std::memory_order_acquire);
+  while (!o.inflight.empty() && tail >= o.inflight.front()->end) {
+    complete(*o.inflight.front(), "");
+    o.inflight.pop_front();
+  }
+}
+
+void P2p::fail_incoming(int src, const std::string& message) {
+  Incoming& in = *in_[src];
+  if (in.op) complete(*in.op, message);
+  in.op.reset();
+  for (auto it = posted_.begin(); it != posted_.end();) {
+    if ((*it)->peer == src) {
+      complete(**it, message);
+      it = posted_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void P2p::progress_recv(int src) {
+  if (src == me_) return;
+  std::lock_guard<std::mutex> lock(in_mu_);
+  Incoming& in = *in_[src];
+  ChanCtl& c = seg_.chan(src, me_);
+  const char* ring = seg_.ring(src, me_);
+  const uint64_t cap = seg_.chan_bytes();
+  const auto& labels = comm_->labels();
+  std::string broken = channel_error(src, me_);
+  if (!broken.empty()) return fail_incoming(src, broken);
+  for (;;) {
+    const uint64_t head = c.head.load(std::memory_order_acquire);
+    if (!in.have_header) {
+      if (head - in.tail < kHeaderBytes) return;
+      from_ring(ring, cap, in.tail, reinterpret_cast<char*>(&in.header), sizeof(in.header));
+      if (in.header.magic != kMagic || in.header.seq != in.seq + 1 || in.header.desc.ndim < 0 ||
+          in.header.desc.ndim > kMaxDims) {
+        std::string msg = detail::cat("rank ", labels[me_], ": the point-to-point channel from rank ", labels[src],
+                                      " is corrupt (message ", in.seq + 1,
+                                      "): another program wrote into the job's shared memory; restart the job");
+        break_channel(src, me_, msg);
+        return fail_incoming(src, msg);
+      }
+      const MsgDesc& d = in.header.desc;
+      auto it = std::find_if(posted_.begin(), posted_.end(), [&](const std::shared_ptr<Op>& op) {
+        return (op->peer < 0 || op->peer == src) && op->desc.tag == d.tag;
+      });
+      if (it != posted_.end()) {
+        std::shared_ptr<Op> op = *it;
+        if (!same_layout(op->desc, d)) {
+          // Left unread: the sender's send must not complete (step 3).
+          std::string msg = detail::cat("rank ", labels[me_], ": ", what(*op), " expected ", describe_(op->desc),
+                                        " but rank ", labels[src], " sent ", describe_(d),
+                                        ": sender and receiver must pass tensors of the same dtype and shape");
+          posted_.erase(it);
+          complete(*op, msg);
+          break_channel(src, me_, msg);
+          return fail_incoming(src, msg);
+        }
+        posted_.erase(it);
+        in.op = op;
+      } else {
+        in.stash = std::make_shared<Stashed>();
+        in.stash->src = src;
+        in.stash->desc = d;
+        in.stash->data.resize(d.bytes);
+        stash_.push_back(in.stash);
+      }
+      in.have_header = true;
+      in.taken = 0;
+      in.seq = in.header.seq;
+      in.tail += kHeaderBytes;
+    }
+    const uint64_t remaining = in.header.desc.bytes - in.taken;
+    const uint64_t n = std::min(remaining, head - in.tail);
+    if (n > 0) {
+      char* dst = in.op ? in.op->data : in.stash->data.data();
+      from_ring(ring, cap, in.tail, dst + in.taken, n);
+      in.taken += n;
+      in.tail += n;
+      if (in.stash) in.stash->filled = in.taken;
+    }
+    c.tail.store(in.tail, std::memory_order_release);
+    ring_bell(src);
+    if (in.taken < in.header.desc.bytes) return;
+    if (in.op) {
+      in.op->source = src;
+      complete(*in.op, "");
+    }
+    in.op.reset();
+    in.stash.reset();
+    in.have_header = false;
+  }
+}
+
+void P2p::progress_all() {
+  for (int r = 0; r < n_; ++r) {
+    if (r == me_) continue;
+    progress_send(r);
+    progress_recv(r);
+  }
+}
+
+bool P2p::test(Op& op) {
+  if (op.done.load(std::memory_order_acquire)) return true;
+  try {
+    progress_all();
+  } catch (...) {  // progress allocates (a stash); a failure there surfaces in wait()
+  }
+  return op.done.load(std::memory_order_acquire);
+}
+
+// A failure that ends the wait for `op`, or "".
+std::string P2p::check_failures(const Op& op, Clock::time_point start) {
+  const auto& labels = comm_->labels();
+  const Header& h = seg_.header();
+  if (h.aborted.load(std::memory_order_acquire) == 2)
+    return detail::cat("rank ", labels[me_], ": ", what(op), " over shared memory aborted: ", h.abort_message);
+  if (Clock::now() - start >= comm_->timeout())
+    return detail::cat("rank ", labels[me_], ": ", what(op), " over shared memory timed out after ",
+                       comm_->timeout().count(), " ms",
+                       op.is_send ? ": the receiver did not take the message (it is slow, hung, or receives "
+                                    "with another tag or from another rank)"
+                                  : ": no matching message arrived (the sender is slow, hung, or sends with "
+                                    "another tag or to another rank)");
+  // A dead peer ends a receive from it, a send to it, and a receive from any rank once every peer
+  // is gone (another may still send).
+  std::string dead;
+  for (int r = 0; r < n_; ++r) {
+    if (r == me_ || (op.peer >= 0 && r != op.peer)) continue;
+    const int32_t pid = seg_.ctl(r).pid.load(std::memory_order_acquire);
+    if (pid > 0 && seg_.ctl(r).pid_namespace == seg_.ctl(me_).pid_namespace && exited(pid)) {
+      if (dead.empty())
+        dead = detail::cat("rank ", labels[me_], ": ", what(op), " over shared memory: rank ", labels[r], " (pid ", pid,
+                           ") exited before completing it");
+    } else {
+      return "";
+    }
+  }
+  return dead;
+}
+
+void P2p::wait(Op& op) {
+  Counter& bell = seg_.bell(me_);
+  const auto start = Clock::now();
+  auto next_check = start + kSpin + kYield;
+  for (;;) {
+    const uint32_t v = bell.value.load(std::memory_order_seq_cst);
+    if (!op.done.load(std::memory_order_acquire)) progress_all();
+    if (op.done.load(std::memory_order_acquire)) {
+      if (!op.error.empty()) throw Error(op.error);
+      return;
+    }
+    const auto now = Clock::now();
+    if (now >= next_check) {
+      // Measured from the post, as the group's timeout for a collective.
+      std::string failure = check_failures(op, op.posted);
+      if (!failure.empty()) progress_all();  // the message a peer wrote just before it exited
+      if (!failure.empty() && !op.done.load(std::memory_order_acquire)) {
+        // The channel's state is unknown now (a message may be half written or half read).
+        if (op.peer >= 0) op.is_send ? break_channel(me_, op.peer, failure) : break_channel(op.peer, me_, failure);
+        {
+          std::lock_guard<std::mutex> lock(in_mu_);
+          posted_.erase(std::remove_if(posted_.begin(), posted_.end(),
+                                       [&](const std::shared_ptr<Op>& p) { return p.get() == &op; }),
+                        posted_.end());
+        }
+        if (!op.done.load(std::memory_order_acquire)) complete(op, failure);
+        continue;  // reports op's error (or its success, had it completed meanwhile)
+      }
+      next_check = now + kCheckPeriod;
+    }
+    if (now - start < kSpin) {
+      for (int i = 0; i < 64; ++i) DTRAIN_CPU_RELAX();
+      continue;
+    }
+    if (now - start < kSpin + kYield) {
+      sched_yield();
+      continue;
+    }
+    bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (bell.value.load(std::memory_order_seq_cst) == v) futex_wait(&bell.value, v, kSleepNs);
+    bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+}
+
+}  // namespace dtrain::shm

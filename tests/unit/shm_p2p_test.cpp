@@ -1,0 +1,231 @@
+// Point-to-point over shared memory (src/comm/shm/p2p.h) between forked ranks: order, tags, any
+// source, messages larger than the ring, both ranks sending first, and every failure a user can
+// cause (mismatched dtype or shape, a dead peer, a missing sender), each ending in seconds.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "comm/shm/p2p.h"
+#include "dtrain/errors.h"
+#include "shm_fork.h"
+
+using namespace dtrain::shm;
+using shm_fork::expect_ok;
+using shm_fork::run_ranks_shared;
+
+namespace {
+
+using Body = std::function<void(P2p&, int)>;
+
+std::vector<std::string> run_p2p(int n, const Body& body,
+                                 std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+  return run_ranks_shared(
+      n,
+      [&](std::shared_ptr<Comm> c, int r) {
+        P2p p2p(c, [](const MsgDesc& d) {
+          return "dtype " + std::to_string(d.dtype) + " of " + std::to_string(d.bytes) + " bytes";
+        });
+        body(p2p, r);
+      },
+      timeout);
+}
+
+MsgDesc desc_of(size_t bytes, int64_t tag, int32_t dtype = 1) {
+  MsgDesc d;
+  d.tag = tag;
+  d.dtype = dtype;
+  d.ndim = 1;
+  d.sizes[0] = static_cast<int64_t>(bytes);
+  d.bytes = bytes;
+  return d;
+}
+
+std::vector<uint8_t> pattern(size_t bytes, int seed) {
+  std::vector<uint8_t> v(bytes);
+  for (size_t i = 0; i < bytes; ++i) v[i] = static_cast<uint8_t>((i * 131 + seed * 17 + i / 251) & 0xff);
+  return v;
+}
+
+void send_blocking(P2p& p, int dst, const std::vector<uint8_t>& v, int64_t tag) {
+  auto op = p.send(dst, v.data(), desc_of(v.size(), tag));
+  p.wait(*op);
+}
+
+void expect_received(P2p& p, int src, size_t bytes, int seed, int64_t tag) {
+  std::vector<uint8_t> got(bytes, 0xAB);
+  auto op = p.recv(src, got.data(), desc_of(bytes, tag));
+  p.wait(*op);
+  if (got != pattern(bytes, seed)) throw std::runtime_error("wrong bytes in a message of " + std::to_string(bytes));
+}
+
+// The test segment's rings are 4 KiB (shm_fork::kSlot): these sizes cover empty messages, one
+// byte, exact fits, and messages that wrap the ring many times.
+const std::vector<size_t> kSizes = {0, 1, 3, 255, 256, 3840, 4096, 4097, 12345, 1 << 20};
+
+}  // namespace
+
+TEST(ShmP2p, MessagesOfEverySizeArriveIntactAndInOrder) {
+  expect_ok(run_p2p(2, [](P2p& p, int r) {
+    for (size_t i = 0; i < kSizes.size(); ++i) {
+      if (r == 0)
+        send_blocking(p, 1, pattern(kSizes[i], static_cast<int>(i)), 7);
+      else
+        expect_received(p, 0, kSizes[i], static_cast<int>(i), 7);
+    }
+  }));
+}
+
+TEST(ShmP2p, ManyAsynchronousSendsCompleteWhateverOrderTheyAreWaitedIn) {
+  expect_ok(run_p2p(2, [](P2p& p, int r) {
+    constexpr int kCount = 40;
+    std::vector<std::vector<uint8_t>> bufs;
+    std::vector<std::shared_ptr<P2p::Op>> ops;
+    for (int i = 0; i < kCount; ++i) {
+      const size_t bytes = 100 + 997 * static_cast<size_t>(i);
+      bufs.push_back(r == 0 ? pattern(bytes, i) : std::vector<uint8_t>(bytes));
+      ops.push_back(r == 0 ? p.send(1, bufs.back().data(), desc_of(bytes, 0))
+                           : p.recv(0, bufs.back().data(), desc_of(bytes, 0)));
+    }
+    for (int i = kCount - 1; i >= 0; --i) p.wait(*ops[i]);
+    if (r == 1)
+      for (int i = 0; i < kCount; ++i)
+        if (bufs[i] != pattern(bufs[i].size(), i)) throw std::runtime_error("message " + std::to_string(i));
+  }));
+}
+
+TEST(ShmP2p, ReceivesMatchByTagNotByArrival) {
+  expect_ok(run_p2p(2, [](P2p& p, int r) {
+    if (r == 0) {
+      std::vector<uint8_t> b1 = pattern(5000, 1), b2 = pattern(300, 2);
+      auto s1 = p.send(1, b1.data(), desc_of(5000, 1));
+      auto s2 = p.send(1, b2.data(), desc_of(300, 2));
+      p.wait(*s2);
+      p.wait(*s1);
+    } else {
+      expect_received(p, 0, 300, 2, 2);  // tag 2 first, though it was sent after the tag-1 message
+      expect_received(p, 0, 5000, 1, 1);
+    }
+  }));
+}
+
+TEST(ShmP2p, BothRanksSendingFirstDoNotDeadlock) {
+  // Each message is 64 rings long: a send can complete only while the peer takes it, and the peer
+  // is itself blocked in a send. The waiting rank stashes what arrives.
+  expect_ok(run_p2p(2, [](P2p& p, int r) {
+    send_blocking(p, 1 - r, pattern(1 << 18, r), 0);
+    expect_received(p, 1 - r, 1 << 18, 1 - r, 0);
+  }));
+}
+
+TEST(ShmP2p, AnySourceReportsEachSender) {
+  expect_ok(run_p2p(4, [](P2p& p, int r) {
+    if (r != 0) {
+      send_blocking(p, 0, pattern(1000, r), 5);
+      return;
+    }
+    std::set<int> from;
+    for (int i = 0; i < 3; ++i) {
+      std::vector<uint8_t> got(1000);
+      auto op = p.recv(-1, got.data(), desc_of(1000, 5));
+      p.wait(*op);
+      const int src = P2p::source(*op);
+      if (got != pattern(1000, src)) throw std::runtime_error("the message from " + std::to_string(src));
+      from.insert(src);
+    }
+    if (from != std::set<int>{1, 2, 3}) throw std::runtime_error("not one message from each sender");
+  }));
+}
+
+TEST(ShmP2p, AMismatchedShapeFailsBothRanksWithTheSameLine) {
+  auto errors = run_p2p(2, [](P2p& p, int r) {
+    std::vector<uint8_t> buf(5000);
+    if (r == 0) {
+      auto op = p.send(1, buf.data(), desc_of(4000, 3));
+      p.wait(*op);
+    } else {
+      auto op = p.recv(0, buf.data(), desc_of(5000, 3));
+      p.wait(*op);
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("rank 1: recv from rank 0 (tag 3) expected dtype 1 of 5000 bytes but rank 0 sent "
+                             "dtype 1 of 4000 bytes"),
+              std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+}
+
+TEST(ShmP2p, AMismatchedDtypeFailsTheReceiveAndLaterSendsToIt) {
+  auto errors = run_p2p(2, [](P2p& p, int r) {
+    std::vector<uint8_t> buf(64);
+    if (r == 0) {
+      auto op = p.send(1, buf.data(), desc_of(64, 0, /*dtype=*/6));
+      p.wait(*op);
+    } else {
+      auto op = p.recv(0, buf.data(), desc_of(64, 0, /*dtype=*/7));
+      p.wait(*op);
+    }
+  });
+  EXPECT_NE(errors[1].find("expected dtype 7 of 64 bytes but rank 0 sent dtype 6 of 64 bytes"), std::string::npos)
+      << errors[1];
+  EXPECT_EQ(errors[0], errors[1]);
+}
+
+TEST(ShmP2p, ADeadSenderIsNoticedWithoutWaitingForTheTimeout) {
+  const auto start = std::chrono::steady_clock::now();
+  auto errors = run_p2p(
+      2,
+      [](P2p& p, int r) {
+        if (r == 0) _exit(0);  // dies without sending
+        std::vector<uint8_t> buf(16);
+        auto op = p.recv(0, buf.data(), desc_of(16, 0));
+        p.wait(*op);
+      },
+      std::chrono::seconds(60));
+  EXPECT_NE(errors[1].find("rank 1: recv from rank 0 (tag 0) over shared memory: rank 0 (pid "), std::string::npos)
+      << errors[1];
+  EXPECT_NE(errors[1].find("exited before completing it"), std::string::npos) << errors[1];
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
+TEST(ShmP2p, AMissingMessageTimesOutNamingTheTag) {
+  // The tag-1 message is taken into the receiver's stash (so its send completes); the receive for
+  // tag 2 finds nothing and times out.
+  auto errors = run_p2p(
+      2,
+      [](P2p& p, int r) {
+        std::vector<uint8_t> buf(16);
+        auto op = r == 0 ? p.send(1, buf.data(), desc_of(16, 1)) : p.recv(0, buf.data(), desc_of(16, 2));
+        p.wait(*op);
+        if (r == 0) usleep(800 * 1000);  // alive until the receiver gives up: a timeout, not a dead peer
+      },
+      std::chrono::milliseconds(300));
+  EXPECT_EQ(errors[0], "");
+  EXPECT_NE(errors[1].find("rank 1: recv from rank 0 (tag 2) over shared memory timed out after 300 ms"),
+            std::string::npos)
+      << errors[1];
+}
+
+TEST(ShmP2p, ASendNobodyReceivesTimesOut) {
+  auto errors = run_p2p(
+      2,
+      [](P2p& p, int r) {
+        std::vector<uint8_t> buf(16);
+        if (r == 1) {
+          usleep(800 * 1000);  // alive, but never receives
+          return;
+        }
+        auto op = p.send(1, buf.data(), desc_of(16, 1));
+        p.wait(*op);
+      },
+      std::chrono::milliseconds(300));
+  EXPECT_NE(errors[0].find("rank 0: send to rank 1 (tag 1) over shared memory timed out after 300 ms: the receiver "
+                           "did not take the message"),
+            std::string::npos)
+      << errors[0];
+}
