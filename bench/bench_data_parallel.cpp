@@ -45,6 +45,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
+
+#include "cli_checks.h"
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 
@@ -151,11 +153,11 @@ int driver_main(int argc, char** argv) {
   std::vector<std::string> jobs{"single", "dp", "ddp", "single2"};
   std::vector<std::string> configs{"mlp32", "mlp256", "cnn32"};
   double timeout_s = 180;
-  app.add_option("--reps", reps, "repetitions (median reported; default 3)")->check(CLI::PositiveNumber);
+  app.add_option("--reps", reps, "repetitions (median reported; default 3)")->check(dtrain_cli::positive());
   app.add_option("--warmup", warmup, "warm-up steps (default 10)");
   app.add_option("--mlp_steps", mlp_steps, "timed steps at global batch 32, MLP (scaled down by batch/32; default 400)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--cnn_steps", cnn_steps, "timed steps, CNN (default 20)")->check(CLI::PositiveNumber);
+      ->check(dtrain_cli::positive());
+  app.add_option("--cnn_steps", cnn_steps, "timed steps, CNN (default 20)")->check(dtrain_cli::positive());
   app.add_option("--jobs", jobs, "variants: single dp ddp single2 dp_omp (default: single dp ddp single2)");
   app.add_option("--configs", configs, "mlpN / cnnN, N the global batch (default: mlp32 mlp256 cnn32)");
   app.add_option("--timeout_s", timeout_s, "limit per job in seconds (default 180)");

@@ -49,6 +49,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
+
+#include "cli_checks.h"
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 
@@ -253,10 +255,10 @@ int driver_main(int argc, char** argv) {
   double bucket_cap_mb = dtrain::kDefaultBucketCapMB, first_bucket_cap_mb = dtrain::kDefaultFirstBucketCapMB;
   bool grad_as_view = false, profile = false;
   double timeout_s = 180;
-  app.add_option("--reps", reps, "repetitions per variant (median reported; default 3)")->check(CLI::PositiveNumber);
+  app.add_option("--reps", reps, "repetitions per variant (median reported; default 3)")->check(dtrain_cli::positive());
   app.add_option("--warmup", warmup, "warm-up steps before timing (default 20)");
-  app.add_option("--mlp_steps", mlp_steps, "timed steps, MLP (default 300)")->check(CLI::PositiveNumber);
-  app.add_option("--cnn_steps", cnn_steps, "timed steps, CNN (default 20)")->check(CLI::PositiveNumber);
+  app.add_option("--mlp_steps", mlp_steps, "timed steps, MLP (default 300)")->check(dtrain_cli::positive());
+  app.add_option("--cnn_steps", cnn_steps, "timed steps, CNN (default 20)")->check(dtrain_cli::positive());
   app.add_option("--python", python, "Python with torch 1.13 (default /usr/bin/python3)");
   app.add_option("--python2", python2, "Python with torch 2.x (default .venv/bin/python)");
   app.add_option("--script", script, "the reference script (default bench/python/ddp_reference.py)");

@@ -24,6 +24,8 @@
 
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
+
+#include "cli_checks.h"
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 
@@ -146,9 +148,9 @@ int driver_main(int argc, char** argv) {
   CLI::App app{"bench_monitor: step-time cost of dtrain::Monitor and DTRAIN_DEBUG=DETAIL on the tutorial's CNN"};
   int reps = 3, blocks = 8, steps = 5;
   double timeout_s = 600;
-  app.add_option("--reps", reps, "repetitions (median reported)")->check(CLI::PositiveNumber);
-  app.add_option("--blocks", blocks, "interleaved blocks per variant and job")->check(CLI::PositiveNumber);
-  app.add_option("--steps", steps, "steps per block")->check(CLI::PositiveNumber);
+  app.add_option("--reps", reps, "repetitions (median reported)")->check(dtrain_cli::positive());
+  app.add_option("--blocks", blocks, "interleaved blocks per variant and job")->check(dtrain_cli::positive());
+  app.add_option("--steps", steps, "steps per block")->check(dtrain_cli::positive());
   app.add_option("--timeout_s", timeout_s, "limit per job");
   CLI11_PARSE(app, argc, argv);
 

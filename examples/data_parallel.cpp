@@ -31,6 +31,8 @@
 
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
+
+#include "cli_checks.h"
 #include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
@@ -42,12 +44,12 @@ int main(int argc, char** argv) {
   CLI::App app{"data_parallel: the tutorial's DataParallel program (section 2.1) in C++"};
   int replicas = 2, steps = 30, batch_size = 32, batches = 10;
   app.add_option("--replicas", replicas, "CPU replicas when fewer than 2 CUDA devices (default 2)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--steps", steps, "training steps (default 30)")->check(CLI::PositiveNumber);
+      ->check(dtrain_cli::positive());
+  app.add_option("--steps", steps, "training steps (default 30)")->check(dtrain_cli::positive());
   app.add_option("--batch_size", batch_size, "global batch, split across the replicas (default 32)")
-      ->check(CLI::PositiveNumber);
+      ->check(dtrain_cli::positive());
   app.add_option("--batches", batches, "distinct random batches, cycled (the tutorial's 10)")
-      ->check(CLI::PositiveNumber);
+      ->check(dtrain_cli::positive());
   CLI11_PARSE(app, argc, argv);
   try {
     // doc:begin devices

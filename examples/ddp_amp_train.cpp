@@ -22,6 +22,8 @@
 #include <optional>
 
 #include <CLI/CLI.hpp>
+
+#include "cli_checks.h"
 #include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -43,7 +45,7 @@ int main(int argc, char** argv) {
   app.add_option("--broadcast_buffers", broadcast_buffers, "DDP broadcasts rank 0's buffers before each forward");
   app.add_option("--gradient_as_bucket_view", gradient_as_bucket_view, "gradients are views into DDP's buckets");
   app.add_option("--accumulate", accumulate, "micro-batches per optimizer step (no_sync for all but the last)")
-      ->check(CLI::PositiveNumber);
+      ->check(dtrain_cli::positive());
   CLI11_PARSE(app, argc, argv);
   try {
     // doc:begin setup

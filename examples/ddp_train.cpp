@@ -32,6 +32,8 @@
 
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
+
+#include "cli_checks.h"
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
@@ -151,8 +153,8 @@ int main(int argc, char** argv) {
   CLI::App app{"ddp_train: the tutorial's train_ddp.py (TrainModel, DDP, DistributedSampler) in C++"};
   Args args;
   app.add_option("--epochs", args.epochs, "epochs to train (default 2)")->check(CLI::NonNegativeNumber);
-  app.add_option("--batch_size", args.batch_size, "batch size per rank (default 32)")->check(CLI::PositiveNumber);
-  app.add_option("--lr", args.lr, "learning rate (default 1e-3)")->check(CLI::PositiveNumber);
+  app.add_option("--batch_size", args.batch_size, "batch size per rank (default 32)")->check(dtrain_cli::positive());
+  app.add_option("--lr", args.lr, "learning rate (default 1e-3)")->check(dtrain_cli::positive());
   app.add_option("--optimizer", args.optimizer, "adam (the tutorial's) or sgd")->check(CLI::IsMember({"adam", "sgd"}));
   app.add_option("--backend", args.backend, "gloo (CPU) or nccl (CUDA builds)");
   app.add_option("--seed", args.seed, "seed of the synthetic dataset, the same on every rank (default 0)");

@@ -21,6 +21,8 @@
 
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
+
+#include "cli_checks.h"
 #include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
@@ -118,8 +120,8 @@ int main(int argc, char** argv) {
   CLI::App app{"model_parallel: the tutorial's ModelParallel (section 5.1) in C++"};
   int steps = 20;
   int64_t batch_size = 16;
-  app.add_option("--steps", steps, "training steps per model (default 20)")->check(CLI::PositiveNumber);
-  app.add_option("--batch_size", batch_size, "samples per step (default 16)")->check(CLI::PositiveNumber);
+  app.add_option("--steps", steps, "training steps per model (default 20)")->check(dtrain_cli::positive());
+  app.add_option("--batch_size", batch_size, "samples per step (default 16)")->check(dtrain_cli::positive());
   CLI11_PARSE(app, argc, argv);
   try {
     // doc:begin devices

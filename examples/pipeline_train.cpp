@@ -19,6 +19,8 @@
 
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
+
+#include "cli_checks.h"
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
@@ -34,11 +36,11 @@ int main(int argc, char** argv) {
   int64_t batch_size = 64, chunks = 4;
   double lr = 1e-3;
   std::string schedule = "1f1b";
-  app.add_option("--steps", steps, "training steps")->check(CLI::PositiveNumber);
-  app.add_option("--batch_size", batch_size, "samples per step (per replica)")->check(CLI::PositiveNumber);
-  app.add_option("--chunks", chunks, "micro-batches per step")->check(CLI::PositiveNumber);
+  app.add_option("--steps", steps, "training steps")->check(dtrain_cli::positive());
+  app.add_option("--batch_size", batch_size, "samples per step (per replica)")->check(dtrain_cli::positive());
+  app.add_option("--chunks", chunks, "micro-batches per step")->check(dtrain_cli::positive());
   app.add_option("--schedule", schedule, "gpipe or 1f1b")->check(CLI::IsMember({"gpipe", "1f1b"}));
-  app.add_option("--replicas", replicas, "data-parallel copies of the pipeline")->check(CLI::PositiveNumber);
+  app.add_option("--replicas", replicas, "data-parallel copies of the pipeline")->check(dtrain_cli::positive());
   app.add_option("--lr", lr, "Adam learning rate");
   CLI11_PARSE(app, argc, argv);
 

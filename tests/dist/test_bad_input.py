@@ -5,7 +5,7 @@ import os
 import socket
 import unittest
 
-from harness import DistTestCase, clean_env, free_port, hello, rank_env
+from harness import DistTestCase, binary, clean_env, free_port, hello, rank_env
 
 FAST_S = 10  # "within a few seconds": generous for a loaded 2-core machine, far below any default
 
@@ -104,6 +104,23 @@ class ManyProcesses(DistTestCase):
             if line not in dup:
                 self.assertIn("rank(s) 2 did not join within 3 s", line, "\n".join(map(str, results)))
 
+
+
+class ExampleFlags(DistTestCase):
+    # Each small example's positive flag, given 0: one readable error before any process group starts
+    # (CLI11's own check printed DBL_MAX in full, 310 digits).
+    FLAGS = [("ddp_train", "--batch_size"), ("ddp_amp_train", "--accumulate"), ("data_parallel", "--steps"),
+             ("model_parallel", "--steps"), ("pipeline_train", "--steps")]
+
+    def test_zero_for_a_positive_flag_is_one_readable_error(self):
+        for name, flag in self.FLAGS:
+            with self.subTest(example=name):
+                path = binary(f"EXAMPLE_{name.upper()}", name)
+                self.assertIsNotNone(path, f"{name} was not built")
+                res = self.run_one([path, flag, "0"], clean_env(), timeout=30)
+                self.assertNotEqual(res.rc, 0, str(res))
+                self.assertIn(f"{flag}: must be a positive number, got '0'", res.err, str(res))
+                self.assertNotRegex(res.out + res.err, r"\d{20}", f"a bound printed in full:\n{res}")
 
 if __name__ == "__main__":
     unittest.main()
