@@ -1,8 +1,11 @@
 // bench_pipeline: step time of the tutorial's SimpleModel (Linear 128-256, ReLU, Linear 256-256, ReLU,
 // Linear 256-10) split over 2 ranks (1 thread per rank), for chunks 1, 2, 4, 8 and every schedule
 // (GPipe, 1F1B, interleaved 1F1B with 2 virtual stages per rank, ZB-H1), each beside its theoretical
-// step time and idle fraction. The stages talk over Gloo on loopback TCP: the pipeline's point-to-point
-// messages have no shared-memory path (yet), so small micro-batches pay a TCP round trip per message.
+// step time and idle fraction. The stages talk over shared memory (point-to-point between ranks of a
+// host). `--model deep` runs a 9-layer MLP instead (Linear 128-256, 7 x Linear 256-256, Linear
+// 256-10, ReLUs between): SimpleModel's 2+3 split by parameters leaves one stage with twice the
+// other's work and a step of ~3 ms, in which a schedule's gain is hard to see; the deep one splits
+// into near-equal stages with ~10x the compute.
 //
 // Theory, from the unsplit model's step time S in one process, p = 2 ranks, m micro-batches, and the
 // stages assumed equal and communication free: GPipe and 1F1B S/p * (m + p - 1) / m; interleaved
@@ -10,7 +13,7 @@
 // and W of equal cost, 1F1B's * (3m + p - 1) / (3(m + p - 1)), which is (3m + 1) / (3(m + 1)) on 2
 // stages. Idle theory = 1 - (S/p) / theoretical step.
 //
-//   ./build/bin/bench_pipeline [--batch 512] [--steps 40] [--warmup 5] [--reps 3]
+//   ./build/bin/bench_pipeline [--model simple|deep] [--batch 512] [--steps 40] [--warmup 5] [--reps 3]
 //
 // How: this binary is the driver and the worker. The driver starts each 2-rank job itself
 // (bench/spawn.h: fork/exec of `bench_pipeline --worker ...` with RANK, WORLD_SIZE, MASTER_ADDR,
@@ -85,6 +88,19 @@ double theory_ms(const ScheduleSpec& s, int64_t chunks, double single_ms) {
   }
 }
 
+// The model to split: the tutorial's SimpleModel, or the deep MLP of the module comment.
+torch::nn::Sequential make_net(const std::string& model) {
+  if (model == "simple") return tutorial::SimpleModel()->net;
+  if (model != "deep") throw std::runtime_error("bench_pipeline: --model must be simple or deep, got '" + model + "'");
+  torch::nn::Sequential net(torch::nn::Linear(128, 256), torch::nn::ReLU());
+  for (int i = 0; i < 7; ++i) {
+    net->push_back(torch::nn::Linear(256, 256));
+    net->push_back(torch::nn::ReLU());
+  }
+  net->push_back(torch::nn::Linear(256, 10));
+  return net;
+}
+
 at::Tensor loss_fn(const at::Tensor& out, const at::Tensor& t) { return torch::nn::functional::cross_entropy(out, t); }
 
 std::vector<std::pair<at::Tensor, at::Tensor>> make_batches(int64_t batch) {
@@ -96,10 +112,11 @@ std::vector<std::pair<at::Tensor, at::Tensor>> make_batches(int64_t batch) {
 
 int worker_main(int argc, char** argv) {
   CLI::App app{"bench_pipeline worker"};
-  std::string schedule;
+  std::string schedule, model = "simple";
   int64_t chunks = 1, batch = 512;
   int steps = 40, warmup = 5;
   app.add_option("--schedule", schedule)->required();
+  app.add_option("--model", model);
   app.add_option("--chunks", chunks)->required();
   app.add_option("--batch", batch);
   app.add_option("--steps", steps);
@@ -110,11 +127,10 @@ int worker_main(int argc, char** argv) {
     at::set_num_threads(1);
     dtrain::init_process_group();
     torch::manual_seed(0);
-    tutorial::SimpleModel model;
+    torch::nn::Sequential net = make_net(model);
     const ScheduleSpec& spec = spec_of(schedule);
     dtrain::Pipeline pipe(
-        model->net,
-        dtrain::PipelineOptions().chunks(chunks).schedule(spec.schedule).virtual_stages(spec.virtual_stages));
+        net, dtrain::PipelineOptions().chunks(chunks).schedule(spec.schedule).virtual_stages(spec.virtual_stages));
     torch::optim::Adam opt(pipe.parameters(), torch::optim::AdamOptions(1e-3));
     const auto batches = make_batches(batch);
     double step_s = 0, compute_s = 0;
@@ -147,10 +163,10 @@ int worker_main(int argc, char** argv) {
 }
 
 // The unsplit model in this process, the same batches: ms per step (median of reps).
-double single_process_ms(int64_t batch, int steps, int warmup) {
+double single_process_ms(const std::string& model_name, int64_t batch, int steps, int warmup) {
   at::set_num_threads(1);
   torch::manual_seed(0);
-  tutorial::SimpleModel model;
+  torch::nn::Sequential model = make_net(model_name);
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
   const auto batches = make_batches(batch);
   Clock::time_point t0;
@@ -169,6 +185,9 @@ int driver_main(int argc, char** argv) {
   int64_t batch = 512;
   int steps = 40, warmup = 5, reps = 3;
   double timeout_s = 300;
+  std::string model = "simple";
+  app.add_option("--model", model, "simple (the tutorial's SimpleModel) or deep (9 equal layers)")
+      ->check(CLI::IsMember({"simple", "deep"}));
   app.add_option("--batch", batch, "samples per step (split into chunks micro-batches)");
   app.add_option("--steps", steps, "timed steps per job");
   app.add_option("--warmup", warmup, "untimed steps first");
@@ -182,9 +201,10 @@ int driver_main(int argc, char** argv) {
   std::map<std::string, std::string> balance;
   std::vector<double> single;
   std::printf(
-      "bench_pipeline: SimpleModel over %d ranks (Gloo point-to-point over loopback TCP), batch %lld, %d timed "
+      "bench_pipeline: %s over %d ranks (point-to-point over shared memory), batch %lld, %d timed "
       "steps, %d reps, load %s\n",
-      kWorld, static_cast<long long>(batch), steps, reps, load_average().c_str());
+      model == "simple" ? "SimpleModel" : "the deep MLP", kWorld, static_cast<long long>(batch), steps, reps,
+      load_average().c_str());
   for (int rep = 0; rep < reps; ++rep) {
     std::vector<std::pair<std::string, int64_t>> jobs;
     for (const auto& s : kSchedules)
@@ -193,7 +213,7 @@ int driver_main(int argc, char** argv) {
     std::rotate(jobs.begin(), jobs.begin() + rep % jobs.size(), jobs.end());
     for (const auto& [s, c] : jobs) {
       const std::string out =
-          run_job({self_exe(), "--worker", "--schedule", s, "--chunks", std::to_string(c), "--batch",
+          run_job({self_exe(), "--worker", "--model", model, "--schedule", s, "--chunks", std::to_string(c), "--batch",
                    std::to_string(batch), "--steps", std::to_string(steps), "--warmup", std::to_string(warmup)},
                   kWorld, timeout_s, "bench_pipeline");
       const std::string key = s + "/" + std::to_string(c);
@@ -202,7 +222,7 @@ int driver_main(int argc, char** argv) {
       const std::string line = parse_line(out, "balance=");  // "balance=2+3 step_ms=..."
       balance[s] = line.substr(8, line.find(' ') - 8);
     }
-    single.push_back(single_process_ms(batch, steps, warmup));
+    single.push_back(single_process_ms(model, batch, steps, warmup));
   }
   const double single_ms = median(single);
   std::printf(
