@@ -23,8 +23,9 @@
 // bucket launched to the last done, and a flat all-reduce of all gradients (the floor).
 // It prints a table (median and every run) and, last, exactly:
 //   RESULT mlp_vs_python=X cnn_vs_python=Y cnn_vs_nocomm=Z mlp_vs_python2=X2 cnn_vs_python2=Y2
-// X, Y: dtrain steps/s / PyTorch 1.13's steps/s; X2, Y2: the same against PyTorch 2.x; Z: dtrain CNN
-// step time / no-comm CNN step time. Goals: X2 >= 3, Y2 >= 1.0, Z <= 1.10.
+//          mlp_step_vs_nocomm=ZM
+// X, Y: dtrain steps/s / PyTorch 1.13's steps/s; X2, Y2: the same against PyTorch 2.x; Z, ZM: dtrain's
+// CNN / MLP step time over the no-comm one. Goals: X2 >= 3, Y2 >= 1.0, Z <= 1.05, ZM <= 1.2.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -381,16 +382,18 @@ int driver_main(int argc, char** argv) {
   const double x2 = get("mlp", "dtrain") / get("mlp", "python2");
   const double y2 = get("cnn", "dtrain") / get("cnn", "python2");
   std::printf(
-      "\nmlp: dtrain/python 1.13 = %.2fx   dtrain/python 2.x = %.2fx (goal >= 3)   dtrain step time / nocomm = %.2fx\n",
+      "\nmlp: dtrain/python 1.13 = %.2fx   dtrain/python 2.x = %.2fx (goal >= 3)   dtrain step time / nocomm = %.2fx "
+      "(goal <= 1.2)\n",
       x, x2, zm);
   std::printf(
       "cnn: dtrain/python 1.13 = %.2fx   dtrain/python 2.x = %.2fx (goal >= 1.0)   dtrain step time / nocomm = "
-      "%.2fx (goal <= 1.10)\n",
+      "%.2fx (goal <= 1.05)\n",
       y, y2, z);
   std::printf("load average at end: %s; bench took %.0f s\n", load_average().c_str(), secs_since(t_all));
   std::printf(
-      "RESULT mlp_vs_python=%.2f cnn_vs_python=%.2f cnn_vs_nocomm=%.2f mlp_vs_python2=%.2f cnn_vs_python2=%.2f\n", x, y,
-      z, x2, y2);
+      "RESULT mlp_vs_python=%.2f cnn_vs_python=%.2f cnn_vs_nocomm=%.2f mlp_vs_python2=%.2f cnn_vs_python2=%.2f "
+      "mlp_step_vs_nocomm=%.2f\n",
+      x, y, z, x2, y2, zm);
   return 0;
 }
 
