@@ -162,13 +162,7 @@ void Reducer::launch_ready_buckets() {
       b.buffer.div_(group_size_);
     }
     record(DDPEvent::kBucketLaunched, static_cast<int>(next_to_launch_));
-    // The last bucket is ready only once backward has produced every gradient: nothing is left to
-    // overlap it with, and finalize() waits for it next. So it goes as a blocking call, which the
-    // shared-memory group runs on this thread (Note [Inline blocking collectives]) instead of
-    // handing it to its worker thread and sleeping until the worker is done: with one core per
-    // rank that hand-off is a context switch each way, a large part of a small model's step.
-    const bool last = next_to_launch_ + 1 == buckets_.size();
-    b.work = all_reduce(b.buffer, ReduceOp::SUM, group_, /*async_op=*/!last);
+    b.work = all_reduce(b.buffer, ReduceOp::SUM, group_, /*async_op=*/true);
     b.launched = true;
     b.done_ns = std::make_shared<std::atomic<int64_t>>(0);
     b.work.then([d = b.done_ns] { d->store(util::now_ns()); });
