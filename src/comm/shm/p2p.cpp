@@ -112,6 +112,12 @@ std::string P2p::what(const Op& op) const {
   return detail::cat("recv from rank ", labels[op.peer], " (tag ", op.desc.tag, ")");
 }
 
+std::string P2p::mismatch(const Op& op, int src, const MsgDesc& sent) const {
+  const auto& labels = comm_->labels();
+  return detail::cat("rank ", labels[me_], ": ", what(op), " expected ", describe_(op.desc), " but rank ", labels[src],
+                     " sent ", describe_(sent), ": sender and receiver must pass tensors of the same dtype and shape");
+}
+
 void P2p::ring_bell(int rank) {
   Counter& b = seg_.bell(rank);
   b.value.fetch_add(1, std::memory_order_seq_cst);
@@ -200,11 +206,8 @@ bool P2p::match_stash(const std::shared_ptr<Op>& op) {
   if (it == stash_.end()) return false;
   std::shared_ptr<Stashed> s = *it;
   stash_.erase(it);
-  const auto& labels = comm_->labels();
   if (!same_layout(s->desc, op->desc)) {
-    std::string msg = detail::cat("rank ", labels[me_], ": ", what(*op), " expected ", describe_(op->desc),
-                                  " but rank ", labels[s->src], " sent ", describe_(s->desc),
-                                  ": sender and receiver must pass tensors of the same dtype and shape");
+    std::string msg = mismatch(*op, s->src, s->desc);
     break_channel(s->src, me_, msg);
     complete(*op, msg);
     return true;
@@ -319,9 +322,7 @@ void P2p::progress_recv(int src) {
         std::shared_ptr<Op> op = *it;
         if (!same_layout(op->desc, d)) {
           // Left unread: the sender's send must not complete (step 3).
-          std::string msg = detail::cat("rank ", labels[me_], ": ", what(*op), " expected ", describe_(op->desc),
-                                        " but rank ", labels[src], " sent ", describe_(d),
-                                        ": sender and receiver must pass tensors of the same dtype and shape");
+          std::string msg = mismatch(*op, src, d);
           posted_.erase(it);
           complete(*op, msg);
           break_channel(src, me_, msg);

@@ -89,6 +89,7 @@ class P2p {
   std::string channel_error(int src, int dst) const;  // "" while the channel is sound
   void complete(Op& op, std::string error);
   std::string what(const Op& op) const;
+  std::string mismatch(const Op& op, int src, const MsgDesc& sent) const;  // step 3's line
   std::string check_failures(const Op& op, Clock::time_point start);
 
   std::shared_ptr<Comm> comm_;
