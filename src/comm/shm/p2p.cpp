@@ -8,7 +8,9 @@
 #include "dtrain/errors.h"
 
 namespace dtrain::shm {
-namespace {
+// Named, not anonymous: the header is a member of P2p's op structs, and the unity build of the
+// sanitizer trees puts this file beside segment.cpp, whose own constants share these names.
+namespace p2p_wire {
 
 constexpr uint64_t kMagic = 0x6470327068647231ULL;  // "dp2phdr1"
 // Bytes published at a time: a large message becomes visible to the receiver in pieces, so that
@@ -27,7 +29,7 @@ bool same_layout(const MsgDesc& a, const MsgDesc& b) {
   return a.dtype == b.dtype && a.ndim == b.ndim && a.bytes == b.bytes && std::equal(a.sizes, a.sizes + a.ndim, b.sizes);
 }
 
-}  // namespace
+}  // namespace p2p_wire
 
 struct P2p::Op {
   bool is_send = false;
@@ -37,7 +39,7 @@ struct P2p::Op {
   Clock::time_point posted;
   // send: the header, then how much of header + payload is in the ring, and the ring offset just
   // past the message once it is all there
-  WireHeader header;
+  p2p_wire::WireHeader header;
   uint64_t written = 0;
   uint64_t end = 0;
   // recv
@@ -66,7 +68,7 @@ struct P2p::Incoming {
   uint64_t tail = 0;  // this process is the channel's only reader
   uint64_t seq = 0;
   bool have_header = false;
-  WireHeader header;
+  p2p_wire::WireHeader header;
   uint64_t taken = 0;  // payload bytes copied out so far
   std::shared_ptr<Op> op;
   std::shared_ptr<Stashed> stash;
@@ -206,7 +208,7 @@ bool P2p::match_stash(const std::shared_ptr<Op>& op) {
   if (it == stash_.end()) return false;
   std::shared_ptr<Stashed> s = *it;
   stash_.erase(it);
-  if (!same_layout(s->desc, op->desc)) {
+  if (!p2p_wire::same_layout(s->desc, op->desc)) {
     std::string msg = mismatch(*op, s->src, s->desc);
     break_channel(s->src, me_, msg);
     complete(*op, msg);
@@ -242,24 +244,24 @@ void P2p::progress_send(int dst) {
   uint64_t tail = c.tail.load(std::memory_order_acquire);
   while (!o.unsent.empty()) {
     Op& op = *o.unsent.front();
-    const uint64_t total = kHeaderBytes + op.desc.bytes;
+    const uint64_t total = p2p_wire::kHeaderBytes + op.desc.bytes;
     uint64_t room = cap - (o.head - tail);
     if (room == 0) {
       tail = c.tail.load(std::memory_order_acquire);
       room = cap - (o.head - tail);
       if (room == 0) break;
     }
-    const uint64_t n = std::min({room, total - op.written, kPublishBytes});
+    const uint64_t n = std::min({room, total - op.written, p2p_wire::kPublishBytes});
     // The stream is the header's kHeaderBytes, then the payload.
     uint64_t done = 0;
-    if (op.written < kHeaderBytes) {
-      const uint64_t h = std::min(n, kHeaderBytes - op.written);
-      char header[kHeaderBytes] = {0};
+    if (op.written < p2p_wire::kHeaderBytes) {
+      const uint64_t h = std::min(n, p2p_wire::kHeaderBytes - op.written);
+      char header[p2p_wire::kHeaderBytes] = {0};
       std::memcpy(header, &op.header, sizeof(op.header));
       to_ring(ring, cap, o.head, header + op.written, h);
       done = h;
     }
-    if (done < n) to_ring(ring, cap, o.head + done, op.data + (op.written + done - kHeaderBytes), n - done);
+    if (done < n) to_ring(ring, cap, o.head + done, op.data + (op.written + done - p2p_wire::kHeaderBytes), n - done);
     o.head += n;
     op.written += n;
     c.head.store(o.head, std::memory_order_release);
@@ -304,9 +306,9 @@ void P2p::progress_recv(int src) {
   for (;;) {
     const uint64_t head = c.head.load(std::memory_order_acquire);
     if (!in.have_header) {
-      if (head - in.tail < kHeaderBytes) return;
+      if (head - in.tail < p2p_wire::kHeaderBytes) return;
       from_ring(ring, cap, in.tail, reinterpret_cast<char*>(&in.header), sizeof(in.header));
-      if (in.header.magic != kMagic || in.header.seq != in.seq + 1 || in.header.desc.ndim < 0 ||
+      if (in.header.magic != p2p_wire::kMagic || in.header.seq != in.seq + 1 || in.header.desc.ndim < 0 ||
           in.header.desc.ndim > kMaxDims) {
         std::string msg = detail::cat("rank ", labels[me_], ": the point-to-point channel from rank ", labels[src],
                                       " is corrupt (message ", in.seq + 1,
@@ -320,7 +322,7 @@ void P2p::progress_recv(int src) {
       });
       if (it != posted_.end()) {
         std::shared_ptr<Op> op = *it;
-        if (!same_layout(op->desc, d)) {
+        if (!p2p_wire::same_layout(op->desc, d)) {
           // Left unread: the sender's send must not complete (step 3).
           std::string msg = mismatch(*op, src, d);
           posted_.erase(it);
@@ -340,7 +342,7 @@ void P2p::progress_recv(int src) {
       in.have_header = true;
       in.taken = 0;
       in.seq = in.header.seq;
-      in.tail += kHeaderBytes;
+      in.tail += p2p_wire::kHeaderBytes;
     }
     const uint64_t remaining = in.header.desc.bytes - in.taken;
     const uint64_t n = std::min(remaining, head - in.tail);
