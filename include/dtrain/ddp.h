@@ -62,7 +62,9 @@ struct DDPOptions {
 // One event of a synchronized backward (for tests, monitoring and timelines):
 //   kGradReady       parameter `index`'s gradient is in its bucket
 //   kBucketLaunched  bucket `index`'s asynchronous all-reduce started
-//   kBackwardEnd     autograd finished this backward; DDP starts waiting for the buckets (index -1)
+//   kBackwardEnd     autograd produced the last gradient; DDP starts waiting for the buckets (index -1;
+//                    time_ns: when the last bucket was launched, which DDP reduces on the backward
+//                    thread, so the event is delivered once that reduction is done)
 //   kBucketDone      bucket `index`'s all-reduce finished (time_ns: when the work completed, taken
 //                    from its completion callback; the event itself is delivered after kBackwardEnd)
 //   kGradsSynced     every .grad() holds the average; backward() returns next (index -1)

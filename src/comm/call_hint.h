@@ -7,7 +7,8 @@ namespace dtrain::comm {
 // Note [Inline blocking collectives]: a caller that waits at once (async_op=false) marks the call
 // with a BlockingCallScope; the shared-memory group then runs it on the calling thread when nothing
 // is queued, saving two thread hand-offs (tens of microseconds; far more on a loaded machine).
-// Asynchronous calls (DDP's buckets during backward) still run on the worker thread.
+// Asynchronous calls (DDP's buckets during backward) still run on the worker thread; DDP launches its
+// last bucket, ready only when backward is done, as a blocking call.
 class BlockingCallScope {
  public:
   explicit BlockingCallScope(bool blocking);

@@ -72,6 +72,7 @@ void Reducer::reset_iteration() {
   ready_.assign(params_.size(), false);
   unused_.assign(params_.size(), false);
   next_to_launch_ = 0;
+  waiting_since_ns_ = 0;
   for (auto& b : buckets_) {
     b.pending = static_cast<int>(b.params.size());
     b.launched = false;
@@ -162,7 +163,20 @@ void Reducer::launch_ready_buckets() {
       b.buffer.div_(group_size_);
     }
     record(DDPEvent::kBucketLaunched, static_cast<int>(next_to_launch_));
-    b.work = all_reduce(b.buffer, ReduceOp::SUM, group_, /*async_op=*/true);
+    // The last bucket is ready only once backward has produced every gradient: nothing is left to
+    // overlap it with, and finalize() would wait for it next. So it goes as a blocking call, which
+    // the shared-memory group runs on this thread (Note [Inline blocking collectives]) instead of
+    // handing it to its worker and sleeping until the worker is done: with one core per rank that
+    // hand-off is a context switch each way, a large part of a small model's step. DDP's wait for
+    // the other ranks now starts here, so kBackwardEnd is dated here too (the monitor's comm_wait).
+    const bool last = next_to_launch_ + 1 == buckets_.size();
+    if (last) waiting_since_ns_ = util::now_ns();
+    try {
+      b.work = all_reduce(b.buffer, ReduceOp::SUM, group_, /*async_op=*/!last);
+    } catch (...) {
+      abandon_iteration();  // autograd rethrows from backward(); the next forward starts afresh
+      throw;
+    }
     b.launched = true;
     b.done_ns = std::make_shared<std::atomic<int64_t>>(0);
     b.work.then([d = b.done_ns] { d->store(util::now_ns()); });
@@ -170,18 +184,28 @@ void Reducer::launch_ready_buckets() {
   }
 }
 
+void Reducer::abandon_iteration() {
+  for (auto& b : buckets_) {
+    if (!b.launched) continue;
+    try {
+      b.work.wait();  // leave no collective in flight on the buffers
+    } catch (...) {
+    }
+  }
+  reset_iteration();
+}
+
 void Reducer::finalize() {
   std::lock_guard<std::mutex> g(mu_);
-  record(DDPEvent::kBackwardEnd, -1);
+  if (!started_) return;  // the iteration failed in a hook and was abandoned there
+  record(DDPEvent::kBackwardEnd, -1, waiting_since_ns_);
   // Step 4.
   if (next_to_launch_ < buckets_.size()) {
     std::ostringstream missing;
     int count = 0;
     for (size_t i = 0; i < params_.size(); ++i)
       if (!ready_[i]) missing << (count++ ? ", " : "") << names_[i];
-    for (auto& b : buckets_)
-      if (b.launched) b.work.wait();  // leave no collective in flight
-    reset_iteration();
+    abandon_iteration();
     throw Error(
         detail::cat("rank ", dtrain::rank(),
                     ": DistributedDataParallel: expected every parameter to receive a gradient in this backward, "

@@ -8,7 +8,8 @@
 //   3. Each parameter's hook (after AccumulateGrad) copies .grad() into its bucket slot (nothing to
 //      copy when the gradient already is the slot: gradient_as_bucket_view) and counts the bucket
 //      down. A bucket at zero is ready; ready buckets are launched strictly in bucket order: the
-//      flat buffer is divided by the group size and all-reduced (SUM) asynchronously.
+//      flat buffer is divided by the group size and all-reduced (SUM): asynchronously, except the
+//      last bucket, which has nothing left to overlap with and is reduced on this thread.
 //   4. finalize(): every bucket must have been launched — otherwise the parameters that got no
 //      gradient are named in the error (PyTorch's message, with the find_unused_parameters
 //      remedy). With unused-parameter tracking, a small MAX all-reduce tells which parameters were
@@ -64,6 +65,7 @@ class Reducer {
   void launch_ready_buckets();
   void finalize();  // step 4
   void reset_iteration();
+  void abandon_iteration();  // waits for what was launched (ignoring failures), then resets
   void record(DDPEvent::Kind kind, int index, int64_t time_ns = 0);  // 0: now
 
   std::vector<at::Tensor> params_;
@@ -86,6 +88,7 @@ class Reducer {
   std::vector<bool> ready_;
   std::vector<bool> unused_;
   size_t next_to_launch_ = 0;
+  int64_t waiting_since_ns_ = 0;  // when the last bucket was launched (as a blocking call)
   std::vector<DDPEvent> events_;
   DDPEventHook hook_;
   std::exception_ptr error_;
