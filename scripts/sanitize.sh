@@ -59,8 +59,10 @@ if [[ " $runs " == *" asan "* ]]; then
   echo "=== build-asan: AddressSanitizer + UBSan"
   start=$SECONDS
   B=build-asan
-  # The unit test executables, as tests/unit/CMakeLists.txt declares them.
-  mapfile -t UNIT < <(sed -n 's/^dtrain_unit_test(\([A-Za-z0-9_]*\).*/\1/p' tests/unit/CMakeLists.txt)
+  # The unit test executables, as tests/unit/CMakeLists.txt declares them (dtrain_unit_test or a plain
+  # add_executable: every one of them registers ctest tests, which fail as NOT_BUILT if left out).
+  mapfile -t UNIT < <(sed -n -e 's/^dtrain_unit_test(\([A-Za-z0-9_]*\).*/\1/p' \
+                           -e 's/^add_executable(\([A-Za-z0-9_]*\).*/\1/p' tests/unit/CMakeLists.txt)
   DIST=(collectives_test shm_dist_test ddp_test pipeline_test monitor_dist_test amp_dist_test sampler_dist_test)
   configure_and_build "$B" ON "${UNIT[@]}" "${DIST[@]}"
   prefix=()
