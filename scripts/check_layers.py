@@ -26,6 +26,7 @@ USES = {
     "ddp": {"comm", "compat", "common"},
     "amp": {"comm", "compat", "common"},
     "parallel": {"comm", "compat", "common"},
+    "nn": {"comm", "compat", "common"},
     "data": {"comm", "compat", "common"},
     "pipeline": {"ddp", "parallel", "comm", "compat", "common"},
     "checkpoint": {"amp", "data", "comm", "compat", "common"},
@@ -36,7 +37,7 @@ USES = {
 PUBLIC_OWNER = {
     "errors": "common", "system": "common", "process_group": "comm", "amp": "amp", "ddp": "ddp",
     "data_parallel": "parallel", "sampler": "data", "datasets": "data", "checkpoint": "checkpoint",
-    "monitor": "monitor", "pipeline": "pipeline", "detail": "common",
+    "monitor": "monitor", "pipeline": "pipeline", "detail": "common", "sync_batchnorm": "nn",
 }
 
 # comm/ inside, one way: front end -> factory (backend.h) -> backends -> lowest layer.

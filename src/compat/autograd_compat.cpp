@@ -1,11 +1,17 @@
 #include "compat/autograd_compat.h"
 
+#include <algorithm>
+#include <type_traits>
 #include <unordered_set>
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
+
+#include "dtrain/errors.h"
 
 namespace dtrain::compat {
 namespace {
@@ -20,7 +26,44 @@ struct CallbackPostHook : torch::autograd::FunctionPostHook {
   std::function<void()> fn_;
 };
 
+struct CustomBackwardNode : torch::autograd::Node {
+  CustomBackwardNode(std::string name, CustomBackward fn) : name_(std::move(name)), fn_(std::move(fn)) {}
+  std::string name() const override { return name_; }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    DTRAIN_CHECK(fn_, name_, ": backward through this graph a second time, but its saved values were freed: ",
+                 "pass retain_graph=true to the first backward");
+    std::vector<bool> needs(num_outputs());
+    for (size_t i = 0; i < needs.size(); ++i) needs[i] = should_compute_output(i);
+    return fn_(grads.at(0), needs);
+  }
+  void release_variables() override { fn_ = nullptr; }
+
+  std::string name_;
+  CustomBackward fn_;
+};
+
+// 1.13 owns nodes by std::shared_ptr (deleted by deleteNode, which avoids deep recursion on long
+// graphs), recent 2.x by c10::intrusive_ptr: a template, so that only the matching branch compiles.
+template <typename Ptr>
+Ptr make_node(std::string name, CustomBackward fn) {
+  if constexpr (std::is_same_v<Ptr, std::shared_ptr<torch::autograd::Node>>) {
+    return Ptr(new CustomBackwardNode(std::move(name), std::move(fn)), torch::autograd::deleteNode);
+  } else {
+    return Ptr(c10::make_intrusive<CustomBackwardNode>(std::move(name), std::move(fn)));
+  }
+}
+
 }  // namespace
+
+void set_custom_backward(at::Tensor& output, const std::vector<at::Tensor>& inputs, std::string name,
+                         CustomBackward backward) {
+  if (!torch::autograd::GradMode::is_enabled()) return;
+  if (std::none_of(inputs.begin(), inputs.end(), [](const at::Tensor& t) { return t.defined() && t.requires_grad(); }))
+    return;
+  NodePtr node = make_node<NodePtr>(std::move(name), std::move(backward));
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  torch::autograd::set_history(output, node);
+}
 
 NodePtr grad_accumulator(const at::Tensor& leaf) { return torch::autograd::impl::grad_accumulator(leaf); }
 

@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -27,6 +28,17 @@ void remove_post_hook(const NodePtr& accumulator, uintptr_t key);
 
 // Runs fn at the end of the backward pass that is executing now (call from inside a hook).
 void queue_end_of_backward_callback(std::function<void()> fn);
+
+// Makes `output`, computed under NoGradGuard, differentiable with respect to `inputs` (undefined
+// ones allowed): backward(grad_output, needs) returns one gradient per input, undefined where there
+// is none; needs[i] says whether autograd wants input i's. For a function whose backward must hold
+// more than tensors (a process group), which torch::autograd::Function's saved_data cannot. The
+// function and what it captured are freed once backward has run without retain_graph. No-op when
+// grad mode is off or no input requires grad.
+using CustomBackward =
+    std::function<std::vector<at::Tensor>(const at::Tensor& grad_output, const std::vector<bool>& needs)>;
+void set_custom_backward(at::Tensor& output, const std::vector<at::Tensor>& inputs, std::string name,
+                         CustomBackward backward);
 
 // The autograd nodes reachable from `outputs` (their grad_fns and everything behind them).
 std::vector<torch::autograd::Node*> reachable_nodes(const std::vector<at::Tensor>& outputs);
