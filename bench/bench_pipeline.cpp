@@ -5,7 +5,10 @@
 // host). `--model deep` runs a 9-layer MLP instead (Linear 128-256, 7 x Linear 256-256, Linear
 // 256-10, ReLUs between): SimpleModel's 2+3 split by parameters leaves one stage with twice the
 // other's work and a step of ~3 ms, in which a schedule's gain is hard to see; the deep one splits
-// into near-equal stages with ~10x the compute.
+// into near-equal stages with ~10x the compute. `--width` sets the deep MLP's hidden width (256): at
+// 8 chunks a 64-sample micro-batch of a 256-wide layer is too small a GEMM to run at the speed the
+// 512-sample batch of the theory's S does, so a wider model shows how close the schedules come to
+// theory once per-micro-batch costs are small beside the compute.
 //
 // Theory, from the unsplit model's step time S in one process, p = 2 ranks, m micro-batches, and the
 // stages assumed equal and communication free: GPipe and 1F1B S/p * (m + p - 1) / m; interleaved
@@ -13,7 +16,8 @@
 // and W of equal cost, 1F1B's * (3m + p - 1) / (3(m + p - 1)), which is (3m + 1) / (3(m + 1)) on 2
 // stages. Idle theory = 1 - (S/p) / theoretical step.
 //
-//   ./build/bin/bench_pipeline [--model simple|deep] [--batch 512] [--steps 40] [--warmup 5] [--reps 3]
+//   ./build/bin/bench_pipeline [--model simple|deep] [--width 256] [--batch 512] [--steps 40] [--warmup 5]
+//                              [--reps 3]
 //
 // How: this binary is the driver and the worker. The driver starts each 2-rank job itself
 // (bench/spawn.h: fork/exec of `bench_pipeline --worker ...` with RANK, WORLD_SIZE, MASTER_ADDR,
@@ -26,7 +30,8 @@
 // Last line: RESULT chunks1_ms=.. chunks2_ms=.. chunks4_ms=.. chunks8_ms=.. idle1=.. idle8=.. (1F1B)
 // single_ms=.. speedup_vs_single_4=.. vs_theory_4=.. zb_vs_1f1b_2=..: at chunks 4, the unsplit model's
 // step time over the fastest schedule's, and that schedule's theoretical step time over its measured
-// one (1 = as fast as theory); at chunks 2, ZB-H1's step time over 1F1B's (theory 7/9 = 0.78).
+// one (1 = as fast as theory); at chunks 2, ZB-H1's step time over 1F1B's (theory 7/9 = 0.78);
+// over_theory2/4/8: 1F1B's measured step time over its theory at chunks 2, 4, 8.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -45,6 +50,7 @@
 #include "dtrain/pipeline.h"
 #include "dtrain/process_group.h"
 #include "dtrain/system.h"
+#include "cli_checks.h"
 #include "spawn.h"
 #include "tutorial_models.h"
 
@@ -89,15 +95,15 @@ double theory_ms(const ScheduleSpec& s, int64_t chunks, double single_ms) {
 }
 
 // The model to split: the tutorial's SimpleModel, or the deep MLP of the module comment.
-torch::nn::Sequential make_net(const std::string& model) {
+torch::nn::Sequential make_net(const std::string& model, int64_t width) {
   if (model == "simple") return tutorial::SimpleModel()->net;
   if (model != "deep") throw std::runtime_error("bench_pipeline: --model must be simple or deep, got '" + model + "'");
-  torch::nn::Sequential net(torch::nn::Linear(128, 256), torch::nn::ReLU());
+  torch::nn::Sequential net(torch::nn::Linear(128, width), torch::nn::ReLU());
   for (int i = 0; i < 7; ++i) {
-    net->push_back(torch::nn::Linear(256, 256));
+    net->push_back(torch::nn::Linear(width, width));
     net->push_back(torch::nn::ReLU());
   }
-  net->push_back(torch::nn::Linear(256, 10));
+  net->push_back(torch::nn::Linear(width, 10));
   return net;
 }
 
@@ -113,10 +119,11 @@ std::vector<std::pair<at::Tensor, at::Tensor>> make_batches(int64_t batch) {
 int worker_main(int argc, char** argv) {
   CLI::App app{"bench_pipeline worker"};
   std::string schedule, model = "simple";
-  int64_t chunks = 1, batch = 512;
+  int64_t chunks = 1, batch = 512, width = 256;
   int steps = 40, warmup = 5;
   app.add_option("--schedule", schedule)->required();
   app.add_option("--model", model);
+  app.add_option("--width", width);
   app.add_option("--chunks", chunks)->required();
   app.add_option("--batch", batch);
   app.add_option("--steps", steps);
@@ -127,7 +134,7 @@ int worker_main(int argc, char** argv) {
     at::set_num_threads(1);
     dtrain::init_process_group();
     torch::manual_seed(0);
-    torch::nn::Sequential net = make_net(model);
+    torch::nn::Sequential net = make_net(model, width);
     const ScheduleSpec& spec = spec_of(schedule);
     dtrain::Pipeline pipe(
         net, dtrain::PipelineOptions().chunks(chunks).schedule(spec.schedule).virtual_stages(spec.virtual_stages));
@@ -163,10 +170,10 @@ int worker_main(int argc, char** argv) {
 }
 
 // The unsplit model in this process, the same batches: ms per step (median of reps).
-double single_process_ms(const std::string& model_name, int64_t batch, int steps, int warmup) {
+double single_process_ms(const std::string& model_name, int64_t width, int64_t batch, int steps, int warmup) {
   at::set_num_threads(1);
   torch::manual_seed(0);
-  torch::nn::Sequential model = make_net(model_name);
+  torch::nn::Sequential model = make_net(model_name, width);
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
   const auto batches = make_batches(batch);
   Clock::time_point t0;
@@ -182,12 +189,13 @@ double single_process_ms(const std::string& model_name, int64_t batch, int steps
 
 int driver_main(int argc, char** argv) {
   CLI::App app{"Pipeline step time and idle fraction of every schedule, SimpleModel over 2 ranks"};
-  int64_t batch = 512;
+  int64_t batch = 512, width = 256;
   int steps = 40, warmup = 5, reps = 3;
   double timeout_s = 300;
   std::string model = "simple";
   app.add_option("--model", model, "simple (the tutorial's SimpleModel) or deep (9 equal layers)")
       ->check(CLI::IsMember({"simple", "deep"}));
+  app.add_option("--width", width, "hidden width of the deep MLP")->check(dtrain_cli::positive());
   app.add_option("--batch", batch, "samples per step (split into chunks micro-batches)");
   app.add_option("--steps", steps, "timed steps per job");
   app.add_option("--warmup", warmup, "untimed steps first");
@@ -203,8 +211,8 @@ int driver_main(int argc, char** argv) {
   std::printf(
       "bench_pipeline: %s over %d ranks (point-to-point over shared memory), batch %lld, %d timed "
       "steps, %d reps, load %s\n",
-      model == "simple" ? "SimpleModel" : "the deep MLP", kWorld, static_cast<long long>(batch), steps, reps,
-      load_average().c_str());
+      model == "simple" ? "SimpleModel" : ("the deep MLP, width " + std::to_string(width)).c_str(), kWorld,
+      static_cast<long long>(batch), steps, reps, load_average().c_str());
   for (int rep = 0; rep < reps; ++rep) {
     std::vector<std::pair<std::string, int64_t>> jobs;
     for (const auto& s : kSchedules)
@@ -212,17 +220,17 @@ int driver_main(int argc, char** argv) {
         if (runs(s, c)) jobs.emplace_back(s.flag, c);
     std::rotate(jobs.begin(), jobs.begin() + rep % jobs.size(), jobs.end());
     for (const auto& [s, c] : jobs) {
-      const std::string out =
-          run_job({self_exe(), "--worker", "--model", model, "--schedule", s, "--chunks", std::to_string(c), "--batch",
-                   std::to_string(batch), "--steps", std::to_string(steps), "--warmup", std::to_string(warmup)},
-                  kWorld, timeout_s, "bench_pipeline");
+      const std::string out = run_job({self_exe(), "--worker", "--model", model, "--width", std::to_string(width),
+                                       "--schedule", s, "--chunks", std::to_string(c), "--batch", std::to_string(batch),
+                                       "--steps", std::to_string(steps), "--warmup", std::to_string(warmup)},
+                                      kWorld, timeout_s, "bench_pipeline");
       const std::string key = s + "/" + std::to_string(c);
       ms[key].push_back(parse_value(out, "step_ms"));
       idle[key].push_back(parse_value(out, "idle"));
       const std::string line = parse_line(out, "balance=");  // "balance=2+3 step_ms=..."
       balance[s] = line.substr(8, line.find(' ') - 8);
     }
-    single.push_back(single_process_ms(model, batch, steps, warmup));
+    single.push_back(single_process_ms(model, width, batch, steps, warmup));
   }
   const double single_ms = median(single);
   std::printf(
@@ -251,16 +259,18 @@ int driver_main(int argc, char** argv) {
     }
   auto m = [&](const std::string& s, int64_t c) { return median(ms[s + "/" + std::to_string(c)]); };
   auto i = [&](int64_t c) { return median(idle["1f1b/" + std::to_string(c)]); };
+  auto over_theory = [&](int64_t c) { return m("1f1b", c) / theory_ms(spec_of("1f1b"), c, single_ms); };
   const ScheduleSpec* fastest = &kSchedules[0];
   for (const auto& s : kSchedules)
     if (m(s.flag, 4) < m(fastest->flag, 4)) fastest = &s;
   std::printf("\nfastest at chunks 4: %s\n", dtrain::to_string(fastest->schedule).c_str());
   std::printf(
       "\nRESULT chunks1_ms=%.3f chunks2_ms=%.3f chunks4_ms=%.3f chunks8_ms=%.3f idle1=%.3f idle2=%.3f "
-      "idle4=%.3f idle8=%.3f single_ms=%.3f speedup_vs_single_4=%.3f vs_theory_4=%.3f zb_vs_1f1b_2=%.3f\n",
+      "idle4=%.3f idle8=%.3f single_ms=%.3f speedup_vs_single_4=%.3f vs_theory_4=%.3f zb_vs_1f1b_2=%.3f "
+      "over_theory2=%.3f over_theory4=%.3f over_theory8=%.3f\n",
       m("1f1b", 1), m("1f1b", 2), m("1f1b", 4), m("1f1b", 8), i(1), i(2), i(4), i(8), single_ms,
       single_ms / m(fastest->flag, 4), theory_ms(*fastest, 4, single_ms) / m(fastest->flag, 4),
-      m("zb", 2) / m("1f1b", 2));
+      m("zb", 2) / m("1f1b", 2), over_theory(2), over_theory(4), over_theory(8));
   return 0;
 }
 
