@@ -62,7 +62,7 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
   void pretty_print(std::ostream& stream) const override;
 
   SyncBatchNormOptions options;
-  at::Tensor weight, bias;                                      // undefined unless affine
+  at::Tensor weight, bias;                                    // undefined unless affine
   at::Tensor running_mean, running_var, num_batches_tracked;  // undefined unless track_running_stats
 };
 TORCH_MODULE(SyncBatchNorm);

@@ -42,14 +42,15 @@ struct CustomBackwardNode : torch::autograd::Node {
   CustomBackward fn_;
 };
 
-// 1.13 owns nodes by std::shared_ptr (deleted by deleteNode, which avoids deep recursion on long
-// graphs), recent 2.x by c10::intrusive_ptr: a template, so that only the matching branch compiles.
-template <typename Ptr>
+// 1.13 owns nodes by std::shared_ptr, recent 2.x by c10::intrusive_ptr: a template, so that only
+// the matching branch compiles. (1.13's own nodes use the deleter deleteNode, which frees a long
+// chain of nodes without deep recursion; this node is one link, and the nodes it points to have it.)
+template <typename Ptr, typename NodeT = CustomBackwardNode>  // NodeT: keeps both branches dependent
 Ptr make_node(std::string name, CustomBackward fn) {
   if constexpr (std::is_same_v<Ptr, std::shared_ptr<torch::autograd::Node>>) {
-    return Ptr(new CustomBackwardNode(std::move(name), std::move(fn)), torch::autograd::deleteNode);
+    return Ptr(new NodeT(std::move(name), std::move(fn)));
   } else {
-    return Ptr(c10::make_intrusive<CustomBackwardNode>(std::move(name), std::move(fn)));
+    return Ptr(c10::make_intrusive<NodeT>(std::move(name), std::move(fn)));
   }
 }
 

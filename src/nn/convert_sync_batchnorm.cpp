@@ -35,8 +35,8 @@ SyncBatchNorm to_sync(const torch::nn::Module& bn, const torch::nn::BatchNormOpt
 void refuse_held_batchnorm(const torch::nn::Module& m, const std::string& path) {
   for (const auto& c : m.named_modules(path, /*include_self=*/false))
     if (batchnorm_options(*c.value()))
-      throw Error(detail::cat("convert_sync_batchnorm: '", c.key(), "' is a BatchNorm held by a C++ module (",
-                              m.name(), " at '", path,
+      throw Error(detail::cat("convert_sync_batchnorm: '", c.key(), "' is a BatchNorm held by a C++ module (", m.name(),
+                              " at '", path,
                               "'), which calls it through its own member and cannot be rewired from outside: ",
                               "declare that member as a dtrain::SyncBatchNorm, or build the model as one "
                               "torch::nn::Sequential"));
@@ -52,7 +52,8 @@ torch::nn::AnyModule convert_any(const torch::nn::AnyModule& any, const Group& g
   return any;
 }
 
-torch::nn::Sequential convert_sequential(const torch::nn::Sequential& seq, const Group& group, const std::string& path) {
+torch::nn::Sequential convert_sequential(const torch::nn::Sequential& seq, const Group& group,
+                                         const std::string& path) {
   torch::nn::Sequential out;
   const auto names = seq->named_children();
   size_t i = 0;

@@ -24,9 +24,7 @@ namespace {
 // one all_reduce of 2C values.
 
 // Half-precision inputs are reduced in float32, as PyTorch's batch-norm kernels do.
-at::ScalarType accumulate_type(at::ScalarType t) {
-  return t == at::kHalf || t == at::kBFloat16 ? at::kFloat : t;
-}
+at::ScalarType accumulate_type(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16 ? at::kFloat : t; }
 
 // The dimensions summed over: all but the channels (dim 1).
 std::vector<int64_t> reduce_dims(const at::Tensor& x) {
@@ -96,8 +94,8 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& x
     const at::Tensor mean_dy = combined.narrow(0, 0, channels) / n;
     const at::Tensor mean_dy_xmu = combined.narrow(0, channels, channels) / n;
     at::Tensor scale = weight.defined() ? invstd * weight.to(xa.scalar_type()) : invstd;
-    at::Tensor gi = (dy - per_channel(mean_dy, xa) - xmu * per_channel(invstd * invstd * mean_dy_xmu, xa)) *
-                    per_channel(scale, xa);
+    at::Tensor gi =
+        (dy - per_channel(mean_dy, xa) - xmu * per_channel(invstd * invstd * mean_dy_xmu, xa)) * per_channel(scale, xa);
     grads[0] = gi.to(input_type);
   }
   return grads;
@@ -206,15 +204,15 @@ at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
       running_var.mul_(1 - factor).add_((s.var * (n / (n - 1))).to(running_var.scalar_type()), factor);
     }
     at::Tensor y = (xa - per_channel(s.mean, xa)) * per_channel(invstd, xa);
-    if (weight.defined()) y = y * per_channel(weight.to(y.scalar_type()), xa) + per_channel(bias.to(y.scalar_type()), xa);
+    if (weight.defined())
+      y = y * per_channel(weight.to(y.scalar_type()), xa) + per_channel(bias.to(y.scalar_type()), xa);
     out = y.to(input_type);
   }
-  compat::set_custom_backward(
-      out, {input, weight, bias}, "SyncBatchNormBackward",
-      [xa, w = weight, mean = s.mean, invstd, count = s.count, group, input_type](const at::Tensor& grad,
-                                                                                 const std::vector<bool>& needs) {
-        return backward(grad, xa, w, mean, invstd, count, group, needs, input_type);
-      });
+  compat::set_custom_backward(out, {input, weight, bias}, "SyncBatchNormBackward",
+                              [xa, w = weight, mean = s.mean, invstd, count = s.count, group, input_type](
+                                  const at::Tensor& grad, const std::vector<bool>& needs) {
+                                return backward(grad, xa, w, mean, invstd, count, group, needs, input_type);
+                              });
   return out;
 }
 

@@ -126,7 +126,8 @@ void run_case(const Case& c) {
     ref_opt.step();
   }
   auto p = ddp.module()->named_parameters(), pr = ref->named_parameters();
-  for (const auto& kv : pr) expect_close(p[kv.key()], kv.value(), kv.key() + " after " + std::to_string(kSteps) + " steps");
+  for (const auto& kv : pr)
+    expect_close(p[kv.key()], kv.value(), kv.key() + " after " + std::to_string(kSteps) + " steps");
   auto b = ddp.module()->named_buffers(), br = ref->named_buffers();
   ASSERT_EQ(b.size(), br.size());
   for (const auto& kv : br) {
@@ -152,9 +153,11 @@ void run_case(const Case& c) {
 
 TEST(SyncBatchNorm, MatchesOneProcessOverTheConcatenatedBatch) {
   const Case cases[] = {
-      {2, true, 0.1, true, false},          {2, false, std::nullopt, false, false}, {3, true, std::nullopt, true, false},
-      {3, true, 0.3, false, false},         {4, true, 0.1, true, false},            {4, false, 0.1, false, false},
-      {5, true, std::nullopt, true, false}, {5, true, 0.1, false, false},           {2, true, 0.1, true, true},
+      {2, true, 0.1, true, false},          {2, false, std::nullopt, false, false},
+      {3, true, std::nullopt, true, false}, {3, true, 0.3, false, false},
+      {4, true, 0.1, true, false},          {4, false, 0.1, false, false},
+      {5, true, std::nullopt, true, false}, {5, true, 0.1, false, false},
+      {2, true, 0.1, true, true},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(::testing::Message() << "dims " << c.dims << " affine " << c.affine << " momentum "
