@@ -27,9 +27,10 @@ USES = {
     "amp": {"comm", "compat", "common"},
     "parallel": {"comm", "compat", "common"},
     "nn": {"comm", "compat", "common"},
+    "optim": {"comm", "compat", "common"},
     "data": {"comm", "compat", "common"},
     "pipeline": {"ddp", "parallel", "comm", "compat", "common"},
-    "checkpoint": {"amp", "data", "comm", "compat", "common"},
+    "checkpoint": {"amp", "data", "optim", "comm", "compat", "common"},
     "monitor": {"ddp", "comm", "compat", "common"},
 }
 
@@ -37,7 +38,7 @@ USES = {
 PUBLIC_OWNER = {
     "errors": "common", "system": "common", "process_group": "comm", "amp": "amp", "ddp": "ddp",
     "data_parallel": "parallel", "sampler": "data", "datasets": "data", "checkpoint": "checkpoint",
-    "monitor": "monitor", "pipeline": "pipeline", "detail": "common", "sync_batchnorm": "nn",
+    "monitor": "monitor", "pipeline": "pipeline", "detail": "common", "sync_batchnorm": "nn", "zero": "optim",
 }
 
 # comm/ inside, one way: front end -> factory (backend.h) -> backends -> lowest layer.

@@ -21,6 +21,7 @@
 #include "dtrain/errors.h"
 #include "dtrain/process_group.h"
 #include "dtrain/sampler.h"
+#include "dtrain/zero.h"
 
 namespace dtrain {
 
@@ -277,6 +278,8 @@ std::string CheckpointManager::save(const TrainingState& state) {
   std::snprintf(name, sizeof name, "_%010lld.pt", static_cast<long long>(state.step));
   const std::string path = (fs::path(dir_) / (options_.prefix() + name)).string();
   const auto packs = gather_packs(ckpt::pack_rank_state(state.rng, state.values));  // 1.
+  // A sharded optimizer's state is spread over its group: gathered on rank 0, which writes it.
+  if (auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(state.optimizer)) zero->consolidate_state_dict(0);
   std::string error;
   if (!is_initialized() || rank() == 0) {  // 2.
     try {

@@ -1,0 +1,87 @@
+// ZeroRedundancyOptimizer (ZeRO stage 1): torch.distributed.optim.ZeroRedundancyOptimizer in C++.
+// Each rank keeps the optimizer state of only its share of the parameters.
+//
+//   dtrain::DistributedDataParallel ddp(model);
+//   dtrain::ZeroRedundancyOptimizer opt(ddp.parameters(),
+//                                       dtrain::optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(1e-3)));
+//   loss.backward(); opt.step();            // like any torch::optim::Optimizer (GradScaler, clipping too)
+//
+// Protocol:
+//   1. Construction: the parameters are partitioned over the group's ranks as PyTorch does: sorted
+//      by size, largest first, each to the rank with the fewest elements so far. Every rank builds
+//      the wrapped optimizer over its own share only, so the state (Adam: two tensors per
+//      parameter) exists once in the group instead of once per rank.
+//   2. step(): the wrapped optimizer steps this rank's share (gradients are whole on every rank:
+//      DDP averaged them); then every share is broadcast from its owner, one flat buffer per rank,
+//      so every rank ends the step with all parameters updated.
+//   3. Checkpoints: consolidate_state_dict(to) (collective) gathers every share's state on rank `to`
+//      into the state an unsharded optimizer of the wrapped type would have; save() writes it there,
+//      in that optimizer's own format, so a checkpoint loads into either. load() (every rank) reads a
+//      whole state and keeps its own share. dtrain's CheckpointManager does both by itself.
+// The learning rate and other options of param_groups()[0] (e.g. set by a scheduler) reach the
+// wrapped optimizer at every step. One param group.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
+
+#include "dtrain/detail/arg.h"
+#include "dtrain/process_group.h"
+
+namespace dtrain {
+
+// Makes the wrapped optimizer over a list of parameters (possibly empty).
+using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+
+// optimizer_factory<torch::optim::SGD>(torch::optim::SGDOptions(0.1).momentum(0.9))
+template <typename OptimizerType, typename Options>
+OptimizerFactory optimizer_factory(Options options) {
+  return [options](std::vector<at::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<OptimizerType>(std::move(params), options);
+  };
+}
+
+struct ZeroOptions {
+  // The group that shares the state (default: the world).
+  DTRAIN_ARG(Group, process_group, Group())
+};
+
+class ZeroRedundancyOptimizer : public torch::optim::Optimizer {
+ public:
+  ZeroRedundancyOptimizer(std::vector<at::Tensor> params, OptimizerFactory factory,
+                          ZeroOptions options = ZeroOptions());
+
+  at::Tensor step(LossClosure closure = nullptr) override;
+
+  // Collective: every rank of the group calls it. Rank `to` (a global rank) then holds the whole
+  // state, for save(); the others hold nothing more.
+  void consolidate_state_dict(int to = 0);
+  // On the rank that consolidated last: writes the whole state (the wrapped optimizer's format).
+  void save(torch::serialize::OutputArchive& archive) const override;
+  // On every rank: a whole state, from save() or from the unsharded optimizer; keeps this rank's share.
+  void load(torch::serialize::InputArchive& archive) override;
+
+  // The group rank owning each parameter, in the order of the parameters given.
+  const std::vector<int>& owners() const { return owner_; }
+  // The wrapped optimizer over this rank's share.
+  torch::optim::Optimizer& local_optimizer() { return *local_; }
+  // Bytes of tensors in this rank's optimizer state (what sharding divides).
+  int64_t local_state_bytes() const;
+
+ private:
+  void broadcast_shares();
+
+  OptimizerFactory factory_;
+  Group group_;
+  std::vector<at::Tensor> params_;
+  std::vector<int> owner_;                       // per parameter
+  std::vector<std::vector<at::Tensor>> shares_;  // per group rank, in parameter order
+  std::unique_ptr<torch::optim::Optimizer> local_;
+  std::unique_ptr<torch::optim::Optimizer> consolidated_;  // on the rank that consolidated last
+};
+
+}  // namespace dtrain

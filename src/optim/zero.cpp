@@ -1,0 +1,170 @@
+// ZeroRedundancyOptimizer: partition, sharded step, broadcast, consolidation (see dtrain/zero.h).
+#include "dtrain/zero.h"
+
+#include <algorithm>
+#include <numeric>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include "compat/optim_compat.h"
+#include "dtrain/errors.h"
+
+namespace dtrain {
+namespace {
+
+std::string to_bytes(const torch::optim::Optimizer& o) {
+  torch::serialize::OutputArchive a;
+  o.save(a);
+  std::ostringstream s;
+  a.save_to(s);
+  return s.str();
+}
+
+void from_bytes(torch::optim::Optimizer& o, const std::string& bytes) {
+  torch::serialize::InputArchive a;
+  a.load_from(bytes.data(), bytes.size());
+  o.load(a);
+}
+
+// Moves the states of `params` from one optimizer to another (both over these tensors).
+void move_states(torch::optim::Optimizer& from, torch::optim::Optimizer& to, const std::vector<at::Tensor>& params) {
+  for (const at::Tensor& p : params) {
+    const auto key = compat::optimizer_state_key(p);
+    auto it = from.state().find(key);
+    if (it != from.state().end()) to.state()[key] = std::move(it->second);
+  }
+}
+
+}  // namespace
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params, OptimizerFactory factory,
+                                                 ZeroOptions options)
+    // An optimizer of the wrapped type over all parameters gives the defaults; it allocates no state
+    // before its first step.
+    : Optimizer(params, factory(params)->defaults().clone()),
+      factory_(std::move(factory)),
+      group_(options.process_group()),
+      params_(std::move(params)) {
+  DTRAIN_CHECK(!params_.empty(), "ZeroRedundancyOptimizer: no parameters given: pass the model's parameters()");
+  DTRAIN_CHECK(group_.is_member(), "ZeroRedundancyOptimizer: rank ", dtrain::rank(), " is not a member of group '",
+               group_.name(), "': construct it only on the group's ranks");
+  // Step 1: PyTorch's partition. Largest first (stable, so equal sizes keep their order), each to
+  // the first rank with the fewest elements so far.
+  const int n = group_.size();
+  std::vector<size_t> order(params_.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return params_[a].numel() > params_[b].numel(); });
+  std::vector<int64_t> load(n, 0);
+  owner_.assign(params_.size(), -1);
+  shares_.assign(n, {});
+  for (size_t i : order) {
+    const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    owner_[i] = r;
+    shares_[r].push_back(params_[i]);
+    load[r] += params_[i].numel();
+  }
+  local_ = factory_(shares_[group_.rank()]);
+}
+
+at::Tensor ZeroRedundancyOptimizer::step(LossClosure closure) {
+  // Step 2. A scheduler changes param_groups()[0]'s options: the wrapped optimizer follows.
+  local_->param_groups()[0].set_options(param_groups()[0].options().clone());
+  at::Tensor loss = local_->step(std::move(closure));
+  broadcast_shares();
+  return loss;
+}
+
+void ZeroRedundancyOptimizer::broadcast_shares() {
+  at::NoGradGuard ng;
+  const int me = group_.rank();
+  std::vector<at::Tensor> flats(shares_.size());
+  std::vector<Work> works;
+  for (size_t r = 0; r < shares_.size(); ++r) {
+    const auto& share = shares_[r];
+    if (share.empty()) continue;
+    const bool uniform = std::all_of(share.begin(), share.end(), [&](const at::Tensor& p) {
+      return p.scalar_type() == share[0].scalar_type() && p.device() == share[0].device();
+    });
+    if (!uniform) {  // mixed dtypes: one broadcast per parameter
+      for (const at::Tensor& p : share) {
+        at::Tensor d = p.detach();
+        works.push_back(broadcast(d, group_.ranks()[r], group_, /*async_op=*/true));
+      }
+      continue;
+    }
+    // One flat buffer per rank: one broadcast instead of one per parameter.
+    if (static_cast<int>(r) == me) {
+      std::vector<at::Tensor> flat_views;
+      for (const at::Tensor& p : share) flat_views.push_back(p.detach().reshape({-1}));
+      flats[r] = at::cat(flat_views);
+    } else {
+      int64_t numel = 0;
+      for (const at::Tensor& p : share) numel += p.numel();
+      flats[r] = at::empty({numel}, share[0].options().requires_grad(false));
+    }
+    works.push_back(broadcast(flats[r], group_.ranks()[r], group_, /*async_op=*/true));
+  }
+  for (auto& w : works) w.wait();
+  for (size_t r = 0; r < shares_.size(); ++r) {
+    if (static_cast<int>(r) == me || !flats[r].defined()) continue;
+    int64_t offset = 0;
+    for (const at::Tensor& p : shares_[r]) {
+      p.detach().copy_(flats[r].narrow(0, offset, p.numel()).view(p.sizes()));
+      offset += p.numel();
+    }
+  }
+}
+
+void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
+  DTRAIN_CHECK(group_.is_member() && std::find(group_.ranks().begin(), group_.ranks().end(), to) != group_.ranks().end(),
+               "ZeroRedundancyOptimizer::consolidate_state_dict: rank ", to, " is not a member of group '",
+               group_.name(), "': consolidate to one of its ranks");
+  local_->param_groups()[0].set_options(param_groups()[0].options().clone());
+  const std::vector<std::string> all = gather_bytes(to_bytes(*local_), to, group_);
+  consolidated_.reset();
+  if (dtrain::rank() != to) return;
+  // An unsharded optimizer of the wrapped type, given every share's state: its save() is the
+  // format of a run without ZeRO.
+  auto whole = factory_(params_);
+  whole->param_groups()[0].set_options(local_->param_groups()[0].options().clone());
+  for (size_t r = 0; r < shares_.size(); ++r) {
+    auto part = factory_(shares_[r]);
+    from_bytes(*part, all[r]);
+    move_states(*part, *whole, shares_[r]);
+  }
+  consolidated_ = std::move(whole);
+}
+
+void ZeroRedundancyOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  DTRAIN_CHECK(consolidated_ != nullptr, "ZeroRedundancyOptimizer::save on rank ", dtrain::rank(),
+               ", which does not hold the consolidated state: call consolidate_state_dict(", dtrain::rank(),
+               ") on every rank of the group first (dtrain's CheckpointManager does)");
+  consolidated_->save(archive);
+}
+
+void ZeroRedundancyOptimizer::load(torch::serialize::InputArchive& archive) {
+  auto whole = factory_(params_);
+  whole->load(archive);
+  local_->state().clear();
+  move_states(*whole, *local_, shares_[group_.rank()]);
+  param_groups()[0].set_options(whole->param_groups()[0].options().clone());
+  local_->param_groups()[0].set_options(whole->param_groups()[0].options().clone());
+}
+
+int64_t ZeroRedundancyOptimizer::local_state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& kv : local_->state()) {
+    torch::serialize::OutputArchive a;
+    kv.second->serialize(a);
+    std::ostringstream s;
+    a.save_to(s);
+    bytes += static_cast<int64_t>(s.str().size());
+  }
+  return bytes;
+}
+
+}  // namespace dtrain
