@@ -275,6 +275,22 @@ void Comm::reduce_into(void* data, size_t count, DType dtype, RedOp op, int root
   } while (done < count);
 }
 
+// Steps 1 and 2 of a copy-only collective: this rank's part is in its slot (if it has one).
+void Comm::announce(uint32_t s, bool first) {
+  if (first) publish(current_);
+  signal(A, s);
+  signal(B, s);
+}
+
+// A non-root rank's step of broadcast and scatter: announce, then copy `m` bytes at `offset` of the
+// root's slot.
+void Comm::take_from_root(int root, uint32_t s, bool first, char* dst, size_t offset, size_t m) {
+  announce(s, first);
+  wait_for(root, A, s);
+  if (first) check_peer(root, current_);
+  shm_copy(dst, seg_.slot(root, static_cast<int>(s % 2)) + offset, m);
+}
+
 void Comm::broadcast(void* data, size_t bytes, int root) {
   check_usable();
   DTRAIN_ASSERT(root >= 0 && root < n_);
@@ -288,16 +304,9 @@ void Comm::broadcast(void* data, size_t bytes, int root) {
     const int buf = static_cast<int>(s % 2);
     if (rank_ == root) {
       shm_copy(seg_.slot(root, buf), base + done, m);
-      if (first) publish(current_);
-      signal(A, s);
-      signal(B, s);
+      announce(s, first);
     } else {
-      if (first) publish(current_);
-      signal(A, s);
-      signal(B, s);
-      wait_for(root, A, s);
-      if (first) check_peer(root, current_);
-      shm_copy(base + done, seg_.slot(root, buf), m);
+      take_from_root(root, s, first, base + done, 0, m);
     }
     signal(C, s);
     done += m;
@@ -324,9 +333,7 @@ void Comm::gather_into(const void* in, size_t bytes, void* const* outs, int root
     const uint32_t s = begin_step();
     const int buf = static_cast<int>(s % 2);
     shm_copy(seg_.slot(rank_, buf), src + done, m);
-    if (first) publish(current_);
-    signal(A, s);
-    signal(B, s);
+    announce(s, first);
     if (receives) {
       wait_all(A, s);
       if (first)
@@ -365,17 +372,10 @@ void Comm::scatter(const void* const* ins, size_t bytes, void* out, int root) {
     if (rank_ == root) {
       for (int k = 0; k < n_; ++k)
         shm_copy(seg_.slot(root, buf) + k * part, static_cast<const char*>(ins[k]) + done, m);
-      if (first) publish(current_);
-      signal(A, s);
-      signal(B, s);
+      announce(s, first);
       shm_copy(dst + done, static_cast<const char*>(ins[rank_]) + done, m);
     } else {
-      if (first) publish(current_);
-      signal(A, s);
-      signal(B, s);
-      wait_for(root, A, s);
-      if (first) check_peer(root, current_);
-      shm_copy(dst + done, seg_.slot(root, buf) + rank_ * part, m);
+      take_from_root(root, s, first, dst + done, rank_ * part, m);
     }
     signal(C, s);
     done += m;
@@ -387,9 +387,7 @@ void Comm::barrier() {
   check_usable();
   current_ = OpDesc{++op_id_, 0, kBarrier, 0, 0, -1};
   const uint32_t s = begin_step();
-  publish(current_);
-  signal(A, s);
-  signal(B, s);
+  announce(s, /*first=*/true);
   wait_all(A, s);
   for (int k = 0; k < n_; ++k)
     if (k != rank_) check_peer(k, current_);

@@ -62,6 +62,8 @@ class Comm {
   enum Phase { A = 0, B = 1, C = 2 };
   // all_reduce (root -1) and reduce.
   void reduce_into(void* data, size_t count, DType dtype, RedOp op, int root, uint32_t kind);
+  void announce(uint32_t s, bool first);
+  void take_from_root(int root, uint32_t s, bool first, char* dst, size_t offset, size_t m);
   // all_gather (root -1) and gather.
   void gather_into(const void* in, size_t bytes, void* const* outs, int root, uint32_t kind);
   uint32_t begin_step();

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 
+#include <cctype>
 #include <cstring>
 #include <optional>
 #include <stdexcept>
@@ -44,34 +45,11 @@ std::string first_line(const std::exception& e) {
   return s.substr(0, s.find('\n'));
 }
 
-const char* op_name(c10d::OpType type) {
-  switch (type) {
-    case c10d::OpType::ALLREDUCE:
-    case c10d::OpType::ALLREDUCE_COALESCED:
-      return "all_reduce";
-    case c10d::OpType::BROADCAST:
-      return "broadcast";
-    case c10d::OpType::REDUCE:
-      return "reduce";
-    case c10d::OpType::ALLGATHER:
-    case c10d::OpType::_ALLGATHER_BASE:
-    case c10d::OpType::ALLGATHER_COALESCED:
-      return "all_gather";
-    case c10d::OpType::GATHER:
-      return "gather";
-    case c10d::OpType::SCATTER:
-      return "scatter";
-    case c10d::OpType::REDUCE_SCATTER:
-    case c10d::OpType::_REDUCE_SCATTER_BASE:
-      return "reduce_scatter";
-    case c10d::OpType::ALLTOALL:
-    case c10d::OpType::ALLTOALL_BASE:
-      return "all_to_all";
-    case c10d::OpType::BARRIER:
-      return "barrier";
-    default:
-      return "a collective";
-  }
+// "allreduce", "barrier": c10d's name of the operation.
+std::string op_name(c10d::OpType type) {
+  std::string name = c10d::opTypeToString(type);
+  for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return name;
 }
 
 std::string unusable(const std::string& why) {
