@@ -68,6 +68,14 @@ std::string what(const Group::Impl& g, const char* op) {
                      g.timeout.count() / 1000.0, " s)");
 }
 
+// Note [AVG on Gloo]: the division is in place, which an integer tensor cannot hold.
+void check_avg(ReduceOp op, const at::Tensor& t, const char* name) {
+  if (op != ReduceOp::AVG) return;
+  DTRAIN_CHECK(at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()), name,
+               ": ReduceOp::AVG needs a floating-point tensor, got ", t.scalar_type(),
+               ": use SUM and divide, or convert the tensor");
+}
+
 // A call the group's backend cannot run (dtype, reduce op, device) is rejected here, before the
 // DETAIL check and before anything is sent: the answer depends only on the arguments every rank
 // passes alike, so every rank rejects it and the group stays usable (Note [Broken groups] in
@@ -143,10 +151,7 @@ std::string to_string(ReduceOp op) {
 Work all_reduce(at::Tensor& tensor, ReduceOp op, const Group& group, bool async_op) {
   const auto& g = member_group(group, "all_reduce");
   check_tensor(tensor, "all_reduce");
-  if (op == ReduceOp::AVG)
-    DTRAIN_CHECK(at::isFloatingType(tensor.scalar_type()) || at::isComplexType(tensor.scalar_type()),
-                 "all_reduce: ReduceOp::AVG needs a floating-point tensor, got ", tensor.scalar_type(),
-                 ": use SUM and divide, or convert the tensor");
+  check_avg(op, tensor, "all_reduce");
   check_supported(g, "all_reduce", c10d::OpType::ALLREDUCE, tensor, op);
   check_call(g, "all_reduce", comm::describe(tensor), "op=" + to_string(op));
   std::vector<at::Tensor> ts{tensor};
@@ -178,6 +183,7 @@ Work broadcast(at::Tensor& tensor, int src, const Group& group, bool async_op) {
 Work reduce(at::Tensor& tensor, int dst, ReduceOp op, const Group& group, bool async_op) {
   const auto& g = member_group(group, "reduce");
   check_tensor(tensor, "reduce");
+  check_avg(op, tensor, "reduce");  // on every rank, though only the destination divides
   check_supported(g, "reduce", c10d::OpType::REDUCE, tensor, op);
   check_call(g, "reduce", comm::describe(tensor), detail::cat("dst=", dst), "op=" + to_string(op));
   std::vector<at::Tensor> ts{tensor};
@@ -213,6 +219,7 @@ Work reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceO
   const auto& g = member_group(group, "reduce_scatter");
   check_tensor(output, "reduce_scatter");
   check_list(inputs, output, g.ranks.size(), "reduce_scatter", "inputs");
+  check_avg(op, output, "reduce_scatter");
   check_supported(g, "reduce_scatter", c10d::OpType::ALLREDUCE, output, op);  // Note [reduce_scatter on Gloo]
   check_call(g, "reduce_scatter", "output=" + comm::describe(output), "inputs=" + list_desc(inputs),
              "op=" + to_string(op));
