@@ -55,4 +55,17 @@ compat::BackendPtr make_backend(const BackendConfig& config) {
 
 bool uses_shared_memory(const compat::BackendPtr& pg) { return has_shared_memory_segment(pg); }
 
+std::string unsupported(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,
+                        const c10d::ReduceOp& op) {
+  std::string why;
+  if (shm_group_unsupported(pg, type, t, op, &why)) return why;
+#ifdef DTRAIN_WITH_NCCL
+  if (pg->getBackendName() == "nccl")
+    return t.is_cuda() ? ""
+                       : detail::cat("NCCL takes CUDA tensors, not ", t.device(),
+                                     ": move the tensor to collective_device(group), or use a gloo group");
+#endif
+  return gloo_unsupported(t);  // Gloo alone (Python peers)
+}
+
 }  // namespace dtrain::comm

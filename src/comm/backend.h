@@ -11,6 +11,8 @@
 
 #include <string>
 
+#include <ATen/core/Tensor.h>
+
 #include "comm/backend_config.h"
 
 namespace dtrain::comm {
@@ -22,6 +24,14 @@ compat::BackendPtr make_backend(const BackendConfig& config);
 
 // Whether `pg`, made by make_backend, runs collectives over shared memory on this rank's host.
 bool uses_shared_memory(const compat::BackendPtr& pg);
+
+// "" when `pg`, made by make_backend, can run the collective `type` on tensors like `t` with `op`
+// (SUM when the collective does not reduce); otherwise what it cannot do and the remedy, e.g. "Gloo
+// in LibTorch 1.13.0 has no BFloat16 collectives: convert the tensor ...". Decided from the call's
+// arguments and facts every rank shares, so every rank of a correct program answers alike and a
+// rejected call is rejected everywhere before anything is sent (Note [Broken groups] in
+// shm/shm_process_group.cpp says what becomes of the calls that fail later).
+std::string unsupported(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t, const c10d::ReduceOp& op);
 
 // Validates a backend name early (before any rendezvous), with the remedy in the message.
 void check_backend_name(const std::string& name);

@@ -23,4 +23,9 @@ class BlockingCallScope {
 // Whether the innermost BlockingCallScope on this thread says the caller waits at once.
 bool caller_waits_at_once();
 
+// How a backend's error for a call on a broken group begins (Note [Broken groups] in
+// shm/shm_process_group.cpp): the front end then reports the earlier failure it carries, not a
+// timeout of this call.
+inline constexpr const char kUnusableGroup[] = "the group is unusable since an earlier collective failed";
+
 }  // namespace dtrain::comm

@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 
+#include "comm/backend.h"
 #include "comm/debug_check.h"
 #include "comm/call_hint.h"
 #include "comm/state.h"
@@ -65,6 +66,24 @@ std::string what(const Group::Impl& g, const char* op) {
   return detail::cat("rank ", comm::world_state().rank, ": ", op, " on group '", g.name, "' (", g.backend, ", ranks ",
                      ranks, g.ranks.size() > 8 ? detail::cat(" (", g.ranks.size(), " ranks)") : "", ", timeout ",
                      g.timeout.count() / 1000.0, " s)");
+}
+
+// Note [AVG on Gloo]: the division is in place, which an integer tensor cannot hold.
+void check_avg(ReduceOp op, const at::Tensor& t, const char* name) {
+  if (op != ReduceOp::AVG) return;
+  DTRAIN_CHECK(at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()), name,
+               ": ReduceOp::AVG needs a floating-point tensor, got ", t.scalar_type(),
+               ": use SUM and divide, or convert the tensor");
+}
+
+// A call the group's backend cannot run (dtype, reduce op, device) is rejected here, before the
+// DETAIL check and before anything is sent: the answer depends only on the arguments every rank
+// passes alike, so every rank rejects it and the group stays usable (Note [Broken groups] in
+// comm/shm/shm_process_group.cpp for what happens to a call that fails later).
+void check_supported(const Group::Impl& g, const char* op, c10d::OpType type, const at::Tensor& t,
+                     ReduceOp rop = ReduceOp::SUM) {
+  const std::string why = comm::unsupported(g.pg, type, t, to_c10d(rop));
+  if (!why.empty()) throw Error(what(g, op) + " cannot run: " + why);
 }
 
 // DTRAIN_DEBUG=DETAIL: every member describes its call and the descriptions must agree
@@ -132,10 +151,8 @@ std::string to_string(ReduceOp op) {
 Work all_reduce(at::Tensor& tensor, ReduceOp op, const Group& group, bool async_op) {
   const auto& g = member_group(group, "all_reduce");
   check_tensor(tensor, "all_reduce");
-  if (op == ReduceOp::AVG)
-    DTRAIN_CHECK(at::isFloatingType(tensor.scalar_type()) || at::isComplexType(tensor.scalar_type()),
-                 "all_reduce: ReduceOp::AVG needs a floating-point tensor, got ", tensor.scalar_type(),
-                 ": use SUM and divide, or convert the tensor");
+  check_avg(op, tensor, "all_reduce");
+  check_supported(g, "all_reduce", c10d::OpType::ALLREDUCE, tensor, op);
   check_call(g, "all_reduce", comm::describe(tensor), "op=" + to_string(op));
   std::vector<at::Tensor> ts{tensor};
   c10d::AllreduceOptions opts;
@@ -153,6 +170,7 @@ Work all_reduce(at::Tensor& tensor, ReduceOp op, const Group& group, bool async_
 Work broadcast(at::Tensor& tensor, int src, const Group& group, bool async_op) {
   const auto& g = member_group(group, "broadcast");
   check_tensor(tensor, "broadcast");
+  check_supported(g, "broadcast", c10d::OpType::BROADCAST, tensor);
   check_call(g, "broadcast", comm::describe(tensor), detail::cat("src=", src));
   std::vector<at::Tensor> ts{tensor};
   c10d::BroadcastOptions opts;
@@ -165,6 +183,8 @@ Work broadcast(at::Tensor& tensor, int src, const Group& group, bool async_op) {
 Work reduce(at::Tensor& tensor, int dst, ReduceOp op, const Group& group, bool async_op) {
   const auto& g = member_group(group, "reduce");
   check_tensor(tensor, "reduce");
+  check_avg(op, tensor, "reduce");  // on every rank, though only the destination divides
+  check_supported(g, "reduce", c10d::OpType::REDUCE, tensor, op);
   check_call(g, "reduce", comm::describe(tensor), detail::cat("dst=", dst), "op=" + to_string(op));
   std::vector<at::Tensor> ts{tensor};
   c10d::ReduceOptions opts;
@@ -184,6 +204,7 @@ Work all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input, const
   const auto& g = member_group(group, "all_gather");
   check_tensor(input, "all_gather");
   check_list(outputs, input, g.ranks.size(), "all_gather", "outputs");
+  check_supported(g, "all_gather", c10d::OpType::ALLGATHER, input);
   check_call(g, "all_gather", "outputs=" + list_desc(outputs), "input=" + comm::describe(input));
   std::vector<std::vector<at::Tensor>> out{outputs};
   std::vector<at::Tensor> in{input};
@@ -198,6 +219,8 @@ Work reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceO
   const auto& g = member_group(group, "reduce_scatter");
   check_tensor(output, "reduce_scatter");
   check_list(inputs, output, g.ranks.size(), "reduce_scatter", "inputs");
+  check_avg(op, output, "reduce_scatter");
+  check_supported(g, "reduce_scatter", c10d::OpType::ALLREDUCE, output, op);  // Note [reduce_scatter on Gloo]
   check_call(g, "reduce_scatter", "output=" + comm::describe(output), "inputs=" + list_desc(inputs),
              "op=" + to_string(op));
   // Note [reduce_scatter on Gloo].
@@ -238,6 +261,7 @@ std::vector<std::vector<at::Tensor>> root_only_list(const Group::Impl& g, int ro
 Work gather(const at::Tensor& input, std::vector<at::Tensor>& gather_list, int dst, const Group& group, bool async_op) {
   const auto& g = member_group(group, "gather");
   check_tensor(input, "gather");
+  check_supported(g, "gather", c10d::OpType::GATHER, input);
   check_call(g, "gather", "input=" + comm::describe(input), detail::cat("dst=", dst));
   c10d::GatherOptions opts;
   opts.rootRank = group_rank(g, dst, "dst", "gather");
@@ -251,6 +275,7 @@ Work gather(const at::Tensor& input, std::vector<at::Tensor>& gather_list, int d
 Work scatter(at::Tensor& output, std::vector<at::Tensor>& scatter_list, int src, const Group& group, bool async_op) {
   const auto& g = member_group(group, "scatter");
   check_tensor(output, "scatter");
+  check_supported(g, "scatter", c10d::OpType::SCATTER, output);
   check_call(g, "scatter", "output=" + comm::describe(output), detail::cat("src=", src));
   c10d::ScatterOptions opts;
   opts.rootRank = group_rank(g, src, "src", "scatter");

@@ -3,7 +3,13 @@
 // headers, and a system's gloo may differ from the one inside LibTorch, so nothing compiled here may
 // depend on gloo's definitions. The process group is created by LibTorch's own (out-of-line)
 // constructor; this file only fills the Options and allocates the object.
+#include <torch/csrc/api/include/torch/version.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <ATen/ATen.h>
+
+#include <array>
 
 #include "comm/gloo_backend.h"
 #include "common/env.h"
@@ -41,6 +47,60 @@ compat::BackendPtr make_pytorch_gloo_backend(const BackendConfig& c) {
   (void)c;
   throw Error("joining Python ranks needs dtrain built against LibTorch 2.x");
 #endif
+}
+
+namespace {
+
+// Note [Gloo's dtypes]: which dtypes LibTorch's Gloo takes depends on the release (1.13 has no
+// BFloat16 and no Bool; 2.15 has both), and the list sits where dtrain cannot compile it (a switch
+// in 1.13's ProcessGroupGloo.cpp; in 2.x a header that needs gloo's own headers). An unsupported
+// dtype fails only once the collective runs, on Gloo's thread ("Invalid scalar type"), after the
+// shared-memory group's guard already exchanged the call. So dtrain asks the library it runs with,
+// before a call is started: once per process, a one-rank Gloo group on loopback all-reduces one
+// element of each candidate dtype. Every Gloo collective dispatches on the dtype through that same
+// switch, so the all-reduce's answer holds for each kind (the collectives' differential test runs
+// each kind on each dtype Gloo is said to take, and checks the answer for BFloat16 per release).
+struct GlooDtypes {
+  std::array<bool, static_cast<size_t>(c10::ScalarType::NumOptions)> takes{};
+  bool probed = false;
+};
+
+GlooDtypes probe_gloo_dtypes() {
+  GlooDtypes d;
+  try {
+    auto opts = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(30));
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    opts->threads = 1;
+    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::HashStore>(), 0, 1, opts);
+    for (c10::ScalarType t : {at::kByte, at::kChar, at::kShort, at::kInt, at::kLong, at::kHalf, at::kFloat, at::kDouble,
+                              at::kComplexFloat, at::kComplexDouble, at::kBool, at::kBFloat16}) {
+      std::vector<at::Tensor> v{at::zeros({1}, at::TensorOptions().dtype(t))};
+      try {
+        pg->allreduce(v)->wait();
+        d.takes[static_cast<size_t>(t)] = true;
+      } catch (const std::exception&) {
+      }
+    }
+    d.probed = true;
+  } catch (const std::exception& e) {
+    warn_once("gloo-dtype-probe", std::string("could not ask Gloo which dtypes it takes (a one-rank group on "
+                                              "127.0.0.1 failed: ") +
+                                      e.what() + "); a dtype it lacks will fail the collective when it runs");
+  }
+  return d;
+}
+
+}  // namespace
+
+std::string gloo_unsupported(const at::Tensor& t) {
+  if (!t.device().is_cpu() && !t.device().is_cuda())
+    return detail::cat("Gloo takes CPU tensors (and CUDA tensors in a CUDA build), not ", t.device(),
+                       ": move the tensor to the CPU");
+  static const GlooDtypes dtypes = probe_gloo_dtypes();
+  if (!dtypes.probed || dtypes.takes.at(static_cast<size_t>(t.scalar_type()))) return "";
+  return detail::cat(
+      "Gloo in LibTorch ", TORCH_VERSION, " has no ", t.scalar_type(), " collectives: convert the tensor",
+      at::isComplexType(t.scalar_type()) ? " (at::view_as_real for SUM)" : " (e.g. to float32)", " before the call");
 }
 
 }  // namespace dtrain::comm

@@ -1,6 +1,10 @@
 // Plain ProcessGroupGloo groups (gloo_backend.cpp, the one file that includes ProcessGroupGloo.hpp).
 #pragma once
 
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
 #include "comm/backend_config.h"
 
 namespace dtrain::comm {
@@ -9,5 +13,10 @@ namespace dtrain::comm {
 compat::BackendPtr make_gloo_backend(const BackendConfig& config);
 // The ProcessGroupGloo Python's init_process_group("gloo") creates (Note [PyTorch peers]).
 compat::BackendPtr make_pytorch_gloo_backend(const BackendConfig& config);
+
+// "" when LibTorch's Gloo can run a collective on tensors like `t`; otherwise what it cannot take
+// and the remedy, e.g. "Gloo in LibTorch 1.13.0 has no BFloat16 collectives: convert the tensor, e.g.
+// to float32". The same for every collective kind (Note [Gloo's dtypes] in gloo_backend.cpp).
+std::string gloo_unsupported(const at::Tensor& t);
 
 }  // namespace dtrain::comm

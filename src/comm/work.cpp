@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include "comm/backend.h"
+#include "comm/call_hint.h"
 #include "comm/state.h"
 
 namespace dtrain {
@@ -48,7 +49,8 @@ void Work::wait() {
       // Note [collective timeouts]: a peer that hangs, is stopped (SIGSTOP) or died mid-collective
       // reaches the others as the backend's timeout (Gloo: "Timed out waiting ..."); say so plainly.
       const std::string msg = brief(e);
-      const bool timed_out = msg.find("imed out") != std::string::npos || msg.find("imeout") != std::string::npos;
+      const bool timed_out = (msg.find("imed out") != std::string::npos || msg.find("imeout") != std::string::npos) &&
+                             msg.rfind(comm::kUnusableGroup, 0) != 0;  // an earlier call's timeout
       s->error = std::make_exception_ptr(
           Error(s->what +
                 (timed_out ? " timed out (a rank of the group did not take part in time: hung, stopped or dead?): "

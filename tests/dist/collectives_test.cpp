@@ -88,6 +88,9 @@ TEST(Collectives, AsyncAllReduceAndAvgAfterWait) {
 TEST(Collectives, AvgOnIntegersIsAClearError) {
   at::Tensor t = at::ones({2}, at::kLong);
   EXPECT_NE(error_of([&] { all_reduce(t, ReduceOp::AVG); }).find("needs a floating-point tensor"), std::string::npos);
+  // reduce too, on every rank (only the destination divides, but every rank must refuse alike).
+  EXPECT_NE(error_of([&] { reduce(t, 0, ReduceOp::AVG); }).find("reduce: ReduceOp::AVG needs a floating-point tensor"),
+            std::string::npos);
 }
 
 // The small control messages: plain values in and out, on the world and on a subgroup of the others.

@@ -12,7 +12,15 @@
 namespace dtrain::shm {
 namespace {
 
-enum OpKind : uint32_t { kAllReduce = 1, kBroadcast = 2, kAllGather = 3, kBarrier = 4 };
+enum OpKind : uint32_t {
+  kAllReduce = 1,
+  kBroadcast = 2,
+  kAllGather = 3,
+  kBarrier = 4,
+  kReduce = 5,
+  kGather = 6,
+  kScatter = 7
+};
 
 const char* kind_name(uint32_t k) {
   switch (k) {
@@ -24,8 +32,19 @@ const char* kind_name(uint32_t k) {
       return "all_gather";
     case kBarrier:
       return "barrier";
+    case kReduce:
+      return "reduce";
+    case kGather:
+      return "gather";
+    case kScatter:
+      return "scatter";
   }
   return "unknown collective";
+}
+
+// memcpy that accepts the null pointers of empty tensors when there is nothing to copy.
+void shm_copy(void* dst, const void* src, size_t n) {
+  if (n > 0) std::memcpy(dst, src, n);
 }
 
 bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
@@ -41,26 +60,40 @@ Comm::Comm(Segment segment, int rank, std::vector<int> labels, std::chrono::mill
 
 std::string Comm::op_name() const { return kind_name(current_.op); }
 
+int Comm::root_label(int32_t root) const { return root >= 0 && root < n_ ? labels_[root] : root; }
+
 std::string Comm::describe(const OpDesc& d) const {
   switch (d.op) {
     case kAllReduce:
       return detail::cat("all_reduce of ", d.count, " ", to_string(static_cast<DType>(d.dtype)), " (",
                          to_string(static_cast<RedOp>(d.redop)), ")");
     case kBroadcast:
-      return detail::cat("broadcast of ", d.count, " bytes from rank ",
-                         d.root >= 0 && d.root < n_ ? labels_[d.root] : d.root);
+      return detail::cat("broadcast of ", d.count, " bytes from rank ", root_label(d.root));
     case kAllGather:
       return detail::cat("all_gather of ", d.count, " bytes");
     case kBarrier:
       return "barrier";
+    case kReduce:
+      return detail::cat("reduce of ", d.count, " ", to_string(static_cast<DType>(d.dtype)), " (",
+                         to_string(static_cast<RedOp>(d.redop)), ") to rank ", root_label(d.root));
+    case kGather:
+      return detail::cat("gather of ", d.count, " bytes to rank ", root_label(d.root));
+    case kScatter:
+      return detail::cat("scatter of ", d.count, " bytes from rank ", root_label(d.root));
   }
   return "an unknown collective";
 }
 
 void Comm::check_usable() const {
   DTRAIN_CHECK(!broken_, "rank ", labels_[rank_],
-               ": a previous shared-memory collective failed, so the group can no longer be used: "
-               "destroy the process group (or restart the job)");
+               ": a previous shared-memory collective failed, so the group can no longer be used (", failure(),
+               "): destroy the process group (or restart the job)");
+}
+
+std::string Comm::failure() const {
+  const Header& h = seg_.header();
+  if (h.aborted.load(std::memory_order_acquire) != 2) return "";
+  return std::string(h.abort_message, strnlen(h.abort_message, sizeof(h.abort_message)));
 }
 
 void Comm::fail(const std::string& message) {
@@ -170,9 +203,20 @@ void Comm::check_peer(int peer, const OpDesc& mine) {
 }
 
 void Comm::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
+  reduce_into(data, count, dtype, op, -1, kAllReduce);
+}
+
+void Comm::reduce(void* data, size_t count, DType dtype, RedOp op, int root) {
+  DTRAIN_ASSERT(root >= 0 && root < n_);
+  reduce_into(data, count, dtype, op, root, kReduce);
+}
+
+void Comm::reduce_into(void* data, size_t count, DType dtype, RedOp op, int root, uint32_t kind) {
   check_usable();
   const size_t es = element_size(dtype);
-  current_ = OpDesc{++op_id_, count, kAllReduce, static_cast<uint32_t>(dtype), static_cast<uint32_t>(op), -1};
+  current_ = OpDesc{++op_id_, count, kind, static_cast<uint32_t>(dtype), static_cast<uint32_t>(op), root};
+  // Which ranks receive the result: every rank (all_reduce) or the root alone (reduce).
+  const bool receives = root < 0 || root == rank_;
   const size_t chunk_elems = seg_.slot_bytes() / es;
   char* base = static_cast<char*>(data);
   size_t done = 0;
@@ -188,11 +232,11 @@ void Comm::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
     for (int k = 0; k < n_; ++k) {
       if (k == rank_) continue;
       size_t b = part_begin(k), e = part_begin(k + 1);
-      std::memcpy(my_slot + b * es, mine + b * es, (e - b) * es);
+      shm_copy(my_slot + b * es, mine + b * es, (e - b) * es);
     }
     if (first) publish(current_);
     signal(A, s);
-    // 2. reduce part `rank_` in rank order into my slot and my tensor.
+    // 2. reduce part `rank_` in rank order into my slot (and my tensor, if it receives the result).
     wait_all(A, s);
     if (first)
       for (int k = 0; k < n_; ++k)
@@ -205,10 +249,11 @@ void Comm::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
       };
       void* acc = my_slot + b * es;
       // One rank alone has nothing to combine: the loop does not run.
-      // The last pass writes my tensor and streams the result into my slot for the other ranks.
+      // The last pass writes my tensor and streams the result into my slot for the other ranks; a
+      // rank that does not receive the result leaves its tensor as it was.
       for (int k = 1; k < n_ && len > 0; ++k) {
         const void* lhs = k == 1 ? src(0) : acc;
-        if (k == n_ - 1)
+        if (k == n_ - 1 && receives)
           combine_streaming(mine + b * es, acc, lhs, src(k), len, dtype, op);
         else
           combine(acc, lhs, src(k), len, dtype, op);
@@ -216,16 +261,34 @@ void Comm::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
     }
     signal(B, s);
     // 3. gather the other ranks' reduced parts.
-    wait_all(B, s);
-    for (int k = 0; k < n_; ++k) {
-      if (k == rank_) continue;
-      size_t b = part_begin(k), e = part_begin(k + 1);
-      std::memcpy(mine + b * es, seg_.slot(k, buf) + b * es, (e - b) * es);
+    if (receives) {
+      wait_all(B, s);
+      for (int k = 0; k < n_; ++k) {
+        if (k == rank_) continue;
+        size_t b = part_begin(k), e = part_begin(k + 1);
+        shm_copy(mine + b * es, seg_.slot(k, buf) + b * es, (e - b) * es);
+      }
     }
     signal(C, s);
     done += m;
     first = false;
   } while (done < count);
+}
+
+// Steps 1 and 2 of a copy-only collective: this rank's part is in its slot (if it has one).
+void Comm::announce(uint32_t s, bool first) {
+  if (first) publish(current_);
+  signal(A, s);
+  signal(B, s);
+}
+
+// A non-root rank's step of broadcast and scatter: announce, then copy `m` bytes at `offset` of the
+// root's slot.
+void Comm::take_from_root(int root, uint32_t s, bool first, char* dst, size_t offset, size_t m) {
+  announce(s, first);
+  wait_for(root, A, s);
+  if (first) check_peer(root, current_);
+  shm_copy(dst, seg_.slot(root, static_cast<int>(s % 2)) + offset, m);
 }
 
 void Comm::broadcast(void* data, size_t bytes, int root) {
@@ -240,17 +303,10 @@ void Comm::broadcast(void* data, size_t bytes, int root) {
     const uint32_t s = begin_step();
     const int buf = static_cast<int>(s % 2);
     if (rank_ == root) {
-      std::memcpy(seg_.slot(root, buf), base + done, m);
-      if (first) publish(current_);
-      signal(A, s);
-      signal(B, s);
+      shm_copy(seg_.slot(root, buf), base + done, m);
+      announce(s, first);
     } else {
-      if (first) publish(current_);
-      signal(A, s);
-      signal(B, s);
-      wait_for(root, A, s);
-      if (first) check_peer(root, current_);
-      std::memcpy(base + done, seg_.slot(root, buf), m);
+      take_from_root(root, s, first, base + done, 0, m);
     }
     signal(C, s);
     done += m;
@@ -258,9 +314,17 @@ void Comm::broadcast(void* data, size_t bytes, int root) {
   } while (done < bytes);
 }
 
-void Comm::all_gather(const void* in, size_t bytes, void* const* outs) {
+void Comm::all_gather(const void* in, size_t bytes, void* const* outs) { gather_into(in, bytes, outs, -1, kAllGather); }
+
+void Comm::gather(const void* in, size_t bytes, void* const* outs, int root) {
+  DTRAIN_ASSERT(root >= 0 && root < n_);
+  gather_into(in, bytes, outs, root, kGather);
+}
+
+void Comm::gather_into(const void* in, size_t bytes, void* const* outs, int root, uint32_t kind) {
   check_usable();
-  current_ = OpDesc{++op_id_, bytes, kAllGather, 0, 0, -1};
+  current_ = OpDesc{++op_id_, bytes, kind, 0, 0, root};
+  const bool receives = root < 0 || root == rank_;
   const char* src = static_cast<const char*>(in);
   size_t done = 0;
   bool first = true;
@@ -268,18 +332,50 @@ void Comm::all_gather(const void* in, size_t bytes, void* const* outs) {
     const size_t m = std::min(seg_.slot_bytes(), bytes - done);
     const uint32_t s = begin_step();
     const int buf = static_cast<int>(s % 2);
-    std::memcpy(seg_.slot(rank_, buf), src + done, m);
-    if (first) publish(current_);
-    signal(A, s);
-    signal(B, s);
-    wait_all(A, s);
-    if (first)
+    shm_copy(seg_.slot(rank_, buf), src + done, m);
+    announce(s, first);
+    if (receives) {
+      wait_all(A, s);
+      if (first)
+        for (int k = 0; k < n_; ++k)
+          if (k != rank_) check_peer(k, current_);
+      for (int k = 0; k < n_; ++k) {
+        char* dst = static_cast<char*>(outs[k]) + done;
+        const char* from = k == rank_ ? src + done : seg_.slot(k, buf);
+        if (dst != from) shm_copy(dst, from, m);
+      }
+    } else if (first) {
+      // The root checks everyone; checking the root here too means that a rank whose root called
+      // something else fails as well, instead of completing a gather that never happened.
+      wait_for(root, A, s);
+      check_peer(root, current_);
+    }
+    signal(C, s);
+    done += m;
+    first = false;
+  } while (done < bytes);
+}
+
+void Comm::scatter(const void* const* ins, size_t bytes, void* out, int root) {
+  check_usable();
+  DTRAIN_ASSERT(root >= 0 && root < n_);
+  current_ = OpDesc{++op_id_, bytes, kScatter, 0, 0, root};
+  // The root's slot holds one part per rank side by side, so a step moves a slot's n-th part of each.
+  const size_t part = std::max<size_t>(seg_.slot_bytes() / static_cast<size_t>(n_) / 64 * 64, 1);
+  char* dst = static_cast<char*>(out);
+  size_t done = 0;
+  bool first = true;
+  do {
+    const size_t m = std::min(part, bytes - done);
+    const uint32_t s = begin_step();
+    const int buf = static_cast<int>(s % 2);
+    if (rank_ == root) {
       for (int k = 0; k < n_; ++k)
-        if (k != rank_) check_peer(k, current_);
-    for (int k = 0; k < n_; ++k) {
-      char* dst = static_cast<char*>(outs[k]) + done;
-      const char* from = k == rank_ ? src + done : seg_.slot(k, buf);
-      if (dst != from) std::memcpy(dst, from, m);
+        shm_copy(seg_.slot(root, buf) + k * part, static_cast<const char*>(ins[k]) + done, m);
+      announce(s, first);
+      shm_copy(dst + done, static_cast<const char*>(ins[rank_]) + done, m);
+    } else {
+      take_from_root(root, s, first, dst + done, rank_ * part, m);
     }
     signal(C, s);
     done += m;
@@ -291,9 +387,7 @@ void Comm::barrier() {
   check_usable();
   current_ = OpDesc{++op_id_, 0, kBarrier, 0, 0, -1};
   const uint32_t s = begin_step();
-  publish(current_);
-  signal(A, s);
-  signal(B, s);
+  announce(s, /*first=*/true);
   wait_all(A, s);
   for (int k = 0; k < n_; ++k)
     if (k != rank_) check_peer(k, current_);

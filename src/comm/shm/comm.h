@@ -9,7 +9,9 @@
 //      every rank with both calls named, instead of corrupting memory or hanging); reduce part r in
 //      rank order 0..n-1 (so every rank gets the same bits) into r's tensor and r's slot; B = s.
 //   3. gather: wait for B of every rank; copy their reduced parts into r's tensor; C = s.
-// broadcast and all_gather use the same counters with one copy in and one copy out.
+// reduce is all_reduce whose step 3 only the root runs (the others' tensors are only read), gather
+// is all_gather that only the root copies out of, and scatter is broadcast of one part per rank.
+// broadcast, all_gather, gather and scatter use the same counters with one copy in and one copy out.
 //
 // Waiting: spin briefly, then yield, then sleep on a futex (woken by the signalling rank); every
 // wait checks the abort flag, the group timeout, and whether the awaited process still exists.
@@ -33,13 +35,22 @@ class Comm {
   Comm& operator=(const Comm&) = delete;
 
   void all_reduce(void* data, size_t count, DType dtype, RedOp op);
+  // The result lands in root's `data` only; the other ranks' `data` is left as it was.
+  void reduce(void* data, size_t count, DType dtype, RedOp op, int root);
   void broadcast(void* data, size_t bytes, int root);
   // outs[k] receives rank k's `bytes` bytes (outs[rank] may equal in).
   void all_gather(const void* in, size_t bytes, void* const* outs);
+  // On root, outs[k] receives rank k's `bytes` bytes; `outs` is ignored elsewhere.
+  void gather(const void* in, size_t bytes, void* const* outs, int root);
+  // Rank k receives root's ins[k] (`bytes` bytes) in `out`; `ins` is ignored off the root.
+  void scatter(const void* const* ins, size_t bytes, void* out, int root);
   void barrier();
   // Fails the segment for every rank (their waits throw with `message`), e.g. when this rank's part
   // of a hierarchical all-reduce failed outside shared memory. Throws nothing.
   void abort(const std::string& message);
+  // Why the segment is unusable ("" while it is usable): the first failure of any rank, which
+  // aborted it. Safe to call from any thread.
+  std::string failure() const;
 
   int rank() const { return rank_; }
   int size() const { return n_; }
@@ -49,6 +60,12 @@ class Comm {
 
  private:
   enum Phase { A = 0, B = 1, C = 2 };
+  // all_reduce (root -1) and reduce.
+  void reduce_into(void* data, size_t count, DType dtype, RedOp op, int root, uint32_t kind);
+  void announce(uint32_t s, bool first);
+  void take_from_root(int root, uint32_t s, bool first, char* dst, size_t offset, size_t m);
+  // all_gather (root -1) and gather.
+  void gather_into(const void* in, size_t bytes, void* const* outs, int root, uint32_t kind);
   uint32_t begin_step();
   void signal(Phase p, uint32_t s);
   void wait_for(int peer, Phase p, uint32_t s);
@@ -58,6 +75,7 @@ class Comm {
   void check_usable() const;
   [[noreturn]] void fail(const std::string& message);
   std::string describe(const OpDesc& d) const;
+  int root_label(int32_t root) const;
   std::string op_name() const;
 
   Segment seg_;

@@ -7,6 +7,9 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -35,6 +38,34 @@ struct GlooCall {
   int64_t redop = -1;  // c10d::ReduceOp, -1 for none
 };
 
+// Note [Guarded Gloo collectives] (shm_gloo_guard.cpp): the kinds a GlooCall names.
+enum GlooCallKind : int64_t {
+  kAllReduce = 1,
+  kBroadcast,
+  kReduce,
+  kAllGather,
+  kGather,
+  kScatter,
+  kReduceScatter,
+  kAllToAll,
+  kBarrier
+};
+// agree()'s verdict that the ranks describe different calls: raised before any data moved, so the
+// group stays usable (everything else that fails a job breaks it: Note [Broken groups]).
+class CallMismatch : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+GlooCall call_of(GlooCallKind kind, const std::vector<at::Tensor>& ts, int64_t root = -1,
+                 const c10d::ReduceOp* op = nullptr);
+
+// What the segment's kernels take: a dense contiguous CPU tensor (and, to reduce, one of their dtypes
+// and reduce ops).
+std::optional<shm::DType> shm_dtype(const at::Tensor& t);
+std::optional<shm::RedOp> shm_op(const c10d::ReduceOp& op);
+bool plain_cpu(const at::Tensor& t);
+
 // Point-to-point over `local`'s segment, naming dtypes and shapes as c10 does ("Float [4, 5]").
 std::shared_ptr<shm::P2p> make_p2p(std::shared_ptr<shm::Comm> local);
 
@@ -49,6 +80,11 @@ class ShmProcessGroup : public compat::Backend {
 
   const std::string getBackendName() const override { return "gloo"; }
   bool has_local() const { return local_ != nullptr; }
+  // "" when this group can run `type` on tensors like `t` (with `op`), else why not and the remedy;
+  // decided from what every rank knows alike, so every rank gets the same answer.
+  std::string unsupported(c10d::OpType type, const at::Tensor& t, const c10d::ReduceOp& op) const;
+  // Why the group is unusable ("" while it is usable): Note [Broken groups] in shm_process_group.cpp.
+  std::string broken() const;
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
@@ -90,6 +126,12 @@ class ShmProcessGroup : public compat::Backend {
  private:
   // This host's local rank of group rank `r`, or -1 when r is on another host or there is no segment.
   int local_rank_of(int r) const;
+  // Whether the call runs over the segment (the entry points and unsupported() ask alike).
+  bool shm_reduces(const at::Tensor& t, const c10d::ReduceOp& op, bool all) const;
+  bool shm_moves(const at::Tensor& t) const;
+  // Marks the group unusable after a failure that may have left data half moved, and tells this
+  // host's other ranks through the segment (Note [Broken groups]).
+  void mark_broken(const std::string& why);
   // A point-to-point operation over the segment (Note [Shared-memory point-to-point]).
   c10::intrusive_ptr<c10d::Work> p2p(std::vector<at::Tensor>& t, int peer_local, int tag, bool is_send);
 
@@ -115,6 +157,8 @@ class ShmProcessGroup : public compat::Backend {
   std::deque<std::function<void()>> queue_;
   int pending_ = 0;     // queued or running jobs
   std::mutex exec_mu_;  // one job at a time on the segment (worker or inline caller)
+  mutable std::mutex broken_mu_;
+  std::string broken_;  // the failure that made the group unusable (Note [Broken groups])
   bool stop_ = false;
   std::thread worker_;
 };

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 
+#include <cctype>
 #include <cstring>
 #include <optional>
 #include <stdexcept>
@@ -37,6 +38,26 @@ class ShmWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+// The text of an exception without c10's backtrace, first line only.
+std::string first_line(const std::exception& e) {
+  auto* ce = dynamic_cast<const c10::Error*>(&e);
+  std::string s = ce ? ce->what_without_backtrace() : e.what();
+  return s.substr(0, s.find('\n'));
+}
+
+// "allreduce", "barrier": c10d's name of the operation.
+std::string op_name(c10d::OpType type) {
+  std::string name = c10d::opTypeToString(type);
+  for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return name;
+}
+
+std::string unusable(const std::string& why) {
+  return detail::cat(kUnusableGroup, " (", why, "): destroy the process group and create it again, or restart the job");
+}
+
+}  // namespace
+
 std::optional<shm::DType> shm_dtype(const at::Tensor& t) {
   if (!t.defined() || !t.device().is_cpu() || !t.is_contiguous() || t.is_sparse()) return std::nullopt;
   switch (t.scalar_type()) {
@@ -64,106 +85,6 @@ std::optional<shm::RedOp> shm_op(const c10d::ReduceOp& op) {
 bool plain_cpu(const at::Tensor& t) {
   return t.defined() && t.device().is_cpu() && t.is_contiguous() && !t.is_sparse();
 }
-
-// Note [Guarded Gloo collectives]: Gloo's TCP transport checks on its own I/O thread that an
-// incoming message fits the buffer posted for it. Ranks that pass different sizes to a collective
-// therefore make Gloo throw where no caller can catch it (std::terminate: the process dies of
-// SIGABRT), or, when the message is smaller, leave garbage in the output or hang. So before a
-// collective starts on Gloo, the ranks all-gather a fixed-size description of it (GlooCall: an
-// exchange that itself cannot mismatch) and start it only if every rank describes the same call;
-// otherwise every rank throws (the caller's Work names the rank and the operation) and no data has
-// moved, so the group stays usable. The exchange and the collective run in the queue's order (the
-// worker, or the caller for a blocking call): Gloo numbers its collectives as they start, so every
-// rank must start them in the same order. Point-to-point needs no check: send and recv match by tag.
-enum GlooCallKind : int64_t {
-  kAllReduce = 1,
-  kBroadcast,
-  kReduce,
-  kAllGather,
-  kGather,
-  kScatter,
-  kReduceScatter,
-  kAllToAll,
-  kBarrier
-};
-
-const char* kind_name(int64_t k) {
-  switch (k) {
-    case kAllReduce:
-      return "all_reduce";
-    case kBroadcast:
-      return "broadcast";
-    case kReduce:
-      return "reduce";
-    case kAllGather:
-      return "all_gather";
-    case kGather:
-      return "gather";
-    case kScatter:
-      return "scatter";
-    case kReduceScatter:
-      return "reduce_scatter";
-    case kAllToAll:
-      return "all_to_all";
-    case kBarrier:
-      return "barrier";
-  }
-  return "an unknown collective";
-}
-
-const char* redop_name(int64_t op) {
-  switch (op) {
-    case c10d::ReduceOp::SUM:
-      return "SUM";
-    case c10d::ReduceOp::AVG:
-      return "AVG";
-    case c10d::ReduceOp::PRODUCT:
-      return "PRODUCT";
-    case c10d::ReduceOp::MIN:
-      return "MIN";
-    case c10d::ReduceOp::MAX:
-      return "MAX";
-    case c10d::ReduceOp::BAND:
-      return "BAND";
-    case c10d::ReduceOp::BOR:
-      return "BOR";
-    case c10d::ReduceOp::BXOR:
-      return "BXOR";
-  }
-  return "?";
-}
-
-int64_t numel(const std::vector<at::Tensor>& ts) {
-  int64_t n = 0;
-  for (const auto& t : ts) n += t.numel();
-  return n;
-}
-
-GlooCall call_of(GlooCallKind kind, const std::vector<at::Tensor>& ts, int64_t root = -1,
-                 const c10d::ReduceOp* op = nullptr) {
-  GlooCall c;
-  c.op = kind;
-  c.dtype = ts.empty() || !ts[0].defined() ? -1 : static_cast<int64_t>(ts[0].scalar_type());
-  c.count = numel(ts);
-  c.root = root;
-  c.redop = op ? static_cast<int64_t>(op->op_) : -1;
-  return c;
-}
-
-// "all_reduce of 4 Float elements (SUM)", "broadcast of 5 Float elements with root rank 1"
-std::string describe(const GlooCall& c, const std::vector<int>& labels) {
-  std::string s = kind_name(c.op);
-  if (c.dtype >= 0 && c.dtype < static_cast<int64_t>(c10::ScalarType::NumOptions)) {
-    const char* dtype = c10::toString(static_cast<c10::ScalarType>(c.dtype));
-    s += c.count >= 0 ? detail::cat(" of ", c.count, " ", dtype, " elements") : detail::cat(" of ", dtype);
-  }
-  if (c.root >= 0)
-    s += detail::cat(" with root rank ", c.root < static_cast<int64_t>(labels.size()) ? labels[c.root] : c.root);
-  if (c.redop >= 0) s += detail::cat(" (", redop_name(c.redop), ")");
-  return s;
-}
-
-}  // namespace
 
 ShmProcessGroup::ShmProcessGroup(int rank, int size, compat::BackendPtr gloo, std::unique_ptr<shm::Comm> local,
                                  compat::BackendPtr leaders, ShmTopology topo, std::vector<int> labels)
@@ -208,12 +129,25 @@ void ShmProcessGroup::run() {
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::enqueue(std::vector<at::Tensor> outputs, c10d::OpType type,
                                                         std::function<void()> job) {
   auto work = c10::make_intrusive<ShmWork>(std::move(outputs), type);
-  auto task = [work, job = std::move(job)] {
+  // Note [Broken groups]: on a broken group a call fails at once, without queueing behind others.
+  if (std::string why = broken(); !why.empty()) {
+    work->complete(std::make_exception_ptr(std::runtime_error(unusable(why))));
+    return work;
+  }
+  auto task = [this, work, type, job = std::move(job)] {
     std::exception_ptr error;
     try {
+      // Queued before the group broke: fail without touching the transports.
+      if (std::string why = broken(); !why.empty()) throw std::runtime_error(unusable(why));
       job();
+    } catch (const CallMismatch&) {
+      error = std::current_exception();  // no data moved: the group stays usable
+    } catch (const std::exception& e) {
+      error = std::current_exception();
+      mark_broken(detail::cat("rank ", labels_.at(rank_), ": ", op_name(type), " failed: ", first_line(e)));
     } catch (...) {
       error = std::current_exception();
+      mark_broken(detail::cat("rank ", labels_.at(rank_), ": ", op_name(type), " failed"));
     }
     work->complete(error);
   };
@@ -236,56 +170,41 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::enqueue(std::vector<at::Tensor> 
   return work;
 }
 
-void ShmProcessGroup::agree(compat::Backend& pg, int me, const std::vector<int>& labels, const GlooCall& call,
-                            std::chrono::milliseconds timeout) {
-  constexpr int64_t kFields = sizeof(GlooCall) / sizeof(int64_t);
-  const int n = pg.getSize();
-  at::Tensor mine = at::empty({kFields}, at::kLong);
-  std::memcpy(mine.data_ptr(), &call, sizeof(call));
-  std::vector<at::Tensor> all;
-  for (int r = 0; r < n; ++r) all.push_back(at::empty({kFields}, at::kLong));
-  if (&pg == gloo_.get() && local_ && topo_.hosts == 1) {
-    // One host: the segment carries the exchange (microseconds instead of a TCP round trip).
-    std::vector<void*> outs;
-    for (auto& t : all) outs.push_back(t.data_ptr());
-    local_->all_gather(mine.data_ptr(), sizeof(call), outs.data());
-  } else {
-    std::vector<std::vector<at::Tensor>> out{all};
-    std::vector<at::Tensor> in{mine};
-    c10d::AllgatherOptions opts;
-    opts.timeout = timeout;
-    pg.allgather(out, in, opts)->wait();
+// Note [Broken groups]: a collective that fails once data may have moved (a transport error, a
+// timeout, a rank that died, calls that differ over shared memory, where the check comes after the
+// first copy) leaves the ranks at different points of it; what they would exchange next is
+// undefined, and Gloo's barrier would even rethrow the old failure on some ranks only. So, as
+// PyTorch 2.x aborts a failed communicator, the group is marked broken: every later call on it fails
+// at once, on this rank and (through the segment's abort flag) on every rank of this host, with one
+// line that carries the first failure. A rank on another host learns it when its own next exchange
+// with a broken rank fails (Gloo's error, or the timeout). Failures found before anything is sent
+// leave the group usable, on every rank alike: a call the backend cannot run (rejected by the front
+// end, comm::unsupported), a DTRAIN_DEBUG=DETAIL mismatch, and a mismatch caught by the guard of
+// Note [Guarded Gloo collectives] (CallMismatch).
+std::string ShmProcessGroup::broken() const {
+  {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (!broken_.empty()) return broken_;
   }
-  for (int r = 0; r < n; ++r) {
-    GlooCall theirs;
-    std::memcpy(&theirs, all[r].data_ptr(), sizeof(theirs));
-    if (std::memcmp(&theirs, &call, sizeof(call)) == 0) continue;
-    // Not a dtrain::Error: dtrain::Work prefixes it with the rank, the operation and the group.
-    throw std::runtime_error(
-        detail::cat("mismatched collectives over Gloo: rank ", labels.at(me), " calls ", describe(call, labels),
-                    " but rank ", labels.at(r), " calls ", describe(theirs, labels),
-                    ": every rank must call the same collectives in the same order with the same shapes and dtypes"));
-  }
+  return local_ ? local_->failure() : std::string();
 }
 
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::on_gloo(std::vector<at::Tensor> outputs, c10d::OpType type,
-                                                        GlooCall call, std::chrono::milliseconds timeout,
-                                                        std::function<c10::intrusive_ptr<c10d::Work>()> start) {
-  return enqueue(std::move(outputs), type, [this, call, timeout, start = std::move(start)] {
-    agree(*gloo_, rank_, labels_, call, timeout);
-    if (start) start()->wait();
-  });
+void ShmProcessGroup::mark_broken(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (!broken_.empty()) return;
+    broken_ = why;
+  }
+  if (local_) local_->abort(why);  // a no-op when the segment already failed
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
-  auto dtype = tensors.size() == 1 ? shm_dtype(tensors[0]) : std::nullopt;
-  auto op = shm_op(opts.reduceOp);
-  if (!dtype || !op || (!local_ && !leaders_))
+  if (tensors.size() != 1 || !shm_reduces(tensors[0], opts.reduceOp, /*all=*/true))
     return on_gloo(tensors, c10d::OpType::ALLREDUCE, call_of(kAllReduce, tensors, -1, &opts.reduceOp), opts.timeout,
                    [this, tensors, opts]() mutable { return gloo_->allreduce(tensors, opts); });
   at::Tensor t = tensors[0];
-  return enqueue({t}, c10d::OpType::ALLREDUCE, [this, t, d = *dtype, o = *op, opts] {
+  return enqueue({t}, c10d::OpType::ALLREDUCE, [this, t, d = *shm_dtype(t), o = *shm_op(opts.reduceOp), opts] {
     // Hierarchical: reduce inside the host, then across host leaders, then spread inside the host.
     if (local_) local_->all_reduce(t.data_ptr(), static_cast<size_t>(t.numel()), d, o);
     if (leaders_) {
@@ -309,7 +228,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
-  if (topo_.hosts > 1 || !local_ || tensors.size() != 1 || !plain_cpu(tensors[0]) || opts.rootTensor != 0)
+  if (tensors.size() != 1 || opts.rootTensor != 0 || !shm_moves(tensors[0]))
     return on_gloo(tensors, c10d::OpType::BROADCAST, call_of(kBroadcast, tensors, opts.rootRank), opts.timeout,
                    [this, tensors, opts]() mutable { return gloo_->broadcast(tensors, opts); });
   at::Tensor t = tensors[0];
@@ -321,8 +240,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::broadcast(std::vector<at::Tensor
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                           std::vector<at::Tensor>& inputs,
                                                           const c10d::AllgatherOptions& opts) {
-  bool ok = topo_.hosts == 1 && local_ && inputs.size() == 1 && outputs.size() == 1 && plain_cpu(inputs[0]) &&
-            static_cast<int>(outputs[0].size()) == size_;
+  bool ok =
+      inputs.size() == 1 && outputs.size() == 1 && shm_moves(inputs[0]) && static_cast<int>(outputs[0].size()) == size_;
   if (ok)
     for (const auto& o : outputs[0])
       ok = ok && plain_cpu(o) && o.scalar_type() == inputs[0].scalar_type() && o.numel() == inputs[0].numel();
@@ -347,75 +266,17 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::barrier(const c10d::BarrierOptio
   return on_gloo({}, c10d::OpType::BARRIER, call_of(kBarrier, {}), opts.timeout, nullptr);
 }
 
-// The rest always runs on Gloo, checked first (Note [Guarded Gloo collectives]).
-#define DTRAIN_ON_GLOO(outputs, type, call, timeout, ...) \
-  return on_gloo(outputs, c10d::OpType::type, call, timeout, [=, gloo = gloo_]() mutable { return gloo->__VA_ARGS__; })
-
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce_coalesced(std::vector<at::Tensor>& t,
-                                                                    const c10d::AllreduceCoalescedOptions& o) {
-  DTRAIN_ON_GLOO(t, ALLREDUCE_COALESCED, call_of(kAllReduce, t, -1, &o.reduceOp), o.timeout, allreduce_coalesced(t, o));
-}
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) {
-  DTRAIN_ON_GLOO(t, REDUCE, call_of(kReduce, t, o.rootRank, &o.reduceOp), o.timeout, reduce(t, o));
-}
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_allgather_base(at::Tensor& out, at::Tensor& in,
-                                                                const c10d::AllgatherOptions& o) {
-  DTRAIN_ON_GLOO({out}, _ALLGATHER_BASE, call_of(kAllGather, {in}), o.timeout, _allgather_base(out, in, o));
-}
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allgather_coalesced(std::vector<std::vector<at::Tensor>>& out,
-                                                                    std::vector<at::Tensor>& in,
-                                                                    const c10d::AllgatherOptions& o) {
-  DTRAIN_ON_GLOO({}, ALLGATHER_COALESCED, call_of(kAllGather, in), o.timeout, allgather_coalesced(out, in, o));
-}
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::gather(std::vector<std::vector<at::Tensor>>& out,
-                                                       std::vector<at::Tensor>& in, const c10d::GatherOptions& o) {
-  DTRAIN_ON_GLOO(out.empty() ? std::vector<at::Tensor>{} : out[0], GATHER, call_of(kGather, in, o.rootRank), o.timeout,
-                 gather(out, in, o));
-}
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::scatter(std::vector<at::Tensor>& out,
-                                                        std::vector<std::vector<at::Tensor>>& in,
-                                                        const c10d::ScatterOptions& o) {
-  DTRAIN_ON_GLOO(out, SCATTER, call_of(kScatter, out, o.rootRank), o.timeout, scatter(out, in, o));
-}
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce_scatter(std::vector<at::Tensor>& out,
-                                                               std::vector<std::vector<at::Tensor>>& in,
-                                                               const c10d::ReduceScatterOptions& o) {
-  DTRAIN_ON_GLOO(out, REDUCE_SCATTER, call_of(kReduceScatter, out, -1, &o.reduceOp), o.timeout,
-                 reduce_scatter(out, in, o));
-}
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_reduce_scatter_base(at::Tensor& out, at::Tensor& in,
-                                                                     const c10d::ReduceScatterOptions& o) {
-  DTRAIN_ON_GLOO({out}, _REDUCE_SCATTER_BASE, call_of(kReduceScatter, {out}, -1, &o.reduceOp), o.timeout,
-                 _reduce_scatter_base(out, in, o));
-}
-// all_to_all: ranks may legitimately send different amounts, so only the operation and dtype are
-// checked (count -1).
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& os,
-                                                              std::vector<int64_t>& is,
-                                                              const c10d::AllToAllOptions& o) {
-  GlooCall c = call_of(kAllToAll, {in});
-  c.count = -1;
-  DTRAIN_ON_GLOO({out}, ALLTOALL_BASE, c, o.timeout, alltoall_base(out, in, os, is, o));
-}
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
-                                                         const c10d::AllToAllOptions& o) {
-  GlooCall c = call_of(kAllToAll, in);
-  c.count = -1;
-  DTRAIN_ON_GLOO(out, ALLTOALL, c, o.timeout, alltoall(out, in, o));
-}
-#undef DTRAIN_ON_GLOO
-
-// Queued, unchecked (it exists to report the ranks that do not come, within its own timeout): Gloo
-// numbers it among the collectives, which start on the worker in the queue's order.
-void ShmProcessGroup::monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all_ranks) {
-  enqueue({}, c10d::OpType::BARRIER, [this, o, wait_all_ranks] { gloo_->monitoredBarrier(o, wait_all_ranks); })->wait();
-}
-void ShmProcessGroup::setSequenceNumberForGroup() { gloo_->setSequenceNumberForGroup(); }
-uint64_t ShmProcessGroup::getSequenceNumberForGroup() { return gloo_->getSequenceNumberForGroup(); }
-
 bool has_shared_memory_segment(const compat::BackendPtr& pg) {
   auto* s = dynamic_cast<ShmProcessGroup*>(pg.get());
   return s && s->has_local();
+}
+
+bool shm_group_unsupported(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,
+                           const c10d::ReduceOp& op, std::string* why_not) {
+  auto* s = dynamic_cast<ShmProcessGroup*>(pg.get());
+  if (!s) return false;
+  *why_not = s->unsupported(type, t, op);
+  return true;
 }
 
 }  // namespace dtrain::comm

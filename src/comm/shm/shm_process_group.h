@@ -1,12 +1,13 @@
 // The Gloo process group with shared-memory collectives for ranks that share a host.
 //
 // ShmProcessGroup is a c10d process group (compat::Backend) wrapping the group's ProcessGroupGloo, so
-// DDP and every other caller get it through the same interface. all_reduce (SUM, PRODUCT, MIN, MAX
-// on float32/float64/float16/bfloat16 CPU tensors), broadcast, all_gather and barrier run over
-// shared memory on a worker thread (asynchronous like Gloo: the caller gets a Work at once);
+// DDP and every other caller get it through the same interface. all_reduce and reduce (SUM, PRODUCT,
+// MIN, MAX on float32/float64/float16/bfloat16 CPU tensors), broadcast, all_gather, gather, scatter
+// (any dtype) and barrier run over shared memory on a worker thread (asynchronous like Gloo: the
+// caller gets a Work at once);
 // everything else, and every tensor the shared-memory path does not take, goes to Gloo, on the same
 // worker, once every rank has described the same call (Note [Guarded Gloo collectives] in
-// shm_process_group.cpp). Without shared memory (DTRAIN_SHM=0, or one rank per host) the group still
+// shm_gloo_guard.cpp). Without shared memory (DTRAIN_SHM=0, or one rank per host) the group still
 // wraps Gloo, for that check.
 //
 // Across hosts all_reduce is hierarchical (Horovod's): shared memory inside each host, Gloo between
@@ -44,5 +45,10 @@ compat::BackendPtr make_shm_process_group(const BackendConfig& config, compat::B
 
 // Whether `pg` is a ShmProcessGroup with a shared-memory segment for this rank's host.
 bool has_shared_memory_segment(const compat::BackendPtr& pg);
+
+// Whether `pg` is a ShmProcessGroup; if so, *why_not is "" when it can run `type` on tensors like
+// `t` with `op`, else why not and the remedy (the front end's check before anything is sent).
+bool shm_group_unsupported(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,
+                           const c10d::ReduceOp& op, std::string* why_not);
 
 }  // namespace dtrain::comm

@@ -49,7 +49,7 @@ compat::BackendPtr make_shm_process_group(const BackendConfig& c, compat::Backen
   if (labels.empty())
     for (int r = 0; r < c.size; ++r) labels.push_back(r);
   // Without shared memory the group still wraps Gloo: its collectives are checked before they start
-  // (Note [Guarded Gloo collectives] in shm_process_group.cpp).
+  // (Note [Guarded Gloo collectives] in shm_gloo_guard.cpp).
   auto gloo_only = [&] {
     return c10::make_intrusive<ShmProcessGroup>(c.rank, c.size, gloo, nullptr, compat::BackendPtr(), ShmTopology{},
                                                 labels);
