@@ -79,6 +79,10 @@ def main():
     secs = time.perf_counter() - t0
     if rank == 0:
         print(f"steps_per_s={a.steps / secs:.3f}", flush=True)
+    # Every rank out of its last all-reduce before any tears the group down: PyTorch 2.x's Gloo
+    # aborted rank 0 ("terminate called without an active exception") when it destroyed the group
+    # while rank 1 was still finishing the last step.
+    dist.barrier()
     dist.destroy_process_group()
 
 
