@@ -56,7 +56,8 @@ class SchedulerEnv(DistTestCase):
         return results
 
     def test_slurm(self):
-        results = self.run_with(lambda r, n: clean_env(SLURM_PROCID=r, SLURM_NTASKS=n, SLURM_LOCALID=r))
+        results = self.run_with(lambda r, n: clean_env(SLURM_PROCID=r, SLURM_NTASKS=n, SLURM_LOCALID=r,
+                                                       SLURM_STEP_ID=0))
         for r, res in enumerate(results):
             self.assertIn(f"Rank: {r}, World Size: 2, Local Rank: {r}/2", res.out, str(res))
 
@@ -65,7 +66,8 @@ class SchedulerEnv(DistTestCase):
         local = [0, 1, 0]
         results = self.run_with(lambda r, n: clean_env(SLURM_PROCID=r, SLURM_NTASKS=n,
                                                        SLURM_LOCALID=local[r],
-                                                       SLURM_NTASKS_PER_NODE="2(x1),1"), world=3)
+                                                       SLURM_NTASKS_PER_NODE="2(x1),1", SLURM_STEP_ID=0),
+                                world=3)
         for r, res in enumerate(results):
             self.assertIn(f"Rank: {r}, World Size: 3, Local Rank: {local[r]}/", res.out, str(res))
 
