@@ -72,11 +72,11 @@ LaunchEnv read_launch_env(const EnvLookup& from, int explicit_rank, int explicit
   else if (auto t = read_int(from, "TORCHELASTIC_RESTART_COUNT", ""))
     out.restart_count = *t;
 
-  // A batch script (or salloc's shell) carries the job's SLURM_PROCID=0 and SLURM_NTASKS=N but is no
+  // A batch script carries the job's SLURM_PROCID=0 and SLURM_NTASKS=N but is no
   // step: ranks 1..N-1 will never come, so say so now rather than wait out the timeout.
   if (out.launcher == "srun" && out.world_size > 1 && explicit_world < 0 && !env::text("SLURM_STEP_ID", from))
     throw Error(detail::cat("SLURM_NTASKS=", out.world_size,
-                            " but SLURM_STEP_ID is not set: this is a batch script or salloc's shell, not an srun "
+                            " but SLURM_STEP_ID is not set: this is a batch script, not an srun "
                             "step, so no other rank will start; start the program with srun (or dtrain-run)"));
   if (explicit_rank >= 0) out.rank = explicit_rank;
   if (explicit_world >= 0) out.world_size = explicit_world;

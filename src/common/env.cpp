@@ -119,8 +119,8 @@ std::vector<Knob> make_table() {
       row("SLURM_JOB_NODELIST", R::kLibrary, Type::kText, "", "a Slurm host list", "",
           "Hosts of the job, when `SLURM_STEP_NODELIST` is unset."),
       row("SLURM_STEP_ID", R::kLibrary, Type::kText, "", "any text", "",
-          "Set in an srun step: a program that finds `SLURM_PROCID` without it runs in a batch script or "
-          "salloc's shell, not in a step, and refuses to wait for ranks nobody started."),
+          "Set in an srun step: a program that finds `SLURM_PROCID` without it runs in a batch script, "
+          "not in a step, and refuses to wait for ranks nobody starts."),
       row("MASTER_ADDR", R::kLibrary, Type::kHost, "", "a host name or address", "use e.g. 127.0.0.1 or node0.example",
           "Host of the rendezvous store (`env://`); Gloo binds to the interface that routes to it."),
       row("MASTER_PORT", R::kLibrary, Type::kPort, "", "a valid port",

@@ -169,7 +169,7 @@ TEST(SlurmLaunchEnv, ABatchScriptIsNoStep) {
     dtrain::comm::read_launch_env(env_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "3"}}));
   });
   EXPECT_EQ(e,
-            "SLURM_NTASKS=3 but SLURM_STEP_ID is not set: this is a batch script or salloc's shell, not an srun "
+            "SLURM_NTASKS=3 but SLURM_STEP_ID is not set: this is a batch script, not an srun "
             "step, so no other rank will start; start the program with srun (or dtrain-run)");
   // One task needs no peers; an explicit world size is the program's own decision.
   EXPECT_EQ(dtrain::comm::read_launch_env(env_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}})).world_size, 1);
