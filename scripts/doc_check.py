@@ -4,8 +4,10 @@
 1. Snippets: a code block in docs/*.md preceded by
        <!-- snippet: examples/ddp_train.cpp#wrap -->
    must equal the region of that file between the lines `// doc:begin wrap` and `// doc:end wrap`
-   (dedented). The examples are compiled and run by the test suite, so the documentation shows
-   only code that builds and works. `--update` rewrites the blocks from the sources.
+   (dedented); one preceded by `<!-- snippet: examples/slurm/train_fashion_mnist.sbatch -->` (no
+   region) must equal the whole file, for files whose first line cannot be a marker (a batch script's
+   `#!`). The examples are compiled and run by the test suite, so the documentation shows only code
+   that builds and works. `--update` rewrites the blocks from the sources.
 2. API reference: every class, struct and free function declared at namespace level in a public
    header (include/dtrain/*.h and include/dtrain/datasets/*.h, not detail/) is named in docs/api.md.
 3. Troubleshooting: every error line of README's bad-input catalogue appears in
@@ -21,7 +23,7 @@ import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SNIPPET = re.compile(r"<!-- snippet: (?P<file>[^#\s]+)#(?P<name>[\w-]+) -->\n```(?P<lang>\w*)\n(?P<body>.*?)```",
+SNIPPET = re.compile(r"<!-- snippet: (?P<file>[^#\s]+)(?:#(?P<name>[\w-]+))? -->\n```(?P<lang>\w*)\n(?P<body>.*?)```",
                      re.S)
 
 
@@ -47,16 +49,17 @@ def check_snippets(update):
             if not (ROOT / path).is_file():
                 problems.append(f"{md.relative_to(ROOT)}: snippet source {path} does not exist: fix the path")
                 return m[0]
-            want = region(path, name)
+            want = (ROOT / path).read_text() if name is None else region(path, name)
             if want is None:
                 problems.append(f"{md.relative_to(ROOT)}: {path} has no single region `// doc:begin {name}` .. "
                                 f"`// doc:end {name}`: add the markers or fix the name")
                 return m[0]
             if m["body"] != want:
+                ref = path if name is None else f"{path}#{name}"
                 if not update:
-                    problems.append(f"{md.relative_to(ROOT)}: snippet {path}#{name} differs from the source: "
+                    problems.append(f"{md.relative_to(ROOT)}: snippet {ref} differs from the source: "
                                     f"run scripts/doc_check.py --update")
-                return f"<!-- snippet: {path}#{name} -->\n```{m['lang']}\n{want}```"
+                return f"<!-- snippet: {ref} -->\n```{m['lang']}\n{want}```"
             return m[0]
 
         new = SNIPPET.sub(fix, text)

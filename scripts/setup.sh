@@ -11,6 +11,8 @@ PKGS=(
   python3-torch                     # reference implementation for goldens and benchmarks
   dataset-fashion-mnist             # the real data set
   openmpi-bin                       # the mpirun launch path is tested for real
+  mpich                             # ... and MPICH's (mpiexec.mpich; mpirun stays OpenMPI's)
+  munge slurmctld slurmd slurm-client  # a Slurm cluster of the tests' own (tests/dist/slurm_cluster.py)
   python3-venv                      # .venv/ for PyPI's torch 2.x
   clang-format                      # ctest format_check: the tree stays as .clang-format lays it out
   iproute2 procps                   # network namespaces for the multi-host test; ps for orphan checks
@@ -23,7 +25,20 @@ if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # The tests start munged, slurmctld and slurmd of their own; the system's copies that the packages
+  # just enabled (on a machine that runs systemd) would only sit there with a default configuration.
+  for svc in munge slurmctld slurmd; do
+    if [[ " ${missing[*]} " == *" $svc "* ]] && [ -d /run/systemd/system ]; then
+      $SUDO systemctl disable --now "$svc" >/dev/null 2>&1 || true
+    fi
+  done
+fi
+# mpirun and mpiexec must stay OpenMPI's (test_launch_env.py's OpenMPI test runs `mpirun`): MPICH's
+# alternative has the lower priority, but a machine set to it by hand would run the wrong one.
+if [ -x /usr/bin/mpirun.openmpi ] && [ "$(readlink -f /usr/bin/mpirun)" != /usr/bin/mpirun.openmpi ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO update-alternatives --quiet --set mpirun /usr/bin/mpirun.openmpi
 fi
 
 # LibTorch 2.x: PyPI's torch wheel carries LibTorch's headers, libraries and CMake config under

@@ -4,7 +4,9 @@
 //   1. Read rank and world size (launch_env: dtrain-run, torchrun, mpirun, srun, or explicit).
 //   2. Reach the store: file:// -> c10d::FileStore; env:// or tcp:// -> dtrain's store at the master
 //      address (hosted by dtrain-run when DTRAIN_AGENT_STORE=1, else by rank 0 in this process,
-//      bound to MASTER_ADDR only), or torchrun's c10d TCPStore when torchrun hosts it.
+//      bound to MASTER_ADDR only), or torchrun's c10d TCPStore when torchrun hosts it. Ranks started
+//      by srun without MASTER_ADDR / MASTER_PORT take them from Slurm's job, and rank 0 says so
+//      (Note [Rendezvous under Slurm] in common/slurm.h).
 //   3. Every key lives under "dtrain/a<restart>/" so an elastic restart never sees stale keys.
 //   4. Agree (rendezvous_check.cpp): world size, no duplicate ranks, local ranks from host names.
 //   5. Build the default group's backend (Gloo: a full mesh of TCP pairs bound to the interface
@@ -16,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iostream>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -89,9 +92,10 @@ c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const Launch
     return c10::make_intrusive<c10d::FileStore>(path, st.world_size);
   }
   Endpoint ep;
-  if (m == "env://")
-    ep = master_from_env(env::process());
-  else if (m.rfind("tcp://", 0) == 0)
+  if (m == "env://") {
+    ep = master_from_env(env::process(), le.launcher == "srun");
+    if (!ep.note.empty() && st.rank == 0) std::cerr << "dtrain: " << ep.note << std::endl;
+  } else if (m.rfind("tcp://", 0) == 0)
     ep = parse_tcp_url(m);
   else
     DTRAIN_CHECK(false, "unknown init_method '", m, "': use env://, tcp://host:port or file:///path");

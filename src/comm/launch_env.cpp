@@ -1,5 +1,6 @@
 #include "comm/launch_env.h"
 
+#include "common/slurm.h"
 #include "common/util.h"
 #include "dtrain/errors.h"
 
@@ -71,6 +72,12 @@ LaunchEnv read_launch_env(const EnvLookup& from, int explicit_rank, int explicit
   else if (auto t = read_int(from, "TORCHELASTIC_RESTART_COUNT", ""))
     out.restart_count = *t;
 
+  // A batch script carries the job's SLURM_PROCID=0 and SLURM_NTASKS=N but is no
+  // step: ranks 1..N-1 will never come, so say so now rather than wait out the timeout.
+  if (out.launcher == "srun" && out.world_size > 1 && explicit_world < 0 && !env::text("SLURM_STEP_ID", from))
+    throw Error(detail::cat("SLURM_NTASKS=", out.world_size,
+                            " but SLURM_STEP_ID is not set: this is a batch script, not an srun "
+                            "step, so no other rank will start; start the program with srun (or dtrain-run)"));
   if (explicit_rank >= 0) out.rank = explicit_rank;
   if (explicit_world >= 0) out.world_size = explicit_world;
   DTRAIN_CHECK(out.rank >= 0, "RANK is not set: ", kRankRemedy);
@@ -85,7 +92,10 @@ LaunchEnv read_launch_env(const EnvLookup& from, int explicit_rank, int explicit
   return out;
 }
 
-Endpoint master_from_env(const EnvLookup& from) {
+Endpoint master_from_env(const EnvLookup& from, bool under_srun) {
+  if (under_srun)
+    if (auto m = slurm::master(from, "set MASTER_ADDR to the address of the rank-0 host"))
+      return Endpoint{m->host, m->port, m->note};
   auto addr = env::host("MASTER_ADDR", from);
   DTRAIN_CHECK(addr,
                "MASTER_ADDR is not set: set it to the address of the rank-0 host "
@@ -94,7 +104,7 @@ Endpoint master_from_env(const EnvLookup& from) {
   DTRAIN_CHECK(port,
                "MASTER_PORT is not set: set it to a free port on the rank-0 host (e.g. 29500), "
                "or launch with dtrain-run");
-  return Endpoint{*addr, *port};
+  return Endpoint{*addr, *port, ""};
 }
 
 Endpoint parse_tcp_url(const std::string& url) {
@@ -117,7 +127,7 @@ Endpoint parse_tcp_url(const std::string& url) {
   }
   auto slash = port.find('/');
   if (slash != std::string::npos) port = port.substr(0, slash);  // tolerate a trailing path
-  return Endpoint{host, env::parse_port(port, "the port of init_method '" + url + "'")};
+  return Endpoint{host, env::parse_port(port, "the port of init_method '" + url + "'"), ""};
 }
 
 }  // namespace dtrain::comm

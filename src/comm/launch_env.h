@@ -34,9 +34,11 @@ LaunchEnv read_launch_env(const EnvLookup& from, int explicit_rank = -1, int exp
 struct Endpoint {
   std::string host;
   uint16_t port = 0;
+  std::string note;  // what was derived from Slurm's variables, for rank 0 to say ("" when nothing was)
 };
-// MASTER_ADDR and MASTER_PORT (env://).
-Endpoint master_from_env(const EnvLookup& from);
+// MASTER_ADDR and MASTER_PORT (env://). Ranks started by srun (`under_srun`) that lack either get it
+// from Slurm's job (Note [Rendezvous under Slurm] in common/slurm.h).
+Endpoint master_from_env(const EnvLookup& from, bool under_srun = false);
 // "tcp://host:port", "tcp://[v6addr]:port".
 Endpoint parse_tcp_url(const std::string& url);
 

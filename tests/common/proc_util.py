@@ -1,6 +1,7 @@
 """Helpers that the Python test suites in tests/dist and tests/launcher share (stdlib only)."""
 import fcntl
 import os
+import random
 import socket
 import struct
 import time
@@ -12,6 +13,32 @@ def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_is_free(port, host="127.0.0.1"):
+    """Whether `port` on `host` can be bound now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def slurm_job_port(job_id):
+    """The port dtrain derives from a Slurm job id when MASTER_PORT is unset (Lightning's rule)."""
+    return 15000 + job_id % 10000
+
+
+def free_slurm_job_id(count=1):
+    """A random job id such that the ports derived from it and the next count-1 ids are free, so that a
+    test whose job meets at the derived port does not meet another program (or a second copy of the
+    suite) there."""
+    for _ in range(200):
+        first = random.randrange(100000, 900000)
+        if all(port_is_free(slurm_job_port(first + i)) for i in range(count)):
+            return first
+    raise AssertionError(f"no run of {count} free ports in 15000-24999 on 127.0.0.1")
 
 
 def wait_until(pred, timeout=10.0, step=0.05):

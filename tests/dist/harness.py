@@ -25,7 +25,9 @@ import unittest
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
-from proc_util import alive, children, free_port, wait_until  # noqa: E402  (re-exported to the dist tests)
+# Re-exported to the dist tests.
+from proc_util import (alive, children, free_port, free_slurm_job_id, slurm_job_port,  # noqa: E402
+                       wait_until)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -94,13 +96,13 @@ class Result:
 class Proc:
     """A started process in its own session (so the harness can kill it and its children)."""
 
-    def __init__(self, argv, env=None, stdin=subprocess.DEVNULL):
+    def __init__(self, argv, env=None, stdin=subprocess.DEVNULL, cwd=None):
         self.argv = [str(a) for a in argv]
         self.start = time.monotonic()
         # Files, not pipes: a rank blocked on a full pipe could stall its peers.
         self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self.p = subprocess.Popen(self.argv, env=env, stdin=stdin, stdout=self._out, stderr=self._err,
-                                  start_new_session=True)
+                                  start_new_session=True, cwd=cwd)
         self.pid = self.p.pid
 
     def kill(self):
@@ -164,8 +166,8 @@ class DistTestCase(unittest.TestCase):
             results.append(proc.finish(deadline - time.monotonic()))
         return results
 
-    def run_one(self, argv, env, timeout=PROC_TIMEOUT_S):
-        return self.spawn(argv, env).finish(timeout)
+    def run_one(self, argv, env, timeout=PROC_TIMEOUT_S, **kw):
+        return self.spawn(argv, env, **kw).finish(timeout)
 
     def spawn_python_store(self, script, port):
         """Run a Python script (given the port) that hosts a torch TCPStore and prints "ready"; it

@@ -1,12 +1,14 @@
 """Rank and world size from other launchers' environments, ranks started directly:
-OpenMPI (real mpirun), Slurm-style and MPICH-style variables set by hand, and torchrun's agent store
-(a c10d TCPStore hosted by a Python process, as torchrun's agent does)."""
+OpenMPI (real mpirun), MPICH (real mpiexec.mpich, the trainer), Slurm-style and MPICH-style variables
+set by hand, and torchrun's agent store (a c10d TCPStore hosted by a Python process, as torchrun's
+agent does). The real Slurm is in test_slurm.py."""
 import os
 import shutil
 import time
 import unittest
 
 from harness import DistTestCase, clean_env, free_port, hello
+from test_train_fashion_mnist import trainer
 
 # A torchrun agent's store: python3-torch's TCPStore server; prints "ready", then lives until stdin
 # closes (or the test kills it).
@@ -44,6 +46,26 @@ class OpenMPI(DistTestCase):
             self.assertIn(f"Rank: {r}, World Size: 2, Local Rank: {r}/2", res.out, str(res))
 
 
+class Mpich(DistTestCase):
+    """Debian's MPICH (Hydra's mpiexec, PMI_RANK / PMI_SIZE) starting the trainer. Called by its own name:
+    /usr/bin/mpiexec stays OpenMPI's (the alternative OpenMPI's test above uses)."""
+
+    def test_mpiexec_mpich_trains_two_ranks(self):
+        path = shutil.which("mpiexec.mpich")
+        if not path:
+            self.skipTest("MPICH is not installed (Debian: apt-get install mpich, or scripts/setup.sh)")
+        port = free_port()
+        # -launcher fork: every rank on this host, whatever scheduler the environment names.
+        argv = [path, "-launcher", "fork", "-n", 2, "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT",
+                port, trainer(), "--subset", 600, "--test_subset", 200, "--epochs", 1]
+        res = self.run_one(argv, clean_env(DTRAIN_TIMEOUT_S=60), timeout=120)
+        self.assertEqual(res.rc, 0, str(res))
+        self.assertIn("train_fashion_mnist: 2 rank(s) x", res.out, str(res))
+        results = [l for l in res.out.splitlines() if l.startswith("RESULT ")]
+        self.assertEqual(len(results), 1, str(res))
+        self.assertTrue(results[0].endswith(" ranks_agree=1"), str(res))
+
+
 class SchedulerEnv(DistTestCase):
     def run_with(self, make_env, world=2):
         port = free_port()
@@ -56,7 +78,8 @@ class SchedulerEnv(DistTestCase):
         return results
 
     def test_slurm(self):
-        results = self.run_with(lambda r, n: clean_env(SLURM_PROCID=r, SLURM_NTASKS=n, SLURM_LOCALID=r))
+        results = self.run_with(lambda r, n: clean_env(SLURM_PROCID=r, SLURM_NTASKS=n, SLURM_LOCALID=r,
+                                                       SLURM_STEP_ID=0))
         for r, res in enumerate(results):
             self.assertIn(f"Rank: {r}, World Size: 2, Local Rank: {r}/2", res.out, str(res))
 
@@ -65,7 +88,8 @@ class SchedulerEnv(DistTestCase):
         local = [0, 1, 0]
         results = self.run_with(lambda r, n: clean_env(SLURM_PROCID=r, SLURM_NTASKS=n,
                                                        SLURM_LOCALID=local[r],
-                                                       SLURM_NTASKS_PER_NODE="2(x1),1"), world=3)
+                                                       SLURM_NTASKS_PER_NODE="2(x1),1", SLURM_STEP_ID=0),
+                                world=3)
         for r, res in enumerate(results):
             self.assertIn(f"Rank: {r}, World Size: 3, Local Rank: {local[r]}/", res.out, str(res))
 

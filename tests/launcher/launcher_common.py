@@ -14,7 +14,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
-from proc_util import alive, free_port, wait_until  # noqa: E402  (re-exported to the launcher tests)
+from proc_util import alive, free_port, free_slurm_job_id, slurm_job_port, wait_until  # noqa: E402  (re-exported)
 
 DTRAIN_RUN = os.environ.get("DTRAIN_RUN", "")
 PY = sys.executable  # the interpreter running the tests, also used for python workers
@@ -30,9 +30,11 @@ def require_launcher(test):
 
 
 def clean_env(**extra):
-    """The test's environment without variables the launcher sets, plus `extra`."""
+    """The test's environment without variables the launcher sets or reads (a suite run by srun would
+    make every launcher one node of its step), plus `extra`."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+           if k not in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+           and not k.startswith("SLURM_")}
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -47,6 +49,19 @@ def start(args, env=None, **kw):
     """Starts dtrain-run in the background (caller must wait/kill it)."""
     return subprocess.Popen([DTRAIN_RUN] + [str(a) for a in args], env=env or clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def finish(*procs, timeout=40):
+    """Waits for every launcher; kills leftovers. Returns [(rc, out, err)]."""
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        results.append((p.returncode, out, err))
+    return results
 
 
 def pids_with_marker(marker):

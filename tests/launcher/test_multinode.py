@@ -6,7 +6,7 @@ import subprocess
 import time
 import unittest
 
-from launcher_common import (MarkedTestCase, DTRAIN_RUN, PY, clean_env, free_port, pids_with_marker,
+from launcher_common import (MarkedTestCase, DTRAIN_RUN, PY, clean_env, finish, free_port, pids_with_marker,
                              require_launcher, start)
 
 PRINT_ENV = 'echo "rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE node=$NODE_RANK group=$GROUP_RANK"'
@@ -16,19 +16,6 @@ def node_args(port, node_rank, nproc=2, nnodes=2, addr="127.0.0.1", extra=()):
     return ["--nnodes", nnodes, "--node_rank", node_rank, "--nproc_per_node", nproc,
             "--master_addr", addr, "--master_port", port, "--rdzv_timeout", "20", "--monitor_interval", "0.1",
             *extra]
-
-
-def finish(*procs, timeout=40):
-    """Waits for every launcher; kills leftovers. Returns [(rc, out, err)]."""
-    results = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
-        results.append((p.returncode, out, err))
-    return results
 
 
 class MultiNodeTest(MarkedTestCase):

@@ -67,8 +67,11 @@ TEST(LaunchEnv, OpenMpi) {
 }
 
 TEST(LaunchEnv, Slurm) {
-  LaunchEnv le = read_launch_env(
-      env_of({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"}, {"SLURM_NTASKS_PER_NODE", "4"}}));
+  LaunchEnv le = read_launch_env(env_of({{"SLURM_PROCID", "5"},
+                                         {"SLURM_NTASKS", "8"},
+                                         {"SLURM_LOCALID", "1"},
+                                         {"SLURM_NTASKS_PER_NODE", "4"},
+                                         {"SLURM_STEP_ID", "0"}}));
   EXPECT_EQ(le.rank, 5);
   EXPECT_EQ(le.world_size, 8);
   EXPECT_EQ(le.local_rank, 1);

@@ -10,11 +10,13 @@ namespace dtrain::run {
 
 std::vector<WorkerSpec> make_worker_specs(const LaunchOptions& o, uint16_t master_port, int attempt) {
   const int world = o.nnodes * o.nproc_per_node;
+  // Launchers that share a host (several tasks of an srun step on one node) split it.
+  const int local_world = o.local_world_size > 0 ? o.local_world_size : o.nproc_per_node;
   std::map<std::string, std::string> base = env::all_variables();
   if (!env::text("OMP_NUM_THREADS"))
-    base["OMP_NUM_THREADS"] = std::to_string(std::max(1, online_cores() / o.nproc_per_node));
+    base["OMP_NUM_THREADS"] = std::to_string(std::max(1, online_cores() / local_world));
   base["WORLD_SIZE"] = std::to_string(world);
-  base["LOCAL_WORLD_SIZE"] = std::to_string(o.nproc_per_node);
+  base["LOCAL_WORLD_SIZE"] = std::to_string(local_world);
   base["GROUP_RANK"] = base["NODE_RANK"] = std::to_string(o.node_rank);
   base["GROUP_WORLD_SIZE"] = std::to_string(o.nnodes);
   base["ROLE_NAME"] = "default";
@@ -29,15 +31,15 @@ std::vector<WorkerSpec> make_worker_specs(const LaunchOptions& o, uint16_t maste
   std::vector<WorkerSpec> specs;
   for (int local = 0; local < o.nproc_per_node; ++local) {
     WorkerSpec s;
-    s.local_rank = local;
+    s.local_rank = o.local_rank_base + local;
     s.rank = o.node_rank * o.nproc_per_node + local;
     auto env = base;
     env["RANK"] = env["ROLE_RANK"] = std::to_string(s.rank);
-    env["LOCAL_RANK"] = std::to_string(local);
+    env["LOCAL_RANK"] = std::to_string(s.local_rank);
     for (const auto& kv : env) s.env.push_back(kv.first + "=" + kv.second);
     s.program_path = o.program_path;
     s.argv.push_back(o.program);
-    if (o.use_local_rank_arg) s.argv.push_back("--local_rank=" + std::to_string(local));
+    if (o.use_local_rank_arg) s.argv.push_back("--local_rank=" + std::to_string(s.local_rank));
     s.argv.insert(s.argv.end(), o.program_args.begin(), o.program_args.end());
     specs.push_back(std::move(s));
   }

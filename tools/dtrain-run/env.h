@@ -8,6 +8,9 @@
 //   DTRAIN_MAX_RESTARTS, DTRAIN_AGENT_STORE=1 (the launcher hosts the store at
 //   MASTER_ADDR:MASTER_PORT: workers connect as clients, rank 0 must NOT serve its own), and
 //   OMP_NUM_THREADS = max(1, cores / nproc_per_node) unless the launcher's environment sets it.
+// In an srun step whose tasks share a host, LOCAL_RANK and LOCAL_WORLD_SIZE count the workers of all
+// of them (LaunchOptions::local_rank_base / local_world_size, slurm_step.h), and the cores are split
+// among them all.
 // argv: the program, then --local_rank=N when --use_local_rank_arg, then the user's arguments.
 #pragma once
 

@@ -3,7 +3,8 @@
 // supervises them (supervisor.h). It does not link LibTorch and starts in milliseconds.
 //
 // Steps:
-//   1. Parse the command line (options.h); usage errors exit 2 with one "dtrain-run: " line.
+//   1. Parse the command line (options.h); usage errors exit 2 with one "dtrain-run: " line. Under
+//      srun, node 0 says which node rank, world and master the step gave (slurm_step.h).
 //   2. Block SIGINT/SIGTERM/SIGHUP/SIGCHLD before any thread exists (the store thread inherits
 //      the mask), ignore SIGPIPE. Node 0 starts the StoreServer on master_addr:master_port
 //      (--standalone: port 0, a free port; bind errors exit 1).
@@ -160,6 +161,7 @@ int main(int argc, char** argv) {
     say(e.what());
     return 2;
   }
+  if (!options.slurm_note.empty() && options.node_rank == 0) say(options.slurm_note);
   try {
     return run(options);
   } catch (const std::exception& e) {

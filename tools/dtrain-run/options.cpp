@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "common/env.h"
+#include "slurm_step.h"
 
 namespace dtrain::run {
 
@@ -158,9 +159,6 @@ LaunchOptions parse_options(int argc, char** argv) {
   if (!parse_int(node_rank, &v) || v < 0)
     throw UsageError("--node_rank must be an integer >= 0, got '" + node_rank + "'");
   o.node_rank = static_cast<int>(v);
-  if (o.node_rank >= o.nnodes)
-    throw UsageError("--node_rank " + node_rank + " is out of range for --nnodes " + nnodes +
-                     ": node ranks go from 0 to " + std::to_string(o.nnodes - 1));
   if (!parse_int(port, &v) || v < 1 || v > 65535)
     throw UsageError("--master_port must be a port number 1..65535, got '" + port + "'");
   o.master_port = static_cast<int>(v);
@@ -185,6 +183,17 @@ LaunchOptions parse_options(int argc, char** argv) {
   if (!run_id.empty()) o.run_id = run_id;
   if (o.run_id.find('/') != std::string::npos || o.run_id == "." || o.run_id == "..")
     throw UsageError("--run_id must not contain '/', got '" + o.run_id + "'");
+  // 4. Before --standalone's own settings: in a step of several tasks it is an error.
+  GivenFlags given;
+  given.nnodes = app.count("--nnodes") > 0;
+  given.node_rank = app.count("--node_rank") > 0;
+  given.standalone = o.standalone;
+  given.master_addr = app.count("--master_addr") > 0;
+  given.master_port = app.count("--master_port") > 0;
+  apply_slurm_step(o, given, env::process());
+  if (o.node_rank >= o.nnodes)
+    throw UsageError("--node_rank " + node_rank + " is out of range for --nnodes " + nnodes +
+                     ": node ranks go from 0 to " + std::to_string(o.nnodes - 1));
   if (o.standalone) {
     if (o.nnodes != 1)
       throw UsageError("--standalone runs one node, but --nnodes is " + nnodes + " (drop one of them)");

@@ -8,6 +8,8 @@
 //   2. CLI11 parses the launcher's part; values are then checked (positive counts, port range,
 //      node_rank < nnodes, redirects/tee in 0..3 and needing --log_dir, ...).
 //   3. The program is looked up in PATH here, so a missing program fails before anything starts.
+//   4. Inside an srun step of several tasks, the step decides --nnodes, --node_rank and the master
+//      (slurm_step.h); a flag that contradicts it is a usage error.
 // Every problem is a UsageError with one line: the flag, the value given, the remedy.
 #pragma once
 
@@ -46,6 +48,12 @@ struct LaunchOptions {
   int tee = kStdNone;             // streams sent to the log files and the console
   bool use_local_rank_arg = false;
   std::string run_id = "none";  // torchrun's default rdzv id
+
+  // Inside an srun step of several tasks (slurm_step.h): the first local rank of this launcher's
+  // workers and the workers on this host (0: nproc_per_node), and the line node 0 prints.
+  int local_rank_base = 0;
+  int local_world_size = 0;
+  std::string slurm_note;
 
   std::string program;                    // as given
   std::string program_path;               // resolved through PATH
