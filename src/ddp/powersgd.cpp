@@ -15,7 +15,7 @@
 //   --- the rest runs when DDP waits for the Future (Note [Comm hook futures]) ---
 //   7. Uncompressed: divide by the group size, copy back. P orthogonalized, Q = M^T P, all-reduced and
 //      divided by the group size, M = P Q^T written into the bucket.
-//   8. Error memory = the copy of step 2 minus the result; without warm start P and Q are dropped;
+//   8. Error memory = what step 2 left minus the result; without warm start P and Q are dropped;
 //      the last bucket counts the iteration.
 // Orthogonalization: Gram-Schmidt (with orthogonalization_epsilon) for r <= 2 and half types, else QR.
 #include <algorithm>
@@ -139,22 +139,25 @@ Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
   }
   at::NoGradGuard ng;
   const int index = bucket.index();
-  // Step 2.
-  at::Tensor input_copy;
+  // Step 2. The copy PyTorch keeps for the error is not needed: the error is written in step 8 from
+  // the bucket's values before they are overwritten, into the same buffer (no allocation per step).
+  at::Tensor error;
   if (s.options.use_error_feedback()) {
     auto it = s.error.find(index);
-    if (it != s.error.end())
+    if (it != s.error.end()) {
       input.add_(it->second);
-    else
-      s.error[index] = at::zeros({input.numel()}, input.options());
-    input_copy = input.clone();
+      error = it->second;
+    } else {
+      error = s.error[index] = at::zeros({input.numel()}, input.options());
+    }
   }
   // Step 3: per-parameter views of buffer() (not gradients(): under a compression wrapper buffer()
-  // is the cast copy, and that is what must be compressed).
-  std::vector<at::Tensor> to_compress, uncompressed;
+  // is the cast copy, and that is what must be compressed), with the error's view beside each.
+  std::vector<at::Tensor> to_compress, uncompressed, to_compress_err, uncompressed_err;
   int64_t offset = 0, total_p = 0, total_q = 0;
   for (const auto& g : bucket.gradients()) {
     at::Tensor t = input.narrow(0, offset, g.numel()).view(g.sizes());
+    at::Tensor e = error.defined() ? error.narrow(0, offset, g.numel()).view(g.sizes()) : at::Tensor();
     offset += g.numel();
     const int64_t n = t.dim() == 0 ? 1 : t.size(0), m = t.numel() / std::max<int64_t>(n, 1);
     const int64_t r = std::min({n, m, s.options.matrix_approximation_rank()});
@@ -162,11 +165,13 @@ Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
     s.numel_before += before;
     if (static_cast<double>(after) * s.options.min_compression_rate() < static_cast<double>(before)) {
       to_compress.push_back(t.view({n, m}));
+      to_compress_err.push_back(e.defined() ? e.view({n, m}) : e);
       total_p += n * r;
       total_q += m * r;
       s.numel_after += after;
     } else {
       uncompressed.push_back(t);
+      uncompressed_err.push_back(e);
       s.numel_after += before;
     }
   }
@@ -182,29 +187,34 @@ Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
     s.q_memory[index] = at::empty({total_q}, input.options());
   }
   at::Tensor p_memory = s.p_memory[index], q_memory = s.q_memory[index];
-  std::vector<std::vector<at::Tensor>> by_shape;  // first-seen order of shapes
-  for (auto& t : to_compress) {
-    auto it = std::find_if(by_shape.begin(), by_shape.end(),
-                           [&](const std::vector<at::Tensor>& v) { return v[0].sizes() == t.sizes(); });
+  std::vector<std::vector<size_t>> by_shape;  // indices into to_compress, shapes in first-seen order
+  for (size_t k = 0; k < to_compress.size(); ++k) {
+    auto it = std::find_if(by_shape.begin(), by_shape.end(), [&](const std::vector<size_t>& v) {
+      return to_compress[v[0]].sizes() == to_compress[k].sizes();
+    });
     if (it == by_shape.end())
-      by_shape.push_back({t});
+      by_shape.push_back({k});
     else
-      it->push_back(t);
+      it->push_back(k);
   }
-  std::vector<at::Tensor> matrices, ps, qs;  // each b x n x m, b x n x r, b x m x r
-  std::vector<std::vector<at::Tensor>> originals;
+  // Per batch: the matrices (b x n x m; a view of the bucket when b = 1, else a stacked copy), P, Q.
+  std::vector<at::Tensor> matrices, ps, qs;
+  std::vector<std::vector<size_t>> members;
   int64_t p_at = 0, q_at = 0;
-  for (auto& group_of_shape : by_shape) {
-    std::vector<std::vector<at::Tensor>> batches;
+  for (auto& same_shape : by_shape) {
+    std::vector<std::vector<size_t>> batches;
     if (s.options.batch_tensors_with_same_shape())
-      batches.push_back(group_of_shape);
+      batches.push_back(same_shape);
     else
-      for (auto& t : group_of_shape) batches.push_back({t});
+      for (size_t k : same_shape) batches.push_back({k});
     for (auto& b : batches) {
-      const int64_t count = static_cast<int64_t>(b.size()), n = b[0].size(0), m = b[0].size(1);
+      const at::Tensor& first = to_compress[b[0]];
+      const int64_t count = static_cast<int64_t>(b.size()), n = first.size(0), m = first.size(1);
       const int64_t r = std::min({n, m, s.options.matrix_approximation_rank()});
-      matrices.push_back(count == 1 ? b[0].unsqueeze(0) : at::stack(b));
-      originals.push_back(count == 1 ? std::vector<at::Tensor>{} : b);
+      std::vector<at::Tensor> parts;
+      for (size_t k : b) parts.push_back(to_compress[k]);
+      matrices.push_back(count == 1 ? first.unsqueeze(0) : at::stack(parts));
+      members.push_back(b);
       ps.push_back(p_memory.narrow(0, p_at, count * n * r).view({count, n, r}));
       qs.push_back(q_memory.narrow(0, q_at, count * m * r).view({count, m, r}));
       p_at += count * n * r;
@@ -220,17 +230,20 @@ Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
   for (size_t k = 0; k < matrices.size(); ++k) at::bmm_out(ps[k], matrices[k], qs[k]);
   Future p_sum = ddp::sum_future(p_memory, group);
 
-  return p_sum.then([impl, group, world, index, is_last, input, input_copy, uncompressed, uncompressed_memory,
-                     uncompressed_sum, matrices, originals, ps, qs, p_memory, q_memory,
+  return p_sum.then([impl, group, world, index, is_last, input, uncompressed, uncompressed_err, uncompressed_memory,
+                     uncompressed_sum, to_compress, to_compress_err, matrices, members, ps, qs, p_memory, q_memory,
                      eps](const at::Tensor&) mutable {
     at::NoGradGuard ng;
     auto& s = *impl;
-    // Step 7.
+    // Step 7 (and 8's error of the uncompressed tensors: what they held minus the average).
     uncompressed_sum.wait();
     uncompressed_memory.div_(world);
     int64_t at_ = 0;
-    for (const auto& t : uncompressed) {
-      t.copy_(uncompressed_memory.narrow(0, at_, t.numel()).view_as(t));
+    for (size_t u = 0; u < uncompressed.size(); ++u) {
+      const at::Tensor& t = uncompressed[u];
+      at::Tensor avg = uncompressed_memory.narrow(0, at_, t.numel()).view_as(t);
+      if (uncompressed_err[u].defined()) at::sub_out(uncompressed_err[u], t, avg);
+      t.copy_(avg);
       at_ += t.numel();
     }
     for (const auto& p : ps) orthogonalize(p, eps);
@@ -238,12 +251,26 @@ Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
     ddp::sum_future(q_memory, group).wait();
     q_memory.div_(world);
     for (size_t k = 0; k < matrices.size(); ++k) {
-      at::Tensor out = matrices[k];
-      at::bmm_out(out, ps[k], qs[k].transpose(1, 2));
-      for (size_t i = 0; i < originals[k].size(); ++i) originals[k][i].copy_(matrices[k][static_cast<int64_t>(i)]);
+      at::Tensor qt = qs[k].transpose(1, 2);
+      if (members[k].size() == 1) {
+        // Step 8's error (M - P Q^T) in one pass over M before M becomes P Q^T.
+        at::Tensor err = to_compress_err[members[k][0]];
+        if (err.defined()) {
+          at::Tensor err3 = err.unsqueeze(0);
+          at::baddbmm_out(err3, matrices[k], ps[k], qt, /*beta=*/1, /*alpha=*/-1);
+        }
+        at::bmm_out(matrices[k], ps[k], qt);
+      } else {
+        at::bmm_out(matrices[k], ps[k], qt);
+        for (size_t i = 0; i < members[k].size(); ++i) {
+          const size_t m = members[k][i];
+          at::Tensor approx = matrices[k][static_cast<int64_t>(i)];
+          if (to_compress_err[m].defined()) at::sub_out(to_compress_err[m], to_compress[m], approx);
+          to_compress[m].copy_(approx);
+        }
+      }
     }
     // Step 8.
-    if (s.options.use_error_feedback()) s.error[index] = input_copy - input;
     if (!s.options.warm_start()) {
       s.p_memory.clear();
       s.q_memory.clear();
