@@ -8,6 +8,8 @@
 //   fp16, bf16        fp16_compress_hook, bf16_compress_hook
 //   powersgd          powerSGD_hook, rank 2 (start_powerSGD_iter 2: compressed after the warm-up)
 //   batched_powersgd  batched_powerSGD_hook, rank 1
+//   local             a hook that communicates nothing (returns the bucket as it is): the step
+//                     without communication, the floor any compression could reach
 // Bytes: what this rank's process wrote to its sockets during a block (/proc/self/io wchar: the
 // write/writev system calls Gloo's TCP transport makes; per process, so other jobs on the machine do
 // not count), and as a cross-check the loopback interface's transmitted bytes (/proc/net/dev "lo"
@@ -41,7 +43,7 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
-const char* const kVariants[] = {"allreduce", "fp16", "bf16", "powersgd", "batched_powersgd"};
+const char* const kVariants[] = {"allreduce", "fp16", "bf16", "powersgd", "batched_powersgd", "local"};
 
 // Bytes this process has written with write-like system calls (sockets included).
 double written_bytes() {
@@ -115,6 +117,8 @@ int worker_main(int argc, char** argv) {
         v->ddp->register_comm_hook(
             dtrain::PowerSGDState(dtrain::PowerSGDOptions().matrix_approximation_rank(1).start_powerSGD_iter(2)),
             dtrain::batched_powerSGD_hook);
+      if (v->name == "local")
+        v->ddp->register_comm_hook([](dtrain::GradBucket& b) { return dtrain::Future(b.buffer()); });
       v->opt = std::make_unique<torch::optim::SGD>(v->ddp->parameters(), 0.01);
       variants.push_back(std::move(v));
     }
