@@ -91,9 +91,10 @@ struct Config {
   int64_t step_sleep_ms = 0;     // fault-injection tests: slow each step so an outside kill lands mid-epoch
   int64_t threads = 0;
   std::string dump_params;
-  int64_t eval_batch_size = 0;  // 0: batch_size
-  bool amp = false;             // autocast (bfloat16 on CPU, float16 on CUDA) + GradScaler
-  std::string device = "cpu";   // "cuda": rank r trains on cuda:LOCAL_RANK with backend nccl
+  int64_t eval_batch_size = 0;          // 0: batch_size
+  bool amp = false;                     // autocast (bfloat16 on CPU, float16 on CUDA) + GradScaler
+  std::string device = "cpu";           // "cuda": rank r trains on cuda:LOCAL_RANK with backend nccl
+  std::string comm_hook = "allreduce";  // allreduce (DDP's own), bf16, or powersgd (rank 2)
 };
 // doc:end config
 
@@ -191,6 +192,14 @@ int run(const Config& cfg) {
   FashionCNN model;
   model->to(device);
   dtrain::DistributedDataParallel ddp(model);
+  // doc:begin comm_hook
+  // Communication hooks (dtrain/comm_hooks.h): bf16 halves the bytes of every all-reduce; PowerSGD
+  // sends rank-2 factors of each weight's gradient after 1000 plain steps (PyTorch's default).
+  if (cfg.comm_hook == "bf16") ddp.register_comm_hook(dtrain::Group(), dtrain::bf16_compress_hook);
+  if (cfg.comm_hook == "powersgd")
+    ddp.register_comm_hook(dtrain::PowerSGDState(dtrain::PowerSGDOptions().matrix_approximation_rank(2)),
+                           dtrain::powerSGD_hook);
+  // doc:end comm_hook
   // Adam as the tutorial; SGD (momentum 0.9) has updates linear in the gradient, which makes
   // parameter equivalence checks exact up to float rounding (Adam's first steps are ~lr * sign(grad),
   // so rounding noise in a near-zero gradient can move a parameter by up to 2 * lr).
@@ -244,13 +253,14 @@ int run(const Config& cfg) {
     std::printf(
         "train_fashion_mnist: %d rank(s) x %d thread(s), %s, backend %s | %zu training samples, %zu test | "
         "batch %lld per rank (%lld global), %lld steps/epoch | %s lr %g, grad_clip %g, %lld epoch(s), "
-        "seed %lld\n",
+        "seed %lld%s\n",
         world, at::get_num_threads(), cuda ? "cuda:LOCAL_RANK" : "cpu", dtrain::backend().c_str(),
         train->size().value(), test->size().value(), static_cast<long long>(cfg.batch_size),
         static_cast<long long>(cfg.batch_size * world), static_cast<long long>(steps),
         cfg.optimizer == "sgd" ? "SGD(momentum 0.9)"
                                : (cfg.amp ? (cuda ? "Adam+amp(fp16)" : "Adam+amp(bf16)") : "Adam"),
-        cfg.lr, cfg.grad_clip, static_cast<long long>(cfg.epochs), static_cast<long long>(cfg.seed));
+        cfg.lr, cfg.grad_clip, static_cast<long long>(cfg.epochs), static_cast<long long>(cfg.seed),
+        cfg.comm_hook == "allreduce" ? "" : (", comm_hook " + cfg.comm_hook).c_str());
     std::fflush(stdout);
   }
 
@@ -433,6 +443,11 @@ int main(int argc, char** argv) {
   app.add_option("--device", cfg.device,
                  "cpu, or cuda: rank r trains on cuda:LOCAL_RANK with backend nccl (one GPU per rank)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  app.add_option("--comm_hook", cfg.comm_hook,
+                 "how DDP averages gradients: allreduce (its own all-reduce), bf16 (bfloat16 compression), powersgd "
+                 "(PowerSGD rank 2 after 1000 plain steps; its state is not in checkpoints)")
+      ->check(CLI::IsMember({"allreduce", "bf16", "powersgd"}))
       ->capture_default_str();
   app.add_option("--dump_params", cfg.dump_params,
                  "rank 0 writes the final parameters' raw float32 bytes here (what params_sha256 hashes)");

@@ -36,7 +36,7 @@ USES = {
 
 # The directory behind each public header (include/dtrain/NAME.h or include/dtrain/NAME/...).
 PUBLIC_OWNER = {
-    "errors": "common", "system": "common", "process_group": "comm", "amp": "amp", "ddp": "ddp",
+    "errors": "common", "system": "common", "process_group": "comm", "amp": "amp", "ddp": "ddp", "comm_hooks": "ddp",
     "data_parallel": "parallel", "sampler": "data", "datasets": "data", "checkpoint": "checkpoint",
     "monitor": "monitor", "pipeline": "pipeline", "detail": "common", "sync_batchnorm": "nn", "zero": "optim",
 }

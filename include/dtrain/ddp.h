@@ -20,6 +20,8 @@
 //      already there with gradient_as_bucket_view); a full bucket starts its asynchronous
 //      all-reduce at once (buckets start in order), overlapping the rest of backward.
 //   4. End of backward: all-reduces are waited for and every param.grad() holds the average.
+// A communication hook (register_comm_hook, dtrain/comm_hooks.h) replaces step 3's division and
+// all-reduce: it gets each full bucket and returns a Future of the averaged values, waited for in 4.
 #pragma once
 
 #include <functional>
@@ -33,6 +35,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include "dtrain/comm_hooks.h"
 #include "dtrain/detail/arg.h"
 #include "dtrain/process_group.h"
 
@@ -92,6 +95,7 @@ class Core {
   std::vector<std::vector<int>> bucket_param_indices() const;  // by bucket, parameter indices
   std::vector<DDPEvent> last_backward_events() const;
   void set_event_hook(DDPEventHook hook);
+  void register_comm_hook(CommHook hook);
 
  private:
   struct Impl;
@@ -174,6 +178,18 @@ class DistributedDataParallel {
   std::vector<DDPEvent> last_backward_events() const { return core_->last_backward_events(); }
   // Sees every DDPEvent as it happens (dtrain::Monitor::watch uses it); an empty hook removes it.
   void set_event_hook(DDPEventHook hook) { core_->set_event_hook(std::move(hook)); }
+
+  // PyTorch's register_comm_hook(state, hook): hook(state, bucket) -> dtrain::Future replaces the
+  // averaging all-reduce of every bucket (dtrain/comm_hooks.h: built-ins, Note [Comm hook futures]).
+  // Once, before the first backward. The state is kept by value (std::ref(s) keeps yours; Group and
+  // PowerSGDState are handles whose copies share everything).
+  //   ddp.register_comm_hook(dtrain::Group(), dtrain::fp16_compress_hook);
+  template <typename State, typename Hook>
+  void register_comm_hook(State state, Hook hook) {
+    core_->register_comm_hook(detail::bind_comm_hook(std::move(state), std::move(hook)));
+  }
+  // A hook that carries its own state (a lambda or functor taking GradBucket&).
+  void register_comm_hook(CommHook hook) { core_->register_comm_hook(std::move(hook)); }
 
  private:
   std::shared_ptr<ModuleType> module_;

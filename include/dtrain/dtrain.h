@@ -3,6 +3,7 @@
 
 #include "dtrain/amp.h"
 #include "dtrain/checkpoint.h"
+#include "dtrain/comm_hooks.h"
 #include "dtrain/data_parallel.h"
 #include "dtrain/ddp.h"
 #include "dtrain/errors.h"

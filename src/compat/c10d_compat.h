@@ -31,6 +31,9 @@ using Backend = c10d::ProcessGroup;
 // ProcessGroupGloo::Options::create_default.
 #define DTRAIN_PYTORCH_PEERS_SUPPORTED (TORCH_VERSION_MAJOR >= 2)
 
+// ProcessGroupGloo all-reduces bfloat16 from LibTorch 2.0 on; 1.13 throws "Invalid scalar type".
+#define DTRAIN_GLOO_HAS_BFLOAT16 (TORCH_VERSION_MAJOR >= 2)
+
 // The object collectives are called on.
 using BackendPtr = c10::intrusive_ptr<Backend>;
 

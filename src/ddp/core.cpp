@@ -142,5 +142,6 @@ std::vector<std::vector<int>> Core::bucket_param_indices() const {
 
 std::vector<DDPEvent> Core::last_backward_events() const { return impl_->reducer->events(); }
 void Core::set_event_hook(DDPEventHook hook) { impl_->reducer->set_event_hook(std::move(hook)); }
+void Core::register_comm_hook(CommHook hook) { impl_->reducer->set_comm_hook(std::move(hook)); }
 
 }  // namespace dtrain::ddp

@@ -77,6 +77,8 @@ void Reducer::reset_iteration() {
     b.pending = static_cast<int>(b.params.size());
     b.launched = false;
     b.work = Work();
+    b.future = Future();
+    b.grad_bucket.reset();
   }
 }
 
@@ -125,6 +127,7 @@ void Reducer::on_grad_ready(int index) {
   if (!started_) {
     // Step 2: the first gradient of this backward.
     started_ = true;
+    ever_started_ = true;
     events_.clear();
     compat::queue_end_of_backward_callback([this] { finalize(); });
     for (size_t i = 0; i < unused_.size(); ++i)
@@ -158,6 +161,11 @@ void Reducer::mark_ready(int index) {
 void Reducer::launch_ready_buckets() {
   while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
     Bucket& b = buckets_[next_to_launch_];
+    if (comm_hook_) {
+      launch_with_comm_hook(b, next_to_launch_);
+      ++next_to_launch_;
+      continue;
+    }
     {
       at::NoGradGuard ng;
       b.buffer.div_(group_size_);
@@ -184,11 +192,65 @@ void Reducer::launch_ready_buckets() {
   }
 }
 
+void Reducer::set_comm_hook(CommHook hook) {
+  std::lock_guard<std::mutex> g(mu_);
+  DTRAIN_CHECK(hook, "DistributedDataParallel::register_comm_hook: the hook is empty: pass a function or functor");
+  DTRAIN_CHECK(!comm_hook_,
+               "DistributedDataParallel::register_comm_hook: a communication hook is already registered: register "
+               "one hook, once (wrap two behaviours in one hook)");
+  DTRAIN_CHECK(!ever_started_,
+               "DistributedDataParallel::register_comm_hook: called after a synchronized backward: register the hook "
+               "right after constructing DistributedDataParallel, before the first backward");
+  comm_hook_ = std::move(hook);
+}
+
+// The hook averages, so the buffer goes to it undivided. Every bucket goes asynchronously: the hook
+// decides what to issue, and its continuations run when finalize() waits (Note [Comm hook futures]).
+void Reducer::launch_with_comm_hook(Bucket& b, size_t index) {
+  record(DDPEvent::kBucketLaunched, static_cast<int>(index));
+  if (index + 1 == buckets_.size()) waiting_since_ns_ = util::now_ns();
+  std::vector<at::Tensor> params;
+  for (int i : b.params) params.push_back(params_[i]);
+  b.grad_bucket = std::make_shared<GradBucket>(static_cast<int>(index), static_cast<int>(buckets_.size()), b.buffer,
+                                               b.views, std::move(params), b.params);
+  try {
+    b.future = comm_hook_(*b.grad_bucket);
+    DTRAIN_CHECK(b.future.valid(), "rank ", dtrain::rank(),
+                 ": DistributedDataParallel: the communication hook returned an empty Future for bucket ", index,
+                 ": return the Future of its collective (or dtrain::Future(tensor) when the result is ready)");
+  } catch (...) {
+    abandon_iteration();
+    throw;
+  }
+  b.launched = true;
+  b.done_ns.reset();  // the bucket's end is when finalize() has its result
+}
+
+// The hook's result becomes the bucket's values, cast to the bucket's dtype when it differs (the
+// compression wrappers return the compressed tensor, as in PyTorch).
+void Reducer::take_hook_result(Bucket& b, size_t index) {
+  at::Tensor result = b.future.wait();
+  DTRAIN_CHECK(result.defined() && result.numel() == b.buffer.numel(), "rank ", dtrain::rank(),
+               ": DistributedDataParallel: the communication hook's result for bucket ", index, " has ",
+               result.defined() ? result.numel() : 0, " elements, expected ", b.buffer.numel(),
+               " (bucket.buffer()'s): return a tensor with one value per element of the bucket");
+  DTRAIN_CHECK(result.is_floating_point(), "rank ", dtrain::rank(),
+               ": DistributedDataParallel: the communication hook's result for bucket ", index, " is of type ",
+               result.scalar_type(), ": return a floating-point tensor (the averaged gradients)");
+  if (!result.is_same(b.buffer)) {
+    at::NoGradGuard ng;
+    b.buffer.copy_(result.reshape({-1}));
+  }
+}
+
 void Reducer::abandon_iteration() {
   for (auto& b : buckets_) {
     if (!b.launched) continue;
     try {
-      b.work.wait();  // leave no collective in flight on the buffers
+      if (b.future.valid())
+        b.future.wait();
+      else
+        b.work.wait();  // leave no collective in flight on the buffers
     } catch (...) {
     }
   }
@@ -222,7 +284,16 @@ void Reducer::finalize() {
     used_anywhere = all_reduce_values(used, ReduceOp::MAX, group_);
   }
   for (auto& b : buckets_) {
-    b.work.wait();
+    if (b.future.valid()) {
+      try {
+        take_hook_result(b, static_cast<size_t>(&b - &buckets_[0]));
+      } catch (...) {
+        abandon_iteration();
+        throw;
+      }
+    } else {
+      b.work.wait();
+    }
     // The completion callback may run just after wait() returns: then "now" is as good.
     record(DDPEvent::kBucketDone, static_cast<int>(&b - &buckets_[0]), b.done_ns ? b.done_ns->load() : 0);
   }

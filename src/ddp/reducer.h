@@ -9,11 +9,13 @@
 //      copy when the gradient already is the slot: gradient_as_bucket_view) and counts the bucket
 //      down. A bucket at zero is ready; ready buckets are launched strictly in bucket order: the
 //      flat buffer is divided by the group size and all-reduced (SUM): asynchronously, except the
-//      last bucket, which has nothing left to overlap with and is reduced on this thread.
+//      last bucket, which has nothing left to overlap with and is reduced on this thread. With a
+//      communication hook, the hook gets the bucket instead (no division) and returns a Future.
 //   4. finalize(): every bucket must have been launched — otherwise the parameters that got no
 //      gradient are named in the error (PyTorch's message, with the find_unused_parameters
 //      remedy). With unused-parameter tracking, a small MAX all-reduce tells which parameters were
-//      used on some rank. Then all works are waited for and the averaged values are written back
+//      used on some rank. Then all works (or hook futures, in bucket order: Note [Comm hook futures])
+//      are waited for, a hook's result is copied into its bucket, and the averaged values are written back
 //      (.grad() = the slot view with gradient_as_bucket_view, else copied into .grad()).
 //      Parameters unused on every rank keep their .grad() untouched, as in PyTorch.
 #pragma once
@@ -37,6 +39,8 @@ struct Bucket {
   int pending = 0;                // gradients not yet ready this iteration
   bool launched = false;
   Work work;
+  Future future;                            // with a communication hook, instead of work
+  std::shared_ptr<GradBucket> grad_bucket;  // what the hook got: alive until its future is waited for
   // Set by the work's completion callback (0 until then); a fresh one per launch, so a late
   // callback never lands in the next iteration.
   std::shared_ptr<std::atomic<int64_t>> done_ns;
@@ -51,6 +55,8 @@ class Reducer {
 
   // Step 1. unused: per parameter, true when this forward will give it no gradient.
   void prepare_for_backward(std::vector<bool> unused);
+  // Once, before the first synchronized backward.
+  void set_comm_hook(CommHook hook);
   // Forwards without sync (no_sync) or outside DDP disarm the hooks.
   void disarm() { armed_ = false; }
 
@@ -63,6 +69,8 @@ class Reducer {
   void on_grad_ready(int index);  // steps 2-3
   void mark_ready(int index);
   void launch_ready_buckets();
+  void launch_with_comm_hook(Bucket& b, size_t index);
+  void take_hook_result(Bucket& b, size_t index);
   void finalize();  // step 4
   void reset_iteration();
   void abandon_iteration();  // waits for what was launched (ignoring failures), then resets
@@ -79,6 +87,8 @@ class Reducer {
   int group_size_;
   bool as_view_;
   bool track_unused_;
+  CommHook comm_hook_;
+  bool ever_started_ = false;  // a synchronized backward has begun (no hook may be registered after)
 
   // Per-iteration state (the autograd engine runs CPU hooks on the thread that called backward;
   // a mutex keeps it safe for device threads too).

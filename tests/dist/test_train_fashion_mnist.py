@@ -158,6 +158,21 @@ class TrainFashionMNIST(DistTestCase):
         # nothing else, so the 2-epoch case suffices (clipping acts on what it delivers).
         self.check_two_ranks_equal_one(("--epochs", 2), transport="gloo")
 
+    def test_comm_hook_flag_registers_the_hook_and_keeps_ranks_in_sync(self):
+        # --comm_hook wires a hook into DDP; the ranks must still end with identical parameters (the
+        # launch() check). bf16 changes every step's gradients, so its parameters differ from plain
+        # all-reduce's; PowerSGD starts after 1000 steps, so 4 steps are plain all-reduce through it.
+        common = ("--subset", 256, "--epochs", 1, "--threads", 1)
+        res, plain = self.launch(2, *common)
+        for hook in ("bf16", "powersgd"):
+            with self.subTest(hook=hook):
+                res, m = self.launch(2, *common, "--comm_hook", hook)
+                self.assertIn(f"comm_hook {hook}", res.out)
+                if hook == "bf16":
+                    self.assertNotEqual(m.group(4), plain.group(4), "bf16 compression changed nothing")
+                else:
+                    self.assertEqual(m.group(4), plain.group(4), "PowerSGD's warm-up is plain all-reduce")
+
     def check_two_ranks_equal_one(self, *cases, transport):
         common = ("--subset", 256, "--seed", 3, "--threads", 1, "--optimizer", "sgd", "--lr", 0.05)
         for case in cases:

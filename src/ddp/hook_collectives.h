@@ -1,0 +1,12 @@
+// The collective the built-in communication hooks share: an asynchronous SUM all-reduce as a Future,
+// with bfloat16 gathered on Gloo 1.x (Note [bfloat16 on Gloo 1.x] in comm_hooks.cpp).
+#pragma once
+
+#include "dtrain/comm_hooks.h"
+
+namespace dtrain::ddp {
+
+// Sums t over the group in place; the Future's value is t.
+Future sum_future(at::Tensor t, const Group& group);
+
+}  // namespace dtrain::ddp

@@ -1,0 +1,365 @@
+// PowerSGD (Vogels, Karimireddy, Jaggi: "PowerSGD: Practical Low-Rank Gradient Compression for
+// Distributed Optimization", 2019) as PyTorch's ddp_comm_hooks/powerSGD_hook.py computes it.
+//
+// powerSGD_hook, per bucket and synchronized iteration:
+//   1. Before start_powerSGD_iter: allreduce_hook (plain average); the last bucket counts the iteration.
+//   2. Error feedback: add the bucket's error memory (zeros the first time) and keep a copy.
+//   3. Each gradient viewed as a matrix (shape[0] x the rest): compressed when
+//      (n + m) * r * min_compression_rate < n * m with r = min(n, m, rank), else uncompressed.
+//   4. The uncompressed ones are concatenated and all-reduced as one tensor.
+//   5. P and Q live in one flat tensor each per bucket, matrices grouped by shape in first-seen order.
+//      Qs: the first time (always without warm start) drawn from N(0, 1) by a CPU generator seeded
+//      with the state's next seed (numpy's RandomState(random_seed).randint(1e9), as PyTorch), each
+//      orthogonalized; with warm start afterwards the previous Qs, orthogonalized again.
+//   6. P = M Q, all-reduced (SUM: it is orthogonalized next, so the scale does not matter).
+//   --- the rest runs when DDP waits for the Future (Note [Comm hook futures]) ---
+//   7. Uncompressed: divide by the group size, copy back. P orthogonalized, Q = M^T P, all-reduced and
+//      divided by the group size, M = P Q^T written into the bucket.
+//   8. Error memory = what step 2 left minus the result; without warm start P and Q are dropped;
+//      the last bucket counts the iteration.
+// Orthogonalization: Gram-Schmidt (with orthogonalization_epsilon) for r <= 2 and half types, else QR.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <random>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "ddp/hook_collectives.h"
+#include "dtrain/comm_hooks.h"
+
+namespace dtrain {
+
+struct PowerSGDState::Impl {
+  PowerSGDOptions options;
+  std::mt19937 rng;  // numpy's RandomState(seed) is this generator seeded the same way
+  std::map<int, at::Tensor> error, p_memory, q_memory;
+  int64_t iter = 0;
+  int64_t numel_before = 0, numel_after = 0;
+
+  void maybe_increase_iter(bool is_last) {
+    if (is_last) ++iter;
+  }
+  // numpy's legacy RandomState.randint(1_000_000_000): 32-bit draws masked to 30 bits, rejected
+  // above the bound, so a C++ rank draws the seeds a Python rank would.
+  int64_t next_seed() {
+    constexpr uint32_t kHigh = 1000000000u - 1, kMask = (1u << 30) - 1;
+    uint32_t v;
+    do v = static_cast<uint32_t>(rng()) & kMask;
+    while (v > kHigh);
+    return v;
+  }
+};
+
+PowerSGDState::PowerSGDState(PowerSGDOptions o) : impl_(std::make_shared<Impl>()) {
+  DTRAIN_CHECK(o.matrix_approximation_rank() >= 1, "PowerSGDOptions: matrix_approximation_rank must be >= 1, got ",
+               o.matrix_approximation_rank());
+  DTRAIN_CHECK(!((o.use_error_feedback() || o.warm_start()) && o.start_powerSGD_iter() <= 1),
+               "PowerSGDOptions: start_powerSGD_iter must be > 1 with use_error_feedback or warm_start, got ",
+               o.start_powerSGD_iter(), ": start at 2 or later (PyTorch's rule), or turn both off");
+  DTRAIN_CHECK(o.min_compression_rate() >= 0, "PowerSGDOptions: min_compression_rate must be >= 0, got ",
+               o.min_compression_rate());
+  DTRAIN_CHECK(o.orthogonalization_epsilon() >= 0, "PowerSGDOptions: orthogonalization_epsilon must be >= 0, got ",
+               o.orthogonalization_epsilon());
+  impl_->rng.seed(o.random_seed());
+  impl_->options = std::move(o);
+}
+
+const PowerSGDOptions& PowerSGDState::options() const { return impl_->options; }
+int64_t PowerSGDState::iter() const { return impl_->iter; }
+namespace {
+at::Tensor find_or_undefined(const std::map<int, at::Tensor>& m, int k) {
+  auto it = m.find(k);
+  return it == m.end() ? at::Tensor() : it->second;
+}
+}  // namespace
+at::Tensor PowerSGDState::error(int bucket) const { return find_or_undefined(impl_->error, bucket); }
+at::Tensor PowerSGDState::p_memory(int bucket) const { return find_or_undefined(impl_->p_memory, bucket); }
+at::Tensor PowerSGDState::q_memory(int bucket) const { return find_or_undefined(impl_->q_memory, bucket); }
+PowerSGDState::CompressionStats PowerSGDState::compression_stats() const {
+  CompressionStats s;
+  s.numel_before = impl_->numel_before;
+  s.numel_after = impl_->numel_after;
+  s.rate = s.numel_after > 0 ? static_cast<double>(s.numel_before) / static_cast<double>(s.numel_after) : 0.0;
+  return s;
+}
+
+namespace {
+
+// Gram-Schmidt on the columns of each matrix of a batch (b x n x r), in place.
+void gram_schmidt(at::Tensor& m, double epsilon) {
+  static const int64_t kRowDim = 1;
+  const at::IntArrayRef kRows(&kRowDim, 1);
+  const int64_t cols = m.size(2);
+  for (int64_t i = 0; i < cols; ++i) {
+    at::Tensor col = m.narrow(2, i, 1);
+    at::Tensor norm = at::linalg_vector_norm(col, 2, kRows, /*keepdim=*/true);
+    col.div_(epsilon == 0 ? norm : norm + epsilon);
+    if (i + 1 < cols) {
+      at::Tensor rest = m.narrow(2, i + 1, cols - i - 1);
+      rest.sub_(at::sum(col * rest, kRows, /*keepdim=*/true) * col);
+    }
+  }
+}
+
+// PyTorch's _orthogonalize: QR is faster beyond rank 2 but has no half-precision kernels.
+void orthogonalize(at::Tensor m, double epsilon) {
+  const auto dtype = m.scalar_type();
+  if (m.size(2) <= 2 || dtype == at::kHalf || dtype == at::kBFloat16) {
+    gram_schmidt(m, epsilon);
+  } else {
+    m.copy_(std::get<0>(at::linalg_qr(m)));
+  }
+}
+
+// out = a b for a batch of matrices (b x n x m times b x m x r), where r is PowerSGD's small rank.
+// A general matrix product first copies (packs) all of `a` into panels; a product with r columns
+// of `b` reads `a` once per column instead, which for r <= 2 costs less than the packing. The sums
+// are the same up to the order of float additions.
+void skinny_bmm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  if (b.size(2) > 2) {
+    at::bmm_out(out, a, b);
+    return;
+  }
+  for (int64_t i = 0; i < a.size(0); ++i)
+    for (int64_t j = 0; j < b.size(2); ++j) {
+      at::Tensor col = out.select(0, i).select(1, j);
+      if (col.is_contiguous()) {
+        at::mv_out(col, a.select(0, i), b.select(0, i).select(1, j));
+      } else {
+        col.copy_(at::mv(a.select(0, i), b.select(0, i).select(1, j)));
+      }
+    }
+}
+
+// N(0, 1) values for each q in turn from one generator seeded with `seed`, each orthogonalized.
+void random_qs(std::vector<at::Tensor>& qs, int64_t seed, double epsilon) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed));
+  for (auto& q : qs) {
+    q.copy_(at::randn(q.sizes(), gen, q.options().device(at::kCPU)));
+    orthogonalize(q, epsilon);
+  }
+}
+
+}  // namespace
+
+Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
+  std::shared_ptr<PowerSGDState::Impl> impl = state.impl();
+  auto& s = *impl;
+  const Group group = s.options.process_group();
+  const int world = group.size();
+  at::Tensor input = bucket.buffer();
+  const bool is_last = bucket.is_last();
+  // Step 1.
+  if (s.iter < s.options.start_powerSGD_iter()) {
+    s.maybe_increase_iter(is_last);
+    return allreduce_hook(group, bucket);
+  }
+  at::NoGradGuard ng;
+  const int index = bucket.index();
+  // Step 2. The copy PyTorch keeps for the error is not needed: the error is written in step 8 from
+  // the bucket's values before they are overwritten, into the same buffer (no allocation per step).
+  at::Tensor error;
+  if (s.options.use_error_feedback()) {
+    auto it = s.error.find(index);
+    if (it != s.error.end()) {
+      input.add_(it->second);
+      error = it->second;
+    } else {
+      error = s.error[index] = at::zeros({input.numel()}, input.options());
+    }
+  }
+  // Step 3: per-parameter views of buffer() (not gradients(): under a compression wrapper buffer()
+  // is the cast copy, and that is what must be compressed), with the error's view beside each.
+  std::vector<at::Tensor> to_compress, uncompressed, to_compress_err, uncompressed_err;
+  int64_t offset = 0, total_p = 0, total_q = 0;
+  for (const auto& g : bucket.gradients()) {
+    at::Tensor t = input.narrow(0, offset, g.numel()).view(g.sizes());
+    at::Tensor e = error.defined() ? error.narrow(0, offset, g.numel()).view(g.sizes()) : at::Tensor();
+    offset += g.numel();
+    const int64_t n = t.dim() == 0 ? 1 : t.size(0), m = t.numel() / std::max<int64_t>(n, 1);
+    const int64_t r = std::min({n, m, s.options.matrix_approximation_rank()});
+    const int64_t before = n * m, after = (n + m) * r;
+    s.numel_before += before;
+    if (static_cast<double>(after) * s.options.min_compression_rate() < static_cast<double>(before)) {
+      to_compress.push_back(t.view({n, m}));
+      to_compress_err.push_back(e.defined() ? e.view({n, m}) : e);
+      total_p += n * r;
+      total_q += m * r;
+      s.numel_after += after;
+    } else {
+      uncompressed.push_back(t);
+      uncompressed_err.push_back(e);
+      s.numel_after += before;
+    }
+  }
+  // Step 4.
+  std::vector<at::Tensor> flat;
+  for (auto& t : uncompressed) flat.push_back(t.reshape({-1}));
+  at::Tensor uncompressed_memory = flat.empty() ? at::empty({0}, input.options()) : at::cat(flat);
+  Future uncompressed_sum = ddp::sum_future(uncompressed_memory, group);
+  // Step 5.
+  const bool randomize = !s.options.warm_start() || s.p_memory.count(index) == 0;
+  if (randomize) {
+    s.p_memory[index] = at::empty({total_p}, input.options());
+    s.q_memory[index] = at::empty({total_q}, input.options());
+  }
+  at::Tensor p_memory = s.p_memory[index], q_memory = s.q_memory[index];
+  std::vector<std::vector<size_t>> by_shape;  // indices into to_compress, shapes in first-seen order
+  for (size_t k = 0; k < to_compress.size(); ++k) {
+    auto it = std::find_if(by_shape.begin(), by_shape.end(), [&](const std::vector<size_t>& v) {
+      return to_compress[v[0]].sizes() == to_compress[k].sizes();
+    });
+    if (it == by_shape.end())
+      by_shape.push_back({k});
+    else
+      it->push_back(k);
+  }
+  // Per batch: the matrices (b x n x m; a view of the bucket when b = 1, else a stacked copy), P, Q.
+  std::vector<at::Tensor> matrices, ps, qs;
+  std::vector<std::vector<size_t>> members;
+  int64_t p_at = 0, q_at = 0;
+  for (auto& same_shape : by_shape) {
+    std::vector<std::vector<size_t>> batches;
+    if (s.options.batch_tensors_with_same_shape())
+      batches.push_back(same_shape);
+    else
+      for (size_t k : same_shape) batches.push_back({k});
+    for (auto& b : batches) {
+      const at::Tensor& first = to_compress[b[0]];
+      const int64_t count = static_cast<int64_t>(b.size()), n = first.size(0), m = first.size(1);
+      const int64_t r = std::min({n, m, s.options.matrix_approximation_rank()});
+      std::vector<at::Tensor> parts;
+      for (size_t k : b) parts.push_back(to_compress[k]);
+      matrices.push_back(count == 1 ? first.unsqueeze(0) : at::stack(parts));
+      members.push_back(b);
+      ps.push_back(p_memory.narrow(0, p_at, count * n * r).view({count, n, r}));
+      qs.push_back(q_memory.narrow(0, q_at, count * m * r).view({count, m, r}));
+      p_at += count * n * r;
+      q_at += count * m * r;
+    }
+  }
+  const double eps = s.options.orthogonalization_epsilon();
+  if (!randomize)
+    for (auto& q : qs) orthogonalize(q, eps);
+  else
+    random_qs(qs, s.next_seed(), eps);
+  // Step 6.
+  for (size_t k = 0; k < matrices.size(); ++k) skinny_bmm_out(ps[k], matrices[k], qs[k]);
+  Future p_sum = ddp::sum_future(p_memory, group);
+
+  return p_sum.then([impl, group, world, index, is_last, input, uncompressed, uncompressed_err, uncompressed_memory,
+                     uncompressed_sum, to_compress, to_compress_err, matrices, members, ps, qs, p_memory, q_memory,
+                     eps](const at::Tensor&) mutable {
+    at::NoGradGuard ng;
+    auto& s = *impl;
+    // Step 7 (and 8's error of the uncompressed tensors: what they held minus the average).
+    uncompressed_sum.wait();
+    uncompressed_memory.div_(world);
+    int64_t at_ = 0;
+    for (size_t u = 0; u < uncompressed.size(); ++u) {
+      const at::Tensor& t = uncompressed[u];
+      at::Tensor avg = uncompressed_memory.narrow(0, at_, t.numel()).view_as(t);
+      if (uncompressed_err[u].defined()) at::sub_out(uncompressed_err[u], t, avg);
+      t.copy_(avg);
+      at_ += t.numel();
+    }
+    for (const auto& p : ps) orthogonalize(p, eps);
+    for (size_t k = 0; k < matrices.size(); ++k) skinny_bmm_out(qs[k], matrices[k].transpose(1, 2), ps[k]);
+    ddp::sum_future(q_memory, group).wait();
+    q_memory.div_(world);
+    for (size_t k = 0; k < matrices.size(); ++k) {
+      at::Tensor qt = qs[k].transpose(1, 2);
+      if (members[k].size() == 1) {
+        // Step 8's error (M - P Q^T) in one pass over M before M becomes P Q^T.
+        at::Tensor err = to_compress_err[members[k][0]];
+        if (err.defined()) {
+          at::Tensor err3 = err.unsqueeze(0);
+          at::baddbmm_out(err3, matrices[k], ps[k], qt, /*beta=*/1, /*alpha=*/-1);
+        }
+        at::bmm_out(matrices[k], ps[k], qt);
+      } else {
+        at::bmm_out(matrices[k], ps[k], qt);
+        for (size_t i = 0; i < members[k].size(); ++i) {
+          const size_t m = members[k][i];
+          at::Tensor approx = matrices[k][static_cast<int64_t>(i)];
+          if (to_compress_err[m].defined()) at::sub_out(to_compress_err[m], to_compress[m], approx);
+          to_compress[m].copy_(approx);
+        }
+      }
+    }
+    // Step 8.
+    if (!s.options.warm_start()) {
+      s.p_memory.clear();
+      s.q_memory.clear();
+    }
+    s.maybe_increase_iter(is_last);
+    return input;
+  });
+}
+
+Future batched_powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
+  std::shared_ptr<PowerSGDState::Impl> impl = state.impl();
+  auto& s = *impl;
+  const Group group = s.options.process_group();
+  const int world = group.size();
+  at::Tensor input = bucket.buffer();
+  const bool is_last = bucket.is_last();
+  if (s.iter < s.options.start_powerSGD_iter()) {
+    s.maybe_increase_iter(is_last);
+    return allreduce_hook(group, bucket);
+  }
+  at::NoGradGuard ng;
+  const int index = bucket.index();
+  const int64_t total = input.numel();
+  const int64_t side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(total))));
+  const int64_t r = s.options.matrix_approximation_rank();
+  s.numel_before += total;
+  s.numel_after += side * r * 2;
+  // PyTorch resizes the bucket itself to side^2 (zero padding); a padded copy computes the same
+  // values without reallocating the storage DDP's gradient slots view.
+  at::Tensor padded = at::zeros({side * side}, input.options());
+  padded.narrow(0, 0, total).copy_(input);
+  at::Tensor padded_copy;
+  if (s.options.use_error_feedback()) {
+    auto it = s.error.find(index);
+    if (it != s.error.end())
+      padded.add_(it->second);
+    else
+      s.error[index] = at::zeros({side * side}, input.options());
+    padded_copy = padded.clone();
+  }
+  at::Tensor matrix = padded.view({side, side});
+  if (!s.options.warm_start() || s.p_memory.count(index) == 0) {
+    s.p_memory[index] = at::empty({side, r}, input.options());
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(s.next_seed()));
+    s.q_memory[index] = at::randn({side, r}, gen, input.options().device(at::kCPU)).to(input.device());
+  }
+  at::Tensor p = s.p_memory[index], q = s.q_memory[index];
+  orthogonalize(q.unsqueeze(0), 0);  // PyTorch passes no epsilon here
+  at::mm_out(p, matrix, q);
+  Future p_sum = ddp::sum_future(p, group);
+  return p_sum.then(
+      [impl, group, world, index, is_last, input, total, padded, padded_copy, matrix, p, q](const at::Tensor&) mutable {
+        at::NoGradGuard ng;
+        auto& s = *impl;
+        orthogonalize(p.unsqueeze(0), 0);
+        at::mm_out(q, matrix.t(), p);
+        ddp::sum_future(q, group).wait();
+        q.div_(world);
+        at::Tensor m = matrix;
+        at::mm_out(m, p, q.t());
+        if (s.options.use_error_feedback()) s.error[index] = padded_copy - padded;
+        if (!s.options.warm_start()) {
+          s.p_memory.clear();
+          s.q_memory.clear();
+        }
+        input.copy_(padded.narrow(0, 0, total));
+        s.maybe_increase_iter(is_last);
+        return input;
+      });
+}
+
+}  // namespace dtrain

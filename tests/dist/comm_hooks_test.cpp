@@ -1,0 +1,529 @@
+// DDP communication hooks on 2 and 3 real processes, each against a reference computed in the test:
+//   allreduce_hook: the same bits as DDP without a hook;
+//   fp16 / bf16 compression: cast, divide by the world size, sum, cast back (PyTorch's order);
+//   PowerSGD (layer-wise and batched): P, Q, the error memory and the averaged gradients of every
+//   step, warm-up steps included, against a plain re-implementation that simulates every rank in
+//   this process (float64).
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include "dist_main.h"
+#include "dtrain/comm_hooks.h"
+#include "dtrain/ddp.h"
+#include "test_util.h"
+
+using namespace dtrain;
+namespace F = torch::nn::functional;
+
+namespace {
+
+// numpy.random.RandomState(0).randint(1_000_000_000), drawn 24 times: the seeds of PowerSGD's random
+// Qs in PyTorch with random_seed=0.
+const std::vector<int64_t> kNumpySeeds0 = {209652396, 398764591, 924231285, 404868288, 441365315, 463622907,
+                                           192771779, 417693031, 745841673, 530702035, 626610453, 577165042,
+                                           805680932, 204159575, 608910406, 243580376, 917674584, 97308044,
+                                           573126970, 977814209, 179207654, 267012647, 124102743, 987744430};
+
+// Matrices of several shapes, two of one shape with others between them in a bucket (a and d: PowerSGD
+// groups by shape), one too small to compress at rank 2 (head: 3 x 32) and biases (never compressed).
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    a = register_module("a", torch::nn::Linear(16, 32));
+    b = register_module("b", torch::nn::Linear(32, 32));
+    c = register_module("c", torch::nn::Linear(32, 16));
+    d = register_module("d", torch::nn::Linear(16, 32));
+    head = register_module("head", torch::nn::Linear(32, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return head(torch::tanh(d(torch::tanh(c(torch::tanh(b(torch::tanh(a(x)))))))));
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr}, d{nullptr}, head{nullptr};
+};
+TORCH_MODULE(Net);
+
+constexpr int kBatchPerRank = 4;
+
+// Step s's inputs and targets of rank r (the same on every rank for a given r).
+std::pair<at::Tensor, at::Tensor> data(int s, int r, at::ScalarType dtype) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(7000 + 100 * s + r);
+  return {at::randn({kBatchPerRank, 16}, g, at::TensorOptions().dtype(dtype)),
+          at::randn({kBatchPerRank, 3}, g, at::TensorOptions().dtype(dtype))};
+}
+
+// Small buckets, so that a hook sees several (and the last-bucket logic matters): 3 in float64.
+DDPOptions small_buckets() { return DDPOptions().first_bucket_cap_mb(0.002).bucket_cap_mb(0.005); }
+// One bucket holding every parameter (same-shaped matrices apart from each other in it).
+DDPOptions one_bucket() { return DDPOptions().first_bucket_cap_mb(1).bucket_cap_mb(1); }
+
+Net make_net(at::ScalarType dtype) {
+  torch::manual_seed(42);  // every rank the same (DDP would broadcast rank 0's anyway)
+  Net net;
+  net->to(dtype);
+  return net;
+}
+
+std::vector<at::Tensor> grads_of(torch::nn::Module& m) {
+  std::vector<at::Tensor> out;
+  for (auto& p : m.parameters()) out.push_back(p.grad().clone());
+  return out;
+}
+
+// This model's gradients for rank r's data of step s (no DDP, no communication).
+std::vector<at::Tensor> local_grads(Net& ref, int s, int r) {
+  auto dtype = ref->parameters()[0].scalar_type();
+  auto [x, y] = data(s, r, dtype);
+  for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
+  F::mse_loss(ref->forward(x), y).backward();
+  return grads_of(*ref);
+}
+
+void sgd_step(torch::nn::Module& m, const std::vector<at::Tensor>& grads, double lr) {
+  at::NoGradGuard ng;
+  auto ps = m.parameters();
+  for (size_t i = 0; i < ps.size(); ++i) ps[i].sub_(grads[i] * lr);
+}
+
+// Trains `steps` SGD steps of DDP with `hook` registered (or none); returns the parameters.
+template <typename Register>
+std::vector<at::Tensor> train(at::ScalarType dtype, int steps, Register reg) {
+  Net net = make_net(dtype);
+  DistributedDataParallel ddp(net, small_buckets());
+  reg(ddp);
+  torch::optim::SGD opt(ddp.parameters(), 0.1);
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = data(s, rank(), dtype);
+    opt.zero_grad();
+    F::mse_loss(ddp(x), y).backward();
+    opt.step();
+  }
+  std::vector<at::Tensor> out;
+  for (auto& p : net->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+bool all_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!at::equal(a[i], b[i])) return false;
+  return true;
+}
+
+double max_rel(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0) return 0;
+  return (a - b).abs().max().item<double>() / std::max(b.abs().max().item<double>(), 1e-12);
+}
+
+}  // namespace
+
+// ctest runs this program over shared memory and, as dist_comm_hooks_test_gloo_2, over Gloo alone.
+TEST(CommHooks, DefaultGroupRunsOverTheTransportThisRunTests) { expect_default_group_transport_from_env(); }
+
+TEST(CommHooks, AllreduceHookEqualsNoHookBitForBit) {
+  auto plain = train(at::kFloat, 4, [](auto&) {});
+  auto hooked = train(at::kFloat, 4, [](auto& ddp) { ddp.register_comm_hook(Group(), allreduce_hook); });
+  EXPECT_TRUE(all_equal(plain, hooked));
+  // The check can fail: a hook that sums without dividing moves the parameters elsewhere.
+  auto summed = train(at::kFloat, 4, [](auto& ddp) {
+    ddp.register_comm_hook([](GradBucket& b) {
+      at::Tensor t = b.buffer();
+      return Future(all_reduce(t, ReduceOp::SUM, Group(), true), t);
+    });
+  });
+  EXPECT_FALSE(all_equal(plain, summed));
+}
+
+namespace {
+
+// Every rank's local gradients of step 0, cast, divided by the world size, summed in rank order with
+// one rounding per addition, cast back.
+std::vector<at::Tensor> compressed_reference(at::ScalarType low) {
+  Net ref = make_net(at::kFloat);
+  const int n = world_size();
+  std::vector<at::Tensor> sum;
+  for (int r = 0; r < n; ++r) {
+    auto g = local_grads(ref, 0, r);
+    for (size_t i = 0; i < g.size(); ++i) {
+      at::Tensor part = g[i].to(low).div_(n);
+      if (r == 0)
+        sum.push_back(part);
+      else
+        sum[i] = (sum[i].to(at::kFloat) + part.to(at::kFloat)).to(low);
+    }
+  }
+  for (auto& t : sum) t = t.to(at::kFloat);
+  return sum;
+}
+
+// The gradients DDP leaves after one backward of step 0 with `hook`.
+template <typename Hook>
+std::vector<at::Tensor> ddp_grads(Hook hook) {
+  Net net = make_net(at::kFloat);
+  DistributedDataParallel ddp(net, small_buckets());
+  ddp.register_comm_hook(Group(), hook);
+  auto [x, y] = data(0, rank(), at::kFloat);
+  F::mse_loss(ddp(x), y).backward();
+  return grads_of(*net);
+}
+
+void expect_compressed(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want, at::ScalarType low) {
+  for (size_t i = 0; i < got.size(); ++i) {
+    // Exactly representable in the low type: the sum really travelled compressed.
+    EXPECT_TRUE(at::equal(got[i], got[i].to(low).to(at::kFloat))) << "parameter " << i;
+    if (world_size() == 2) {
+      // Two addends: the sum has one rounding whatever the order, so the bits are known.
+      EXPECT_TRUE(at::equal(got[i], want[i]))
+          << "parameter " << i << ": max diff " << (got[i] - want[i]).abs().max().item<double>();
+    } else {
+      // More addends: the backend's summation order decides the last bit of each rounding.
+      const double ulp = low == at::kHalf ? 1.0 / 1024 : 1.0 / 128;
+      EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 2 * ulp * want[i].abs().max().item<double>() + 1e-6)
+          << "parameter " << i;
+    }
+  }
+}
+
+}  // namespace
+
+TEST(CommHooks, Fp16AndBf16EqualCastDivideSumCastBack) {
+  expect_compressed(ddp_grads(fp16_compress_hook), compressed_reference(at::kHalf), at::kHalf);
+  expect_compressed(ddp_grads(bf16_compress_hook), compressed_reference(at::kBFloat16), at::kBFloat16);
+  // The wrappers around allreduce_hook compute the same values.
+  expect_compressed(ddp_grads(fp16_compress_wrapper(allreduce_hook)), compressed_reference(at::kHalf), at::kHalf);
+  expect_compressed(ddp_grads(bf16_compress_wrapper(allreduce_hook)), compressed_reference(at::kBFloat16),
+                    at::kBFloat16);
+  // The check can fail: an uncompressed average is not representable in float16.
+  auto plain = ddp_grads(allreduce_hook);
+  bool all_half = true;
+  for (auto& g : plain) all_half = all_half && at::equal(g, g.to(at::kHalf).to(at::kFloat));
+  EXPECT_FALSE(all_half);
+}
+
+TEST(CommHooks, RegistrationErrors) {
+  Net net = make_net(at::kFloat);
+  DistributedDataParallel ddp(net, small_buckets());
+  ddp.register_comm_hook(Group(), allreduce_hook);
+  EXPECT_NE(test_util::dtrain_error_of([&] {
+              ddp.register_comm_hook(Group(), fp16_compress_hook);
+            }).find("already registered"),
+            std::string::npos);
+  Net net2 = make_net(at::kFloat);
+  DistributedDataParallel ddp2(net2, small_buckets());
+  auto [x, y] = data(0, rank(), at::kFloat);
+  F::mse_loss(ddp2(x), y).backward();
+  EXPECT_NE(test_util::dtrain_error_of([&] {
+              ddp2.register_comm_hook(Group(), allreduce_hook);
+            }).find("before the first backward"),
+            std::string::npos);
+  // A result of the wrong size is named at the end of backward (on every rank alike).
+  Net net3 = make_net(at::kFloat);
+  DistributedDataParallel ddp3(net3, small_buckets());
+  ddp3.register_comm_hook([](GradBucket& b) { return Future(b.buffer().narrow(0, 0, 1)); });
+  const std::string e = test_util::error_of([&] { F::mse_loss(ddp3(x), y).backward(); });
+  EXPECT_NE(e.find("communication hook's result for bucket 0 has 1 elements"), std::string::npos) << e;
+  EXPECT_NE(test_util::dtrain_error_of([] {
+              (void)PowerSGDState(PowerSGDOptions().start_powerSGD_iter(1));
+            }).find("start_powerSGD_iter must be > 1"),
+            std::string::npos);
+}
+
+// --- PowerSGD against a re-implementation over every rank's data ----------------------------------
+
+namespace {
+
+at::Tensor gram_schmidt_ref(at::Tensor m, double eps) {  // m: rows x cols, columns orthonormalized
+  for (int64_t i = 0; i < m.size(1); ++i) {
+    at::Tensor col = m.select(1, i);
+    col.div_(col.norm().item<double>() + eps);
+    for (int64_t j = i + 1; j < m.size(1); ++j) {
+      at::Tensor other = m.select(1, j);
+      other.sub_(col * at::dot(col, other));
+    }
+  }
+  return m;
+}
+
+struct RefPowerSGD {
+  RefPowerSGD(PowerSGDOptions options, int world_size, std::vector<std::vector<int>> bucket_params,
+              std::vector<at::Tensor> params)
+      : o(std::move(options)), world(world_size), buckets(std::move(bucket_params)), shapes(std::move(params)) {}
+  PowerSGDOptions o;
+  int world;
+  std::vector<std::vector<int>> buckets;  // DDP's bucket -> parameter indices
+  std::vector<at::Tensor> shapes;         // a tensor per parameter, for its shape
+  size_t next_seed = 0;
+  int64_t iter = 0;
+  std::map<int, std::vector<at::Tensor>> error;  // bucket -> per rank
+  std::map<int, at::Tensor> p, q;                // bucket -> flat, as the hook keeps them
+
+  // grads[r][i]: rank r's local gradient of parameter i. Returns the averaged gradients.
+  std::vector<at::Tensor> step(const std::vector<std::vector<at::Tensor>>& grads) {
+    std::vector<at::Tensor> out(shapes.size());
+    const bool compress = iter >= o.start_powerSGD_iter();
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      const int bi = static_cast<int>(b);
+      // Each rank's flat bucket, with its error added.
+      std::vector<at::Tensor> flat(world);
+      for (int r = 0; r < world; ++r) {
+        std::vector<at::Tensor> parts;
+        for (int i : buckets[b]) parts.push_back(grads[r][i].reshape({-1}));
+        flat[r] = at::cat(parts);
+      }
+      if (!compress) {
+        at::Tensor sum = flat[0] / world;
+        for (int r = 1; r < world; ++r) sum = sum + flat[r] / world;
+        unflatten(b, sum, out);
+        continue;
+      }
+      std::vector<at::Tensor> before(world);
+      for (int r = 0; r < world; ++r) {
+        if (o.use_error_feedback() && error.count(bi)) flat[r] = flat[r] + error[bi][r];
+        before[r] = flat[r].clone();
+      }
+      // Matrices per rank, in shape-group order; uncompressed parameters averaged directly.
+      struct Mat {
+        int param;
+        int64_t n, m, rank;
+      };
+      std::vector<Mat> mats;
+      std::vector<std::vector<int64_t>> group_shapes;
+      std::vector<std::vector<Mat>> groups;
+      std::vector<at::Tensor> result(world);
+      for (int r = 0; r < world; ++r) result[r] = flat[r].clone();
+      int64_t off = 0;
+      std::map<int, int64_t> offset_of;
+      for (int i : buckets[b]) {
+        offset_of[i] = off;
+        const int64_t n = shapes[i].size(0), m = shapes[i].numel() / n;
+        const int64_t rk = std::min({n, m, o.matrix_approximation_rank()});
+        if (static_cast<double>((n + m) * rk) * o.min_compression_rate() < static_cast<double>(n * m)) {
+          std::vector<int64_t> key{n, m};
+          auto it = std::find(group_shapes.begin(), group_shapes.end(), key);
+          if (it == group_shapes.end()) {
+            group_shapes.push_back(key);
+            groups.push_back({});
+            it = group_shapes.end() - 1;
+          }
+          groups[it - group_shapes.begin()].push_back(Mat{i, n, m, rk});
+        } else {
+          at::Tensor sum = at::zeros({shapes[i].numel()}, flat[0].options());
+          for (int r = 0; r < world; ++r) sum = sum + flat[r].narrow(0, off, shapes[i].numel());
+          for (int r = 0; r < world; ++r) result[r].narrow(0, off, shapes[i].numel()).copy_(sum / world);
+        }
+        off += shapes[i].numel();
+      }
+      for (auto& g : groups) mats.insert(mats.end(), g.begin(), g.end());
+      auto matrix = [&](const at::Tensor& f, const Mat& mt) {
+        return f.narrow(0, offset_of[mt.param], mt.n * mt.m).view({mt.n, mt.m});
+      };
+      // Qs: random the first time (or always without warm start), else last step's.
+      std::vector<at::Tensor> qs;
+      if (!o.warm_start() || !q.count(bi)) {
+        // One draw per matrix, or per shape group when same-shaped matrices are batched.
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(kNumpySeeds0.at(next_seed++)));
+        for (auto& g : groups) {
+          if (o.batch_tensors_with_same_shape()) {
+            at::Tensor all = at::randn({static_cast<int64_t>(g.size()), g[0].m, g[0].rank}, gen, flat[0].options());
+            for (size_t k = 0; k < g.size(); ++k)
+              qs.push_back(gram_schmidt_ref(all[static_cast<int64_t>(k)].clone(), o.orthogonalization_epsilon()));
+          } else {
+            for (auto& mt : g)
+              qs.push_back(
+                  gram_schmidt_ref(at::randn({mt.m, mt.rank}, gen, flat[0].options()), o.orthogonalization_epsilon()));
+          }
+        }
+      } else {
+        int64_t at_ = 0;
+        for (auto& mt : mats) {
+          qs.push_back(gram_schmidt_ref(q[bi].narrow(0, at_, mt.m * mt.rank).view({mt.m, mt.rank}).clone(),
+                                        o.orthogonalization_epsilon()));
+          at_ += mt.m * mt.rank;
+        }
+      }
+      std::vector<at::Tensor> ps, qsum;
+      for (size_t k = 0; k < mats.size(); ++k) {
+        at::Tensor psum = at::zeros({mats[k].n, mats[k].rank}, flat[0].options());
+        for (int r = 0; r < world; ++r) psum = psum + at::mm(matrix(flat[r], mats[k]), qs[k]);
+        ps.push_back(gram_schmidt_ref(psum, o.orthogonalization_epsilon()));
+      }
+      for (size_t k = 0; k < mats.size(); ++k) {
+        at::Tensor s = at::zeros({mats[k].m, mats[k].rank}, flat[0].options());
+        for (int r = 0; r < world; ++r) s = s + at::mm(matrix(flat[r], mats[k]).t(), ps[k]);
+        qsum.push_back(s / world);
+      }
+      for (size_t k = 0; k < mats.size(); ++k)
+        for (int r = 0; r < world; ++r) matrix(result[r], mats[k]).copy_(at::mm(ps[k], qsum[k].t()));
+      std::vector<at::Tensor> pf, qf;
+      for (auto& t : ps) pf.push_back(t.reshape({-1}));
+      for (auto& t : qsum) qf.push_back(t.reshape({-1}));
+      p[bi] = at::cat(pf);
+      q[bi] = at::cat(qf);
+      if (o.use_error_feedback()) {
+        error[bi].assign(world, at::Tensor());
+        for (int r = 0; r < world; ++r) error[bi][r] = before[r] - result[r];
+      }
+      unflatten(b, result[0], out);
+    }
+    ++iter;
+    return out;
+  }
+
+  void unflatten(size_t b, const at::Tensor& flat, std::vector<at::Tensor>& out) {
+    int64_t off = 0;
+    for (int i : buckets[b]) {
+      out[i] = flat.narrow(0, off, shapes[i].numel()).view(shapes[i].sizes()).clone();
+      off += shapes[i].numel();
+    }
+  }
+};
+
+// Runs DDP with layer-wise PowerSGD for `steps` steps beside the reference; every step compares the
+// averaged gradients, P, Q and this rank's error memory. Returns the worst relative difference.
+double powersgd_vs_reference(PowerSGDOptions options, int steps, DDPOptions ddp_options, size_t buckets) {
+  Net net = make_net(at::kDouble), ref = make_net(at::kDouble);
+  DistributedDataParallel ddp(net, ddp_options);
+  PowerSGDState state(options);
+  ddp.register_comm_hook(state, powerSGD_hook);
+  RefPowerSGD model(options, world_size(), ddp.bucket_param_indices(), net->parameters());
+  EXPECT_EQ(model.buckets.size(), buckets);
+  double worst = 0;
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = data(s, rank(), at::kDouble);
+    for (auto& p : net->parameters()) p.mutable_grad() = at::Tensor();
+    F::mse_loss(ddp(x), y).backward();
+    auto got = grads_of(*net);
+    std::vector<std::vector<at::Tensor>> all;
+    for (int r = 0; r < world_size(); ++r) all.push_back(local_grads(ref, s, r));
+    auto want = model.step(all);
+    for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, max_rel(got[i], want[i]));
+    EXPECT_EQ(state.iter(), s + 1);
+    for (size_t b = 0; b < model.buckets.size(); ++b) {
+      const int bi = static_cast<int>(b);
+      const bool compressed = s >= options.start_powerSGD_iter();
+      EXPECT_EQ(state.p_memory(bi).defined(), compressed && options.warm_start()) << "step " << s;
+      if (!compressed) continue;
+      if (options.warm_start()) {
+        worst = std::max(worst, max_rel(state.p_memory(bi), model.p[bi]));
+        worst = std::max(worst, max_rel(state.q_memory(bi), model.q[bi]));
+      }
+      if (options.use_error_feedback()) worst = std::max(worst, max_rel(state.error(bi), model.error[bi][rank()]));
+    }
+    sgd_step(*net, got, 0.1);  // both models take the same step (the hook's result)
+    sgd_step(*ref, got, 0.1);
+  }
+  if (rank() == 0) std::printf("PowerSGD vs reference: worst relative difference %.3g\n", worst);
+  return worst;
+}
+
+}  // namespace
+
+TEST(CommHooks, PowerSGDMatchesReferenceWithWarmStart) {
+  // 2 uncompressed warm-up steps, then 3 PowerSGD steps reusing Q.
+  auto o = PowerSGDOptions().matrix_approximation_rank(2).start_powerSGD_iter(2);
+  EXPECT_LT(powersgd_vs_reference(o, 5, small_buckets(), 3), 1e-10);
+  EXPECT_LT(powersgd_vs_reference(o, 5, one_bucket(), 1), 1e-10);
+  // Same-shaped matrices multiplied as one batch (their random Qs drawn as one tensor).
+  EXPECT_LT(powersgd_vs_reference(o.batch_tensors_with_same_shape(true), 5, one_bucket(), 1), 1e-10);
+}
+
+TEST(CommHooks, PowerSGDMatchesReferenceWithoutWarmStart) {
+  // A fresh random Q every step (one seed per bucket and step), rank 1, epsilon in Gram-Schmidt.
+  auto o =
+      PowerSGDOptions().matrix_approximation_rank(1).start_powerSGD_iter(2).warm_start(false).orthogonalization_epsilon(
+          1e-8);
+  EXPECT_LT(powersgd_vs_reference(o, 5, small_buckets(), 3), 1e-10);
+}
+
+TEST(CommHooks, PowerSGDReferenceCatchesABrokenHook) {
+  // The same comparison fails when the hook differs from the reference (no error feedback on one side).
+  Net net = make_net(at::kDouble), ref = make_net(at::kDouble);
+  DistributedDataParallel ddp(net, small_buckets());
+  PowerSGDState state(PowerSGDOptions().matrix_approximation_rank(2).start_powerSGD_iter(2).use_error_feedback(false));
+  ddp.register_comm_hook(state, powerSGD_hook);
+  RefPowerSGD model(PowerSGDOptions().matrix_approximation_rank(2).start_powerSGD_iter(2), world_size(),
+                    ddp.bucket_param_indices(), net->parameters());
+  double worst = 0;
+  for (int s = 0; s < 4; ++s) {
+    auto [x, y] = data(s, rank(), at::kDouble);
+    F::mse_loss(ddp(x), y).backward();
+    auto got = grads_of(*net);
+    std::vector<std::vector<at::Tensor>> all;
+    for (int r = 0; r < world_size(); ++r) all.push_back(local_grads(ref, s, r));
+    auto want = model.step(all);
+    for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, max_rel(got[i], want[i]));
+    for (auto& p : net->parameters()) p.mutable_grad() = at::Tensor();
+  }
+  EXPECT_GT(worst, 1e-3);
+}
+
+TEST(CommHooks, BatchedPowerSGDMatchesReference) {
+  // The bucket as one zero-padded square matrix, rank 1, against the same computation written out.
+  Net net = make_net(at::kDouble), ref = make_net(at::kDouble);
+  DistributedDataParallel ddp(net, small_buckets());
+  auto o = PowerSGDOptions().matrix_approximation_rank(1).start_powerSGD_iter(2);
+  PowerSGDState state(o);
+  ddp.register_comm_hook(state, batched_powerSGD_hook);
+  auto buckets = ddp.bucket_param_indices();
+  auto shapes = net->parameters();
+  const int n = world_size();
+  std::map<int, std::vector<at::Tensor>> error;
+  std::map<int, at::Tensor> q;
+  size_t seed = 0;
+  double worst = 0;
+  for (int s = 0; s < 5; ++s) {
+    auto [x, y] = data(s, rank(), at::kDouble);
+    for (auto& p : net->parameters()) p.mutable_grad() = at::Tensor();
+    F::mse_loss(ddp(x), y).backward();
+    auto got = grads_of(*net);
+    std::vector<std::vector<at::Tensor>> all;
+    for (int r = 0; r < n; ++r) all.push_back(local_grads(ref, s, r));
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      const int bi = static_cast<int>(b);
+      std::vector<at::Tensor> flat(n);
+      for (int r = 0; r < n; ++r) {
+        std::vector<at::Tensor> parts;
+        for (int i : buckets[b]) parts.push_back(all[r][i].reshape({-1}));
+        flat[r] = at::cat(parts);
+      }
+      const int64_t total = flat[0].numel(), side = static_cast<int64_t>(std::ceil(std::sqrt(double(total))));
+      at::Tensor avg;
+      if (s < 2) {
+        avg = flat[0] / n;
+        for (int r = 1; r < n; ++r) avg = avg + flat[r] / n;
+      } else {
+        std::vector<at::Tensor> m(n);
+        for (int r = 0; r < n; ++r) {
+          m[r] = at::zeros({side * side}, flat[r].options());
+          m[r].narrow(0, 0, total).copy_(flat[r]);
+          if (error.count(bi)) m[r] += error[bi][r];
+        }
+        if (!q.count(bi)) {
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(kNumpySeeds0.at(seed++)));
+          q[bi] = at::randn({side, 1}, gen, flat[0].options());
+        }
+        at::Tensor qq = gram_schmidt_ref(q[bi].clone(), 0);
+        at::Tensor p = at::zeros({side, 1}, flat[0].options());
+        for (int r = 0; r < n; ++r) p = p + at::mm(m[r].view({side, side}), qq);
+        p = gram_schmidt_ref(p, 0);
+        at::Tensor qs = at::zeros({side, 1}, flat[0].options());
+        for (int r = 0; r < n; ++r) qs = qs + at::mm(m[r].view({side, side}).t(), p);
+        q[bi] = qs / n;
+        at::Tensor approx = at::mm(p, q[bi].t()).reshape({-1});
+        error[bi].assign(n, at::Tensor());
+        for (int r = 0; r < n; ++r) error[bi][r] = m[r] - approx;
+        avg = approx.narrow(0, 0, total);
+        worst = std::max(worst, max_rel(state.q_memory(bi).reshape({-1}), q[bi].reshape({-1})));
+        worst = std::max(worst, max_rel(state.error(bi), error[bi][rank()]));
+      }
+      int64_t off = 0;
+      for (int i : buckets[b]) {
+        worst = std::max(worst, max_rel(got[i].reshape({-1}), avg.narrow(0, off, shapes[i].numel())));
+        off += shapes[i].numel();
+      }
+    }
+    sgd_step(*net, got, 0.1);
+    sgd_step(*ref, got, 0.1);
+  }
+  EXPECT_LT(worst, 1e-10);
+}
+
+DTRAIN_DIST_TEST_MAIN()
