@@ -120,9 +120,10 @@ void ZeroRedundancyOptimizer::broadcast_shares() {
 }
 
 void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
-  DTRAIN_CHECK(group_.is_member() && std::find(group_.ranks().begin(), group_.ranks().end(), to) != group_.ranks().end(),
-               "ZeroRedundancyOptimizer::consolidate_state_dict: rank ", to, " is not a member of group '",
-               group_.name(), "': consolidate to one of its ranks");
+  DTRAIN_CHECK(
+      group_.is_member() && std::find(group_.ranks().begin(), group_.ranks().end(), to) != group_.ranks().end(),
+      "ZeroRedundancyOptimizer::consolidate_state_dict: rank ", to, " is not a member of group '", group_.name(),
+      "': consolidate to one of its ranks");
   local_->param_groups()[0].set_options(param_groups()[0].options().clone());
   const std::vector<std::string> all = gather_bytes(to_bytes(*local_), to, group_);
   consolidated_.reset();

@@ -94,8 +94,10 @@ TEST(Zero, TenStepsEqualTheUnshardedOptimizerOnTheWholeBatch) {
     auto ref = make_model();
     auto ref_opt = factory(kind)(ref->parameters());
     for (int s = 0; s < 10; ++s) {
-      train_step(*model, [&](const at::Tensor& x) { return ddp(x); }, opt, s, false, clip);
-      train_step(*ref, [&](const at::Tensor& x) { return ref->forward(x); }, *ref_opt, s, true, clip);
+      train_step(
+          *model, [&](const at::Tensor& x) { return ddp(x); }, opt, s, false, clip);
+      train_step(
+          *ref, [&](const at::Tensor& x) { return ref->forward(x); }, *ref_opt, s, true, clip);
     }
     EXPECT_LE(max_rel_diff(*model, *ref), 1e-7) << kind << " on rank " << rank();
     // Step 1 of the protocol: this rank holds state for its share only, and the shares cover all.
@@ -115,8 +117,10 @@ TEST(Zero, OnAGroupOfOneRankItIsTheWrappedOptimizerBitForBit) {
     ZeroRedundancyOptimizer opt(model->parameters(), factory(kind), ZeroOptions().process_group(singles[rank()]));
     auto ref_opt = factory(kind)(ref->parameters());
     for (int s = 0; s < 10; ++s) {
-      train_step(*model, [&](const at::Tensor& x) { return model->forward(x); }, opt, s, true, false);
-      train_step(*ref, [&](const at::Tensor& x) { return ref->forward(x); }, *ref_opt, s, true, false);
+      train_step(
+          *model, [&](const at::Tensor& x) { return model->forward(x); }, opt, s, true, false);
+      train_step(
+          *ref, [&](const at::Tensor& x) { return ref->forward(x); }, *ref_opt, s, true, false);
     }
     EXPECT_TRUE(bit_identical(*model, *ref)) << kind << ": " << max_rel_diff(*model, *ref);
   }
@@ -131,14 +135,18 @@ TEST(Zero, ACheckpointSavedMidRunResumesExactly) {
   auto straight = make_model();
   DistributedDataParallel ddp_a(straight);
   ZeroRedundancyOptimizer opt_a(ddp_a.parameters(), factory("adam"));
-  for (int s = 0; s < 10; ++s) train_step(*straight, [&](const at::Tensor& x) { return ddp_a(x); }, opt_a, s, false, false);
+  for (int s = 0; s < 10; ++s)
+    train_step(
+        *straight, [&](const at::Tensor& x) { return ddp_a(x); }, opt_a, s, false, false);
 
   // 5 steps, a checkpoint, then a fresh model and optimizer resume from it for 5 more.
   {
     auto first = make_model();
     DistributedDataParallel ddp(first);
     ZeroRedundancyOptimizer opt(ddp.parameters(), factory("adam"));
-    for (int s = 0; s < 5; ++s) train_step(*first, [&](const at::Tensor& x) { return ddp(x); }, opt, s, false, false);
+    for (int s = 0; s < 5; ++s)
+      train_step(
+          *first, [&](const at::Tensor& x) { return ddp(x); }, opt, s, false, false);
     TrainingState st;
     st.model = first.ptr().get();
     st.optimizer = &opt;
@@ -153,7 +161,9 @@ TEST(Zero, ACheckpointSavedMidRunResumesExactly) {
   st.optimizer = &opt_b;
   ASSERT_TRUE(CheckpointManager(dir.string()).load_latest(st).has_value());
   ASSERT_EQ(st.step, 5);
-  for (int s = 5; s < 10; ++s) train_step(*resumed, [&](const at::Tensor& x) { return ddp_b(x); }, opt_b, s, false, false);
+  for (int s = 5; s < 10; ++s)
+    train_step(
+        *resumed, [&](const at::Tensor& x) { return ddp_b(x); }, opt_b, s, false, false);
   EXPECT_TRUE(bit_identical(*resumed, *straight)) << "resumed run differs: " << max_rel_diff(*resumed, *straight);
 
   // The file holds the unsharded optimizer's state: a plain Adam loads it, with state for every parameter.
