@@ -127,6 +127,27 @@ TEST(Pipeline, ExplicitBalance) {
             std::string::npos);
 }
 
+// Boundary tensors larger than a shared-memory point-to-point ring (1 MB): a stage enters the
+// end-of-step all-reduce with its send only partly written, and the neighbour needs the rest to
+// reach that all-reduce. This hung until the collectives' waits moved point-to-point on too.
+TEST(Pipeline, BoundaryTensorsLargerThanTheRingDoNotHang) {
+  torch::nn::Sequential net;
+  std::vector<int64_t> balance;
+  for (int r = 0; r < world_size(); ++r) {
+    net->push_back(torch::nn::Linear(1024, 1024));
+    balance.push_back(1);
+  }
+  Pipeline pipe(net, PipelineOptions().chunks(1).schedule(Schedule::kGPipe).balance(balance));
+  torch::optim::SGD opt(pipe.parameters(), 0.01);
+  const at::Tensor x = at::randn({300, 1024}), y = at::randn({300, 1024});  // 1.2 MB per boundary
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    auto r = pipe.step(x, y, [](const at::Tensor& out, const at::Tensor& t) { return (out - t).pow(2).mean(); });
+    EXPECT_TRUE(std::isfinite(r.loss)) << "step " << step;
+    opt.step();
+  }
+}
+
 struct FailCase {
   int stage;
   Injection::Where where;

@@ -148,6 +148,7 @@ void Comm::wait_for(int peer, Phase p, uint32_t s) {
   auto next_check = now;
   for (;;) {
     if (reached(c.value.load(std::memory_order_acquire), s)) return;
+    if (idle_) idle_();  // see set_idle
     now = Clock::now();
     if (now >= next_check) {
       Header& h = seg_.header();

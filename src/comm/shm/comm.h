@@ -19,6 +19,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -52,6 +53,13 @@ class Comm {
   // aborted it. Safe to call from any thread.
   std::string failure() const;
 
+  // Called while a collective waits for a peer (after the first spin, then at least every futex
+  // timeout): the point-to-point channels of the same segment move on there too, because a send
+  // larger than its ring advances only while its sender runs point-to-point code, and the sender
+  // may be waiting in a collective for the very rank that needs the rest of that message. Set once,
+  // before any collective; must not throw or block.
+  void set_idle(std::function<void()> idle) { idle_ = std::move(idle); }
+
   int rank() const { return rank_; }
   int size() const { return n_; }
   const std::vector<int>& labels() const { return labels_; }
@@ -83,6 +91,7 @@ class Comm {
   int n_;
   std::vector<int> labels_;
   std::chrono::milliseconds timeout_;
+  std::function<void()> idle_;  // set_idle
   uint32_t seq_ = 0;
   uint64_t op_id_ = 0;
   OpDesc current_;

@@ -374,6 +374,13 @@ void P2p::progress_all() {
   }
 }
 
+void P2p::progress() noexcept {
+  try {
+    progress_all();
+  } catch (...) {  // a failed stash allocation surfaces in the operation's own wait()
+  }
+}
+
 bool P2p::test(Op& op) {
   if (op.done.load(std::memory_order_acquire)) return true;
   try {

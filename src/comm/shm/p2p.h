@@ -21,6 +21,9 @@
 //   4. progress: there is no progress thread. Posting an operation moves its channel on; waiting
 //      for any operation moves every channel of this rank on (sends written, incoming messages
 //      taken or stashed), so a rank blocked in one operation still lets its peers finish theirs.
+//      So does a rank waiting in one of the segment's collectives (Comm::set_idle): a pipeline stage
+//      enters its end-of-step all-reduce with a send larger than the ring still in flight, and the
+//      neighbour needs the rest of it before it can reach that all-reduce.
 //   5. waiting: spin, yield, then sleep on this rank's bell, which a peer bumps whenever a channel
 //      to or from this rank changes; a sleeper wakes every ~10 ms to check the timeout, whether the
 //      peer's process still exists, and the segment's abort flag (a failed collective).
@@ -71,6 +74,8 @@ class P2p {
   void wait(Op& op);
   // Moves every channel on once; whether `op` has completed (successfully or not). Never throws.
   bool test(Op& op);
+  // Moves every channel on once (for waits outside point-to-point, Comm::set_idle). Never throws.
+  void progress() noexcept;
   // The local rank a completed receive's message came from.
   static int source(const Op& op);
 

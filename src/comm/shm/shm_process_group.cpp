@@ -94,7 +94,14 @@ ShmProcessGroup::ShmProcessGroup(int rank, int size, compat::BackendPtr gloo, st
       leaders_(std::move(leaders)),
       topo_(std::move(topo)),
       labels_(std::move(labels)) {
-  if (local_) p2p_ = make_p2p(local_);
+  if (local_) {
+    p2p_ = make_p2p(local_);
+    // The collectives' waits move point-to-point on (Comm::set_idle). Weak: the Comm outlives the
+    // P2p that holds it.
+    local_->set_idle([w = std::weak_ptr<shm::P2p>(p2p_)] {
+      if (auto p = w.lock()) p->progress();
+    });
+  }
   worker_ = std::thread([this] { run(); });
 }
 
