@@ -42,6 +42,13 @@ struct PowerSGDState::Impl {
   void maybe_increase_iter(bool is_last) {
     if (is_last) ++iter;
   }
+  // Step 1 of both hooks: before start_powerSGD_iter the bucket is all-reduced uncompressed (it
+  // counts the iteration when the last bucket passes).
+  bool warming_up(const GradBucket& bucket) {
+    if (iter >= options.start_powerSGD_iter()) return false;
+    maybe_increase_iter(bucket.is_last());
+    return true;
+  }
   // numpy's legacy RandomState.randint(1_000_000_000): 32-bit draws masked to 30 bits, rejected
   // above the bound, so a C++ rank draws the seeds a Python rank would.
   int64_t next_seed() {
@@ -152,11 +159,7 @@ Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
   const int world = group.size();
   at::Tensor input = bucket.buffer();
   const bool is_last = bucket.is_last();
-  // Step 1.
-  if (s.iter < s.options.start_powerSGD_iter()) {
-    s.maybe_increase_iter(is_last);
-    return allreduce_hook(group, bucket);
-  }
+  if (s.warming_up(bucket)) return allreduce_hook(group, bucket);  // step 1
   at::NoGradGuard ng;
   const int index = bucket.index();
   // Step 2. The copy PyTorch keeps for the error is not needed: the error is written in step 8 from
@@ -307,10 +310,7 @@ Future batched_powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
   const int world = group.size();
   at::Tensor input = bucket.buffer();
   const bool is_last = bucket.is_last();
-  if (s.iter < s.options.start_powerSGD_iter()) {
-    s.maybe_increase_iter(is_last);
-    return allreduce_hook(group, bucket);
-  }
+  if (s.warming_up(bucket)) return allreduce_hook(group, bucket);
   at::NoGradGuard ng;
   const int index = bucket.index();
   const int64_t total = input.numel();
