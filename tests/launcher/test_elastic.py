@@ -8,14 +8,13 @@ that can bind the master address hosts the rendezvous.
 """
 import os
 import re
-import shutil
 import signal
-import subprocess
 import time
 import unittest
 
 from launcher_common import (DTRAIN_RUN, PY, MarkedTestCase, clean_env, finish, free_port, pids_with_marker,
                              run, start, wait_until)
+from netns_hosts import Hosts, netns_unavailable
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worker.py")
 START_RE = re.compile(r"^start rank=(\d+) world=(\d+) group=(\d+) groups=(\d+) restart=(\d+) step=(\d+) pid=(\d+) launcher=(\d+)$")
@@ -27,62 +26,15 @@ def elastic_args(port, addr, nnodes, last_call=3, max_restarts=3):
             "--monitor_interval", "0.1", "--grace_period", 1]
 
 
-class Hosts:
-    """n network namespaces joined by a bridge in the first one; host i has address self.addr[i]."""
-
-    def __init__(self, n):
-        pid = os.getpid()
-        self.ns = [f"dtre{pid}x{i}" for i in range(n)]
-        sub = pid % 250 + 1
-        self.addr = [f"10.232.{sub}.{i + 1}" for i in range(n)]
-        self.created = []
-        try:
-            for ns in self.ns:
-                self.ip("netns", "add", ns)
-                self.created.append(ns)
-                self.ip("-n", ns, "link", "set", "lo", "up")
-            self.ip("-n", self.ns[0], "link", "add", "br0", "type", "bridge")
-            self.ip("-n", self.ns[0], "addr", "add", self.addr[0] + "/24", "dev", "br0")
-            self.ip("-n", self.ns[0], "link", "set", "br0", "up")
-            for i in range(1, n):
-                a, b = f"dtea{pid}x{i}"[:15], f"dteb{pid}x{i}"[:15]
-                self.ip("link", "add", a, "type", "veth", "peer", "name", b)
-                self.ip("link", "set", a, "netns", self.ns[0])
-                self.ip("-n", self.ns[0], "link", "set", a, "master", "br0")
-                self.ip("-n", self.ns[0], "link", "set", a, "up")
-                self.ip("link", "set", b, "netns", self.ns[i])
-                self.ip("-n", self.ns[i], "addr", "add", self.addr[i] + "/24", "dev", b)
-                self.ip("-n", self.ns[i], "link", "set", b, "up")
-        except (subprocess.CalledProcessError, OSError):
-            self.close()
-            raise
-
-    @staticmethod
-    def ip(*args):
-        subprocess.run(["ip", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=10,
-                       check=True)
-
-    def close(self):
-        for ns in self.created:  # deleting a namespace deletes its veth ends
-            subprocess.run(["ip", "netns", "del", ns], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=10)
-        self.created = []
-
-    def launch(self, i, args):
-        return subprocess.Popen(["ip", "netns", "exec", self.ns[i], DTRAIN_RUN] + [str(a) for a in args],
-                                env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 class ElasticTest(MarkedTestCase):
     tmp_prefix = "dtrain_elastic_"
 
     def setUp(self):
         super().setUp()
-        if os.geteuid() != 0 or not shutil.which("ip"):
-            self.skipTest("needs root and iproute2 to create network namespaces")
-        try:
-            self.hosts = Hosts(3)
-        except (subprocess.CalledProcessError, OSError) as e:
-            self.skipTest(f"cannot create network namespaces here: {(getattr(e, 'stderr', '') or str(e)).strip()}")
+        why = netns_unavailable()
+        if why:
+            self.skipTest(why)
+        self.hosts = Hosts(3)
         self.addCleanup(self.hosts.close)
         self.port = free_port()
 
@@ -119,7 +71,7 @@ class ElasticTest(MarkedTestCase):
 
     def test_a_killed_node_leaves_and_the_survivors_finish_with_world_size_2(self):
         args = elastic_args(self.port, self.hosts.addr[0], "2:3") + self.worker(60)
-        nodes = [self.hosts.launch(i, args) for i in range(3)]
+        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]
         try:
             self.assertTrue(wait_until(lambda: self.step_reached() >= 15, 30), "the job did not start training")
             killed = self.kill_node(nodes, 2)
@@ -150,10 +102,10 @@ class ElasticTest(MarkedTestCase):
 
     def test_a_node_that_arrives_during_training_is_admitted_at_a_restart(self):
         args = elastic_args(self.port, self.hosts.addr[0], "2:3", last_call=1) + self.worker(50)
-        nodes = [self.hosts.launch(i, args) for i in range(2)]
+        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(2)]
         try:
             self.assertTrue(wait_until(lambda: self.step_reached() >= 10, 30), "the job did not start training")
-            nodes.append(self.hosts.launch(2, args))
+            nodes.append(self.hosts.launch(2, [DTRAIN_RUN] + args, clean_env()))
             results = finish(*nodes, timeout=60)
         finally:
             for p in nodes:
@@ -173,7 +125,7 @@ class ElasticTest(MarkedTestCase):
 
     def test_below_min_every_survivor_ends_with_a_clear_message(self):
         args = elastic_args(self.port, self.hosts.addr[0], "3:4", last_call=1) + self.worker(400)
-        nodes = [self.hosts.launch(i, args) for i in range(3)]
+        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]
         try:
             self.assertTrue(wait_until(lambda: self.step_reached() >= 5, 30), "the job did not start training")
             killed = self.kill_node(nodes, 2)
@@ -192,6 +144,24 @@ class ElasticTest(MarkedTestCase):
         self.assertLess(took, 20)  # heartbeats (3 s) and the grace period, not a collective timeout
         self.assertEqual(pids_with_marker(self.marker), [])
 
+    def test_the_job_ends_when_node_zero_dies(self):
+        # The rendezvous lives on node 0's launcher only: without it the others cannot agree on
+        # anything, so they stop their workers and end with a line that says why.
+        args = elastic_args(self.port, self.hosts.addr[0], "1:3", last_call=1) + self.worker(400)
+        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(2)]
+        try:
+            self.assertTrue(wait_until(lambda: self.step_reached() >= 5, 30), "the job did not start training")
+            killed = self.kill_node(nodes, 0)
+            ((rc, _, err),) = finish(nodes[1 - killed], timeout=30)
+        finally:
+            for p in nodes:
+                p.kill()
+            finish(*nodes, timeout=10)
+        self.assertEqual(rc, 1, err)
+        self.assertRegex(err.strip().splitlines()[-1],
+                         r"^dtrain-run: lost the rendezvous at 10\.232\.\d+\.1:\d+: node 0's launcher \(the rendezvous "
+                         r"host\) is gone, so the elastic job ends$")
+        self.assertEqual(pids_with_marker(self.marker), [])
 
 class ElasticLoopbackTest(MarkedTestCase):
     """What needs no namespaces: the command line and nodes that disagree."""

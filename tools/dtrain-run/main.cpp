@@ -14,6 +14,8 @@
 //      run a fresh attempt (all workers restarted) up to --max_restarts times.
 //   5. Report: a failed rank's last stderr lines (without --log_dir) and ONE summary line; node 0
 //      waits (bounded) for every node to finish before its store goes away. Exit 0, 1 or 128+signo.
+// With --nnodes MIN:MAX (elastic.h) steps 3-5 follow node 0's elastic rendezvous instead
+// (run_elastic: who hosts, one transition line per attempt, node 0's decision after each).
 #include "common/util.h"
 #include "elastic.h"
 #include "options.h"
@@ -201,7 +203,7 @@ int run_elastic(const LaunchOptions& given) {
       Supervisor supervisor(o, port, sfd, &rdzv, [&] { return elastic.watch(round.attempt); });
       result = supervisor.run_attempt(round.attempt);
     }
-    if (result.tail_rank >= 0 || (result.exit_code == 1 && result.summary.rfind("stopped", 0) != 0)) {
+    if (result.worker_failed) {
       show_tail(result);  // a worker of this node failed: say how, whatever node 0 decides
       say(result.summary);
     }
@@ -210,8 +212,8 @@ int run_elastic(const LaunchOptions& given) {
       exit_code = next.exit_code;
       if (!next.message.empty())
         say(next.message);
-      else if (exit_code != 0 && !result.summary.empty() && result.exit_code != 1)
-        say(result.summary);
+      else if (exit_code != 0 && !result.summary.empty() && !result.worker_failed)
+        say(result.summary);  // a signal to this launcher
       break;
     }
     round = *next.round;

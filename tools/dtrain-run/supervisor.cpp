@@ -124,6 +124,7 @@ AttemptResult Supervisor::run_attempt(int attempt) {
     r.summary = "received " + signal_name(forwarded_signal_) + ": forwarded it to the workers and stopped them";
   } else if (failed_index_ >= 0) {
     r.exit_code = 1;
+    r.worker_failed = true;
     const Worker& w = *workers_[static_cast<size_t>(failed_index_)];
     r.summary = failure_summary(w, attempt);
     if (opts_.log_dir.empty()) {

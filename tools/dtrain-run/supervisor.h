@@ -37,9 +37,10 @@
 namespace dtrain::run {
 
 struct AttemptResult {
-  int exit_code = 0;    // 0 all good, 1 a worker (here or remote) failed, 128+signo on a signal
-  std::string summary;  // one line for stderr (without the "dtrain-run: " prefix), empty on success
-  int tail_rank = -1;   // without --log_dir: the failed rank's last stderr lines
+  int exit_code = 0;           // 0 all good, 1 a worker (here or remote) failed, 128+signo on a signal
+  std::string summary;         // one line for stderr (without the "dtrain-run: " prefix), empty on success
+  bool worker_failed = false;  // a worker of this node failed (not a remote stop or a signal)
+  int tail_rank = -1;          // without --log_dir: the failed rank's last stderr lines
   std::vector<std::string> tail;
 };
 
