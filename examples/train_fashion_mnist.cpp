@@ -156,8 +156,12 @@ int run(const Config& cfg) {
   // doc:begin init
   if (cfg.threads > 0) at::set_num_threads(static_cast<int>(cfg.threads));
   const bool cuda = cfg.device == "cuda";
+  // doc:begin elastic
+  // Under dtrain-run --nnodes MIN:MAX the world size may differ from one restart to the next: read it
+  // after init, never from a flag.
   dtrain::init_process_group(dtrain::InitOptions().backend(cuda ? "nccl" : ""));  // "": gloo or $DTRAIN_BACKEND
   const int rank = dtrain::rank(), world = dtrain::world_size();
+  // doc:end elastic
   const bool main_rank = rank == 0;
   // One GPU per rank, as torch.cuda.set_device(local_rank): the model, the batches and every
   // collective's tensors live there.

@@ -58,9 +58,7 @@ ElasticRound parse_round(const std::string& value, int attempt, int64_t id) {
 
 ElasticRendezvous::ElasticRendezvous(NodeRendezvous& base, const std::string& master_host, uint16_t port,
                                      const ElasticOptions& o)
-    : store_(base.client()),
-      o_(o),
-      dead_after_(std::max(kMinDeadAfter, Millis(o.beat_period.count() * kMissedBeats))) {
+    : store_(base.client()), o_(o), dead_after_(std::max(kMinDeadAfter, Millis(o.beat_period.count() * kMissedBeats))) {
   // E1.
   id_ = store_.add(kKeys + "ids", 1);
   store_.set(key("beat", id_), to_bytes("0"));
@@ -203,9 +201,9 @@ ElasticNext ElasticRendezvous::form_round(int attempt, const std::vector<Member>
       return {std::nullopt, 1, ""};  // below MIN after a change: the caller ends the job
     } else if (Clock::now() - start >= o_.rdzv_timeout) {
       return {std::nullopt, 1,
-              "only " + std::to_string(n) + " of at least " + std::to_string(lo) +
-                  " nodes joined the rendezvous at " + where + " within --rdzv_timeout " + seconds(o_.rdzv_timeout) +
-                  " (--nnodes " + std::to_string(lo) + ":" + std::to_string(hi) + ")"};
+              "only " + std::to_string(n) + " of at least " + std::to_string(lo) + " nodes joined the rendezvous at " +
+                  where + " within --rdzv_timeout " + seconds(o_.rdzv_timeout) + " (--nnodes " + std::to_string(lo) +
+                  ":" + std::to_string(hi) + ")"};
     }
     sleep_for(std::min(o_.beat_period, Millis(100)));
   }
