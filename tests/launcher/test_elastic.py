@@ -172,6 +172,12 @@ class ElasticLoopbackTest(MarkedTestCase):
             self.assertEqual(r.returncode, 2, value)
             self.assertEqual(r.stderr, f"dtrain-run: --nnodes MIN:MAX needs 1 <= MIN <= MAX (e.g. --nnodes 2:4), "
                                        f"got '{value}'\n")
+        r = run(["--nnodes", "1:2", "--rdzv_last_call", "-1", "true"])
+        self.assertEqual((r.returncode, r.stderr),
+                         (2, "dtrain-run: --rdzv_last_call must be a number of seconds >= 0, got '-1'\n"))
+        r = run(["--nnodes", "1:2", "--standalone", "true"])
+        self.assertEqual((r.returncode, r.stderr),
+                         (2, "dtrain-run: --standalone runs one node, but --nnodes is 1:2 (drop one of them)\n"))
 
     def test_nodes_that_disagree_are_refused(self):
         port = free_port()

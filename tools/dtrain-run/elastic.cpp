@@ -119,7 +119,10 @@ std::string ElasticRendezvous::member_text(int group_rank) const {
 ElasticRound ElasticRendezvous::join(const NodeRendezvous::Say& say) {
   if (o_.host) {
     ElasticNext first = form_round(0, {Member{id_, o_.hostname}}, "", say);
-    if (!first.round) throw std::runtime_error(first.message);
+    if (!first.round) {  // the nodes that did come learn why instead of waiting for a store that vanishes
+      for (const Member& m : pending_) store_.set(key("admit", m.id), to_bytes("error " + first.message));
+      throw std::runtime_error(first.message);
+    }
     return *first.round;
   }
   // E2: queue up as a waiting node and wait for node 0's admission.
@@ -134,6 +137,9 @@ ElasticRound ElasticRendezvous::join(const NodeRendezvous::Say& say) {
     throw std::runtime_error("node 0 did not admit this node within " + seconds(o_.rdzv_timeout * 2) + " at " +
                              store_.host() + ":" + std::to_string(store_.port()) +
                              " (is the job full at its --nnodes maximum? a node waits for a free place until then)");
+  } catch (const std::exception& e) {
+    throw std::runtime_error("lost the rendezvous at " + store_.host() + ":" + std::to_string(store_.port()) +
+                             " while waiting to be admitted (did node 0's launcher end?): " + e.what());
   }
   if (admit.rfind("error ", 0) == 0) throw std::runtime_error(admit.substr(6));
   const int attempt = std::stoi(admit);
