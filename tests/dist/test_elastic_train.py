@@ -131,14 +131,21 @@ class ElasticTraining(DistTestCase):
         self.assertLessEqual(len(replayed), every * 3 * batch)
 
     def test_the_main_job_reaches_its_accuracy_through_a_join_and_a_leave(self):
-        ckpt = os.path.join(self.tmp, "ckpt")
-        args = ["--epochs", 5, "--checkpoint_dir", ckpt, "--checkpoint_every", 100, "--threads", 1]
+        ckpt, log = os.path.join(self.tmp, "ckpt"), os.path.join(self.tmp, "samples")
+        args = ["--epochs", 5, "--checkpoint_dir", ckpt, "--checkpoint_every", 100, "--sample_log", log,
+                "--threads", 1]
+
+        def trained(rank, attempt):
+            try:
+                with open(os.path.join(log, f"samples.rank{rank}.attempt{attempt}.txt")) as f:
+                    return sum(1 for _ in f)
+            except OSError:
+                return 0
+
         nodes = [self.launch(i, args, last_call=1) for i in range(2)]
-        self.wait_for(lambda: len(glob.glob(os.path.join(ckpt, "checkpoint_*.pt"))) >= 1, 240, "a first checkpoint")
-        nodes.append(self.launch(2, args, last_call=1))  # joins at the next re-rendezvous
-        self.wait_for(lambda: len(glob.glob(os.path.join(ckpt, "checkpoint_*.pt"))) >= 2
-                      and os.path.getmtime(max(glob.glob(os.path.join(ckpt, "checkpoint_*.pt")))) > time.time() - 5,
-                      300, "training on 3 nodes")
+        self.wait_for(lambda: trained(0, 0) >= 5000, 240, "training on 2 nodes")
+        nodes.append(self.launch(2, args, last_call=1))  # admitted at the restart its arrival triggers
+        self.wait_for(lambda: trained(2, 1) >= 10000, 300, "training on 3 nodes")
         self.kill_node(nodes[2])
         out0, err0 = nodes[0].communicate(timeout=600)
         _, err1 = nodes[1].communicate(timeout=60)
@@ -148,6 +155,7 @@ class ElasticTraining(DistTestCase):
         m = RESULT_RE.search(out0)
         self.assertIsNotNone(m, out0)
         self.assertEqual(m.group(1), "5")
+        self.assertEqual(m.group(5), "1", "the ranks' parameters differ")
         self.assertGreaterEqual(float(m.group(2)), 0.90, out0)
 
 
