@@ -42,6 +42,7 @@
 #include "dtrain/ddp.h"
 #include "dtrain/dtrain.h"
 #include "dtrain/monitor.h"
+#include "sample_log.h"
 #include "train_support.h"
 
 namespace {
@@ -95,6 +96,7 @@ struct Config {
   bool amp = false;                     // autocast (bfloat16 on CPU, float16 on CUDA) + GradScaler
   std::string device = "cpu";           // "cuda": rank r trains on cuda:LOCAL_RANK with backend nccl
   std::string comm_hook = "allreduce";  // allreduce (DDP's own), bf16, or powersgd (rank 2)
+  std::string sample_log;               // folder of the per-rank logs of trained indices (sample_log.h)
 };
 // doc:end config
 
@@ -216,8 +218,10 @@ int run(const Config& cfg) {
 
   // doc:begin loader
   dtrain::DistributedSampler sampler(train->size().value(), dtrain::DistributedSamplerOptions().seed(cfg.seed));
+  // IndexedBatches: FashionMNIST::batched() whose batches also carry their indices (--sample_log).
   auto loader = torch::data::make_data_loader(
-      train->batched(), sampler, torch::data::DataLoaderOptions().batch_size(cfg.batch_size).workers(cfg.num_workers));
+      train::IndexedBatches(*train), sampler,
+      torch::data::DataLoaderOptions().batch_size(cfg.batch_size).workers(cfg.num_workers));
   const int64_t steps = (static_cast<int64_t>(sampler.size()) + cfg.batch_size - 1) / cfg.batch_size;
   // doc:end loader
 
@@ -272,6 +276,9 @@ int run(const Config& cfg) {
   monitor.watch(ddp);
   // doc:end monitor
 
+  std::optional<train::SampleLog> sample_log;
+  collectively("opening --sample_log", true,
+               [&] { sample_log.emplace(cfg.sample_log, rank, dtrain::restart_count()); });
   const auto t0 = std::chrono::steady_clock::now();
   double train_loss = 0, test_accuracy = 0;
   for (int64_t epoch = start_epoch; epoch <= cfg.epochs; ++epoch) {
@@ -302,7 +309,8 @@ int run(const Config& cfg) {
     };
     // doc:end save-checkpoint
     // doc:begin batch-loop
-    for (auto& batch : *loader) {
+    for (auto& indexed : *loader) {
+      torch::data::Example<>& batch = indexed.example;
       at::Tensor logits, loss;
       double grad_norm = NAN;  // known with --grad_clip; else the monitor samples it
       {
@@ -343,6 +351,7 @@ int run(const Config& cfg) {
                            .lr(cfg.lr)
                            .grad_norm(grad_norm));
       ++global_step;
+      sample_log->write(epoch, global_step, indexed.indices);
       if (checkpoints && cfg.checkpoint_every > 0 && global_step % cfg.checkpoint_every == 0) save_checkpoint();
       if (cfg.step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(cfg.step_sleep_ms));
     }
@@ -449,6 +458,11 @@ int main(int argc, char** argv) {
                  "(PowerSGD rank 2 after 1000 plain steps; its state is not in checkpoints)")
       ->check(CLI::IsMember({"allreduce", "bf16", "powersgd"}))
       ->capture_default_str();
+  app.add_option("--sample_log", cfg.sample_log,
+                 "folder where each rank appends every dataset index it trains to "
+                 "samples.rank<RANK>.attempt<TORCHELASTIC_RESTART_COUNT or 0>.txt, one line 'EPOCH STEP INDEX' per "
+                 "sample (epoch 1-based; STEP the global optimizer step, 1-based, so lines with a step after the "
+                 "resumed checkpoint's were replayed), flushed after every step");
   app.add_option("--dump_params", cfg.dump_params,
                  "rank 0 writes the final parameters' raw float32 bytes here (what params_sha256 hashes)");
   // Note [eval batch size]: evaluating with batches larger than the training batch was up to 10x
