@@ -31,6 +31,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -237,16 +238,32 @@ int run(const Config& cfg) {
   state.sampler = &sampler;
   std::optional<dtrain::CheckpointManager> checkpoints;
   int64_t start_epoch = 1, global_step = 0;
+  bool resharded = false;  // resumed from a checkpoint of another world size
   if (!cfg.checkpoint_dir.empty()) {
     checkpoints.emplace(cfg.checkpoint_dir);
     if (auto path = checkpoints->load_latest(state)) {
       start_epoch = state.epoch;
       global_step = state.step;
+      // Saved by another world size: the sampler continues with the rest of the epoch split over
+      // this world (Note [Resharded epoch]), and the epoch's running sums of all saved ranks go to
+      // rank 0, so the epoch's statistics still count every step once.
+      resharded = state.saved_world_size != world;
+      if (resharded) {
+        std::map<std::string, double> sums;
+        if (main_rank)
+          for (const auto& values : state.saved_values)
+            for (const auto& [key, value] : values) sums[key] += value;
+        state.values = sums;
+      }
       if (main_rank) {
-        std::printf("resumed from %s: epoch %lld, step %lld of the epoch, %lld steps done (restart %d)\n",
+        std::printf("resumed from %s: epoch %lld, step %lld of the epoch, %lld steps done (restart %d)%s\n",
                     path->c_str(), static_cast<long long>(start_epoch),
                     static_cast<long long>(state.sampler_position / cfg.batch_size),
-                    static_cast<long long>(global_step), dtrain::restart_count());
+                    static_cast<long long>(global_step), dtrain::restart_count(),
+                    resharded ? (", saved by " + std::to_string(state.saved_world_size) +
+                                 " rank(s): the rest of the epoch is resharded over " + std::to_string(world))
+                                    .c_str()
+                              : "");
         std::fflush(stdout);
       }
     }
@@ -288,21 +305,24 @@ int run(const Config& cfg) {
     const auto te = std::chrono::steady_clock::now();
     double loss_sum = 0;
     int64_t correct = 0, seen = 0, step = 0;
-    if (epoch == start_epoch && state.sampler_position > 0) {  // resumed mid-epoch: the loader skips ahead
+    // This epoch's steps on this rank: fewer in an epoch resharded from another world size.
+    const int64_t epoch_steps = (static_cast<int64_t>(sampler.epoch_size()) + cfg.batch_size - 1) / cfg.batch_size;
+    if (epoch == start_epoch && (state.sampler_position > 0 || resharded)) {
+      // resumed mid-epoch: the loader skips ahead, and the running sums go on
       step = state.sampler_position / cfg.batch_size;
       loss_sum = state.values["loss_sum"];
       correct = static_cast<int64_t>(state.values["correct"]);
       seen = static_cast<int64_t>(state.values["seen"]);
     }
     // doc:begin begin-epoch
-    monitor.begin_epoch(epoch, cfg.epochs, steps, step);
+    monitor.begin_epoch(epoch, cfg.epochs, epoch_steps, step);
     // doc:end begin-epoch
     // doc:begin save-checkpoint
     // This rank's progress through the epoch, as the checkpoint stores it.
     auto save_checkpoint = [&] {
       state.step = global_step;
       state.epoch = epoch;
-      state.sampler_position = std::min<int64_t>(step * cfg.batch_size, static_cast<int64_t>(sampler.size()));
+      state.sampler_position = std::min<int64_t>(step * cfg.batch_size, static_cast<int64_t>(sampler.epoch_size()));
       state.values = {
           {"loss_sum", loss_sum}, {"correct", static_cast<double>(correct)}, {"seen", static_cast<double>(seen)}};
       checkpoints->save(state);
