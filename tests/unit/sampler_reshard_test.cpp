@@ -71,7 +71,8 @@ std::vector<std::vector<int64_t>> reference(const std::vector<std::vector<int64_
 
 // How often each dataset index is trained over the epoch: the old world's consumed part plus the
 // new world's lists.
-std::map<int64_t, int> trained(const std::vector<std::vector<int64_t>>& old_lists, const std::vector<int64_t>& positions,
+std::map<int64_t, int> trained(const std::vector<std::vector<int64_t>>& old_lists,
+                               const std::vector<int64_t>& positions,
                                const std::vector<std::vector<int64_t>>& new_lists) {
   std::map<int64_t, int> count;
   for (size_t r = 0; r < old_lists.size(); ++r)
@@ -111,9 +112,10 @@ TEST(SamplerReshard, MatchesTheBruteForceReferenceAndTrainsEachIndexOnce) {
           for (int64_t to = 1; to <= 5; ++to) {
             for (const auto& positions : position_cases(from, per_rank)) {
               const std::string what = "n=" + std::to_string(n) + " shuffle=" + std::to_string(shuffle) +
-                                       " drop_last=" + std::to_string(drop_last) + " " + std::to_string(from) +
-                                       " -> " + std::to_string(to) + " ranks, rank 0's position " +
-                                       std::to_string(positions[0]) + (positions.size() > 1 && positions[1] != positions[0] ? " (uneven)" : "");
+                                       " drop_last=" + std::to_string(drop_last) + " " + std::to_string(from) + " -> " +
+                                       std::to_string(to) + " ranks, rank 0's position " +
+                                       std::to_string(positions[0]) +
+                                       (positions.size() > 1 && positions[1] != positions[0] ? " (uneven)" : "");
               const auto got = world_lists(c, to, {{from, positions}});
               ASSERT_EQ(got, reference(old_lists, positions, to, drop_last)) << what;
               // Every rank the same number of steps (DDP runs in lockstep).
@@ -124,13 +126,15 @@ TEST(SamplerReshard, MatchesTheBruteForceReferenceAndTrainsEachIndexOnce) {
               int64_t extra = 0, missing = 0;
               for (int64_t v : covered) {
                 const auto it = count.find(v);
-                if (it == count.end()) ++missing;
-                else extra += it->second - 1;
+                if (it == count.end())
+                  ++missing;
+                else
+                  extra += it->second - 1;
               }
               for (const auto& [v, k] : count) ASSERT_TRUE(covered.count(v)) << what << ": index " << v;
               if (drop_last) {
-                ASSERT_EQ(extra, 0) << what;      // nothing padded
-                ASSERT_LT(missing, to) << what;   // only the new world's cut tail
+                ASSERT_EQ(extra, 0) << what;     // nothing padded
+                ASSERT_LT(missing, to) << what;  // only the new world's cut tail
               } else {
                 ASSERT_EQ(missing, 0) << what;
                 ASSERT_LT(extra, from + to) << what;
