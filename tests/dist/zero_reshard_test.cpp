@@ -105,8 +105,9 @@ TEST(ZeroReshard, StateSavedOnNRanksIsRepartitionedOnM) {
       const double scale = std::max(pb[i].abs().max().item<double>(), 1e-6);
       worst = std::max(worst, (pa[i] - pb[i]).abs().max().item<double>() / scale);
     }
-    if (rank() == 0) std::printf("%s, %lld -> %d ranks: max relative difference %.3g\n", kind.c_str(),
-                                 static_cast<long long>(g_saved_world), world_size(), worst);
+    if (rank() == 0)
+      std::printf("%s, %lld -> %d ranks: max relative difference %.3g\n", kind.c_str(),
+                  static_cast<long long>(g_saved_world), world_size(), worst);
     EXPECT_LE(worst, 1e-7) << kind << " on rank " << rank() << ": saved on " << g_saved_world << " ranks, resumed on "
                            << world_size();
   }
