@@ -31,6 +31,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,6 +43,7 @@
 #include "dtrain/ddp.h"
 #include "dtrain/dtrain.h"
 #include "dtrain/monitor.h"
+#include "sample_log.h"
 #include "train_support.h"
 
 namespace {
@@ -95,6 +97,7 @@ struct Config {
   bool amp = false;                     // autocast (bfloat16 on CPU, float16 on CUDA) + GradScaler
   std::string device = "cpu";           // "cuda": rank r trains on cuda:LOCAL_RANK with backend nccl
   std::string comm_hook = "allreduce";  // allreduce (DDP's own), bf16, or powersgd (rank 2)
+  std::string sample_log;               // folder of the per-rank logs of trained indices (sample_log.h)
 };
 // doc:end config
 
@@ -156,8 +159,12 @@ int run(const Config& cfg) {
   // doc:begin init
   if (cfg.threads > 0) at::set_num_threads(static_cast<int>(cfg.threads));
   const bool cuda = cfg.device == "cuda";
+  // doc:begin elastic
+  // Under dtrain-run --nnodes MIN:MAX the world size may differ from one restart to the next: read it
+  // after init, never from a flag.
   dtrain::init_process_group(dtrain::InitOptions().backend(cuda ? "nccl" : ""));  // "": gloo or $DTRAIN_BACKEND
   const int rank = dtrain::rank(), world = dtrain::world_size();
+  // doc:end elastic
   const bool main_rank = rank == 0;
   // One GPU per rank, as torch.cuda.set_device(local_rank): the model, the batches and every
   // collective's tensors live there.
@@ -216,8 +223,10 @@ int run(const Config& cfg) {
 
   // doc:begin loader
   dtrain::DistributedSampler sampler(train->size().value(), dtrain::DistributedSamplerOptions().seed(cfg.seed));
+  // IndexedBatches: FashionMNIST::batched() whose batches also carry their indices (--sample_log).
   auto loader = torch::data::make_data_loader(
-      train->batched(), sampler, torch::data::DataLoaderOptions().batch_size(cfg.batch_size).workers(cfg.num_workers));
+      train::IndexedBatches(*train), sampler,
+      torch::data::DataLoaderOptions().batch_size(cfg.batch_size).workers(cfg.num_workers));
   const int64_t steps = (static_cast<int64_t>(sampler.size()) + cfg.batch_size - 1) / cfg.batch_size;
   // doc:end loader
 
@@ -233,16 +242,32 @@ int run(const Config& cfg) {
   state.sampler = &sampler;
   std::optional<dtrain::CheckpointManager> checkpoints;
   int64_t start_epoch = 1, global_step = 0;
+  bool resharded = false;  // resumed from a checkpoint of another world size
   if (!cfg.checkpoint_dir.empty()) {
     checkpoints.emplace(cfg.checkpoint_dir);
     if (auto path = checkpoints->load_latest(state)) {
       start_epoch = state.epoch;
       global_step = state.step;
+      // Saved by another world size: the sampler continues with the rest of the epoch split over
+      // this world (Note [Resharded epoch]), and the epoch's running sums of all saved ranks go to
+      // rank 0, so the epoch's statistics still count every step once.
+      resharded = state.saved_world_size != world;
+      if (resharded) {
+        std::map<std::string, double> sums;
+        if (main_rank)
+          for (const auto& values : state.saved_values)
+            for (const auto& [key, value] : values) sums[key] += value;
+        state.values = sums;
+      }
       if (main_rank) {
-        std::printf("resumed from %s: epoch %lld, step %lld of the epoch, %lld steps done (restart %d)\n",
+        std::printf("resumed from %s: epoch %lld, step %lld of the epoch, %lld steps done (restart %d)%s\n",
                     path->c_str(), static_cast<long long>(start_epoch),
                     static_cast<long long>(state.sampler_position / cfg.batch_size),
-                    static_cast<long long>(global_step), dtrain::restart_count());
+                    static_cast<long long>(global_step), dtrain::restart_count(),
+                    resharded ? (", saved by " + std::to_string(state.saved_world_size) +
+                                 " rank(s): the rest of the epoch is resharded over " + std::to_string(world))
+                                    .c_str()
+                              : "");
         std::fflush(stdout);
       }
     }
@@ -272,6 +297,9 @@ int run(const Config& cfg) {
   monitor.watch(ddp);
   // doc:end monitor
 
+  std::optional<train::SampleLog> sample_log;
+  collectively("opening --sample_log", true,
+               [&] { sample_log.emplace(cfg.sample_log, rank, dtrain::restart_count()); });
   const auto t0 = std::chrono::steady_clock::now();
   double train_loss = 0, test_accuracy = 0;
   for (int64_t epoch = start_epoch; epoch <= cfg.epochs; ++epoch) {
@@ -281,28 +309,32 @@ int run(const Config& cfg) {
     const auto te = std::chrono::steady_clock::now();
     double loss_sum = 0;
     int64_t correct = 0, seen = 0, step = 0;
-    if (epoch == start_epoch && state.sampler_position > 0) {  // resumed mid-epoch: the loader skips ahead
+    // This epoch's steps on this rank: fewer in an epoch resharded from another world size.
+    const int64_t epoch_steps = (static_cast<int64_t>(sampler.epoch_size()) + cfg.batch_size - 1) / cfg.batch_size;
+    if (epoch == start_epoch && (state.sampler_position > 0 || resharded)) {
+      // resumed mid-epoch: the loader skips ahead, and the running sums go on
       step = state.sampler_position / cfg.batch_size;
       loss_sum = state.values["loss_sum"];
       correct = static_cast<int64_t>(state.values["correct"]);
       seen = static_cast<int64_t>(state.values["seen"]);
     }
     // doc:begin begin-epoch
-    monitor.begin_epoch(epoch, cfg.epochs, steps, step);
+    monitor.begin_epoch(epoch, cfg.epochs, epoch_steps, step);
     // doc:end begin-epoch
     // doc:begin save-checkpoint
     // This rank's progress through the epoch, as the checkpoint stores it.
     auto save_checkpoint = [&] {
       state.step = global_step;
       state.epoch = epoch;
-      state.sampler_position = std::min<int64_t>(step * cfg.batch_size, static_cast<int64_t>(sampler.size()));
+      state.sampler_position = std::min<int64_t>(step * cfg.batch_size, static_cast<int64_t>(sampler.epoch_size()));
       state.values = {
           {"loss_sum", loss_sum}, {"correct", static_cast<double>(correct)}, {"seen", static_cast<double>(seen)}};
       checkpoints->save(state);
     };
     // doc:end save-checkpoint
     // doc:begin batch-loop
-    for (auto& batch : *loader) {
+    for (auto& indexed : *loader) {
+      torch::data::Example<>& batch = indexed.example;
       at::Tensor logits, loss;
       double grad_norm = NAN;  // known with --grad_clip; else the monitor samples it
       {
@@ -343,6 +375,7 @@ int run(const Config& cfg) {
                            .lr(cfg.lr)
                            .grad_norm(grad_norm));
       ++global_step;
+      sample_log->write(epoch, global_step, indexed.indices);
       if (checkpoints && cfg.checkpoint_every > 0 && global_step % cfg.checkpoint_every == 0) save_checkpoint();
       if (cfg.step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(cfg.step_sleep_ms));
     }
@@ -449,6 +482,11 @@ int main(int argc, char** argv) {
                  "(PowerSGD rank 2 after 1000 plain steps; its state is not in checkpoints)")
       ->check(CLI::IsMember({"allreduce", "bf16", "powersgd"}))
       ->capture_default_str();
+  app.add_option("--sample_log", cfg.sample_log,
+                 "folder where each rank appends every dataset index it trains to "
+                 "samples.rank<RANK>.attempt<TORCHELASTIC_RESTART_COUNT or 0>.txt, one line 'EPOCH STEP INDEX' per "
+                 "sample (epoch 1-based; STEP the global optimizer step, 1-based, so lines with a step after the "
+                 "resumed checkpoint's were replayed), flushed after every step");
   app.add_option("--dump_params", cfg.dump_params,
                  "rank 0 writes the final parameters' raw float32 bytes here (what params_sha256 hashes)");
   // Note [eval batch size]: evaluating with batches larger than the training batch was up to 10x

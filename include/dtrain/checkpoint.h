@@ -11,7 +11,8 @@
 //
 // Steps of CheckpointManager::save() (a collective: every rank calls it):
 //   1. Every rank packs its own RNG states (the default CPU generator; the current CUDA device's
-//      when CUDA is available) and st.values; all_gather gives rank 0 every rank's pack.
+//      when CUDA is available), st.values and its sampler rank and position; a gather gives rank 0
+//      every rank's pack.
 //   2. Rank 0 serializes one torch archive (the layout below) and writes
 //      <dir>/<prefix>_<step, 10 digits>.pt atomically: a temporary file in the same folder, write,
 //      fsync, rename over the name, fsync the folder. The previous checkpoints are untouched until
@@ -35,12 +36,25 @@
 //   "DTRAIN-CHECKPOINT <version> <payload bytes> <crc32 of the payload, 8 hex digits>\n"
 // then the payload: a torch::serialize archive (zip) with the keys
 //   version, step, epoch, world_size, model_manifest ("name dtype [shape]" per line), model,
-//   optimizer, scaler, sampler, sampler_position, rank_state_<r> (uint8, one per rank).
+//   optimizer, scaler, sampler, sampler_position (rank 0's), sampler_positions (one per sampler rank),
+//   rank_state_<r> (uint8, one per rank).
 // Python reads it with torch.jit.load(io.BytesIO(data[data.index(b"\n") + 1:])).
 //
 // Note [exact resume]: restoring all of the above makes the continued run compute bit-identical
 // steps as long as the program itself is deterministic (same thread count, same world size, no
 // data-dependent nondeterminism). train_fashion_mnist's fault tests check this with params_sha256.
+//
+// Loading on another world size (N ranks saved, M load; an elastic restart) reshards:
+//   - model, optimizer and GradScaler are the same on every rank (DDP) and load as they are; a
+//     ZeroRedundancyOptimizer keeps the share of the new world's partition of the whole state;
+//   - the sampler's epoch continues with what the N ranks had not consumed, split over M ranks,
+//     each dataset index of the epoch trained once (Note [Resharded epoch] in dtrain/sampler.h);
+//     st.sampler_position is then 0, the start of that rest;
+//   - RNG states and values: rank r < N takes rank r's; a rank r >= N has none of its own: its
+//     generators are seeded from a number drawn from rank 0's saved CPU state mixed with r, and its
+//     values start empty. st.saved_world_size and st.saved_values (every saved rank's) let the
+//     caller merge running sums (train_fashion_mnist gives them all to rank 0).
+// N = M is the exact resume above, unchanged.
 #pragma once
 
 #include <cstdint>
@@ -79,6 +93,10 @@ struct TrainingState {
   // Per-rank values (running loss sums, counters): saved for every rank, restored to each rank.
   std::map<std::string, double> values;
   bool rng = true;  // save and restore the RNG states
+  // Set by loading: the world size that saved the checkpoint, and every saved rank's `values` (for a
+  // caller that merges them when the world changed: `values` only has this rank's, or none).
+  int64_t saved_world_size = 0;
+  std::vector<std::map<std::string, double>> saved_values;
 };
 
 struct CheckpointOptions {

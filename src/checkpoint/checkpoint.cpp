@@ -91,6 +91,21 @@ int64_t read_int(torch::serialize::InputArchive& a, const char* key) {
   return v.toInt();
 }
 
+int64_t sampler_position_of(const TrainingState& st) {
+  return st.sampler_position >= 0 ? st.sampler_position : static_cast<int64_t>(st.sampler->position());
+}
+
+// This process's pack (save step 1).
+std::string own_pack(const TrainingState& st) {
+  ckpt::RankState rs;
+  rs.values = st.values;
+  if (st.sampler) {
+    rs.sampler_rank = st.sampler->rank();
+    rs.sampler_position = sampler_position_of(st);
+  }
+  return ckpt::pack_rank_state(st.rng, rs);
+}
+
 // The payload (a torch archive) of `state`, with the per-rank packs of every rank.
 std::string encode(const TrainingState& st, const std::vector<std::string>& rank_packs) {
   torch::serialize::OutputArchive a;
@@ -118,8 +133,16 @@ std::string encode(const TrainingState& st, const std::vector<std::string>& rank
     torch::serialize::OutputArchive s;
     st.sampler->save(s);
     a.write("sampler", s);
-    const int64_t pos = st.sampler_position >= 0 ? st.sampler_position : static_cast<int64_t>(st.sampler->position());
-    a.write("sampler_position", c10::IValue(pos));
+    a.write("sampler_position", c10::IValue(sampler_position_of(st)));
+    // Every sampler rank's position, so that another world size can reshard the epoch (Note
+    // [Resharded epoch]); -1 for a sampler rank no process reported.
+    std::vector<int64_t> positions(static_cast<size_t>(st.sampler->num_replicas()), -1);
+    for (const std::string& pack : rank_packs) {
+      const ckpt::RankState rs = ckpt::read_rank_state(pack);
+      if (rs.sampler_rank >= 0 && rs.sampler_rank < st.sampler->num_replicas() && positions[rs.sampler_rank] < 0)
+        positions[rs.sampler_rank] = rs.sampler_position;
+    }
+    a.write("sampler_positions", c10::IValue(positions));
   }
   for (size_t r = 0; r < rank_packs.size(); ++r)
     a.write("rank_state_" + std::to_string(r), bytes_tensor(rank_packs[r]), /*is_buffer=*/true);
@@ -159,7 +182,8 @@ void parse(const std::string& payload, torch::serialize::InputArchive& a, std::o
   DTRAIN_CHECK(v.toInt() == kCheckpointFormatVersion, "its archive has format version ", v.toInt());
 }
 
-// Restores `st` from a parsed archive; `my_rank`'s pack (or rank my_rank % saved world) is used.
+// Restores `st` from a parsed archive as this process of rank `my_rank` (Note [Resharded epoch] when
+// the saved world differs).
 void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::string& file, int my_rank) {
   auto sub = [&](const char* key, torch::serialize::InputArchive& out) {
     DTRAIN_CHECK(a.try_read(key, out), "checkpoint ", file, " holds no ", key,
@@ -174,18 +198,20 @@ void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::st
   }
   const int64_t world = read_int(a, "world_size");
   DTRAIN_CHECK(world >= 1, "checkpoint ", file, " has world_size ", world);
-  if (my_rank >= world)
-    warn_once("checkpoint-world", detail::cat("checkpoint ", file, " was saved by ", world, " ranks: rank ", my_rank,
-                                              " takes the RNG state and values of rank ", my_rank % world));
-  at::Tensor pack;
-  DTRAIN_CHECK(a.try_read("rank_state_" + std::to_string(my_rank % world), pack, /*is_buffer=*/true), "checkpoint ",
-               file, " lacks the state of rank ", my_rank % world);
+  std::vector<std::string> packs(static_cast<size_t>(world));
+  for (int64_t r = 0; r < world; ++r) {
+    at::Tensor pack;
+    DTRAIN_CHECK(a.try_read("rank_state_" + std::to_string(r), pack, /*is_buffer=*/true), "checkpoint ", file,
+                 " lacks the state of rank ", r);
+    packs[r] = tensor_bytes(pack);
+  }
 
   if (st.model) {
     torch::serialize::InputArchive m;
     sub("model", m);
     st.model->load(m);
   }
+  // A ZeroRedundancyOptimizer keeps this world's share of the whole state it reads: resharded as is.
   if (st.optimizer) {
     torch::serialize::InputArchive o;
     sub("optimizer", o);
@@ -199,13 +225,42 @@ void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::st
   if (st.sampler) {
     torch::serialize::InputArchive s;
     sub("sampler", s);
-    st.sampler->load(s);
-    st.sampler_position = read_int(a, "sampler_position");
-    st.sampler->resume_at(static_cast<size_t>(st.sampler_position));
+    c10::IValue v;
+    std::vector<int64_t> positions;
+    if (a.try_read("sampler_positions", v)) positions = v.toIntVector();  // absent before resharding
+    const auto replicas = static_cast<size_t>(st.sampler->num_replicas());
+    if (!positions.empty() && positions.size() != replicas) {
+      // Note [Resharded epoch]: the rest of the epoch is split over this world.
+      for (size_t r = 0; r < positions.size(); ++r)
+        DTRAIN_CHECK(positions[r] >= 0, "checkpoint ", file, " lacks the sampler position of rank ", r, " of ",
+                     positions.size(), ": load it on ", positions.size(), " ranks");
+      st.sampler->load_resharded(s, positions);
+      st.sampler_position = 0;
+    } else {
+      st.sampler->load(s);
+      const auto mine = static_cast<size_t>(st.sampler->rank());
+      st.sampler_position =
+          mine < positions.size() && positions[mine] >= 0 ? positions[mine] : read_int(a, "sampler_position");
+      st.sampler->resume_at(static_cast<size_t>(st.sampler_position));
+    }
   }
   st.step = read_int(a, "step");
   st.epoch = read_int(a, "epoch");
-  st.values = ckpt::unpack_rank_state(tensor_bytes(pack), st.rng);
+  // RNG and values: rank r < world takes rank r's; a rank beyond the saved world has none of its
+  // own (Note [Resharded epoch] in dtrain/sampler.h, RNG in dtrain/checkpoint.h).
+  st.saved_world_size = world;
+  st.saved_values.clear();
+  for (const std::string& pack : packs) st.saved_values.push_back(ckpt::read_rank_state(pack).values);
+  if (my_rank < world) {
+    st.values = st.saved_values[static_cast<size_t>(my_rank)];
+    if (st.rng) ckpt::restore_rng(packs[static_cast<size_t>(my_rank)]);
+  } else {
+    warn_once("checkpoint-world",
+              detail::cat("checkpoint ", file, " was saved by ", world, " ranks: rank ", my_rank,
+                          " has no saved state: its RNG is seeded from rank 0's and its values start empty"));
+    st.values.clear();
+    if (st.rng) ckpt::derive_rng(packs[0], my_rank);
+  }
 }
 
 bool distributed() { return is_initialized() && world_size() > 1; }
@@ -223,7 +278,7 @@ std::vector<std::string> gather_packs(const std::string& mine) {
 // --- single process ----------------------------------------------------------------------------------
 
 void save_checkpoint(const std::string& path, const TrainingState& state) {
-  ckpt::write_atomic(path, ckpt::frame(encode(state, {ckpt::pack_rank_state(state.rng, state.values)})));
+  ckpt::write_atomic(path, ckpt::frame(encode(state, {own_pack(state)})));
 }
 
 void load_checkpoint(const std::string& path, TrainingState& state) {
@@ -277,7 +332,7 @@ std::string CheckpointManager::save(const TrainingState& state) {
   char name[32];
   std::snprintf(name, sizeof name, "_%010lld.pt", static_cast<long long>(state.step));
   const std::string path = (fs::path(dir_) / (options_.prefix() + name)).string();
-  const auto packs = gather_packs(ckpt::pack_rank_state(state.rng, state.values));  // 1.
+  const auto packs = gather_packs(own_pack(state));  // 1.
   // A sharded optimizer's state is spread over its group: gathered on rank 0, which writes it.
   if (auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(state.optimizer)) zero->consolidate_state_dict(0);
   std::string error;

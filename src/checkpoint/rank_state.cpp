@@ -65,33 +65,77 @@ at::Generator cuda_generator() {
 
 }  // namespace
 
-std::string pack_rank_state(bool rng, const std::map<std::string, double>& values) {
+std::string pack_rank_state(bool rng, const RankState& state) {
   std::string out;
   put_bytes(out, rng ? state_bytes(at::detail::getDefaultCPUGenerator()) : std::string());
   put_bytes(out, rng && has_cuda() ? state_bytes(cuda_generator()) : std::string());
-  put_u64(out, values.size());
-  for (const auto& [key, value] : values) {
+  put_u64(out, state.values.size());
+  for (const auto& [key, value] : state.values) {
     put_bytes(out, key);
     out.append(reinterpret_cast<const char*>(&value), sizeof value);
   }
+  put_u64(out, static_cast<uint64_t>(state.sampler_rank));
+  put_u64(out, static_cast<uint64_t>(state.sampler_position));
   return out;
 }
 
-std::map<std::string, double> unpack_rank_state(const std::string& pack, bool rng) {
+namespace {
+
+struct Parsed {
+  std::string cpu, cuda;
+  RankState state;
+};
+
+Parsed parse_pack(const std::string& pack) {
   Reader r{pack};
-  const std::string cpu = r.bytes(r.u64());
-  const std::string cuda = r.bytes(r.u64());
-  std::map<std::string, double> values;
+  Parsed p;
+  p.cpu = r.bytes(r.u64());
+  p.cuda = r.bytes(r.u64());
   for (uint64_t n = r.u64(); n > 0; --n) {
     std::string key = r.bytes(r.u64());
     const std::string v = r.bytes(sizeof(double));
     double value;
     std::memcpy(&value, v.data(), sizeof value);
-    values[key] = value;
+    p.state.values[key] = value;
   }
-  if (rng && !cpu.empty()) set_state_bytes(at::detail::getDefaultCPUGenerator(), cpu);
-  if (rng && !cuda.empty() && has_cuda()) set_state_bytes(cuda_generator(), cuda);
-  return values;
+  if (r.pos < pack.size()) {  // written since resharding
+    p.state.sampler_rank = static_cast<int64_t>(r.u64());
+    p.state.sampler_position = static_cast<int64_t>(r.u64());
+  }
+  return p;
+}
+
+}  // namespace
+
+RankState read_rank_state(const std::string& pack) { return parse_pack(pack).state; }
+
+void restore_rng(const std::string& pack) {
+  const Parsed p = parse_pack(pack);
+  if (!p.cpu.empty()) set_state_bytes(at::detail::getDefaultCPUGenerator(), p.cpu);
+  if (!p.cuda.empty() && has_cuda()) set_state_bytes(cuda_generator(), p.cuda);
+}
+
+void derive_rng(const std::string& pack, int64_t rank) {
+  const Parsed p = parse_pack(pack);
+  if (p.cpu.empty()) return;  // saved without RNG states: nothing to derive from
+  at::Generator source = at::make_generator<at::CPUGeneratorImpl>();
+  set_state_bytes(source, p.cpu);
+  uint64_t seed = source.get<at::CPUGeneratorImpl>()->random64();
+  // splitmix64's finalizer over seed + rank: neighbouring ranks get unrelated seeds.
+  seed += 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(rank + 1);
+  seed = (seed ^ (seed >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  seed = (seed ^ (seed >> 27)) * 0x94D049BB133111EBULL;
+  seed ^= seed >> 31;
+  {
+    at::Generator cpu = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(cpu.mutex());
+    cpu.set_current_seed(seed);
+  }
+  if (has_cuda()) {
+    at::Generator cuda = cuda_generator();
+    std::lock_guard<std::mutex> lock(cuda.mutex());
+    cuda.set_current_seed(seed);
+  }
 }
 
 }  // namespace dtrain::ckpt

@@ -296,3 +296,49 @@ TEST_F(Checkpoint, BadOptionsAreClearErrors) {
 }
 
 }  // namespace
+
+// Note [Resharded epoch] through a checkpoint: saved by a 1-rank sampler 6 indices into the epoch,
+// loaded into rank 1 of 2, the sampler continues with the other 14 of the 1-rank order, dealt out.
+TEST_F(Checkpoint, AnotherWorldSizeReshardsTheSampler) {
+  const auto sampler_opts = [](int64_t replicas, int64_t rank) {
+    return dtrain::DistributedSamplerOptions().num_replicas(replicas).rank(rank).seed(4);
+  };
+  dtrain::DistributedSampler one(20, sampler_opts(1, 0));
+  one.set_epoch(2);
+  dtrain::TrainingState st;
+  st.sampler = &one;
+  st.sampler_position = 6;
+  st.values = {{"loss_sum", 1.5}};
+  const std::string path = (fs::path(dir) / "one.pt").string();
+  fs::create_directories(dir);
+  dtrain::save_checkpoint(path, st);
+
+  dtrain::DistributedSampler two(20, sampler_opts(2, 1));
+  dtrain::TrainingState loaded;
+  loaded.sampler = &two;
+  dtrain::load_checkpoint(path, loaded);
+  EXPECT_EQ(loaded.saved_world_size, 1);
+  ASSERT_EQ(loaded.saved_values.size(), 1u);
+  EXPECT_EQ(loaded.saved_values[0].at("loss_sum"), 1.5);
+  EXPECT_EQ(loaded.sampler_position, 0);  // the start of the rest
+  EXPECT_EQ(two.epoch(), 2);
+  const auto order = one.indices();  // the whole 1-rank order
+  std::vector<int64_t> expected;
+  for (size_t k = 6 + 1; k < order.size(); k += 2) expected.push_back(order[k]);
+  EXPECT_EQ(two.indices(), expected);
+
+  // Saved by rank 0 of a 2-rank sampler alone (one process): rank 1's position is unknown, so it
+  // loads on 2 ranks only.
+  dtrain::DistributedSampler half(20, sampler_opts(2, 0));
+  st.sampler = &half;
+  st.sampler_position = 3;
+  const std::string path2 = (fs::path(dir) / "half.pt").string();
+  dtrain::save_checkpoint(path2, st);
+  dtrain::DistributedSampler same(20, sampler_opts(2, 0)), other(20, sampler_opts(3, 0));
+  loaded.sampler = &same;
+  dtrain::load_checkpoint(path2, loaded);
+  EXPECT_EQ(loaded.sampler_position, 3);
+  loaded.sampler = &other;
+  const std::string msg = error_of([&] { dtrain::load_checkpoint(path2, loaded); });
+  EXPECT_NE(msg.find("lacks the sampler position of rank 1 of 2: load it on 2 ranks"), std::string::npos) << msg;
+}

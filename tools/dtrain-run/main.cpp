@@ -14,7 +14,10 @@
 //      run a fresh attempt (all workers restarted) up to --max_restarts times.
 //   5. Report: a failed rank's last stderr lines (without --log_dir) and ONE summary line; node 0
 //      waits (bounded) for every node to finish before its store goes away. Exit 0, 1 or 128+signo.
+// With --nnodes MIN:MAX (elastic.h) steps 3-5 follow node 0's elastic rendezvous instead
+// (run_elastic: who hosts, one transition line per attempt, node 0's decision after each).
 #include "common/util.h"
+#include "elastic.h"
 #include "options.h"
 #include "output.h"
 #include "rendezvous.h"
@@ -148,6 +151,78 @@ int run(const LaunchOptions& o) {
   return result.exit_code;
 }
 
+// --nnodes MIN:MAX (elastic.h; protocol steps E1-E8 in rendezvous.h). Every attempt runs the group
+// node 0 formed; after it, node 0's decision says: done, restart with a new group, or stop.
+int run_elastic(const LaunchOptions& given) {
+  signal(SIGPIPE, SIG_IGN);
+  sigset_t all = handled_signals(true), terminating = handled_signals(false);
+  sigprocmask(SIG_BLOCK, &all, nullptr);
+  // Who hosts the rendezvous: --node_rank 0 does and any other --node_rank does not; without
+  // --node_rank the launcher that can bind master_addr:master_port does (torchrun's c10d rendezvous
+  // decides the same way), so identical command lines on every node work.
+  std::unique_ptr<dtrain::store::StoreServer> server;
+  const uint16_t port = uint16_t(given.master_port);
+  if (given.node_rank_given && given.node_rank == 0) {
+    server = std::make_unique<dtrain::store::StoreServer>(given.master_addr, port);
+  } else if (!given.node_rank_given) {
+    try {
+      server = std::make_unique<dtrain::store::StoreServer>(given.master_addr, port);
+    } catch (const std::runtime_error&) {
+      // Not this machine's address, or node 0 already serves it: this launcher joins as a client.
+    }
+  }
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(given.rdzv_timeout * 1000));
+  NodeRendezvous rdzv(given.master_addr, port, timeout);
+  const std::string hostname = dtrain::util::host_name();
+  rdzv.set_hostname(hostname);
+  ElasticOptions eo;
+  eo.min_nodes = given.min_nodes;
+  eo.max_nodes = given.max_nodes;
+  eo.nproc_per_node = given.nproc_per_node;
+  eo.max_restarts = given.max_restarts;
+  eo.hostname = hostname;
+  eo.host = server != nullptr;
+  eo.beat_period = std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(given.monitor_interval * 1000)));
+  eo.rdzv_timeout = timeout;
+  eo.last_call = std::chrono::milliseconds(static_cast<int64_t>(given.rdzv_last_call * 1000));
+  ElasticRendezvous elastic(rdzv, given.master_addr, port, eo);
+  pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
+  ElasticRound round = elastic.join(say);
+  pthread_sigmask(SIG_BLOCK, &terminating, nullptr);
+
+  int sfd = signalfd(-1, &all, SFD_CLOEXEC | SFD_NONBLOCK);
+  if (sfd < 0) throw std::runtime_error(std::string("signalfd failed: ") + std::strerror(errno));
+  LaunchOptions o = given;
+  int exit_code = 0;
+  for (;;) {
+    say(round.line);  // one line per transition
+    o.nnodes = round.nnodes;
+    o.node_rank = round.group_rank;
+    AttemptResult result;
+    {
+      Supervisor supervisor(o, port, sfd, &rdzv, [&] { return elastic.watch(round.attempt); });
+      result = supervisor.run_attempt(round.attempt);
+    }
+    if (result.worker_failed) {
+      show_tail(result);  // a worker of this node failed: say how, whatever node 0 decides
+      say(result.summary);
+    }
+    ElasticNext next = elastic.finish_attempt(round.attempt, result.exit_code, say);
+    if (!next.round) {
+      exit_code = next.exit_code;
+      if (!next.message.empty())
+        say(next.message);
+      else if (exit_code != 0 && !result.summary.empty() && !result.worker_failed)
+        say(result.summary);  // a signal to this launcher
+      break;
+    }
+    round = *next.round;
+  }
+  close(sfd);
+  elastic.finish_job();
+  return exit_code;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -163,7 +238,7 @@ int main(int argc, char** argv) {
   }
   if (!options.slurm_note.empty() && options.node_rank == 0) say(options.slurm_note);
   try {
-    return run(options);
+    return options.elastic ? run_elastic(options) : run(options);
   } catch (const std::exception& e) {
     say(e.what());
     return 1;

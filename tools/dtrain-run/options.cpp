@@ -80,7 +80,7 @@ int online_cores() {
 LaunchOptions parse_options(int argc, char** argv) {
   LaunchOptions o;
   std::string nproc = "1", nnodes = "1", node_rank = "0", port = "29500", max_restarts = "0";
-  std::string monitor = "0.1", rdzv_timeout = "900", grace = "5", redirects = "0", tee = "0";
+  std::string monitor = "0.1", rdzv_timeout = "900", last_call = "30", grace = "5", redirects = "0", tee = "0";
   std::string run_id;
 
   CLI::App app{
@@ -89,7 +89,7 @@ LaunchOptions parse_options(int argc, char** argv) {
       "dtrain-run"};
   app.footer("Usage: dtrain-run [OPTIONS] PROGRAM [ARGS...]   (everything after PROGRAM goes to it)");
   app.add_option("--nproc_per_node,--nproc-per-node", nproc, "workers per node: a number or 'auto' (= CPU cores)");
-  app.add_option("--nnodes", nnodes, "number of nodes (default 1)");
+  app.add_option("--nnodes", nnodes, "number of nodes N, or MIN:MAX for an elastic job (default 1)");
   app.add_option("--node_rank,--node-rank", node_rank, "this node's rank, 0..nnodes-1 (default 0)");
   app.add_option("--master_addr,--master-addr", o.master_addr,
                  "address of node 0; its launcher serves the rendezvous there only (default 127.0.0.1)");
@@ -98,6 +98,8 @@ LaunchOptions parse_options(int argc, char** argv) {
   app.add_option("--max_restarts,--max-restarts", max_restarts, "restarts allowed (default 0)");
   app.add_option("--monitor_interval,--monitor-interval", monitor, "seconds between checks (default 0.1)");
   app.add_option("--rdzv_timeout,--rdzv-timeout", rdzv_timeout, "seconds nodes wait for each other (default 900)");
+  app.add_option("--rdzv_last_call,--rdzv-last-call", last_call,
+                 "elastic: seconds to wait for more nodes once MIN have joined (default 30)");
   app.add_option("--grace_period,--grace-period", grace, "seconds between SIGTERM and SIGKILL (default 5)");
   app.add_option("--log_dir,--log-dir", o.log_dir,
                  "write <log_dir>/<run_id>/attempt_<restart>/<rank>/{stdout,stderr}.log");
@@ -153,9 +155,21 @@ LaunchOptions parse_options(int argc, char** argv) {
   } else {
     o.nproc_per_node = static_cast<int>(v);
   }
-  if (!parse_int(nnodes, &v) || v < 1 || v > 100000)
-    throw UsageError("--nnodes must be a positive integer, got '" + nnodes + "'");
+  if (const size_t colon = nnodes.find(':'); colon != std::string::npos) {  // torchrun's MIN:MAX
+    long long lo = 0, hi = 0;
+    if (!parse_int(nnodes.substr(0, colon), &lo) || !parse_int(nnodes.substr(colon + 1), &hi) || lo < 1 || hi < lo ||
+        hi > 100000)
+      throw UsageError("--nnodes MIN:MAX needs 1 <= MIN <= MAX (e.g. --nnodes 2:4), got '" + nnodes + "'");
+    o.elastic = true;
+    o.min_nodes = static_cast<int>(lo);
+    o.max_nodes = static_cast<int>(hi);
+    v = hi;
+  } else if (!parse_int(nnodes, &v) || v < 1 || v > 100000) {
+    throw UsageError("--nnodes must be a positive integer or MIN:MAX, got '" + nnodes + "'");
+  }
   o.nnodes = static_cast<int>(v);
+  if (!parse_double(last_call, &o.rdzv_last_call) || o.rdzv_last_call < 0)
+    throw UsageError("--rdzv_last_call must be a number of seconds >= 0, got '" + last_call + "'");
   if (!parse_int(node_rank, &v) || v < 0)
     throw UsageError("--node_rank must be an integer >= 0, got '" + node_rank + "'");
   o.node_rank = static_cast<int>(v);
@@ -190,7 +204,14 @@ LaunchOptions parse_options(int argc, char** argv) {
   given.standalone = o.standalone;
   given.master_addr = app.count("--master_addr") > 0;
   given.master_port = app.count("--master_port") > 0;
+  o.node_rank_given = given.node_rank;
   apply_slurm_step(o, given, env::process());
+  if (o.elastic && !o.slurm_note.empty())
+    throw UsageError("--nnodes " + nnodes +
+                     " (elastic) cannot run inside an srun step of several tasks: the step "
+                     "fixes the nodes; give --nnodes N or run dtrain-run outside srun");
+  if (o.elastic && o.standalone)
+    throw UsageError("--standalone runs one node, but --nnodes is " + nnodes + " (drop one of them)");
   if (o.node_rank >= o.nnodes)
     throw UsageError("--node_rank " + node_rank + " is out of range for --nnodes " + nnodes +
                      ": node ranks go from 0 to " + std::to_string(o.nnodes - 1));

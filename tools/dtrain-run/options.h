@@ -36,6 +36,12 @@ struct LaunchOptions {
   int nproc_per_node = 1;
   int nnodes = 1;
   int node_rank = 0;
+  // --nnodes MIN:MAX (elastic membership, elastic.h): the job runs on MIN..MAX nodes and re-forms when
+  // one leaves or arrives. nnodes and node_rank then hold the current attempt's group size and rank.
+  bool elastic = false;
+  int min_nodes = 1, max_nodes = 1;
+  bool node_rank_given = false;  // elastic: an explicit --node_rank only says who hosts (0) or not
+  double rdzv_last_call = 30;    // elastic: seconds to wait for more nodes once MIN are there
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   bool standalone = false;

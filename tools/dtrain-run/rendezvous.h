@@ -25,6 +25,44 @@
 //      when attempt k+1's workers start (their store keys carry k+1 besides).
 //   7. When its workers are done each node sets "done/<node_rank>"; node 0 keeps the store up
 //      until all nodes are done (bounded wait), so late pollers do not see it vanish.
+//
+// Elastic protocol (--nnodes MIN:MAX; elastic.h, Note [Elastic membership]; keys under
+// "dtrain-run/e/"). Steps 1-4 and 6-7 above are not used; step 5's failure keys are, with the group
+// rank of the attempt as node_rank. --nnodes N keeps the protocol above unchanged.
+//   E1. The launcher that hosts the store is node 0: --node_rank 0, or without --node_rank the one
+//       that can bind master_addr:master_port. Every launcher takes an id = add("ids", 1) and
+//       starts a heartbeat thread (its own connection) that sets "beat/<id>" to a counter every
+//       --monitor_interval. Node 0 declares a node gone when its counter has not changed for 10
+//       intervals (at least 3 s), measured on node 0's clock only (no clock sync needed). The
+//       heartbeat, not the connection's close, also covers a machine that vanishes without a FIN.
+//   E2. Every other launcher queues up: slot = add("waiting", 1), "wait/<slot>" = "<id> <nproc_per_node>
+//       <max_restarts> <min> <max> <hostname>", then waits for "admit/<id>": an attempt number, or
+//       "error <line>" (its flags disagree with node 0's, or the job ended).
+//   E3. Node 0 forms attempt k's group: the survivors of attempt k-1 in their order (node 0 first),
+//       then waiting nodes in arrival order, up to MAX. Once MIN are there it waits --rdzv_last_call
+//       for more (not when MAX are there); for attempt 0 it waits up to --rdzv_timeout for MIN, after
+//       a change fewer than MIN end the job (E7). It sets "round/<k>" = the transition line, then one
+//       "<id> <hostname>" row per node in group-rank order, and "admit/<id>" = k for the new nodes.
+//       Each node's GROUP_RANK is its row, WORLD_SIZE = rows * nproc_per_node: ranks are contiguous.
+//   E4. Every node prints the transition line and starts attempt k's workers (restart count k).
+//   E5. While they run, node 0 checks every --monitor_interval each member's heartbeat and the
+//       waiting queue. A member gone, or a node waiting while the group is below MAX (torchrun's
+//       "waiting nodes" rule), makes node 0 set "stop/<k>" to the reason; every node polls it and
+//       stops its workers (SIGTERM, SIGKILL after --grace_period): survivors blocked in a collective
+//       with the dead rank do not wait for the collective's timeout. A worker failure still goes
+//       through step 5 (failure/<k>).
+//   E6. When its workers are reaped each node sets "outcome/<k>/<id>" to its exit code (0, 1, or
+//       128+signo: a signalled launcher leaves the job and exits). Node 0 waits for every member's
+//       outcome, counting a member whose heartbeat stops (or that is silent for --rdzv_timeout) as gone.
+//   E7. Node 0 decides and sets "decision/<k>": "done" when every member exited 0; else, while
+//       k < --max_restarts (every restart counts, membership changes too) and at least MIN nodes
+//       remain, it forms attempt k+1 (E3) and sets "restart"; otherwise "stop <line>", which every
+//       node prints before exiting 1. A signal to node 0's launcher stops the job. If node 0 itself
+//       dies, the others lose the store and end with a line that says so: the rendezvous lives on
+//       node 0 only.
+//   E8. Node 0 answers "admit/<id>" with an error for nodes still waiting when the job ends; the
+//       others set "done/<id>", and node 0 keeps the store up until each member of the last attempt
+//       is done or gone (bounded by --rdzv_timeout).
 #pragma once
 
 #include "store/store.h"
@@ -70,6 +108,8 @@ class NodeRendezvous {
   void wait_all_done(int nnodes, std::chrono::milliseconds timeout);  // node 0; never throws
 
   dtrain::store::StoreClient& client() { return *client_; }
+  // The name published with failures when join() is not used (elastic jobs, elastic.h).
+  void set_hostname(const std::string& hostname) { hostname_ = hostname; }
 
  private:
   std::string check_arrivals(const NodeInfo& me, const Say& say);  // node 0's verdict

@@ -50,8 +50,9 @@ struct Supervisor::Worker {
   std::unique_ptr<OutputStream> out, err;
 };
 
-Supervisor::Supervisor(const LaunchOptions& options, uint16_t master_port, int signal_fd, NodeRendezvous* rdzv)
-    : opts_(options), master_port_(master_port), signal_fd_(signal_fd), rdzv_(rdzv) {}
+Supervisor::Supervisor(const LaunchOptions& options, uint16_t master_port, int signal_fd, NodeRendezvous* rdzv,
+                       Watch watch)
+    : opts_(options), master_port_(master_port), signal_fd_(signal_fd), rdzv_(rdzv), watch_(std::move(watch)) {}
 
 Supervisor::~Supervisor() {
   kill_groups(SIGKILL);  // only reached with live workers if an exception escaped
@@ -123,6 +124,7 @@ AttemptResult Supervisor::run_attempt(int attempt) {
     r.summary = "received " + signal_name(forwarded_signal_) + ": forwarded it to the workers and stopped them";
   } else if (failed_index_ >= 0) {
     r.exit_code = 1;
+    r.worker_failed = true;
     const Worker& w = *workers_[static_cast<size_t>(failed_index_)];
     r.summary = failure_summary(w, attempt);
     if (opts_.log_dir.empty()) {
@@ -234,6 +236,13 @@ void Supervisor::check_remote() {
       remote_summary_ = "stopped this node's workers: " + *f;
       stop_all(SIGTERM);
       return;
+    }
+    if (watch_) {
+      if (auto why = watch_()) {
+        remote_summary_ = *why;
+        stop_all(SIGTERM);
+        return;
+      }
     }
     if (!node0_done_seen_ && opts_.node_rank != 0) node0_done_seen_ = rdzv_->client().check({"dtrain-run/done/0"});
   } catch (const std::exception& e) {

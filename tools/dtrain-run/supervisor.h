@@ -13,7 +13,7 @@
 //      c. SIGINT/SIGTERM/SIGHUP -> forwarded to every worker's process group, same grace/kill;
 //         a second such signal kills at once. The attempt ends with exit code 128+signo.
 //      d. Each --monitor_interval a multi-node job checks the store for another node's failure
-//         and stops this node's workers the same way.
+//         (and an elastic job for a membership change) and stops this node's workers the same way.
 //   3. When every worker is reaped: SIGKILL each process group (grandchildren left behind by a
 //      worker die too: no orphans), drain the pipes (bounded), flush partial lines.
 // Note [Restart loop]: run_attempt() leaves nothing running, so main.cpp's --max_restarts loop calls
@@ -28,24 +28,29 @@
 #include "rendezvous.h"
 #include "worker.h"
 
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace dtrain::run {
 
 struct AttemptResult {
-  int exit_code = 0;    // 0 all good, 1 a worker (here or remote) failed, 128+signo on a signal
-  std::string summary;  // one line for stderr (without the "dtrain-run: " prefix), empty on success
-  int tail_rank = -1;   // without --log_dir: the failed rank's last stderr lines
+  int exit_code = 0;           // 0 all good, 1 a worker (here or remote) failed, 128+signo on a signal
+  std::string summary;         // one line for stderr (without the "dtrain-run: " prefix), empty on success
+  bool worker_failed = false;  // a worker of this node failed (not a remote stop or a signal)
+  int tail_rank = -1;          // without --log_dir: the failed rank's last stderr lines
   std::vector<std::string> tail;
 };
 
 class Supervisor {
  public:
   // signal_fd: a signalfd for SIGCHLD, SIGINT, SIGTERM, SIGHUP (blocked in the launcher).
-  // rdzv may be null (single node).
-  Supervisor(const LaunchOptions& options, uint16_t master_port, int signal_fd, NodeRendezvous* rdzv);
+  // rdzv may be null (single node). watch, when set, runs with step 2d and returns a reason to stop
+  // this node's workers (an elastic membership change, elastic.h).
+  using Watch = std::function<std::optional<std::string>()>;
+  Supervisor(const LaunchOptions& options, uint16_t master_port, int signal_fd, NodeRendezvous* rdzv, Watch watch = {});
   ~Supervisor();
   AttemptResult run_attempt(int attempt);
 
@@ -67,6 +72,7 @@ class Supervisor {
   uint16_t master_port_;
   int signal_fd_;
   NodeRendezvous* rdzv_;
+  Watch watch_;
   std::vector<std::unique_ptr<Worker>> workers_;
 
   // State of the attempt.

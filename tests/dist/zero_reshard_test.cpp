@@ -1,0 +1,125 @@
+// ZeroRedundancyOptimizer across world sizes: N ranks train 5 steps and save a checkpoint
+// (`zero_reshard_test save <dir>`), then M ranks load it (`zero_reshard_test load <dir> <N>`), check
+// that each holds the state of the new partition's share, and train 5 more steps. The parameters then
+// equal one process's unsharded optimizer after 10 steps on the whole batch (float64, 1e-7 relative):
+// the consolidated state was repartitioned over the new world. ctest runs 2 -> 3 and 3 -> 2.
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "dist_main.h"
+#include "dtrain/checkpoint.h"
+#include "dtrain/ddp.h"
+#include "dtrain/zero.h"
+
+using namespace dtrain;
+
+namespace {
+
+constexpr int kGlobalBatch = 12;  // divisible by 2 and 3
+constexpr int kStepsBefore = 5, kStepsAfter = 5;
+
+std::string g_phase, g_dir;
+int64_t g_saved_world = 0;
+
+// Parameters of several sizes, so that 2 and 3 ranks partition them differently.
+torch::nn::Sequential make_model() {
+  torch::manual_seed(3);
+  torch::nn::Sequential m(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 12), torch::nn::Tanh(),
+                          torch::nn::Linear(12, 4));
+  m->to(at::kDouble);
+  return m;
+}
+
+std::pair<at::Tensor, at::Tensor> batch(int step) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(70 + step);
+  return {at::randn({kGlobalBatch, 8}, g, at::kDouble), at::randn({kGlobalBatch, 4}, g, at::kDouble)};
+}
+
+OptimizerFactory factory(const std::string& kind) {
+  if (kind == "sgd") return optimizer_factory<torch::optim::SGD>(torch::optim::SGDOptions(0.05).momentum(0.9));
+  return optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(1e-2));
+}
+
+// One step on this rank's part of the batch (the whole batch when `whole`).
+void train_step(const std::function<at::Tensor(const at::Tensor&)>& forward, torch::optim::Optimizer& opt, int step,
+                bool whole) {
+  auto [x, y] = batch(step);
+  if (!whole) {
+    x = x.chunk(world_size())[rank()];
+    y = y.chunk(world_size())[rank()];
+  }
+  opt.zero_grad();
+  (forward(x) - y).pow(2).mean().backward();
+  opt.step();
+}
+
+}  // namespace
+
+TEST(ZeroReshard, StateSavedOnNRanksIsRepartitionedOnM) {
+  ASSERT_TRUE(g_phase == "save" || g_phase == "load") << "usage: zero_reshard_test save|load <dir> [<saved world>]";
+  if (g_phase == "save") {  // a folder of its own: nothing of an earlier run is left in it
+    if (rank() == 0) std::filesystem::remove_all(g_dir);
+    barrier();
+  }
+  for (const std::string kind : {"sgd", "adam"}) {
+    auto model = make_model();
+    DistributedDataParallel ddp(model);
+    ZeroRedundancyOptimizer opt(ddp.parameters(), factory(kind));
+    CheckpointManager ckpt(g_dir, CheckpointOptions().prefix(kind));
+    TrainingState st;
+    st.model = model.ptr().get();
+    st.optimizer = &opt;
+    if (g_phase == "save") {
+      for (int s = 0; s < kStepsBefore; ++s) train_step([&](const at::Tensor& x) { return ddp(x); }, opt, s, false);
+      st.step = kStepsBefore;
+      ckpt.save(st);
+      continue;
+    }
+    ASSERT_TRUE(ckpt.load_latest(st).has_value()) << kind << ": no checkpoint in " << g_dir;
+    ASSERT_EQ(st.step, kStepsBefore);
+    ASSERT_EQ(st.saved_world_size, g_saved_world);
+    ASSERT_NE(g_saved_world, world_size()) << "this test is about another world size";
+    // This rank holds the state of exactly its share of the new partition; the shares cover all.
+    int64_t mine = 0;
+    for (int o : opt.owners()) mine += o == Group().rank();
+    EXPECT_EQ(static_cast<int64_t>(opt.local_optimizer().state().size()), mine) << kind;
+    EXPECT_EQ(all_reduce_values(std::vector<int64_t>{mine})[0], static_cast<int64_t>(ddp.parameters().size()));
+    for (int s = kStepsBefore; s < kStepsBefore + kStepsAfter; ++s)
+      train_step([&](const at::Tensor& x) { return ddp(x); }, opt, s, false);
+
+    auto ref = make_model();
+    auto ref_opt = factory(kind)(ref->parameters());
+    for (int s = 0; s < kStepsBefore + kStepsAfter; ++s)
+      train_step([&](const at::Tensor& x) { return ref->forward(x); }, *ref_opt, s, true);
+    double worst = 0;
+    auto pa = model->parameters(), pb = ref->parameters();
+    for (size_t i = 0; i < pa.size(); ++i) {
+      const double scale = std::max(pb[i].abs().max().item<double>(), 1e-6);
+      worst = std::max(worst, (pa[i] - pb[i]).abs().max().item<double>() / scale);
+    }
+    if (rank() == 0)
+      std::printf("%s, %lld -> %d ranks: max relative difference %.3g\n", kind.c_str(),
+                  static_cast<long long>(g_saved_world), world_size(), worst);
+    EXPECT_LE(worst, 1e-7) << kind << " on rank " << rank() << ": saved on " << g_saved_world << " ranks, resumed on "
+                           << world_size();
+  }
+}
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  if (argc >= 3) {
+    g_phase = argv[1];
+    g_dir = argv[2];
+  }
+  if (argc >= 4) g_saved_world = std::atoll(argv[3]);
+  ::testing::AddGlobalTestEnvironment(new DistEnvironment());
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,204 @@
+"""dtrain-run --nnodes MIN:MAX: elastic membership between "hosts" in network namespaces.
+
+Each test makes its own namespaces on one bridge (the bridge lives in the first namespace, which is
+also node 0's host: the rendezvous address exists there only). The worker (elastic_worker.py) logs
+what the launcher gave it and steps through a file barrier with its peers, so a dead peer blocks the
+survivors as a collective would. The launchers get identical command lines: no --node_rank; the one
+that can bind the master address hosts the rendezvous.
+"""
+import os
+import re
+import signal
+import time
+import unittest
+
+from launcher_common import (DTRAIN_RUN, PY, MarkedTestCase, clean_env, finish, free_port, pids_with_marker,
+                             run, start, wait_until)
+from netns_hosts import Hosts, netns_unavailable
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worker.py")
+START_RE = re.compile(r"^start rank=(\d+) world=(\d+) group=(\d+) groups=(\d+) restart=(\d+) step=(\d+) pid=(\d+) launcher=(\d+)$")
+
+
+def elastic_args(port, addr, nnodes, last_call=3, max_restarts=3):
+    return ["--nnodes", nnodes, "--nproc_per_node", 1, "--master_addr", addr, "--master_port", port,
+            "--rdzv_timeout", 20, "--rdzv_last_call", last_call, "--max_restarts", max_restarts,
+            "--monitor_interval", "0.1", "--grace_period", 1]
+
+
+class ElasticTest(MarkedTestCase):
+    tmp_prefix = "dtrain_elastic_"
+
+    def setUp(self):
+        super().setUp()
+        why = netns_unavailable()
+        if why:
+            self.skipTest(why)
+        self.hosts = Hosts(3)
+        self.addCleanup(self.hosts.close)
+        self.port = free_port()
+
+    def worker(self, steps, step_s=0.1):
+        return [PY, WORKER, self.tmp, steps, step_s, self.marker]
+
+    def starts(self):
+        """The workers' start lines, as dicts, in the order they were written."""
+        with open(os.path.join(self.tmp, "log")) as f:
+            rows = [START_RE.match(line.strip()) for line in f]
+        self.assertTrue(all(rows), "unexpected line in the worker log")
+        keys = ("rank", "world", "group", "groups", "restart", "step", "pid", "launcher")
+        return [dict(zip(keys, map(int, m.groups()))) for m in rows]
+
+    def kill_node(self, nodes, group):
+        """SIGKILL the launcher of node `group` (no goodbye) and its worker; returns the launcher's index."""
+        victim = [s for s in self.starts() if s["group"] == group]
+        self.assertEqual(len(victim), 1)
+        index = [p.pid for p in nodes].index(victim[0]["launcher"])  # `ip netns exec` execs dtrain-run
+        nodes[index].kill()
+        os.kill(victim[0]["pid"], signal.SIGKILL)
+        return index
+
+    def step_reached(self):
+        try:
+            with open(os.path.join(self.tmp, "ckpt")) as f:
+                return int(f.read() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def trained_steps(self):
+        with open(os.path.join(self.tmp, "steps")) as f:
+            return [tuple(map(int, line.split())) for line in f]
+
+    def test_a_killed_node_leaves_and_the_survivors_finish_with_world_size_2(self):
+        args = elastic_args(self.port, self.hosts.addr[0], "2:3") + self.worker(60)
+        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]
+        try:
+            self.assertTrue(wait_until(lambda: self.step_reached() >= 15, 30), "the job did not start training")
+            killed = self.kill_node(nodes, 2)
+            killed_at = self.step_reached()
+            (rc0, _, err0), (rc1, _, err1) = finish(*[p for i, p in enumerate(nodes) if i != killed], timeout=60)
+        finally:
+            for p in nodes:
+                p.kill()
+            finish(*nodes, timeout=10)
+        self.assertEqual((rc0, rc1), (0, 0), err0 + err1)
+        for err in (err0, err1):
+            self.assertRegex(err, r"dtrain-run: elastic job formed by node 0 \(.*\), node 1 \(.*\), node 2 \(.*\); "
+                                  r"world size 3 \(attempt 0\)")
+            self.assertRegex(err, r"dtrain-run: node 2 \(.*\) left; world size 3 -> 2 \(attempt 1\)\n")
+        starts = self.starts()
+        self.assertEqual(sorted((s["restart"], s["rank"], s["world"], s["group"], s["groups"]) for s in starts),
+                         [(0, 0, 3, 0, 3), (0, 1, 3, 1, 3), (0, 2, 3, 2, 3), (1, 0, 2, 0, 2), (1, 1, 2, 1, 2)])
+        resumed = {s["step"] for s in starts if s["restart"] == 1}
+        self.assertEqual(len(resumed), 1, starts)
+        resumed = resumed.pop()
+        self.assertGreaterEqual(resumed, killed_at)  # from the last checkpoint, not from the start
+        trained = self.trained_steps()
+        # Every step once on 3 ranks up to the checkpoint, then the rest on 2 ranks.
+        self.assertEqual([s for r, w, s in trained if r == 0], list(range(resumed)))
+        self.assertTrue(all(w == 3 for r, w, s in trained if r == 0))
+        self.assertEqual([(w, s) for r, w, s in trained if r == 1], [(2, s) for s in range(resumed, 60)])
+        self.assertEqual(pids_with_marker(self.marker), [])
+
+    def test_a_node_that_arrives_during_training_is_admitted_at_a_restart(self):
+        args = elastic_args(self.port, self.hosts.addr[0], "2:3", last_call=1) + self.worker(50)
+        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(2)]
+        try:
+            self.assertTrue(wait_until(lambda: self.step_reached() >= 10, 30), "the job did not start training")
+            nodes.append(self.hosts.launch(2, [DTRAIN_RUN] + args, clean_env()))
+            results = finish(*nodes, timeout=60)
+        finally:
+            for p in nodes:
+                p.kill()
+            finish(*nodes, timeout=10)
+        for rc, _, err in results:
+            self.assertEqual(rc, 0, err)
+        self.assertRegex(results[0][2], r"world size 2 \(attempt 0\)")
+        for _, _, err in results:
+            self.assertRegex(err, r"dtrain-run: node 2 \(.*\) joined; world size 2 -> 3 \(attempt 1\)\n")
+        last = [s for s in self.starts() if s["restart"] == 1]
+        self.assertEqual(sorted((s["rank"], s["world"], s["group"], s["groups"]) for s in last),
+                         [(0, 3, 0, 3), (1, 3, 1, 3), (2, 3, 2, 3)])
+        self.assertGreaterEqual(last[0]["step"], 10)
+        self.assertEqual([s for _, _, s in self.trained_steps()], list(range(50)))
+        self.assertEqual(pids_with_marker(self.marker), [])
+
+    def test_below_min_every_survivor_ends_with_a_clear_message(self):
+        args = elastic_args(self.port, self.hosts.addr[0], "3:4", last_call=1) + self.worker(400)
+        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]
+        try:
+            self.assertTrue(wait_until(lambda: self.step_reached() >= 5, 30), "the job did not start training")
+            killed = self.kill_node(nodes, 2)
+            t0 = time.monotonic()
+            results = finish(*[p for i, p in enumerate(nodes) if i != killed], timeout=40)
+            took = time.monotonic() - t0
+        finally:
+            for p in nodes:
+                p.kill()
+            finish(*nodes, timeout=10)
+        for rc, _, err in results:
+            self.assertEqual(rc, 1, err)
+            last = err.strip().splitlines()[-1]
+            self.assertRegex(last, r"^dtrain-run: node 2 \(.*\) left; 2 node\(s\) remain, fewer than the minimum 3 of "
+                                   r"--nnodes 3:4: the job ends \(world size 3, attempt 0\)$")
+        self.assertLess(took, 20)  # heartbeats (3 s) and the grace period, not a collective timeout
+        self.assertEqual(pids_with_marker(self.marker), [])
+
+    def test_the_job_ends_when_node_zero_dies(self):
+        # The rendezvous lives on node 0's launcher only: without it the others cannot agree on
+        # anything, so they stop their workers and end with a line that says why.
+        args = elastic_args(self.port, self.hosts.addr[0], "1:3", last_call=1) + self.worker(400)
+        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(2)]
+        try:
+            self.assertTrue(wait_until(lambda: self.step_reached() >= 5, 30), "the job did not start training")
+            killed = self.kill_node(nodes, 0)
+            ((rc, _, err),) = finish(nodes[1 - killed], timeout=30)
+        finally:
+            for p in nodes:
+                p.kill()
+            finish(*nodes, timeout=10)
+        self.assertEqual(rc, 1, err)
+        self.assertRegex(err.strip().splitlines()[-1],
+                         r"^dtrain-run: lost the rendezvous at 10\.232\.\d+\.1:\d+: node 0's launcher \(the rendezvous "
+                         r"host\) is gone, so the elastic job ends$")
+        self.assertEqual(pids_with_marker(self.marker), [])
+
+class ElasticLoopbackTest(MarkedTestCase):
+    """What needs no namespaces: the command line and nodes that disagree."""
+
+    def test_bad_nnodes_range(self):
+        for value in ("3:2", "0:2", "2:", "a:b"):
+            r = run(["--nnodes", value, "true"])
+            self.assertEqual(r.returncode, 2, value)
+            self.assertEqual(r.stderr, f"dtrain-run: --nnodes MIN:MAX needs 1 <= MIN <= MAX (e.g. --nnodes 2:4), "
+                                       f"got '{value}'\n")
+        r = run(["--nnodes", "1:2", "--rdzv_last_call", "-1", "true"])
+        self.assertEqual((r.returncode, r.stderr),
+                         (2, "dtrain-run: --rdzv_last_call must be a number of seconds >= 0, got '-1'\n"))
+        r = run(["--nnodes", "1:2", "--standalone", "true"])
+        self.assertEqual((r.returncode, r.stderr),
+                         (2, "dtrain-run: --standalone runs one node, but --nnodes is 1:2 (drop one of them)\n"))
+
+    def test_nodes_that_disagree_are_refused(self):
+        port = free_port()
+        base = ["--nnodes", "2:3", "--master_port", port, "--rdzv_timeout", 3, "--rdzv_last_call", 0.5]
+        n0 = start(base + ["--node_rank", 0, "--nproc_per_node", 1, "true"])
+        time.sleep(0.3)
+        n1 = start(base + ["--nproc_per_node", 2, "true"])
+        (rc0, _, err0), (rc1, _, err1) = finish(n0, n1)
+        self.assertEqual(rc1, 1, err1)
+        self.assertIn("nodes disagree: node 0 has --nnodes 2:3 --nproc_per_node 1 --max_restarts 0, ", err1)
+        self.assertIn(" has --nnodes 2:3 --nproc_per_node 2 --max_restarts 0; give every node the same flags", err1)
+        self.assertEqual(rc0, 1, err0)
+        self.assertIn("only 1 of at least 2 nodes joined the rendezvous", err0)
+
+    def test_one_node_of_one_to_two_runs_alone_after_the_last_call(self):
+        r = run(["--nnodes", "1:2", "--master_port", free_port(), "--rdzv_last_call", 0.5, "sh", "-c",
+                 'echo "world=$WORLD_SIZE group=$GROUP_RANK groups=$GROUP_WORLD_SIZE restart=$TORCHELASTIC_RESTART_COUNT"'])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout, "[rank 0] world=1 group=0 groups=1 restart=0\n")
+        self.assertRegex(r.stderr, r"dtrain-run: elastic job formed by node 0 \(.*\); world size 1 \(attempt 0\)\n")
+
+
+if __name__ == "__main__":
+    unittest.main()

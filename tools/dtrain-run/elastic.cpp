@@ -1,0 +1,371 @@
+// Elastic membership (see rendezvous.h, steps E1-E8, and Note [Elastic membership] in elastic.h).
+#include "elastic.h"
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <sstream>
+
+namespace dtrain::run {
+
+using dtrain::store::to_bytes;
+using dtrain::store::to_string;
+using Clock = std::chrono::steady_clock;
+using Millis = std::chrono::milliseconds;
+
+namespace {
+
+const std::string kKeys = "dtrain-run/e/";
+// A node is declared gone after this many missed heartbeats, but never sooner than kMinDeadAfter: a
+// launcher on a loaded machine may miss a few beats without being dead.
+constexpr int kMissedBeats = 10;
+constexpr Millis kMinDeadAfter{3000};
+
+std::string key(const std::string& a, int64_t b) { return kKeys + a + "/" + std::to_string(b); }
+std::string key(const std::string& a, int64_t b, int64_t c) { return key(a, b) + "/" + std::to_string(c); }
+
+std::string seconds(Millis ms) {
+  std::ostringstream s;
+  s << ms.count() / 1000.0 << "s";
+  return s.str();
+}
+
+std::string flags_text(int nproc, int max_restarts, int lo, int hi) {
+  return "--nnodes " + std::to_string(lo) + ":" + std::to_string(hi) + " --nproc_per_node " + std::to_string(nproc) +
+         " --max_restarts " + std::to_string(max_restarts);
+}
+
+void sleep_for(Millis ms) { std::this_thread::sleep_for(ms); }
+
+// "round/<attempt>": the transition line, then one "id hostname" row per node in group-rank order.
+// group_rank stays -1 when `id` is not a member.
+ElasticRound parse_round(const std::string& value, int attempt, int64_t id) {
+  std::istringstream in(value);
+  ElasticRound r;
+  r.attempt = attempt;
+  r.group_rank = -1;
+  std::getline(in, r.line);
+  std::string row;
+  for (int g = 0; std::getline(in, row); ++g) {
+    if (std::stoll(row) == id) r.group_rank = g;
+    r.nnodes = g + 1;
+  }
+  return r;
+}
+
+}  // namespace
+
+ElasticRendezvous::ElasticRendezvous(NodeRendezvous& base, const std::string& master_host, uint16_t port,
+                                     const ElasticOptions& o)
+    : store_(base.client()), o_(o), dead_after_(std::max(kMinDeadAfter, Millis(o.beat_period.count() * kMissedBeats))) {
+  // E1.
+  id_ = store_.add(kKeys + "ids", 1);
+  store_.set(key("beat", id_), to_bytes("0"));
+  // The thread must not take the launcher's signals (main.cpp reads them through a signalfd): it
+  // starts with all of them blocked.
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  beat_thread_ = std::thread([this, master_host, port] { heartbeat_loop(master_host, port); });
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+}
+
+void ElasticRendezvous::finish_job() {
+  try {
+    if (!o_.host) {
+      store_.set(key("done", id_), to_bytes("1"));
+      return;
+    }
+    const auto deadline = Clock::now() + o_.rdzv_timeout;
+    for (size_t g = 1; g < members_.size() && Clock::now() < deadline;) {
+      if (store_.check({key("done", members_[g].id)}) || stale(members_[g]))
+        ++g;
+      else
+        sleep_for(std::min(o_.beat_period, Millis(100)));
+    }
+  } catch (const std::exception&) {
+    // The store is gone (node 0 finished first): nothing left to tell.
+  }
+}
+
+ElasticRendezvous::~ElasticRendezvous() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (beat_thread_.joinable()) beat_thread_.join();
+}
+
+void ElasticRendezvous::heartbeat_loop(std::string host, uint16_t port) {
+  // Every failure here ends the heartbeat quietly: node 0 then sees this node as gone, which is
+  // the truth when the store is unreachable. Nothing may escape a background thread.
+  try {
+    dtrain::store::StoreClient client(host, port, Millis(5000));
+    for (int64_t n = 1;; ++n) {
+      client.set(key("beat", id_), to_bytes(std::to_string(n)));
+      std::unique_lock<std::mutex> lock(mu_);
+      if (cv_.wait_for(lock, o_.beat_period, [this] { return stop_; })) return;
+    }
+  } catch (...) {
+  }
+}
+
+std::string ElasticRendezvous::member_text(int group_rank) const {
+  return "node " + std::to_string(group_rank) + " (" + members_[static_cast<size_t>(group_rank)].hostname + ")";
+}
+
+ElasticRound ElasticRendezvous::join(const NodeRendezvous::Say& say) {
+  if (o_.host) {
+    ElasticNext first = form_round(0, {Member{id_, o_.hostname}}, "", say);
+    if (!first.round) {  // the nodes that did come learn why instead of waiting for a store that vanishes
+      for (const Member& m : pending_) store_.set(key("admit", m.id), to_bytes("error " + first.message));
+      throw std::runtime_error(first.message);
+    }
+    return *first.round;
+  }
+  // E2: queue up as a waiting node and wait for node 0's admission.
+  const int64_t slot = store_.add(kKeys + "waiting", 1);
+  store_.set(key("wait", slot), to_bytes(std::to_string(id_) + " " + std::to_string(o_.nproc_per_node) + " " +
+                                         std::to_string(o_.max_restarts) + " " + std::to_string(o_.min_nodes) + " " +
+                                         std::to_string(o_.max_nodes) + " " + o_.hostname));
+  std::string admit;
+  try {
+    admit = to_string(store_.get(key("admit", id_), o_.rdzv_timeout * 2 + Millis(5000)));
+  } catch (const dtrain::store::TimeoutError&) {
+    throw std::runtime_error("node 0 did not admit this node within " + seconds(o_.rdzv_timeout * 2) + " at " +
+                             store_.host() + ":" + std::to_string(store_.port()) +
+                             " (is the job full at its --nnodes maximum? a node waits for a free place until then)");
+  } catch (const std::exception& e) {
+    throw std::runtime_error("lost the rendezvous at " + store_.host() + ":" + std::to_string(store_.port()) +
+                             " while waiting to be admitted (did node 0's launcher end?): " + e.what());
+  }
+  if (admit.rfind("error ", 0) == 0) throw std::runtime_error(admit.substr(6));
+  const int attempt = std::stoi(admit);
+  ElasticRound r = parse_round(to_string(store_.get(key("round", attempt), Millis(10000))), attempt, id_);
+  if (r.group_rank < 0) throw std::runtime_error("node 0 admitted this node but left it out of attempt " + admit);
+  return r;
+}
+
+void ElasticRendezvous::absorb_waiters() {
+  for (int64_t n = store_.add(kKeys + "waiting", 0); waiters_seen_ < n;) {
+    const int64_t slot = ++waiters_seen_;
+    std::istringstream in(to_string(store_.get(key("wait", slot), Millis(10000))));
+    int64_t id = 0;
+    int nproc = 0, restarts = 0, lo = 0, hi = 0;
+    std::string host;
+    in >> id >> nproc >> restarts >> lo >> hi;
+    std::getline(in >> std::ws, host);
+    // Every node must agree on what the group may be, or the nodes would disagree on WORLD_SIZE.
+    if (nproc != o_.nproc_per_node || restarts != o_.max_restarts || lo != o_.min_nodes || hi != o_.max_nodes) {
+      store_.set(key("admit", id),
+                 to_bytes("error nodes disagree: node 0 has " +
+                          flags_text(o_.nproc_per_node, o_.max_restarts, o_.min_nodes, o_.max_nodes) + ", " + host +
+                          " has " + flags_text(nproc, restarts, lo, hi) + "; give every node the same flags"));
+      continue;
+    }
+    pending_.push_back(Member{id, host});
+  }
+}
+
+bool ElasticRendezvous::stale(const Member& m) {
+  if (m.id == id_) return false;
+  const auto now = Clock::now();
+  std::string v;
+  if (store_.check({key("beat", m.id)})) v = to_string(store_.get(key("beat", m.id), Millis(1000)));
+  auto it = beats_.find(m.id);
+  if (it == beats_.end() || it->second.value != v) {
+    beats_[m.id] = Beat{v, now};
+    return false;
+  }
+  return now - it->second.changed > dead_after_;
+}
+
+ElasticNext ElasticRendezvous::form_round(int attempt, const std::vector<Member>& survivors, const std::string& why,
+                                          const NodeRendezvous::Say& say) {
+  // E3: survivors first (their relative order, so node 0 stays node 0 and ranks stay contiguous),
+  // then waiting nodes in arrival order, up to MAX; once MIN are there, wait --rdzv_last_call for more.
+  const auto start = Clock::now();
+  std::optional<Clock::time_point> last_call_end;
+  const size_t lo = static_cast<size_t>(o_.min_nodes), hi = static_cast<size_t>(o_.max_nodes);
+  const std::string where = store_.host() + ":" + std::to_string(store_.port());
+  if (attempt == 0)
+    say("node 0 waiting for nodes of --nnodes " + std::to_string(lo) + ":" + std::to_string(hi) + " at " + where +
+        " (--rdzv_timeout " + seconds(o_.rdzv_timeout) + ", --rdzv_last_call " + seconds(o_.last_call) + ")");
+  for (;;) {
+    absorb_waiters();
+    // A waiting node that stopped beating (its launcher died while it waited) is not admitted.
+    pending_.erase(std::remove_if(pending_.begin(), pending_.end(), [&](const Member& m) { return stale(m); }),
+                   pending_.end());
+    const size_t n = std::min(hi, survivors.size() + pending_.size());
+    if (n >= hi) break;
+    if (n >= lo) {
+      if (!last_call_end) last_call_end = Clock::now() + o_.last_call;
+      if (Clock::now() >= *last_call_end) break;
+    } else if (attempt > 0) {
+      return {std::nullopt, 1, ""};  // below MIN after a change: the caller ends the job
+    } else if (Clock::now() - start >= o_.rdzv_timeout) {
+      return {std::nullopt, 1,
+              "only " + std::to_string(n) + " of at least " + std::to_string(lo) + " nodes joined the rendezvous at " +
+                  where + " within --rdzv_timeout " + seconds(o_.rdzv_timeout) + " (--nnodes " + std::to_string(lo) +
+                  ":" + std::to_string(hi) + ")"};
+    }
+    sleep_for(std::min(o_.beat_period, Millis(100)));
+  }
+  const int old_world = static_cast<int>(members_.size()) * o_.nproc_per_node;
+  members_ = survivors;
+  std::vector<Member> joined;
+  while (members_.size() < hi && !pending_.empty()) {
+    joined.push_back(pending_.front());
+    members_.push_back(pending_.front());
+    pending_.erase(pending_.begin());
+  }
+  const int world = static_cast<int>(members_.size()) * o_.nproc_per_node;
+  std::string line;
+  if (attempt == 0) {
+    line = "elastic job formed by ";
+    for (size_t g = 0; g < members_.size(); ++g) line += (g ? ", " : "") + member_text(static_cast<int>(g));
+    line += "; world size " + std::to_string(world);
+  } else {
+    line = why;
+    for (const Member& m : joined) {
+      const auto g = std::find_if(members_.begin(), members_.end(), [&](const Member& x) { return x.id == m.id; }) -
+                     members_.begin();
+      line += (line.empty() ? "" : "; ") + member_text(static_cast<int>(g)) + " joined";
+    }
+    if (line.empty()) line = "restart with the same nodes";
+    line += "; world size " + std::to_string(old_world) + " -> " + std::to_string(world);
+  }
+  line += " (attempt " + std::to_string(attempt) + ")";
+  std::string value = line;
+  for (const Member& m : members_) value += "\n" + std::to_string(m.id) + " " + m.hostname;
+  store_.set(key("round", attempt), to_bytes(value));
+  for (const Member& m : joined)
+    if (m.id != id_) store_.set(key("admit", m.id), to_bytes(std::to_string(attempt)));
+  stop_reason_.clear();
+  beats_.clear();  // a fresh look at every member's heartbeat for the new attempt
+  ElasticRound r;
+  r.attempt = attempt;
+  r.group_rank = 0;
+  r.nnodes = static_cast<int>(members_.size());
+  r.line = line;
+  return {r, 0, ""};
+}
+
+std::optional<std::string> ElasticRendezvous::watch(int attempt) {
+  if (!o_.host) {  // E5: follow node 0
+    if (!store_.check({key("stop", attempt)})) return std::nullopt;
+    return "stopped this node's workers: " + to_string(store_.get(key("stop", attempt), Millis(1000)));
+  }
+  if (!stop_reason_.empty()) return std::nullopt;
+  std::string reason;
+  for (size_t g = 1; g < members_.size() && reason.empty(); ++g)
+    if (stale(members_[g]))
+      reason = member_text(static_cast<int>(g)) + " stopped sending heartbeats (" + seconds(dead_after_) + ")";
+  if (reason.empty()) {
+    absorb_waiters();
+    if (!pending_.empty() && members_.size() < static_cast<size_t>(o_.max_nodes))
+      reason = pending_.front().hostname + " is waiting to join";
+  }
+  if (reason.empty()) return std::nullopt;
+  stop_reason_ = reason;
+  store_.set(key("stop", attempt), to_bytes(reason));
+  return "stopped this node's workers: " + reason;
+}
+
+ElasticNext ElasticRendezvous::finish_attempt(int attempt, int exit_code, const NodeRendezvous::Say& say) {
+  if (o_.host) return host_finish(attempt, exit_code, say);
+  // E6: report, then follow node 0's decision.
+  const std::string lost = "lost the rendezvous at " + store_.host() + ":" + std::to_string(store_.port()) +
+                           ": node 0's launcher (the rendezvous host) is gone, so the elastic job ends";
+  std::string decision;
+  try {
+    store_.set(key("outcome", attempt, id_), to_bytes(std::to_string(exit_code)));
+    if (exit_code != 0 && exit_code != 1) return {std::nullopt, exit_code, ""};  // signalled: this node leaves
+    decision = to_string(store_.get(key("decision", attempt), o_.rdzv_timeout * 2 + Millis(10000)));
+  } catch (const dtrain::store::TimeoutError&) {
+    return {std::nullopt, 1, "node 0 gave no decision after attempt " + std::to_string(attempt)};
+  } catch (const std::exception&) {
+    return {std::nullopt, 1, lost};
+  }
+  if (decision == "done") return {std::nullopt, exit_code, ""};
+  if (decision.rfind("stop ", 0) == 0) return {std::nullopt, 1, decision.substr(5)};
+  ElasticRound r = parse_round(to_string(store_.get(key("round", attempt + 1), Millis(10000))), attempt + 1, id_);
+  if (r.group_rank < 0)
+    return {std::nullopt, 1,
+            "node 0 left this node out of attempt " + std::to_string(attempt + 1) + " (" + r.line +
+                "): it missed its heartbeats for " + seconds(dead_after_)};
+  return {r, 0, ""};
+}
+
+ElasticNext ElasticRendezvous::host_finish(int attempt, int exit_code, const NodeRendezvous::Say& say) {
+  auto end_job = [&](int code, const std::string& message) {  // E8: nobody waits in vain
+    store_.set(key("decision", attempt), to_bytes(code == 0 ? "done" : "stop " + message));
+    try {
+      absorb_waiters();
+    } catch (const std::exception&) {
+    }
+    for (const Member& m : pending_) store_.set(key("admit", m.id), to_bytes("error the elastic job has ended"));
+    pending_.clear();
+    return ElasticNext{std::nullopt, code, message};
+  };
+  if (exit_code != 0 && exit_code != 1)
+    return end_job(exit_code, "node 0's launcher (the rendezvous host) was stopped by a signal: the job ends");
+  // E6: every member's outcome, or its absence of heartbeats.
+  const auto deadline = Clock::now() + o_.rdzv_timeout;
+  std::vector<int> codes(members_.size(), -1);
+  codes[0] = exit_code;
+  for (;;) {
+    bool waiting = false;
+    for (size_t g = 1; g < members_.size(); ++g) {
+      if (codes[g] != -1) continue;
+      const std::string k = key("outcome", attempt, members_[g].id);
+      if (store_.check({k}))
+        codes[g] = std::stoi(to_string(store_.get(k, Millis(1000))));
+      else if (stale(members_[g]) || Clock::now() >= deadline)
+        codes[g] = -2;  // gone
+      else
+        waiting = true;
+    }
+    if (!waiting) break;
+    sleep_for(std::min(o_.beat_period, Millis(100)));
+  }
+  // E7.
+  if (std::all_of(codes.begin(), codes.end(), [](int c) { return c == 0; })) return end_job(0, "");
+  std::vector<Member> survivors;
+  std::string why;
+  for (size_t g = 0; g < members_.size(); ++g) {
+    if (codes[g] == 0 || codes[g] == 1) {
+      survivors.push_back(members_[g]);
+      continue;
+    }
+    why += (why.empty() ? "" : "; ") + member_text(static_cast<int>(g)) + " left" +
+           (codes[g] == -2 ? "" : " (its launcher was stopped by a signal)");
+  }
+  if (why.empty() && stop_reason_.find("waiting to join") == std::string::npos) {
+    const std::string k = "dtrain-run/failure/" + std::to_string(attempt);
+    if (store_.check({k})) {
+      const std::string v = to_string(store_.get(k, Millis(1000)));
+      const size_t space = v.find(' '), nl = v.find('\n');
+      if (space != std::string::npos && nl != std::string::npos && space < nl)
+        why = "restart after node " + v.substr(0, space) + " (" + v.substr(space + 1, nl - space - 1) +
+              ") failed: " + v.substr(nl + 1);
+    }
+  }
+  const int old_world = static_cast<int>(members_.size()) * o_.nproc_per_node;
+  if (attempt + 1 > o_.max_restarts)
+    return end_job(1, (why.empty() ? std::string("the membership changed") : why) + "; --max_restarts " +
+                          std::to_string(o_.max_restarts) + " used up after attempt " + std::to_string(attempt) +
+                          ": the job ends");
+  ElasticNext next = form_round(attempt + 1, survivors, why, say);
+  if (!next.round)
+    return end_job(1, why + "; " + std::to_string(survivors.size()) + " node(s) remain, fewer than the minimum " +
+                          std::to_string(o_.min_nodes) + " of --nnodes " + std::to_string(o_.min_nodes) + ":" +
+                          std::to_string(o_.max_nodes) + ": the job ends (world size " + std::to_string(old_world) +
+                          ", attempt " + std::to_string(attempt) + ")");
+  store_.set(key("decision", attempt), to_bytes("restart"));
+  return next;
+}
+
+}  // namespace dtrain::run

@@ -1,0 +1,115 @@
+// Elastic membership (--nnodes MIN:MAX) over the store hosted by node 0's launcher: which nodes run
+// each attempt, the heartbeats that tell node 0 a node is gone, and node 0's decision after each
+// attempt. The protocol is written out as numbered steps E1-E8 in rendezvous.h.
+//
+// Note [Elastic membership]: node 0's launcher (the one that hosts the store) decides everything: it
+// forms each attempt's group, watches the other launchers' heartbeats and the queue of waiting nodes
+// while the workers run, and after each attempt turns every node's outcome into one decision (done,
+// restart with a new group, or stop). The others follow its keys. One decider means no consensus
+// protocol, at the price torchrun's c10d rendezvous pays too: if node 0 dies the job ends.
+#pragma once
+
+#include "rendezvous.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dtrain::run {
+
+struct ElasticOptions {
+  int min_nodes = 1;
+  int max_nodes = 1;
+  int nproc_per_node = 1;
+  int max_restarts = 0;
+  std::string hostname;
+  bool host = false;  // this launcher hosts the store: it is node 0 and decides
+  std::chrono::milliseconds beat_period{100};
+  std::chrono::milliseconds rdzv_timeout{900000};
+  std::chrono::milliseconds last_call{30000};
+};
+
+// One attempt's membership, as this node sees it.
+struct ElasticRound {
+  int attempt = 0;
+  int group_rank = 0;  // GROUP_RANK / NODE_RANK of this node, 0..nnodes-1, node 0 is always the host
+  int nnodes = 0;      // GROUP_WORLD_SIZE
+  std::string line;    // the transition, one line (without the "dtrain-run: " prefix)
+};
+
+// What follows an attempt (step E7): another round, or the end with an exit code and a line.
+struct ElasticNext {
+  std::optional<ElasticRound> round;
+  int exit_code = 0;
+  std::string message;
+};
+
+class ElasticRendezvous {
+ public:
+  // Takes this launcher's id and starts its heartbeat (E1). `base` is connected to the store.
+  ElasticRendezvous(NodeRendezvous& base, const std::string& master_host, uint16_t port, const ElasticOptions& o);
+  ~ElasticRendezvous();  // stops the heartbeat
+  ElasticRendezvous(const ElasticRendezvous&) = delete;
+  ElasticRendezvous& operator=(const ElasticRendezvous&) = delete;
+
+  // E2-E3: join and wait for the first round this node is admitted to. Throws std::runtime_error
+  // with one line when the job cannot start (fewer than MIN nodes within --rdzv_timeout, a node whose
+  // flags disagree with node 0's, node 0 gone).
+  ElasticRound join(const NodeRendezvous::Say& say);
+
+  // E5, every --monitor_interval while the workers run: a reason to stop this node's workers because
+  // the membership changes, or nothing.
+  std::optional<std::string> watch(int attempt);
+
+  // E6-E7: report this node's exit code of the attempt and learn what follows.
+  ElasticNext finish_attempt(int attempt, int exit_code, const NodeRendezvous::Say& say);
+
+  // E8, once the job has ended for this node: the others say they are done; node 0 keeps the store up
+  // until every member of the last attempt is done or gone (bounded by --rdzv_timeout). Never throws.
+  void finish_job();
+
+ private:
+  struct Member {
+    int64_t id = 0;
+    std::string hostname;
+  };
+  struct Beat {
+    std::string value;
+    std::chrono::steady_clock::time_point changed;
+  };
+  void heartbeat_loop(std::string host, uint16_t port);
+  // Node 0 only.
+  void absorb_waiters();
+  bool stale(const Member& m);
+  ElasticNext form_round(int attempt, const std::vector<Member>& survivors, const std::string& why,
+                         const NodeRendezvous::Say& say);
+  ElasticNext host_finish(int attempt, int exit_code, const NodeRendezvous::Say& say);
+  std::string member_text(int group_rank) const;
+
+  dtrain::store::StoreClient& store_;
+  ElasticOptions o_;
+  int64_t id_ = 0;
+  std::chrono::milliseconds dead_after_;
+
+  // Heartbeat thread (its own store connection: StoreClient is one caller at a time).
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread beat_thread_;
+
+  // Node 0's state.
+  std::vector<Member> members_;  // the current attempt's group, in group-rank order
+  std::vector<Member> pending_;  // waiting nodes not admitted yet, in arrival order
+  int64_t waiters_seen_ = 0;
+  std::map<int64_t, Beat> beats_;
+  std::string stop_reason_;  // why node 0 stopped the current attempt (E5), for the transition line
+};
+
+}  // namespace dtrain::run
