@@ -3,7 +3,8 @@
 // gradient is the sum of the active ranks' gradients divided by 3 (divide_by_initial_world_size) or
 // by the number of active ranks; buffers come from the lowest active rank. Also: 10/10/10 under Join
 // is bit-identical to no Join; throw_on_early_termination makes every rank throw naming rank 2 and
-// iteration 4; DDP + ZeroRedundancyOptimizer under Join reaches the same reference.
+// iteration 4; DDP + ZeroRedundancyOptimizer under Join reaches the same reference, and so do
+// no_sync micro-batches and a communication hook.
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
@@ -45,9 +46,9 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-// Rank r's batch i: (4, 5) inputs, (4, 3) targets.
-std::pair<at::Tensor, at::Tensor> batch(int r, int i) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 * r + i);
+// Rank r's batch i (micro-batch m of it): (4, 5) inputs, (4, 3) targets.
+std::pair<at::Tensor, at::Tensor> batch(int r, int i, int m = 0) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 * r + i + 100 * m);
   return {at::randn({4, 5}, g, at::kDouble), at::randn({4, 3}, g, at::kDouble)};
 }
 
@@ -65,8 +66,9 @@ std::vector<int> active_at(const std::vector<int>& counts, int i) {
 // PyTorch's semantics in one process: every iteration, the active ranks' gradients (each computed
 // from the buffer of the iteration's authoritative rank, the lowest active one, as it left that
 // rank's previous forward) summed and divided; one SGD step. The final buffer is the last
-// iteration's authoritative rank's.
-Net reference(const std::vector<int>& counts, bool divide_by_initial_world_size) {
+// iteration's authoritative rank's. micro > 1: each step accumulates that many micro-batches (the
+// first ones under no_sync), each forward taking the authoritative rank's buffer afresh.
+Net reference(const std::vector<int>& counts, bool divide_by_initial_world_size, int micro = 1) {
   Net net;
   torch::optim::SGD opt(net->parameters(), sgd());
   const int iterations = *std::max_element(counts.begin(), counts.end());
@@ -75,16 +77,27 @@ Net reference(const std::vector<int>& counts, bool divide_by_initial_world_size)
   for (int i = 0; i < iterations; ++i) {
     const auto active = active_at(counts, i);
     authority = active.front();
-    const at::Tensor start = buffer[authority].clone();
+    std::vector<std::vector<at::Tensor>> local(counts.size());  // per rank, accumulated over micro-batches
+    for (int m = 0; m < micro; ++m) {
+      const at::Tensor start = buffer[authority].clone();
+      for (int r : active) {
+        net->running.copy_(start);
+        net->zero_grad();
+        auto [x, y] = batch(r, i, m);
+        loss_of(net->forward(x), y).backward();
+        buffer[r] = net->running.clone();
+        auto params = net->parameters();
+        for (size_t k = 0; k < params.size(); ++k) {
+          if (local[r].size() <= k)
+            local[r].push_back(params[k].grad().clone());
+          else
+            local[r][k] += params[k].grad();
+        }
+      }
+    }
     std::vector<at::Tensor> sum;
     for (int r : active) {
-      net->running.copy_(start);
-      net->zero_grad();
-      auto [x, y] = batch(r, i);
-      loss_of(net->forward(x), y).backward();
-      buffer[r] = net->running.clone();
-      std::vector<at::Tensor> grads;
-      for (auto& p : net->parameters()) grads.push_back(p.grad().clone());
+      const std::vector<at::Tensor>& grads = local[r];
       if (sum.empty())
         sum = grads;
       else
@@ -124,10 +137,12 @@ std::vector<at::Tensor> state_of(Net& net) {
 }
 
 // This rank's loop: `mine` batches of DDP + the optimizer, inside a Join when options are given.
-// zero: use ZeroRedundancyOptimizer (listed after DDP in the Join).
-Net train(int mine, std::optional<JoinOptions> options, bool zero = false) {
+// zero: use ZeroRedundancyOptimizer (listed after DDP in the Join); micro: micro-batches per step,
+// all but the last under no_sync; hook: DDP averages through allreduce_hook.
+Net train(int mine, std::optional<JoinOptions> options, bool zero = false, int micro = 1, bool hook = false) {
   Net net;
   DistributedDataParallel ddp(net);
+  if (hook) ddp.register_comm_hook(Group(), allreduce_hook);
   std::unique_ptr<torch::optim::Optimizer> opt;
   ZeroRedundancyOptimizer* zero_opt = nullptr;
   if (zero) {
@@ -139,9 +154,13 @@ Net train(int mine, std::optional<JoinOptions> options, bool zero = false) {
   }
   auto loop = [&] {
     for (int i = 0; i < mine; ++i) {
-      auto [x, y] = batch(rank(), i);
       opt->zero_grad();
-      loss_of(ddp(x), y).backward();
+      for (int m = 0; m < micro; ++m) {
+        auto [x, y] = batch(rank(), i, m);
+        std::optional<NoSyncGuard> local;
+        if (m + 1 < micro) local.emplace(ddp.no_sync());
+        loss_of(ddp(x), y).backward();
+      }
       opt->step();
     }
   };
@@ -218,6 +237,18 @@ TEST(Join, ZeroRedundancyOptimizerUnderJoinEndsWithPyTorchsParameters) {
   Net want = reference(kUneven, true);
   EXPECT_LE(max_rel_diff(state_of(got), state_of(want)), 1e-10)
       << "rank " << rank() << ": " << diff_text(state_of(got), state_of(want));
+}
+
+TEST(Join, NoSyncAndCommHooksAreShadowedToo) {
+  // Two micro-batches per step, the first under no_sync: a joined rank must shadow the synchronized
+  // backward only (DDP's flag all-reduce tells it which); and a communication hook's collectives.
+  ASSERT_EQ(world_size(), 3);
+  Net want = reference(kUneven, true, /*micro=*/2);
+  for (const bool hook : {false, true}) {
+    Net got = train(kUneven[rank()], JoinOptions(), /*zero=*/false, /*micro=*/2, hook);
+    EXPECT_LE(max_rel_diff(state_of(got), state_of(want)), 1e-10)
+        << "hook=" << hook << " on rank " << rank() << ": " << diff_text(state_of(got), state_of(want));
+  }
 }
 
 TEST(Join, BadUseIsAClearError) {
