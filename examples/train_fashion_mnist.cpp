@@ -98,6 +98,7 @@ struct Config {
   std::string device = "cpu";           // "cuda": rank r trains on cuda:LOCAL_RANK with backend nccl
   std::string comm_hook = "allreduce";  // allreduce (DDP's own), bf16, or powersgd (rank 2)
   std::string sample_log;               // folder of the per-rank logs of trained indices (sample_log.h)
+  double uneven = 0;                    // rank r drops uneven * r / (world - 1) of its batches (Join)
 };
 // doc:end config
 
@@ -229,6 +230,8 @@ int run(const Config& cfg) {
       torch::data::DataLoaderOptions().batch_size(cfg.batch_size).workers(cfg.num_workers));
   const int64_t steps = (static_cast<int64_t>(sampler.size()) + cfg.batch_size - 1) / cfg.batch_size;
   // doc:end loader
+  // --uneven: this rank's batches per epoch (the last rank the fewest, rank 0 all of them).
+  const int64_t my_steps = world > 1 ? steps - static_cast<int64_t>(cfg.uneven * steps * rank / (world - 1)) : steps;
 
   // doc:begin resume
   // Fault tolerance (dtrain/checkpoint.h): with --checkpoint_dir every rank resumes from the newest
@@ -332,8 +335,14 @@ int run(const Config& cfg) {
       checkpoints->save(state);
     };
     // doc:end save-checkpoint
+    // doc:begin uneven
+    // --uneven: ranks run out of batches at different steps. Inside the Join a rank that has run out
+    // shadows the others' gradient all-reduces until all are done (enable(false): no Join at all).
+    dtrain::Join join({&ddp}, dtrain::JoinOptions().enable(cfg.uneven > 0));
+    // doc:end uneven
     // doc:begin batch-loop
     for (auto& indexed : *loader) {
+      if (step >= my_steps) break;  // --uneven
       torch::data::Example<>& batch = indexed.example;
       at::Tensor logits, loss;
       double grad_norm = NAN;  // known with --grad_clip; else the monitor samples it
@@ -368,18 +377,21 @@ int run(const Config& cfg) {
       correct += step_correct;
       seen += b;
       ++step;
-      monitor.end_step(dtrain::StepInfo()
-                           .loss(step_loss)
-                           .samples(b)
-                           .accuracy(static_cast<double>(step_correct) / b)
-                           .lr(cfg.lr)
-                           .grad_norm(grad_norm));
+      // The monitor's windows are collectives that a joined rank would not shadow: off with --uneven.
+      if (cfg.uneven == 0)
+        monitor.end_step(dtrain::StepInfo()
+                             .loss(step_loss)
+                             .samples(b)
+                             .accuracy(static_cast<double>(step_correct) / b)
+                             .lr(cfg.lr)
+                             .grad_norm(grad_norm));
       ++global_step;
       sample_log->write(epoch, global_step, indexed.indices);
       if (checkpoints && cfg.checkpoint_every > 0 && global_step % cfg.checkpoint_every == 0) save_checkpoint();
       if (cfg.step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(cfg.step_sleep_ms));
     }
     // doc:end batch-loop
+    join.join();  // --uneven: wait for (and shadow) the ranks with batches left
     monitor.end_epoch();
     // The end of every epoch is a checkpoint too (unless the last step just wrote one).
     if (checkpoints && !(cfg.checkpoint_every > 0 && global_step % cfg.checkpoint_every == 0)) save_checkpoint();
@@ -487,6 +499,9 @@ int main(int argc, char** argv) {
                  "samples.rank<RANK>.attempt<TORCHELASTIC_RESTART_COUNT or 0>.txt, one line 'EPOCH STEP INDEX' per "
                  "sample (epoch 1-based; STEP the global optimizer step, 1-based, so lines with a step after the "
                  "resumed checkpoint's were replayed), flushed after every step");
+  numbers.add("--uneven", cfg.uneven, Allowed::kNonNegativeNumber,
+              "uneven inputs under dtrain::Join: rank r trains on only (1 - F * r / (ranks - 1)) of its batches per "
+              "epoch, F in [0, 1) (0: even; not with --checkpoint_dir; the per-step monitor is off)");
   app.add_option("--dump_params", cfg.dump_params,
                  "rank 0 writes the final parameters' raw float32 bytes here (what params_sha256 hashes)");
   // Note [eval batch size]: evaluating with batches larger than the training batch was up to 10x
@@ -498,6 +513,13 @@ int main(int argc, char** argv) {
               "passed by dtrain-run --use_local_rank_arg (unused)");
   // Parsing comes before init_process_group, so every rank fails alone and at once on a bad flag.
   if (std::optional<int> exit_code = numbers.parse(argc, argv, "train_fashion_mnist")) return *exit_code;
+  if (cfg.uneven >= 1 || (cfg.uneven > 0 && !cfg.checkpoint_dir.empty())) {
+    std::fprintf(stderr, "train_fashion_mnist: error: --uneven %g: %s\n", cfg.uneven,
+                 cfg.uneven >= 1 ? "must be below 1 (the fraction of its batches the last rank drops)"
+                                 : "cannot be combined with --checkpoint_dir (a checkpoint is a collective that a "
+                                   "rank which has run out does not shadow): drop one of them");
+    return 1;
+  }
 
   try {
     return run(cfg);

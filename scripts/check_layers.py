@@ -39,6 +39,7 @@ PUBLIC_OWNER = {
     "errors": "common", "system": "common", "process_group": "comm", "amp": "amp", "ddp": "ddp", "comm_hooks": "ddp",
     "data_parallel": "parallel", "sampler": "data", "datasets": "data", "checkpoint": "checkpoint",
     "monitor": "monitor", "pipeline": "pipeline", "detail": "common", "sync_batchnorm": "nn", "zero": "optim",
+    "join": "comm",
 }
 
 # comm/ inside, one way: front end -> factory (backend.h) -> backends -> lowest layer.

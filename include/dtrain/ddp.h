@@ -37,6 +37,7 @@
 
 #include "dtrain/comm_hooks.h"
 #include "dtrain/detail/arg.h"
+#include "dtrain/join.h"
 #include "dtrain/process_group.h"
 
 namespace dtrain {
@@ -86,7 +87,9 @@ class Core {
  public:
   Core(std::shared_ptr<torch::nn::Module> module, DDPOptions options);
   ~Core();
-  void pre_forward();
+  // self: the DistributedDataParallel around this core, as a Join knows it (null: no Join, e.g. a
+  // pipeline's replicas).
+  void pre_forward(Joinable* self = nullptr);
   // outputs: the tensors the forward produced (used for find_unused_parameters).
   void post_forward(const std::vector<at::Tensor>& outputs);
   void set_sync(bool enabled);
@@ -96,9 +99,12 @@ class Core {
   std::vector<DDPEvent> last_backward_events() const;
   void set_event_hook(DDPEventHook hook);
   void register_comm_hook(CommHook hook);
+  // The shadow of a forward and backward for a rank that has joined (end of src/ddp/core.cpp).
+  std::unique_ptr<JoinHook> join_hook(const JoinOptions& options, bool is_first_joinable);
+
+  struct Impl;
 
  private:
-  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 
@@ -139,8 +145,12 @@ class NoSyncGuard {
   bool prev_;
 };
 
+// A Joinable (dtrain/join.h): inside a dtrain::Join, where it must be the first joinable, a rank
+// that has run out of batches shadows the others' forwards and backwards (buffer broadcasts and
+// gradient all-reduces, with zeros as its gradients), and at the end every rank gets the model of
+// the last rank to finish.
 template <typename ModuleType>
-class DistributedDataParallel {
+class DistributedDataParallel : public Joinable {
  public:
   explicit DistributedDataParallel(std::shared_ptr<ModuleType> module, DDPOptions options = DDPOptions())
       : module_(std::move(module)), core_(std::make_unique<ddp::Core>(module_, std::move(options))) {}
@@ -150,7 +160,7 @@ class DistributedDataParallel {
   // Runs the wrapped module's forward with DDP's pre/post steps.
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
-    core_->pre_forward();
+    core_->pre_forward(this);
     auto out = module_->forward(std::forward<Args>(args)...);
     std::vector<at::Tensor> tensors;
     ddp::collect_tensors(out, tensors);
@@ -190,6 +200,12 @@ class DistributedDataParallel {
   }
   // A hook that carries its own state (a lambda or functor taking GradBucket&).
   void register_comm_hook(CommHook hook) { core_->register_comm_hook(std::move(hook)); }
+
+  // Joinable: what a joined rank runs in place of a forward and backward.
+  std::unique_ptr<JoinHook> join_hook(const JoinOptions& options) override {
+    return core_->join_hook(options, is_first_joinable());
+  }
+  Group join_process_group() const override { return core_->options().process_group(); }
 
  private:
   std::shared_ptr<ModuleType> module_;

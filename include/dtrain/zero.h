@@ -18,6 +18,11 @@
 //      into the state an unsharded optimizer of the wrapped type would have; save() writes it there,
 //      in that optimizer's own format, so a checkpoint loads into either. load() (every rank) reads a
 //      whole state and keeps its own share. dtrain's CheckpointManager does both by itself.
+// Join (dtrain/join.h): a Joinable. step() notifies the Join when it is the first joinable; a rank
+// that has joined runs step() in each iteration it shadows, so it still updates its own share and
+// takes part in the broadcasts. That step uses the joined rank's .grad(): list DistributedDataParallel
+// before it (Join({&ddp, &opt})), whose shadow writes the active ranks' averaged gradients there.
+// One step() per iteration (per synchronized DDP forward) is assumed, as in PyTorch.
 // The learning rate and other options of param_groups()[0] (e.g. set by a scheduler) reach the
 // wrapped optimizer at every step. One param group.
 #pragma once
@@ -30,6 +35,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "dtrain/detail/arg.h"
+#include "dtrain/join.h"
 #include "dtrain/process_group.h"
 
 namespace dtrain {
@@ -50,7 +56,7 @@ struct ZeroOptions {
   DTRAIN_ARG(Group, process_group, Group())
 };
 
-class ZeroRedundancyOptimizer : public torch::optim::Optimizer {
+class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable {
  public:
   ZeroRedundancyOptimizer(std::vector<at::Tensor> params, OptimizerFactory factory,
                           ZeroOptions options = ZeroOptions());
@@ -64,6 +70,10 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer {
   void save(torch::serialize::OutputArchive& archive) const override;
   // On every rank: a whole state, from save() or from the unsharded optimizer; keeps this rank's share.
   void load(torch::serialize::InputArchive& archive) override;
+
+  // Joinable: a joined rank's shadow of an iteration is a step().
+  std::unique_ptr<JoinHook> join_hook(const JoinOptions& options) override;
+  Group join_process_group() const override { return group_; }
 
   // The group rank owning each parameter, in the order of the parameters given.
   const std::vector<int>& owners() const { return owner_; }

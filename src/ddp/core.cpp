@@ -32,6 +32,8 @@ struct Core::Impl {
   // static_graph: the unused set found on the first iteration, reused afterwards.
   bool have_static_unused = false;
   std::vector<bool> static_unused;
+  // From the Join this DDP is in (JoinOptions::divide_by_initial_world_size).
+  bool join_divide_by_initial_world_size = true;
 
   std::vector<bool> find_unused(const std::vector<at::Tensor>& outputs) const {
     std::unordered_set<torch::autograd::Node*> reached;
@@ -100,10 +102,22 @@ Core::Core(std::shared_ptr<torch::nn::Module> module, DDPOptions options) : impl
 
 Core::~Core() = default;
 
-void Core::pre_forward() {
+void Core::pre_forward(Joinable* self) {
   auto& s = *impl_;
+  const Group& group = s.options.process_group();
+  const JoinIteration* it = self ? Join::notify_join_context(*self) : nullptr;
+  if (!it) {
+    s.reducer->set_divisor(group.size());
+    if (s.options.broadcast_buffers() && !s.buffers.empty()) broadcast_from_first_rank(s.buffers, group);
+    return;
+  }
+  // Under Join (Note [DDP under Join]): whether this iteration synchronizes, then the buffers from
+  // the lowest active rank (rank 0 may have joined and stopped updating its own).
+  s.reducer->set_divisor(s.join_divide_by_initial_world_size ? group.size() : it->active_count());
+  const bool will_sync = s.sync && at::GradMode::is_enabled();
+  all_reduce_values(std::vector<int64_t>{will_sync ? 1 : 0}, ReduceOp::SUM, group);
   if (s.options.broadcast_buffers() && !s.buffers.empty())
-    broadcast_from_first_rank(s.buffers, s.options.process_group());
+    broadcast_from(s.buffers, it->authoritative_rank(group), group);
 }
 
 void Core::post_forward(const std::vector<at::Tensor>& outputs) {
@@ -143,5 +157,50 @@ std::vector<std::vector<int>> Core::bucket_param_indices() const {
 std::vector<DDPEvent> Core::last_backward_events() const { return impl_->reducer->events(); }
 void Core::set_event_hook(DDPEventHook hook) { impl_->reducer->set_event_hook(std::move(hook)); }
 void Core::register_comm_hook(CommHook hook) { impl_->reducer->set_comm_hook(std::move(hook)); }
+
+// Note [DDP under Join]: per iteration an active rank's DDP issues, after Join's exchange of the
+// active set (its first collective, from pre_forward): (a) a SUM all-reduce of "I synchronize
+// gradients this iteration" (no_sync and no-grad forwards say no), (b) the buffers' broadcast from
+// the lowest active rank when broadcast_buffers, (c) in backward, when synchronizing, every bucket's
+// all-reduce (or communication hook) in bucket order, the unused-parameter exchange when tracked.
+// The joined rank's main_hook issues the same: (a) with 0, whose sum tells it whether (c) follows,
+// (b), and (c) with zeros as its gradients, the results written to its .grad() so that an optimizer
+// joined after DDP (ZeroRedundancyOptimizer) steps with the true averages. post_hook broadcasts
+// parameters (and buffers when broadcast_buffers) from the lowest rank of the last iteration, so
+// every rank ends with the model of a rank that saw every iteration (PyTorch's _sync_final_model;
+// Note [Authoritative rank under Join] in dtrain/join.h).
+namespace {
+
+class DDPJoinHook : public JoinHook {
+ public:
+  explicit DDPJoinHook(Core::Impl* impl) : s_(*impl) {}
+  void main_hook(const JoinIteration& it) override {
+    const Group& group = s_.options.process_group();
+    const bool sync = all_reduce_values(std::vector<int64_t>{0}, ReduceOp::SUM, group)[0] > 0;  // (a)
+    if (s_.options.broadcast_buffers() && !s_.buffers.empty())
+      broadcast_from(s_.buffers, it.authoritative_rank(group), group);  // (b)
+    if (sync) s_.reducer->shadow_backward();                            // (c)
+  }
+  void post_hook(bool, const JoinIteration& last) override {
+    const Group& group = s_.options.process_group();
+    std::vector<at::Tensor> state = s_.params;
+    if (s_.options.broadcast_buffers()) state.insert(state.end(), s_.buffers.begin(), s_.buffers.end());
+    broadcast_from(state, last.authoritative_rank(group), group);
+  }
+
+ private:
+  Core::Impl& s_;
+};
+
+}  // namespace
+
+std::unique_ptr<JoinHook> Core::join_hook(const JoinOptions& options, bool is_first_joinable) {
+  if (!options.enable()) return std::make_unique<JoinHook>();
+  DTRAIN_CHECK(is_first_joinable,
+               "dtrain::Join: DistributedDataParallel must be the first joinable (its forward is the first "
+               "collective of an iteration): list it first, e.g. Join({&ddp, &optimizer})");
+  impl_->join_divide_by_initial_world_size = options.divide_by_initial_world_size();
+  return std::make_unique<DDPJoinHook>(impl_.get());
+}
 
 }  // namespace dtrain::ddp

@@ -65,6 +65,10 @@ void verify_same_model(const std::vector<std::string>& names, const std::vector<
 }
 
 void broadcast_from_first_rank(const std::vector<at::Tensor>& tensors, const Group& group) {
+  broadcast_from(tensors, group.ranks()[0], group);
+}
+
+void broadcast_from(const std::vector<at::Tensor>& tensors, int src, const Group& group) {
   if (tensors.empty() || group.size() == 1) return;
   at::NoGradGuard ng;
   std::map<std::pair<int, std::string>, std::vector<at::Tensor>> by_type;
@@ -73,7 +77,7 @@ void broadcast_from_first_rank(const std::vector<at::Tensor>& tensors, const Gro
     std::vector<at::Tensor> flat_parts;
     for (const auto& t : kv.second) flat_parts.push_back(t.reshape({-1}));
     at::Tensor flat = at::cat(flat_parts);
-    broadcast(flat, group.ranks()[0], group);
+    broadcast(flat, src, group);
     int64_t offset = 0;
     for (auto& t : kv.second) {
       t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));

@@ -8,7 +8,7 @@
 //      the same on every member: Note [Group-agreed ids]) and reads everyone's, and all ranks throw
 //      the same one-line error naming the first differing parameter and the ranks.
 // broadcast_from_first_rank: rank 0 of the group broadcasts tensors, coalesced per dtype into
-// flat buffers (one collective per dtype instead of one per tensor).
+// flat buffers (one collective per dtype instead of one per tensor); broadcast_from, from any member.
 #pragma once
 
 #include <string>
@@ -22,5 +22,7 @@ void verify_same_model(const std::vector<std::string>& names, const std::vector<
                        const std::string& key_prefix);
 
 void broadcast_from_first_rank(const std::vector<at::Tensor>& tensors, const Group& group);
+// The same from any member (src: a global rank).
+void broadcast_from(const std::vector<at::Tensor>& tensors, int src, const Group& group);
 
 }  // namespace dtrain::ddp

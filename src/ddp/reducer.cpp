@@ -29,6 +29,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       names_(std::move(names)),
       group_(std::move(group)),
       group_size_(group_.size()),
+      divisor_(group_size_),
       as_view_(gradient_as_bucket_view),
       track_unused_(track_unused) {
   const int n = static_cast<int>(params_.size());
@@ -168,7 +169,7 @@ void Reducer::launch_ready_buckets() {
     }
     {
       at::NoGradGuard ng;
-      b.buffer.div_(group_size_);
+      b.buffer.div_(divisor_);
     }
     record(DDPEvent::kBucketLaunched, static_cast<int>(next_to_launch_));
     // The last bucket is ready only once backward has produced every gradient: nothing is left to
@@ -297,6 +298,12 @@ void Reducer::finalize() {
     // The completion callback may run just after wait() returns: then "now" is as good.
     record(DDPEvent::kBucketDone, static_cast<int>(&b - &buckets_[0]), b.done_ns ? b.done_ns->load() : 0);
   }
+  write_grads(used_anywhere);
+  record(DDPEvent::kGradsSynced, -1);
+  reset_iteration();
+}
+
+void Reducer::write_grads(const std::vector<int64_t>& used_anywhere) {
   at::NoGradGuard ng;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!used_anywhere.empty() && used_anywhere[i] == 0) continue;
@@ -310,7 +317,47 @@ void Reducer::finalize() {
       grad.copy_(view);
     }
   }
-  record(DDPEvent::kGradsSynced, -1);
+}
+
+void Reducer::shadow_backward() {
+  std::lock_guard<std::mutex> g(mu_);
+  DTRAIN_ASSERT(!started_, "a joined rank shadows a backward while its own is in progress");
+  try {
+    {
+      at::NoGradGuard ng;
+      for (auto& b : buckets_) b.buffer.zero_();  // a joined rank contributes nothing
+    }
+    // The same collectives, in the same order, as launch_ready_buckets() and finalize() issue.
+    for (size_t i = 0; i < buckets_.size(); ++i) {
+      Bucket& b = buckets_[i];
+      if (comm_hook_) {
+        std::vector<at::Tensor> params;
+        for (int p : b.params) params.push_back(params_[p]);
+        b.grad_bucket = std::make_shared<GradBucket>(static_cast<int>(i), static_cast<int>(buckets_.size()), b.buffer,
+                                                     b.views, std::move(params), b.params);
+        b.future = comm_hook_(*b.grad_bucket);
+        DTRAIN_CHECK(b.future.valid(), "rank ", dtrain::rank(),
+                     ": DistributedDataParallel: the communication hook returned an empty Future for bucket ", i,
+                     " (while this rank shadowed the others under Join): return the Future of its collective");
+      } else {
+        b.work = all_reduce(b.buffer, ReduceOp::SUM, group_, /*async_op=*/true);
+      }
+      b.launched = true;
+    }
+    std::vector<int64_t> used_anywhere;
+    if (track_unused_)
+      used_anywhere = all_reduce_values(std::vector<int64_t>(params_.size(), 0), ReduceOp::MAX, group_);
+    for (size_t i = 0; i < buckets_.size(); ++i) {
+      if (buckets_[i].future.valid())
+        take_hook_result(buckets_[i], i);
+      else
+        buckets_[i].work.wait();
+    }
+    write_grads(used_anywhere);
+  } catch (...) {
+    abandon_iteration();
+    throw;
+  }
   reset_iteration();
 }
 

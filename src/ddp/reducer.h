@@ -59,6 +59,13 @@ class Reducer {
   void set_comm_hook(CommHook hook);
   // Forwards without sync (no_sync) or outside DDP disarm the hooks.
   void disarm() { armed_ = false; }
+  // What DDP's own all-reduce divides the summed gradients by (the group's size, or under Join
+  // the ranks active in this iteration; set before each synchronized forward).
+  void set_divisor(int divisor) { divisor_ = divisor; }
+  // A joined rank's backward (Join): every bucket's collective in bucket order with zeros as this
+  // rank's gradients, the unused-parameter exchange, then the results become .grad() as in step 4,
+  // so this rank ends with the active ranks' averaged gradients.
+  void shadow_backward();
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
   std::vector<DDPEvent> events() const;
@@ -72,6 +79,7 @@ class Reducer {
   void launch_with_comm_hook(Bucket& b, size_t index);
   void take_hook_result(Bucket& b, size_t index);
   void finalize();  // step 4
+  void write_grads(const std::vector<int64_t>& used_anywhere);
   void reset_iteration();
   void abandon_iteration();  // waits for what was launched (ignoring failures), then resets
   void record(DDPEvent::Kind kind, int index, int64_t time_ns = 0);  // 0: now
@@ -85,6 +93,7 @@ class Reducer {
   std::vector<int> slot_of_;    // param -> index inside its bucket
   Group group_;
   int group_size_;
+  int divisor_;
   bool as_view_;
   bool track_unused_;
   CommHook comm_hook_;

@@ -71,6 +71,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
 }
 
 at::Tensor ZeroRedundancyOptimizer::step(LossClosure closure) {
+  Join::notify_join_context(*this);  // alone in a Join, this is an iteration's first collective
   // Step 2. A scheduler changes param_groups()[0]'s options: the wrapped optimizer follows.
   local_->param_groups()[0].set_options(param_groups()[0].options().clone());
   at::Tensor loss = local_->step(std::move(closure));
@@ -117,6 +118,26 @@ void ZeroRedundancyOptimizer::broadcast_shares() {
       offset += p.numel();
     }
   }
+}
+
+namespace {
+
+class ZeroJoinHook : public JoinHook {
+ public:
+  explicit ZeroJoinHook(ZeroRedundancyOptimizer* zero) : zero_(zero) {}
+  // The active ranks step once per iteration: so does the joined rank, on its own share, with the
+  // gradients it has (DDP's shadow leaves the averaged ones), and it broadcasts that share.
+  void main_hook(const JoinIteration&) override { zero_->step(); }
+
+ private:
+  ZeroRedundancyOptimizer* zero_;
+};
+
+}  // namespace
+
+std::unique_ptr<JoinHook> ZeroRedundancyOptimizer::join_hook(const JoinOptions& options) {
+  if (!options.enable()) return std::make_unique<JoinHook>();
+  return std::make_unique<ZeroJoinHook>(this);
 }
 
 void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {

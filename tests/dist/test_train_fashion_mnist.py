@@ -9,6 +9,8 @@
   * a bad --data_dir fails every rank fast with one error line and exit status 1;
   * a bad numeric flag fails every rank at once, before the process group, with one line naming the
     flag, the value and what is allowed;
+  * --uneven: ranks with fewer batches per epoch finish under dtrain::Join without a hang, over
+    shared memory and over Gloo alone, with identical parameters on every rank;
   * README's "Flags:" line lists every flag of --help.
 
 Binaries: $TRAIN_FASHION_MNIST and $DTRAIN_RUN (set by tests/dist/CMakeLists.txt), else build*/bin.
@@ -172,6 +174,32 @@ class TrainFashionMNIST(DistTestCase):
                     self.assertNotEqual(m.group(4), plain.group(4), "bf16 compression changed nothing")
                 else:
                     self.assertEqual(m.group(4), plain.group(4), "PowerSGD's warm-up is plain all-reduce")
+
+    def test_uneven_inputs_finish_under_join_with_the_ranks_in_sync(self):
+        # 256 samples, batch 32: 4 steps per rank and epoch; --uneven 0.5 leaves the last rank 2. A rank
+        # that leaves its loop early without Join would hang the other in its next all-reduce (the run's
+        # timeout fails the test); under Join it shadows it, and launch() checks that every rank ends
+        # with rank 0's parameters. The dropped batches must change the result, and --uneven 0 is no
+        # Join at all: the same parameters as without the flag.
+        common = ("--subset", 256, "--epochs", 2, "--threads", 1, "--optimizer", "sgd", "--lr", 0.05)
+        _, even = self.launch(2, *common)
+        _, zero = self.launch(2, *common, "--uneven", 0)
+        self.assertEqual(zero.group(4), even.group(4), "--uneven 0 changed the result")
+        for transport in TRANSPORTS:
+            with self.subTest(transport=transport):
+                res, m = self.launch(2, *common, "--uneven", 0.5, env=transport_env(transport))
+                assert_ddp_transport(self, res, transport)
+                self.assertNotEqual(m.group(4), even.group(4), "--uneven 0.5 dropped no batch")
+                self.assertIn("Epoch 2/2: Loss=", res.out)
+
+    def test_bad_uneven_is_refused_with_one_line(self):
+        for args, message in (
+                (("--uneven", 1), "--uneven 1: must be below 1"),
+                (("--uneven", 0.5, "--checkpoint_dir", "/tmp"), "--uneven 0.5: cannot be combined with --checkpoint_dir")):
+            with self.subTest(args=args):
+                res = self.run_one([trainer(), *args], clean_env(), timeout=30)
+                self.assertEqual(res.rc, 1, str(res))
+                self.assertOneLineError(res, message, prefix=ERROR_PREFIX)
 
     def check_two_ranks_equal_one(self, *cases, transport):
         common = ("--subset", 256, "--seed", 3, "--threads", 1, "--optimizer", "sgd", "--lr", 0.05)

@@ -2,7 +2,9 @@
 // and of Adam (with gradient clipping) equal one process's unsharded optimizer on the whole batch;
 // on a group of one rank they are bit-identical; each rank holds only its share's state; and a
 // checkpoint saved mid-run resumes bit-identically (the state travels consolidated, in the
-// unsharded optimizer's format).
+// unsharded optimizer's format). With GradScaler (an overflow injected on one rank: every rank skips
+// that step) and gradient clipping it equals the unsharded optimizer with the same recipe.
+// (ZeroRedundancyOptimizer under Join: tests/dist/join_test.cpp.)
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
@@ -11,9 +13,11 @@
 #include <torch/optim/sgd.h>
 
 #include <cstdlib>
+#include <limits>
 #include <filesystem>
 
 #include "dist_main.h"
+#include "dtrain/amp.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
 #include "dtrain/zero.h"
@@ -176,6 +180,52 @@ TEST(Zero, ACheckpointSavedMidRunResumesExactly) {
   EXPECT_EQ(plain.state().size(), plain_model->parameters().size());
   barrier();
   if (rank() == 0) fs::remove_all(dir);
+}
+
+TEST(Zero, WithGradScalerAndClippingEqualsTheUnshardedOptimizer) {
+  // The AMP recipe: scale, backward, unscale_, clip, step (skipped after an overflow), update. float32:
+  // the scaler's unscale kernel takes what AMP produces.
+  constexpr int kOverflowStep = 2;
+  auto model = make_model(), ref = make_model();
+  model->to(at::kFloat);
+  ref->to(at::kFloat);
+  DistributedDataParallel ddp(model);
+  ZeroRedundancyOptimizer opt(ddp.parameters(), factory("sgd"));
+  auto ref_opt = factory("sgd")(ref->parameters());
+  const auto options = GradScalerOptions().init_scale(1024).growth_interval(3);
+  GradScaler scaler(options), ref_scaler(options);
+  std::vector<int> stepped, ref_stepped;
+  auto step = [&](torch::nn::Module& net, const std::function<at::Tensor(const at::Tensor&)>& forward,
+                  torch::optim::Optimizer& o, GradScaler& sc, int s, bool whole) {
+    auto [x, y] = batch(s);
+    x = x.to(at::kFloat);
+    y = y.to(at::kFloat);
+    if (!whole) {
+      x = x.chunk(world_size())[rank()];
+      y = y.chunk(world_size())[rank()];
+    }
+    o.zero_grad();
+    at::Tensor loss = (forward(x) - y).pow(2).mean();
+    // An overflow on one rank only: DDP's average spreads it, so every rank must skip.
+    if (s == kOverflowStep && (whole || rank() == world_size() - 1))
+      loss = loss * std::numeric_limits<float>::infinity();
+    sc.scale(loss).backward();
+    sc.unscale_(o);
+    torch::nn::utils::clip_grad_norm_(net.parameters(), 0.5);
+    const bool did = sc.step(o);
+    sc.update();
+    return did ? 1 : 0;
+  };
+  for (int s = 0; s < 8; ++s) {
+    stepped.push_back(step(
+        *model, [&](const at::Tensor& x) { return ddp(x); }, opt, scaler, s, false));
+    ref_stepped.push_back(step(
+        *ref, [&](const at::Tensor& x) { return ref->forward(x); }, *ref_opt, ref_scaler, s, true));
+  }
+  EXPECT_EQ(stepped, (std::vector<int>{1, 1, 0, 1, 1, 1, 1, 1}));
+  EXPECT_EQ(stepped, ref_stepped);
+  EXPECT_DOUBLE_EQ(scaler.get_scale(), ref_scaler.get_scale());
+  EXPECT_LE(max_rel_diff(*model, *ref), 1e-5) << "rank " << rank();
 }
 
 DTRAIN_DIST_TEST_MAIN()

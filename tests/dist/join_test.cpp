@@ -1,0 +1,274 @@
+// Join on 3 real ranks with 7, 10 and 4 batches: nobody hangs, and every rank ends with the parameters
+// (and buffer) that PyTorch's semantics give, computed here in one process: in iteration i the
+// gradient is the sum of the active ranks' gradients divided by 3 (divide_by_initial_world_size) or
+// by the number of active ranks; buffers come from the lowest active rank. Also: 10/10/10 under Join
+// is bit-identical to no Join; throw_on_early_termination makes every rank throw naming rank 2 and
+// iteration 4; DDP + ZeroRedundancyOptimizer under Join reaches the same reference, and so do
+// no_sync micro-batches and a communication hook.
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include <optional>
+
+#include "dist_main.h"
+#include "dtrain/ddp.h"
+#include "dtrain/join.h"
+#include "dtrain/zero.h"
+
+using namespace dtrain;
+
+namespace {
+
+constexpr double kLr = 0.1;
+constexpr double kMomentum = 0.9;
+constexpr int kMaxBatches = 10;
+
+// A buffer that each rank moves with its own inputs, so which rank's buffer DDP broadcasts shows.
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    torch::manual_seed(5);
+    a = register_module("a", torch::nn::Linear(5, 8));
+    b = register_module("b", torch::nn::Linear(8, 3));
+    running = register_buffer("running", at::zeros({5}));
+    to(at::kDouble);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor out = b(at::tanh(a(x - running)));
+    if (is_training()) {
+      at::NoGradGuard ng;
+      running.mul_(0.9).add_(x.mean(0), 0.1);
+    }
+    return out;
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  at::Tensor running;
+};
+TORCH_MODULE(Net);
+
+// Rank r's batch i (micro-batch m of it): (4, 5) inputs, (4, 3) targets.
+std::pair<at::Tensor, at::Tensor> batch(int r, int i, int m = 0) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 * r + i + 100 * m);
+  return {at::randn({4, 5}, g, at::kDouble), at::randn({4, 3}, g, at::kDouble)};
+}
+
+at::Tensor loss_of(const at::Tensor& out, const at::Tensor& y) { return (out - y).pow(2).mean(); }
+
+torch::optim::SGDOptions sgd() { return torch::optim::SGDOptions(kLr).momentum(kMomentum); }
+
+std::vector<int> active_at(const std::vector<int>& counts, int i) {
+  std::vector<int> a;
+  for (int r = 0; r < static_cast<int>(counts.size()); ++r)
+    if (i < counts[r]) a.push_back(r);
+  return a;
+}
+
+// PyTorch's semantics in one process: every iteration, the active ranks' gradients (each computed
+// from the buffer of the iteration's authoritative rank, the lowest active one, as it left that
+// rank's previous forward) summed and divided; one SGD step. The final buffer is the last
+// iteration's authoritative rank's. micro > 1: each step accumulates that many micro-batches (the
+// first ones under no_sync), each forward taking the authoritative rank's buffer afresh.
+Net reference(const std::vector<int>& counts, bool divide_by_initial_world_size, int micro = 1) {
+  Net net;
+  torch::optim::SGD opt(net->parameters(), sgd());
+  const int iterations = *std::max_element(counts.begin(), counts.end());
+  std::vector<at::Tensor> buffer(counts.size(), net->running.clone());  // each rank's, after its forward
+  int authority = 0;
+  for (int i = 0; i < iterations; ++i) {
+    const auto active = active_at(counts, i);
+    authority = active.front();
+    std::vector<std::vector<at::Tensor>> local(counts.size());  // per rank, accumulated over micro-batches
+    for (int m = 0; m < micro; ++m) {
+      const at::Tensor start = buffer[authority].clone();
+      for (int r : active) {
+        net->running.copy_(start);
+        net->zero_grad();
+        auto [x, y] = batch(r, i, m);
+        loss_of(net->forward(x), y).backward();
+        buffer[r] = net->running.clone();
+        auto params = net->parameters();
+        for (size_t k = 0; k < params.size(); ++k) {
+          if (local[r].size() <= k)
+            local[r].push_back(params[k].grad().clone());
+          else
+            local[r][k] += params[k].grad();
+        }
+      }
+    }
+    std::vector<at::Tensor> sum;
+    for (int r : active) {
+      const std::vector<at::Tensor>& grads = local[r];
+      if (sum.empty())
+        sum = grads;
+      else
+        for (size_t k = 0; k < sum.size(); ++k) sum[k] += grads[k];
+    }
+    const double d = divide_by_initial_world_size ? static_cast<double>(counts.size()) : active.size();
+    auto params = net->parameters();
+    for (size_t k = 0; k < params.size(); ++k) params[k].mutable_grad() = sum[k] / d;
+    opt.step();
+  }
+  net->running.copy_(buffer[authority]);
+  return net;
+}
+
+double max_rel_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, int* where = nullptr) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double scale = std::max(b[i].abs().max().item<double>(), 1e-12);
+    const double d = (a[i] - b[i]).abs().max().item<double>() / scale;
+    if (d > worst && where) *where = static_cast<int>(i);
+    worst = std::max(worst, d);
+  }
+  return worst;
+}
+
+// "1.2e-3 at tensor 4" (the buffer is the last tensor).
+std::string diff_text(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  int where = -1;
+  const double d = max_rel_diff(a, b, &where);
+  return dtrain::detail::cat(d, " at tensor ", where, " of ", a.size());
+}
+
+std::vector<at::Tensor> state_of(Net& net) {
+  std::vector<at::Tensor> s = net->parameters();
+  s.push_back(net->running);
+  return s;
+}
+
+// This rank's loop: `mine` batches of DDP + the optimizer, inside a Join when options are given.
+// zero: use ZeroRedundancyOptimizer (listed after DDP in the Join); micro: micro-batches per step,
+// all but the last under no_sync; hook: DDP averages through allreduce_hook.
+Net train(int mine, std::optional<JoinOptions> options, bool zero = false, int micro = 1, bool hook = false) {
+  Net net;
+  DistributedDataParallel ddp(net);
+  if (hook) ddp.register_comm_hook(Group(), allreduce_hook);
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  ZeroRedundancyOptimizer* zero_opt = nullptr;
+  if (zero) {
+    auto z = std::make_unique<ZeroRedundancyOptimizer>(ddp.parameters(), optimizer_factory<torch::optim::SGD>(sgd()));
+    zero_opt = z.get();
+    opt = std::move(z);
+  } else {
+    opt = std::make_unique<torch::optim::SGD>(ddp.parameters(), sgd());
+  }
+  auto loop = [&] {
+    for (int i = 0; i < mine; ++i) {
+      opt->zero_grad();
+      for (int m = 0; m < micro; ++m) {
+        auto [x, y] = batch(rank(), i, m);
+        std::optional<NoSyncGuard> local;
+        if (m + 1 < micro) local.emplace(ddp.no_sync());
+        loss_of(ddp(x), y).backward();
+      }
+      opt->step();
+    }
+  };
+  if (!options) {
+    loop();
+    return net;
+  }
+  std::vector<Joinable*> joinables{&ddp};
+  if (zero_opt) joinables.push_back(zero_opt);
+  // doc:begin join
+  // Each rank loops over its own number of batches; join() then shadows the ranks still training
+  // (their gradient all-reduces, with zeros from here) until all are done.
+  dtrain::Join join(joinables, *options);  // e.g. Join({&ddp, &optimizer}, JoinOptions())
+  loop();                                  // forward, backward, step: as without Join
+  join.join();
+  // doc:end join
+  return net;
+}
+
+const std::vector<int> kUneven{7, 10, 4};
+
+}  // namespace
+
+TEST(Join, UnevenInputsEndWithPyTorchsParameters) {
+  ASSERT_EQ(world_size(), 3) << "this test is written for 3 ranks with 7, 10 and 4 batches";
+  expect_default_group_transport_from_env();
+  for (const bool by_initial : {true, false}) {
+    Net got = train(kUneven[rank()], JoinOptions().divide_by_initial_world_size(by_initial));
+    Net want = reference(kUneven, by_initial);
+    EXPECT_LE(max_rel_diff(state_of(got), state_of(want)), 1e-10)
+        << "divide_by_initial_world_size=" << by_initial << " on rank " << rank() << ": "
+        << diff_text(state_of(got), state_of(want));
+    // The two divisors must give different models, or the test could not tell them apart.
+    Net other = reference(kUneven, !by_initial);
+    EXPECT_GT(max_rel_diff(got->parameters(), other->parameters()), 1e-6);
+  }
+}
+
+TEST(Join, EvenInputsUnderJoinAreBitIdenticalToNoJoin) {
+  const std::vector<int> even(world_size(), kMaxBatches);
+  Net with = train(kMaxBatches, JoinOptions());
+  Net without = train(kMaxBatches, std::nullopt);
+  auto a = with->parameters(), b = without->parameters();
+  for (size_t k = 0; k < a.size(); ++k) EXPECT_TRUE(a[k].equal(b[k])) << "parameter " << k << " on rank " << rank();
+  EXPECT_LE(max_rel_diff(a, reference(even, true)->parameters()), 1e-10);
+}
+
+TEST(Join, ThrowOnEarlyTerminationStopsEveryRankNamingTheFirstToRunOut) {
+  ASSERT_EQ(world_size(), 3);
+  std::string error;
+  try {
+    train(kUneven[rank()], JoinOptions().throw_on_early_termination(true));
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("rank 2 ran out of inputs first, at iteration 4"), std::string::npos)
+      << "rank " << rank() << ": " << error;
+  EXPECT_NE(error.find("throw_on_early_termination"), std::string::npos) << error;
+  // Every rank left at the same collective: the group still works.
+  EXPECT_EQ(all_reduce_values(std::vector<int64_t>{1})[0], world_size());
+}
+
+TEST(Join, DisabledJoinIsNoJoin) {
+  const std::vector<int> even(world_size(), 3);
+  Net got = train(3, JoinOptions().enable(false));
+  Net want = train(3, std::nullopt);
+  auto a = got->parameters(), b = want->parameters();
+  for (size_t k = 0; k < a.size(); ++k) EXPECT_TRUE(a[k].equal(b[k]));
+}
+
+TEST(Join, ZeroRedundancyOptimizerUnderJoinEndsWithPyTorchsParameters) {
+  ASSERT_EQ(world_size(), 3);
+  Net got = train(kUneven[rank()], JoinOptions(), /*zero=*/true);
+  Net want = reference(kUneven, true);
+  EXPECT_LE(max_rel_diff(state_of(got), state_of(want)), 1e-10)
+      << "rank " << rank() << ": " << diff_text(state_of(got), state_of(want));
+}
+
+TEST(Join, NoSyncAndCommHooksAreShadowedToo) {
+  // Two micro-batches per step, the first under no_sync: a joined rank must shadow the synchronized
+  // backward only (DDP's flag all-reduce tells it which); and a communication hook's collectives.
+  ASSERT_EQ(world_size(), 3);
+  Net want = reference(kUneven, true, /*micro=*/2);
+  for (const bool hook : {false, true}) {
+    Net got = train(kUneven[rank()], JoinOptions(), /*zero=*/false, /*micro=*/2, hook);
+    EXPECT_LE(max_rel_diff(state_of(got), state_of(want)), 1e-10)
+        << "hook=" << hook << " on rank " << rank() << ": " << diff_text(state_of(got), state_of(want));
+  }
+}
+
+TEST(Join, BadUseIsAClearError) {
+  Net net;
+  DistributedDataParallel ddp(net);
+  ZeroRedundancyOptimizer zero(ddp.parameters(), optimizer_factory<torch::optim::SGD>(sgd()));
+  try {
+    Join j({&zero, &ddp});
+    FAIL() << "DDP after another joinable was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("must be the first joinable"), std::string::npos) << e.what();
+  }
+  try {
+    Join j({&ddp, &ddp});
+    FAIL() << "a joinable listed twice was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("list each object once"), std::string::npos) << e.what();
+  }
+  // After the failed scopes, a Join works again (no joinable stayed inside one).
+  dtrain::join({&ddp, &zero}, JoinOptions(), [] {});
+}
+
+DTRAIN_DIST_TEST_MAIN()
