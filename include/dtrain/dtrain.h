@@ -12,4 +12,5 @@
 #include "dtrain/process_group.h"
 #include "dtrain/system.h"
 #include "dtrain/sampler.h"
+#include "dtrain/summary_writer.h"
 #include "dtrain/datasets/fashion_mnist.h"
