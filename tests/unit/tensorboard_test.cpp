@@ -14,6 +14,7 @@
 
 #include "common/util.h"
 #include "dtrain/errors.h"
+#include "dtrain/monitor.h"
 #include "dtrain/summary_writer.h"
 #include "monitor/tensorboard/histogram.h"
 #include "monitor/tensorboard/record.h"
@@ -191,4 +192,66 @@ TEST(SummaryWriter, FailedWriteWarnsOnceAndKeepsEarlierRecords) {
   const auto records = read_records(dtrain::util::read_file(files[0].string()));
   EXPECT_GT(records.size(), 10u);  // every record that fit is whole
   EXPECT_LT(records.size(), 200u);
+}
+
+namespace {
+// How many of the records hold `text` (a tag appears verbatim in its serialized Event).
+int records_with(const std::vector<std::string>& records, const std::string& text) {
+  int n = 0;
+  for (const auto& r : records) n += r.find(text) != std::string::npos;
+  return n;
+}
+}  // namespace
+
+// One process, no process group: the windows, the epoch values and the histogram cadence reach the
+// event files (their values as TensorBoard reads them: test_tensorboard.py's trainer run).
+TEST(MonitorTensorBoard, WindowsEpochsAndHistogramCadence) {
+  TempDir dir("tb_monitor");
+  at::manual_seed(0);
+  at::Tensor w = at::randn({4, 3}).requires_grad_(), b = at::zeros({4}).requires_grad_();
+  {
+    dtrain::Monitor mon(dtrain::MonitorOptions()
+                            .output_dir(dir.path())
+                            .log_every(2)
+                            .trace_steps(0)
+                            .plot(false)
+                            .progress(false)
+                            .tensorboard(true)
+                            .histogram_every(2));
+    mon.watch_parameters({w, b}, {"fc.weight", "fc.bias"});
+    mon.begin_epoch(1, 1, 6);
+    for (int step = 1; step <= 6; ++step) {  // windows end at steps 2, 4, 6; histograms in windows 1 and 3
+      at::Tensor loss = (at::matmul(at::randn({5, 3}), w.t()) + b).pow(2).mean();
+      loss.backward();
+      mon.end_step(dtrain::StepInfo().loss(loss.item<double>()).samples(5).accuracy(0.5));
+    }
+    mon.end_epoch();
+    mon.log_epoch(dtrain::EpochInfo().train_accuracy(0.5).test_accuracy(0.25));
+    mon.close();
+  }
+  const auto main_files = event_files(dir.path());
+  ASSERT_EQ(main_files.size(), 1u);
+  const auto records = read_records(dtrain::util::read_file(main_files[0].string()));
+  EXPECT_EQ(records_with(records, "train/loss"), 3);
+  EXPECT_EQ(records_with(records, "train/accuracy"), 3);
+  EXPECT_EQ(records_with(records, "time_ms/comm_wait"), 3);
+  EXPECT_EQ(records_with(records, "ranks/slowest_rank"), 3);
+  EXPECT_EQ(records_with(records, "parameters/fc.weight"), 2);
+  EXPECT_EQ(records_with(records, "gradients/fc.bias"), 2);
+  EXPECT_EQ(records_with(records, "epoch/test_accuracy"), 1);
+  EXPECT_EQ(records_with(records, "epoch/train_loss"), 0);  // NaN: not known, not logged
+  for (const char* run : {"ranks_step_ms_min", "ranks_step_ms_max", "ranks_comm_wait_ms_max"}) {
+    const auto files = event_files(fs::path(dir.path()) / run);
+    ASSERT_EQ(files.size(), 1u) << run;
+    EXPECT_EQ(records_with(read_records(dtrain::util::read_file(files[0].string())), "ranks/"), 3) << run;
+  }
+}
+
+TEST(MonitorTensorBoard, NeedsAnOutputFolder) {
+  try {
+    dtrain::Monitor mon(dtrain::MonitorOptions().tensorboard(true).progress(false));
+    FAIL() << "no error";
+  } catch (const dtrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensorboard(true) needs an output_dir"), std::string::npos) << e.what();
+  }
 }
