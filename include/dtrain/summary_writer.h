@@ -60,8 +60,8 @@ class SummaryWriter {
   // A histogram of the tensor's values with PyTorch's default bins ("tensorflow": 0 and +-1e-12 x 1.1^k
   // up to 1e20, trimmed to the values' support). An empty tensor throws dtrain::Error (PyTorch raises
   // too); a tensor with no finite value inside +-1e20 is skipped with a warning.
-  void add_histogram(const std::string& tag, const at::Tensor& values, std::optional<int64_t> global_step = std::nullopt,
-                     std::optional<double> walltime = std::nullopt);
+  void add_histogram(const std::string& tag, const at::Tensor& values,
+                     std::optional<int64_t> global_step = std::nullopt, std::optional<double> walltime = std::nullopt);
   // Text (markdown) for TensorBoard's text dashboard, under the tag "<tag>/text_summary" as PyTorch.
   void add_text(const std::string& tag, const std::string& text_string,
                 std::optional<int64_t> global_step = std::nullopt, std::optional<double> walltime = std::nullopt);

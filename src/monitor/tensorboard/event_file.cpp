@@ -33,8 +33,8 @@ EventFile::EventFile(std::string dir, EventFileOptions options) : dir_(std::move
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   if (ec) {
-    warn_once("tensorboard:" + path_, detail::cat("SummaryWriter: cannot create the folder ", dir_, ": ",
-                                                  ec.message(), "; its TensorBoard events are dropped"));
+    warn_once("tensorboard:" + path_, detail::cat("SummaryWriter: cannot create the folder ", dir_, ": ", ec.message(),
+                                                  "; its TensorBoard events are dropped"));
     return;
   }
   file_ = std::fopen(path_.c_str(), "wb");

@@ -22,10 +22,10 @@ void TensorBoardLog::window(const WindowMetrics& w, const std::vector<at::Tensor
   scalar("train/samples_per_s", w.samples_per_s, step);
   scalar("train/lr", w.lr, step);
   scalar("train/grad_norm", w.grad_norm, step);
-  const std::pair<const char*, const RankStat*> times[] = {
-      {"step", &w.step_ms},         {"other", &w.other_ms}, {"forward", &w.forward_ms},
-      {"backward", &w.backward_ms}, {"optimizer", &w.optimizer_ms}, {"comm", &w.comm_ms},
-      {"comm_wait", &w.comm_wait_ms}};
+  const std::pair<const char*, const RankStat*> times[] = {{"step", &w.step_ms},           {"other", &w.other_ms},
+                                                           {"forward", &w.forward_ms},     {"backward", &w.backward_ms},
+                                                           {"optimizer", &w.optimizer_ms}, {"comm", &w.comm_ms},
+                                                           {"comm_wait", &w.comm_wait_ms}};
   for (const auto& [name, stat] : times) {
     scalar(std::string("time_ms/") + name, stat->mean, step);
     if (std::isfinite(stat->min) && std::isfinite(stat->max))

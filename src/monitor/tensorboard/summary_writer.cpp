@@ -101,12 +101,11 @@ void SummaryWriter::add_histogram(const std::string& tag, const at::Tensor& valu
                           values.numel(), " values; the histogram is skipped (warned once per tag)"));
     return;
   }
-  impl_->main_file().add(
-      tb::histogram_event(tag, h, global_step.value_or(0), walltime.value_or(tb::wall_time_now())));
+  impl_->main_file().add(tb::histogram_event(tag, h, global_step.value_or(0), walltime.value_or(tb::wall_time_now())));
 }
 
-void SummaryWriter::add_text(const std::string& tag, const std::string& text_string,
-                             std::optional<int64_t> global_step, std::optional<double> walltime) {
+void SummaryWriter::add_text(const std::string& tag, const std::string& text_string, std::optional<int64_t> global_step,
+                             std::optional<double> walltime) {
   impl_->main_file().add(
       tb::text_event(tag, text_string, global_step.value_or(0), walltime.value_or(tb::wall_time_now())));
 }
