@@ -182,6 +182,13 @@ class TensorBoardServer(DistTestCase):
         query = urllib.parse.urlencode({"run": "ranks_step_ms_max", "tag": "ranks/step_ms"})
         self.assertEqual([v for _, _, v in get("/data/plugin/scalars/scalars?" + query)],
                          [f32(s * 1.25 + 0.1) for s in range(10)])
+        # The text and histogram dashboards read the other two kinds of record.
+        query = urllib.parse.urlencode({"run": ".", "tag": "notes/text_summary"})
+        (text,) = get("/data/plugin/text/text?" + query)
+        self.assertEqual(text["step"], 2)
+        self.assertIn("<strong>dtrain</strong> says hello: \u00e4\u00f6\u00fc", text["text"])
+        query = urllib.parse.urlencode({"run": ".", "tag": "normal"})
+        self.assertEqual([h[1] for h in get("/data/plugin/histograms/histograms?" + query)], [5, 6])
         server.p.terminate()
         try:
             server.p.wait(timeout=15)
