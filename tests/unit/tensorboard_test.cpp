@@ -161,11 +161,13 @@ TEST(SummaryWriter, UnwritableFolderWarnsAndTrainingGoesOn) {
     dtrain::SummaryWriter w("/proc/self/no_such_folder/run");
     w.add_scalar("loss", 1.0, 1);
     w.add_histogram("w", at::ones({4}), 1);
+    w.add_scalars("ranks", {{"min", 1.0}, {"max", 2.0}}, 1);  // two more runs, no more warnings
     w.flush();
   }
   const std::string err = testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("SummaryWriter: cannot create the folder /proc/self/no_such_folder/run"), std::string::npos)
       << err;
+  EXPECT_EQ(err.find("SummaryWriter", err.find("SummaryWriter") + 1), std::string::npos) << "warned twice: " << err;
 }
 
 // A write that fails half-way (here: the file-size limit, as a full disk would) warns once, drops the

@@ -33,8 +33,9 @@ EventFile::EventFile(std::string dir, EventFileOptions options) : dir_(std::move
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   if (ec) {
-    warn_once("tensorboard:" + path_, detail::cat("SummaryWriter: cannot create the folder ", dir_, ": ", ec.message(),
-                                                  "; its TensorBoard events are dropped"));
+    warn_once("tensorboard:" + (o_.warn_key.empty() ? path_ : o_.warn_key),
+              detail::cat("SummaryWriter: cannot create the folder ", dir_, ": ", ec.message(),
+                          "; its TensorBoard events are dropped"));
     return;
   }
   file_ = std::fopen(path_.c_str(), "wb");
@@ -76,8 +77,9 @@ void EventFile::close() {
 void EventFile::fail(const std::string& what, int err) {
   // Whatever the stdio buffer still held is lost; the records already on disk stay readable
   // (a reader stops at a record cut short).
-  warn_once("tensorboard:" + path_, detail::cat("SummaryWriter: cannot ", what, " ", path_, ": ", std::strerror(err),
-                                                "; this file's later TensorBoard events are dropped"));
+  warn_once("tensorboard:" + (o_.warn_key.empty() ? path_ : o_.warn_key),
+            detail::cat("SummaryWriter: cannot ", what, " ", path_, ": ", std::strerror(err),
+                        "; this file's later TensorBoard events are dropped"));
   if (file_) std::fclose(file_);
   file_ = nullptr;
 }

@@ -13,6 +13,9 @@ struct EventFileOptions {
   int max_queue = 10;       // events written since the last flush that trigger the next one
   double flush_secs = 120;  // ... or seconds since the last flush
   std::string filename_suffix;
+  // Files with the same key warn once between them (a SummaryWriter's runs: one warning, not one per
+  // add_scalars run, when its folder is gone). Empty: the file's own path.
+  std::string warn_key;
 };
 
 // events.out.tfevents.<seconds, 10 digits>.<host>.<pid>.<n><suffix>: n counts the files this process

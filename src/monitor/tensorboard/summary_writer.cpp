@@ -39,7 +39,7 @@ struct SummaryWriter::Impl {
   std::vector<std::pair<std::string, std::unique_ptr<tb::EventFile>>> others;
 
   tb::EventFileOptions file_options() const {
-    return tb::EventFileOptions{o.max_queue(), o.flush_secs(), o.filename_suffix()};
+    return tb::EventFileOptions{o.max_queue(), o.flush_secs(), o.filename_suffix(), log_dir};
   }
   // As PyTorch's _get_file_writer: the main file is (re)created on first use.
   tb::EventFile& main_file() {
