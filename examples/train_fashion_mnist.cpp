@@ -99,6 +99,7 @@ struct Config {
   std::string comm_hook = "allreduce";  // allreduce (DDP's own), bf16, or powersgd (rank 2)
   std::string sample_log;               // folder of the per-rank logs of trained indices (sample_log.h)
   double uneven = 0;                    // rank r drops uneven * r / (world - 1) of its batches (Join)
+  bool tensorboard = false;             // TensorBoard event files in checkpoint_dir
 };
 // doc:end config
 
@@ -295,8 +296,14 @@ int run(const Config& cfg) {
   // doc:begin monitor
   // Monitoring (dtrain/monitor.h): progress on rank 0 (a bar on a terminal, else a line every 10% of
   // an epoch); with --checkpoint_dir also metrics.jsonl (every 50 steps, min/mean/max over ranks),
-  // trace.json (the first 50 steps of every rank) and plot.svg, next to the checkpoints.
-  dtrain::Monitor monitor(dtrain::MonitorOptions().output_dir(cfg.checkpoint_dir).log_every(50).trace_steps(50));
+  // trace.json (the first 50 steps of every rank) and plot.svg, next to the checkpoints; with
+  // --tensorboard also TensorBoard's event files there (histograms every 10th window).
+  dtrain::Monitor monitor(dtrain::MonitorOptions()
+                              .output_dir(cfg.checkpoint_dir)
+                              .log_every(50)
+                              .trace_steps(50)
+                              .tensorboard(cfg.tensorboard)
+                              .histogram_every(10));
   monitor.watch(ddp);
   // doc:end monitor
 
@@ -411,6 +418,10 @@ int run(const Config& cfg) {
                   test_accuracy, epoch_s, stats[2] / epoch_s, test_s);
       std::fflush(stdout);
     }
+    monitor.log_epoch(dtrain::EpochInfo()
+                          .train_loss(train_loss)
+                          .train_accuracy(train_accuracy)
+                          .test_accuracy(test_accuracy));  // TensorBoard's epoch/* curves (with --tensorboard)
     // doc:end epoch-stats
   }
 
@@ -472,10 +483,11 @@ int main(int argc, char** argv) {
   app.add_option("--data_dir", cfg.data_dir, "folder with the Fashion-MNIST IDX files")->capture_default_str();
   numbers.add("--grad_clip", cfg.grad_clip, Allowed::kNonNegativeNumber,
               "clip the gradient norm to this after backward (0: off)");
-  app.add_option("--checkpoint_dir", cfg.checkpoint_dir,
-                 "rank 0 writes <dir>/checkpoint_<step>.pt (model, optimizer, scaler, sampler position, RNG) after "
-                 "every epoch and every --checkpoint_every steps, keeping the newest 2; a run resumes from the newest "
-                 "good one there");
+  CLI::Option* checkpoint_dir = app.add_option(
+      "--checkpoint_dir", cfg.checkpoint_dir,
+      "rank 0 writes <dir>/checkpoint_<step>.pt (model, optimizer, scaler, sampler position, RNG) after "
+      "every epoch and every --checkpoint_every steps, keeping the newest 2; a run resumes from the newest "
+      "good one there");
   numbers.add("--checkpoint_every", cfg.checkpoint_every, Allowed::kNonNegativeInteger,
               "steps between checkpoints (0: at the end of each epoch only)");
   numbers.add("--test_subset", cfg.test_subset, Allowed::kNonNegativeInteger,
@@ -484,6 +496,11 @@ int main(int argc, char** argv) {
               "sleep this long after every step (fault-injection tests: lets an outside kill land mid-epoch)");
   numbers.add("--threads", cfg.threads, Allowed::kNonNegativeInteger,
               "intra-op threads per rank (default: $OMP_NUM_THREADS; 0: LibTorch's)");
+  app.add_flag("--tensorboard", cfg.tensorboard,
+               "rank 0 also writes TensorBoard event files into --checkpoint_dir (open them with `tensorboard "
+               "--logdir DIR`): loss, accuracy, samples/s, phase and communication times, min/max over ranks, "
+               "per-epoch train and test accuracy, histograms of parameters and gradients")
+      ->needs(checkpoint_dir);
   app.add_flag("--amp", cfg.amp, "mixed precision: autocast (bfloat16 on CPU, float16 on CUDA) + GradScaler");
   app.add_option("--device", cfg.device,
                  "cpu, or cuda: rank r trains on cuda:LOCAL_RANK with backend nccl (one GPU per rank)")

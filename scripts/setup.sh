@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what dtrain needs: Debian's packages, and PyPI's torch (LibTorch and PyTorch 2.x) in .venv/;
+# Installs what dtrain needs: Debian's packages, and PyPI's torch (LibTorch and PyTorch 2.x) and
+# tensorboard (the tests' reader of dtrain's event files) in .venv/;
 # seconds when all is present.
 set -euo pipefail
 PKGS=(
@@ -8,6 +9,7 @@ PKGS=(
   libopenblas0-openmp               # takes over libblas.so.3: the reference BLAS is 14x slower
   libcli11-dev nlohmann-json3-dev zlib1g-dev libgtest-dev libbenchmark-dev
   libssl-dev                        # SHA-256 of the trained parameters (train_fashion_mnist)
+  libprotobuf-dev protobuf-compiler # TensorBoard's Event messages (SummaryWriter), generated at build time
   python3-torch                     # reference implementation for goldens and benchmarks
   dataset-fashion-mnist             # the real data set
   openmpi-bin                       # the mpirun launch path is tested for real
@@ -53,5 +55,7 @@ if ! cmp -s "$req" "$stamp" 2>/dev/null; then
   # A broken install must fail here, not as a confusing build error later.
   .venv/bin/python -c 'import torch, torch.distributed as d; assert d.is_gloo_available()' 2>/dev/null ||
     { echo "setup: .venv/bin/python cannot import torch (see $req)" >&2; exit 1; }
+  .venv/bin/python -c 'from tensorboard.backend.event_processing import event_accumulator' 2>/dev/null ||
+    { echo "setup: .venv/bin/python cannot import tensorboard (see $req)" >&2; exit 1; }
   cp "$req" "$stamp"
 fi

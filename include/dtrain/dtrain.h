@@ -13,5 +13,6 @@
 #include "dtrain/process_group.h"
 #include "dtrain/system.h"
 #include "dtrain/sampler.h"
+#include "dtrain/summary_writer.h"
 #include "dtrain/zero.h"
 #include "dtrain/datasets/fashion_mnist.h"

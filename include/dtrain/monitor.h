@@ -32,6 +32,8 @@
 //   trace.json             Chrome trace / Perfetto timeline of the first trace_steps steps of every rank
 //                          (pid = rank; tid 0 compute phases, tid 1 bucket all-reduces), merged at close
 //   plot.svg               loss, accuracy and throughput over steps
+//   events.out.tfevents.*  with tensorboard(true): TensorBoard's event files (dtrain/summary_writer.h),
+//                          the runs <name>_min / <name>_max beside them (min / max over ranks)
 // The timeline is fed from a queue: the training thread appends fixed-size records, a writer thread
 // formats them into trace_rank<R>.part (removed after the merge).
 #pragma once
@@ -183,6 +185,20 @@ struct MonitorOptions {
   DTRAIN_ARG(int64_t, total_steps, 0)
   // The ranks that aggregate together (default: the world). Ignored without a process group.
   DTRAIN_ARG(Group, process_group, Group())
+  // Rank 0 also writes TensorBoard event files into output_dir (needs output_dir): per window the
+  // means over ranks (train/*, time_ms/*), min and max over ranks of each time (add_scalars
+  // "ranks/<time>"), the slowest rank; per log_epoch the epoch's values (epoch/*); histograms of the
+  // watched parameters and gradients. Open with `tensorboard --logdir <output_dir>`.
+  DTRAIN_ARG(bool, tensorboard, false)
+  // Histograms of parameters and gradients in windows 1, 1 + N, 1 + 2N, ... (0: none).
+  DTRAIN_ARG(int64_t, histogram_every, 10)
+};
+
+// An epoch's results for Monitor::log_epoch (NaN: not known, not logged).
+struct EpochInfo {
+  DTRAIN_ARG(double, train_loss, std::numeric_limits<double>::quiet_NaN())
+  DTRAIN_ARG(double, train_accuracy, std::numeric_limits<double>::quiet_NaN())
+  DTRAIN_ARG(double, test_accuracy, std::numeric_limits<double>::quiet_NaN())
 };
 
 class Monitor {
@@ -201,15 +217,22 @@ class Monitor {
     ddp.set_event_hook([self = self_](const auto& e) {
       if (Monitor* m = self->load()) m->on_ddp_event(static_cast<int>(e.kind), e.index, e.time_ns);
     });
-    watch_parameters(ddp.parameters());
+    std::vector<at::Tensor> params;
+    std::vector<std::string> names;
+    for (const auto& item : ddp.named_parameters()) params.push_back(item.value()), names.push_back(item.key());
+    watch_parameters(std::move(params), std::move(names));
   }
-  void watch_parameters(std::vector<at::Tensor> params);
+  // The parameters for the gradient norm and the histograms (named by `names`, else by position).
+  void watch_parameters(std::vector<at::Tensor> params, std::vector<std::string> names = {});
 
   // Starts an epoch: resets the progress (label "epoch E/N", total `steps`, `done` of them already
   // done, e.g. after a resume) and the step clock (time between epochs, e.g. evaluation, is not counted).
   void begin_epoch(int64_t epoch, int64_t epochs, int64_t steps, int64_t done = 0);
   // Ends the epoch's progress display (the bar's line on a terminal) before the epoch's summary line.
   void end_epoch();
+  // The epoch's results (after evaluation; every rank may call it, rank 0 logs them): with
+  // tensorboard(true), epoch/train_loss, epoch/train_accuracy and epoch/test_accuracy at step = epoch.
+  void log_epoch(const EpochInfo& info);
   // Restarts the step clock (optional: a step otherwise starts where the previous one ended).
   void begin_step();
 

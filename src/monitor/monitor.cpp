@@ -28,6 +28,7 @@
 #include "dtrain/ddp.h"
 #include "dtrain/monitor.h"
 #include "dtrain/system.h"
+#include "monitor/tensorboard/monitor_log.h"
 #include "monitor/timeline.h"
 
 namespace dtrain {
@@ -111,6 +112,7 @@ struct Monitor::Impl {
   int rank = 0, size = 1;
   int64_t t0 = 0;
   std::vector<at::Tensor> params;
+  std::vector<std::string> param_names;
   int epoch = 0;
   int64_t step = 0;  // steps ended so far
   int64_t step_start = 0;
@@ -139,6 +141,7 @@ struct Monitor::Impl {
   std::FILE* metrics_file = nullptr;
   std::FILE* rank_file = nullptr;
   std::unique_ptr<monitor::Timeline> timeline;
+  std::unique_ptr<monitor::TensorBoardLog> tensorboard;  // rank 0, tensorboard(true)
 
   bool tracing() const { return timeline && (o.trace_steps() < 0 || step < o.trace_steps()); }
   void trace(const char* name, int tid, int64_t b, int64_t e, int index = -1) {
@@ -166,6 +169,10 @@ Monitor::Monitor(MonitorOptions options)
   s.o = std::move(options);
   DTRAIN_CHECK(s.o.log_every() > 0, "MonitorOptions: log_every must be > 0 steps, got ", s.o.log_every());
   DTRAIN_CHECK(s.o.total_steps() >= 0, "MonitorOptions: total_steps must be >= 0, got ", s.o.total_steps());
+  DTRAIN_CHECK(!s.o.tensorboard() || !s.o.output_dir().empty(),
+               "MonitorOptions: tensorboard(true) needs an output_dir for the event files: set output_dir");
+  DTRAIN_CHECK(s.o.histogram_every() >= 0, "MonitorOptions: histogram_every must be >= 0 windows, got ",
+               s.o.histogram_every());
   if (is_initialized()) {
     const Group& g = s.o.process_group();
     DTRAIN_CHECK(g.is_member(), "Monitor: rank ", dtrain::rank(),
@@ -191,6 +198,8 @@ Monitor::Monitor(MonitorOptions options)
       s.rank_file = std::fopen(p.c_str(), "w");
       DTRAIN_CHECK(s.rank_file, "Monitor: cannot create ", p, ": ", std::strerror(errno));
     }
+    if (s.o.tensorboard() && s.rank == 0)
+      s.tensorboard = std::make_unique<monitor::TensorBoardLog>(s.o.output_dir(), s.o.histogram_every());
     if (s.o.trace_steps() != 0)
       s.timeline =
           std::make_unique<monitor::Timeline>(s.path("trace_rank" + std::to_string(s.rank) + ".part"), s.rank, s.t0);
@@ -208,7 +217,16 @@ Monitor::~Monitor() {
   if (s.rank_file) std::fclose(s.rank_file);
 }
 
-void Monitor::watch_parameters(std::vector<at::Tensor> params) { impl_->params = std::move(params); }
+void Monitor::watch_parameters(std::vector<at::Tensor> params, std::vector<std::string> names) {
+  DTRAIN_CHECK(names.empty() || names.size() == params.size(), "Monitor::watch_parameters: ", names.size(),
+               " names for ", params.size(), " parameters: pass one name per parameter, or none");
+  impl_->params = std::move(params);
+  impl_->param_names = std::move(names);
+}
+
+void Monitor::log_epoch(const EpochInfo& info) {
+  if (impl_->tensorboard) impl_->tensorboard->epoch(impl_->epoch, info);
+}
 
 void Monitor::begin_epoch(int64_t epoch, int64_t epochs, int64_t steps, int64_t done) {
   auto& s = *impl_;
@@ -389,6 +407,7 @@ void Monitor::Impl::aggregate() {
   wm.rss_mb = rank_stat(all[kRssMb]);
   wm.slowest_rank = rank_stat(all[kComputeMs]).max_rank;
   windows.push_back(wm);
+  if (tensorboard) tensorboard->window(wm, params, param_names);
   if (metrics_file) {
     std::fprintf(metrics_file, "%s\n", metrics_json(wm).c_str());
     std::fflush(metrics_file);
@@ -437,6 +456,7 @@ void Monitor::close() {
   }
   if (s.metrics_file) std::fclose(s.metrics_file), s.metrics_file = nullptr;
   if (s.rank_file) std::fclose(s.rank_file), s.rank_file = nullptr;
+  if (s.tensorboard) s.tensorboard->close();
 }
 
 int64_t Monitor::step() const { return impl_->step; }
