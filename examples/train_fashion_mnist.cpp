@@ -412,16 +412,18 @@ int run(const Config& cfg) {
     const auto tt = std::chrono::steady_clock::now();
     test_accuracy = evaluate(model, *test, cfg.eval_batch_size > 0 ? cfg.eval_batch_size : cfg.batch_size, device);
     const double test_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - tt).count();
+    // doc:begin progress
+    monitor.log_epoch(epoch, dtrain::EpochInfo()
+                                 .train_loss(train_loss)
+                                 .train_accuracy(train_accuracy)
+                                 .test_accuracy(test_accuracy));  // plot.svg's points, TensorBoard's epoch/*
+    // doc:end progress
     if (main_rank) {
       std::printf("Epoch %lld/%lld: Loss=%.4f, Acc=%.4f, Test Acc=%.4f | train %.1f s (%.0f samples/s), test %.1f s\n",
                   static_cast<long long>(epoch), static_cast<long long>(cfg.epochs), train_loss, train_accuracy,
                   test_accuracy, epoch_s, stats[2] / epoch_s, test_s);
       std::fflush(stdout);
     }
-    monitor.log_epoch(dtrain::EpochInfo()
-                          .train_loss(train_loss)
-                          .train_accuracy(train_accuracy)
-                          .test_accuracy(test_accuracy));  // TensorBoard's epoch/* curves (with --tensorboard)
     // doc:end epoch-stats
   }
 

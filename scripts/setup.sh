@@ -18,6 +18,7 @@ PKGS=(
   python3-venv                      # .venv/ for PyPI's torch 2.x
   clang-format                      # ctest format_check: the tree stays as .clang-format lays it out
   iproute2 procps                   # network namespaces for the multi-host test; ps for orphan checks
+  chromium python3-pil              # plot.svg rendered by a real browser and its pixels read back (ctest dist_py_progress_plot)
 )
 missing=()
 for p in "${PKGS[@]}"; do

@@ -13,6 +13,8 @@
 //       mon.end_step(dtrain::StepInfo().loss(loss.item<double>()).samples(batch.target.size(0)).lr(lr));
 //     }
 //   }
+//     mon.end_epoch();
+//     mon.log_epoch(epoch, dtrain::EpochInfo().train_loss(l).test_accuracy(evaluate(...)));
 //   mon.close();                                      // every rank: last aggregation, merged trace, plot
 //
 // What each rank measures per step (end_step to end_step): step time split into data/other,
@@ -31,7 +33,9 @@
 //   metrics_rank<R>.jsonl  every rank, one line per step (per_rank_metrics)
 //   trace.json             Chrome trace / Perfetto timeline of the first trace_steps steps of every rank
 //                          (pid = rank; tid 0 compute phases, tid 1 bucket all-reduces), merged at close
-//   plot.svg               loss, accuracy and throughput over steps
+//   plot.svg               per window: loss, accuracy, throughput and the step's split (compute /
+//                          communication hidden / communication waited); per epoch (log_epoch):
+//                          train and test loss and accuracy
 //   events.out.tfevents.*  with tensorboard(true): TensorBoard's event files (dtrain/summary_writer.h),
 //                          the runs <name>_min / <name>_max beside them (min / max over ranks)
 // The timeline is fed from a queue: the training thread appends fixed-size records, a writer thread
@@ -85,8 +89,9 @@ struct ProgressOptions {
   DTRAIN_ARG(int64_t, total, 0)             // steps (> 0)
   DTRAIN_ARG(int64_t, samples_per_step, 0)  // global batch, for samples/s
   DTRAIN_ARG(FilePtr, out, stdout)
-  // Draw a bar redrawn in place (at most 5 times a second). Default: whether `out` is a terminal;
-  // otherwise plain lines, one each time another 1/lines of the total is done.
+  // Draw a bar redrawn in place (at most 5 times a second). Default: whether `out` is a terminal, or
+  // (out = stdout under dtrain-run, rank 0) whether the launcher's stdout is one; otherwise plain
+  // lines, one each time another 1/lines of the total is done.
   DTRAIN_ARG(std::optional<bool>, terminal, std::nullopt)
   DTRAIN_ARG(int, lines, 10)
 };
@@ -106,6 +111,8 @@ class Progress {
   std::string status(int64_t step, double loss, double samples_done) const;
   ProgressOptions o_;
   bool tty_;
+  bool launcher_ = false;  // stdout is dtrain-run's pipe to a terminal (DTRAIN_PROGRESS_TTY=1)
+  bool drawn_ = false;     // a bar line is shown and finish() must end it
   int next_line_ = 1;
   std::chrono::steady_clock::time_point start_, last_draw_;
 };
@@ -113,12 +120,25 @@ class Progress {
 // --- plots ----------------------------------------------------------------------------------------
 
 struct PlotSeries {
-  std::string title;      // "loss"
-  std::vector<double> x;  // steps
-  std::vector<double> y;  // NaN values are skipped
+  std::string title;       // "loss": the panel's title (svg_plot of series) or the legend's name (PlotPanel)
+  std::vector<double> x;   // steps
+  std::vector<double> y;   // NaN values are skipped
+  std::string color = "";  // "#1f77b4"; empty: the next colour of the palette
+  bool hollow = false;     // rings and a dashed line: a second kind of point (per epoch) over the first
 };
-// A standalone SVG document: one panel per series stacked vertically, each a polyline with axes and
-// min/max labels. A series without finite points gets its panel and a "no data" note.
+// One frame of the plot: lines with markers, or (stacked) areas piled up in order, e.g. the parts
+// of a step's time.
+struct PlotPanel {
+  std::string title;
+  std::vector<PlotSeries> series;
+  bool stacked = false;
+};
+// A standalone SVG document (no script): panels stacked vertically, each with a light grid, tick
+// labels on both axes and a legend when it has several series; the x axis spans [x_min, x_max]
+// (NaN: the data's range). Points get markers while a series has at most 60, so a single point
+// shows. A panel without finite points gets its frame and a "no data" note.
+std::string svg_plot(const std::vector<PlotPanel>& panels, const std::string& title, double x_min, double x_max);
+// One panel per series, the x axis spanning the data.
 std::string svg_plot(const std::vector<PlotSeries>& series, const std::string& title);
 
 // --- metrics --------------------------------------------------------------------------------------
@@ -163,6 +183,21 @@ struct WindowMetrics {
   int slowest_rank = 0;  // the rank with the largest compute time (step - comm_wait): the one
                          // the others wait for
 };
+// What the loop measured over a whole epoch, already over all ranks (e.g. after all_reduce): what
+// PyTorch scripts print per epoch. NaN: not measured.
+struct EpochInfo {
+  DTRAIN_ARG(double, train_loss, std::numeric_limits<double>::quiet_NaN())
+  DTRAIN_ARG(double, train_accuracy, std::numeric_limits<double>::quiet_NaN())
+  DTRAIN_ARG(double, test_loss, std::numeric_limits<double>::quiet_NaN())
+  DTRAIN_ARG(double, test_accuracy, std::numeric_limits<double>::quiet_NaN())
+};
+// Rank 0's record of one log_epoch call.
+struct EpochMetrics {
+  int64_t epoch = 0;
+  int64_t step = 0;  // the monitor's step count when the epoch was logged (its x in plot.svg)
+  double train_loss = 0, train_accuracy = 0, test_loss = 0, test_accuracy = 0;
+};
+
 // One JSON object (one line, no newline) of a window; NaN values become null.
 std::string metrics_json(const WindowMetrics& w);
 std::string metrics_json(const StepMetrics& m, int rank);
@@ -194,13 +229,6 @@ struct MonitorOptions {
   DTRAIN_ARG(int64_t, histogram_every, 10)
 };
 
-// An epoch's results for Monitor::log_epoch (NaN: not known, not logged).
-struct EpochInfo {
-  DTRAIN_ARG(double, train_loss, std::numeric_limits<double>::quiet_NaN())
-  DTRAIN_ARG(double, train_accuracy, std::numeric_limits<double>::quiet_NaN())
-  DTRAIN_ARG(double, test_accuracy, std::numeric_limits<double>::quiet_NaN())
-};
-
 class Monitor {
  public:
   // Collective when a process group exists (a barrier aligns the ranks' clocks for the timeline).
@@ -230,9 +258,10 @@ class Monitor {
   void begin_epoch(int64_t epoch, int64_t epochs, int64_t steps, int64_t done = 0);
   // Ends the epoch's progress display (the bar's line on a terminal) before the epoch's summary line.
   void end_epoch();
-  // The epoch's results (after evaluation; every rank may call it, rank 0 logs them): with
-  // tensorboard(true), epoch/train_loss, epoch/train_accuracy and epoch/test_accuracy at step = epoch.
-  void log_epoch(const EpochInfo& info);
+  // The epoch's results after evaluation. No collective: pass values that are already global
+  // (every rank may call it; rank 0 keeps them): the per-epoch points of plot.svg's loss and accuracy
+  // panels, and with tensorboard(true) the epoch/* curves at step = epoch. NaN: not known, not logged.
+  void log_epoch(int64_t epoch, const EpochInfo& info);
   // Restarts the step clock (optional: a step otherwise starts where the previous one ended).
   void begin_step();
 
@@ -265,6 +294,8 @@ class Monitor {
   const StepMetrics& last_step() const;
   // Rank 0: every window so far (empty on other ranks).
   const std::vector<WindowMetrics>& windows() const;
+  // Rank 0: every log_epoch so far (empty on other ranks).
+  const std::vector<EpochMetrics>& epochs() const;
 
   struct Impl;
 

@@ -73,6 +73,9 @@ std::vector<Knob> make_table() {
       flag_row("DTRAIN_AGENT_STORE", R::kLibrary, "0", "1 or 0",
                "`1` (set by dtrain-run): the launcher hosts the store at `MASTER_ADDR:MASTER_PORT`, so rank 0 "
                "connects to it instead of hosting one."),
+      flag_row("DTRAIN_PROGRESS_TTY", R::kLibrary, "0", "1 or 0",
+               "`1` (set by dtrain-run for rank 0 when the launcher's stdout is a terminal): `Progress` on "
+               "stdout sends its bar to the launcher, which draws it in place; `0`: plain lines."),
       choice_row("TORCHELASTIC_USE_AGENT_STORE", R::kLibrary, {"True", "False"}, "False", "True or False",
                  "`True` (set by torchrun): connect to torchrun's c10d `TCPStore`."),
       rank_row("DTRAIN_RESTART_COUNT", R::kLibrary, "it is set by dtrain-run",

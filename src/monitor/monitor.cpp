@@ -29,6 +29,7 @@
 #include "dtrain/monitor.h"
 #include "dtrain/system.h"
 #include "monitor/tensorboard/monitor_log.h"
+#include "monitor/run_plot.h"
 #include "monitor/timeline.h"
 
 namespace dtrain {
@@ -138,6 +139,7 @@ struct Monitor::Impl {
 
   StepMetrics last;
   std::vector<WindowMetrics> windows;
+  std::vector<EpochMetrics> epochs;
   std::FILE* metrics_file = nullptr;
   std::FILE* rank_file = nullptr;
   std::unique_ptr<monitor::Timeline> timeline;
@@ -224,10 +226,6 @@ void Monitor::watch_parameters(std::vector<at::Tensor> params, std::vector<std::
   impl_->param_names = std::move(names);
 }
 
-void Monitor::log_epoch(const EpochInfo& info) {
-  if (impl_->tensorboard) impl_->tensorboard->epoch(impl_->epoch, info);
-}
-
 void Monitor::begin_epoch(int64_t epoch, int64_t epochs, int64_t steps, int64_t done) {
   auto& s = *impl_;
   DTRAIN_CHECK(steps > 0, "Monitor::begin_epoch: steps must be > 0, got ", steps);
@@ -250,6 +248,15 @@ void Monitor::end_epoch() {
   auto& s = *impl_;
   if (s.progress) s.progress->finish();
   s.progress.reset();
+}
+
+void Monitor::log_epoch(int64_t epoch, const EpochInfo& info) {
+  auto& s = *impl_;
+  DTRAIN_CHECK(!s.closed, "Monitor::log_epoch after close(): log the epoch before close()");
+  if (s.tensorboard) s.tensorboard->epoch(epoch, info);
+  if (s.rank != 0) return;
+  s.epochs.push_back(
+      EpochMetrics{epoch, s.step, info.train_loss(), info.train_accuracy(), info.test_loss(), info.test_accuracy()});
 }
 
 void Monitor::begin_step() {
@@ -445,14 +452,7 @@ void Monitor::close() {
   }
 
   if (s.rank == 0 && s.o.plot() && !s.o.output_dir().empty()) {
-    PlotSeries loss{"loss", {}, {}}, acc{"accuracy", {}, {}}, rate{"throughput (samples/s, all ranks)", {}, {}};
-    for (const auto& w : s.windows) {
-      loss.x.push_back(w.step), loss.y.push_back(w.loss);
-      acc.x.push_back(w.step), acc.y.push_back(w.accuracy);
-      rate.x.push_back(w.step), rate.y.push_back(w.samples_per_s);
-    }
-    write_text(s.path("plot.svg"),
-               svg_plot({loss, acc, rate}, detail::cat("training: ", s.step, " steps on ", s.size, " rank(s)")));
+    write_text(s.path("plot.svg"), monitor::run_plot_svg(s.windows, s.epochs, s.step, s.size));
   }
   if (s.metrics_file) std::fclose(s.metrics_file), s.metrics_file = nullptr;
   if (s.rank_file) std::fclose(s.rank_file), s.rank_file = nullptr;
@@ -462,5 +462,6 @@ void Monitor::close() {
 int64_t Monitor::step() const { return impl_->step; }
 const StepMetrics& Monitor::last_step() const { return impl_->last; }
 const std::vector<WindowMetrics>& Monitor::windows() const { return impl_->windows; }
+const std::vector<EpochMetrics>& Monitor::epochs() const { return impl_->epochs; }
 
 }  // namespace dtrain

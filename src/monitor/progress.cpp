@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "common/env.h"
 #include "dtrain/errors.h"
 #include "dtrain/monitor.h"
 
@@ -30,6 +31,9 @@ Progress::Progress(ProgressOptions options)
       last_draw_(start_) {
   DTRAIN_CHECK(o_.total() > 0, "Progress: total must be > 0 steps, got ", o_.total());
   DTRAIN_CHECK(o_.lines() > 0, "Progress: lines must be > 0, got ", o_.lines());
+  // Under dtrain-run our stdout is a pipe; the launcher says when it ends on a terminal and draws
+  // the bar there itself from marked lines (Note [Launcher bar] in tools/dtrain-run/output.h).
+  launcher_ = !tty_ && !o_.terminal().has_value() && o_.out() == stdout && env::flag("DTRAIN_PROGRESS_TTY");
 }
 
 std::string Progress::status(int64_t step, double loss, double samples_done) const {
@@ -49,31 +53,36 @@ void Progress::update(int64_t step, double loss, double samples_done) {
   const int64_t total = o_.total();
   step = std::min(step, total);
   const std::string label = o_.label().empty() ? "" : o_.label() + " ";
-  if (tty_) {
+  if (tty_ || launcher_) {
     const auto now = std::chrono::steady_clock::now();
-    if (step < total && now - last_draw_ < std::chrono::milliseconds(200)) return;
-    last_draw_ = now;
-    constexpr int kWidth = 30;
-    const int filled = static_cast<int>(kWidth * step / total);
-    std::string bar(filled, '=');
-    if (filled < kWidth) bar += '>' + std::string(kWidth - filled - 1, ' ');
-    std::fprintf(o_.out(), "\r%s[%s] %s\033[K", label.c_str(), bar.c_str(), status(step, loss, samples_done).c_str());
-    std::fflush(o_.out());
-    return;
+    if (step == total || now - last_draw_ >= std::chrono::milliseconds(200) || !drawn_) {
+      last_draw_ = now;
+      drawn_ = true;
+      constexpr int kWidth = 30;
+      const int filled = static_cast<int>(kWidth * step / total);
+      std::string bar(filled, '=');
+      if (filled < kWidth) bar += '>' + std::string(kWidth - filled - 1, ' ');
+      // A terminal: redrawn in place. The launcher: one marked line per state ("\r" first).
+      std::fprintf(o_.out(), tty_ ? "\r%s[%s] %s\033[K" : "\r%s[%s] %s\n", label.c_str(), bar.c_str(),
+                   status(step, loss, samples_done).c_str());
+      std::fflush(o_.out());
+    }
+    if (tty_) return;
   }
   // Plain lines: one each time another 1/lines of the total is passed (the last step prints 100%).
+  // Under the launcher's bar they go to its log files only ("\v" first).
   const int n = o_.lines();
   if (next_line_ > n || step * n < next_line_ * total) return;
   while (next_line_ <= n && step * n >= next_line_ * total) ++next_line_;
-  std::fprintf(o_.out(), "%s%s\n", label.c_str(), status(step, loss, samples_done).c_str());
+  std::fprintf(o_.out(), "%s%s%s\n", launcher_ ? "\v" : "", label.c_str(), status(step, loss, samples_done).c_str());
   std::fflush(o_.out());
 }
 
 void Progress::finish() {
-  if (tty_ && o_.out()) {
-    std::fprintf(o_.out(), "\n");
-    std::fflush(o_.out());
-  }
+  if (!o_.out() || !drawn_) return;
+  drawn_ = false;
+  std::fprintf(o_.out(), tty_ ? "\n" : "\r\n");  // the launcher keeps the bar's last state as a line
+  std::fflush(o_.out());
 }
 
 }  // namespace dtrain

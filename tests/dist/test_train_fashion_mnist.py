@@ -93,10 +93,10 @@ class TrainFashionMNIST(DistTestCase):
             monitor_files = {"metrics.jsonl", "trace.json", "plot.svg"}
             self.assertEqual(sorted(set(os.listdir(ckpt)) - monitor_files),
                              ["checkpoint_0000000094.pt", "checkpoint_0000000188.pt"])
-            self.check_monitor_files(ckpt, steps=188)
+            self.check_monitor_files(ckpt, steps=188, epochs=2)
             self.check_checkpoint_loads(os.path.join(ckpt, "checkpoint_0000000188.pt"))
 
-    def check_monitor_files(self, folder, steps):
+    def check_monitor_files(self, folder, steps, epochs):
         import json
         import xml.etree.ElementTree as ET
         with open(os.path.join(folder, "metrics.jsonl")) as f:
@@ -112,7 +112,12 @@ class TrainFashionMNIST(DistTestCase):
         self.assertEqual({e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}, {0, 1})
         svg = ET.parse(os.path.join(folder, "plot.svg")).getroot()  # well-formed XML
         lines = svg.findall(".//{http://www.w3.org/2000/svg}polyline")
-        self.assertEqual([len(l.get("points").split()) for l in lines], [len(windows)] * 3)
+        # Solid: loss, accuracy and throughput per window; dashed: the epochs' train loss, train
+        # accuracy and test accuracy (Monitor::log_epoch).
+        solid = [len(l.get("points").split()) for l in lines if l.get("stroke-dasharray") is None]
+        dashed = [len(l.get("points").split()) for l in lines if l.get("stroke-dasharray") is not None]
+        self.assertEqual(solid, [len(windows)] * 3)
+        self.assertEqual(dashed, [epochs] * 3)
 
     def test_amp_reaches_the_float32_accuracy_band(self):
         # Measured here, same run as above: float32 0.8124, --amp (bfloat16 autocast + GradScaler) 0.8143.

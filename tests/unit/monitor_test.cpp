@@ -25,6 +25,12 @@ using dtrain::util::split;
 
 namespace {
 
+int count(const std::string& s, const std::string& what) {
+  int n = 0;
+  for (size_t i = 0; (i = s.find(what, i)) != std::string::npos; i += what.size()) ++n;
+  return n;
+}
+
 struct TempDir {
   fs::path path;
   TempDir() {
@@ -73,6 +79,48 @@ TEST(Progress, BarOnATerminal) {
   EXPECT_EQ(out.back(), '\n') << "finish() ends the bar's line";
 }
 
+TEST(Progress, MarkedLinesUnderTheLauncher) {
+  // DTRAIN_PROGRESS_TTY=1 and stdout a pipe (here: a file in its place): each bar state is one line
+  // starting with '\r', the plain lines start with '\v', and finish() sends "\r\n" (Note
+  // [Launcher bar] in tools/dtrain-run/output.h).
+  std::fflush(stdout);
+  const int saved = ::dup(1);
+  std::FILE* f = std::tmpfile();
+  ASSERT_GE(::dup2(::fileno(f), 1), 0);
+  ::setenv("DTRAIN_PROGRESS_TTY", "1", 1);
+  {
+    Progress p(ProgressOptions().label("epoch 1/1").total(20).samples_per_step(8));
+    for (int s = 1; s <= 20; ++s) p.update(s, 1.0);
+    p.finish();
+  }
+  std::fflush(stdout);
+  ::unsetenv("DTRAIN_PROGRESS_TTY");
+  ::dup2(saved, 1);
+  ::close(saved);
+  std::rewind(f);
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) out.append(buf, n);
+  std::fclose(f);
+  int bars = 0, plain = 0;
+  const auto lines = split(out);
+  for (const auto& l : lines) {
+    ASSERT_FALSE(l.empty());
+    if (l[0] == '\r' && l.size() > 1) {
+      ++bars;
+      EXPECT_EQ(l.find("\033"), std::string::npos) << "the launcher does the erasing";
+      EXPECT_NE(l.find("epoch 1/1 [="), std::string::npos) << l;
+    } else if (l[0] == '\v') {
+      ++plain;
+    } else {
+      EXPECT_EQ(l, "\r") << "only marked lines";
+    }
+  }
+  EXPECT_GE(bars, 2) << "the first and the last state at least";
+  EXPECT_EQ(plain, 10) << "the log files keep a line per 10%";
+  EXPECT_EQ(lines.back(), "\r") << "finish() ends the bar";
+}
+
 TEST(Progress, BadTotalIsAClearError) {
   EXPECT_NE(error_of([] { Progress p(ProgressOptions().total(0)); }).find("total must be > 0"), std::string::npos);
 }
@@ -119,7 +167,13 @@ TEST(Monitor, JsonLinesTraceAndPlotInOneProcess) {
         std::this_thread::sleep_for(std::chrono::milliseconds(2));
       }
       mon.end_step(StepInfo().loss(step).samples(16).accuracy(0.5).lr(0.1));
+      if (step == 6 || step == 12) mon.log_epoch(step / 6, EpochInfo().train_loss(7.0 - step / 6).test_accuracy(0.75));
     }
+    ASSERT_EQ(mon.epochs().size(), 2u);
+    EXPECT_EQ(mon.epochs()[0].step, 6);
+    EXPECT_EQ(mon.epochs()[1].epoch, 2);
+    EXPECT_EQ(mon.epochs()[1].train_loss, 5.0);
+    EXPECT_TRUE(std::isnan(mon.epochs()[1].test_loss));
     const StepMetrics& last = mon.last_step();
     EXPECT_EQ(last.step, 12);
     EXPECT_GE(last.optimizer_ms, 2.0);
@@ -173,7 +227,36 @@ TEST(Monitor, JsonLinesTraceAndPlotInOneProcess) {
 
   const std::string svg = read_file((dir.path / "plot.svg").string());
   EXPECT_EQ(test_util::svg_problem(svg), "");
-  EXPECT_EQ(test_util::polyline_point_counts(svg), (std::vector<int>{3, 3, 3}));  // loss, accuracy, throughput
+  // Lines: loss per window and per epoch (train), accuracy per window and per epoch (test),
+  // throughput; the parts never logged (test loss, train accuracy per epoch) are left out.
+  EXPECT_EQ(test_util::polyline_point_counts(svg), (std::vector<int>{3, 2, 3, 2, 3}));
+  EXPECT_EQ(count(svg, "r=\"3.5\""), 9) << "a dot per window point";
+  EXPECT_EQ(count(svg, "r=\"6\""), 4) << "a ring per epoch point";
+  EXPECT_EQ(count(svg, "<polygon"), 3) << "compute, communication hidden, communication waited";
+  EXPECT_NE(svg.find(">test (epoch)</text>"), std::string::npos) << "legend";
+  EXPECT_EQ(svg.find(">train (epoch)</text>", svg.find(">accuracy</text>")), std::string::npos)
+      << "no legend entry for a series without data";
+  // The x axis spans the steps run, 0..12, with ticks.
+  EXPECT_NE(svg.find(">0</text>"), std::string::npos);
+  EXPECT_NE(svg.find(">12</text>"), std::string::npos);
+}
+
+TEST(Plot, OneWindowShowsItsPointOverTheStepsRun) {
+  // A 47-step run with windows of 50 steps has one window: its point must show (a marker; a
+  // polyline of one point draws nothing) and the x axis must span 0..47, not 47..48.
+  PlotPanel loss{"loss", {PlotSeries{"train", {47}, {0.9}}}};
+  PlotPanel split{"split", {PlotSeries{"a", {47}, {3}}, PlotSeries{"b", {47}, {1}}}, true};
+  const std::string svg = svg_plot({loss, split}, "short", 0, 47);
+  EXPECT_EQ(test_util::svg_problem(svg), "");
+  EXPECT_EQ(count(svg, "<circle"), 1);
+  EXPECT_EQ(count(svg, "<polygon"), 2) << "one point of a stacked area: a bar";
+  EXPECT_NE(svg.find(">0</text>"), std::string::npos);
+  EXPECT_NE(svg.find(">40</text>"), std::string::npos);
+  EXPECT_EQ(svg.find(">48</text>"), std::string::npos);
+  // The y axis: the stack's total (4) is inside it, and it starts at 0.
+  EXPECT_NE(svg.find(">4</text>"), std::string::npos);
+  // Grid lines: light lines on both axes.
+  EXPECT_GE(count(svg, "<line "), 8);
 }
 
 TEST(Monitor, BadOptionsAreClearErrors) {

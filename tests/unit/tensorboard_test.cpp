@@ -228,7 +228,7 @@ TEST(MonitorTensorBoard, WindowsEpochsAndHistogramCadence) {
       mon.end_step(dtrain::StepInfo().loss(loss.item<double>()).samples(5).accuracy(0.5));
     }
     mon.end_epoch();
-    mon.log_epoch(dtrain::EpochInfo().train_accuracy(0.5).test_accuracy(0.25));
+    mon.log_epoch(1, dtrain::EpochInfo().train_accuracy(0.5).test_accuracy(0.25));
     mon.close();
   }
   const auto main_files = event_files(dir.path());

@@ -236,6 +236,9 @@ int main(int argc, char** argv) {
     say(e.what());
     return 2;
   }
+  // A terminal that shows rank 0's stdout gets its progress bar drawn in place (Note [Launcher bar]).
+  options.progress_bar =
+      isatty(STDOUT_FILENO) && (options.log_dir.empty() || !(options.redirects & kStdOut) || (options.tee & kStdOut));
   if (!options.slurm_note.empty() && options.node_rank == 0) say(options.slurm_note);
   try {
     return options.elastic ? run_elastic(options) : run(options);

@@ -54,6 +54,9 @@ struct LaunchOptions {
   int tee = kStdNone;             // streams sent to the log files and the console
   bool use_local_rank_arg = false;
   std::string run_id = "none";  // torchrun's default rdzv id
+  // Not an option: the launcher's stdout is a terminal and shows rank 0's stdout, so rank 0 gets
+  // DTRAIN_PROGRESS_TTY=1 and its progress bar is drawn in place (output.h, Note [Launcher bar]).
+  bool progress_bar = false;
 
   // Inside an srun step of several tasks (slurm_step.h): the first local rank of this launcher's
   // workers and the workers on this host (0: nproc_per_node), and the line node 0 prints.

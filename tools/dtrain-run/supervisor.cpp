@@ -52,7 +52,12 @@ struct Supervisor::Worker {
 
 Supervisor::Supervisor(const LaunchOptions& options, uint16_t master_port, int signal_fd, NodeRendezvous* rdzv,
                        Watch watch)
-    : opts_(options), master_port_(master_port), signal_fd_(signal_fd), rdzv_(rdzv), watch_(std::move(watch)) {}
+    : opts_(options),
+      master_port_(master_port),
+      signal_fd_(signal_fd),
+      rdzv_(rdzv),
+      watch_(std::move(watch)),
+      console_(options.progress_bar ? STDOUT_FILENO : -1) {}
 
 Supervisor::~Supervisor() {
   kill_groups(SIGKILL);  // only reached with live workers if an exception escaped
@@ -81,8 +86,9 @@ void Supervisor::start_workers(int attempt) {
       out_console = !(opts_.redirects & kStdOut) || (opts_.tee & kStdOut);
       err_console = !(opts_.redirects & kStdErr) || (opts_.tee & kStdErr);
     }
-    w->out = std::make_unique<OutputStream>(w->spec.rank, out_console ? STDOUT_FILENO : -1, out_log, false);
-    w->err = std::make_unique<OutputStream>(w->spec.rank, err_console ? STDERR_FILENO : -1, err_log, true);
+    w->out = std::make_unique<OutputStream>(w->spec.rank, out_console ? STDOUT_FILENO : -1, out_log, false, &console_,
+                                            opts_.progress_bar && w->spec.rank == 0);
+    w->err = std::make_unique<OutputStream>(w->spec.rank, err_console ? STDERR_FILENO : -1, err_log, true, &console_);
     SpawnedWorker s = spawn_worker(w->spec);  // throws: the destructor stops those already started
     w->pid = s.pid;
     w->alive = true;
@@ -117,6 +123,7 @@ AttemptResult Supervisor::run_attempt(int attempt) {
   }
   kill_groups(SIGKILL);  // 3.
   drain_pipes();
+  console_.end_bar();
 
   AttemptResult r;
   if (forwarded_signal_) {

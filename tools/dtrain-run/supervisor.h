@@ -15,7 +15,8 @@
 //      d. Each --monitor_interval a multi-node job checks the store for another node's failure
 //         (and an elastic job for a membership change) and stops this node's workers the same way.
 //   3. When every worker is reaped: SIGKILL each process group (grandchildren left behind by a
-//      worker die too: no orphans), drain the pipes (bounded), flush partial lines.
+//      worker die too: no orphans), drain the pipes (bounded), flush partial lines, and leave rank
+//      0's progress bar (if any) as an ordinary line.
 // Note [Restart loop]: run_attempt() leaves nothing running, so main.cpp's --max_restarts loop calls
 // it again with attempt+1 on a fresh Supervisor (log paths: attempt_<k>/; workers see
 // DTRAIN_RESTART_COUNT=k and the job store's keys are prefixed with it, so a new attempt never reads
@@ -73,6 +74,7 @@ class Supervisor {
   int signal_fd_;
   NodeRendezvous* rdzv_;
   Watch watch_;
+  Console console_;  // the terminal's one writer (before workers_: their streams point to it)
   std::vector<std::unique_ptr<Worker>> workers_;
 
   // State of the attempt.

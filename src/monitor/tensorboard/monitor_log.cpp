@@ -50,6 +50,7 @@ void TensorBoardLog::window(const WindowMetrics& w, const std::vector<at::Tensor
 void TensorBoardLog::epoch(int64_t epoch, const EpochInfo& info) {
   scalar("epoch/train_loss", info.train_loss(), epoch);
   scalar("epoch/train_accuracy", info.train_accuracy(), epoch);
+  scalar("epoch/test_loss", info.test_loss(), epoch);
   scalar("epoch/test_accuracy", info.test_accuracy(), epoch);
   writer_.flush();
 }
