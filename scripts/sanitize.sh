@@ -5,7 +5,7 @@
 #   build-asan  -DDTRAIN_SANITIZE=ON: AddressSanitizer (+ LeakSanitizer) + UBSan. The unit tests and
 #               the multi-process tests on real ranks: collectives (shared memory and Gloo), shared
 #               memory, DDP, pipeline (2 and 4 ranks), monitor, AMP, sampler, the randomized
-#               collectives, communication hooks, SyncBatchNorm, ZeRO.
+#               collectives, communication hooks, SyncBatchNorm, ZeRO, Join.
 #   build-tsan  -DDTRAIN_SANITIZE=thread: ThreadSanitizer over the threads inside one rank: the
 #               shared-memory group's worker thread and its atomics, DDP's bucket hooks and completion
 #               callbacks: the shm unit tests, shm_dist_test, ddp_test and ddp_overlap_test on 2 ranks.
@@ -65,7 +65,7 @@ if [[ " $runs " == *" asan "* ]]; then
   mapfile -t UNIT < <(sed -n -e 's/^dtrain_unit_test(\([A-Za-z0-9_]*\).*/\1/p' \
                            -e 's/^add_executable(\([A-Za-z0-9_]*\).*/\1/p' tests/unit/CMakeLists.txt)
   DIST=(collectives_test collectives_random_test shm_dist_test ddp_test comm_hooks_test pipeline_test
-        monitor_dist_test amp_dist_test sampler_dist_test sync_batchnorm_test zero_test)
+        monitor_dist_test amp_dist_test sampler_dist_test sync_batchnorm_test zero_test join_test)
   configure_and_build "$B" ON "${UNIT[@]}" "${DIST[@]}"
   prefix=()
   # detect_leaks: LeakSanitizer at exit. halt_on_error: a UBSan report fails the process (exit 87).
@@ -83,7 +83,7 @@ if [[ " $runs " == *" asan "* ]]; then
                                   pipeline_test_2 pipeline_test_4 monitor_dist_test_2 \
                                   amp_dist_test_2 sampler_dist_test_2 sampler_dist_test_3 \
                                   collectives_random_test_2 comm_hooks_test_2 sync_batchnorm_test_3 \
-                                  zero_test_2)"
+                                  zero_test_2 join_test_3)"
   unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
   echo "=== build-asan: done in $((SECONDS - start)) s"
 fi

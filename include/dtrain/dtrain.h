@@ -14,5 +14,6 @@
 #include "dtrain/system.h"
 #include "dtrain/sampler.h"
 #include "dtrain/summary_writer.h"
+#include "dtrain/sync_batchnorm.h"
 #include "dtrain/zero.h"
 #include "dtrain/datasets/fashion_mnist.h"
