@@ -3,11 +3,6 @@
 // that each holds the state of the new partition's share, and train 5 more steps. The parameters then
 // equal one process's unsharded optimizer after 10 steps on the whole batch (float64, 1e-7 relative):
 // the consolidated state was repartitioned over the new world. ctest runs 2 -> 3 and 3 -> 2.
-#include <torch/nn/modules/activation.h>
-#include <torch/nn/modules/container/sequential.h>
-#include <torch/nn/modules/linear.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/sgd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -18,35 +13,20 @@
 #include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
 #include "dtrain/zero.h"
+#include "zero_models.h"
 
 using namespace dtrain;
 
 namespace {
 
-constexpr int kGlobalBatch = 12;  // divisible by 2 and 3
 constexpr int kStepsBefore = 5, kStepsAfter = 5;
 
 std::string g_phase, g_dir;
 int64_t g_saved_world = 0;
 
-// Parameters of several sizes, so that 2 and 3 ranks partition them differently.
-torch::nn::Sequential make_model() {
-  torch::manual_seed(3);
-  torch::nn::Sequential m(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 12), torch::nn::Tanh(),
-                          torch::nn::Linear(12, 4));
-  m->to(at::kDouble);
-  return m;
-}
-
-std::pair<at::Tensor, at::Tensor> batch(int step) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(70 + step);
-  return {at::randn({kGlobalBatch, 8}, g, at::kDouble), at::randn({kGlobalBatch, 4}, g, at::kDouble)};
-}
-
-OptimizerFactory factory(const std::string& kind) {
-  if (kind == "sgd") return optimizer_factory<torch::optim::SGD>(torch::optim::SGDOptions(0.05).momentum(0.9));
-  return optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(1e-2));
-}
+using zero_models::factory;
+using zero_models::make_model;
+std::pair<at::Tensor, at::Tensor> batch(int step) { return zero_models::batch(70, step); }
 
 // One step on this rank's part of the batch (the whole batch when `whole`).
 void train_step(const std::function<at::Tensor(const at::Tensor&)>& forward, torch::optim::Optimizer& opt, int step,

@@ -5,12 +5,8 @@
 // unsharded optimizer's format). With GradScaler (an overflow injected on one rank: every rank skips
 // that step) and gradient clipping it equals the unsharded optimizer with the same recipe.
 // (ZeroRedundancyOptimizer under Join: tests/dist/join_test.cpp.)
-#include <torch/nn/modules/activation.h>
-#include <torch/nn/modules/container/sequential.h>
-#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/linear.h>  // (clip_grad.h needs what it includes)
 #include <torch/nn/utils/clip_grad.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/sgd.h>
 
 #include <cstdlib>
 #include <limits>
@@ -21,32 +17,16 @@
 #include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
 #include "dtrain/zero.h"
+#include "zero_models.h"
 
 using namespace dtrain;
 namespace fs = std::filesystem;
 
 namespace {
 
-constexpr int kGlobalBatch = 12;  // divisible by 2 and 3
-
-// Parameters of several sizes, so that the partition gives every rank a different share.
-torch::nn::Sequential make_model() {
-  torch::manual_seed(3);
-  torch::nn::Sequential m(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 12), torch::nn::Tanh(),
-                          torch::nn::Linear(12, 4));
-  m->to(at::kDouble);
-  return m;
-}
-
-std::pair<at::Tensor, at::Tensor> batch(int step) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(50 + step);
-  return {at::randn({kGlobalBatch, 8}, g, at::kDouble), at::randn({kGlobalBatch, 4}, g, at::kDouble)};
-}
-
-OptimizerFactory factory(const std::string& kind) {
-  if (kind == "sgd") return optimizer_factory<torch::optim::SGD>(torch::optim::SGDOptions(0.05).momentum(0.9));
-  return optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(1e-2));
-}
+using zero_models::factory;
+using zero_models::make_model;
+std::pair<at::Tensor, at::Tensor> batch(int step) { return zero_models::batch(50, step); }
 
 // One training step on this rank's part of the batch (the whole batch when `whole`).
 void train_step(torch::nn::Module& net, const std::function<at::Tensor(const at::Tensor&)>& forward,
