@@ -34,8 +34,7 @@ inline std::pair<at::Tensor, at::Tensor> batch(int seed, int step) {
 
 // "sgd": SGD with momentum; anything else: Adam.
 inline dtrain::OptimizerFactory factory(const std::string& kind) {
-  if (kind == "sgd")
-    return dtrain::optimizer_factory<torch::optim::SGD>(torch::optim::SGDOptions(0.05).momentum(0.9));
+  if (kind == "sgd") return dtrain::optimizer_factory<torch::optim::SGD>(torch::optim::SGDOptions(0.05).momentum(0.9));
   return dtrain::optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(1e-2));
 }
 
