@@ -25,12 +25,6 @@ constexpr Millis kMinDeadAfter{3000};
 std::string key(const std::string& a, int64_t b) { return kKeys + a + "/" + std::to_string(b); }
 std::string key(const std::string& a, int64_t b, int64_t c) { return key(a, b) + "/" + std::to_string(c); }
 
-std::string seconds(Millis ms) {
-  std::ostringstream s;
-  s << ms.count() / 1000.0 << "s";
-  return s.str();
-}
-
 std::string flags_text(int nproc, int max_restarts, int lo, int hi) {
   return "--nnodes " + std::to_string(lo) + ":" + std::to_string(hi) + " --nproc_per_node " + std::to_string(nproc) +
          " --max_restarts " + std::to_string(max_restarts);
@@ -134,7 +128,7 @@ ElasticRound ElasticRendezvous::join(const NodeRendezvous::Say& say) {
   try {
     admit = to_string(store_.get(key("admit", id_), o_.rdzv_timeout * 2 + Millis(5000)));
   } catch (const dtrain::store::TimeoutError&) {
-    throw std::runtime_error("node 0 did not admit this node within " + seconds(o_.rdzv_timeout * 2) + " at " +
+    throw std::runtime_error("node 0 did not admit this node within " + seconds_text(o_.rdzv_timeout * 2) + " at " +
                              store_.host() + ":" + std::to_string(store_.port()) +
                              " (is the job full at its --nnodes maximum? a node waits for a free place until then)");
   } catch (const std::exception& e) {
@@ -192,7 +186,7 @@ ElasticNext ElasticRendezvous::form_round(int attempt, const std::vector<Member>
   const std::string where = store_.host() + ":" + std::to_string(store_.port());
   if (attempt == 0)
     say("node 0 waiting for nodes of --nnodes " + std::to_string(lo) + ":" + std::to_string(hi) + " at " + where +
-        " (--rdzv_timeout " + seconds(o_.rdzv_timeout) + ", --rdzv_last_call " + seconds(o_.last_call) + ")");
+        " (--rdzv_timeout " + seconds_text(o_.rdzv_timeout) + ", --rdzv_last_call " + seconds_text(o_.last_call) + ")");
   for (;;) {
     absorb_waiters();
     // A waiting node that stopped beating (its launcher died while it waited) is not admitted.
@@ -208,8 +202,8 @@ ElasticNext ElasticRendezvous::form_round(int attempt, const std::vector<Member>
     } else if (Clock::now() - start >= o_.rdzv_timeout) {
       return {std::nullopt, 1,
               "only " + std::to_string(n) + " of at least " + std::to_string(lo) + " nodes joined the rendezvous at " +
-                  where + " within --rdzv_timeout " + seconds(o_.rdzv_timeout) + " (--nnodes " + std::to_string(lo) +
-                  ":" + std::to_string(hi) + ")"};
+                  where + " within --rdzv_timeout " + seconds_text(o_.rdzv_timeout) + " (--nnodes " +
+                  std::to_string(lo) + ":" + std::to_string(hi) + ")"};
     }
     sleep_for(std::min(o_.beat_period, Millis(100)));
   }
@@ -262,7 +256,7 @@ std::optional<std::string> ElasticRendezvous::watch(int attempt) {
   std::string reason;
   for (size_t g = 1; g < members_.size() && reason.empty(); ++g)
     if (stale(members_[g]))
-      reason = member_text(static_cast<int>(g)) + " stopped sending heartbeats (" + seconds(dead_after_) + ")";
+      reason = member_text(static_cast<int>(g)) + " stopped sending heartbeats (" + seconds_text(dead_after_) + ")";
   if (reason.empty()) {
     absorb_waiters();
     if (!pending_.empty() && members_.size() < static_cast<size_t>(o_.max_nodes))
@@ -295,7 +289,7 @@ ElasticNext ElasticRendezvous::finish_attempt(int attempt, int exit_code, const 
   if (r.group_rank < 0)
     return {std::nullopt, 1,
             "node 0 left this node out of attempt " + std::to_string(attempt + 1) + " (" + r.line +
-                "): it missed its heartbeats for " + seconds(dead_after_)};
+                "): it missed its heartbeats for " + seconds_text(dead_after_)};
   return {r, 0, ""};
 }
 

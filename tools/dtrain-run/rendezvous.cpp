@@ -23,11 +23,15 @@ constexpr Millis kVerdictLinger{5000};  // node 0 waits this long for nodes to r
 // fallback of DTRAIN_RUN_RDZV_REPORT_S in src/common/env.cpp, which the launcher's tests lower.
 Millis report_period() { return Millis(static_cast<int64_t>(*env::seconds("DTRAIN_RUN_RDZV_REPORT_S") * 1000)); }
 
-std::string seconds(Millis ms) {
+}  // namespace
+
+std::string seconds_text(std::chrono::milliseconds ms) {
   std::ostringstream s;
   s << ms.count() / 1000.0 << "s";
   return s.str();
 }
+
+namespace {
 
 std::string world_text(const NodeInfo& n) {
   return "--nnodes " + std::to_string(n.nnodes) + " --nproc_per_node " + std::to_string(n.nproc_per_node) + " (world " +
@@ -77,7 +81,7 @@ void NodeRendezvous::join(const NodeInfo& me, const Say& say) {
   try {
     verdict = to_string(client_->get(kPrefix + "verdict", timeout_ * 2 + Millis(5000)));
   } catch (const dtrain::store::TimeoutError&) {
-    throw std::runtime_error("node 0 gave no rendezvous verdict within " + seconds(timeout_ * 2) + " at " +
+    throw std::runtime_error("node 0 gave no rendezvous verdict within " + seconds_text(timeout_ * 2) + " at " +
                              client_->host() + ":" + std::to_string(client_->port()));
   }
   client_->set(kPrefix + "verdict_read/" + std::to_string(arrival), to_bytes("1"));
@@ -115,7 +119,7 @@ std::string NodeRendezvous::check_arrivals(const NodeInfo& me, const Say& say) {
   const int64_t arrived = client_->add(kPrefix + "arrivals", 0);  // this node and any earlier ones
   if (arrived < me.nnodes)
     say("node 0 waiting for " + std::to_string(me.nnodes - arrived) + " more node(s) of --nnodes " +
-        std::to_string(me.nnodes) + " at " + where + " (--rdzv_timeout " + seconds(timeout_) + ")");
+        std::to_string(me.nnodes) + " at " + where + " (--rdzv_timeout " + seconds_text(timeout_) + ")");
   for (int a = 1; a <= me.nnodes; ++a) {
     std::string info;
     for (;;) {  // wait for arrival a, waking at each report time until the deadline
@@ -127,12 +131,12 @@ std::string NodeRendezvous::check_arrivals(const NodeInfo& me, const Say& say) {
       } catch (const dtrain::store::TimeoutError&) {
         if (last_wait)
           return "only " + std::to_string(a - 1) + " of " + std::to_string(me.nnodes) +
-                 " nodes joined the rendezvous at " + where + " within --rdzv_timeout " + seconds(timeout_) +
+                 " nodes joined the rendezvous at " + where + " within --rdzv_timeout " + seconds_text(timeout_) +
                  " (missing node_rank " + missing() + ")";
       }
       const auto waited = std::chrono::duration_cast<Millis>(Clock::now() - start);
       say("node 0 still waiting for node_rank " + missing() + " of --nnodes " + std::to_string(me.nnodes) + " after " +
-          seconds(Millis((waited.count() + 50) / 100 * 100)) + " (--rdzv_timeout " + seconds(timeout_) +
+          seconds_text(Millis((waited.count() + 50) / 100 * 100)) + " (--rdzv_timeout " + seconds_text(timeout_) +
           "): is dtrain-run running there with --master_addr " + client_->host() + " --master_port " +
           std::to_string(client_->port()) + "?");
       next_report += period;
@@ -194,7 +198,7 @@ std::vector<int> NodeRendezvous::attempt_outcomes(int attempt, int node_rank, in
   }
   if (!missing.empty())
     throw std::runtime_error("node_rank " + comma_list(missing) + " did not report the end of attempt " +
-                             std::to_string(attempt) + " within --rdzv_timeout " + seconds(timeout_) +
+                             std::to_string(attempt) + " within --rdzv_timeout " + seconds_text(timeout_) +
                              " (did its dtrain-run die?): the nodes cannot agree on a restart");
   return codes;
 }

@@ -76,6 +76,9 @@
 
 namespace dtrain::run {
 
+// "1.5s": a duration as the launcher's messages print it.
+std::string seconds_text(std::chrono::milliseconds ms);
+
 struct NodeInfo {
   int nnodes = 0;
   int nproc_per_node = 0;
