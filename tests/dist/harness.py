@@ -63,6 +63,20 @@ def hello():
     return path
 
 
+def trainer():
+    path = binary("TRAIN_FASHION_MNIST", "train_fashion_mnist")
+    if not path:
+        raise unittest.SkipTest("train_fashion_mnist is not built (set TRAIN_FASHION_MNIST)")
+    return path
+
+
+def launcher():
+    path = binary("DTRAIN_RUN", "dtrain-run")
+    if not path:
+        raise unittest.SkipTest("dtrain-run is not built (set DTRAIN_RUN)")
+    return path
+
+
 def clean_env(**extra):
     """os.environ without any launcher variables, one thread per rank, plus `extra` (None deletes)."""
     env = {k: v for k, v in os.environ.items()

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import unittest
 
-from harness import DistTestCase, binary, clean_env
+from harness import DistTestCase, clean_env, launcher, trainer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
 import svg_screenshot  # noqa: E402
@@ -29,20 +29,6 @@ COLOURS = {"loss": {"train": "#1f77b4"},
            "accuracy": {"train": "#2ca02c", "test (epoch)": "#d62728"},
            "throughput": {"samples/s": "#9467bd"}}
 SPLIT_COLOURS = {"compute": "#17becf", "communication hidden": "#ff7f0e", "communication waited": "#d62728"}
-
-
-def trainer():
-    path = binary("TRAIN_FASHION_MNIST", "train_fashion_mnist")
-    if not path:
-        raise unittest.SkipTest("train_fashion_mnist is not built (set TRAIN_FASHION_MNIST)")
-    return path
-
-
-def launcher():
-    path = binary("DTRAIN_RUN", "dtrain-run")
-    if not path:
-        raise unittest.SkipTest("dtrain-run is not built (set DTRAIN_RUN)")
-    return path
 
 
 def train_args(ckpt, epochs, *extra):

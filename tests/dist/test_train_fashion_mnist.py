@@ -22,7 +22,7 @@ import re
 import tempfile
 import unittest
 
-from harness import ROOT, DistTestCase, binary, clean_env, free_port, rank_env
+from harness import ROOT, DistTestCase, clean_env, free_port, launcher, rank_env, trainer
 
 RESULT_RE = re.compile(r"^(?:\[rank 0\] )?RESULT epochs=(\d+) test_accuracy=([0-9.]+) train_loss=([0-9.]+)"
                        r" params_sha256=([0-9a-f]{64}) ranks_agree=([01])$")
@@ -47,20 +47,6 @@ def assert_ddp_transport(test, res, transport, nranks=2):
     found = DDP_GROUP_RE.findall(res.err)
     test.assertTrue(found, f"no '[dtrain DDP] ... group of' line (DTRAIN_DEBUG=INFO):\n{res}")
     test.assertEqual(set(found), {(str(nranks), TRANSPORTS[transport][1])}, f"not over {transport}:\n{res}")
-
-
-def trainer():
-    path = binary("TRAIN_FASHION_MNIST", "train_fashion_mnist")
-    if not path:
-        raise unittest.SkipTest("train_fashion_mnist is not built (set TRAIN_FASHION_MNIST)")
-    return path
-
-
-def launcher():
-    path = binary("DTRAIN_RUN", "dtrain-run")
-    if not path:
-        raise unittest.SkipTest("dtrain-run is not built (set DTRAIN_RUN)")
-    return path
 
 
 class TrainFashionMNIST(DistTestCase):

@@ -12,6 +12,7 @@
 #include <string>
 #include <utility>
 
+#include "dtrain/process_group.h"
 #include "dtrain/zero.h"
 
 namespace zero_models {
@@ -30,6 +31,13 @@ inline torch::nn::Sequential make_model() {
 inline std::pair<at::Tensor, at::Tensor> batch(int seed, int step) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(seed + step);
   return {at::randn({kGlobalBatch, 8}, g, at::kDouble), at::randn({kGlobalBatch, 4}, g, at::kDouble)};
+}
+
+// Keeps this rank's rows of a batch (all of them when `whole`: the one-process reference).
+inline void keep_this_ranks_part(at::Tensor& x, at::Tensor& y, bool whole) {
+  if (whole) return;
+  x = x.chunk(dtrain::world_size())[dtrain::rank()];
+  y = y.chunk(dtrain::world_size())[dtrain::rank()];
 }
 
 // "sgd": SGD with momentum; anything else: Adam.

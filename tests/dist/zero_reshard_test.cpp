@@ -32,10 +32,7 @@ std::pair<at::Tensor, at::Tensor> batch(int step) { return zero_models::batch(70
 void train_step(const std::function<at::Tensor(const at::Tensor&)>& forward, torch::optim::Optimizer& opt, int step,
                 bool whole) {
   auto [x, y] = batch(step);
-  if (!whole) {
-    x = x.chunk(world_size())[rank()];
-    y = y.chunk(world_size())[rank()];
-  }
+  zero_models::keep_this_ranks_part(x, y, whole);
   opt.zero_grad();
   (forward(x) - y).pow(2).mean().backward();
   opt.step();

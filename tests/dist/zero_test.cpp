@@ -32,10 +32,7 @@ std::pair<at::Tensor, at::Tensor> batch(int step) { return zero_models::batch(50
 void train_step(torch::nn::Module& net, const std::function<at::Tensor(const at::Tensor&)>& forward,
                 torch::optim::Optimizer& opt, int step, bool whole, bool clip) {
   auto [x, y] = batch(step);
-  if (!whole) {
-    x = x.chunk(world_size())[rank()];
-    y = y.chunk(world_size())[rank()];
-  }
+  zero_models::keep_this_ranks_part(x, y, whole);
   opt.zero_grad();
   (forward(x) - y).pow(2).mean().backward();
   if (clip) torch::nn::utils::clip_grad_norm_(net.parameters(), 0.5);
@@ -180,10 +177,7 @@ TEST(Zero, WithGradScalerAndClippingEqualsTheUnshardedOptimizer) {
     auto [x, y] = batch(s);
     x = x.to(at::kFloat);
     y = y.to(at::kFloat);
-    if (!whole) {
-      x = x.chunk(world_size())[rank()];
-      y = y.chunk(world_size())[rank()];
-    }
+    zero_models::keep_this_ranks_part(x, y, whole);
     o.zero_grad();
     at::Tensor loss = (forward(x) - y).pow(2).mean();
     // An overflow on one rank only: DDP's average spreads it, so every rank must skip.
