@@ -90,6 +90,7 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable 
   std::vector<at::Tensor> params_;
   std::vector<int> owner_;                       // per parameter
   std::vector<std::vector<at::Tensor>> shares_;  // per group rank, in parameter order
+  std::vector<at::Tensor> flats_;                // per group rank: its share's broadcast buffer, kept
   std::unique_ptr<torch::optim::Optimizer> local_;
   std::unique_ptr<torch::optim::Optimizer> consolidated_;  // on the rank that consolidated last
 };

@@ -79,10 +79,16 @@ at::Tensor ZeroRedundancyOptimizer::step(LossClosure closure) {
   return loss;
 }
 
+// Each share travels as one flat buffer (one broadcast per rank instead of
+// one per parameter). The buffers are kept from step to step, as PyTorch's ZeRO keeps its buckets:
+// allocating a model-sized buffer every step costs a fresh mapping and its page faults each time.
+// They are re-made only when a share's size, dtype or device no longer matches (e.g. module.to()
+// after construction); the partition itself is fixed at construction.
 void ZeroRedundancyOptimizer::broadcast_shares() {
   at::NoGradGuard ng;
   const int me = group_.rank();
-  std::vector<at::Tensor> flats(shares_.size());
+  flats_.resize(shares_.size());
+  std::vector<bool> flat_used(shares_.size(), false);
   std::vector<Work> works;
   for (size_t r = 0; r < shares_.size(); ++r) {
     const auto& share = shares_[r];
@@ -97,24 +103,29 @@ void ZeroRedundancyOptimizer::broadcast_shares() {
       }
       continue;
     }
-    // One flat buffer per rank: one broadcast instead of one per parameter.
+    int64_t numel = 0;
+    for (const at::Tensor& p : share) numel += p.numel();
+    at::Tensor& flat = flats_[r];
+    if (!flat.defined() || flat.numel() != numel || flat.scalar_type() != share[0].scalar_type() ||
+        flat.device() != share[0].device())
+      flat = at::empty({numel}, share[0].options().requires_grad(false));
     if (static_cast<int>(r) == me) {
-      std::vector<at::Tensor> flat_views;
-      for (const at::Tensor& p : share) flat_views.push_back(p.detach().reshape({-1}));
-      flats[r] = at::cat(flat_views);
-    } else {
-      int64_t numel = 0;
-      for (const at::Tensor& p : share) numel += p.numel();
-      flats[r] = at::empty({numel}, share[0].options().requires_grad(false));
+      int64_t offset = 0;
+      for (const at::Tensor& p : share) {
+        flat.narrow(0, offset, p.numel()).view(p.sizes()).copy_(p.detach());
+        offset += p.numel();
+      }
     }
-    works.push_back(broadcast(flats[r], group_.ranks()[r], group_, /*async_op=*/true));
+    flat_used[r] = true;
+    works.push_back(broadcast(flat, group_.ranks()[r], group_, /*async_op=*/true));
   }
+  // Every broadcast completes here, so the next step may refill the buffers.
   for (auto& w : works) w.wait();
   for (size_t r = 0; r < shares_.size(); ++r) {
-    if (static_cast<int>(r) == me || !flats[r].defined()) continue;
+    if (static_cast<int>(r) == me || !flat_used[r]) continue;
     int64_t offset = 0;
     for (const at::Tensor& p : shares_[r]) {
-      p.detach().copy_(flats[r].narrow(0, offset, p.numel()).view(p.sizes()));
+      p.detach().copy_(flats_[r].narrow(0, offset, p.numel()).view(p.sizes()));
       offset += p.numel();
     }
   }
