@@ -38,7 +38,7 @@ USES = {
 PUBLIC_OWNER = {
     "errors": "common", "system": "common", "process_group": "comm", "amp": "amp", "ddp": "ddp", "comm_hooks": "ddp",
     "data_parallel": "parallel", "sampler": "data", "datasets": "data", "checkpoint": "checkpoint",
-    "monitor": "monitor", "summary_writer": "monitor", "pipeline": "pipeline", "detail": "common", "sync_batchnorm": "nn", "zero": "optim",
+    "monitor": "monitor", "summary_writer": "monitor", "pipeline": "pipeline", "detail": "common", "sync_batchnorm": "nn", "zero": "optim", "sharded_optimizer": "optim",
     "join": "comm",
 }
 

@@ -13,6 +13,7 @@
 #include "dtrain/process_group.h"
 #include "dtrain/system.h"
 #include "dtrain/sampler.h"
+#include "dtrain/sharded_optimizer.h"
 #include "dtrain/summary_writer.h"
 #include "dtrain/sync_batchnorm.h"
 #include "dtrain/zero.h"

@@ -37,6 +37,7 @@
 #include "dtrain/detail/arg.h"
 #include "dtrain/join.h"
 #include "dtrain/process_group.h"
+#include "dtrain/sharded_optimizer.h"
 
 namespace dtrain {
 
@@ -56,7 +57,7 @@ struct ZeroOptions {
   DTRAIN_ARG(Group, process_group, Group())
 };
 
-class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable {
+class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable, public ShardedOptimizerState {
  public:
   ZeroRedundancyOptimizer(std::vector<at::Tensor> params, OptimizerFactory factory,
                           ZeroOptions options = ZeroOptions());
@@ -66,6 +67,8 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable 
   // Collective: every rank of the group calls it. Rank `to` (a global rank) then holds the whole
   // state, for save(); the others hold nothing more.
   void consolidate_state_dict(int to = 0);
+  // ShardedOptimizerState: consolidate_state_dict(to).
+  void prepare_for_save(int to) override { consolidate_state_dict(to); }
   // On the rank that consolidated last: writes the whole state (the wrapped optimizer's format).
   void save(torch::serialize::OutputArchive& archive) const override;
   // On every rank: a whole state, from save() or from the unsharded optimizer; keeps this rank's share.

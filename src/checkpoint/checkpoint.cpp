@@ -21,7 +21,7 @@
 #include "dtrain/errors.h"
 #include "dtrain/process_group.h"
 #include "dtrain/sampler.h"
-#include "dtrain/zero.h"
+#include "dtrain/sharded_optimizer.h"
 
 namespace dtrain {
 
@@ -211,7 +211,8 @@ void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::st
     sub("model", m);
     st.model->load(m);
   }
-  // A ZeroRedundancyOptimizer keeps this world's share of the whole state it reads: resharded as is.
+  // A sharded optimizer (ShardedOptimizerState) keeps this world's share of the whole state it
+  // reads: resharded as is.
   if (st.optimizer) {
     torch::serialize::InputArchive o;
     sub("optimizer", o);
@@ -334,7 +335,7 @@ std::string CheckpointManager::save(const TrainingState& state) {
   const std::string path = (fs::path(dir_) / (options_.prefix() + name)).string();
   const auto packs = gather_packs(own_pack(state));  // 1.
   // A sharded optimizer's state is spread over its group: gathered on rank 0, which writes it.
-  if (auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(state.optimizer)) zero->consolidate_state_dict(0);
+  if (auto* sharded = dynamic_cast<ShardedOptimizerState*>(state.optimizer)) sharded->prepare_for_save(0);
   std::string error;
   if (!is_initialized() || rank() == 0) {  // 2.
     try {

@@ -1,6 +1,7 @@
 // Checkpoints in one process: round trip of model/optimizer/scaler/sampler/RNG/values, the file
 // header, corrupt and truncated files (with fallback to the previous one), a different model, the
-// folder in the way, keep, and resume_at reaching the DataLoader's copy of the sampler.
+// folder in the way, keep, resume_at reaching the DataLoader's copy of the sampler, and the hook a
+// sharded optimizer is saved through.
 #include "dtrain/checkpoint.h"
 
 #include <sys/stat.h>
@@ -15,6 +16,7 @@
 #include "dtrain/amp.h"
 #include "dtrain/errors.h"
 #include "dtrain/sampler.h"
+#include "dtrain/sharded_optimizer.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -251,6 +253,29 @@ TEST_F(Checkpoint, MissingOptimizerStateIsAnError) {
   st.optimizer = &opt;
   const std::string msg = error_of([&] { dtrain::load_checkpoint(path, st); });
   EXPECT_NE(msg.find("holds no optimizer state"), std::string::npos) << msg;
+}
+
+namespace {
+// Any optimizer whose state is sharded, as CheckpointManager sees it: only through the interface.
+class CountingShardedSGD : public torch::optim::SGD, public dtrain::ShardedOptimizerState {
+ public:
+  using torch::optim::SGD::SGD;
+  void prepare_for_save(int to) override { calls.push_back(to); }
+  std::vector<int> calls;
+};
+}  // namespace
+
+TEST_F(Checkpoint, ShardedOptimizerIsPreparedOnceBeforeEachSave) {
+  Net net;
+  CountingShardedSGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  dtrain::TrainingState st;
+  st.model = net.ptr().get();
+  st.optimizer = &opt;
+  dtrain::CheckpointManager manager(dir);
+  manager.save(st);
+  st.step = 1;
+  manager.save(st);
+  EXPECT_EQ(opt.calls, (std::vector<int>{0, 0}));  // gathered on rank 0, the rank that writes
 }
 
 TEST_F(Checkpoint, AFileInPlaceOfTheFolderIsAClearError) {
