@@ -73,7 +73,8 @@ def trainer():
 def launcher():
     path = binary("DTRAIN_RUN", "dtrain-run")
     if not path:
-        raise unittest.SkipTest("dtrain-run is not built (set DTRAIN_RUN)")
+        raise unittest.SkipTest("dtrain-run is not built (tools/dtrain-run; or set DTRAIN_RUN): "
+                                "the tests that run the launcher are skipped")
     return path
 
 

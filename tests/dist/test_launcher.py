@@ -5,14 +5,7 @@ import shutil
 import subprocess
 import unittest
 
-from harness import DistTestCase, binary, clean_env, free_port, hello
-
-
-def launcher():
-    path = binary("DTRAIN_RUN", "dtrain-run")
-    if not path:
-        raise unittest.SkipTest("dtrain-run is not built (tools/dtrain-run): launcher tests skipped")
-    return path
+from harness import DistTestCase, clean_env, free_port, hello, launcher
 
 
 def passed_lines(out, world):
