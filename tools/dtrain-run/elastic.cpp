@@ -1,6 +1,8 @@
 // Elastic membership (see rendezvous.h, steps E1-E8, and Note [Elastic membership] in elastic.h).
 #include "elastic.h"
 
+#include "store_keys.h"
+
 #include <pthread.h>
 #include <signal.h>
 
@@ -9,21 +11,13 @@
 
 namespace dtrain::run {
 
-using dtrain::store::to_bytes;
-using dtrain::store::to_string;
-using Clock = std::chrono::steady_clock;
-using Millis = std::chrono::milliseconds;
-
 namespace {
 
-const std::string kKeys = "dtrain-run/e/";
+const StoreKeys key("dtrain-run/e/");
 // A node is declared gone after this many missed heartbeats, but never sooner than kMinDeadAfter: a
 // launcher on a loaded machine may miss a few beats without being dead.
 constexpr int kMissedBeats = 10;
 constexpr Millis kMinDeadAfter{3000};
-
-std::string key(const std::string& a, int64_t b) { return kKeys + a + "/" + std::to_string(b); }
-std::string key(const std::string& a, int64_t b, int64_t c) { return key(a, b) + "/" + std::to_string(c); }
 
 std::string flags_text(int nproc, int max_restarts, int lo, int hi) {
   return "--nnodes " + std::to_string(lo) + ":" + std::to_string(hi) + " --nproc_per_node " + std::to_string(nproc) +
@@ -54,7 +48,7 @@ ElasticRendezvous::ElasticRendezvous(NodeRendezvous& base, const std::string& ma
                                      const ElasticOptions& o)
     : store_(base.client()), o_(o), dead_after_(std::max(kMinDeadAfter, Millis(o.beat_period.count() * kMissedBeats))) {
   // E1.
-  id_ = store_.add(kKeys + "ids", 1);
+  id_ = store_.add(key("ids"), 1);
   store_.set(key("beat", id_), to_bytes("0"));
   // The thread must not take the launcher's signals (main.cpp reads them through a signalfd): it
   // starts with all of them blocked.
@@ -120,7 +114,7 @@ ElasticRound ElasticRendezvous::join(const NodeRendezvous::Say& say) {
     return *first.round;
   }
   // E2: queue up as a waiting node and wait for node 0's admission.
-  const int64_t slot = store_.add(kKeys + "waiting", 1);
+  const int64_t slot = store_.add(key("waiting"), 1);
   store_.set(key("wait", slot), to_bytes(std::to_string(id_) + " " + std::to_string(o_.nproc_per_node) + " " +
                                          std::to_string(o_.max_restarts) + " " + std::to_string(o_.min_nodes) + " " +
                                          std::to_string(o_.max_nodes) + " " + o_.hostname));
@@ -143,7 +137,7 @@ ElasticRound ElasticRendezvous::join(const NodeRendezvous::Say& say) {
 }
 
 void ElasticRendezvous::absorb_waiters() {
-  for (int64_t n = store_.add(kKeys + "waiting", 0); waiters_seen_ < n;) {
+  for (int64_t n = store_.add(key("waiting"), 0); waiters_seen_ < n;) {
     const int64_t slot = ++waiters_seen_;
     std::istringstream in(to_string(store_.get(key("wait", slot), Millis(10000))));
     int64_t id = 0;

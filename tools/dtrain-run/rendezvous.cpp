@@ -5,17 +5,13 @@
 #include <vector>
 
 #include "common/env.h"
+#include "store_keys.h"
 
 namespace dtrain::run {
 
-using dtrain::store::to_bytes;
-using dtrain::store::to_string;
-using Clock = std::chrono::steady_clock;
-using Millis = std::chrono::milliseconds;
-
 namespace {
 
-const std::string kPrefix = "dtrain-run/";
+const StoreKeys node_key("dtrain-run/");
 constexpr Millis kVerdictLinger{5000};  // node 0 waits this long for nodes to read a failed verdict
 
 // How often node 0 names the nodes it still waits for: often enough that a wait of --rdzv_timeout
@@ -70,26 +66,26 @@ NodeRendezvous::NodeRendezvous(const std::string& host, uint16_t port, Millis ti
 void NodeRendezvous::join(const NodeInfo& me, const Say& say) {
   hostname_ = me.hostname;
   // 2. Arrive.
-  const int64_t arrival = client_->add(kPrefix + "arrivals", 1);
-  client_->set(kPrefix + "arrival/" + std::to_string(arrival),
+  const int64_t arrival = client_->add(node_key("arrivals"), 1);
+  client_->set(node_key("arrival", arrival),
                to_bytes(std::to_string(me.nnodes) + " " + std::to_string(me.nproc_per_node) + " " +
                         std::to_string(me.node_rank) + " " + std::to_string(me.max_restarts) + " " + me.hostname));
   // 3. Node 0 judges.
-  if (me.node_rank == 0) client_->set(kPrefix + "verdict", to_bytes(check_arrivals(me, say)));
+  if (me.node_rank == 0) client_->set(node_key("verdict"), to_bytes(check_arrivals(me, say)));
   // 4. Everyone follows the verdict. Node 0 may take the whole timeout collecting nodes.
   std::string verdict;
   try {
-    verdict = to_string(client_->get(kPrefix + "verdict", timeout_ * 2 + Millis(5000)));
+    verdict = to_string(client_->get(node_key("verdict"), timeout_ * 2 + Millis(5000)));
   } catch (const dtrain::store::TimeoutError&) {
     throw std::runtime_error("node 0 gave no rendezvous verdict within " + seconds_text(timeout_ * 2) + " at " +
                              client_->host() + ":" + std::to_string(client_->port()));
   }
-  client_->set(kPrefix + "verdict_read/" + std::to_string(arrival), to_bytes("1"));
+  client_->set(node_key("verdict_read", arrival), to_bytes("1"));
   if (verdict != "ok") {
     if (me.node_rank == 0) {  // keep the store up until the nodes that arrived have read it
       std::vector<std::string> keys;
-      for (int64_t a = 1, n = client_->add(kPrefix + "arrivals", 0); a <= n; ++a)
-        keys.push_back(kPrefix + "verdict_read/" + std::to_string(a));
+      for (int64_t a = 1, n = client_->add(node_key("arrivals"), 0); a <= n; ++a)
+        keys.push_back(node_key("verdict_read", a));
       try {
         client_->wait(keys, kVerdictLinger);
       } catch (const dtrain::store::TimeoutError&) {
@@ -116,7 +112,7 @@ std::string NodeRendezvous::check_arrivals(const NodeInfo& me, const Say& say) {
       if (r != me.node_rank && seen[static_cast<size_t>(r)] < 0) ranks.push_back(r);
     return comma_list(ranks);
   };
-  const int64_t arrived = client_->add(kPrefix + "arrivals", 0);  // this node and any earlier ones
+  const int64_t arrived = client_->add(node_key("arrivals"), 0);  // this node and any earlier ones
   if (arrived < me.nnodes)
     say("node 0 waiting for " + std::to_string(me.nnodes - arrived) + " more node(s) of --nnodes " +
         std::to_string(me.nnodes) + " at " + where + " (--rdzv_timeout " + seconds_text(timeout_) + ")");
@@ -126,7 +122,7 @@ std::string NodeRendezvous::check_arrivals(const NodeInfo& me, const Say& say) {
       const bool last_wait = deadline <= next_report;
       const auto left = std::chrono::duration_cast<Millis>((last_wait ? deadline : next_report) - Clock::now());
       try {
-        info = to_string(client_->get(kPrefix + "arrival/" + std::to_string(a), std::max(left, Millis(1))));
+        info = to_string(client_->get(node_key("arrival", a), std::max(left, Millis(1))));
         break;
       } catch (const dtrain::store::TimeoutError&) {
         if (last_wait)
@@ -163,14 +159,13 @@ std::string NodeRendezvous::check_arrivals(const NodeInfo& me, const Say& say) {
 
 bool NodeRendezvous::publish_failure(int attempt, int node_rank, const std::string& summary) {
   std::string mine = std::to_string(node_rank) + " " + hostname_ + "\n" + summary;
-  const std::string key = kPrefix + "failure/" + std::to_string(attempt);
-  return to_string(client_->compare_set(key, {}, to_bytes(mine))) == mine;
+  return to_string(client_->compare_set(node_key("failure", attempt), {}, to_bytes(mine))) == mine;
 }
 
 std::optional<std::string> NodeRendezvous::remote_failure(int attempt, int my_node_rank) {
-  const std::string key = kPrefix + "failure/" + std::to_string(attempt);
-  if (!client_->check({key})) return std::nullopt;
-  const std::string v = to_string(client_->get(key, Millis(1000)));
+  const std::string failure = node_key("failure", attempt);
+  if (!client_->check({failure})) return std::nullopt;
+  const std::string v = to_string(client_->get(failure, Millis(1000)));
   const size_t space = v.find(' '), nl = v.find('\n');
   if (space == std::string::npos || nl == std::string::npos || space > nl) return "a node failed: " + v;
   const std::string node = v.substr(0, space);
@@ -179,8 +174,7 @@ std::optional<std::string> NodeRendezvous::remote_failure(int attempt, int my_no
 }
 
 std::vector<int> NodeRendezvous::attempt_outcomes(int attempt, int node_rank, int nnodes, int exit_code) {
-  const std::string base = kPrefix + "outcome/" + std::to_string(attempt) + "/";
-  client_->set(base + std::to_string(node_rank), to_bytes(std::to_string(exit_code)));
+  client_->set(node_key("outcome", attempt, node_rank), to_bytes(std::to_string(exit_code)));
   std::vector<int> codes(static_cast<size_t>(nnodes), -1);
   codes[static_cast<size_t>(node_rank)] = exit_code;
   if (exit_code != 0 && exit_code != 1) return codes;  // signalled: this node stops whatever the others do
@@ -191,7 +185,7 @@ std::vector<int> NodeRendezvous::attempt_outcomes(int attempt, int node_rank, in
     const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
     try {
       codes[static_cast<size_t>(r)] =
-          std::stoi(to_string(client_->get(base + std::to_string(r), std::max(left, Millis(1)))));
+          std::stoi(to_string(client_->get(node_key("outcome", attempt, r), std::max(left, Millis(1)))));
     } catch (const dtrain::store::TimeoutError&) {
       missing.push_back(r);
     }
@@ -204,12 +198,12 @@ std::vector<int> NodeRendezvous::attempt_outcomes(int attempt, int node_rank, in
 }
 
 void NodeRendezvous::mark_done(int node_rank, int exit_code) {
-  client_->set(kPrefix + "done/" + std::to_string(node_rank), to_bytes(std::to_string(exit_code)));
+  client_->set(node_key("done", node_rank), to_bytes(std::to_string(exit_code)));
 }
 
 void NodeRendezvous::wait_all_done(int nnodes, Millis timeout) {
   std::vector<std::string> keys;
-  for (int r = 0; r < nnodes; ++r) keys.push_back(kPrefix + "done/" + std::to_string(r));
+  for (int r = 0; r < nnodes; ++r) keys.push_back(node_key("done", r));
   try {
     client_->wait(keys, timeout);
   } catch (const std::exception&) {
