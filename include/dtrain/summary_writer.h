@@ -15,7 +15,8 @@
 // so TensorBoard draws them in one chart.
 //
 // A failed write (disk full, folder removed) prints one warning and the writer drops what follows:
-// monitoring never stops the training. Not thread-safe: call it from one thread (or lock around it).
+// monitoring never stops the training. A thread of the writer flushes its files every flush_secs, as
+// PyTorch's does; a mutex guards them, so the writer may also be called from several threads.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +36,8 @@ struct SummaryWriterOptions {
   DTRAIN_ARG(std::string, comment, "")
   // Events buffered before they are flushed to the file (PyTorch's max_queue).
   DTRAIN_ARG(int, max_queue, 10)
-  // At most this many seconds between an event and its flush (checked whenever an event is added).
+  // At most this many seconds between an event and its flush: the writer's timer thread flushes every
+  // flush_secs, also when no value is added (0: every event is flushed at once, and no thread).
   DTRAIN_ARG(double, flush_secs, 120)
   // Appended to every event file's name.
   DTRAIN_ARG(std::string, filename_suffix, "")

@@ -5,10 +5,12 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <regex>
+#include <thread>
 
 #include <ATen/ATen.h>
 
@@ -168,6 +170,32 @@ TEST(SummaryWriter, UnwritableFolderWarnsAndTrainingGoesOn) {
   EXPECT_NE(err.find("SummaryWriter: cannot create the folder /proc/self/no_such_folder/run"), std::string::npos)
       << err;
   EXPECT_EQ(err.find("SummaryWriter", err.find("SummaryWriter") + 1), std::string::npos) << "warned twice: " << err;
+}
+
+// PyTorch's writer flushes on a timer: a value added to a writer that then stays idle reaches the
+// file without another call (its record is far smaller than stdio's buffer, and max_queue is large,
+// so only the timer can write it out). The destructor stops a timer with a long period at once.
+TEST(SummaryWriter, IdleWriterFlushesWithinFlushSecs) {
+  using Clock = std::chrono::steady_clock;
+  TempDir dir("tb_timer");
+  {
+    dtrain::SummaryWriter w(dir.path(), dtrain::SummaryWriterOptions().max_queue(1000).flush_secs(0.2));
+    const auto files = event_files(dir.path());
+    ASSERT_EQ(files.size(), 1u);
+    w.add_scalar("loss", 1.0, 1);
+    const auto t0 = Clock::now();
+    size_t records = 0;
+    // 20 s: far above 0.2 s, so a loaded machine cannot fail it; without the timer it never comes.
+    while (Clock::now() - t0 < std::chrono::seconds(20)) {
+      records = read_records(dtrain::util::read_file(files[0].string())).size();
+      if (records == 2) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    EXPECT_EQ(records, 2u) << "file_version and the scalar: the idle writer did not flush within 20 s";
+  }
+  const auto t0 = Clock::now();
+  { dtrain::SummaryWriter w(dir.path(), dtrain::SummaryWriterOptions().flush_secs(1000)); }
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(10)) << "the destructor waited for the timer's period";
 }
 
 // A write that fails half-way (here: the file-size limit, as a full disk would) warns once, drops the

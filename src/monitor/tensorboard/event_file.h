@@ -1,6 +1,6 @@
 // One event file: its name, the records going into it, when they reach the disk, and what happens
-// when they cannot (PyTorch's EventFileWriter, without its thread: framing an event costs
-// microseconds, and a writer thread would be one more place for an exception to get lost).
+// when they cannot (PyTorch's EventFileWriter, without its writer thread: framing an event costs
+// microseconds, so add() writes on the caller's thread; the flush_secs timer is SummaryWriter's).
 #pragma once
 
 #include <cstdint>

@@ -1,10 +1,15 @@
 // dtrain::SummaryWriter: PyTorch's SummaryWriter over EventFile (one per run folder) and the Event
-// encoders of events.h.
+// encoders of events.h, with PyTorch's flush timer.
 #include "dtrain/summary_writer.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <ctime>
 #include <filesystem>
+#include <mutex>
+#include <thread>
 
 #include <ATen/ATen.h>
 
@@ -37,6 +42,11 @@ struct SummaryWriter::Impl {
   std::unique_ptr<tb::EventFile> main;
   // add_scalars' runs, by folder, in the order they appeared.
   std::vector<std::pair<std::string, std::unique_ptr<tb::EventFile>>> others;
+  // The files are shared by the caller's thread and the flush timer: every access holds `mu`.
+  std::mutex mu;
+  std::condition_variable wake;  // the timer's sleep; the destructor ends it early
+  bool stopping = false;
+  std::thread timer;
 
   tb::EventFileOptions file_options() const {
     return tb::EventFileOptions{o.max_queue(), o.flush_secs(), o.filename_suffix(), log_dir};
@@ -52,6 +62,25 @@ struct SummaryWriter::Impl {
     others.emplace_back(dir, std::make_unique<tb::EventFile>(dir, file_options()));
     return *others.back().second;
   }
+  void flush_all() {
+    if (main) main->flush();
+    for (auto& [d, f] : others) f->flush();
+  }
+  // PyTorch's writer flushes every flush_secs on a thread of its own, so the last values of a quiet
+  // phase (one value per long epoch) reach TensorBoard without waiting for the next add. Nothing may
+  // leave this thread: EventFile turns a failed write into one warning, and anything else thrown
+  // (an allocation in that warning) is dropped with the flush, as a failed flush would be.
+  void timer_loop() noexcept {
+    // Clamped so that now + period cannot overflow the clock: 1e9 s is "never" for a run.
+    const auto period = std::chrono::duration<double>(std::min(o.flush_secs(), 1e9));
+    std::unique_lock<std::mutex> lock(mu);
+    while (!wake.wait_for(lock, period, [this] { return stopping; })) {
+      try {
+        flush_all();
+      } catch (...) {
+      }
+    }
+  }
 };
 
 SummaryWriter::SummaryWriter(std::string log_dir, SummaryWriterOptions options) : impl_(std::make_unique<Impl>()) {
@@ -66,12 +95,26 @@ SummaryWriter::SummaryWriter(std::string log_dir, SummaryWriterOptions options) 
   s.o = std::move(options);
   s.log_dir = log_dir.empty() ? default_log_dir(s.o.comment()) : std::move(log_dir);
   s.main_file();  // the run shows up in TensorBoard before its first value, as PyTorch's
+  // flush_secs 0 flushes at every add: no timer needed (and none could sleep 0 s in a loop).
+  if (s.o.flush_secs() > 0) s.timer = std::thread([&s] { s.timer_loop(); });
 }
 
-SummaryWriter::~SummaryWriter() { close(); }
+SummaryWriter::~SummaryWriter() {
+  auto& s = *impl_;
+  if (s.timer.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.stopping = true;
+    }
+    s.wake.notify_one();
+    s.timer.join();
+  }
+  close();
+}
 
 void SummaryWriter::add_scalar(const std::string& tag, double scalar_value, std::optional<int64_t> global_step,
                                std::optional<double> walltime) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->main_file().add(tb::scalar_event(tag, static_cast<float>(scalar_value), global_step.value_or(0),
                                           walltime.value_or(tb::wall_time_now())));
 }
@@ -79,6 +122,7 @@ void SummaryWriter::add_scalar(const std::string& tag, double scalar_value, std:
 void SummaryWriter::add_scalars(const std::string& main_tag, const std::map<std::string, double>& tag_scalar_dict,
                                 std::optional<int64_t> global_step, std::optional<double> walltime) {
   auto& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.mu);
   const double t = walltime.value_or(tb::wall_time_now());  // one time for all, as PyTorch
   std::string folder = main_tag;
   for (char& c : folder)
@@ -101,23 +145,25 @@ void SummaryWriter::add_histogram(const std::string& tag, const at::Tensor& valu
                           values.numel(), " values; the histogram is skipped (warned once per tag)"));
     return;
   }
+  std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->main_file().add(tb::histogram_event(tag, h, global_step.value_or(0), walltime.value_or(tb::wall_time_now())));
 }
 
 void SummaryWriter::add_text(const std::string& tag, const std::string& text_string, std::optional<int64_t> global_step,
                              std::optional<double> walltime) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->main_file().add(
       tb::text_event(tag, text_string, global_step.value_or(0), walltime.value_or(tb::wall_time_now())));
 }
 
 void SummaryWriter::flush() {
-  auto& s = *impl_;
-  if (s.main) s.main->flush();
-  for (auto& [dir, f] : s.others) f->flush();
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->flush_all();
 }
 
 void SummaryWriter::close() {
   auto& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.mu);
   if (s.main) s.main->close();
   s.main.reset();
   for (auto& [dir, f] : s.others) f->close();
