@@ -197,13 +197,17 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::enqueue(std::vector<at::Tensor> 
 //   2. It sets the segment's abort flag: the ranks of its host fail their current and next calls
 //      over shared memory at once.
 //   3. It drops its Gloo groups (the group's and, on a host leader, the leaders'): the connections
-//      close, so a peer's pending Gloo exchange with it fails at once ("Connection closed by peer")
-//      instead of waiting for the timeout, and so does the peer's next one.
+//      close, so a peer's next Gloo call fails at once ("Connection closed by peer") instead of
+//      waiting for the timeout. A peer already waiting inside a Gloo collective is not always
+//      released: in a ring it may be waiting on another rank, which never comes; it then fails at
+//      its own timeout, and still reports the first failure (tests/dist/broken_group_test.cpp, 3
+//      ranks: the rank in between waited for its timeout; the late rank failed at once).
 //   4. A rank whose call fails by 2 or 3 runs the same steps: step 1 hands it the first rank's line,
 //      which its call reports, and its own steps 2 and 3 pass the news on (a rank that exchanges
 //      only with it, another host's ranks behind their leader).
 // After that every call on the group fails at once, on every rank, with one line that carries the
-// first failure (the rank, the operation, what went wrong). The steps cost nothing while the group
+// first failure (the rank, the operation, what went wrong); the same line ends a call that was
+// waiting. The steps cost nothing while the group
 // is healthy: the store is touched only on failure. A rank that neither calls nor waits on the
 // group learns it at its next call. Point-to-point between two ranks that have not failed yet still
 // runs until one of them fails a call; a rank that died without a word leaves no line in the
