@@ -107,7 +107,7 @@ void ShmProcessGroup::agree(compat::Backend& pg, int me, const std::vector<int>&
   std::memcpy(mine.data_ptr(), &call, sizeof(call));
   std::vector<at::Tensor> all;
   for (int r = 0; r < n; ++r) all.push_back(at::empty({kFields}, at::kLong));
-  if (&pg == gloo_.get() && local_ && topo_.hosts == 1) {
+  if (&pg == gloo().get() && local_ && topo_.hosts == 1) {
     // One host: the segment carries the exchange (microseconds instead of a TCP round trip).
     std::vector<void*> outs;
     for (auto& t : all) outs.push_back(t.data_ptr());
@@ -135,7 +135,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::on_gloo(std::vector<at::Tensor> 
                                                         GlooCall call, std::chrono::milliseconds timeout,
                                                         std::function<c10::intrusive_ptr<c10d::Work>()> start) {
   return enqueue(std::move(outputs), type, [this, call, timeout, start = std::move(start)] {
-    agree(*gloo_, rank_, labels_, call, timeout);
+    agree(*gloo(), rank_, labels_, call, timeout);  // not broken: the job checked
     // Every rank agreed on the count: with nothing to move, Gloo is not asked at all (its all_gather
     // divides by the element count and kills the process with SIGFPE on empty tensors).
     if (start && call.count != 0) start()->wait();
@@ -144,7 +144,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::on_gloo(std::vector<at::Tensor> 
 
 // The rest always runs on Gloo, checked first (Note [Guarded Gloo collectives]).
 #define DTRAIN_ON_GLOO(outputs, type, call, timeout, ...) \
-  return on_gloo(outputs, c10d::OpType::type, call, timeout, [=, gloo = gloo_]() mutable { return gloo->__VA_ARGS__; })
+  return on_gloo(outputs, c10d::OpType::type, call, timeout, [=, gloo = gloo()]() mutable { return gloo->__VA_ARGS__; })
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce_coalesced(std::vector<at::Tensor>& t,
                                                                     const c10d::AllreduceCoalescedOptions& o) {
@@ -190,9 +190,17 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall(std::vector<at::Tensor>
 // Queued, unchecked (it exists to report the ranks that do not come, within its own timeout): Gloo
 // numbers it among the collectives, which start on the worker in the queue's order.
 void ShmProcessGroup::monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all_ranks) {
-  enqueue({}, c10d::OpType::BARRIER, [this, o, wait_all_ranks] { gloo_->monitoredBarrier(o, wait_all_ranks); })->wait();
+  enqueue({}, c10d::OpType::BARRIER, [this, o, wait_all_ranks] {
+    gloo()->monitoredBarrier(o, wait_all_ranks);
+  })->wait();
 }
-void ShmProcessGroup::setSequenceNumberForGroup() { gloo_->setSequenceNumberForGroup(); }
-uint64_t ShmProcessGroup::getSequenceNumberForGroup() { return gloo_->getSequenceNumberForGroup(); }
+// A broken group has no Gloo left (Note [Broken groups]); its calls fail on their own.
+void ShmProcessGroup::setSequenceNumberForGroup() {
+  if (auto g = gloo()) g->setSequenceNumberForGroup();
+}
+uint64_t ShmProcessGroup::getSequenceNumberForGroup() {
+  auto g = gloo();
+  return g ? g->getSequenceNumberForGroup() : 0;
+}
 
 }  // namespace dtrain::comm

@@ -89,19 +89,28 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::p2p(std::vector<at::Tensor>& t, 
                                       topo_.host_ranks);
 }
 
-// Point-to-point is not awaited by barrier() (as in Gloo, whose barrier skips send/recv).
+// Point-to-point is not awaited by barrier() (as in Gloo, whose barrier skips send/recv). A broken
+// group has dropped its Gloo (Note [Broken groups]): enqueue() then hands back a Work that failed
+// with the group's first failure.
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::send(std::vector<at::Tensor>& t, int dst, int tag) {
   const int peer = local_rank_of(dst);
-  return peer >= 0 ? p2p(t, peer, tag, true) : gloo_->send(t, dst, tag);
+  if (peer >= 0) return p2p(t, peer, tag, true);
+  if (auto g = gloo()) return g->send(t, dst, tag);
+  return enqueue({}, c10d::OpType::SEND, [] {});
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::recv(std::vector<at::Tensor>& t, int src, int tag) {
   const int peer = local_rank_of(src);
-  return peer >= 0 ? p2p(t, peer, tag, false) : gloo_->recv(t, src, tag);
+  if (peer >= 0) return p2p(t, peer, tag, false);
+  if (auto g = gloo()) return g->recv(t, src, tag);
+  return enqueue({}, c10d::OpType::RECV, [] {});
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::recvAnysource(std::vector<at::Tensor>& t, int tag) {
-  if (!p2p_) return gloo_->recvAnysource(t, tag);
+  if (!p2p_) {
+    if (auto g = gloo()) return g->recvAnysource(t, tag);
+    return enqueue({}, c10d::OpType::RECVANYSOURCE, [] {});
+  }
   DTRAIN_CHECK(topo_.hosts == 1, "rank ", labels_[rank_], ": recv from any source in a group that spans ", topo_.hosts,
                " hosts: ranks on this host send over shared memory and the others over Gloo, so pass the source "
                "rank (or set DTRAIN_SHM=0 for this job)");

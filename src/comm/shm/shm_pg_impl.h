@@ -69,13 +69,19 @@ bool plain_cpu(const at::Tensor& t);
 // Point-to-point over `local`'s segment, naming dtypes and shapes as c10 does ("Float [4, 5]").
 std::shared_ptr<shm::P2p> make_p2p(std::shared_ptr<shm::Comm> local);
 
+// What a ShmProcessGroup is made of (make_shm_process_group builds it).
+struct ShmGroupParts {
+  compat::BackendPtr gloo;                // the whole group over Gloo
+  std::unique_ptr<shm::Comm> local;       // this host's segment (null: alone on the host, or no shared memory)
+  compat::BackendPtr leaders;             // Gloo among host leaders (null unless a leader of several hosts)
+  ShmTopology topo;                       // hosts and leaders
+  std::vector<int> labels;                // the global rank of each group rank, for error messages
+  c10::intrusive_ptr<c10d::Store> store;  // the group's store: where the first failure is left
+};
+
 class ShmProcessGroup : public compat::Backend {
  public:
-  // local: this host's segment (null when the rank is alone on its host, or without shared memory);
-  // leaders: Gloo among host leaders (null unless this rank is a leader and there are several
-  // hosts); labels: the global rank of each group rank, for error messages.
-  ShmProcessGroup(int rank, int size, compat::BackendPtr gloo, std::unique_ptr<shm::Comm> local,
-                  compat::BackendPtr leaders, ShmTopology topo, std::vector<int> labels);
+  ShmProcessGroup(int rank, int size, ShmGroupParts parts);
   ~ShmProcessGroup() override;
 
   const std::string getBackendName() const override { return "gloo"; }
@@ -129,9 +135,13 @@ class ShmProcessGroup : public compat::Backend {
   // Whether the call runs over the segment (the entry points and unsupported() ask alike).
   bool shm_reduces(const at::Tensor& t, const c10d::ReduceOp& op, bool all) const;
   bool shm_moves(const at::Tensor& t) const;
-  // Marks the group unusable after a failure that may have left data half moved, and tells this
-  // host's other ranks through the segment (Note [Broken groups]).
-  void mark_broken(const std::string& why);
+  // Marks the group unusable after a failure that may have left data half moved (`why`: this
+  // rank's), and tells the other ranks: the segment's abort flag, the store's key, and the Gloo
+  // connections closed (Note [Broken groups]). Returns the group's first failure: `why`, or what
+  // another rank left in the store before.
+  std::string mark_broken(const std::string& why);
+  // The group's Gloo; null once the group broke (Note [Broken groups]): the caller then fails.
+  compat::BackendPtr gloo() const;
   // A point-to-point operation over the segment (Note [Shared-memory point-to-point]).
   c10::intrusive_ptr<c10d::Work> p2p(std::vector<at::Tensor>& t, int peer_local, int tag, bool is_send);
 
@@ -145,12 +155,14 @@ class ShmProcessGroup : public compat::Backend {
              std::chrono::milliseconds timeout);
   void run();
 
+  mutable std::mutex gloo_mu_;  // gloo_ and leaders_ are dropped when the group breaks
   compat::BackendPtr gloo_;
   std::shared_ptr<shm::Comm> local_;
   std::shared_ptr<shm::P2p> p2p_;  // with local_; shared with the point-to-point works it hands out
   compat::BackendPtr leaders_;
   ShmTopology topo_;
   std::vector<int> labels_;
+  c10::intrusive_ptr<c10d::Store> store_;
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -52,6 +52,9 @@ std::string op_name(c10d::OpType type) {
   return name;
 }
 
+// Where the first rank to break the group leaves its line, in the group's store (Note [Broken groups]).
+constexpr const char kBrokenKey[] = "broken";
+
 std::string unusable(const std::string& why) {
   return detail::cat(kUnusableGroup, " (", why, "): destroy the process group and create it again, or restart the job");
 }
@@ -86,14 +89,14 @@ bool plain_cpu(const at::Tensor& t) {
   return t.defined() && t.device().is_cpu() && t.is_contiguous() && !t.is_sparse();
 }
 
-ShmProcessGroup::ShmProcessGroup(int rank, int size, compat::BackendPtr gloo, std::unique_ptr<shm::Comm> local,
-                                 compat::BackendPtr leaders, ShmTopology topo, std::vector<int> labels)
+ShmProcessGroup::ShmProcessGroup(int rank, int size, ShmGroupParts parts)
     : compat::Backend(rank, size),
-      gloo_(std::move(gloo)),
-      local_(std::move(local)),
-      leaders_(std::move(leaders)),
-      topo_(std::move(topo)),
-      labels_(std::move(labels)) {
+      gloo_(std::move(parts.gloo)),
+      local_(std::move(parts.local)),
+      leaders_(std::move(parts.leaders)),
+      topo_(std::move(parts.topo)),
+      labels_(std::move(parts.labels)),
+      store_(std::move(parts.store)) {
   if (local_) {
     p2p_ = make_p2p(local_);
     // The collectives' waits move point-to-point on (Comm::set_idle). Weak: the Comm outlives the
@@ -150,8 +153,13 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::enqueue(std::vector<at::Tensor> 
     } catch (const CallMismatch&) {
       error = std::current_exception();  // no data moved: the group stays usable
     } catch (const std::exception& e) {
-      error = std::current_exception();
-      mark_broken(detail::cat("rank ", labels_.at(rank_), ": ", op_name(type), " failed: ", first_line(e)));
+      const std::string mine = detail::cat("rank ", labels_.at(rank_), ": ", op_name(type), " failed: ", first_line(e));
+      const std::string first = mark_broken(mine);
+      // Another rank broke the group first (every line starts with the rank that wrote it): what
+      // failed here ("Connection closed by peer", the segment's abort) is its consequence, so the
+      // call says what broke the group. This rank's own failure keeps its words (a timeout, say).
+      const bool mine_first = first.rfind(detail::cat("rank ", labels_.at(rank_), ":"), 0) == 0;
+      error = mine_first ? std::current_exception() : std::make_exception_ptr(std::runtime_error(unusable(first)));
     } catch (...) {
       error = std::current_exception();
       mark_broken(detail::cat("rank ", labels_.at(rank_), ": ", op_name(type), " failed"));
@@ -181,13 +189,32 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::enqueue(std::vector<at::Tensor> 
 // timeout, a rank that died, calls that differ over shared memory, where the check comes after the
 // first copy) leaves the ranks at different points of it; what they would exchange next is
 // undefined, and Gloo's barrier would even rethrow the old failure on some ranks only. So, as
-// PyTorch 2.x aborts a failed communicator, the group is marked broken: every later call on it fails
-// at once, on this rank and (through the segment's abort flag) on every rank of this host, with one
-// line that carries the first failure. A rank on another host learns it when its own next exchange
-// with a broken rank fails (Gloo's error, or the timeout). Failures found before anything is sent
-// leave the group usable, on every rank alike: a call the backend cannot run (rejected by the front
-// end, comm::unsupported), a DTRAIN_DEBUG=DETAIL mismatch, and a mismatch caught by the guard of
-// Note [Guarded Gloo collectives] (CallMismatch).
+// PyTorch 2.x aborts a failed communicator, the group is marked broken, and every rank learns it
+// within milliseconds, not at its timeout:
+//   1. The rank that fails first leaves its line ("rank 2: allreduce failed: Timed out ...") in the
+//      group's store under kBrokenKey (compare-and-set: the first rank to fail wins), before it
+//      closes anything, so every rank that comes to look finds it.
+//   2. It sets the segment's abort flag: the ranks of its host fail their current and next calls
+//      over shared memory at once.
+//   3. It drops its Gloo groups (the group's and, on a host leader, the leaders'): the connections
+//      close, so a peer's next Gloo call fails at once ("Connection closed by peer") instead of
+//      waiting for the timeout. A peer already waiting inside a Gloo collective is not always
+//      released: in a ring it may be waiting on another rank, which never comes; it then fails at
+//      its own timeout, and still reports the first failure (tests/dist/broken_group_test.cpp, 3
+//      ranks: the rank in between waited for its timeout; the late rank failed at once).
+//   4. A rank whose call fails by 2 or 3 runs the same steps: step 1 hands it the first rank's line,
+//      which its call reports, and its own steps 2 and 3 pass the news on (a rank that exchanges
+//      only with it, another host's ranks behind their leader).
+// After that every call on the group fails at once, on every rank, with one line that carries the
+// first failure (the rank, the operation, what went wrong); the same line ends a call that was
+// waiting. The steps cost nothing while the group
+// is healthy: the store is touched only on failure. A rank that neither calls nor waits on the
+// group learns it at its next call. Point-to-point between two ranks that have not failed yet still
+// runs until one of them fails a call; a rank that died without a word leaves no line in the
+// store, and the first rank to see its connection close names itself and that error. Failures
+// found before anything is sent leave the group usable, on every rank alike: a call the backend
+// cannot run (rejected by the front end, comm::unsupported), a DTRAIN_DEBUG=DETAIL mismatch, and a
+// mismatch caught by the guard of Note [Guarded Gloo collectives] (CallMismatch).
 std::string ShmProcessGroup::broken() const {
   {
     std::lock_guard<std::mutex> lock(broken_mu_);
@@ -196,20 +223,54 @@ std::string ShmProcessGroup::broken() const {
   return local_ ? local_->failure() : std::string();
 }
 
-void ShmProcessGroup::mark_broken(const std::string& why) {
+std::string ShmProcessGroup::mark_broken(const std::string& why) {
   {
     std::lock_guard<std::mutex> lock(broken_mu_);
-    if (!broken_.empty()) return;
-    broken_ = why;
+    if (!broken_.empty()) return broken_;
   }
-  if (local_) local_->abort(why);  // a no-op when the segment already failed
+  // Step 1. A rank of this host that failed first left its line in the segment; the store has the
+  // group's (and, were the store gone, this rank's own line still breaks the group).
+  std::string first = local_ && !local_->failure().empty() ? local_->failure() : why;
+  if (store_) {
+    try {
+      const std::vector<uint8_t> mine(first.begin(), first.end());
+      const std::vector<uint8_t> stored = store_->compareSet(kBrokenKey, {}, mine);
+      if (!stored.empty()) first.assign(stored.begin(), stored.end());
+    } catch (const std::exception&) {
+      // The store is unreachable (its host died): the line stays this rank's own. No exception may
+      // leave the worker thread.
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (!broken_.empty()) return broken_;
+    broken_ = first;
+  }
+  if (local_) local_->abort(first);  // step 2; a no-op when the segment already failed
+  // Step 3. The closures of this job and of queued ones may hold copies of the Gloo group (the calls
+  // of shm_gloo_guard.cpp and shm_rooted_ops.cpp); the queued ones fail before using it, and the
+  // connections close when the last closure is dropped, right after its job.
+  compat::BackendPtr gloo, leaders;
+  {
+    std::lock_guard<std::mutex> lock(gloo_mu_);
+    gloo = std::move(gloo_);
+    leaders = std::move(leaders_);
+  }
+  gloo.reset();  // ~ProcessGroupGloo: its queue is empty (one job at a time), its threads end
+  leaders.reset();
+  return first;
+}
+
+compat::BackendPtr ShmProcessGroup::gloo() const {
+  std::lock_guard<std::mutex> lock(gloo_mu_);
+  return gloo_;
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
   if (tensors.size() != 1 || !shm_reduces(tensors[0], opts.reduceOp, /*all=*/true))
     return on_gloo(tensors, c10d::OpType::ALLREDUCE, call_of(kAllReduce, tensors, -1, &opts.reduceOp), opts.timeout,
-                   [this, tensors, opts]() mutable { return gloo_->allreduce(tensors, opts); });
+                   [this, tensors, opts]() mutable { return gloo()->allreduce(tensors, opts); });
   at::Tensor t = tensors[0];
   return enqueue({t}, c10d::OpType::ALLREDUCE, [this, t, d = *shm_dtype(t), o = *shm_op(opts.reduceOp), opts] {
     // Hierarchical: reduce inside the host, then across host leaders, then spread inside the host.
@@ -223,10 +284,9 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce(std::vector<at::Tensor
         leaders_->allreduce(v, opts)->wait();
         if (!v[0].is_same(t)) t.copy_(v[0]);
       } catch (const std::exception& e) {
-        // The host's other ranks wait in the broadcast below: fail them too, now.
-        if (local_)
-          local_->abort(detail::cat("rank ", rank_, " (host leader): all_reduce between hosts failed: ", e.what()));
-        throw;
+        // The host's ranks have already reduced into the segment and wait in the broadcast below:
+        // even a mismatch found by agree() breaks the group now (the task's catch fails them at once).
+        throw std::runtime_error(detail::cat("(host leader) all_reduce between hosts failed: ", first_line(e)));
       }
     }
     if (local_ && topo_.hosts > 1) local_->broadcast(t.data_ptr(), t.numel() * t.element_size(), topo_.leader_local);
@@ -237,7 +297,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::broadcast(std::vector<at::Tensor
                                                           const c10d::BroadcastOptions& opts) {
   if (tensors.size() != 1 || opts.rootTensor != 0 || !shm_moves(tensors[0]))
     return on_gloo(tensors, c10d::OpType::BROADCAST, call_of(kBroadcast, tensors, opts.rootRank), opts.timeout,
-                   [this, tensors, opts]() mutable { return gloo_->broadcast(tensors, opts); });
+                   [this, tensors, opts]() mutable { return gloo()->broadcast(tensors, opts); });
   at::Tensor t = tensors[0];
   const int root = static_cast<int>(opts.rootRank);  // one host: local index == group rank
   return enqueue({t}, c10d::OpType::BROADCAST,
@@ -255,7 +315,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allgather(std::vector<std::vecto
   if (!ok)
     return on_gloo(outputs.empty() ? std::vector<at::Tensor>{} : outputs[0], c10d::OpType::ALLGATHER,
                    call_of(kAllGather, inputs), opts.timeout,
-                   [this, outputs, inputs, opts]() mutable { return gloo_->allgather(outputs, inputs, opts); });
+                   [this, outputs, inputs, opts]() mutable { return gloo()->allgather(outputs, inputs, opts); });
   at::Tensor in = inputs[0];
   std::vector<at::Tensor> outs = outputs[0];
   return enqueue(outs, c10d::OpType::ALLGATHER, [this, in, outs] {

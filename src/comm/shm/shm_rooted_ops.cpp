@@ -40,7 +40,7 @@ std::string ShmProcessGroup::unsupported(c10d::OpType type, const at::Tensor& t,
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) {
   if (t.size() != 1 || o.rootTensor != 0 || !shm_reduces(t[0], o.reduceOp, /*all=*/false))
     return on_gloo(t, c10d::OpType::REDUCE, call_of(kReduce, t, o.rootRank, &o.reduceOp), o.timeout,
-                   [gloo = gloo_, t, o]() mutable { return gloo->reduce(t, o); });
+                   [gloo = gloo(), t, o]() mutable { return gloo->reduce(t, o); });
   at::Tensor x = t[0];
   return enqueue({x}, c10d::OpType::REDUCE,
                  [this, x, d = *shm_dtype(x), op = *shm_op(o.reduceOp), root = static_cast<int>(o.rootRank)] {
@@ -63,7 +63,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::gather(std::vector<std::vector<a
   if (in.size() != 1 || !shm_moves(in[0]))
     return on_gloo(out.empty() ? std::vector<at::Tensor>{} : out[0], c10d::OpType::GATHER,
                    call_of(kGather, in, o.rootRank), o.timeout,
-                   [gloo = gloo_, out, in, o]() mutable { return gloo->gather(out, in, o); });
+                   [gloo = gloo(), out, in, o]() mutable { return gloo->gather(out, in, o); });
   at::Tensor x = in[0];
   std::vector<at::Tensor> outs = root && !out.empty() ? out[0] : std::vector<at::Tensor>{};
   return enqueue(outs, c10d::OpType::GATHER, [this, x, outs, root, root_rank = static_cast<int>(o.rootRank)] {
@@ -88,7 +88,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::scatter(std::vector<at::Tensor>&
   const bool root = rank_ == o.rootRank;
   if (out.size() != 1 || !shm_moves(out[0]))
     return on_gloo(out, c10d::OpType::SCATTER, call_of(kScatter, out, o.rootRank), o.timeout,
-                   [gloo = gloo_, out, in, o]() mutable { return gloo->scatter(out, in, o); });
+                   [gloo = gloo(), out, in, o]() mutable { return gloo->scatter(out, in, o); });
   at::Tensor y = out[0];
   std::vector<at::Tensor> parts;
   if (root && !in.empty())

@@ -51,8 +51,8 @@ compat::BackendPtr make_shm_process_group(const BackendConfig& c, compat::Backen
   // Without shared memory the group still wraps Gloo: its collectives are checked before they start
   // (Note [Guarded Gloo collectives] in shm_gloo_guard.cpp).
   auto gloo_only = [&] {
-    return c10::make_intrusive<ShmProcessGroup>(c.rank, c.size, gloo, nullptr, compat::BackendPtr(), ShmTopology{},
-                                                labels);
+    return c10::make_intrusive<ShmProcessGroup>(
+        c.rank, c.size, ShmGroupParts{gloo, nullptr, compat::BackendPtr(), ShmTopology{}, labels, c.store});
   };
   if (mode == ShmMode::kOff) return gloo_only();
   auto& store = *c.store;
@@ -145,8 +145,9 @@ compat::BackendPtr make_shm_process_group(const BackendConfig& c, compat::Backen
     lc.size = topo.hosts;
     leaders = make_gloo_backend(lc);
   }
-  return c10::make_intrusive<ShmProcessGroup>(c.rank, c.size, std::move(gloo), std::move(local), std::move(leaders),
-                                              topo, labels);
+  return c10::make_intrusive<ShmProcessGroup>(
+      c.rank, c.size,
+      ShmGroupParts{std::move(gloo), std::move(local), std::move(leaders), std::move(topo), labels, c.store});
 }
 
 }  // namespace dtrain::comm
