@@ -3,6 +3,7 @@
 #include <sstream>
 
 #include <ATen/ATen.h>
+#include <ATen/ScalarOps.h>
 #include <c10/core/GradMode.h>
 
 #include "common/util.h"
@@ -29,7 +30,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       names_(std::move(names)),
       group_(std::move(group)),
       group_size_(group_.size()),
-      divisor_(group_size_),
+      divisor_(0),
       as_view_(gradient_as_bucket_view),
       track_unused_(track_unused) {
   const int n = static_cast<int>(params_.size());
@@ -60,6 +61,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     accumulators_.push_back(compat::grad_accumulator(params_[i]));
     hook_keys_.push_back(compat::add_post_hook(accumulators_.back(), [this, i] { on_grad_ready(i); }));
   }
+  set_divisor(group_size_);
   reset_iteration();
 }
 
@@ -81,6 +83,14 @@ void Reducer::reset_iteration() {
     b.future = Future();
     b.grad_bucket.reset();
   }
+}
+
+void Reducer::set_divisor(int divisor) {
+  if (divisor == divisor_) return;
+  divisor_ = divisor;
+  // A wrapped number on the CPU, as div_(Scalar) makes it (also for CUDA buckets): the same type
+  // promotion and the same bits as dividing by the integer.
+  divisor_tensor_ = at::native::wrapped_scalar_tensor(at::Scalar(static_cast<int64_t>(divisor)));
 }
 
 void Reducer::record(DDPEvent::Kind kind, int index, int64_t time_ns) {
@@ -144,11 +154,20 @@ void Reducer::on_grad_ready(int index) {
   const at::Tensor& grad = params_[index].grad();
   at::Tensor& view = buckets_[bucket_of_[index]].views[slot_of_[index]];
   {
+    // DDP's own all-reduce sums, so each slot is divided by the group size on its way in: in the
+    // same pass as the copy (PyTorch's reducer does the same), not in a second pass over the whole
+    // bucket at launch. A communication hook gets the bucket undivided.
     at::NoGradGuard ng;
-    if (!grad.defined())
+    const bool divide = !comm_hook_;
+    if (!grad.defined()) {
       view.zero_();
-    else if (!(as_view_ && grad.data_ptr() == view.data_ptr()))
+    } else if (as_view_ && grad.data_ptr() == view.data_ptr()) {
+      if (divide) view.div_(divisor_tensor_);
+    } else if (divide) {
+      at::div_out(view, grad, divisor_tensor_);
+    } else {
       view.copy_(grad);
+    }
   }
   mark_ready(index);
 }
@@ -166,10 +185,6 @@ void Reducer::launch_ready_buckets() {
       launch_with_comm_hook(b, next_to_launch_);
       ++next_to_launch_;
       continue;
-    }
-    {
-      at::NoGradGuard ng;
-      b.buffer.div_(divisor_);
     }
     record(DDPEvent::kBucketLaunched, static_cast<int>(next_to_launch_));
     // The last bucket is ready only once backward has produced every gradient: nothing is left to

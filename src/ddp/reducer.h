@@ -5,12 +5,13 @@
 //      will get no gradient (find_unused_parameters / static_graph) and arms the hooks.
 //   2. The first hook to fire in backward marks the unused parameters ready (their bucket slots
 //      are zeroed) and queues finalize() to run at the end of this backward.
-//   3. Each parameter's hook (after AccumulateGrad) copies .grad() into its bucket slot (nothing to
-//      copy when the gradient already is the slot: gradient_as_bucket_view) and counts the bucket
-//      down. A bucket at zero is ready; ready buckets are launched strictly in bucket order: the
-//      flat buffer is divided by the group size and all-reduced (SUM): asynchronously, except the
-//      last bucket, which has nothing left to overlap with and is reduced on this thread. With a
-//      communication hook, the hook gets the bucket instead (no division) and returns a Future.
+//   3. Each parameter's hook (after AccumulateGrad) writes .grad() divided by the group size into
+//      its bucket slot, one pass for the copy and the division (divided in place when the gradient
+//      already is the slot: gradient_as_bucket_view), and counts the bucket down. A bucket at zero
+//      is ready; ready buckets are launched strictly in bucket order: the flat buffer is
+//      all-reduced (SUM): asynchronously, except the last bucket, which has nothing left to
+//      overlap with and is reduced on this thread. With a communication hook the slots are filled
+//      undivided, and the hook gets the bucket instead and returns a Future.
 //   4. finalize(): every bucket must have been launched — otherwise the parameters that got no
 //      gradient are named in the error (PyTorch's message, with the find_unused_parameters
 //      remedy). With unused-parameter tracking, a small MAX all-reduce tells which parameters were
@@ -61,7 +62,7 @@ class Reducer {
   void disarm() { armed_ = false; }
   // What DDP's own all-reduce divides the summed gradients by (the group's size, or under Join
   // the ranks active in this iteration; set before each synchronized forward).
-  void set_divisor(int divisor) { divisor_ = divisor; }
+  void set_divisor(int divisor);
   // A joined rank's backward (Join): every bucket's collective in bucket order with zeros as this
   // rank's gradients, the unused-parameter exchange, then the results become .grad() as in step 4,
   // so this rank ends with the active ranks' averaged gradients.
@@ -94,6 +95,7 @@ class Reducer {
   Group group_;
   int group_size_;
   int divisor_;
+  at::Tensor divisor_tensor_;  // divisor_ as a wrapped number: each slot is divided as it is filled
   bool as_view_;
   bool track_unused_;
   CommHook comm_hook_;
