@@ -32,6 +32,13 @@
 // step time over the fastest schedule's, and that schedule's theoretical step time over its measured
 // one (1 = as fast as theory); at chunks 2, ZB-H1's step time over 1F1B's (theory 7/9 = 0.78);
 // over_theory2/4/8: 1F1B's measured step time over its theory at chunks 2, 4, 8.
+// The theory's S is the batch in one piece, but a pipeline runs it as m micro-batches, each a smaller
+// GEMM with its own autograd calls; the driver also times the unsplit model in one process on the same
+// m micro-batches (gradients accumulated, one Adam step: single_mb<m>_ms) and gives 1F1B's step over
+// the theory from that S as over_mb_theory<m>: what the pipeline adds to the same work (stage imbalance,
+// bubble, messages). A table splits 1F1B's step per rank into compute, boundary receives (waiting
+// included), boundary sends, Adam and the rest (the end-of-step agreement, where the faster stage waits),
+// with the boundary messages per tensor sent (1 once the shapes are agreed).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -60,6 +67,7 @@ using namespace bench;
 constexpr int kWorld = 2;
 constexpr int kBatches = 4;  // distinct pre-made batches, cycled
 constexpr int kVirtual = 2;  // model chunks per rank of the interleaved schedule
+constexpr int kParts = 5;    // per rank: compute, recv, send, Adam, rest (worker_main)
 
 struct ScheduleSpec {
   const char* flag;
@@ -140,27 +148,45 @@ int worker_main(int argc, char** argv) {
         net, dtrain::PipelineOptions().chunks(chunks).schedule(spec.schedule).virtual_stages(spec.virtual_stages));
     torch::optim::Adam opt(pipe.parameters(), torch::optim::AdamOptions(1e-3));
     const auto batches = make_batches(batch);
-    double step_s = 0, compute_s = 0;
+    double step_s = 0, compute_s = 0, recv_s = 0, send_s = 0, adam_s = 0;
+    int64_t messages = 0, tensors = 0;
     for (int i = 0; i < warmup + steps; ++i) {
       if (i == warmup) dtrain::barrier();
       const auto& [x, y] = batches[i % kBatches];
       const auto t0 = Clock::now();
       opt.zero_grad();
       pipe.step(x, y, loss_fn);
+      const auto t_adam = Clock::now();
       opt.step();
       if (i >= warmup) {
         step_s += secs_since(t0);
-        compute_s += pipe.last_step_stats().compute_s;
+        adam_s += secs_since(t_adam);
+        const dtrain::PipelineStepStats& st = pipe.last_step_stats();
+        compute_s += st.compute_s;
+        recv_s += st.recv_s;
+        send_s += st.send_s;
+        messages += st.boundary_messages;
+        tensors += st.boundary_tensors;
       }
     }
-    // [step time, idle fraction] averaged over the ranks.
-    at::Tensor r = at::tensor({step_s / steps, 1.0 - compute_s / step_s}, at::kDouble);
-    dtrain::all_reduce(r, dtrain::ReduceOp::AVG);
+    // [step time, idle fraction] averaged over the ranks, then per rank (ms per step): compute, boundary
+    // receives, boundary sends, Adam, the rest of the step; last, boundary messages per tensor.
+    at::Tensor r = at::zeros({3 + kWorld * kParts}, at::kDouble);
+    r[0] = step_s / steps / kWorld;
+    r[1] = (1.0 - compute_s / step_s) / kWorld;
+    r[2] = static_cast<double>(messages) / static_cast<double>(std::max<int64_t>(tensors, 1)) / kWorld;
+    const double per_step = 1e3 / steps;
+    const double parts[kParts] = {compute_s, recv_s, send_s, adam_s, step_s - compute_s - recv_s - send_s - adam_s};
+    for (int j = 0; j < kParts; ++j) r[3 + dtrain::rank() * kParts + j] = parts[j] * per_step;
+    dtrain::all_reduce(r, dtrain::ReduceOp::SUM);
     std::string balance;
     for (int64_t b : pipe.balance()) balance += (balance.empty() ? "" : "+") + std::to_string(b);
-    if (dtrain::rank() == 0)
-      std::printf("balance=%s step_ms=%.4f idle=%.4f\n", balance.c_str(), r[0].item<double>() * 1e3,
-                  r[1].item<double>());
+    if (dtrain::rank() == 0) {
+      std::printf("balance=%s step_ms=%.4f idle=%.4f messages_per_tensor=%.4f", balance.c_str(),
+                  r[0].item<double>() * 1e3, r[1].item<double>(), r[2].item<double>());
+      for (int k = 0; k < kWorld * kParts; ++k) std::printf(" part%d=%.4f", k, r[3 + k].item<double>());
+      std::printf("\n");
+    }
     dtrain::destroy_process_group();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_pipeline worker: error: %s\n", e.what());
@@ -169,8 +195,11 @@ int worker_main(int argc, char** argv) {
   return 0;
 }
 
-// The unsplit model in this process, the same batches: ms per step (median of reps).
-double single_process_ms(const std::string& model_name, int64_t width, int64_t batch, int steps, int warmup) {
+// The unsplit model in this process, the same batches: ms per step. With chunks > 1, each batch runs as
+// `chunks` micro-batches whose gradients accumulate (each loss weighted by its share of the batch), as the
+// pipeline runs them: the same work without the stages, the messages and the bubble.
+double single_process_ms(const std::string& model_name, int64_t width, int64_t batch, int steps, int warmup,
+                         int64_t chunks = 1) {
   at::set_num_threads(1);
   torch::manual_seed(0);
   torch::nn::Sequential model = make_net(model_name, width);
@@ -181,7 +210,13 @@ double single_process_ms(const std::string& model_name, int64_t width, int64_t b
     if (i == warmup) t0 = Clock::now();
     const auto& [x, y] = batches[i % kBatches];
     opt.zero_grad();
-    loss_fn(model->forward(x), y).backward();
+    if (chunks == 1) {
+      loss_fn(model->forward(x), y).backward();
+    } else {
+      const auto xs = x.chunk(chunks), ys = y.chunk(chunks);
+      for (size_t j = 0; j < xs.size(); ++j)
+        (loss_fn(model->forward(xs[j]), ys[j]) * (static_cast<double>(xs[j].size(0)) / batch)).backward();
+    }
     opt.step();
   }
   return secs_since(t0) / steps * 1e3;
@@ -205,9 +240,11 @@ int driver_main(int argc, char** argv) {
   dtrain::reduce_allocator_churn();
 
   const std::vector<int64_t> chunk_list = {1, 2, 4, 8};
-  std::map<std::string, std::vector<double>> ms, idle;
+  std::map<std::string, std::vector<double>> ms, idle, per_tensor;
+  std::map<std::string, std::vector<std::vector<double>>> parts;  // per job, per rep: the workers' part0..
   std::map<std::string, std::string> balance;
   std::vector<double> single;
+  std::map<int64_t, std::vector<double>> single_mb;  // the unsplit model in micro-batches, per chunks
   std::printf(
       "bench_pipeline: %s over %d ranks (point-to-point over shared memory), batch %lld, %d timed "
       "steps, %d reps, load %s\n",
@@ -227,10 +264,16 @@ int driver_main(int argc, char** argv) {
       const std::string key = s + "/" + std::to_string(c);
       ms[key].push_back(parse_value(out, "step_ms"));
       idle[key].push_back(parse_value(out, "idle"));
+      per_tensor[key].push_back(parse_value(out, "messages_per_tensor"));
+      std::vector<double> p;
+      for (int k = 0; k < kWorld * kParts; ++k) p.push_back(parse_value(out, "part" + std::to_string(k)));
+      parts[key].push_back(p);
       const std::string line = parse_line(out, "balance=");  // "balance=2+3 step_ms=..."
       balance[s] = line.substr(8, line.find(' ') - 8);
     }
     single.push_back(single_process_ms(model, width, batch, steps, warmup));
+    for (int64_t c : chunk_list)
+      if (c > 1) single_mb[c].push_back(single_process_ms(model, width, batch, steps, warmup, c));
   }
   const double single_ms = median(single);
   std::printf(
@@ -264,13 +307,42 @@ int driver_main(int argc, char** argv) {
   for (const auto& s : kSchedules)
     if (m(s.flag, 4) < m(fastest->flag, 4)) fastest = &s;
   std::printf("\nfastest at chunks 4: %s\n", dtrain::to_string(fastest->schedule).c_str());
+
+  // Where 1F1B's step goes, per rank (medians over the reps of each part, so the parts need not add
+  // up exactly to the step's median), beside the unsplit model run in the same micro-batches.
+  auto part = [&](const std::string& key, int k) {
+    std::vector<double> v;
+    for (const auto& rep_parts : parts[key]) v.push_back(rep_parts[k]);
+    return median(v);
+  };
+  auto mb_ms = [&](int64_t c) { return c == 1 ? single_ms : median(single_mb[c]); };
+  std::printf(
+      "\n1F1B per rank, ms per step: compute (forward, loss, backward), recv (waiting for and copying "
+      "boundary tensors), send (posting them), Adam, rest (agreement, bookkeeping); unsplit = the model in one "
+      "process in the same micro-batches\n\n");
+  std::printf(
+      "| chunks | step | rank | compute | recv | send | Adam | rest | unsplit, micro-batched | messages per tensor "
+      "|\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  for (int64_t c : chunk_list) {
+    const std::string key = "1f1b/" + std::to_string(c);
+    for (int r = 0; r < kWorld; ++r)
+      std::printf("| %lld | %.3f | %d | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f |\n", static_cast<long long>(c),
+                  median(ms[key]), r, part(key, r * kParts), part(key, r * kParts + 1), part(key, r * kParts + 2),
+                  part(key, r * kParts + 3), part(key, r * kParts + 4), mb_ms(c), median(per_tensor[key]));
+  }
+  // The same ratio with the theory's S measured in micro-batches: what the pipeline adds to the work.
+  auto over_mb = [&](int64_t c) { return m("1f1b", c) / theory_ms(spec_of("1f1b"), c, mb_ms(c)); };
   std::printf(
       "\nRESULT chunks1_ms=%.3f chunks2_ms=%.3f chunks4_ms=%.3f chunks8_ms=%.3f idle1=%.3f idle2=%.3f "
       "idle4=%.3f idle8=%.3f single_ms=%.3f speedup_vs_single_4=%.3f vs_theory_4=%.3f zb_vs_1f1b_2=%.3f "
-      "over_theory2=%.3f over_theory4=%.3f over_theory8=%.3f\n",
+      "over_theory2=%.3f over_theory4=%.3f over_theory8=%.3f single_mb2_ms=%.3f single_mb4_ms=%.3f "
+      "single_mb8_ms=%.3f over_mb_theory2=%.3f over_mb_theory4=%.3f over_mb_theory8=%.3f "
+      "messages_per_tensor8=%.3f\n",
       m("1f1b", 1), m("1f1b", 2), m("1f1b", 4), m("1f1b", 8), i(1), i(2), i(4), i(8), single_ms,
       single_ms / m(fastest->flag, 4), theory_ms(*fastest, 4, single_ms) / m(fastest->flag, 4),
-      m("zb", 2) / m("1f1b", 2), over_theory(2), over_theory(4), over_theory(8));
+      m("zb", 2) / m("1f1b", 2), over_theory(2), over_theory(4), over_theory(8), mb_ms(2), mb_ms(4), mb_ms(8),
+      over_mb(2), over_mb(4), over_mb(8), median(per_tensor["1f1b/8"]));
   return 0;
 }
 

@@ -50,7 +50,7 @@
 //
 // Note [pipeline failure]: a stage that throws (its forward, backward, weight gradient or the loss) must
 // make every rank fail with that error, without hanging. The failing rank writes its message to the
-// job's store, sends a FAIL header on both of its outgoing channels (to the next rank and to the
+// job's store, sends a FAIL message on both of its outgoing channels (to the next rank and to the
 // previous one; with virtual stages they form a ring and every rank has both), and goes to
 // the agreement. A rank that receives FAIL where it expected data does the same (without a message),
 // so every rank blocked on a receive is released: the chain of waits ends at a failed rank. The
@@ -120,7 +120,11 @@ struct PipelineOptions {
 struct PipelineStepStats {
   double step_s = 0;     // the whole step, agreement and gradient sync included
   double compute_s = 0;  // inside the stage's forward, loss and backward
+  double recv_s = 0;     // inside boundary receives: waiting for the neighbour, and the copy out
+  double send_s = 0;     // posting boundary sends (each tensor copied into its message)
   int64_t micro_batches = 0;
+  int64_t boundary_tensors = 0;        // activations and gradients this rank sent
+  int64_t boundary_messages = 0;       // the messages that carried them: one each, plus one per change of shape
   int64_t max_live_micro_batches = 0;  // the most micro-batches whose activations were stored at once
 };
 

@@ -34,6 +34,18 @@ struct StepRun {
   Pipeline::Impl::Live& state(const Action& a) {
     return live[pipeline::chunk_of(m.layout, a.stage) * m.options.chunks() + a.micro_batch];
   }
+  // The links' receive and send, timed into the step's stats.
+  at::Tensor recv(Links::Peer from, int64_t id) {
+    const auto t0 = Clock::now();
+    at::Tensor t = m.links->recv(from, id);
+    st.recv_s += since(t0);
+    return t;
+  }
+  void send(Links::Peer to, const at::Tensor& t, int64_t id) {
+    const auto t0 = Clock::now();
+    m.links->send(to, t, id);
+    st.send_s += since(t0);
+  }
   void forward(const Action& a, std::string& action);
   void backward(const Action& a);
   void weight(const Action& a);
@@ -44,7 +56,7 @@ void StepRun::forward(const Action& a, std::string& action) {
   const int64_t i = a.micro_batch;
   const bool first = k == 0, last = k == m.total_stages() - 1;
   Pipeline::Impl::Live& l = state(a);
-  at::Tensor x = first ? in_chunks[i] : m.links->recv(Links::kPrev, m.message_id(k - 1, i)).requires_grad_(true);
+  at::Tensor x = first ? in_chunks[i] : recv(Links::kPrev, m.message_id(k - 1, i)).requires_grad_(true);
   const auto tc = Clock::now();
   at::Tensor out = m.run_forward(k, x, i, m.split_backward() ? &l.parts : nullptr);
   if (last) {
@@ -64,7 +76,7 @@ void StepRun::forward(const Action& a, std::string& action) {
     l.output = out;
   }
   st.compute_s += since(tc);
-  if (!last) m.links->send(Links::kNext, out, m.message_id(k, i));
+  if (!last) send(Links::kNext, out, m.message_id(k, i));
   st.max_live_micro_batches = std::max(st.max_live_micro_batches, ++live_now);
 }
 
@@ -76,7 +88,7 @@ void StepRun::backward(const Action& a) {
   Pipeline::Impl::Live& l = state(a);
   at::Tensor grad;
   if (!last) {
-    grad = m.links->recv(Links::kNext, m.message_id(k, i));
+    grad = recv(Links::kNext, m.message_id(k, i));
     DTRAIN_CHECK(grad.sizes() == l.output.sizes(), "pipeline boundary mismatch: stage ", k + 1, " (rank ",
                  m.links->peer_rank(Links::kNext), ") returned a gradient of shape ", grad.sizes(), " for stage ", k,
                  "'s output of shape ", l.output.sizes());
@@ -95,7 +107,7 @@ void StepRun::backward(const Action& a) {
     if (!first) gx = l.input.grad();
   }
   st.compute_s += since(tc);
-  if (!first) m.links->send(Links::kPrev, gx.defined() ? gx : at::zeros_like(l.input), m.message_id(k - 1, i));
+  if (!first) send(Links::kPrev, gx.defined() ? gx : at::zeros_like(l.input), m.message_id(k - 1, i));
   if (m.split_backward()) {
     l.input = l.output = at::Tensor();  // the graph lives on in l.parts until W
   } else {
@@ -190,6 +202,8 @@ PipelineStepResult Pipeline::step(const at::Tensor& input, const at::Tensor& tar
   all_reduce(agreement, ReduceOp::SUM, m.layout.agreement);
   agreement = agreement.cpu();
   if (agreement.slice(0, 1).sum().item<double>() > 0 || failed) m.fail_step(agreement);
+  run.st.boundary_tensors = m.links->tensors_sent();
+  run.st.boundary_messages = m.links->messages_sent();
   m.links->finish_step();
   if (m.ddp) m.sync_replicas();
 

@@ -148,6 +148,37 @@ TEST(Pipeline, BoundaryTensorsLargerThanTheRingDoNotHang) {
   }
 }
 
+// Note [boundary envelopes]: one message per boundary tensor once a channel's shape is agreed; a
+// change of shape (a smaller last micro-batch, a new batch size) costs one more message per channel,
+// and the results still equal one process's.
+TEST(Pipeline, BoundaryShapesAreAgreedOnceAndAgainWhenTheyChange) {
+  Sequential ref = make_model();
+  auto ref_opt = make_opt(ref->parameters());
+  Pipeline pipe(make_model(), PipelineOptions().chunks(4).schedule(Schedule::k1F1B));
+  auto opt = make_opt(pipe.parameters());
+  const int64_t channels = (pipe.is_first() ? 0 : 1) + (pipe.is_last() ? 0 : 1);
+  // Batch sizes per step: 16 = 4 x 4, again, 14 = 4+4+4+2 (the last micro-batch smaller), 16 again.
+  const int64_t sizes[] = {kBatch, kBatch, kBatch - 2, kBatch};
+  const int64_t extra[] = {channels, 0, channels, channels};  // messages beyond one per tensor
+  for (int step = 0; step < 4; ++step) {
+    auto [x, y] = batch(step);
+    x = x.slice(0, 0, sizes[step]);
+    y = y.slice(0, 0, sizes[step]);
+    ref_opt.zero_grad();
+    at::Tensor ref_loss = loss_fn(ref->forward(x), y);
+    ref_loss.backward();
+    ref_opt.step();
+    opt.zero_grad();
+    auto r = pipe.step(x, y, loss_fn);
+    opt.step();
+    EXPECT_NEAR(r.loss, ref_loss.item<double>(), 1e-9 * std::abs(ref_loss.item<double>())) << "step " << step;
+    const PipelineStepStats& st = pipe.last_step_stats();
+    EXPECT_EQ(st.boundary_tensors, 4 * channels) << "step " << step;
+    EXPECT_EQ(st.boundary_messages, st.boundary_tensors + extra[step]) << "step " << step;
+  }
+  EXPECT_LT(stage_diff(pipe, ref), 1e-6);
+}
+
 struct FailCase {
   int stage;
   Injection::Where where;
