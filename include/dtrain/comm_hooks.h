@@ -169,6 +169,11 @@ struct PowerSGDOptions {
   DTRAIN_ARG(uint32_t, random_seed, 0)
   // Multiplies same-shaped matrices of a bucket as one batch (PyTorch's batch_tensors_with_same_shape).
   DTRAIN_ARG(bool, batch_tensors_with_same_shape, false)
+  // Not in PyTorch. On the CPU each compressed matrix is processed in blocks of rows of about this
+  // many bytes, so that a block read from memory stays in a core's L2 cache for all the work of its
+  // pass (PowerSGD there is bound by memory traffic); 0: the whole matrix as one block. Results
+  // differ from one block only in the order of floating-point additions.
+  DTRAIN_ARG(int64_t, cpu_block_bytes, 256 << 10)
 };
 
 // PowerSGD's options and its memory across iterations. A handle: copies share the state, so the one
