@@ -6,12 +6,13 @@
 //   2. Error feedback: add the bucket's error memory (zeros the first time) and keep a copy.
 //   3. Each gradient viewed as a matrix (shape[0] x the rest): compressed when
 //      (n + m) * r * min_compression_rate < n * m with r = min(n, m, rank), else uncompressed.
-//   4. The uncompressed ones are concatenated and all-reduced as one tensor.
+//   4. The uncompressed ones are concatenated, to be all-reduced as one tensor together with P (step 6).
 //   5. P and Q live in one flat tensor each per bucket, matrices grouped by shape in first-seen order.
 //      Qs: the first time (always without warm start) drawn from N(0, 1) by a CPU generator seeded
 //      with the state's next seed (numpy's RandomState(random_seed).randint(1e9), as PyTorch), each
 //      orthogonalized; with warm start afterwards the previous Qs, orthogonalized again.
-//   6. P = M Q, all-reduced (SUM: it is orthogonalized next, so the scale does not matter).
+//   6. P = M Q, all-reduced with step 4's tensor in one call (SUM: P is orthogonalized next, so the
+//      scale does not matter).
 //   --- the rest runs when DDP waits for the Future (Note [Comm hook futures]) ---
 //   7. Uncompressed: divide by the group size, copy back. P orthogonalized, Q = M^T P, all-reduced and
 //      divided by the group size, M = P Q^T written into the bucket.
@@ -273,7 +274,6 @@ Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
     flat.push_back(uncompressed[u].reshape({-1}));
   }
   at::Tensor uncompressed_memory = flat.empty() ? at::empty({0}, input.options()) : at::cat(flat);
-  Future uncompressed_sum = ddp::sum_future(uncompressed_memory, group);
   // Step 5.
   const bool randomize = !s.options.warm_start() || s.p_memory.count(index) == 0;
   if (randomize) {
@@ -333,20 +333,24 @@ Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
       skinny_bmm_out(ps[k], matrices[k], qs[k]);
     }
   }
-  Future p_sum = ddp::sum_future(p_memory, group);
+  // Steps 4 and 6 share one all-reduce (PyTorch starts two): both are small, and over TCP between
+  // busy ranks each collective costs a round of waiting for the other rank, more than its bytes.
+  const int64_t n_flat = uncompressed_memory.numel();
+  at::Tensor sums = n_flat == 0 ? p_memory : at::cat({uncompressed_memory, p_memory});
+  Future p_sum = ddp::sum_future(sums, group);
 
-  return p_sum.then([impl, group, world, index, is_last, input, uncompressed, uncompressed_err, uncompressed_memory,
-                     uncompressed_sum, to_compress, to_compress_err, matrices, members, ps, qs, p_memory, q_memory,
+  return p_sum.then([impl, group, world, index, is_last, input, uncompressed, uncompressed_err, sums, n_flat,
+                     to_compress, to_compress_err, matrices, members, ps, qs, p_memory, q_memory,
                      eps](const at::Tensor&) mutable {
     at::NoGradGuard ng;
     auto& s = *impl;
+    if (n_flat > 0) p_memory.copy_(sums.narrow(0, n_flat, p_memory.numel()));
     // Step 7 (and 8's error of the uncompressed tensors: what they held minus the average).
-    uncompressed_sum.wait();
-    uncompressed_memory.div_(world);
+    const at::Tensor averages = sums.narrow(0, 0, n_flat).div_(world);
     int64_t at_ = 0;
     for (size_t u = 0; u < uncompressed.size(); ++u) {
       const at::Tensor& t = uncompressed[u];
-      at::Tensor avg = uncompressed_memory.narrow(0, at_, t.numel()).view_as(t);
+      at::Tensor avg = averages.narrow(0, at_, t.numel()).view_as(t);
       if (uncompressed_err[u].defined()) at::sub_out(uncompressed_err[u], t, avg);
       t.copy_(avg);
       at_ += t.numel();
