@@ -102,8 +102,9 @@ at::Tensor Links::recv(Peer from, int64_t id) {
   DTRAIN_ASSERT(h[1] == id, "pipeline message out of order: expected message ", id, " from rank ", peer_[from],
                 ", got ", h[1]);
   const ChannelLayout& l = in_[from];
-  DTRAIN_ASSERT(header_layout(h).dtype == l.dtype && header_layout(h).shape == l.shape, "pipeline message ", id,
-                " from rank ", peer_[from], " does not have the channel's agreed layout");
+  const ChannelLayout sent = header_layout(h);
+  DTRAIN_ASSERT(sent.dtype == l.dtype && sent.shape == l.shape, "pipeline message ", id, " from rank ", peer_[from],
+                " does not have the channel's agreed layout");
   // A view of the envelope's payload that keeps the envelope alive.
   return at::from_blob(
       envelope_bytes(env) + kHeaderBytes, l.shape, [env](void*) {}, at::TensorOptions(l.dtype).device(device_));
