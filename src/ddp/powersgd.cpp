@@ -14,7 +14,7 @@
 //   6. P = M Q, all-reduced with step 4's tensor in one call (SUM: P is orthogonalized next, so the
 //      scale does not matter).
 //   --- the rest runs when DDP waits for the Future (Note [Comm hook futures]), step 7 up to Q's
-//       all-reduce already in the next bucket's hook when there is one (Note [PowerSGD pipeline]) ---
+//       all-reduce earlier: in the next bucket's hook or the first continuation (Note [PowerSGD pipeline]) ---
 //   7. Uncompressed: divide by the group size, copy back. P orthogonalized, Q = M^T P, all-reduced and
 //      divided by the group size, M = P Q^T written into the bucket.
 //   8. Error memory = what step 2 left minus the result; without warm start P and Q are dropped;
@@ -44,17 +44,18 @@ struct PowerSGDState::Impl {
   int64_t numel_before = 0, numel_after = 0;
   // Note [PowerSGD pipeline]: each bucket needs two all-reduces in sequence (P, then Q = M^T P of
   // the orthogonalized sum), and over TCP each costs a round trip of a millisecond or more however
-  // small it is. Run in the continuations alone, the three that follow the last P (the last P, then
-  // Q per bucket) all wait at the end of backward with nothing to do meanwhile. So the hook of bucket
-  // k + 1 first takes bucket k's step 7 up to its Q all-reduce (its P all-reduce went during the
-  // backward in between) and starts that Q, asynchronously: it is in flight during bucket k + 1's
-  // pass over its gradients, and bucket k's continuation finds it done or nearly, then writes bucket
-  // k while bucket k + 1's P is in flight. The last bucket (and a bucket whose continuation runs
-  // before a next hook) does that part in its continuation. Collective order stays the same on every
-  // rank: hooks run in bucket order, continuations after them in bucket order
-  // (Note [Comm hook futures]), so every rank issues P0, Q0, P1, Q1, ...; only the program points moved. The values
-  // are PyTorch's: the same operations on the same tensors. `pending`: the bucket whose P all-reduce
-  // is in flight and whose Q all-reduce is not yet started.
+  // small it is. Run in the continuations alone, the three that follow the last bucket's P (that P,
+  // then each bucket's Q) waited one after the other at the end of backward with nothing to do
+  // meanwhile. So a bucket's step 7 up to its Q all-reduce (started asynchronously) moves earlier:
+  // - the hook of bucket k + 1, once its own P all-reduce is started, does it for bucket k (whose P
+  //   went during the backward in between): bucket k + 1's P round trip passes meanwhile;
+  // - the first continuation does it for the last bucket before writing its own bucket: that write
+  //   (and each later bucket's) passes during the last Q's round trip;
+  // - a continuation finds its bucket's Q started (or done) and writes the bucket once it is summed.
+  // The order of collectives stays one on every rank: hooks run in bucket order, continuations after
+  // them in bucket order (Note [Comm hook futures]), so every rank issues P0, P1, Q0, P2, Q1, ...,
+  // then the last Q; only the program points moved. The values are PyTorch's: the same operations on
+  // the same tensors. `pending`: the latest bucket whose P all-reduce is started and Q not yet.
   std::shared_ptr<PowerSGDBucketStep> pending;
 
   void maybe_increase_iter(bool is_last) {
@@ -307,12 +308,6 @@ Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
   const bool is_last = bucket.is_last();
   if (s.warming_up(bucket)) return allreduce_hook(group, bucket);  // step 1
   at::NoGradGuard ng;
-  if (s.pending) {
-    // Note [PowerSGD pipeline]: the previous bucket's Q all-reduce goes now, in flight during this
-    // bucket's pass over its gradients.
-    start_q_sum(*s.pending);
-    s.pending.reset();
-  }
   const int index = bucket.index();
   // Step 2. The copy PyTorch keeps for the error is not needed: the error is written in step 8 from
   // the bucket's values before they are overwritten, into the same buffer (no allocation per step).
@@ -438,13 +433,17 @@ Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
   w.eps = eps;
   w.block_bytes = s.options.cpu_block_bytes();
   w.p_sum = ddp::sum_future(w.sums, group);
+  // Note [PowerSGD pipeline]: the previous bucket's Q all-reduce goes now, while this P is in flight.
+  if (s.pending) start_q_sum(*s.pending);
   s.pending = step;
   return Future(input).then([impl, step](const at::Tensor&) {
     at::NoGradGuard ng;
-    if (!step->q_sum.valid()) {  // no later bucket's hook started it (the last bucket, or one alone)
-      start_q_sum(*step);
-      if (impl->pending == step) impl->pending.reset();
+    // The latest bucket's Q (this one's when it is the latest) goes before this bucket is written.
+    if (impl->pending) {
+      start_q_sum(*impl->pending);
+      impl->pending.reset();
     }
+    if (!step->q_sum.valid()) start_q_sum(*step);  // not reached: a later hook or the line above started it
     write_result(*step);
     // Step 8.
     if (!impl->options.warm_start()) {
