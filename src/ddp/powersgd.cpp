@@ -11,7 +11,7 @@
 //      Qs: the first time (always without warm start) drawn from N(0, 1) by a CPU generator seeded
 //      with the state's next seed (numpy's RandomState(random_seed).randint(1e9), as PyTorch), each
 //      orthogonalized; with warm start afterwards the previous Qs, orthogonalized again.
-//   6. P = M Q, all-reduced with step 4's tensor in one call (SUM: P is orthogonalized next, so the
+//   6. P = M Q, summed with step 4's tensor in one call (SUM: P is orthogonalized next, so the
 //      scale does not matter).
 //   --- the rest runs when DDP waits for the Future (Note [Comm hook futures]), step 7 up to Q's
 //       all-reduce earlier: in the next bucket's hook or the first continuation (Note [PowerSGD pipeline]) ---
@@ -273,7 +273,7 @@ void start_q_sum(PowerSGDBucketStep& w) {
   for (const auto& p : w.ps) orthogonalize(p, w.eps);
   // M^T P reads M once per column of P already (skinny_bmm_out); blocks did not make it cheaper.
   for (size_t k = 0; k < w.matrices.size(); ++k) skinny_bmm_out(w.qs[k], w.matrices[k].transpose(1, 2), w.ps[k]);
-  w.q_sum = ddp::sum_future(w.q_memory, w.group);
+  w.q_sum = ddp::small_sum_future(w.q_memory, w.group);
 }
 
 // The rest of step 7 and step 8's error: M = P Q^T once Q is summed.
@@ -432,7 +432,7 @@ Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
   w.q_memory = q_memory;
   w.eps = eps;
   w.block_bytes = s.options.cpu_block_bytes();
-  w.p_sum = ddp::sum_future(w.sums, group);
+  w.p_sum = ddp::small_sum_future(w.sums, group);
   // Note [PowerSGD pipeline]: the previous bucket's Q all-reduce goes now, while this P is in flight.
   if (s.pending) start_q_sum(*s.pending);
   s.pending = step;
@@ -493,7 +493,7 @@ Future batched_powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
   at::Tensor p = s.p_memory[index], q = s.q_memory[index];
   orthogonalize(q.unsqueeze(0), 0);  // PyTorch passes no epsilon here
   psgd_fold_error_and_project(matrix, add_error ? error : at::Tensor(), q, p, s.options.cpu_block_bytes());
-  Future p_sum = ddp::sum_future(p, group);
+  Future p_sum = ddp::small_sum_future(p, group);
   return p_sum.then(
       [impl, group, world, is_last, input, total, padded, error, matrix, p, q](const at::Tensor&) mutable {
         at::NoGradGuard ng;
@@ -501,7 +501,7 @@ Future batched_powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
         orthogonalize(p.unsqueeze(0), 0);
         at::Tensor q3 = q.unsqueeze(0);
         skinny_bmm_out(q3, matrix.t().unsqueeze(0), p.unsqueeze(0));
-        ddp::sum_future(q, group).wait();
+        ddp::small_sum_future(q, group).wait();
         q.div_(world);
         psgd_write_approximation(matrix, error, p, q, s.options.cpu_block_bytes());
         if (!s.options.warm_start()) {
