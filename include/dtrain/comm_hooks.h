@@ -37,7 +37,9 @@ namespace dtrain {
 // order, during backward) and then the continuations (bucket order, at the end) in one order. The
 // price: work in a continuation does not overlap backward. Hooks therefore start everything that
 // needs only local data before returning (PowerSGD starts its P all-reduce there, beside the
-// uncompressed tensors', where PyTorch starts it in a continuation; the values are the same).
+// uncompressed tensors', where PyTorch starts it in a continuation; the values are the same), and a
+// hook may advance an earlier bucket's pending work, since hooks too run in one order on every rank
+// (PowerSGD starts the previous bucket's Q all-reduce there: Note [PowerSGD pipeline]).
 // Waiting twice returns the same tensor; a continuation runs once.
 class Future {
  public:

@@ -115,6 +115,30 @@ Future sum_future(at::Tensor t, const Group& group) {
   });
 }
 
+// Note [Small sums as all-gathers]: Gloo's all-reduce goes round its ring twice (reduce-scatter,
+// then all-gather: 2 (n - 1) exchanges), an all-gather once (n - 1). Over TCP a tiny tensor's time
+// is those exchanges' latency, not its bytes, so a small one is gathered and summed on every rank in
+// group-rank order (the same additions everywhere: every rank gets the same bits; on 2 ranks exactly
+// the all-reduce's sum, a + b being b + a). It moves (n - 1) copies where the all-reduce moves
+// 2 (n - 1) / n, hence only below kGatherBytes of copies; the shared-memory group's all-reduce is
+// fast already.
+Future small_sum_future(at::Tensor t, const Group& group) {
+  constexpr int64_t kGatherBytes = 256 * 1024;
+  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+  if (group.backend() != "gloo" || group.uses_shared_memory() || needs_gathered_bf16(t, group) ||
+      (group.size() - 1) * bytes > kGatherBytes || !t.is_contiguous())
+    return sum_future(t, group);
+  std::vector<at::Tensor> all;
+  for (int r = 0; r < group.size(); ++r) all.push_back(at::empty_like(t));
+  Work w = all_gather(all, t, group, /*async_op=*/true);
+  return Future(w, t).then([t, all](const at::Tensor&) mutable {
+    at::NoGradGuard ng;
+    t.copy_(all[0]);
+    for (size_t r = 1; r < all.size(); ++r) t.add_(all[r]);
+    return t;
+  });
+}
+
 }  // namespace ddp
 
 Future allreduce_hook(const Group& group, GradBucket& bucket) {

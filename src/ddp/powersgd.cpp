@@ -11,9 +11,10 @@
 //      Qs: the first time (always without warm start) drawn from N(0, 1) by a CPU generator seeded
 //      with the state's next seed (numpy's RandomState(random_seed).randint(1e9), as PyTorch), each
 //      orthogonalized; with warm start afterwards the previous Qs, orthogonalized again.
-//   6. P = M Q, all-reduced with step 4's tensor in one call (SUM: P is orthogonalized next, so the
+//   6. P = M Q, summed with step 4's tensor in one call (SUM: P is orthogonalized next, so the
 //      scale does not matter).
-//   --- the rest runs when DDP waits for the Future (Note [Comm hook futures]) ---
+//   --- the rest runs when DDP waits for the Future (Note [Comm hook futures]), step 7 up to Q's
+//       all-reduce earlier: in the next bucket's hook or the first continuation (Note [PowerSGD pipeline]) ---
 //   7. Uncompressed: divide by the group size, copy back. P orthogonalized, Q = M^T P, all-reduced and
 //      divided by the group size, M = P Q^T written into the bucket.
 //   8. Error memory = what step 2 left minus the result; without warm start P and Q are dropped;
@@ -33,12 +34,29 @@
 
 namespace dtrain {
 
+struct PowerSGDBucketStep;
+
 struct PowerSGDState::Impl {
   PowerSGDOptions options;
   std::mt19937 rng;  // numpy's RandomState(seed) is this generator seeded the same way
   std::map<int, at::Tensor> error, p_memory, q_memory;
   int64_t iter = 0;
   int64_t numel_before = 0, numel_after = 0;
+  // Note [PowerSGD pipeline]: each bucket needs two all-reduces in sequence (P, then Q = M^T P of
+  // the orthogonalized sum), and over TCP each costs a round trip of a millisecond or more however
+  // small it is. Run in the continuations alone, the three that follow the last bucket's P (that P,
+  // then each bucket's Q) waited one after the other at the end of backward with nothing to do
+  // meanwhile. So a bucket's step 7 up to its Q all-reduce (started asynchronously) moves earlier:
+  // - the hook of bucket k + 1, once its own P all-reduce is started, does it for bucket k (whose P
+  //   went during the backward in between): bucket k + 1's P round trip passes meanwhile;
+  // - the first continuation does it for the last bucket before writing its own bucket: that write
+  //   (and each later bucket's) passes during the last Q's round trip;
+  // - a continuation finds its bucket's Q started (or done) and writes the bucket once it is summed.
+  // The order of collectives stays one on every rank: hooks run in bucket order, continuations after
+  // them in bucket order (Note [Comm hook futures]), so every rank issues P0, P1, Q0, P2, Q1, ...,
+  // then the last Q; only the program points moved. The values are PyTorch's: the same operations on
+  // the same tensors. `pending`: the latest bucket whose P all-reduce is started and Q not yet.
+  std::shared_ptr<PowerSGDBucketStep> pending;
 
   void maybe_increase_iter(bool is_last) {
     if (is_last) ++iter;
@@ -222,6 +240,65 @@ void random_qs(std::vector<at::Tensor>& qs, int64_t seed, double epsilon) {
 
 }  // namespace
 
+// One bucket's PowerSGD step between its hook and its result (what the continuation needs).
+struct PowerSGDBucketStep {
+  Group group;
+  int world = 1;
+  bool is_last = false;
+  at::Tensor input, sums, p_memory, q_memory;
+  int64_t n_flat = 0, block_bytes = 0;
+  double eps = 0;
+  std::vector<at::Tensor> uncompressed, uncompressed_err, to_compress, to_compress_err, matrices, ps, qs;
+  std::vector<std::vector<size_t>> members;
+  Future p_sum, q_sum;  // q_sum is valid once start_q_sum ran
+};
+
+namespace {
+
+// Step 7 up to Q's all-reduce, started asynchronously: the averages of the uncompressed tensors (and
+// their error), P orthogonalized, Q = M^T P.
+void start_q_sum(PowerSGDBucketStep& w) {
+  w.p_sum.wait();
+  if (w.n_flat > 0) w.p_memory.copy_(w.sums.narrow(0, w.n_flat, w.p_memory.numel()));
+  // Step 8's error of the uncompressed tensors: what they held minus the average.
+  const at::Tensor averages = w.sums.narrow(0, 0, w.n_flat).div_(w.world);
+  int64_t at_ = 0;
+  for (size_t u = 0; u < w.uncompressed.size(); ++u) {
+    const at::Tensor& t = w.uncompressed[u];
+    at::Tensor avg = averages.narrow(0, at_, t.numel()).view_as(t);
+    if (w.uncompressed_err[u].defined()) at::sub_out(w.uncompressed_err[u], t, avg);
+    t.copy_(avg);
+    at_ += t.numel();
+  }
+  for (const auto& p : w.ps) orthogonalize(p, w.eps);
+  // M^T P reads M once per column of P already (skinny_bmm_out); blocks did not make it cheaper.
+  for (size_t k = 0; k < w.matrices.size(); ++k) skinny_bmm_out(w.qs[k], w.matrices[k].transpose(1, 2), w.ps[k]);
+  w.q_sum = ddp::small_sum_future(w.q_memory, w.group);
+}
+
+// The rest of step 7 and step 8's error: M = P Q^T once Q is summed.
+void write_result(PowerSGDBucketStep& w) {
+  w.q_sum.wait();
+  w.q_memory.div_(w.world);
+  for (size_t k = 0; k < w.matrices.size(); ++k) {
+    if (w.members[k].size() == 1) {
+      // Step 8's error (M - P Q^T) in the same pass over M that makes M P Q^T.
+      at::Tensor m = w.matrices[k][0];
+      psgd_write_approximation(m, w.to_compress_err[w.members[k][0]], w.ps[k][0], w.qs[k][0], w.block_bytes);
+    } else {
+      at::bmm_out(w.matrices[k], w.ps[k], w.qs[k].transpose(1, 2));
+      for (size_t i = 0; i < w.members[k].size(); ++i) {
+        const size_t m = w.members[k][i];
+        at::Tensor approx = w.matrices[k][static_cast<int64_t>(i)];
+        if (w.to_compress_err[m].defined()) at::sub_out(w.to_compress_err[m], w.to_compress[m], approx);
+        w.to_compress[m].copy_(approx);
+      }
+    }
+  }
+}
+
+}  // namespace
+
 Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
   std::shared_ptr<PowerSGDState::Impl> impl = state.impl();
   auto& s = *impl;
@@ -335,53 +412,46 @@ Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
   }
   // Steps 4 and 6 share one all-reduce (PyTorch starts two): both are small, and over TCP between
   // busy ranks each collective costs a round of waiting for the other rank, more than its bytes.
-  const int64_t n_flat = uncompressed_memory.numel();
-  at::Tensor sums = n_flat == 0 ? p_memory : at::cat({uncompressed_memory, p_memory});
-  Future p_sum = ddp::sum_future(sums, group);
-
-  return p_sum.then([impl, group, world, index, is_last, input, uncompressed, uncompressed_err, sums, n_flat,
-                     to_compress, to_compress_err, matrices, members, ps, qs, p_memory, q_memory,
-                     eps](const at::Tensor&) mutable {
+  auto step = std::make_shared<PowerSGDBucketStep>();
+  PowerSGDBucketStep& w = *step;
+  w.group = group;
+  w.world = world;
+  w.is_last = is_last;
+  w.input = input;
+  w.uncompressed = std::move(uncompressed);
+  w.uncompressed_err = std::move(uncompressed_err);
+  w.n_flat = uncompressed_memory.numel();
+  w.sums = w.n_flat == 0 ? p_memory : at::cat({uncompressed_memory, p_memory});
+  w.to_compress = std::move(to_compress);
+  w.to_compress_err = std::move(to_compress_err);
+  w.matrices = std::move(matrices);
+  w.members = std::move(members);
+  w.ps = std::move(ps);
+  w.qs = std::move(qs);
+  w.p_memory = p_memory;
+  w.q_memory = q_memory;
+  w.eps = eps;
+  w.block_bytes = s.options.cpu_block_bytes();
+  w.p_sum = ddp::small_sum_future(w.sums, group);
+  // Note [PowerSGD pipeline]: the previous bucket's Q all-reduce goes now, while this P is in flight.
+  if (s.pending) start_q_sum(*s.pending);
+  s.pending = step;
+  return Future(input).then([impl, step](const at::Tensor&) {
     at::NoGradGuard ng;
-    auto& s = *impl;
-    if (n_flat > 0) p_memory.copy_(sums.narrow(0, n_flat, p_memory.numel()));
-    // Step 7 (and 8's error of the uncompressed tensors: what they held minus the average).
-    const at::Tensor averages = sums.narrow(0, 0, n_flat).div_(world);
-    int64_t at_ = 0;
-    for (size_t u = 0; u < uncompressed.size(); ++u) {
-      const at::Tensor& t = uncompressed[u];
-      at::Tensor avg = averages.narrow(0, at_, t.numel()).view_as(t);
-      if (uncompressed_err[u].defined()) at::sub_out(uncompressed_err[u], t, avg);
-      t.copy_(avg);
-      at_ += t.numel();
+    // The latest bucket's Q (this one's when it is the latest) goes before this bucket is written.
+    if (impl->pending) {
+      start_q_sum(*impl->pending);
+      impl->pending.reset();
     }
-    for (const auto& p : ps) orthogonalize(p, eps);
-    // M^T P reads M once per column of P already (skinny_bmm_out); blocks did not make it cheaper.
-    for (size_t k = 0; k < matrices.size(); ++k) skinny_bmm_out(qs[k], matrices[k].transpose(1, 2), ps[k]);
-    ddp::sum_future(q_memory, group).wait();
-    q_memory.div_(world);
-    for (size_t k = 0; k < matrices.size(); ++k) {
-      if (members[k].size() == 1) {
-        // Step 8's error (M - P Q^T) in the same pass over M that makes M P Q^T.
-        at::Tensor m = matrices[k][0];
-        psgd_write_approximation(m, to_compress_err[members[k][0]], ps[k][0], qs[k][0], s.options.cpu_block_bytes());
-      } else {
-        at::bmm_out(matrices[k], ps[k], qs[k].transpose(1, 2));
-        for (size_t i = 0; i < members[k].size(); ++i) {
-          const size_t m = members[k][i];
-          at::Tensor approx = matrices[k][static_cast<int64_t>(i)];
-          if (to_compress_err[m].defined()) at::sub_out(to_compress_err[m], to_compress[m], approx);
-          to_compress[m].copy_(approx);
-        }
-      }
-    }
+    if (!step->q_sum.valid()) start_q_sum(*step);  // not reached: a later hook or the line above started it
+    write_result(*step);
     // Step 8.
-    if (!s.options.warm_start()) {
-      s.p_memory.clear();
-      s.q_memory.clear();
+    if (!impl->options.warm_start()) {
+      impl->p_memory.clear();
+      impl->q_memory.clear();
     }
-    s.maybe_increase_iter(is_last);
-    return input;
+    impl->maybe_increase_iter(step->is_last);
+    return step->input;
   });
 }
 
@@ -423,7 +493,7 @@ Future batched_powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
   at::Tensor p = s.p_memory[index], q = s.q_memory[index];
   orthogonalize(q.unsqueeze(0), 0);  // PyTorch passes no epsilon here
   psgd_fold_error_and_project(matrix, add_error ? error : at::Tensor(), q, p, s.options.cpu_block_bytes());
-  Future p_sum = ddp::sum_future(p, group);
+  Future p_sum = ddp::small_sum_future(p, group);
   return p_sum.then(
       [impl, group, world, is_last, input, total, padded, error, matrix, p, q](const at::Tensor&) mutable {
         at::NoGradGuard ng;
@@ -431,7 +501,7 @@ Future batched_powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
         orthogonalize(p.unsqueeze(0), 0);
         at::Tensor q3 = q.unsqueeze(0);
         skinny_bmm_out(q3, matrix.t().unsqueeze(0), p.unsqueeze(0));
-        ddp::sum_future(q, group).wait();
+        ddp::small_sum_future(q, group).wait();
         q.div_(world);
         psgd_write_approximation(matrix, error, p, q, s.options.cpu_block_bytes());
         if (!s.options.warm_start()) {

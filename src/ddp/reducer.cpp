@@ -312,15 +312,18 @@ void Reducer::finalize() {
     }
     // The completion callback may run just after wait() returns: then "now" is as good.
     record(DDPEvent::kBucketDone, static_cast<int>(&b - &buckets_[0]), b.done_ns ? b.done_ns->load() : 0);
+    // Bucket by bucket (as PyTorch's reducer): a later bucket's hook continuation may wait on a
+    // collective in flight (PowerSGD's last Q), and this copy passes meanwhile.
+    write_grads(used_anywhere, static_cast<size_t>(&b - &buckets_[0]));
   }
-  write_grads(used_anywhere);
   record(DDPEvent::kGradsSynced, -1);
   reset_iteration();
 }
 
-void Reducer::write_grads(const std::vector<int64_t>& used_anywhere) {
+void Reducer::write_grads(const std::vector<int64_t>& used_anywhere, size_t bucket) {
   at::NoGradGuard ng;
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (static_cast<size_t>(bucket_of_[i]) != bucket) continue;
     if (!used_anywhere.empty() && used_anywhere[i] == 0) continue;
     at::Tensor& view = buckets_[bucket_of_[i]].views[slot_of_[i]];
     at::Tensor& grad = params_[i].mutable_grad();
@@ -367,8 +370,8 @@ void Reducer::shadow_backward() {
         take_hook_result(buckets_[i], i);
       else
         buckets_[i].work.wait();
+      write_grads(used_anywhere, i);
     }
-    write_grads(used_anywhere);
   } catch (...) {
     abandon_iteration();
     throw;

@@ -16,8 +16,8 @@
 //      gradient are named in the error (PyTorch's message, with the find_unused_parameters
 //      remedy). With unused-parameter tracking, a small MAX all-reduce tells which parameters were
 //      used on some rank. Then all works (or hook futures, in bucket order: Note [Comm hook futures])
-//      are waited for, a hook's result is copied into its bucket, and the averaged values are written back
-//      (.grad() = the slot view with gradient_as_bucket_view, else copied into .grad()).
+//      are waited for bucket by bucket, a hook's result copied into its bucket and the bucket's averaged
+//      values written back (.grad() = the slot view with gradient_as_bucket_view, else copied into .grad()).
 //      Parameters unused on every rank keep their .grad() untouched, as in PyTorch.
 #pragma once
 
@@ -79,8 +79,8 @@ class Reducer {
   void launch_ready_buckets();
   void launch_with_comm_hook(Bucket& b, size_t index);
   void take_hook_result(Bucket& b, size_t index);
-  void finalize();  // step 4
-  void write_grads(const std::vector<int64_t>& used_anywhere);
+  void finalize();                                                             // step 4
+  void write_grads(const std::vector<int64_t>& used_anywhere, size_t bucket);  // its parameters' .grad()
   void reset_iteration();
   void abandon_iteration();  // waits for what was launched (ignoring failures), then resets
   void record(DDPEvent::Kind kind, int index, int64_t time_ns = 0);  // 0: now
