@@ -8,7 +8,7 @@ namespace dtrain::ddp {
 
 // Sums t over the group in place; the Future's value is t.
 Future sum_future(at::Tensor t, const Group& group);
-// The same for a small tensor: fewer exchanges over Gloo's TCP (Note [Small sums as all-gathers]).
+// The same for a small tensor: sends and receives instead of a Gloo collective (Note [Small sums as exchanges]).
 Future small_sum_future(at::Tensor t, const Group& group);
 
 }  // namespace dtrain::ddp
