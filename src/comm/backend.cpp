@@ -55,6 +55,10 @@ compat::BackendPtr make_backend(const BackendConfig& config) {
 
 bool uses_shared_memory(const compat::BackendPtr& pg) { return has_shared_memory_segment(pg); }
 
+bool all_reduce_here(const compat::BackendPtr& pg, at::Tensor& t, const c10d::ReduceOp& op) {
+  return shm_all_reduce_here(pg, t, op);
+}
+
 std::string unsupported(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,
                         const c10d::ReduceOp& op) {
   std::string why;

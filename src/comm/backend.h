@@ -33,6 +33,11 @@ bool uses_shared_memory(const compat::BackendPtr& pg);
 // shm/shm_process_group.cpp says what becomes of the calls that fail later).
 std::string unsupported(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t, const c10d::ReduceOp& op);
 
+// Note [Inline blocking collectives]: all-reduces `t` in place on this thread and returns true when
+// `pg` can without a c10d Work (the shared-memory group on one host, nothing queued, a tensor and op
+// it reduces); returns false, having done nothing, otherwise. Throws the backend's failure.
+bool all_reduce_here(const compat::BackendPtr& pg, at::Tensor& t, const c10d::ReduceOp& op);
+
 // Validates a backend name early (before any rendezvous), with the remedy in the message.
 void check_backend_name(const std::string& name);
 

@@ -8,7 +8,8 @@ namespace dtrain::comm {
 // with a BlockingCallScope; the shared-memory group then runs it on the calling thread when nothing
 // is queued, saving two thread hand-offs (tens of microseconds; far more on a loaded machine).
 // Asynchronous calls (DDP's buckets during backward) still run on the worker thread; DDP launches its
-// last bucket, ready only when backward is done, as a blocking call.
+// last bucket, ready only when backward is done, as a blocking call. A blocking all_reduce skips even
+// the Work objects where the backend can run it at once (comm/backend.h, all_reduce_here).
 class BlockingCallScope {
  public:
   explicit BlockingCallScope(bool blocking);

@@ -163,6 +163,21 @@ Work all_reduce(at::Tensor& tensor, ReduceOp op, const Group& group, bool async_
     int64_t n = static_cast<int64_t>(g.ranks.size());
     done = [tensor, n]() mutable { tensor.div_(n); };
   }
+  if (!async_op) {
+    // Note [Inline blocking collectives]: no Work at all where the backend runs it here.
+    bool ran = false;
+    try {
+      ran = comm::all_reduce_here(g.pg, tensor, opts.reduceOp);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw comm::collective_failure(what(g, "all_reduce"), e);
+    }
+    if (ran) {
+      if (done) done();
+      return Work();
+    }
+  }
   comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
   return finish(Work(g.pg->allreduce(ts, opts), what(g, "all_reduce"), std::move(done)), async_op);
 }

@@ -70,6 +70,12 @@ std::string brief(const std::exception& e);
 }  // namespace dtrain
 
 namespace dtrain::comm {
+// A backend's failure of the collective `what` ("rank 1: all_reduce on group ..."), as Work::wait
+// reports it: a timeout said plainly, anything else "failed: <message>".
+Error collective_failure(const std::string& what, const std::exception& e);
+}  // namespace dtrain::comm
+
+namespace dtrain::comm {
 // Builds a group over `ranks` (global, sorted); members construct their backend.
 std::shared_ptr<Group::Impl> make_group(WorldState& st, const std::string& name, std::vector<int> ranks,
                                         std::chrono::milliseconds timeout);

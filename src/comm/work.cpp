@@ -15,6 +15,22 @@ std::string brief(const std::exception& e) {
   return e.what();
 }
 
+namespace comm {
+
+Error collective_failure(const std::string& what, const std::exception& e) {
+  // Note [collective timeouts]: a peer that hangs, is stopped (SIGSTOP) or died mid-collective
+  // reaches the others as the backend's timeout (Gloo: "Timed out waiting ..."); say so plainly.
+  const std::string msg = brief(e);
+  const bool timed_out = (msg.find("imed out") != std::string::npos || msg.find("imeout") != std::string::npos) &&
+                         msg.rfind(kUnusableGroup, 0) != 0;  // an earlier call's timeout
+  return Error(what +
+               (timed_out ? " timed out (a rank of the group did not take part in time: hung, stopped or dead?): "
+                          : " failed: ") +
+               msg);
+}
+
+}  // namespace comm
+
 struct Work::State {
   c10::intrusive_ptr<c10d::Work> work;  // null for composed operations (on_done does the waiting)
   std::string what;                     // "rank 1: all_reduce on group 'default' (gloo)"
@@ -46,16 +62,7 @@ void Work::wait() {
     } catch (const Error& e) {
       s->error = std::make_exception_ptr(e);
     } catch (const std::exception& e) {
-      // Note [collective timeouts]: a peer that hangs, is stopped (SIGSTOP) or died mid-collective
-      // reaches the others as the backend's timeout (Gloo: "Timed out waiting ..."); say so plainly.
-      const std::string msg = brief(e);
-      const bool timed_out = (msg.find("imed out") != std::string::npos || msg.find("imeout") != std::string::npos) &&
-                             msg.rfind(comm::kUnusableGroup, 0) != 0;  // an earlier call's timeout
-      s->error = std::make_exception_ptr(
-          Error(s->what +
-                (timed_out ? " timed out (a rank of the group did not take part in time: hung, stopped or dead?): "
-                           : " failed: ") +
-                msg));
+      s->error = std::make_exception_ptr(comm::collective_failure(s->what, e));
     }
     std::vector<std::function<void()>> fns;
     {

@@ -100,6 +100,8 @@ class ShmProcessGroup : public compat::Backend {
                                            std::vector<at::Tensor>& inputs,
                                            const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // A blocking all_reduce run here, without Work or Future (comm/backend.h, all_reduce_here).
+  bool allreduce_here(at::Tensor& t, const c10d::ReduceOp& op);
 
   // Gloo for the rest.
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& t,
@@ -146,6 +148,10 @@ class ShmProcessGroup : public compat::Backend {
   c10::intrusive_ptr<c10d::Work> p2p(std::vector<at::Tensor>& t, int peer_local, int tag, bool is_send);
 
   c10::intrusive_ptr<c10d::Work> enqueue(std::vector<at::Tensor> outputs, c10d::OpType type, std::function<void()> job);
+  // Runs `job` (the caller holds exec_mu_) and returns its failure, after marking the group broken
+  // where it must (Note [Broken groups]).
+  template <class Job>
+  std::exception_ptr run_job(c10d::OpType type, Job& job);
   // A collective on Gloo: queued, checked (agree()), then started and awaited on the worker.
   c10::intrusive_ptr<c10d::Work> on_gloo(std::vector<at::Tensor> outputs, c10d::OpType type, GlooCall call,
                                          std::chrono::milliseconds timeout,

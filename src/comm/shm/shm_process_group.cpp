@@ -144,28 +144,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::enqueue(std::vector<at::Tensor> 
     work->complete(std::make_exception_ptr(std::runtime_error(unusable(why))));
     return work;
   }
-  auto task = [this, work, type, job = std::move(job)] {
-    std::exception_ptr error;
-    try {
-      // Queued before the group broke: fail without touching the transports.
-      if (std::string why = broken(); !why.empty()) throw std::runtime_error(unusable(why));
-      job();
-    } catch (const CallMismatch&) {
-      error = std::current_exception();  // no data moved: the group stays usable
-    } catch (const std::exception& e) {
-      const std::string mine = detail::cat("rank ", labels_.at(rank_), ": ", op_name(type), " failed: ", first_line(e));
-      const std::string first = mark_broken(mine);
-      // Another rank broke the group first (every line starts with the rank that wrote it): what
-      // failed here ("Connection closed by peer", the segment's abort) is its consequence, so the
-      // call says what broke the group. This rank's own failure keeps its words (a timeout, say).
-      const bool mine_first = first.rfind(detail::cat("rank ", labels_.at(rank_), ":"), 0) == 0;
-      error = mine_first ? std::current_exception() : std::make_exception_ptr(std::runtime_error(unusable(first)));
-    } catch (...) {
-      error = std::current_exception();
-      mark_broken(detail::cat("rank ", labels_.at(rank_), ": ", op_name(type), " failed"));
-    }
-    work->complete(error);
-  };
+  auto task = [this, work, type, job = std::move(job)]() mutable { work->complete(run_job(type, job)); };
   std::unique_lock<std::mutex> lock(mu_);
   if (caller_waits_at_once() && pending_ == 0) {  // Note [Inline blocking collectives]
     ++pending_;                                   // later calls queue behind this one and the worker waits for exec_mu_
@@ -183,6 +162,53 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::enqueue(std::vector<at::Tensor> 
   lock.unlock();
   cv_.notify_one();
   return work;
+}
+
+template <class Job>
+std::exception_ptr ShmProcessGroup::run_job(c10d::OpType type, Job& job) {
+  try {
+    // Queued before the group broke: fail without touching the transports.
+    if (std::string why = broken(); !why.empty()) throw std::runtime_error(unusable(why));
+    job();
+    return nullptr;
+  } catch (const CallMismatch&) {
+    return std::current_exception();  // no data moved: the group stays usable
+  } catch (const std::exception& e) {
+    const std::string mine = detail::cat("rank ", labels_.at(rank_), ": ", op_name(type), " failed: ", first_line(e));
+    const std::string first = mark_broken(mine);
+    // Another rank broke the group first (every line starts with the rank that wrote it): what
+    // failed here ("Connection closed by peer", the segment's abort) is its consequence, so the
+    // call says what broke the group. This rank's own failure keeps its words (a timeout, say).
+    const bool mine_first = first.rfind(detail::cat("rank ", labels_.at(rank_), ":"), 0) == 0;
+    return mine_first ? std::current_exception() : std::make_exception_ptr(std::runtime_error(unusable(first)));
+  } catch (...) {
+    mark_broken(detail::cat("rank ", labels_.at(rank_), ": ", op_name(type), " failed"));
+    return std::current_exception();
+  }
+}
+
+// Note [Inline blocking collectives], without the c10d Work, its Future and their allocations (a
+// blocking all-reduce of DDP's last bucket pays them every step): the same job as allreduce()'s on
+// one host, the same failures, the same queue discipline (only when nothing is queued).
+bool ShmProcessGroup::allreduce_here(at::Tensor& t, const c10d::ReduceOp& op) {
+  if (!local_ || topo_.hosts != 1 || !shm_reduces(t, op, /*all=*/true)) return false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pending_ != 0) return false;
+    ++pending_;  // later calls queue behind this one and the worker waits for exec_mu_
+  }
+  auto job = [&] { local_->all_reduce(t.data_ptr(), static_cast<size_t>(t.numel()), *shm_dtype(t), *shm_op(op)); };
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> exec(exec_mu_);
+    error = run_job(c10d::OpType::ALLREDUCE, job);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --pending_;
+  }
+  if (error) std::rethrow_exception(error);
+  return true;
 }
 
 // Note [Broken groups]: a collective that fails once data may have moved (a transport error, a
@@ -336,6 +362,11 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::barrier(const c10d::BarrierOptio
 bool has_shared_memory_segment(const compat::BackendPtr& pg) {
   auto* s = dynamic_cast<ShmProcessGroup*>(pg.get());
   return s && s->has_local();
+}
+
+bool shm_all_reduce_here(const compat::BackendPtr& pg, at::Tensor& t, const c10d::ReduceOp& op) {
+  auto* s = dynamic_cast<ShmProcessGroup*>(pg.get());
+  return s && s->allreduce_here(t, op);
 }
 
 bool shm_group_unsupported(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,

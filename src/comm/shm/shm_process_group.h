@@ -46,6 +46,10 @@ compat::BackendPtr make_shm_process_group(const BackendConfig& config, compat::B
 // Whether `pg` is a ShmProcessGroup with a shared-memory segment for this rank's host.
 bool has_shared_memory_segment(const compat::BackendPtr& pg);
 
+// Whether `pg` is a ShmProcessGroup that all-reduced `t` on this thread (comm/backend.h,
+// all_reduce_here); false when it is not, or when it could not and did nothing.
+bool shm_all_reduce_here(const compat::BackendPtr& pg, at::Tensor& t, const c10d::ReduceOp& op);
+
 // Whether `pg` is a ShmProcessGroup; if so, *why_not is "" when it can run `type` on tensors like
 // `t` with `op`, else why not and the remedy (the front end's check before anything is sent).
 bool shm_group_unsupported(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,
