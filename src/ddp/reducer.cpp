@@ -322,10 +322,11 @@ void Reducer::finalize() {
 
 void Reducer::write_grads(const std::vector<int64_t>& used_anywhere, size_t bucket) {
   at::NoGradGuard ng;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (static_cast<size_t>(bucket_of_[i]) != bucket) continue;
+  Bucket& b = buckets_[bucket];
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    const int i = b.params[k];
     if (!used_anywhere.empty() && used_anywhere[i] == 0) continue;
-    at::Tensor& view = buckets_[bucket_of_[i]].views[slot_of_[i]];
+    at::Tensor& view = b.views[k];
     at::Tensor& grad = params_[i].mutable_grad();
     if (as_view_) {
       if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = view;

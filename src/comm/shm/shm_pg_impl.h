@@ -152,6 +152,8 @@ class ShmProcessGroup : public compat::Backend {
   // where it must (Note [Broken groups]).
   template <class Job>
   std::exception_ptr run_job(c10d::OpType type, Job& job);
+  template <class Task>
+  bool run_here_if_idle(Task& task);
   // A collective on Gloo: queued, checked (agree()), then started and awaited on the worker.
   c10::intrusive_ptr<c10d::Work> on_gloo(std::vector<at::Tensor> outputs, c10d::OpType type, GlooCall call,
                                          std::chrono::milliseconds timeout,

@@ -145,23 +145,32 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::enqueue(std::vector<at::Tensor> 
     return work;
   }
   auto task = [this, work, type, job = std::move(job)]() mutable { work->complete(run_job(type, job)); };
-  std::unique_lock<std::mutex> lock(mu_);
-  if (caller_waits_at_once() && pending_ == 0) {  // Note [Inline blocking collectives]
-    ++pending_;                                   // later calls queue behind this one and the worker waits for exec_mu_
-    lock.unlock();
-    {
-      std::lock_guard<std::mutex> exec(exec_mu_);
-      task();
-    }
-    lock.lock();
-    --pending_;
-    return work;
+  if (caller_waits_at_once() && run_here_if_idle(task)) return work;  // Note [Inline blocking collectives]
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++pending_;
+    queue_.emplace_back(std::move(task));
   }
-  ++pending_;
-  queue_.emplace_back(std::move(task));
-  lock.unlock();
   cv_.notify_one();
   return work;
+}
+
+// Note [Inline blocking collectives]: runs `task` (which does not throw) on this thread when nothing
+// is queued; later calls queue behind it and the worker waits for exec_mu_. False: nothing ran.
+template <class Task>
+bool ShmProcessGroup::run_here_if_idle(Task& task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pending_ != 0) return false;
+    ++pending_;
+  }
+  {
+    std::lock_guard<std::mutex> exec(exec_mu_);
+    task();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  --pending_;
+  return true;
 }
 
 template <class Job>
@@ -192,21 +201,10 @@ std::exception_ptr ShmProcessGroup::run_job(c10d::OpType type, Job& job) {
 // one host, the same failures, the same queue discipline (only when nothing is queued).
 bool ShmProcessGroup::allreduce_here(at::Tensor& t, const c10d::ReduceOp& op) {
   if (!local_ || topo_.hosts != 1 || !shm_reduces(t, op, /*all=*/true)) return false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (pending_ != 0) return false;
-    ++pending_;  // later calls queue behind this one and the worker waits for exec_mu_
-  }
   auto job = [&] { local_->all_reduce(t.data_ptr(), static_cast<size_t>(t.numel()), *shm_dtype(t), *shm_op(op)); };
   std::exception_ptr error;
-  {
-    std::lock_guard<std::mutex> exec(exec_mu_);
-    error = run_job(c10d::OpType::ALLREDUCE, job);
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    --pending_;
-  }
+  auto task = [&] { error = run_job(c10d::OpType::ALLREDUCE, job); };
+  if (!run_here_if_idle(task)) return false;
   if (error) std::rethrow_exception(error);
   return true;
 }
