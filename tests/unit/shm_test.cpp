@@ -9,6 +9,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -74,7 +75,61 @@ void check_reduce(int n, size_t count, DType dt, RedOp op, size_t slot = kSlot) 
   expect_ok(errors);
 }
 
+// all_reduce_divided over `sizes` pieces: every element is each rank's value divided by `divisor`,
+// summed in rank order, bit for bit. Ranks in `flat_ranks` take the other way instead: a flat copy
+// divided by themselves and all_reduce(SUM), as a rank whose gradients cannot be used in place does.
+template <class T>
+void check_divided(int n, const std::vector<size_t>& sizes, DType dt, double divisor, std::vector<int> flat_ranks,
+                   size_t slot = kSlot) {
+  size_t count = 0;
+  for (size_t s : sizes) count += s;
+  auto errors = run_ranks(
+      n,
+      [&](Comm& c, int r) {
+        std::vector<std::vector<T>> pieces;
+        size_t i = 0;
+        for (size_t s : sizes) {
+          pieces.emplace_back(s);
+          for (auto& x : pieces.back()) x = T(value(r, i++));
+        }
+        std::vector<T> flat;
+        if (std::find(flat_ranks.begin(), flat_ranks.end(), r) != flat_ranks.end()) {
+          for (size_t j = 0; j < count; ++j) flat.push_back(T(value(r, j)) / static_cast<T>(divisor));
+          c.all_reduce(flat.data(), count, dt, RedOp::SUM);
+        } else {
+          std::vector<Comm::Piece> ps;
+          for (auto& p : pieces) ps.push_back({p.data(), p.size()});
+          c.all_reduce_divided(ps.data(), ps.size(), dt, divisor);
+          for (auto& p : pieces) flat.insert(flat.end(), p.begin(), p.end());
+        }
+        for (size_t j = 0; j < count; ++j) {
+          T acc = T(value(0, j)) / static_cast<T>(divisor);
+          for (int k = 1; k < n; ++k) acc = acc + T(value(k, j)) / static_cast<T>(divisor);
+          if (std::memcmp(&acc, &flat[j], sizeof(T)) != 0)
+            throw std::runtime_error("rank " + std::to_string(r) + ": element " + std::to_string(j) +
+                                     " differs: " + std::to_string(static_cast<double>(flat[j])) + " vs " +
+                                     std::to_string(static_cast<double>(acc)));
+        }
+      },
+      std::chrono::seconds(10), slot);
+  expect_ok(errors);
+}
+
 }  // namespace
+
+// DDP's last bucket averaged in the gradients themselves: pieces of any size (empty ones, ones that
+// straddle the parts and the chunks), 1 to 4 ranks, any divisor, and ranks that mix the two ways.
+TEST(ShmComm, AllReduceDividedOfPiecesEqualsDividingThenSumming) {
+  const std::vector<size_t> sizes{0, 1, 700, 0, 5000, 3, 20011};
+  for (int n : {1, 2, 3, 4}) {
+    check_divided<float>(n, sizes, DType::F32, n, {});
+    check_divided<double>(n, sizes, DType::F64, 3, {});
+    check_divided<float>(n, {1}, DType::F32, n, {});
+  }
+  check_divided<float>(2, sizes, DType::F32, 2, {1});
+  check_divided<float>(3, sizes, DType::F32, 3, {0, 2});
+  check_divided<double>(4, sizes, DType::F64, 4, {3}, 64 * 1024);
+}
 
 TEST(ShmComm, AllReduceSumFloatAcrossChunkBoundaries) {
   for (int n : {2, 3})
@@ -95,8 +150,8 @@ TEST(ShmComm, AllReduceOpsAndDtypes) {
   }
 }
 
-// Slots of 64 KB: each rank's part spans several of combine_streaming's 4 KB blocks, and with 3
-// ranks and 16-bit types the parts start at addresses that are not 16-byte aligned.
+// Slots of 64 KB: each rank's part spans several of combine_streaming's 4 KB blocks, and counts that
+// do not divide evenly leave the last part ending inside a block.
 TEST(ShmComm, AllReduceWithLargeSlotsStreamsManyBlocks) {
   constexpr size_t kBig = 64 * 1024;
   for (int n : {2, 3, 4}) {

@@ -204,36 +204,64 @@ void Comm::check_peer(int peer, const OpDesc& mine) {
 }
 
 void Comm::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
-  reduce_into(data, count, dtype, op, -1, kAllReduce);
+  const Piece whole{data, count};
+  reduce_into(&whole, 1, count, dtype, op, -1, kAllReduce, 1.0);
+}
+
+void Comm::all_reduce_divided(const Piece* pieces, size_t npieces, DType dtype, double divisor) {
+  DTRAIN_ASSERT((dtype == DType::F32 || dtype == DType::F64) && divisor > 0);
+  size_t count = 0;
+  for (size_t i = 0; i < npieces; ++i) count += pieces[i].count;
+  reduce_into(pieces, npieces, count, dtype, RedOp::SUM, -1, kAllReduce, divisor);
 }
 
 void Comm::reduce(void* data, size_t count, DType dtype, RedOp op, int root) {
   DTRAIN_ASSERT(root >= 0 && root < n_);
-  reduce_into(data, count, dtype, op, root, kReduce);
+  const Piece whole{data, count};
+  reduce_into(&whole, 1, count, dtype, op, root, kReduce, 1.0);
 }
 
-void Comm::reduce_into(void* data, size_t count, DType dtype, RedOp op, int root, uint32_t kind) {
+// `pieces` hold `count` elements in order: one tensor, or several read and written in place as one
+// (all_reduce_divided). Every index below counts elements of that whole.
+void Comm::reduce_into(const Piece* pieces, size_t npieces, size_t count, DType dtype, RedOp op, int root,
+                       uint32_t kind, double divisor) {
   check_usable();
   const size_t es = element_size(dtype);
   current_ = OpDesc{++op_id_, count, kind, static_cast<uint32_t>(dtype), static_cast<uint32_t>(op), root};
   // Which ranks receive the result: every rank (all_reduce) or the root alone (reduce).
   const bool receives = root < 0 || root == rank_;
+  const bool divides = divisor != 1.0;
+  // f(pointer, offset from b, length) for each piece's share of elements [b, e).
+  auto each = [&](size_t b, size_t e, auto&& f) {
+    size_t start = 0;
+    for (size_t i = 0; i < npieces && start < e; start += pieces[i].count, ++i) {
+      const size_t lo = std::max(b, start), hi = std::min(e, start + pieces[i].count);
+      if (lo < hi) f(static_cast<char*>(pieces[i].data) + (lo - start) * es, lo - b, hi - lo);
+    }
+  };
   const size_t chunk_elems = seg_.slot_bytes() / es;
-  char* base = static_cast<char*>(data);
   size_t done = 0;
   bool first = true;
   do {
     const size_t m = std::min(chunk_elems, count - done);
-    char* mine = base + done * es;
     const uint32_t s = begin_step();
     const int buf = static_cast<int>(s % 2);
-    auto part_begin = [&](int k) { return m * k / n_; };
-    // 1. scatter: the parts the other ranks reduce.
+    // Parts start on 64-byte boundaries of the chunk, so every rank's reduction loop and copies run
+    // on whole cache lines of its slot.
+    const size_t align = std::max<size_t>(1, 64 / es);
+    auto part_begin = [&](int k) { return k == n_ ? m : m * k / n_ / align * align; };
+    // 1. scatter: the parts the other ranks reduce (divided on the way, when this rank's
+    //    contribution is).
     char* my_slot = seg_.slot(rank_, buf);
     for (int k = 0; k < n_; ++k) {
       if (k == rank_) continue;
-      size_t b = part_begin(k), e = part_begin(k + 1);
-      shm_copy(my_slot + b * es, mine + b * es, (e - b) * es);
+      const size_t b = part_begin(k);
+      each(done + b, done + part_begin(k + 1), [&](char* p, size_t off, size_t n) {
+        if (divides)
+          divide(my_slot + (b + off) * es, p, n, dtype, divisor);
+        else
+          shm_copy(my_slot + (b + off) * es, p, n * es);
+      });
     }
     if (first) publish(current_);
     signal(A, s);
@@ -242,32 +270,37 @@ void Comm::reduce_into(void* data, size_t count, DType dtype, RedOp op, int root
     if (first)
       for (int k = 0; k < n_; ++k)
         if (k != rank_) check_peer(k, current_);
-    {
-      const size_t b = part_begin(rank_), e = part_begin(rank_ + 1), len = e - b;
+    const size_t b = part_begin(rank_);
+    each(done + b, done + part_begin(rank_ + 1), [&](char* mine, size_t off, size_t len) {
       auto src = [&](int k) -> const void* {
-        return k == rank_ ? static_cast<const void*>(mine + b * es)
-                          : static_cast<const void*>(seg_.slot(k, buf) + b * es);
+        return k == rank_ ? static_cast<const void*>(mine)
+                          : static_cast<const void*>(seg_.slot(k, buf) + (b + off) * es);
       };
-      void* acc = my_slot + b * es;
+      void* acc = my_slot + (b + off) * es;
       // One rank alone has nothing to combine: the loop does not run.
+      if (n_ == 1 && divides) divide(mine, mine, len, dtype, divisor);
       // The last pass writes my tensor and streams the result into my slot for the other ranks; a
-      // rank that does not receive the result leaves its tensor as it was.
-      for (int k = 1; k < n_ && len > 0; ++k) {
+      // rank that does not receive the result leaves its tensor as it was. My own contribution is
+      // divided where it enters: as the first operand of the first pass, or the second of pass `rank_`.
+      for (int k = 1; k < n_; ++k) {
         const void* lhs = k == 1 ? src(0) : acc;
+        Divided d{divisor, k == 1 && rank_ == 0};
+        const Divided* dv = divides && (d.first || k == rank_) ? &d : nullptr;
         if (k == n_ - 1 && receives)
-          combine_streaming(mine + b * es, acc, lhs, src(k), len, dtype, op);
+          combine_streaming(mine, acc, lhs, src(k), len, dtype, op, dv);
         else
-          combine(acc, lhs, src(k), len, dtype, op);
+          combine(acc, lhs, src(k), len, dtype, op, dv);
       }
-    }
+    });
     signal(B, s);
     // 3. gather the other ranks' reduced parts.
     if (receives) {
       wait_all(B, s);
       for (int k = 0; k < n_; ++k) {
         if (k == rank_) continue;
-        size_t b = part_begin(k), e = part_begin(k + 1);
-        shm_copy(mine + b * es, seg_.slot(k, buf) + b * es, (e - b) * es);
+        const size_t pb = part_begin(k);
+        each(done + pb, done + part_begin(k + 1),
+             [&](char* p, size_t off, size_t n) { shm_copy(p, seg_.slot(k, buf) + (pb + off) * es, n * es); });
       }
     }
     signal(C, s);

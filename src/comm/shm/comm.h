@@ -36,6 +36,16 @@ class Comm {
   Comm& operator=(const Comm&) = delete;
 
   void all_reduce(void* data, size_t count, DType dtype, RedOp op);
+  // `count` elements at `data`.
+  struct Piece {
+    void* data;
+    size_t count;
+  };
+  // SUM of `pieces` (float32 or float64) as if they were one tensor, in place: each rank's values are
+  // divided by its `divisor` on their way in (DDP's average, without copying the gradients into a
+  // bucket and back). Peers may call all_reduce(SUM) on their part instead, with their values already
+  // divided: the descriptors are the same, and so are the bits (division, then the sum in rank order).
+  void all_reduce_divided(const Piece* pieces, size_t npieces, DType dtype, double divisor);
   // The result lands in root's `data` only; the other ranks' `data` is left as it was.
   void reduce(void* data, size_t count, DType dtype, RedOp op, int root);
   void broadcast(void* data, size_t bytes, int root);
@@ -69,7 +79,8 @@ class Comm {
  private:
   enum Phase { A = 0, B = 1, C = 2 };
   // all_reduce (root -1) and reduce.
-  void reduce_into(void* data, size_t count, DType dtype, RedOp op, int root, uint32_t kind);
+  void reduce_into(const Piece* pieces, size_t npieces, size_t count, DType dtype, RedOp op, int root, uint32_t kind,
+                   double divisor);
   void announce(uint32_t s, bool first);
   void take_from_root(int root, uint32_t s, bool first, char* dst, size_t offset, size_t m);
   // all_gather (root -1) and gather.

@@ -12,6 +12,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "dtrain/errors.h"
+
 namespace dtrain::shm {
 
 size_t element_size(DType t) {
@@ -83,6 +85,24 @@ struct Max {
   }
 };
 
+// SUM where one operand is this rank's own contribution, divided on its way in (DDP's average: every
+// rank divides its gradients by the divisor, then they are summed, as a bucket filled by div_out and
+// then all-reduced would be). float and double only.
+struct SumDivA {
+  double d;
+  template <class T>
+  T operator()(T a, T b) const {
+    return a / static_cast<T>(d) + b;
+  }
+};
+struct SumDivB {
+  double d;
+  template <class T>
+  T operator()(T a, T b) const {
+    return a + b / static_cast<T>(d);
+  }
+};
+
 // Native types: one loop the compiler vectorizes. out may alias a or b, but only index for index
 // (each index is read before it is written), so there is no loop-carried dependence: ivdep lets the
 // compiler vectorize without its runtime overlap check, which would otherwise pick the scalar loop
@@ -93,6 +113,12 @@ template <class T, class Op>
 __attribute__((noinline)) void loop(T* out, const T* a, const T* b, size_t n, Op op) {
 #pragma GCC ivdep
   for (size_t i = 0; i < n; ++i) out[i] = op(a[i], b[i]);
+}
+
+template <class T>
+__attribute__((noinline)) void divide_loop(T* out, const T* a, size_t n, T d) {
+#pragma GCC ivdep
+  for (size_t i = 0; i < n; ++i) out[i] = a[i] / d;
 }
 
 // 16-bit floats: widen to float, combine, round back (c10's conversions round to nearest even).
@@ -186,15 +212,25 @@ void stream_copy(char* dst, const char* src, size_t bytes) {
 #endif
 }
 
+template <class Op>
+void dispatch_wide(void* out, const void* a, const void* b, size_t n, DType t, Op op) {
+  DTRAIN_ASSERT(t == DType::F32 || t == DType::F64);
+  if (t == DType::F32)
+    loop(static_cast<float*>(out), static_cast<const float*>(a), static_cast<const float*>(b), n, op);
+  else
+    loop(static_cast<double*>(out), static_cast<const double*>(a), static_cast<const double*>(b), n, op);
+}
+
 }  // namespace
 
-void combine_streaming(void* out, void* shared, const void* a, const void* b, size_t count, DType t, RedOp op) {
+void combine_streaming(void* out, void* shared, const void* a, const void* b, size_t count, DType t, RedOp op,
+                       const Divided* divided) {
   const size_t es = element_size(t);
   const size_t block = 4096 / es;  // the block just written is still in L1 when it is streamed
   for (size_t done = 0; done < count; done += block) {
     const size_t n = std::min(block, count - done), off = done * es;
     char* o = static_cast<char*>(out) + off;
-    combine(o, static_cast<const char*>(a) + off, static_cast<const char*>(b) + off, n, t, op);
+    combine(o, static_cast<const char*>(a) + off, static_cast<const char*>(b) + off, n, t, op, divided);
     stream_copy(static_cast<char*>(shared) + off, o, n * es);
   }
 #ifdef DTRAIN_HAVE_STREAMING_STORES
@@ -202,7 +238,20 @@ void combine_streaming(void* out, void* shared, const void* a, const void* b, si
 #endif
 }
 
-void combine(void* out, const void* a, const void* b, size_t count, DType t, RedOp op) {
+void divide(void* out, const void* a, size_t count, DType t, double divisor) {
+  DTRAIN_ASSERT(t == DType::F32 || t == DType::F64);
+  if (t == DType::F32)
+    divide_loop(static_cast<float*>(out), static_cast<const float*>(a), count, static_cast<float>(divisor));
+  else
+    divide_loop(static_cast<double*>(out), static_cast<const double*>(a), count, divisor);
+}
+
+void combine(void* out, const void* a, const void* b, size_t count, DType t, RedOp op, const Divided* divided) {
+  if (divided) {
+    DTRAIN_ASSERT(op == RedOp::SUM);
+    if (divided->first) return dispatch_wide(out, a, b, count, t, SumDivA{divided->divisor});
+    return dispatch_wide(out, a, b, count, t, SumDivB{divided->divisor});
+  }
   switch (op) {
     case RedOp::SUM:
       return dispatch(out, a, b, count, t, Sum{});

@@ -17,7 +17,18 @@ size_t element_size(DType t);
 const char* to_string(DType t);
 const char* to_string(RedOp op);
 
-void combine(void* out, const void* a, const void* b, size_t count, DType t, RedOp op);
+// A SUM in which one operand is this rank's own contribution, divided by `divisor` on its way in:
+// out = a / divisor + b (`first`) or a + b / divisor. float32 and float64 only.
+struct Divided {
+  double divisor;
+  bool first;
+};
+
+void combine(void* out, const void* a, const void* b, size_t count, DType t, RedOp op,
+             const Divided* divided = nullptr);
+
+// out[i] = a[i] / divisor (out may alias a). float32 and float64 only.
+void divide(void* out, const void* a, size_t count, DType t, double divisor);
 
 // out[i] = op(a[i], b[i]) into `out`, and the same values into `shared` with non-temporal
 // (streaming) stores, block by block. `out` may alias a or b; `shared` may alias a. Meant for a result
@@ -26,6 +37,7 @@ void combine(void* out, const void* a, const void* b, size_t count, DType t, Red
 // core, which on the machines measured here made the 2-rank all-reduce about twice as fast at every
 // size from 64 KB to 64 MB (see README, shared-memory benchmark). Ends with a store fence, so a
 // release store that follows publishes the values.
-void combine_streaming(void* out, void* shared, const void* a, const void* b, size_t count, DType t, RedOp op);
+void combine_streaming(void* out, void* shared, const void* a, const void* b, size_t count, DType t, RedOp op,
+                       const Divided* divided = nullptr);
 
 }  // namespace dtrain::shm
