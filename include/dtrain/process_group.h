@@ -173,6 +173,15 @@ std::string to_string(DebugLevel level);
 // --- collectives (src/dst are global ranks) ------------------------------------------------------
 Work all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::SUM, const Group& group = Group(), bool async_op = false);
 Work broadcast(at::Tensor& tensor, int src, const Group& group = Group(), bool async_op = false);
+// DistributedDataParallel's average as one blocking collective: every rank divides its `tensors` (one
+// floating-point dtype, one device) by `divisor`, and the group sums them as if they were one flat
+// tensor, in rank order; the results are written back into `tensors`. Over shared memory the
+// collective reads and writes the tensors themselves (float32, float64, contiguous CPU tensors);
+// otherwise they go through one flat tensor (`scratch` when it is contiguous, large enough and of
+// their dtype and device, else a new one): divided into it, all_reduce(SUM) of it, copied back. The
+// bits are the same either way, and the ranks of one call may take different ways.
+void all_reduce_divided(std::vector<at::Tensor>& tensors, int64_t divisor, const Group& group = Group(),
+                        const at::Tensor& scratch = at::Tensor());
 Work reduce(at::Tensor& tensor, int dst, ReduceOp op = ReduceOp::SUM, const Group& group = Group(),
             bool async_op = false);
 // outputs: group.size() tensors shaped like input.

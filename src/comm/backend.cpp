@@ -59,6 +59,10 @@ bool all_reduce_here(const compat::BackendPtr& pg, at::Tensor& t, const c10d::Re
   return shm_all_reduce_here(pg, t, op);
 }
 
+bool all_reduce_divided_here(const compat::BackendPtr& pg, std::vector<at::Tensor>& ts, int64_t divisor) {
+  return shm_all_reduce_divided_here(pg, ts, divisor);
+}
+
 std::string unsupported(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,
                         const c10d::ReduceOp& op) {
   std::string why;

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -37,6 +38,12 @@ std::string unsupported(const compat::BackendPtr& pg, c10d::OpType type, const a
 // `pg` can without a c10d Work (the shared-memory group on one host, nothing queued, a tensor and op
 // it reduces); returns false, having done nothing, otherwise. Throws the backend's failure.
 bool all_reduce_here(const compat::BackendPtr& pg, at::Tensor& t, const c10d::ReduceOp& op);
+
+// The same for `ts` as one flat tensor (float32 or float64, one dtype, plain CPU tensors), SUM of
+// every rank's values divided by its `divisor` first: DDP's average, read from and written to the
+// gradients themselves instead of a bucket. A peer may all-reduce (SUM) a flat copy of its values,
+// already divided, in the same call: the bits are the same.
+bool all_reduce_divided_here(const compat::BackendPtr& pg, std::vector<at::Tensor>& ts, int64_t divisor);
 
 // Validates a backend name early (before any rendezvous), with the remedy in the message.
 void check_backend_name(const std::string& name);

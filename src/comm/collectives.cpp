@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/ScalarOps.h>
 
 #include "comm/backend.h"
 #include "comm/debug_check.h"
@@ -180,6 +181,53 @@ Work all_reduce(at::Tensor& tensor, ReduceOp op, const Group& group, bool async_
   }
   comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
   return finish(Work(g.pg->allreduce(ts, opts), what(g, "all_reduce"), std::move(done)), async_op);
+}
+
+void all_reduce_divided(std::vector<at::Tensor>& tensors, int64_t divisor, const Group& group,
+                        const at::Tensor& scratch) {
+  const auto& g = member_group(group, "all_reduce_divided");
+  DTRAIN_CHECK(divisor > 0, "all_reduce_divided: divisor=", divisor,
+               " is not positive: pass the number of ranks to average over");
+  DTRAIN_CHECK(!tensors.empty(), "all_reduce_divided: no tensors: pass at least one");
+  const at::Tensor& like = tensors[0];
+  for (const auto& t : tensors) {
+    DTRAIN_CHECK(t.defined(), "all_reduce_divided: a tensor is undefined: pass allocated tensors");
+    DTRAIN_CHECK(t.is_floating_point() && t.scalar_type() == like.scalar_type() && t.device() == like.device(),
+                 "all_reduce_divided: a tensor of ", t.scalar_type(), " on ", t.device(), " beside one of ",
+                 like.scalar_type(), " on ", like.device(), ": pass tensors of one floating-point dtype on one device");
+  }
+  // DTRAIN_DEBUG=DETAIL compares every rank's call by its flat tensor, which the way below has.
+  if (!comm::detail_checks_on()) {
+    bool ran = false;
+    try {
+      ran = comm::all_reduce_divided_here(g.pg, tensors, divisor);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw comm::collective_failure(what(g, "all_reduce"), e);
+    }
+    if (ran) return;
+  }
+  at::NoGradGuard no_grad;
+  int64_t total = 0;
+  for (const auto& t : tensors) total += t.numel();
+  const bool fits = scratch.defined() && scratch.is_contiguous() && scratch.numel() >= total &&
+                    scratch.scalar_type() == like.scalar_type() && scratch.device() == like.device();
+  at::Tensor flat = fits ? scratch.view({-1}).narrow(0, 0, total) : at::empty({total}, like.options());
+  // A wrapped number, as div_(Scalar) makes it: the bits of dividing by the integer.
+  const at::Tensor d = at::native::wrapped_scalar_tensor(at::Scalar(divisor));
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    at::Tensor slot = flat.narrow(0, offset, t.numel()).view(t.sizes());
+    at::div_out(slot, t, d);
+    offset += t.numel();
+  }
+  all_reduce(flat, ReduceOp::SUM, group);
+  offset = 0;
+  for (auto& t : tensors) {
+    t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
 }
 
 Work broadcast(at::Tensor& tensor, int src, const Group& group, bool async_op) {

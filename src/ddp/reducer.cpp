@@ -80,6 +80,7 @@ void Reducer::reset_iteration() {
     b.pending = static_cast<int>(b.params.size());
     b.launched = false;
     b.work = Work();
+    b.in_place = false;
     b.future = Future();
     b.grad_bucket.reset();
   }
@@ -151,25 +152,53 @@ void Reducer::on_grad_ready(int index) {
   if (ready_[index]) return;  // e.g. a parameter used twice still has one accumulator call per pass
   // Step 3.
   record(DDPEvent::kGradReady, index);
+  if (!defers_last_bucket() || bucket_of_[index] + 1 != static_cast<int>(buckets_.size())) fill_slot(index);
+  mark_ready(index);
+}
+
+void Reducer::fill_slot(int index) {
   const at::Tensor& grad = params_[index].grad();
   at::Tensor& view = buckets_[bucket_of_[index]].views[slot_of_[index]];
-  {
-    // DDP's own all-reduce sums, so each slot is divided by the group size on its way in: in the
-    // same pass as the copy (PyTorch's reducer does the same), not in a second pass over the whole
-    // bucket at launch. A communication hook gets the bucket undivided.
-    at::NoGradGuard ng;
-    const bool divide = !comm_hook_;
-    if (!grad.defined()) {
-      view.zero_();
-    } else if (as_view_ && grad.data_ptr() == view.data_ptr()) {
-      if (divide) view.div_(divisor_tensor_);
-    } else if (divide) {
-      at::div_out(view, grad, divisor_tensor_);
-    } else {
-      view.copy_(grad);
-    }
+  // DDP's own all-reduce sums, so each slot is divided by the group size on its way in: in the
+  // same pass as the copy (PyTorch's reducer does the same), not in a second pass over the whole
+  // bucket at launch. A communication hook gets the bucket undivided.
+  at::NoGradGuard ng;
+  const bool divide = !comm_hook_;
+  if (!grad.defined()) {
+    view.zero_();
+  } else if (as_view_ && grad.data_ptr() == view.data_ptr()) {
+    if (divide) view.div_(divisor_tensor_);
+  } else if (divide) {
+    at::div_out(view, grad, divisor_tensor_);
+  } else {
+    view.copy_(grad);
   }
-  mark_ready(index);
+}
+
+// Note [Last bucket in place]: the last bucket is reduced on the backward thread as a blocking call,
+// and nothing else reads its buffer: so its gradients need not pass through it. Their slots are not
+// filled in the hooks; at launch all_reduce_divided reads the gradients, divides them on the way
+// and writes the averages straight back into them (over shared memory; otherwise it goes through
+// the bucket buffer as before). A 400 KB bucket's copy in and copy out were two of the few passes
+// over memory that a small model's DDP step adds. Not with a communication hook (it gets the bucket),
+// gradient_as_bucket_view (the gradients are the slots already) or unused-parameter tracking (unused
+// parameters' slots are zeros, and their gradients must stay untouched).
+bool Reducer::defers_last_bucket() const { return !comm_hook_ && !as_view_ && !track_unused_; }
+
+// Whether the last bucket's gradients can be averaged in place: every one defined, plain (no
+// graph of its own, as with create_graph) and of the bucket's dtype and device.
+bool Reducer::reduce_last_in_place(Bucket& b) {
+  std::vector<at::Tensor> grads;
+  grads.reserve(b.params.size());
+  for (int i : b.params) {
+    const at::Tensor& g = params_[i].grad();
+    if (!g.defined() || g.requires_grad() || g.scalar_type() != b.buffer.scalar_type() ||
+        g.device() != b.buffer.device())
+      return false;
+    grads.push_back(g);
+  }
+  all_reduce_divided(grads, divisor_, group_, b.buffer);
+  return true;
 }
 
 void Reducer::mark_ready(int index) {
@@ -196,7 +225,12 @@ void Reducer::launch_ready_buckets() {
     const bool last = next_to_launch_ + 1 == buckets_.size();
     if (last) waiting_since_ns_ = util::now_ns();
     try {
-      b.work = all_reduce(b.buffer, ReduceOp::SUM, group_, /*async_op=*/!last);
+      if (last && defers_last_bucket()) {
+        b.in_place = reduce_last_in_place(b);  // Note [Last bucket in place]
+        if (!b.in_place)
+          for (int i : b.params) fill_slot(i);
+      }
+      if (!b.in_place) b.work = all_reduce(b.buffer, ReduceOp::SUM, group_, /*async_op=*/!last);
     } catch (...) {
       abandon_iteration();  // autograd rethrows from backward(); the next forward starts afresh
       throw;
@@ -323,6 +357,7 @@ void Reducer::finalize() {
 void Reducer::write_grads(const std::vector<int64_t>& used_anywhere, size_t bucket) {
   at::NoGradGuard ng;
   Bucket& b = buckets_[bucket];
+  if (b.in_place) return;  // the gradients hold the averages already
   for (size_t k = 0; k < b.params.size(); ++k) {
     const int i = b.params[k];
     if (!used_anywhere.empty() && used_anywhere[i] == 0) continue;

@@ -10,8 +10,9 @@
 //      already is the slot: gradient_as_bucket_view), and counts the bucket down. A bucket at zero
 //      is ready; ready buckets are launched strictly in bucket order: the flat buffer is
 //      all-reduced (SUM): asynchronously, except the last bucket, which has nothing left to
-//      overlap with and is reduced on this thread. With a communication hook the slots are filled
-//      undivided, and the hook gets the bucket instead and returns a Future.
+//      overlap with and is reduced on this thread, in the gradients themselves where it can be
+//      (Note [Last bucket in place]: its slots are then never filled). With a communication hook
+//      the slots are filled undivided, and the hook gets the bucket instead and returns a Future.
 //   4. finalize(): every bucket must have been launched — otherwise the parameters that got no
 //      gradient are named in the error (PyTorch's message, with the find_unused_parameters
 //      remedy). With unused-parameter tracking, a small MAX all-reduce tells which parameters were
@@ -39,6 +40,7 @@ struct Bucket {
   std::vector<at::Tensor> views;  // views[k] is params[k]'s slot, shaped like the parameter
   int pending = 0;                // gradients not yet ready this iteration
   bool launched = false;
+  bool in_place = false;  // reduced in the gradients themselves (Note [Last bucket in place])
   Work work;
   Future future;                            // with a communication hook, instead of work
   std::shared_ptr<GradBucket> grad_bucket;  // what the hook got: alive until its future is waited for
@@ -75,6 +77,9 @@ class Reducer {
  private:
   void rehook_replaced_parameters();
   void on_grad_ready(int index);  // steps 2-3
+  void fill_slot(int index);      // .grad() into its bucket slot, divided unless a comm hook takes it
+  bool defers_last_bucket() const;
+  bool reduce_last_in_place(Bucket& b);
   void mark_ready(int index);
   void launch_ready_buckets();
   void launch_with_comm_hook(Bucket& b, size_t index);

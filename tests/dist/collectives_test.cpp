@@ -85,6 +85,50 @@ TEST(Collectives, AsyncAllReduceAndAvgAfterWait) {
   EXPECT_TRUE(wa.is_completed());
 }
 
+// DDP's average in place: the same bits as dividing a flat copy and summing it (all_reduce SUM), on
+// the default group (shared memory where this run has it) and over Gloo; rank 0 passes a transposed
+// tensor, which the shared-memory way cannot take, so the ranks mix the two ways in one call.
+TEST(Collectives, AllReduceDividedEqualsDividingAFlatCopyAndSumming) {
+  for (const Group& group : {Group(), gloo_group()})
+    for (at::ScalarType dtype : {at::kFloat, at::kDouble})
+      for (int64_t divisor : {static_cast<int64_t>(N()), int64_t{3}}) {
+        auto make = [&] {
+          at::manual_seed(100 + R());
+          std::vector<at::Tensor> ts{at::randn({37, 41}, dtype), at::randn({5}, dtype), at::randn({0}, dtype),
+                                     at::randn({3, 3000}, dtype)};
+          if (R() == 0) ts[0] = at::randn({41, 37}, dtype).t();
+          return ts;
+        };
+        std::vector<at::Tensor> expect = make(), got = make();
+        std::vector<at::Tensor> flat_parts;
+        for (auto& t : expect) flat_parts.push_back(t.reshape({-1}) / divisor);
+        at::Tensor flat = at::cat(flat_parts);
+        all_reduce(flat, ReduceOp::SUM, group);
+        at::Tensor scratch = at::empty({20000}, dtype);
+        all_reduce_divided(got, divisor, group, R() == 1 ? scratch : at::Tensor());
+        int64_t offset = 0;
+        for (auto& t : got) {
+          EXPECT_TRUE(at::equal(t.reshape({-1}), flat.narrow(0, offset, t.numel())))
+              << "dtype " << dtype << " divisor " << divisor << " tensor of " << t.sizes();
+          offset += t.numel();
+        }
+      }
+}
+
+TEST(Collectives, AllReduceDividedBadInputIsAClearError) {
+  std::vector<at::Tensor> ts{at::ones({2})};
+  EXPECT_NE(dtrain_error_of([&] { all_reduce_divided(ts, 0); }).find("all_reduce_divided: divisor=0 is not positive"),
+            std::string::npos);
+  std::vector<at::Tensor> mixed{at::ones({2}), at::ones({2}, at::kDouble)};
+  EXPECT_NE(dtrain_error_of([&] { all_reduce_divided(mixed, 2); }).find("pass tensors of one floating-point dtype"),
+            std::string::npos);
+  std::vector<at::Tensor> none;
+  EXPECT_NE(dtrain_error_of([&] { all_reduce_divided(none, 2); }).find("no tensors"), std::string::npos);
+  // Nothing was sent: the group still works.
+  all_reduce_divided(ts, 1);
+  EXPECT_EQ(ts[0][0].item<float>(), static_cast<float>(N()));
+}
+
 TEST(Collectives, AvgOnIntegersIsAClearError) {
   at::Tensor t = at::ones({2}, at::kLong);
   EXPECT_NE(error_of([&] { all_reduce(t, ReduceOp::AVG); }).find("needs a floating-point tensor"), std::string::npos);

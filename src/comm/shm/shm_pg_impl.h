@@ -102,6 +102,9 @@ class ShmProcessGroup : public compat::Backend {
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
   // A blocking all_reduce run here, without Work or Future (comm/backend.h, all_reduce_here).
   bool allreduce_here(at::Tensor& t, const c10d::ReduceOp& op);
+  // The same for several tensors as one, each rank's values divided by `divisor` on their way in
+  // (comm/backend.h, all_reduce_divided_here).
+  bool allreduce_divided_here(std::vector<at::Tensor>& ts, int64_t divisor);
 
   // Gloo for the rest.
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& t,

@@ -209,6 +209,27 @@ bool ShmProcessGroup::allreduce_here(at::Tensor& t, const c10d::ReduceOp& op) {
   return true;
 }
 
+// The gradients of DDP's last bucket, in place: one float32 or float64 all-reduce over the segment,
+// read from and written to the tensors themselves (Comm::all_reduce_divided). Anything else (another
+// dtype, a tensor that is not a plain CPU one, mixed dtypes, more than one host) does nothing.
+bool ShmProcessGroup::allreduce_divided_here(std::vector<at::Tensor>& ts, int64_t divisor) {
+  if (!local_ || topo_.hosts != 1 || ts.empty() || divisor <= 0) return false;
+  const auto dtype = shm_dtype(ts[0]);
+  if (!dtype || (*dtype != shm::DType::F32 && *dtype != shm::DType::F64)) return false;
+  std::vector<shm::Comm::Piece> pieces;
+  pieces.reserve(ts.size());
+  for (auto& t : ts) {
+    if (shm_dtype(t) != dtype) return false;
+    pieces.push_back({t.data_ptr(), static_cast<size_t>(t.numel())});
+  }
+  auto job = [&] { local_->all_reduce_divided(pieces.data(), pieces.size(), *dtype, static_cast<double>(divisor)); };
+  std::exception_ptr error;
+  auto task = [&] { error = run_job(c10d::OpType::ALLREDUCE, job); };
+  if (!run_here_if_idle(task)) return false;
+  if (error) std::rethrow_exception(error);
+  return true;
+}
+
 // Note [Broken groups]: a collective that fails once data may have moved (a transport error, a
 // timeout, a rank that died, calls that differ over shared memory, where the check comes after the
 // first copy) leaves the ranks at different points of it; what they would exchange next is
@@ -365,6 +386,11 @@ bool has_shared_memory_segment(const compat::BackendPtr& pg) {
 bool shm_all_reduce_here(const compat::BackendPtr& pg, at::Tensor& t, const c10d::ReduceOp& op) {
   auto* s = dynamic_cast<ShmProcessGroup*>(pg.get());
   return s && s->allreduce_here(t, op);
+}
+
+bool shm_all_reduce_divided_here(const compat::BackendPtr& pg, std::vector<at::Tensor>& ts, int64_t divisor) {
+  auto* s = dynamic_cast<ShmProcessGroup*>(pg.get());
+  return s && s->allreduce_divided_here(ts, divisor);
 }
 
 bool shm_group_unsupported(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,

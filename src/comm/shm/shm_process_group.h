@@ -21,6 +21,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "comm/backend_config.h"
 #include "compat/c10d_compat.h"
@@ -49,6 +50,10 @@ bool has_shared_memory_segment(const compat::BackendPtr& pg);
 // Whether `pg` is a ShmProcessGroup that all-reduced `t` on this thread (comm/backend.h,
 // all_reduce_here); false when it is not, or when it could not and did nothing.
 bool shm_all_reduce_here(const compat::BackendPtr& pg, at::Tensor& t, const c10d::ReduceOp& op);
+
+// Whether `pg` is a ShmProcessGroup that all-reduced `ts` as one tensor, divided, on this thread
+// (comm/backend.h, all_reduce_divided_here); false when it is not, or could not and did nothing.
+bool shm_all_reduce_divided_here(const compat::BackendPtr& pg, std::vector<at::Tensor>& ts, int64_t divisor);
 
 // Whether `pg` is a ShmProcessGroup; if so, *why_not is "" when it can run `type` on tensors like
 // `t` with `op`, else why not and the remedy (the front end's check before anything is sent).
