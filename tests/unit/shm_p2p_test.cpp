@@ -2,12 +2,16 @@
 // source, messages larger than the ring, both ranks sending first, and every failure a user can
 // cause (mismatched dtype or shape, a dead peer, a missing sender), each ending in seconds.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <new>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm/shm/p2p.h"
@@ -96,6 +100,34 @@ TEST(ShmP2p, ManyAsynchronousSendsCompleteWhateverOrderTheyAreWaitedIn) {
       for (int i = 0; i < kCount; ++i)
         if (bufs[i] != pattern(bufs[i].size(), i)) throw std::runtime_error("message " + std::to_string(i));
   }));
+}
+
+// Note [Send pusher]: a send larger than the ring completes while its sender runs no point-to-point
+// code at all (here it only polls a flag in memory shared with the receiver), as a pipeline stage
+// computes after posting its boundary send. Without the pusher the rest of the message would wait
+// for the sender's next call, and the sender would give up after 5 s.
+TEST(ShmP2p, ASendLargerThanTheRingCompletesWhileItsSenderComputes) {
+  void* mem = mmap(nullptr, sizeof(std::atomic<int>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mem, MAP_FAILED);
+  auto* received = new (mem) std::atomic<int>(0);
+  const size_t bytes = 64 * 4096 + 123;  // many rings' worth
+  expect_ok(run_p2p(2, [&](P2p& p, int r) {
+    if (r == 0) {
+      const auto v = pattern(bytes, 5);
+      auto op = p.send(1, v.data(), desc_of(bytes, 9));
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (received->load() == 0) {
+        if (std::chrono::steady_clock::now() > until)
+          throw std::runtime_error("the receive did not complete while its sender ran no point-to-point code");
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      p.wait(*op);
+    } else {
+      expect_received(p, 0, bytes, 5, 9);
+      received->store(1);
+    }
+  }));
+  munmap(mem, sizeof(std::atomic<int>));
 }
 
 TEST(ShmP2p, ReceivesMatchByTagNotByArrival) {

@@ -18,12 +18,15 @@
 //      bytes to be taken) and every later operation between the two ranks fail with that line.
 //      (A message first stashed and matched later fails the receive; the sender, already done,
 //      fails at its next operation towards that rank.)
-//   4. progress: there is no progress thread. Posting an operation moves its channel on; waiting
-//      for any operation moves every channel of this rank on (sends written, incoming messages
-//      taken or stashed), so a rank blocked in one operation still lets its peers finish theirs.
-//      So does a rank waiting in one of the segment's collectives (Comm::set_idle): a pipeline stage
-//      enters its end-of-step all-reduce with a send larger than the ring still in flight, and the
-//      neighbour needs the rest of it before it can reach that all-reduce.
+//   4. progress: posting an operation moves its channel on; waiting for any operation moves every
+//      channel of this rank on (sends written, incoming messages taken or stashed), so a rank
+//      blocked in one operation still lets its peers finish theirs. So does a rank waiting in one
+//      of the segment's collectives (Comm::set_idle): a pipeline stage enters its end-of-step
+//      all-reduce with a send larger than the ring still in flight, and the neighbour needs the
+//      rest of it before it can reach that all-reduce. Only a send that the ring could not take
+//      whole wakes a thread (the pusher, Note [Send pusher]): otherwise the rest of it would wait
+//      for this rank's next point-to-point call, and a stage that sends and then computes would
+//      leave its receiver idle for that whole computation.
 //   5. waiting: spin, yield, then sleep on this rank's bell, which a peer bumps whenever a channel
 //      to or from this rank changes; a sleeper wakes every ~10 ms to check the timeout, whether the
 //      peer's process still exists, and the segment's abort flag (a failed collective).
@@ -31,12 +34,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm/shm/comm.h"
@@ -85,6 +90,9 @@ class P2p {
   struct Stashed;
 
   void progress_send(int dst);  // every progress_* call is non-blocking; callers hold no lock
+  bool has_unsent(int dst);
+  void wake_pusher();
+  void push_loop() noexcept;
   void progress_recv(int src);
   void progress_all();
   bool match_stash(const std::shared_ptr<Op>& op);          // under in_mu_
@@ -104,6 +112,13 @@ class P2p {
   Describe describe_;
 
   std::vector<std::unique_ptr<Outgoing>> out_;  // per destination
+
+  // Note [Send pusher]: started by the first send the ring could not take whole.
+  std::mutex push_mu_;
+  std::condition_variable push_cv_;
+  bool push_wanted_ = false;  // under push_mu_
+  std::atomic<bool> push_stop_{false};
+  std::thread pusher_;
 
   std::mutex in_mu_;                            // everything below
   std::vector<std::unique_ptr<Incoming>> in_;   // per source
