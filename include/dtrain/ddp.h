@@ -18,7 +18,9 @@
 //      find_unused_parameters the autograd graph of the outputs is searched for unused parameters.
 //   3. Backward: as each gradient is accumulated its hook copies it into its bucket (or it is
 //      already there with gradient_as_bucket_view); a full bucket starts its asynchronous
-//      all-reduce at once (buckets start in order), overlapping the rest of backward.
+//      all-reduce at once (buckets start in order), overlapping the rest of backward. The last
+//      bucket is reduced on the backward thread, over shared memory in the gradients themselves
+//      (all_reduce_divided: no copy into the bucket and back).
 //   4. End of backward: all-reduces are waited for and every param.grad() holds the average.
 // A communication hook (register_comm_hook, dtrain/comm_hooks.h) replaces step 3's division and
 // all-reduce: it gets each full bucket and returns a Future of the averaged values, waited for in 4.
@@ -64,7 +66,8 @@ struct DDPOptions {
 };
 
 // One event of a synchronized backward (for tests, monitoring and timelines):
-//   kGradReady       parameter `index`'s gradient is in its bucket
+//   kGradReady       parameter `index`'s gradient is ready (in its bucket, unless the last bucket is
+//                    reduced in the gradients themselves)
 //   kBucketLaunched  bucket `index`'s asynchronous all-reduce started
 //   kBackwardEnd     autograd produced the last gradient; DDP starts waiting for the buckets (index -1;
 //                    time_ns: when the last bucket was launched, which DDP reduces on the backward

@@ -118,6 +118,7 @@ class P2p {
   std::condition_variable push_cv_;
   bool push_wanted_ = false;  // under push_mu_
   std::atomic<bool> push_stop_{false};
+  std::atomic<int> waiters_{0};  // threads inside wait(), which move every channel on themselves
   std::thread pusher_;
 
   std::mutex in_mu_;                            // everything below
