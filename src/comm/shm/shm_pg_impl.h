@@ -157,6 +157,8 @@ class ShmProcessGroup : public compat::Backend {
   std::exception_ptr run_job(c10d::OpType type, Job& job);
   template <class Task>
   bool run_here_if_idle(Task& task);
+  template <class Job>
+  bool run_inline(c10d::OpType type, Job& job);
   // A collective on Gloo: queued, checked (agree()), then started and awaited on the worker.
   c10::intrusive_ptr<c10d::Work> on_gloo(std::vector<at::Tensor> outputs, c10d::OpType type, GlooCall call,
                                          std::chrono::milliseconds timeout,

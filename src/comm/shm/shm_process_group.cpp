@@ -196,17 +196,24 @@ std::exception_ptr ShmProcessGroup::run_job(c10d::OpType type, Job& job) {
   }
 }
 
+// A blocking call's job run here when nothing is queued (run_here_if_idle), failing as run_job
+// fails it; false: nothing ran.
+template <class Job>
+bool ShmProcessGroup::run_inline(c10d::OpType type, Job& job) {
+  std::exception_ptr error;
+  auto task = [&] { error = run_job(type, job); };
+  if (!run_here_if_idle(task)) return false;
+  if (error) std::rethrow_exception(error);
+  return true;
+}
+
 // Note [Inline blocking collectives], without the c10d Work, its Future and their allocations (a
 // blocking all-reduce of DDP's last bucket pays them every step): the same job as allreduce()'s on
 // one host, the same failures, the same queue discipline (only when nothing is queued).
 bool ShmProcessGroup::allreduce_here(at::Tensor& t, const c10d::ReduceOp& op) {
   if (!local_ || topo_.hosts != 1 || !shm_reduces(t, op, /*all=*/true)) return false;
   auto job = [&] { local_->all_reduce(t.data_ptr(), static_cast<size_t>(t.numel()), *shm_dtype(t), *shm_op(op)); };
-  std::exception_ptr error;
-  auto task = [&] { error = run_job(c10d::OpType::ALLREDUCE, job); };
-  if (!run_here_if_idle(task)) return false;
-  if (error) std::rethrow_exception(error);
-  return true;
+  return run_inline(c10d::OpType::ALLREDUCE, job);
 }
 
 // The gradients of DDP's last bucket, in place: one float32 or float64 all-reduce over the segment,
@@ -223,11 +230,7 @@ bool ShmProcessGroup::allreduce_divided_here(std::vector<at::Tensor>& ts, int64_
     pieces.push_back({t.data_ptr(), static_cast<size_t>(t.numel())});
   }
   auto job = [&] { local_->all_reduce_divided(pieces.data(), pieces.size(), *dtype, static_cast<double>(divisor)); };
-  std::exception_ptr error;
-  auto task = [&] { error = run_job(c10d::OpType::ALLREDUCE, job); };
-  if (!run_here_if_idle(task)) return false;
-  if (error) std::rethrow_exception(error);
-  return true;
+  return run_inline(c10d::OpType::ALLREDUCE, job);
 }
 
 // Note [Broken groups]: a collective that fails once data may have moved (a transport error, a
