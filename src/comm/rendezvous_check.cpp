@@ -5,6 +5,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "comm/state.h"
 #include "comm/store_count.h"
 #include "common/util.h"
 #include "dtrain/errors.h"
@@ -51,19 +52,46 @@ std::string judge(c10d::Store& store, int world_size, const std::string& my_host
   return verdict.str();
 }
 
-// Note [Error verdicts]: rank 0 may host the store. If it threw at once after an error verdict, its
-// store would close while the other ranks are still between wait("verdict") and get("verdict"), and
-// they would report "no verdict" instead of the reason. So rank 0 waits (bounded) until every rank
-// that joined has read it.
-void linger_until_read(c10d::Store& store, int world_size) {
+// Note [Verdict receipts]: rank 0 may host the store. Had it gone on at once after its verdict, a
+// failure just after (its backend cannot start: no CUDA device, say) would close the store while the
+// other ranks are still between wait("verdict") and get("verdict"), and they would report a missing
+// verdict instead of the reason, which they meet themselves a moment later. So every other rank
+// counts itself in "verdict_read", and rank 0 waits until every rank that joined has read the
+// verdict: bounded by the rendezvous timeout after "ok" (all joined; a rank that died in between
+// would fail the backend next anyway), 2 s after an error (the ranks that never joined never read).
+void wait_until_read(c10d::Store& store, int world_size, bool ok, std::chrono::milliseconds timeout) {
   try {
     int64_t joined = 0;
     for (int r = 1; r < world_size; ++r) joined += store.check({"rank/" + std::to_string(r)}) ? 1 : 0;
-    wait_for_count(store, "verdict_read", joined, std::chrono::seconds(2), "rank 0: rendezvous",
+    wait_for_count(store, "verdict_read", joined, ok ? timeout : std::chrono::milliseconds(2000), "rank 0: rendezvous",
                    "every rank that joined must read the verdict");
   } catch (const std::exception&) {
-    // The store is gone, or a rank did not read the verdict in time: rank 0 throws its own error now.
+    // The store is gone, or a rank did not read the verdict in time: rank 0 goes on (after an error
+    // verdict, to throw its own error) and meets that rank's absence in the backend, if it matters.
   }
+}
+
+// Step 5 on ranks 1..n-1. A store that answers "timed out" and a store that closed are different
+// failures: the first means rank 0 is slow or elsewhere, the second that the process hosting the
+// store (rank 0, or the launcher) has exited, and its own output says why.
+std::string read_verdict(c10d::Store& store, int rank, std::chrono::milliseconds timeout) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto limit = timeout + std::chrono::seconds(5);
+  try {
+    store.wait({"verdict"}, limit);
+    return to_string(store.get("verdict"));
+  } catch (const store::TimeoutError&) {
+  } catch (const std::exception& e) {
+    if (std::chrono::steady_clock::now() - start < limit)
+      throw Error(detail::cat(
+          "rank ", rank, ": the rendezvous store failed while this rank waited ",
+          seconds(std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start)),
+          " for rank 0's verdict (", brief(e),
+          "): the process hosting the store (rank 0, or the launcher) has exited: "
+          "its own error says why"));
+  }
+  throw Error(detail::cat("rank ", rank, ": rank 0 gave no rendezvous verdict within ", seconds(limit),
+                          ": is rank 0 running with the same MASTER_ADDR/PORT?"));
 }
 
 }  // namespace
@@ -78,30 +106,23 @@ LocalRanks rendezvous_check(c10d::Store& store, int rank, int world_size, const 
   const std::string host_key = util::host_name() + "/" + address;
   store.set("rank/" + std::to_string(rank), to_bytes(std::to_string(world_size) + "\n" + host_key));
   // Steps 3-4.
-  if (rank == 0) {
-    std::string v = judge(store, world_size, host_key, timeout);
-    store.set("verdict", to_bytes(v));
-    if (v.rfind("error", 0) == 0) linger_until_read(store, world_size);
-  }
-  // Step 5.
   std::string verdict;
-  try {
-    store.wait({"verdict"}, timeout + std::chrono::seconds(5));
-    verdict = to_string(store.get("verdict"));
-  } catch (const std::exception& e) {
-    throw Error(detail::cat("rank ", rank, ": rank 0 gave no rendezvous verdict within ", seconds(timeout),
-                            ": is rank 0 running with the same MASTER_ADDR/PORT?"));
+  if (rank == 0) {
+    verdict = judge(store, world_size, host_key, timeout);
+    store.set("verdict", to_bytes(verdict));
+    wait_until_read(store, world_size, verdict.rfind("ok", 0) == 0, timeout);
+  } else {
+    // Step 5.
+    verdict = read_verdict(store, rank, timeout);
+    try {
+      store.add("verdict_read", 1);  // Note [Verdict receipts]
+    } catch (const std::exception&) {
+      // The store closed after the verdict: this rank goes on with it and meets the reason next.
+    }
   }
   auto lines = util::split(verdict);
-  if (!lines.empty() && lines[0] == "error") {
-    if (rank != 0) {
-      try {
-        store.add("verdict_read", 1);  // Note [Error verdicts]
-      } catch (const std::exception&) {
-      }
-    }
+  if (!lines.empty() && lines[0] == "error")
     throw Error(detail::cat("rank ", rank, ": rendezvous failed: ", lines.size() > 1 ? lines[1] : "(no reason)"));
-  }
   DTRAIN_ASSERT(lines.size() >= 2 && lines[0] == "ok", "bad rendezvous verdict");
   if (lines[1] != std::to_string(world_size))
     throw Error(detail::cat("rank ", rank, ": ranks disagree on the world size: rank 0 has WORLD_SIZE=", lines[1],

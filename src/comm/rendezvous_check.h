@@ -6,8 +6,10 @@
 //   3. Rank 0 reads ranks 1..n-1 in order (each within the timeout), checks that their world size
 //      equals its own, and derives local ranks from the host keys (host name + the address that
 //      reaches the master, so network namespaces count as hosts).
-//   4. Rank 0 publishes "verdict" = "ok\n<world_size>\n<host key per rank>" or "error\n<message>".
-//   5. Every rank reads the verdict; an error or a different world size throws dtrain::Error.
+//   4. Rank 0 publishes "verdict" = "ok\n<world_size>\n<host key per rank>" or "error\n<message>",
+//      and waits until every rank that joined has counted itself in "verdict_read".
+//   5. Every rank reads the verdict; an error or a different world size throws dtrain::Error, and
+//      so does a store that closes meanwhile (its host exited), which is not reported as a timeout.
 #pragma once
 
 #include <chrono>

@@ -1,6 +1,6 @@
 // A counter in the job's store that every member of a set increments, and a bounded wait until it
 // reaches the set's size: new_group's barrier (Note [new_group barrier]), destroy_process_group's
-// checkout (Note [Store lifetime]) and the read receipts of an error verdict (Note [Error verdicts]).
+// checkout (Note [Store lifetime]) and the read receipts of the rendezvous verdict (Note [Verdict receipts]).
 #pragma once
 
 #include <chrono>

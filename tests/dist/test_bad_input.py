@@ -3,11 +3,28 @@ remedy, and never hangs: environment mistakes, backends, init methods, an unreac
 port, ranks that disagree on the world size, and two processes claiming the same rank."""
 import os
 import socket
+import time
 import unittest
 
 from harness import DistTestCase, binary, clean_env, free_port, hello, rank_env
 
 FAST_S = 10  # "within a few seconds": generous for a loaded 2-core machine, far below any default
+
+
+def clients_of(port):
+    """Established TCP connections from a client to `port` on this host (/proc/net/tcp's 01 state)."""
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                n += 1
+    return n
 
 
 class SingleProcess(DistTestCase):
@@ -103,6 +120,27 @@ class ManyProcesses(DistTestCase):
         for line in lines:
             if line not in dup:
                 self.assertIn("rank(s) 2 did not join within 3 s", line, "\n".join(map(str, results)))
+
+
+
+    def test_store_host_exits_before_the_verdict(self):
+        # Rank 0 hosts the store and waits for rank 2, which never comes; rank 0 is killed while rank 1
+        # waits for the verdict. Rank 1 must say at once that the store's host exited, not claim a
+        # timeout of its 20 s.
+        port = free_port()
+        rank0 = self.spawn([hello(), "--timeout_s", 20], rank_env(0, 3, port))
+        rank1 = self.spawn([hello(), "--timeout_s", 20], rank_env(1, 3, port))
+        # Rank 1 has joined once two clients (rank 0's own and rank 1's) hold connections to the port.
+        deadline = time.monotonic() + 20
+        while clients_of(port) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertGreaterEqual(clients_of(port), 2, "rank 1 never connected to rank 0's store")
+        time.sleep(0.5)  # from its connection to its wait for the verdict: a few store calls
+        rank0.kill()
+        res = rank1.finish(30)
+        line = self.assertOneLineError(res, "rank 1:", "rendezvous store failed", "has exited")
+        self.assertNotIn("within", line, str(res))
+        self.assertLess(res.seconds, FAST_S, str(res))
 
 
 
