@@ -1,5 +1,6 @@
 // Monitoring and debug mode on real ranks: the merged trace, rank-0 aggregation with a slow rank,
 // DTRAIN_DEBUG=INFO bucket logging and DETAIL catching mismatched collectives.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -153,16 +154,22 @@ TEST(Monitor, InfoLogsBucketsAndSetupOnRankZero) {
 
 // README: DETAIL turns a mismatch into an error on every rank "in milliseconds" instead of a hang.
 // After a barrier both ranks call together, so the time is the check's own: a few store round
-// trips, 0.2-0.3 ms here; 100 ms leaves room for a loaded machine.
+// trips, 0.2-0.3 ms here. The best of 3 tries must be under 100 ms (scaled under a sanitizer): a
+// rank descheduled right after one barrier on a loaded machine cannot fail the claim alone.
 TEST(DebugDetail, MismatchedAllReduceShapeFailsEveryRankWithinMilliseconds) {
   set_debug_level(DebugLevel::DETAIL);
   at::Tensor t = at::ones({rank() == 0 ? 4 : 5});
-  barrier();
-  const auto t0 = std::chrono::steady_clock::now();
-  const std::string err = error_of([&] { all_reduce(t); });
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("rank %d: DETAIL reported the mismatch after %.2f ms\n", rank(), ms);
-  EXPECT_LT(ms, 100.0) << "instead of hanging";
+  std::string err;
+  double best_ms = 1e9;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    err = error_of([&] { all_reduce(t); });
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("rank %d: DETAIL reported the mismatch after %.2f ms\n", rank(), ms);
+    best_ms = std::min(best_ms, ms);
+  }
+  EXPECT_LT(best_ms, 100.0 * test_util::kTimeScale) << "instead of hanging";
   EXPECT_NE(err.find("rank " + std::to_string(rank()) + ": DTRAIN_DEBUG=DETAIL"), std::string::npos) << err;
   EXPECT_NE(err.find("rank 0 calls all_reduce(Float[4], op=SUM)"), std::string::npos) << err;
   EXPECT_NE(err.find("rank 1 calls all_reduce(Float[5], op=SUM)"), std::string::npos) << err;

@@ -3,13 +3,18 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <new>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm/shm/comm.h"
@@ -71,6 +76,43 @@ inline std::vector<std::string> run_ranks(int n, const Fn& fn,
   return run_ranks_shared(
       n, [&](std::shared_ptr<Comm> c, int r) { fn(*c, r); }, timeout, slot);
 }
+
+// A flag in memory the forked ranks share (mapped before they fork). A rank that must stay alive
+// until a peer has failed (a timeout, not a dead peer) waits for the peer to set it, rather than
+// sleeping a fixed time that a loaded machine or a sanitizer can outlast.
+class SharedFlag {
+ public:
+  SharedFlag()
+      : p_(static_cast<std::atomic<int>*>(
+            mmap(nullptr, sizeof(std::atomic<int>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0))) {
+    if (p_ == MAP_FAILED) throw std::runtime_error("SharedFlag: mmap failed");
+    new (p_) std::atomic<int>(0);
+  }
+  ~SharedFlag() { munmap(p_, sizeof(std::atomic<int>)); }
+  SharedFlag(const SharedFlag&) = delete;
+  SharedFlag& operator=(const SharedFlag&) = delete;
+
+  void set() { p_->store(1); }
+  // Until set, or `cap` (then the test fails on its own expectations instead of hanging).
+  void wait(std::chrono::milliseconds cap = std::chrono::seconds(60)) const {
+    const auto deadline = std::chrono::steady_clock::now() + cap;
+    while (!p_->load() && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  // Runs f(); sets the flag when it throws, and rethrows.
+  template <class F>
+  void set_on_throw(F&& f) {
+    try {
+      f();
+    } catch (...) {
+      set();
+      throw;
+    }
+  }
+
+ private:
+  std::atomic<int>* p_;
+};
 
 inline void expect_ok(const std::vector<std::string>& errors) {
   for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "rank " << r;

@@ -228,13 +228,14 @@ TEST(ShmP2p, ADeadSenderIsNoticedWithoutWaitingForTheTimeout) {
 TEST(ShmP2p, AMissingMessageTimesOutNamingTheTag) {
   // The tag-1 message is taken into the receiver's stash (so its send completes); the receive for
   // tag 2 finds nothing and times out.
+  shm_fork::SharedFlag timed_out;
   auto errors = run_p2p(
       2,
-      [](P2p& p, int r) {
+      [&](P2p& p, int r) {
         std::vector<uint8_t> buf(16);
         auto op = r == 0 ? p.send(1, buf.data(), desc_of(16, 1)) : p.recv(0, buf.data(), desc_of(16, 2));
-        p.wait(*op);
-        if (r == 0) usleep(800 * 1000);  // alive until the receiver gives up: a timeout, not a dead peer
+        timed_out.set_on_throw([&] { p.wait(*op); });
+        if (r == 0) timed_out.wait();  // alive until the receiver gives up: a timeout, not a dead peer
       },
       std::chrono::milliseconds(300));
   EXPECT_EQ(errors[0], "");
@@ -244,16 +245,17 @@ TEST(ShmP2p, AMissingMessageTimesOutNamingTheTag) {
 }
 
 TEST(ShmP2p, ASendNobodyReceivesTimesOut) {
+  shm_fork::SharedFlag timed_out;
   auto errors = run_p2p(
       2,
-      [](P2p& p, int r) {
+      [&](P2p& p, int r) {
         std::vector<uint8_t> buf(16);
         if (r == 1) {
-          usleep(800 * 1000);  // alive, but never receives
+          timed_out.wait();  // alive, but never receives, until the sender has given up
           return;
         }
         auto op = p.send(1, buf.data(), desc_of(16, 1));
-        p.wait(*op);
+        timed_out.set_on_throw([&] { p.wait(*op); });
       },
       std::chrono::milliseconds(300));
   EXPECT_NE(errors[0].find("rank 0: send to rank 1 (tag 1) over shared memory timed out after 300 ms: the receiver "
