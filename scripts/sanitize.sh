@@ -7,8 +7,10 @@
 #               memory, DDP, pipeline (2 and 4 ranks), monitor, AMP, sampler, the randomized
 #               collectives, communication hooks, SyncBatchNorm, ZeRO, Join.
 #   build-tsan  -DDTRAIN_SANITIZE=thread: ThreadSanitizer over the threads inside one rank: the
-#               shared-memory group's worker thread and its atomics, DDP's bucket hooks and completion
-#               callbacks: the shm unit tests, shm_dist_test, ddp_test and ddp_overlap_test on 2 ranks.
+#               shared-memory group's worker thread and its atomics, point-to-point's pusher, DDP's
+#               bucket hooks and completion callbacks, TensorBoard's flush timer, and the launcher's
+#               heartbeat: the shm and SummaryWriter unit tests, shm_dist_test, ddp_test,
+#               ddp_overlap_test and pipeline_test on 2 ranks, the elastic launcher tests.
 # Each run first requires its canary to be reported and to fail the process, and fails on any test
 # skipped that tests/skips_allowed.txt does not allow (scripts/check_skips.py).
 #   ./scripts/sanitize.sh            both
@@ -92,7 +94,8 @@ if [[ " $runs " == *" tsan "* ]]; then
   echo "=== build-tsan: ThreadSanitizer"
   start=$SECONDS
   T=build-tsan
-  configure_and_build "$T" thread shm_test shm_dist_test ddp_test ddp_overlap_test
+  configure_and_build "$T" thread shm_test shm_p2p_test tensorboard_test shm_dist_test ddp_test ddp_overlap_test \
+                      pipeline_test
   # Reports exit 66 at the end of the process; second_deadlock_stack: both stacks of a lock-order
   # inversion.
   export TSAN_OPTIONS="exitcode=66:second_deadlock_stack=1:suppressions=$S/tsan.supp"
@@ -109,9 +112,14 @@ if [[ " $runs " == *" tsan "* ]]; then
   fi
   canary "$T" race "ThreadSanitizer: data race"
   echo "sanitize.sh: the canary's data race was caught"
-  # The shm unit tests (forked ranks on one segment) and the multi-process tests.
-  run_ctest "$T" -j2 -R '^Shm[A-Za-z]*\.'
-  run_ctest "$T" -R "$(dist_regex shm_dist_test_2 ddp_test_2 ddp_overlap_test_2 ddp_overlap_test_gloo_2)"
+  # The shm unit tests (forked ranks on one segment; point-to-point's pusher thread), TensorBoard's
+  # flush timer, and the multi-process tests (a pipeline's sends through the pusher).
+  run_ctest "$T" -j2 -R '^(Shm[A-Za-z0-9]*|SummaryWriter|MonitorTensorBoard)\.'
+  run_ctest "$T" -R "$(dist_regex shm_dist_test_2 ddp_test_2 ddp_overlap_test_2 ddp_overlap_test_gloo_2 \
+                                  pipeline_test_2)"
+  # The launcher's own threads (the elastic agent's heartbeat): its tests run the instrumented dtrain-run.
+  run_ctest "$T" -R '^launcher_elastic$'
+
   unset TSAN_OPTIONS OMP_NUM_THREADS
   echo "=== build-tsan: done in $((SECONDS - start)) s"
 fi

@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# All tests: setup (apt packages, PyPI's torch in .venv/), then the whole ctest suite twice:
-#   build/         against Debian's LibTorch 1.13 (CPU)
-#   build-torch2/  against the LibTorch 2.x inside .venv's torch wheel (CUDA + NCCL compiled in;
-#                  the tests that need a GPU report themselves skipped)
+# All tests: setup (apt packages, PyPI's torch in .venv/), then ctest in two trees:
+#   build/         against Debian's LibTorch 1.13 (CPU): every test
+#   build-torch2/  against the LibTorch 2.x inside .venv's torch wheel (CUDA + NCCL compiled in; the
+#                  tests that need a GPU report themselves skipped): only the tests that depend on the
+#                  LibTorch underneath. Those labelled `once` (text checks, the torch-free parts, the
+#                  launcher, the trainer's process-level behaviour: tests/CMakeLists.txt) are neither
+#                  built nor run there (-DDTRAIN_ONCE_TESTS=OFF), and the library compiles as a unity
+#                  build (a few batches of sources, so LibTorch 2's headers are parsed a few times
+#                  instead of once per file; build/ keeps one file per compile, which catches a
+#                  missing include)
 # and finally the sanitizer trees (scripts/sanitize.sh, LibTorch 1.13): the unit and multi-process tests
 # under AddressSanitizer + UBSan (build-asan), the shared-memory and DDP tests under ThreadSanitizer
 # (build-tsan).
 #   ./scripts/test.sh              everything
 #   ./scripts/test.sh -R dist_     extra arguments go to ctest in both trees; the sanitizer run is skipped
 #   DTRAIN_TREES=build ./scripts/test.sh   only the trees named (build, build-torch2)
-# Tests labelled `once` (text checks, the torch-free launcher, the main job's long elastic run) do
-# not depend on the LibTorch a tree builds against: the first tree named runs them, the others not.
+# In each tree the single-process tests (label `unit`) run two at a time, then the others one at a
+# time; each test's time is in ctest's lines, and the 15 slowest follow (scripts/slowest_tests.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -18,9 +24,24 @@ cd "$(dirname "$0")/.."
 # compiled objects (CI runs from a fresh clone).
 export CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1
 trees=${DTRAIN_TREES:-build build-torch2}
-once=()  # the first tree runs every test; the next ones skip those labelled `once` (tests/CMakeLists.txt)
+total_start=$SECONDS
+first=1
+# ctest in <tree> on the tests selected by the arguments, then a failure for any skip that
+# tests/skips_allowed.txt does not expect (ctest counts a skipped test as passed), then the slowest.
+run_ctest() {  # <tree> <ctest arguments>...
+  local tree=$1
+  shift
+  ctest --test-dir "$tree" --output-on-failure --timeout 600 "$@"
+  ./scripts/check_skips.py "$tree"
+  ./scripts/slowest_tests.py "$tree"
+}
 for tree in $trees; do
   args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DDTRAIN_WERROR=ON)  # a warning in dtrain's own code fails the run
+  skip=''  # labels left out of this tree, as a ctest -LE regex alternative
+  if ((first == 0)); then
+    args+=(-DDTRAIN_ONCE_TESTS=OFF -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=11)
+    skip='|once'
+  fi
   if [ "$tree" = build-torch2 ]; then
     # The benchmarks build in build/; here they would only add compile time.
     args+=("-DCMAKE_PREFIX_PATH=$(.venv/bin/python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
@@ -30,15 +51,28 @@ for tree in $trees; do
   start=$SECONDS
   cmake -S . -B "$tree" "${args[@]}" >/dev/null
   cmake --build "$tree" -j"$(nproc)"
-  ctest --test-dir "$tree" --output-on-failure --timeout 600 "${once[@]}" "$@"
-  if ((${#once[@]} == 0)); then
-    once=(-LE '^once$')
+  echo "=== $tree: built in $((SECONDS - start)) s"
+  if (($# == 0)); then
+    if [ -n "$skip" ]; then
+      run_ctest "$tree" -j2 -L '^unit$' -LE '^once$'
+    else
+      run_ctest "$tree" -j2 -L '^unit$'
+    fi
+    run_ctest "$tree" -LE "^(unit$skip)\$"
+  elif [ -n "$skip" ]; then
+    run_ctest "$tree" -LE '^once$' "$@"
+  else
+    run_ctest "$tree" "$@"
+  fi
+  if ((first)); then
     echo "=== the tests labelled once ran in $tree: the next trees leave them out"
   fi
-  # ctest counts a skipped test as passed: fail on any skip tests/skips_allowed.txt does not expect here.
-  ./scripts/check_skips.py "$tree"
+  first=0
   echo "=== $tree: done in $((SECONDS - start)) s"
 done
 if (($# == 0)); then
+  start=$SECONDS
   ./scripts/sanitize.sh
+  echo "=== sanitizer trees: done in $((SECONDS - start)) s"
 fi
+echo "=== scripts/test.sh: done in $((SECONDS - total_start)) s"

@@ -52,3 +52,4 @@ dist.destroy_process_group()
 if failures:
     sys.exit(1)
 print("peer_rank: ALL OK", flush=True)
+print("peer_rank: language Python", flush=True)  # the test checks each position ran the side it asked for

@@ -105,6 +105,10 @@ INSTANTIATE_TEST_SUITE_P(SchedulesAndChunks, PipelineEquivalence,
                                   std::to_string(std::get<1>(info.param));
                          });
 
+// Registered as is and with DTRAIN_SHM=0: the boundaries between stages go over the transport the
+// environment asks for (shared memory on one host, or Gloo's TCP, the path between hosts).
+TEST(Pipeline, BoundariesTakeTheTransportTheEnvironmentAsks) { expect_default_group_transport_from_env(); }
+
 TEST(Pipeline, AutomaticBalanceByParameterCount) {
   Pipeline pipe(make_model(), PipelineOptions().chunks(2));
   int64_t total = 0;
@@ -284,6 +288,7 @@ TEST(Pipeline2D, TwoStagesTimesTwoReplicasMatchOneProcess) {
     EXPECT_EQ(pipe.stage(), rank() % 2);
     EXPECT_EQ(pipe.replica(), rank() / 2);
     EXPECT_EQ(pipe.stage_group().ranks(), (std::vector<int>{pipe.stage(), pipe.stage() + 2}));
+    EXPECT_EQ(pipe.stage_group().uses_shared_memory(), !shm_disabled_by_env());
     auto opt = make_opt(pipe.parameters());
     for (int step = 0; step < kSteps; ++step) {
       auto [x, y] = batch(step);

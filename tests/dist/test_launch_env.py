@@ -98,6 +98,13 @@ class SchedulerEnv(DistTestCase):
         for r, res in enumerate(results):
             self.assertIn(f"Rank: {r}, World Size: 2", res.out, str(res))
 
+    def test_mpich_local_ranks(self):
+        # Hydra's MPI_LOCALRANKID / MPI_LOCALNRANKS win over the local ranks derived from host names:
+        # here they say "one rank per node", which the one host of this test would never derive (0/2, 1/2).
+        results = self.run_with(lambda r, n: clean_env(PMI_RANK=r, PMI_SIZE=n, MPI_LOCALRANKID=0, MPI_LOCALNRANKS=1))
+        for r, res in enumerate(results):
+            self.assertIn(f"Rank: {r}, World Size: 2, Local Rank: 0/1", res.out, str(res))
+
 
 class TorchrunAgentStore(DistTestCase):
     def test_ranks_join_a_python_tcpstore(self):

@@ -53,6 +53,9 @@ class PytorchPeers(DistTestCase):
         for r, (kind, res) in enumerate(zip(kinds, results)):
             self.assertEqual(res.rc, 0, f"rank {r} ({kind}) of {kinds}:\n{res}")
             self.assertIn("peer_rank: ALL OK", res.out, f"rank {r} ({kind}):\n{res}")
+            language = {"py": "Python", "cxx": "C++"}[kind]
+            self.assertEqual([l for l in res.out.splitlines() if l.startswith("peer_rank: language ")],
+                             [f"peer_rank: language {language}"], f"rank {r} is not the {kind} side:\n{res}")
             self.assertEqual(res.out.count("\nok ") + res.out.startswith("ok "), 6, str(res))
             line = [l for l in res.out.splitlines() if l.startswith("sampler indices ")]
             self.assertEqual(line[0].split()[2:], python_indices(r, world),

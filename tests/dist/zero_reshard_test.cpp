@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "dist_main.h"
 #include "dtrain/checkpoint.h"
@@ -88,6 +89,30 @@ TEST(ZeroReshard, StateSavedOnNRanksIsRepartitionedOnM) {
     EXPECT_LE(worst, 1e-7) << kind << " on rank " << rank() << ": saved on " << g_saved_world << " ranks, resumed on "
                            << world_size();
   }
+}
+
+// A rank beyond the saved world has no RNG state of its own: it draws a stream seeded from rank 0's
+// saved state and its rank, unlike any saved rank's (which here all equal rank 0's, each rank seeded
+// the same before training) and the same at every load of the same checkpoint.
+TEST(ZeroReshard, ARankBeyondTheSavedWorldDrawsItsOwnReproducibleStream) {
+  if (g_phase != "load") GTEST_SKIP() << "checked when loading";
+  std::vector<at::Tensor> draws;  // [load] -> every rank's 4 numbers, rank by rank
+  for (int load = 0; load < 2; ++load) {
+    auto model = make_model();
+    TrainingState st;
+    st.model = model.ptr().get();
+    CheckpointManager ckpt(g_dir, CheckpointOptions().prefix("sgd"));
+    ASSERT_TRUE(ckpt.load_latest(st).has_value()) << "no checkpoint in " << g_dir;
+    at::Tensor mine = at::rand({4}, at::kDouble);
+    std::vector<at::Tensor> all;
+    for (int r = 0; r < world_size(); ++r) all.push_back(at::empty_like(mine));
+    all_gather(all, mine);
+    draws.push_back(at::stack(all));
+  }
+  EXPECT_TRUE(at::equal(draws[0], draws[1])) << "two loads of one checkpoint gave rank(s) different streams";
+  for (int r = static_cast<int>(g_saved_world); r < world_size(); ++r)
+    for (int q = 0; q < r; ++q)
+      EXPECT_FALSE(at::equal(draws[0][r], draws[0][q])) << "rank " << r << " draws what rank " << q << " draws";
 }
 
 int main(int argc, char** argv) {
