@@ -46,7 +46,10 @@ ElasticRound parse_round(const std::string& value, int attempt, int64_t id) {
 
 ElasticRendezvous::ElasticRendezvous(NodeRendezvous& base, const std::string& master_host, uint16_t port,
                                      const ElasticOptions& o)
-    : store_(base.client()), o_(o), dead_after_(std::max(kMinDeadAfter, Millis(o.beat_period.count() * kMissedBeats))) {
+    : base_(base),
+      store_(base.client()),
+      o_(o),
+      dead_after_(std::max(kMinDeadAfter, Millis(o.beat_period.count() * kMissedBeats))) {
   // E1.
   id_ = store_.add(key("ids"), 1);
   store_.set(key("beat", id_), to_bytes("0"));
@@ -106,7 +109,7 @@ std::string ElasticRendezvous::member_text(int group_rank) const {
 
 ElasticRound ElasticRendezvous::join(const NodeRendezvous::Say& say) {
   if (o_.host) {
-    ElasticNext first = form_round(0, {Member{id_, o_.hostname}}, "", say);
+    ElasticNext first = form_round(0, {Member{id_, o_.hostname}}, "", "", say);
     if (!first.round) {  // the nodes that did come learn why instead of waiting for a store that vanishes
       for (const Member& m : pending_) store_.set(key("admit", m.id), to_bytes("error " + first.message));
       throw std::runtime_error(first.message);
@@ -171,7 +174,7 @@ bool ElasticRendezvous::stale(const Member& m) {
 }
 
 ElasticNext ElasticRendezvous::form_round(int attempt, const std::vector<Member>& survivors, const std::string& why,
-                                          const NodeRendezvous::Say& say) {
+                                          const std::string& note, const NodeRendezvous::Say& say) {
   // E3: survivors first (their relative order, so node 0 stays node 0 and ranks stay contiguous),
   // then waiting nodes in arrival order, up to MAX; once MIN are there, wait --rdzv_last_call for more.
   const auto start = Clock::now();
@@ -225,13 +228,14 @@ ElasticNext ElasticRendezvous::form_round(int attempt, const std::vector<Member>
     if (line.empty()) line = "restart with the same nodes";
     line += "; world size " + std::to_string(old_world) + " -> " + std::to_string(world);
   }
-  line += " (attempt " + std::to_string(attempt) + ")";
+  line += " (attempt " + std::to_string(attempt) + note + ")";
   std::string value = line;
   for (const Member& m : members_) value += "\n" + std::to_string(m.id) + " " + m.hostname;
   store_.set(key("round", attempt), to_bytes(value));
   for (const Member& m : joined)
     if (m.id != id_) store_.set(key("admit", m.id), to_bytes(std::to_string(attempt)));
   stop_reason_.clear();
+  membership_stop_ = false;
   beats_.clear();  // a fresh look at every member's heartbeat for the new attempt
   ElasticRound r;
   r.attempt = attempt;
@@ -253,10 +257,13 @@ std::optional<std::string> ElasticRendezvous::watch(int attempt) {
       reason = member_text(static_cast<int>(g)) + " stopped sending heartbeats (" + seconds_text(dead_after_) + ")";
   if (reason.empty()) {
     absorb_waiters();
-    if (!pending_.empty() && members_.size() < static_cast<size_t>(o_.max_nodes))
-      reason = pending_.front().hostname + " is waiting to join";
+    if (pending_.empty() || members_.size() >= static_cast<size_t>(o_.max_nodes)) return std::nullopt;
+    // Note [Elastic restarts]: a failure that came first makes this attempt a failure; it stops the
+    // workers itself (step 5), and the waiting node is admitted at the restart that follows.
+    if (!base_.claim_for_membership_change(attempt)) return std::nullopt;
+    membership_stop_ = true;
+    reason = pending_.front().hostname + " is waiting to join";
   }
-  if (reason.empty()) return std::nullopt;
   stop_reason_ = reason;
   store_.set(key("stop", attempt), to_bytes(reason));
   return "stopped this node's workers: " + reason;
@@ -287,20 +294,20 @@ ElasticNext ElasticRendezvous::finish_attempt(int attempt, int exit_code, const 
   return {r, 0, ""};
 }
 
-ElasticNext ElasticRendezvous::host_finish(int attempt, int exit_code, const NodeRendezvous::Say& say) {
-  auto end_job = [&](int code, const std::string& message) {  // E8: nobody waits in vain
-    store_.set(key("decision", attempt), to_bytes(code == 0 ? "done" : "stop " + message));
-    try {
-      absorb_waiters();
-    } catch (const std::exception&) {
-    }
-    for (const Member& m : pending_) store_.set(key("admit", m.id), to_bytes("error the elastic job has ended"));
-    pending_.clear();
-    return ElasticNext{std::nullopt, code, message};
-  };
-  if (exit_code != 0 && exit_code != 1)
-    return end_job(exit_code, "node 0's launcher (the rendezvous host) was stopped by a signal: the job ends");
-  // E6: every member's outcome, or its absence of heartbeats.
+ElasticNext ElasticRendezvous::end_job(int attempt, int code, const std::string& message) {
+  // E8: nobody waits in vain.
+  store_.set(key("decision", attempt), to_bytes(code == 0 ? "done" : "stop " + message));
+  try {
+    absorb_waiters();
+  } catch (const std::exception&) {
+  }
+  for (const Member& m : pending_) store_.set(key("admit", m.id), to_bytes("error the elastic job has ended"));
+  pending_.clear();
+  return ElasticNext{std::nullopt, code, message};
+}
+
+std::vector<int> ElasticRendezvous::outcomes(int attempt, int exit_code) {
+  // E6: every member's outcome, or its absence of heartbeats (-2: gone).
   const auto deadline = Clock::now() + o_.rdzv_timeout;
   std::vector<int> codes(members_.size(), -1);
   codes[0] = exit_code;
@@ -312,46 +319,54 @@ ElasticNext ElasticRendezvous::host_finish(int attempt, int exit_code, const Nod
       if (store_.check({k}))
         codes[g] = std::stoi(to_string(store_.get(k, Millis(1000))));
       else if (stale(members_[g]) || Clock::now() >= deadline)
-        codes[g] = -2;  // gone
+        codes[g] = -2;
       else
         waiting = true;
     }
-    if (!waiting) break;
+    if (!waiting) return codes;
     sleep_for(std::min(o_.beat_period, Millis(100)));
   }
+}
+
+std::string ElasticRendezvous::failure_cause(int attempt) {
+  // The first failure anywhere (step 5's failure/<k>), else the member node 0 stopped hearing from.
+  if (auto f = base_.remote_failure(attempt, -1)) return *f;
+  return stop_reason_.empty() ? "a node's workers stopped" : stop_reason_;
+}
+
+ElasticNext ElasticRendezvous::host_finish(int attempt, int exit_code, const NodeRendezvous::Say& say) {
+  if (exit_code != 0 && exit_code != 1)
+    return end_job(attempt, exit_code, "node 0's launcher (the rendezvous host) was stopped by a signal: the job ends");
+  const std::vector<int> codes = outcomes(attempt, exit_code);
   // E7.
-  if (std::all_of(codes.begin(), codes.end(), [](int c) { return c == 0; })) return end_job(0, "");
+  if (std::all_of(codes.begin(), codes.end(), [](int c) { return c == 0; })) return end_job(attempt, 0, "");
   std::vector<Member> survivors;
-  std::string why;
+  std::string left;
   for (size_t g = 0; g < members_.size(); ++g) {
     if (codes[g] == 0 || codes[g] == 1) {
       survivors.push_back(members_[g]);
       continue;
     }
-    why += (why.empty() ? "" : "; ") + member_text(static_cast<int>(g)) + " left" +
-           (codes[g] == -2 ? "" : " (its launcher was stopped by a signal)");
+    left += (left.empty() ? "" : "; ") + member_text(static_cast<int>(g)) + " left" +
+            (codes[g] == -2 ? "" : " (its launcher was stopped by a signal)");
   }
-  if (why.empty() && stop_reason_.find("waiting to join") == std::string::npos) {
-    const std::string k = "dtrain-run/failure/" + std::to_string(attempt);
-    if (store_.check({k})) {
-      const std::string v = to_string(store_.get(k, Millis(1000)));
-      const size_t space = v.find(' '), nl = v.find('\n');
-      if (space != std::string::npos && nl != std::string::npos && space < nl)
-        why = "restart after node " + v.substr(0, space) + " (" + v.substr(space + 1, nl - space - 1) +
-              ") failed: " + v.substr(nl + 1);
-    }
-  }
+  // Note [Elastic restarts]: only node 0's stop for a waiting node, with every member still there, is free.
+  const bool failed = !left.empty() || !membership_stop_;
+  const std::string why = left.empty() && failed ? failure_cause(attempt) : left;
+  const std::string restarts = "--max_restarts " + std::to_string(o_.max_restarts);
+  if (failed && failures_ >= o_.max_restarts)
+    return end_job(attempt, 1,
+                   why + "; " + restarts + " used up after attempt " + std::to_string(attempt) + ": the job ends");
+  const std::string note = failed ? ", restart " + std::to_string(++failures_) + " of " + restarts : "";
   const int old_world = static_cast<int>(members_.size()) * o_.nproc_per_node;
-  if (attempt + 1 > o_.max_restarts)
-    return end_job(1, (why.empty() ? std::string("the membership changed") : why) + "; --max_restarts " +
-                          std::to_string(o_.max_restarts) + " used up after attempt " + std::to_string(attempt) +
-                          ": the job ends");
-  ElasticNext next = form_round(attempt + 1, survivors, why, say);
+  ElasticNext next =
+      form_round(attempt + 1, survivors, left.empty() && failed ? "restart after " + why : why, note, say);
   if (!next.round)
-    return end_job(1, why + "; " + std::to_string(survivors.size()) + " node(s) remain, fewer than the minimum " +
-                          std::to_string(o_.min_nodes) + " of --nnodes " + std::to_string(o_.min_nodes) + ":" +
-                          std::to_string(o_.max_nodes) + ": the job ends (world size " + std::to_string(old_world) +
-                          ", attempt " + std::to_string(attempt) + ")");
+    return end_job(attempt, 1,
+                   why + "; " + std::to_string(survivors.size()) + " node(s) remain, fewer than the minimum " +
+                       std::to_string(o_.min_nodes) + " of --nnodes " + std::to_string(o_.min_nodes) + ":" +
+                       std::to_string(o_.max_nodes) + ": the job ends (world size " + std::to_string(old_world) +
+                       ", attempt " + std::to_string(attempt) + ")");
   store_.set(key("decision", attempt), to_bytes("restart"));
   return next;
 }

@@ -49,17 +49,20 @@
 //       waiting queue. A member gone, or a node waiting while the group is below MAX (torchrun's
 //       "waiting nodes" rule), makes node 0 set "stop/<k>" to the reason; every node polls it and
 //       stops its workers (SIGTERM, SIGKILL after --grace_period): survivors blocked in a collective
-//       with the dead rank do not wait for the collective's timeout. A worker failure still goes
-//       through step 5 (failure/<k>).
+//       with the dead rank do not wait for the collective's timeout. For a waiting node node 0 first
+//       takes "failure/<k>" (compare_set to "membership change"): when a failure holds it already,
+//       there is no stop, the failure stops the attempt. A worker failure still goes through step 5
+//       (failure/<k>).
 //   E6. When its workers are reaped each node sets "outcome/<k>/<id>" to its exit code (0, 1, or
 //       128+signo: a signalled launcher leaves the job and exits). Node 0 waits for every member's
 //       outcome, counting a member whose heartbeat stops (or that is silent for --rdzv_timeout) as gone.
-//   E7. Node 0 decides and sets "decision/<k>": "done" when every member exited 0; else, while
-//       k < --max_restarts (every restart counts, membership changes too) and at least MIN nodes
-//       remain, it forms attempt k+1 (E3) and sets "restart"; otherwise "stop <line>", which every
-//       node prints before exiting 1. A signal to node 0's launcher stops the job. If node 0 itself
-//       dies, the others lose the store and end with a line that says so: the rendezvous lives on
-//       node 0 only.
+//   E7. Node 0 decides and sets "decision/<k>": "done" when every member exited 0; else it forms
+//       attempt k+1 (E3) and sets "restart", as long as at least MIN nodes remain and, for a failure,
+//       a restart is left; otherwise "stop <line>", which every node prints before exiting 1. Only
+//       failures spend --max_restarts (Note [Elastic restarts] in elastic.h): a stop for a waiting
+//       node, with every member still there, is free; a failed worker or a member gone spends one.
+//       A signal to node 0's launcher stops the job. If node 0 itself dies, the others lose the
+//       store and end with a line that says so: the rendezvous lives on node 0 only.
 //   E8. Node 0 answers "admit/<id>" with an error for nodes still waiting when the job ends; the
 //       others set "done/<id>", and node 0 keeps the store up until each member of the last attempt
 //       is done or gone (bounded by --rdzv_timeout).
@@ -101,6 +104,10 @@ class NodeRendezvous {
   // remote_failure: "node N (host) failed: <summary>" when a node other than `my_node_rank` failed.
   bool publish_failure(int attempt, int node_rank, const std::string& summary);
   std::optional<std::string> remote_failure(int attempt, int my_node_rank);
+  // Step E5: node 0 takes the attempt's failure slot for a membership change it is about to make, so
+  // that a worker that fails after the stop (its peers stopped under it) reads as a consequence, not
+  // as the cause; false when a failure came first. remote_failure() does not report the claim.
+  bool claim_for_membership_change(int attempt);
 
   // Step 6: every node's exit code of the attempt, by node_rank (only this node's own when it was
   // signalled). Throws std::runtime_error naming the nodes that did not report within the timeout.
