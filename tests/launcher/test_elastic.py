@@ -9,6 +9,8 @@ that can bind the master address hosts the rendezvous.
 import os
 import re
 import signal
+import subprocess
+import threading
 import time
 import unittest
 
@@ -81,6 +83,27 @@ class ElasticTest(MarkedTestCase):
     def end_training(self):
         """Every worker leaves its loop and exits 0 (elastic_worker.py's DIR/finish)."""
         open(os.path.join(self.tmp, "finish"), "w").close()
+
+    def follow_stderr(self, proc):
+        """Collects proc's stderr lines as they come, so the test can wait for one; returns the list
+        and a function that waits (bounded) for the process and returns (rc, stderr)."""
+        lines = []
+
+        def read():
+            for line in proc.stderr:
+                lines.append(line)
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+
+        def wait(timeout=30):
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            reader.join(timeout=5)
+            return proc.returncode, "".join(lines)
+        return lines, wait
 
     def test_a_node_that_arrives_with_no_restart_left_joins_without_spending_one(self):
         # torchelastic restarts for waiting nodes without counting a retry: --max_restarts 0 must not
@@ -183,6 +206,38 @@ class ElasticTest(MarkedTestCase):
                              r"^dtrain-run: node 2 \(.*\) left; --max_restarts 0 used up after attempt 0: the job ends$")
         self.assertEqual({s["restart"] for s in self.starts()}, {0})
         self.assertEqual(pids_with_marker(self.marker), [])
+
+    def test_a_node_beyond_max_waits_for_a_place_and_leaves_when_the_job_ends(self):
+        # As torchelastic's redundancy list: a node that finds the job at MAX does not restart it; it
+        # waits for a place (a node that leaves frees one) and ends with the job.
+        args = elastic_args(self.port, self.hosts.addr[0], "2:3", last_call=1) + self.worker(1000, 0.05)
+        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]
+        spare = None
+        try:
+            self.assertTrue(wait_until(lambda: self.step_reached() >= 3, 20), "the job did not start training")
+            spare = self.hosts.launch(2, [DTRAIN_RUN] + args, clean_env())
+            lines, wait_spare = self.follow_stderr(spare)
+            told = wait_until(lambda: any("the job is full" in l for l in lines), 10)
+            at = self.step_reached()
+            self.assertTrue(wait_until(lambda: self.step_reached() >= at + 5, 10), "the job stopped training")
+            self.end_training()
+            results = finish(*nodes, timeout=20)
+            rc, err = wait_spare(timeout=20)
+        finally:
+            for p in nodes + [spare]:
+                if p:
+                    p.kill()
+            finish(*nodes, timeout=10)
+        self.assertTrue(told, err)
+        for r, _, e in results:
+            self.assertEqual(r, 0, e)
+            self.assertNotIn("attempt 1", e)
+        self.assertEqual(len(self.starts()), 3)
+        self.assertEqual(rc, 0, err)
+        self.assertRegex(err, r"^dtrain-run: the job is full: node 0 runs --nnodes 2:3 with 3 nodes; this node waits "
+                              r"for a place \(a node that leaves frees one\) until the job ends\n")
+        self.assertEqual(err.strip().splitlines()[-1],
+                         "dtrain-run: the elastic job ended before node 0 admitted this node; nothing ran here")
 
     def test_a_killed_node_leaves_and_the_survivors_finish_with_world_size_2(self):
         args = elastic_args(self.port, self.hosts.addr[0], "2:3") + self.worker(60)

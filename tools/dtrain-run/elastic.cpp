@@ -18,6 +18,8 @@ const StoreKeys key("dtrain-run/e/");
 // launcher on a loaded machine may miss a few beats without being dead.
 constexpr int kMissedBeats = 10;
 constexpr Millis kMinDeadAfter{3000};
+// How often a waiting node looks for node 0's word besides its admission (that the job is full).
+constexpr Millis kAdmitPoll{250};
 
 std::string flags_text(int nproc, int max_restarts, int lo, int hi) {
   return "--nnodes " + std::to_string(lo) + ":" + std::to_string(hi) + " --nproc_per_node " + std::to_string(nproc) +
@@ -107,36 +109,59 @@ std::string ElasticRendezvous::member_text(int group_rank) const {
   return "node " + std::to_string(group_rank) + " (" + members_[static_cast<size_t>(group_rank)].hostname + ")";
 }
 
-ElasticRound ElasticRendezvous::join(const NodeRendezvous::Say& say) {
-  if (o_.host) {
-    ElasticNext first = form_round(0, {Member{id_, o_.hostname}}, "", "", say);
-    if (!first.round) {  // the nodes that did come learn why instead of waiting for a store that vanishes
-      for (const Member& m : pending_) store_.set(key("admit", m.id), to_bytes("error " + first.message));
-      throw std::runtime_error(first.message);
-    }
-    return *first.round;
-  }
+ElasticNext ElasticRendezvous::join(const NodeRendezvous::Say& say) {
+  if (!o_.host) return wait_for_admission(say);
+  ElasticNext first = form_round(0, {Member{id_, o_.hostname}}, "", "", say);
+  if (!first.round)  // the nodes that did come learn why instead of waiting for a store that vanishes
+    for (const Member& m : pending_) store_.set(key("admit", m.id), to_bytes("error " + first.message));
+  return first;
+}
+
+ElasticNext ElasticRendezvous::wait_for_admission(const NodeRendezvous::Say& say) {
   // E2: queue up as a waiting node and wait for node 0's admission.
-  const int64_t slot = store_.add(key("waiting"), 1);
-  store_.set(key("wait", slot), to_bytes(std::to_string(id_) + " " + std::to_string(o_.nproc_per_node) + " " +
-                                         std::to_string(o_.max_restarts) + " " + std::to_string(o_.min_nodes) + " " +
-                                         std::to_string(o_.max_nodes) + " " + o_.hostname));
-  std::string admit;
+  const std::string where = store_.host() + ":" + std::to_string(store_.port());
+  const Millis patience = o_.rdzv_timeout * 2 + Millis(5000);
+  auto deadline = Clock::now() + patience;
+  std::optional<std::string> host_beat_key;  // node 0's heartbeat, once it said that the job is full
+  std::string host_beat, admit;
   try {
-    admit = to_string(store_.get(key("admit", id_), o_.rdzv_timeout * 2 + Millis(5000)));
-  } catch (const dtrain::store::TimeoutError&) {
-    throw std::runtime_error("node 0 did not admit this node within " + seconds_text(o_.rdzv_timeout * 2) + " at " +
-                             store_.host() + ":" + std::to_string(store_.port()) +
-                             " (is the job full at its --nnodes maximum? a node waits for a free place until then)");
+    const int64_t slot = store_.add(key("waiting"), 1);
+    store_.set(key("wait", slot), to_bytes(std::to_string(id_) + " " + std::to_string(o_.nproc_per_node) + " " +
+                                           std::to_string(o_.max_restarts) + " " + std::to_string(o_.min_nodes) + " " +
+                                           std::to_string(o_.max_nodes) + " " + o_.hostname));
+    for (;;) {
+      try {
+        admit = to_string(store_.get(key("admit", id_), kAdmitPoll));
+        break;
+      } catch (const dtrain::store::TimeoutError&) {
+      }
+      if (!host_beat_key && store_.check({key("full", id_)})) {
+        const std::string note = to_string(store_.get(key("full", id_), Millis(1000)));
+        const size_t nl = note.find('\n');
+        host_beat_key = key("beat", std::stoll(note.substr(0, nl)));
+        say(note.substr(nl + 1));
+      }
+      if (host_beat_key) {  // a full job may run for days: wait for a place as long as node 0 lives
+        const std::string beat = to_string(store_.get(*host_beat_key, Millis(1000)));
+        if (beat != host_beat) host_beat = beat, deadline = Clock::now() + patience;
+      }
+      if (Clock::now() >= deadline)
+        return {std::nullopt, 1,
+                "node 0 did not admit this node within " + seconds_text(patience) + " at " + where +
+                    " (is its launcher stuck? --rdzv_timeout sets how long a node waits)"};
+    }
   } catch (const std::exception& e) {
-    throw std::runtime_error("lost the rendezvous at " + store_.host() + ":" + std::to_string(store_.port()) +
-                             " while waiting to be admitted (did node 0's launcher end?): " + e.what());
+    return {
+        std::nullopt, 1,
+        "lost the rendezvous at " + where + " while waiting to be admitted (did node 0's launcher end?): " + e.what()};
   }
-  if (admit.rfind("error ", 0) == 0) throw std::runtime_error(admit.substr(6));
+  if (admit.rfind("error ", 0) == 0) return {std::nullopt, 1, admit.substr(6)};
+  if (admit.rfind("end ", 0) == 0)  // "end <exit code> <line>": the job ended while this node waited
+    return {std::nullopt, std::stoi(admit.substr(4)), admit.substr(admit.find(' ', 4) + 1)};
   const int attempt = std::stoi(admit);
   ElasticRound r = parse_round(to_string(store_.get(key("round", attempt), Millis(10000))), attempt, id_);
-  if (r.group_rank < 0) throw std::runtime_error("node 0 admitted this node but left it out of attempt " + admit);
-  return r;
+  if (r.group_rank < 0) return {std::nullopt, 1, "node 0 admitted this node but left it out of attempt " + admit};
+  return {r, 0, ""};
 }
 
 void ElasticRendezvous::absorb_waiters() {
@@ -157,6 +182,17 @@ void ElasticRendezvous::absorb_waiters() {
       continue;
     }
     pending_.push_back(Member{id, host});
+  }
+}
+
+void ElasticRendezvous::tell_waiters_full() {
+  for (const Member& m : pending_) {
+    if (!told_full_.insert(m.id).second) continue;
+    store_.set(
+        key("full", m.id),
+        to_bytes(std::to_string(id_) + "\nthe job is full: node 0 runs --nnodes " + std::to_string(o_.min_nodes) + ":" +
+                 std::to_string(o_.max_nodes) + " with " + std::to_string(members_.size()) +
+                 " nodes; this node waits for a place (a node that leaves frees one) until the job ends"));
   }
 }
 
@@ -257,7 +293,11 @@ std::optional<std::string> ElasticRendezvous::watch(int attempt) {
       reason = member_text(static_cast<int>(g)) + " stopped sending heartbeats (" + seconds_text(dead_after_) + ")";
   if (reason.empty()) {
     absorb_waiters();
-    if (pending_.empty() || members_.size() >= static_cast<size_t>(o_.max_nodes)) return std::nullopt;
+    if (pending_.empty()) return std::nullopt;
+    if (members_.size() >= static_cast<size_t>(o_.max_nodes)) {  // they wait for a place (torchelastic's
+      tell_waiters_full();                                       // redundancy list): no restart for them
+      return std::nullopt;
+    }
     // Note [Elastic restarts]: a failure that came first makes this attempt a failure; it stops the
     // workers itself (step 5), and the waiting node is admitted at the restart that follows.
     if (!base_.claim_for_membership_change(attempt)) return std::nullopt;
@@ -301,7 +341,9 @@ ElasticNext ElasticRendezvous::end_job(int attempt, int code, const std::string&
     absorb_waiters();
   } catch (const std::exception&) {
   }
-  for (const Member& m : pending_) store_.set(key("admit", m.id), to_bytes("error the elastic job has ended"));
+  const std::string end = code == 0 ? "end 0 the elastic job ended" : "end 1 the elastic job ended (it failed)";
+  for (const Member& m : pending_)
+    store_.set(key("admit", m.id), to_bytes(end + " before node 0 admitted this node; nothing ran here"));
   pending_.clear();
   return ElasticNext{std::nullopt, code, message};
 }

@@ -28,6 +28,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -69,10 +70,10 @@ class ElasticRendezvous {
   ElasticRendezvous(const ElasticRendezvous&) = delete;
   ElasticRendezvous& operator=(const ElasticRendezvous&) = delete;
 
-  // E2-E3: join and wait for the first round this node is admitted to. Throws std::runtime_error
-  // with one line when the job cannot start (fewer than MIN nodes within --rdzv_timeout, a node whose
-  // flags disagree with node 0's, node 0 gone).
-  ElasticRound join(const NodeRendezvous::Say& say);
+  // E2-E3: join and wait for the first round this node is admitted to. Without a round, the exit code
+  // and one line: the job cannot start (fewer than MIN nodes within --rdzv_timeout, a node whose flags
+  // disagree with node 0's, node 0 gone), or it ended while this node waited for a place.
+  ElasticNext join(const NodeRendezvous::Say& say);
 
   // E5, every --monitor_interval while the workers run: a reason to stop this node's workers because
   // the membership changes, or nothing.
@@ -95,8 +96,10 @@ class ElasticRendezvous {
     std::chrono::steady_clock::time_point changed;
   };
   void heartbeat_loop(std::string host, uint16_t port);
+  ElasticNext wait_for_admission(const NodeRendezvous::Say& say);
   // Node 0 only.
   void absorb_waiters();
+  void tell_waiters_full();
   bool stale(const Member& m);
   // `note` goes into the transition line after the attempt number (the restarts spent).
   ElasticNext form_round(int attempt, const std::vector<Member>& survivors, const std::string& why,
@@ -123,6 +126,7 @@ class ElasticRendezvous {
   std::vector<Member> members_;  // the current attempt's group, in group-rank order
   std::vector<Member> pending_;  // waiting nodes not admitted yet, in arrival order
   int64_t waiters_seen_ = 0;
+  std::set<int64_t> told_full_;  // waiting nodes told that the job is at MAX
   std::map<int64_t, Beat> beats_;
   std::string stop_reason_;       // why node 0 stopped the current attempt (E5), for the transition line
   bool membership_stop_ = false;  // node 0 stopped the current attempt for a waiting node, before any failure

@@ -36,8 +36,11 @@
 //       intervals (at least 3 s), measured on node 0's clock only (no clock sync needed). The
 //       heartbeat, not the connection's close, also covers a machine that vanishes without a FIN.
 //   E2. Every other launcher queues up: slot = add("waiting", 1), "wait/<slot>" = "<id> <nproc_per_node>
-//       <max_restarts> <min> <max> <hostname>", then waits for "admit/<id>": an attempt number, or
-//       "error <line>" (its flags disagree with node 0's, or the job ended).
+//       <max_restarts> <min> <max> <hostname>", then waits for "admit/<id>": an attempt number,
+//       "error <line>" (its flags disagree with node 0's), or "end <exit code> <line>" (the job ended
+//       first). While the group is at MAX, node 0 sets "full/<id>" = "<node 0's id>\n<line>": the node
+//       prints the line and waits for a place as long as node 0's heartbeat goes on (torchelastic's
+//       redundancy list), else 2 x --rdzv_timeout.
 //   E3. Node 0 forms attempt k's group: the survivors of attempt k-1 in their order (node 0 first),
 //       then waiting nodes in arrival order, up to MAX. Once MIN are there it waits --rdzv_last_call
 //       for more (not when MAX are there); for attempt 0 it waits up to --rdzv_timeout for MIN, after
@@ -63,9 +66,10 @@
 //       node, with every member still there, is free; a failed worker or a member gone spends one.
 //       A signal to node 0's launcher stops the job. If node 0 itself dies, the others lose the
 //       store and end with a line that says so: the rendezvous lives on node 0 only.
-//   E8. Node 0 answers "admit/<id>" with an error for nodes still waiting when the job ends; the
-//       others set "done/<id>", and node 0 keeps the store up until each member of the last attempt
-//       is done or gone (bounded by --rdzv_timeout).
+//   E8. Node 0 answers "admit/<id>" with "end <exit code> <line>" for nodes still waiting when the
+//       job ends (exit code 0 when the job succeeded, else 1); the others set "done/<id>", and node
+//       0 keeps the store up until each member of the last attempt is done or gone (bounded by
+//       --rdzv_timeout).
 #pragma once
 
 #include "store/store.h"
