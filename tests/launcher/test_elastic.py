@@ -239,6 +239,41 @@ class ElasticTest(MarkedTestCase):
         self.assertEqual(err.strip().splitlines()[-1],
                          "dtrain-run: the elastic job ended before node 0 admitted this node; nothing ran here")
 
+    def test_a_waiting_node_that_dies_is_never_admitted(self):
+        args = elastic_args(self.port, self.hosts.addr[0], "1:2", last_call=0.5, max_restarts=1) + self.worker(1000, 0.05)
+        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(2)]
+        spare = None
+        try:
+            self.assertTrue(wait_until(lambda: self.step_reached() >= 3, 20), "the job did not start training")
+            spare = self.hosts.launch(2, [DTRAIN_RUN] + args, clean_env())
+            lines, wait_spare = self.follow_stderr(spare)
+            self.assertTrue(wait_until(lambda: any("the job is full" in l for l in lines), 10), "".join(lines))
+            spare.kill()
+            wait_spare(timeout=5)
+            # Its heartbeat stops: node 0 must neither stop the job for it now...
+            time.sleep(3.5)
+            at = self.step_reached()
+            self.assertTrue(wait_until(lambda: self.step_reached() > at, 5), "the job stopped training")
+            self.assertEqual({s["restart"] for s in self.starts()}, {0})
+            # ...nor admit it when a place frees up later.
+            nodes[1].send_signal(signal.SIGTERM)
+            self.assertTrue(wait_until(lambda: self.restarted(1) == 1, 20),
+                            "the job did not restart without node 1")
+            self.end_training()
+            (rc0, _, err0), (rc1, _, err1) = finish(*nodes, timeout=20)
+        finally:
+            for p in nodes + [spare]:
+                if p:
+                    p.kill()
+            finish(*nodes, timeout=10)
+        self.assertEqual(rc0, 0, err0)
+        self.assertEqual(rc1, 128 + signal.SIGTERM, err1)
+        self.assertRegex(err0, r"dtrain-run: node 1 \(.*\) left \(its launcher was stopped by a signal\); world size "
+                               r"2 -> 1 \(attempt 1, restart 1 of --max_restarts 1\)\n")
+        self.assertNotIn("joined", err0)
+        self.assertEqual(sorted((s["restart"], s["world"]) for s in self.starts()), [(0, 2), (0, 2), (1, 1)])
+        self.assertEqual(pids_with_marker(self.marker), [])
+
     def test_a_killed_node_leaves_and_the_survivors_finish_with_world_size_2(self):
         args = elastic_args(self.port, self.hosts.addr[0], "2:3") + self.worker(60)
         nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]

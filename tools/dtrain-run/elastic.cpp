@@ -185,6 +185,22 @@ void ElasticRendezvous::absorb_waiters() {
   }
 }
 
+void ElasticRendezvous::drop_dead_waiters() {
+  // A waiting node whose heartbeat stopped (its launcher died while it waited) is never admitted.
+  // watch() calls this every interval, not only when a place frees up: a node dead for a while
+  // would look alive at a first look and take the place of a live one.
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (!stale(*it)) {
+      ++it;
+      continue;
+    }
+    // Should it be alive after all, it hears why instead of waiting for a place that never comes.
+    store_.set(key("admit", it->id), to_bytes("error node 0 heard no heartbeat from this node for " +
+                                              seconds_text(dead_after_) + " while it waited: it is not admitted"));
+    it = pending_.erase(it);
+  }
+}
+
 void ElasticRendezvous::tell_waiters_full() {
   for (const Member& m : pending_) {
     if (!told_full_.insert(m.id).second) continue;
@@ -222,9 +238,7 @@ ElasticNext ElasticRendezvous::form_round(int attempt, const std::vector<Member>
         " (--rdzv_timeout " + seconds_text(o_.rdzv_timeout) + ", --rdzv_last_call " + seconds_text(o_.last_call) + ")");
   for (;;) {
     absorb_waiters();
-    // A waiting node that stopped beating (its launcher died while it waited) is not admitted.
-    pending_.erase(std::remove_if(pending_.begin(), pending_.end(), [&](const Member& m) { return stale(m); }),
-                   pending_.end());
+    drop_dead_waiters();
     const size_t n = std::min(hi, survivors.size() + pending_.size());
     if (n >= hi) break;
     if (n >= lo) {
@@ -272,7 +286,13 @@ ElasticNext ElasticRendezvous::form_round(int attempt, const std::vector<Member>
     if (m.id != id_) store_.set(key("admit", m.id), to_bytes(std::to_string(attempt)));
   stop_reason_.clear();
   membership_stop_ = false;
-  beats_.clear();  // a fresh look at every member's heartbeat for the new attempt
+  // Forget the heartbeats of nodes that are gone; the waiting ones stay followed (drop_dead_waiters).
+  for (auto it = beats_.begin(); it != beats_.end();) {
+    auto same = [&](const Member& m) { return m.id == it->first; };
+    const bool known =
+        std::any_of(members_.begin(), members_.end(), same) || std::any_of(pending_.begin(), pending_.end(), same);
+    it = known ? std::next(it) : beats_.erase(it);
+  }
   ElasticRound r;
   r.attempt = attempt;
   r.group_rank = 0;
@@ -293,6 +313,7 @@ std::optional<std::string> ElasticRendezvous::watch(int attempt) {
       reason = member_text(static_cast<int>(g)) + " stopped sending heartbeats (" + seconds_text(dead_after_) + ")";
   if (reason.empty()) {
     absorb_waiters();
+    drop_dead_waiters();
     if (pending_.empty()) return std::nullopt;
     if (members_.size() >= static_cast<size_t>(o_.max_nodes)) {  // they wait for a place (torchelastic's
       tell_waiters_full();                                       // redundancy list): no restart for them

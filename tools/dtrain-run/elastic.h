@@ -99,6 +99,7 @@ class ElasticRendezvous {
   ElasticNext wait_for_admission(const NodeRendezvous::Say& say);
   // Node 0 only.
   void absorb_waiters();
+  void drop_dead_waiters();
   void tell_waiters_full();
   bool stale(const Member& m);
   // `note` goes into the transition line after the attempt number (the restarts spent).

@@ -37,10 +37,10 @@
 //       heartbeat, not the connection's close, also covers a machine that vanishes without a FIN.
 //   E2. Every other launcher queues up: slot = add("waiting", 1), "wait/<slot>" = "<id> <nproc_per_node>
 //       <max_restarts> <min> <max> <hostname>", then waits for "admit/<id>": an attempt number,
-//       "error <line>" (its flags disagree with node 0's), or "end <exit code> <line>" (the job ended
-//       first). While the group is at MAX, node 0 sets "full/<id>" = "<node 0's id>\n<line>": the node
-//       prints the line and waits for a place as long as node 0's heartbeat goes on (torchelastic's
-//       redundancy list), else 2 x --rdzv_timeout.
+//       "error <line>" (its flags disagree with node 0's, or its heartbeat stopped while it waited),
+//       or "end <exit code> <line>" (the job ended first). While the group is at MAX, node 0 sets
+//       "full/<id>" = "<node 0's id>\n<line>": the node prints the line and waits for a place as long
+//       as node 0's heartbeat goes on (torchelastic's redundancy list), else 2 x --rdzv_timeout.
 //   E3. Node 0 forms attempt k's group: the survivors of attempt k-1 in their order (node 0 first),
 //       then waiting nodes in arrival order, up to MAX. Once MIN are there it waits --rdzv_last_call
 //       for more (not when MAX are there); for attempt 0 it waits up to --rdzv_timeout for MIN, after
@@ -49,13 +49,14 @@
 //       Each node's GROUP_RANK is its row, WORLD_SIZE = rows * nproc_per_node: ranks are contiguous.
 //   E4. Every node prints the transition line and starts attempt k's workers (restart count k).
 //   E5. While they run, node 0 checks every --monitor_interval each member's heartbeat and the
-//       waiting queue. A member gone, or a node waiting while the group is below MAX (torchrun's
-//       "waiting nodes" rule), makes node 0 set "stop/<k>" to the reason; every node polls it and
-//       stops its workers (SIGTERM, SIGKILL after --grace_period): survivors blocked in a collective
-//       with the dead rank do not wait for the collective's timeout. For a waiting node node 0 first
-//       takes "failure/<k>" (compare_set to "membership change"): when a failure holds it already,
-//       there is no stop, the failure stops the attempt. A worker failure still goes through step 5
-//       (failure/<k>).
+//       waiting queue, the waiting nodes' heartbeats too (one that stopped is dropped: a node long
+//       dead would look alive at a first look when a place frees up). A member gone, or a node
+//       waiting while the group is below MAX (torchrun's "waiting nodes" rule), makes node 0 set
+//       "stop/<k>" to the reason; every node polls it and stops its workers (SIGTERM, SIGKILL after
+//       --grace_period): survivors blocked in a collective with the dead rank do not wait for the
+//       collective's timeout. For a waiting node node 0 first takes "failure/<k>" (compare_set to
+//       "membership change"): when a failure holds it already, there is no stop, the failure stops
+//       the attempt. A worker failure still goes through step 5 (failure/<k>).
 //   E6. When its workers are reaped each node sets "outcome/<k>/<id>" to its exit code (0, 1, or
 //       128+signo: a signalled launcher leaves the job and exits). Node 0 waits for every member's
 //       outcome, counting a member whose heartbeat stops (or that is silent for --rdzv_timeout) as gone.
