@@ -7,7 +7,8 @@ TORCHELASTIC_RESTART_COUNT, its pid) to DIR/log, then runs STEPS steps. Each ste
 files with every rank of the attempt (DIR/a<restart>/r<rank> holds the last step a rank finished),
 so, like a collective, a dead peer blocks the others until their launcher stops them. After each
 step rank 0 writes the step count to DIR/ckpt (write + rename: a checkpoint is whole or absent) and a
-restarted group resumes from it, as a trainer resumes from dtrain's checkpoint.
+restarted group resumes from it, as a trainer resumes from dtrain's checkpoint. Once DIR/finish exists
+every rank leaves its loop and exits 0, so a test ends a long job the moment it has seen what it waits for.
 """
 import os
 import sys
@@ -41,11 +42,14 @@ with open(os.path.join(folder, "log"), "a") as f:
     f.write(f"start rank={rank} world={world} group={os.environ['GROUP_RANK']} "
             f"groups={os.environ['GROUP_WORLD_SIZE']} restart={restart} step={first} pid={os.getpid()} "
             f"launcher={os.getppid()}\n")
+finish = os.path.join(folder, "finish")
 for step in range(first, steps):
     time.sleep(step_s)
     write_int(os.path.join(mine, f"r{rank}"), step)
-    while any(read_int(os.path.join(mine, f"r{r}")) < step for r in range(world)):
+    while any(read_int(os.path.join(mine, f"r{r}")) < step for r in range(world)) and not os.path.exists(finish):
         time.sleep(0.01)
+    if os.path.exists(finish):
+        break
     if rank == 0:
         write_int(ckpt, step + 1)
         with open(os.path.join(folder, "steps"), "a") as f:

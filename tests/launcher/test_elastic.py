@@ -9,6 +9,8 @@ that can bind the master address hosts the rendezvous.
 import os
 import re
 import signal
+import subprocess
+import threading
 import time
 import unittest
 
@@ -49,6 +51,15 @@ class ElasticTest(MarkedTestCase):
         keys = ("rank", "world", "group", "groups", "restart", "step", "pid", "launcher")
         return [dict(zip(keys, map(int, m.groups()))) for m in rows]
 
+    def restarted(self, restart):
+        """How many workers of attempt `restart` have started so far (for polling while the log grows: a
+        line being written is not counted)."""
+        try:
+            with open(os.path.join(self.tmp, "log")) as f:
+                return sum(1 for line in f if (m := START_RE.match(line.strip())) and int(m[5]) == restart)
+        except OSError:
+            return 0
+
     def kill_node(self, nodes, group):
         """SIGKILL the launcher of node `group` (no goodbye) and its worker; returns the launcher's index."""
         victim = [s for s in self.starts() if s["group"] == group]
@@ -69,6 +80,200 @@ class ElasticTest(MarkedTestCase):
         with open(os.path.join(self.tmp, "steps")) as f:
             return [tuple(map(int, line.split())) for line in f]
 
+    def end_training(self):
+        """Every worker leaves its loop and exits 0 (elastic_worker.py's DIR/finish)."""
+        open(os.path.join(self.tmp, "finish"), "w").close()
+
+    def follow_stderr(self, proc):
+        """Collects proc's stderr lines as they come, so the test can wait for one; returns the list
+        and a function that waits (bounded) for the process and returns (rc, stderr)."""
+        lines = []
+
+        def read():
+            for line in proc.stderr:
+                lines.append(line)
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+
+        def wait(timeout=30):
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            reader.join(timeout=5)
+            return proc.returncode, "".join(lines)
+        return lines, wait
+
+    def test_a_node_that_arrives_with_no_restart_left_joins_without_spending_one(self):
+        # torchelastic restarts for waiting nodes without counting a retry: --max_restarts 0 must not
+        # end a healthy job that grows. The workers' restart count still moves on (it keys their
+        # rendezvous), and the job goes on from its checkpoint.
+        args = elastic_args(self.port, self.hosts.addr[0], "1:3", last_call=0.5, max_restarts=0) + self.worker(40, 0.05)
+        nodes = [self.hosts.launch(0, [DTRAIN_RUN] + args, clean_env())]
+        try:
+            self.assertTrue(wait_until(lambda: self.step_reached() >= 5, 20), "the job did not start training")
+            nodes.append(self.hosts.launch(1, [DTRAIN_RUN] + args, clean_env()))
+            results = finish(*nodes, timeout=30)
+        finally:
+            for p in nodes:
+                p.kill()
+            finish(*nodes, timeout=10)
+        for rc, _, err in results:
+            self.assertEqual(rc, 0, err)
+            self.assertRegex(err, r"dtrain-run: node 1 \(.*\) joined; world size 1 -> 2 \(attempt 1\)\n")
+            self.assertNotIn("used up", err)
+        self.assertEqual(sorted((s["restart"], s["rank"], s["world"], s["group"], s["groups"]) for s in self.starts()),
+                         [(0, 0, 1, 0, 1), (1, 0, 2, 0, 2), (1, 1, 2, 1, 2)])
+        self.assertEqual([s for _, _, s in self.trained_steps()], list(range(40)))
+        self.assertEqual(pids_with_marker(self.marker), [])
+
+    def test_a_worker_that_fails_because_a_join_stopped_its_peers_spends_no_restart(self):
+        # Real peers do not wait: a collective with a stopped rank fails. Node 1's worker fails as soon
+        # as node 0's is stopped for the joining node, before node 1's launcher (checking every 2 s)
+        # sees the stop: node 0 took the attempt's failure slot first, so that failure is the join's
+        # doing and --max_restarts 0 still lets the job grow.
+        d = self.tmp
+        script = (f'if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then touch {d}/up$GROUP_RANK; '
+                  f'if [ "$GROUP_RANK" = 0 ]; then trap "touch {d}/stopped; exit 143" TERM; '
+                  f'while :; do sleep 0.05; done; fi; '
+                  f'while [ ! -e {d}/stopped ]; do sleep 0.01; done; exit 1; fi; '
+                  f'echo "$RANK $WORLD_SIZE" >> {d}/seen')
+        args = elastic_args(self.port, self.hosts.addr[0], "2:3", last_call=0.5, max_restarts=0)
+        slow = list(args)
+        slow[slow.index("--monitor_interval") + 1] = 2
+        worker = ["sh", "-c", script, "sh", self.marker]
+        nodes = [self.hosts.launch(0, [DTRAIN_RUN] + args + worker, clean_env()),
+                 self.hosts.launch(1, [DTRAIN_RUN] + slow + worker, clean_env())]
+        try:
+            up = lambda: all(os.path.exists(os.path.join(d, f"up{g}")) for g in (0, 1))
+            self.assertTrue(wait_until(up, 20), "the job did not start")
+            nodes.append(self.hosts.launch(2, [DTRAIN_RUN] + args + worker, clean_env()))
+            results = finish(*nodes, timeout=30)
+        finally:
+            for p in nodes:
+                p.kill()
+            finish(*nodes, timeout=10)
+        for rc, _, err in results:
+            self.assertEqual(rc, 0, err)
+            self.assertRegex(err, r"dtrain-run: node 2 \(.*\) joined; world size 2 -> 3 \(attempt 1\)\n")
+            self.assertNotIn("used up", err)
+        self.assertRegex(results[1][2], r"dtrain-run: rank 1 \(local rank 0, pid \d+\) failed first: it exited with "
+                                        r"code 1")
+        with open(os.path.join(d, "seen")) as f:
+            self.assertEqual(sorted(f.read().splitlines()), ["0 3", "1 3", "2 3"])
+        self.assertEqual(pids_with_marker(self.marker), [])
+
+    def test_the_middle_node_leaves_and_the_last_one_takes_its_group_rank(self):
+        args = elastic_args(self.port, self.hosts.addr[0], "2:3", last_call=1, max_restarts=1) + self.worker(1000, 0.05)
+        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]
+        try:
+            self.assertTrue(wait_until(lambda: self.step_reached() >= 5, 20), "the job did not start training")
+            last = [s["launcher"] for s in self.starts() if s["group"] == 2]
+            killed = self.kill_node(nodes, 1)
+            self.assertTrue(wait_until(lambda: self.restarted(1) == 2, 20),
+                            "the survivors did not restart")
+            self.end_training()
+            results = finish(*[p for i, p in enumerate(nodes) if i != killed], timeout=20)
+        finally:
+            for p in nodes:
+                p.kill()
+            finish(*nodes, timeout=10)
+        for rc, _, err in results:
+            self.assertEqual(rc, 0, err)
+            # A lost node spends a restart, as in torchelastic (the survivors' workers fail there).
+            self.assertRegex(err, r"dtrain-run: node 1 \(.*\) left; world size 3 -> 2 \(attempt 1, restart 1 of "
+                                  r"--max_restarts 1\)\n")
+        again = sorted((s["group"], s["rank"], s["world"], s["groups"], s["launcher"])
+                       for s in self.starts() if s["restart"] == 1)
+        self.assertEqual(again, [(0, 0, 2, 2, nodes[0].pid), (1, 1, 2, 2, last[0])])
+        self.assertEqual(pids_with_marker(self.marker), [])
+
+    def test_a_lost_node_ends_the_job_when_no_restart_is_left(self):
+        args = elastic_args(self.port, self.hosts.addr[0], "2:3", last_call=1, max_restarts=0) + self.worker(400, 0.05)
+        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]
+        try:
+            self.assertTrue(wait_until(lambda: self.step_reached() >= 5, 20), "the job did not start training")
+            killed = self.kill_node(nodes, 2)
+            results = finish(*[p for i, p in enumerate(nodes) if i != killed], timeout=30)
+        finally:
+            for p in nodes:
+                p.kill()
+            finish(*nodes, timeout=10)
+        for rc, _, err in results:
+            self.assertEqual(rc, 1, err)
+            self.assertRegex(err.strip().splitlines()[-1],
+                             r"^dtrain-run: node 2 \(.*\) left; --max_restarts 0 used up after attempt 0: the job ends$")
+        self.assertEqual({s["restart"] for s in self.starts()}, {0})
+        self.assertEqual(pids_with_marker(self.marker), [])
+
+    def test_a_node_beyond_max_waits_for_a_place_and_leaves_when_the_job_ends(self):
+        # As torchelastic's redundancy list: a node that finds the job at MAX does not restart it; it
+        # waits for a place (a node that leaves frees one) and ends with the job.
+        args = elastic_args(self.port, self.hosts.addr[0], "2:3", last_call=1) + self.worker(1000, 0.05)
+        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]
+        spare = None
+        try:
+            self.assertTrue(wait_until(lambda: self.step_reached() >= 3, 20), "the job did not start training")
+            spare = self.hosts.launch(2, [DTRAIN_RUN] + args, clean_env())
+            lines, wait_spare = self.follow_stderr(spare)
+            told = wait_until(lambda: any("the job is full" in l for l in lines), 10)
+            at = self.step_reached()
+            self.assertTrue(wait_until(lambda: self.step_reached() >= at + 5, 10), "the job stopped training")
+            self.end_training()
+            results = finish(*nodes, timeout=20)
+            rc, err = wait_spare(timeout=20)
+        finally:
+            for p in nodes + [spare]:
+                if p:
+                    p.kill()
+            finish(*nodes, timeout=10)
+        self.assertTrue(told, err)
+        for r, _, e in results:
+            self.assertEqual(r, 0, e)
+            self.assertNotIn("attempt 1", e)
+        self.assertEqual(len(self.starts()), 3)
+        self.assertEqual(rc, 0, err)
+        self.assertRegex(err, r"^dtrain-run: the job is full: node 0 runs --nnodes 2:3 with 3 nodes; this node waits "
+                              r"for a place \(a node that leaves frees one\) until the job ends\n")
+        self.assertEqual(err.strip().splitlines()[-1],
+                         "dtrain-run: the elastic job ended before node 0 admitted this node; nothing ran here")
+
+    def test_a_waiting_node_that_dies_is_never_admitted(self):
+        args = elastic_args(self.port, self.hosts.addr[0], "1:2", last_call=0.5, max_restarts=1) + self.worker(1000, 0.05)
+        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(2)]
+        spare = None
+        try:
+            self.assertTrue(wait_until(lambda: self.step_reached() >= 3, 20), "the job did not start training")
+            spare = self.hosts.launch(2, [DTRAIN_RUN] + args, clean_env())
+            lines, wait_spare = self.follow_stderr(spare)
+            self.assertTrue(wait_until(lambda: any("the job is full" in l for l in lines), 10), "".join(lines))
+            spare.kill()
+            wait_spare(timeout=5)
+            # Its heartbeat stops: node 0 must neither stop the job for it now...
+            time.sleep(3.5)
+            at = self.step_reached()
+            self.assertTrue(wait_until(lambda: self.step_reached() > at, 5), "the job stopped training")
+            self.assertEqual({s["restart"] for s in self.starts()}, {0})
+            # ...nor admit it when a place frees up later.
+            nodes[1].send_signal(signal.SIGTERM)
+            self.assertTrue(wait_until(lambda: self.restarted(1) == 1, 20),
+                            "the job did not restart without node 1")
+            self.end_training()
+            (rc0, _, err0), (rc1, _, err1) = finish(*nodes, timeout=20)
+        finally:
+            for p in nodes + [spare]:
+                if p:
+                    p.kill()
+            finish(*nodes, timeout=10)
+        self.assertEqual(rc0, 0, err0)
+        self.assertEqual(rc1, 128 + signal.SIGTERM, err1)
+        self.assertRegex(err0, r"dtrain-run: node 1 \(.*\) left \(its launcher was stopped by a signal\); world size "
+                               r"2 -> 1 \(attempt 1, restart 1 of --max_restarts 1\)\n")
+        self.assertNotIn("joined", err0)
+        self.assertEqual(sorted((s["restart"], s["world"]) for s in self.starts()), [(0, 2), (0, 2), (1, 1)])
+        self.assertEqual(pids_with_marker(self.marker), [])
+
     def test_a_killed_node_leaves_and_the_survivors_finish_with_world_size_2(self):
         args = elastic_args(self.port, self.hosts.addr[0], "2:3") + self.worker(60)
         nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]
@@ -85,7 +290,8 @@ class ElasticTest(MarkedTestCase):
         for err in (err0, err1):
             self.assertRegex(err, r"dtrain-run: elastic job formed by node 0 \(.*\), node 1 \(.*\), node 2 \(.*\); "
                                   r"world size 3 \(attempt 0\)")
-            self.assertRegex(err, r"dtrain-run: node 2 \(.*\) left; world size 3 -> 2 \(attempt 1\)\n")
+            self.assertRegex(err, r"dtrain-run: node 2 \(.*\) left; world size 3 -> 2 \(attempt 1, restart 1 of "
+                                  r"--max_restarts 3\)\n")
         starts = self.starts()
         self.assertEqual(sorted((s["restart"], s["rank"], s["world"], s["group"], s["groups"]) for s in starts),
                          [(0, 0, 3, 0, 3), (0, 1, 3, 1, 3), (0, 2, 3, 2, 3), (1, 0, 2, 0, 2), (1, 1, 2, 1, 2)])
@@ -198,6 +404,22 @@ class ElasticLoopbackTest(MarkedTestCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertEqual(r.stdout, "[rank 0] world=1 group=0 groups=1 restart=0\n")
         self.assertRegex(r.stderr, r"dtrain-run: elastic job formed by node 0 \(.*\); world size 1 \(attempt 0\)\n")
+
+    def test_failures_use_up_max_restarts(self):
+        seen = os.path.join(self.tmp, "seen")
+        r = run(["--nnodes", "1:2", "--master_port", free_port(), "--rdzv_last_call", 0, "--max_restarts", 1,
+                 "--monitor_interval", 0.1, "sh", "-c", f'echo "$TORCHELASTIC_RESTART_COUNT" >> {seen}; exit 3'])
+        self.assertEqual(r.returncode, 1, r.stderr)
+        with open(seen) as f:
+            self.assertEqual(f.read(), "0\n1\n")  # exactly two attempts
+        self.assertRegex(r.stderr, r"dtrain-run: restart after node 0 \(.*\) failed: rank 0 .*; world size 1 -> 1 "
+                                   r"\(attempt 1, restart 1 of --max_restarts 1\)\n")
+        used_up = [l for l in r.stderr.splitlines() if "used up" in l]
+        self.assertEqual(len(used_up), 1, r.stderr)
+        self.assertRegex(used_up[0], r"^dtrain-run: node 0 \(.*\) failed: rank 0 \(local rank 0, pid \d+\) failed "
+                                     r"first: it exited with code 3.*; --max_restarts 1 used up after attempt 1: the "
+                                     r"job ends$")
+        self.assertEqual(r.stderr.strip().splitlines()[-1], used_up[0])
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ const StoreKeys key("dtrain-run/e/");
 // launcher on a loaded machine may miss a few beats without being dead.
 constexpr int kMissedBeats = 10;
 constexpr Millis kMinDeadAfter{3000};
+// How often a waiting node looks for node 0's word besides its admission (that the job is full).
+constexpr Millis kAdmitPoll{250};
 
 std::string flags_text(int nproc, int max_restarts, int lo, int hi) {
   return "--nnodes " + std::to_string(lo) + ":" + std::to_string(hi) + " --nproc_per_node " + std::to_string(nproc) +
@@ -46,7 +48,10 @@ ElasticRound parse_round(const std::string& value, int attempt, int64_t id) {
 
 ElasticRendezvous::ElasticRendezvous(NodeRendezvous& base, const std::string& master_host, uint16_t port,
                                      const ElasticOptions& o)
-    : store_(base.client()), o_(o), dead_after_(std::max(kMinDeadAfter, Millis(o.beat_period.count() * kMissedBeats))) {
+    : base_(base),
+      store_(base.client()),
+      o_(o),
+      dead_after_(std::max(kMinDeadAfter, Millis(o.beat_period.count() * kMissedBeats))) {
   // E1.
   id_ = store_.add(key("ids"), 1);
   store_.set(key("beat", id_), to_bytes("0"));
@@ -104,36 +109,59 @@ std::string ElasticRendezvous::member_text(int group_rank) const {
   return "node " + std::to_string(group_rank) + " (" + members_[static_cast<size_t>(group_rank)].hostname + ")";
 }
 
-ElasticRound ElasticRendezvous::join(const NodeRendezvous::Say& say) {
-  if (o_.host) {
-    ElasticNext first = form_round(0, {Member{id_, o_.hostname}}, "", say);
-    if (!first.round) {  // the nodes that did come learn why instead of waiting for a store that vanishes
-      for (const Member& m : pending_) store_.set(key("admit", m.id), to_bytes("error " + first.message));
-      throw std::runtime_error(first.message);
-    }
-    return *first.round;
-  }
+ElasticNext ElasticRendezvous::join(const NodeRendezvous::Say& say) {
+  if (!o_.host) return wait_for_admission(say);
+  ElasticNext first = form_round(0, {Member{id_, o_.hostname}}, "", "", say);
+  if (!first.round)  // the nodes that did come learn why instead of waiting for a store that vanishes
+    for (const Member& m : pending_) store_.set(key("admit", m.id), to_bytes("error " + first.message));
+  return first;
+}
+
+ElasticNext ElasticRendezvous::wait_for_admission(const NodeRendezvous::Say& say) {
   // E2: queue up as a waiting node and wait for node 0's admission.
-  const int64_t slot = store_.add(key("waiting"), 1);
-  store_.set(key("wait", slot), to_bytes(std::to_string(id_) + " " + std::to_string(o_.nproc_per_node) + " " +
-                                         std::to_string(o_.max_restarts) + " " + std::to_string(o_.min_nodes) + " " +
-                                         std::to_string(o_.max_nodes) + " " + o_.hostname));
-  std::string admit;
+  const std::string where = store_.host() + ":" + std::to_string(store_.port());
+  const Millis patience = o_.rdzv_timeout * 2 + Millis(5000);
+  auto deadline = Clock::now() + patience;
+  std::optional<std::string> host_beat_key;  // node 0's heartbeat, once it said that the job is full
+  std::string host_beat, admit;
   try {
-    admit = to_string(store_.get(key("admit", id_), o_.rdzv_timeout * 2 + Millis(5000)));
-  } catch (const dtrain::store::TimeoutError&) {
-    throw std::runtime_error("node 0 did not admit this node within " + seconds_text(o_.rdzv_timeout * 2) + " at " +
-                             store_.host() + ":" + std::to_string(store_.port()) +
-                             " (is the job full at its --nnodes maximum? a node waits for a free place until then)");
+    const int64_t slot = store_.add(key("waiting"), 1);
+    store_.set(key("wait", slot), to_bytes(std::to_string(id_) + " " + std::to_string(o_.nproc_per_node) + " " +
+                                           std::to_string(o_.max_restarts) + " " + std::to_string(o_.min_nodes) + " " +
+                                           std::to_string(o_.max_nodes) + " " + o_.hostname));
+    for (;;) {
+      try {
+        admit = to_string(store_.get(key("admit", id_), kAdmitPoll));
+        break;
+      } catch (const dtrain::store::TimeoutError&) {
+      }
+      if (!host_beat_key && store_.check({key("full", id_)})) {
+        const std::string note = to_string(store_.get(key("full", id_), Millis(1000)));
+        const size_t nl = note.find('\n');
+        host_beat_key = key("beat", std::stoll(note.substr(0, nl)));
+        say(note.substr(nl + 1));
+      }
+      if (host_beat_key) {  // a full job may run for days: wait for a place as long as node 0 lives
+        const std::string beat = to_string(store_.get(*host_beat_key, Millis(1000)));
+        if (beat != host_beat) host_beat = beat, deadline = Clock::now() + patience;
+      }
+      if (Clock::now() >= deadline)
+        return {std::nullopt, 1,
+                "node 0 did not admit this node within " + seconds_text(patience) + " at " + where +
+                    " (is its launcher stuck? --rdzv_timeout sets how long a node waits)"};
+    }
   } catch (const std::exception& e) {
-    throw std::runtime_error("lost the rendezvous at " + store_.host() + ":" + std::to_string(store_.port()) +
-                             " while waiting to be admitted (did node 0's launcher end?): " + e.what());
+    return {
+        std::nullopt, 1,
+        "lost the rendezvous at " + where + " while waiting to be admitted (did node 0's launcher end?): " + e.what()};
   }
-  if (admit.rfind("error ", 0) == 0) throw std::runtime_error(admit.substr(6));
+  if (admit.rfind("error ", 0) == 0) return {std::nullopt, 1, admit.substr(6)};
+  if (admit.rfind("end ", 0) == 0)  // "end <exit code> <line>": the job ended while this node waited
+    return {std::nullopt, std::stoi(admit.substr(4)), admit.substr(admit.find(' ', 4) + 1)};
   const int attempt = std::stoi(admit);
   ElasticRound r = parse_round(to_string(store_.get(key("round", attempt), Millis(10000))), attempt, id_);
-  if (r.group_rank < 0) throw std::runtime_error("node 0 admitted this node but left it out of attempt " + admit);
-  return r;
+  if (r.group_rank < 0) return {std::nullopt, 1, "node 0 admitted this node but left it out of attempt " + admit};
+  return {r, 0, ""};
 }
 
 void ElasticRendezvous::absorb_waiters() {
@@ -157,6 +185,33 @@ void ElasticRendezvous::absorb_waiters() {
   }
 }
 
+void ElasticRendezvous::drop_dead_waiters() {
+  // A waiting node whose heartbeat stopped (its launcher died while it waited) is never admitted.
+  // watch() calls this every interval, not only when a place frees up: a node dead for a while
+  // would look alive at a first look and take the place of a live one.
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (!stale(*it)) {
+      ++it;
+      continue;
+    }
+    // Should it be alive after all, it hears why instead of waiting for a place that never comes.
+    store_.set(key("admit", it->id), to_bytes("error node 0 heard no heartbeat from this node for " +
+                                              seconds_text(dead_after_) + " while it waited: it is not admitted"));
+    it = pending_.erase(it);
+  }
+}
+
+void ElasticRendezvous::tell_waiters_full() {
+  for (const Member& m : pending_) {
+    if (!told_full_.insert(m.id).second) continue;
+    store_.set(
+        key("full", m.id),
+        to_bytes(std::to_string(id_) + "\nthe job is full: node 0 runs --nnodes " + std::to_string(o_.min_nodes) + ":" +
+                 std::to_string(o_.max_nodes) + " with " + std::to_string(members_.size()) +
+                 " nodes; this node waits for a place (a node that leaves frees one) until the job ends"));
+  }
+}
+
 bool ElasticRendezvous::stale(const Member& m) {
   if (m.id == id_) return false;
   const auto now = Clock::now();
@@ -171,7 +226,7 @@ bool ElasticRendezvous::stale(const Member& m) {
 }
 
 ElasticNext ElasticRendezvous::form_round(int attempt, const std::vector<Member>& survivors, const std::string& why,
-                                          const NodeRendezvous::Say& say) {
+                                          const std::string& note, const NodeRendezvous::Say& say) {
   // E3: survivors first (their relative order, so node 0 stays node 0 and ranks stay contiguous),
   // then waiting nodes in arrival order, up to MAX; once MIN are there, wait --rdzv_last_call for more.
   const auto start = Clock::now();
@@ -183,9 +238,7 @@ ElasticNext ElasticRendezvous::form_round(int attempt, const std::vector<Member>
         " (--rdzv_timeout " + seconds_text(o_.rdzv_timeout) + ", --rdzv_last_call " + seconds_text(o_.last_call) + ")");
   for (;;) {
     absorb_waiters();
-    // A waiting node that stopped beating (its launcher died while it waited) is not admitted.
-    pending_.erase(std::remove_if(pending_.begin(), pending_.end(), [&](const Member& m) { return stale(m); }),
-                   pending_.end());
+    drop_dead_waiters();
     const size_t n = std::min(hi, survivors.size() + pending_.size());
     if (n >= hi) break;
     if (n >= lo) {
@@ -225,14 +278,21 @@ ElasticNext ElasticRendezvous::form_round(int attempt, const std::vector<Member>
     if (line.empty()) line = "restart with the same nodes";
     line += "; world size " + std::to_string(old_world) + " -> " + std::to_string(world);
   }
-  line += " (attempt " + std::to_string(attempt) + ")";
+  line += " (attempt " + std::to_string(attempt) + note + ")";
   std::string value = line;
   for (const Member& m : members_) value += "\n" + std::to_string(m.id) + " " + m.hostname;
   store_.set(key("round", attempt), to_bytes(value));
   for (const Member& m : joined)
     if (m.id != id_) store_.set(key("admit", m.id), to_bytes(std::to_string(attempt)));
   stop_reason_.clear();
-  beats_.clear();  // a fresh look at every member's heartbeat for the new attempt
+  membership_stop_ = false;
+  // Forget the heartbeats of nodes that are gone; the waiting ones stay followed (drop_dead_waiters).
+  for (auto it = beats_.begin(); it != beats_.end();) {
+    auto same = [&](const Member& m) { return m.id == it->first; };
+    const bool known =
+        std::any_of(members_.begin(), members_.end(), same) || std::any_of(pending_.begin(), pending_.end(), same);
+    it = known ? std::next(it) : beats_.erase(it);
+  }
   ElasticRound r;
   r.attempt = attempt;
   r.group_rank = 0;
@@ -253,10 +313,18 @@ std::optional<std::string> ElasticRendezvous::watch(int attempt) {
       reason = member_text(static_cast<int>(g)) + " stopped sending heartbeats (" + seconds_text(dead_after_) + ")";
   if (reason.empty()) {
     absorb_waiters();
-    if (!pending_.empty() && members_.size() < static_cast<size_t>(o_.max_nodes))
-      reason = pending_.front().hostname + " is waiting to join";
+    drop_dead_waiters();
+    if (pending_.empty()) return std::nullopt;
+    if (members_.size() >= static_cast<size_t>(o_.max_nodes)) {  // they wait for a place (torchelastic's
+      tell_waiters_full();                                       // redundancy list): no restart for them
+      return std::nullopt;
+    }
+    // Note [Elastic restarts]: a failure that came first makes this attempt a failure; it stops the
+    // workers itself (step 5), and the waiting node is admitted at the restart that follows.
+    if (!base_.claim_for_membership_change(attempt)) return std::nullopt;
+    membership_stop_ = true;
+    reason = pending_.front().hostname + " is waiting to join";
   }
-  if (reason.empty()) return std::nullopt;
   stop_reason_ = reason;
   store_.set(key("stop", attempt), to_bytes(reason));
   return "stopped this node's workers: " + reason;
@@ -287,20 +355,22 @@ ElasticNext ElasticRendezvous::finish_attempt(int attempt, int exit_code, const 
   return {r, 0, ""};
 }
 
-ElasticNext ElasticRendezvous::host_finish(int attempt, int exit_code, const NodeRendezvous::Say& say) {
-  auto end_job = [&](int code, const std::string& message) {  // E8: nobody waits in vain
-    store_.set(key("decision", attempt), to_bytes(code == 0 ? "done" : "stop " + message));
-    try {
-      absorb_waiters();
-    } catch (const std::exception&) {
-    }
-    for (const Member& m : pending_) store_.set(key("admit", m.id), to_bytes("error the elastic job has ended"));
-    pending_.clear();
-    return ElasticNext{std::nullopt, code, message};
-  };
-  if (exit_code != 0 && exit_code != 1)
-    return end_job(exit_code, "node 0's launcher (the rendezvous host) was stopped by a signal: the job ends");
-  // E6: every member's outcome, or its absence of heartbeats.
+ElasticNext ElasticRendezvous::end_job(int attempt, int code, const std::string& message) {
+  // E8: nobody waits in vain.
+  store_.set(key("decision", attempt), to_bytes(code == 0 ? "done" : "stop " + message));
+  try {
+    absorb_waiters();
+  } catch (const std::exception&) {
+  }
+  const std::string end = code == 0 ? "end 0 the elastic job ended" : "end 1 the elastic job ended (it failed)";
+  for (const Member& m : pending_)
+    store_.set(key("admit", m.id), to_bytes(end + " before node 0 admitted this node; nothing ran here"));
+  pending_.clear();
+  return ElasticNext{std::nullopt, code, message};
+}
+
+std::vector<int> ElasticRendezvous::outcomes(int attempt, int exit_code) {
+  // E6: every member's outcome, or its absence of heartbeats (-2: gone).
   const auto deadline = Clock::now() + o_.rdzv_timeout;
   std::vector<int> codes(members_.size(), -1);
   codes[0] = exit_code;
@@ -312,46 +382,54 @@ ElasticNext ElasticRendezvous::host_finish(int attempt, int exit_code, const Nod
       if (store_.check({k}))
         codes[g] = std::stoi(to_string(store_.get(k, Millis(1000))));
       else if (stale(members_[g]) || Clock::now() >= deadline)
-        codes[g] = -2;  // gone
+        codes[g] = -2;
       else
         waiting = true;
     }
-    if (!waiting) break;
+    if (!waiting) return codes;
     sleep_for(std::min(o_.beat_period, Millis(100)));
   }
+}
+
+std::string ElasticRendezvous::failure_cause(int attempt) {
+  // The first failure anywhere (step 5's failure/<k>), else the member node 0 stopped hearing from.
+  if (auto f = base_.remote_failure(attempt, -1)) return *f;
+  return stop_reason_.empty() ? "a node's workers stopped" : stop_reason_;
+}
+
+ElasticNext ElasticRendezvous::host_finish(int attempt, int exit_code, const NodeRendezvous::Say& say) {
+  if (exit_code != 0 && exit_code != 1)
+    return end_job(attempt, exit_code, "node 0's launcher (the rendezvous host) was stopped by a signal: the job ends");
+  const std::vector<int> codes = outcomes(attempt, exit_code);
   // E7.
-  if (std::all_of(codes.begin(), codes.end(), [](int c) { return c == 0; })) return end_job(0, "");
+  if (std::all_of(codes.begin(), codes.end(), [](int c) { return c == 0; })) return end_job(attempt, 0, "");
   std::vector<Member> survivors;
-  std::string why;
+  std::string left;
   for (size_t g = 0; g < members_.size(); ++g) {
     if (codes[g] == 0 || codes[g] == 1) {
       survivors.push_back(members_[g]);
       continue;
     }
-    why += (why.empty() ? "" : "; ") + member_text(static_cast<int>(g)) + " left" +
-           (codes[g] == -2 ? "" : " (its launcher was stopped by a signal)");
+    left += (left.empty() ? "" : "; ") + member_text(static_cast<int>(g)) + " left" +
+            (codes[g] == -2 ? "" : " (its launcher was stopped by a signal)");
   }
-  if (why.empty() && stop_reason_.find("waiting to join") == std::string::npos) {
-    const std::string k = "dtrain-run/failure/" + std::to_string(attempt);
-    if (store_.check({k})) {
-      const std::string v = to_string(store_.get(k, Millis(1000)));
-      const size_t space = v.find(' '), nl = v.find('\n');
-      if (space != std::string::npos && nl != std::string::npos && space < nl)
-        why = "restart after node " + v.substr(0, space) + " (" + v.substr(space + 1, nl - space - 1) +
-              ") failed: " + v.substr(nl + 1);
-    }
-  }
+  // Note [Elastic restarts]: only node 0's stop for a waiting node, with every member still there, is free.
+  const bool failed = !left.empty() || !membership_stop_;
+  const std::string why = left.empty() && failed ? failure_cause(attempt) : left;
+  const std::string restarts = "--max_restarts " + std::to_string(o_.max_restarts);
+  if (failed && failures_ >= o_.max_restarts)
+    return end_job(attempt, 1,
+                   why + "; " + restarts + " used up after attempt " + std::to_string(attempt) + ": the job ends");
+  const std::string note = failed ? ", restart " + std::to_string(++failures_) + " of " + restarts : "";
   const int old_world = static_cast<int>(members_.size()) * o_.nproc_per_node;
-  if (attempt + 1 > o_.max_restarts)
-    return end_job(1, (why.empty() ? std::string("the membership changed") : why) + "; --max_restarts " +
-                          std::to_string(o_.max_restarts) + " used up after attempt " + std::to_string(attempt) +
-                          ": the job ends");
-  ElasticNext next = form_round(attempt + 1, survivors, why, say);
+  ElasticNext next =
+      form_round(attempt + 1, survivors, left.empty() && failed ? "restart after " + why : why, note, say);
   if (!next.round)
-    return end_job(1, why + "; " + std::to_string(survivors.size()) + " node(s) remain, fewer than the minimum " +
-                          std::to_string(o_.min_nodes) + " of --nnodes " + std::to_string(o_.min_nodes) + ":" +
-                          std::to_string(o_.max_nodes) + ": the job ends (world size " + std::to_string(old_world) +
-                          ", attempt " + std::to_string(attempt) + ")");
+    return end_job(attempt, 1,
+                   why + "; " + std::to_string(survivors.size()) + " node(s) remain, fewer than the minimum " +
+                       std::to_string(o_.min_nodes) + " of --nnodes " + std::to_string(o_.min_nodes) + ":" +
+                       std::to_string(o_.max_nodes) + ": the job ends (world size " + std::to_string(old_world) +
+                       ", attempt " + std::to_string(attempt) + ")");
   store_.set(key("decision", attempt), to_bytes("restart"));
   return next;
 }

@@ -7,6 +7,16 @@
 // while the workers run, and after each attempt turns every node's outcome into one decision (done,
 // restart with a new group, or stop). The others follow its keys. One decider means no consensus
 // protocol, at the price torchrun's c10d rendezvous pays too: if node 0 dies the job ends.
+//
+// Note [Elastic restarts]: as in torchelastic, --max_restarts counts failures only. A restart node 0
+// starts for a waiting node (the group below MAX) is free; a worker that fails, or a node that is
+// lost, spends one (torchelastic's agents see their workers fail when a peer is gone, and count it).
+// The workers' restart count (TORCHELASTIC_RESTART_COUNT, DTRAIN_RESTART_COUNT) is the attempt
+// number all the same: it keys their rendezvous, so it moves on at every re-form. To tell a stop for a
+// waiting node from a failure that happened at the same time, node 0 takes the attempt's failure slot
+// before it stops the workers (NodeRendezvous::claim_for_membership_change): a worker that fails
+// after that failed because its peers were stopped, and a failure that came first makes the attempt a
+// failure.
 #pragma once
 
 #include "rendezvous.h"
@@ -18,6 +28,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -59,10 +70,10 @@ class ElasticRendezvous {
   ElasticRendezvous(const ElasticRendezvous&) = delete;
   ElasticRendezvous& operator=(const ElasticRendezvous&) = delete;
 
-  // E2-E3: join and wait for the first round this node is admitted to. Throws std::runtime_error
-  // with one line when the job cannot start (fewer than MIN nodes within --rdzv_timeout, a node whose
-  // flags disagree with node 0's, node 0 gone).
-  ElasticRound join(const NodeRendezvous::Say& say);
+  // E2-E3: join and wait for the first round this node is admitted to. Without a round, the exit code
+  // and one line: the job cannot start (fewer than MIN nodes within --rdzv_timeout, a node whose flags
+  // disagree with node 0's, node 0 gone), or it ended while this node waited for a place.
+  ElasticNext join(const NodeRendezvous::Say& say);
 
   // E5, every --monitor_interval while the workers run: a reason to stop this node's workers because
   // the membership changes, or nothing.
@@ -85,14 +96,22 @@ class ElasticRendezvous {
     std::chrono::steady_clock::time_point changed;
   };
   void heartbeat_loop(std::string host, uint16_t port);
+  ElasticNext wait_for_admission(const NodeRendezvous::Say& say);
   // Node 0 only.
   void absorb_waiters();
+  void drop_dead_waiters();
+  void tell_waiters_full();
   bool stale(const Member& m);
+  // `note` goes into the transition line after the attempt number (the restarts spent).
   ElasticNext form_round(int attempt, const std::vector<Member>& survivors, const std::string& why,
-                         const NodeRendezvous::Say& say);
+                         const std::string& note, const NodeRendezvous::Say& say);
   ElasticNext host_finish(int attempt, int exit_code, const NodeRendezvous::Say& say);
+  std::vector<int> outcomes(int attempt, int exit_code);
+  std::string failure_cause(int attempt);
+  ElasticNext end_job(int attempt, int code, const std::string& message);
   std::string member_text(int group_rank) const;
 
+  NodeRendezvous& base_;
   dtrain::store::StoreClient& store_;
   ElasticOptions o_;
   int64_t id_ = 0;
@@ -108,8 +127,11 @@ class ElasticRendezvous {
   std::vector<Member> members_;  // the current attempt's group, in group-rank order
   std::vector<Member> pending_;  // waiting nodes not admitted yet, in arrival order
   int64_t waiters_seen_ = 0;
+  std::set<int64_t> told_full_;  // waiting nodes told that the job is at MAX
   std::map<int64_t, Beat> beats_;
-  std::string stop_reason_;  // why node 0 stopped the current attempt (E5), for the transition line
+  std::string stop_reason_;       // why node 0 stopped the current attempt (E5), for the transition line
+  bool membership_stop_ = false;  // node 0 stopped the current attempt for a waiting node, before any failure
+  int failures_ = 0;              // restarts spent (Note [Elastic restarts])
 };
 
 }  // namespace dtrain::run

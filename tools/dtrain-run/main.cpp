@@ -187,8 +187,13 @@ int run_elastic(const LaunchOptions& given) {
   eo.last_call = std::chrono::milliseconds(static_cast<int64_t>(given.rdzv_last_call * 1000));
   ElasticRendezvous elastic(rdzv, given.master_addr, port, eo);
   pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
-  ElasticRound round = elastic.join(say);
+  ElasticNext first = elastic.join(say);
   pthread_sigmask(SIG_BLOCK, &terminating, nullptr);
+  if (!first.round) {  // the job could not start, or it ended while this node waited for a place
+    say(first.message);
+    return first.exit_code;
+  }
+  ElasticRound round = *first.round;
 
   int sfd = signalfd(-1, &all, SFD_CLOEXEC | SFD_NONBLOCK);
   if (sfd < 0) throw std::runtime_error(std::string("signalfd failed: ") + std::strerror(errno));

@@ -95,7 +95,7 @@ LaunchOptions parse_options(int argc, char** argv) {
                  "address of node 0; its launcher serves the rendezvous there only (default 127.0.0.1)");
   app.add_option("--master_port,--master-port", port, "port of the rendezvous on node 0 (default 29500)");
   app.add_flag("--standalone", o.standalone, "single node on 127.0.0.1 with a free port");
-  app.add_option("--max_restarts,--max-restarts", max_restarts, "restarts allowed (default 0)");
+  app.add_option("--max_restarts,--max-restarts", max_restarts, "restarts allowed after failures (default 0)");
   app.add_option("--monitor_interval,--monitor-interval", monitor, "seconds between checks (default 0.1)");
   app.add_option("--rdzv_timeout,--rdzv-timeout", rdzv_timeout, "seconds nodes wait for each other (default 900)");
   app.add_option("--rdzv_last_call,--rdzv-last-call", last_call,

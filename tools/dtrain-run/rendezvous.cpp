@@ -13,6 +13,9 @@ namespace {
 
 const StoreKeys node_key("dtrain-run/");
 constexpr Millis kVerdictLinger{5000};  // node 0 waits this long for nodes to read a failed verdict
+// The value of "failure/<k>" when node 0 stopped attempt k for a membership change (step E5). A failure
+// is "<node_rank> <hostname>\n<summary>", so the two cannot be confused.
+const std::string kMembershipChange = "membership change";
 
 // How often node 0 names the nodes it still waits for: often enough that a wait of --rdzv_timeout
 // (900 s by default) never looks like a hang, rarely enough not to flood the console. 30 s, the
@@ -162,10 +165,16 @@ bool NodeRendezvous::publish_failure(int attempt, int node_rank, const std::stri
   return to_string(client_->compare_set(node_key("failure", attempt), {}, to_bytes(mine))) == mine;
 }
 
+bool NodeRendezvous::claim_for_membership_change(int attempt) {
+  const std::string v = to_string(client_->compare_set(node_key("failure", attempt), {}, to_bytes(kMembershipChange)));
+  return v == kMembershipChange;
+}
+
 std::optional<std::string> NodeRendezvous::remote_failure(int attempt, int my_node_rank) {
   const std::string failure = node_key("failure", attempt);
   if (!client_->check({failure})) return std::nullopt;
   const std::string v = to_string(client_->get(failure, Millis(1000)));
+  if (v == kMembershipChange) return std::nullopt;  // node 0's stop, not a failure: "stop/<k>" says why
   const size_t space = v.find(' '), nl = v.find('\n');
   if (space == std::string::npos || nl == std::string::npos || space > nl) return "a node failed: " + v;
   const std::string node = v.substr(0, space);

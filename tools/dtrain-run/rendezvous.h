@@ -36,8 +36,11 @@
 //       intervals (at least 3 s), measured on node 0's clock only (no clock sync needed). The
 //       heartbeat, not the connection's close, also covers a machine that vanishes without a FIN.
 //   E2. Every other launcher queues up: slot = add("waiting", 1), "wait/<slot>" = "<id> <nproc_per_node>
-//       <max_restarts> <min> <max> <hostname>", then waits for "admit/<id>": an attempt number, or
-//       "error <line>" (its flags disagree with node 0's, or the job ended).
+//       <max_restarts> <min> <max> <hostname>", then waits for "admit/<id>": an attempt number,
+//       "error <line>" (its flags disagree with node 0's, or its heartbeat stopped while it waited),
+//       or "end <exit code> <line>" (the job ended first). While the group is at MAX, node 0 sets
+//       "full/<id>" = "<node 0's id>\n<line>": the node prints the line and waits for a place as long
+//       as node 0's heartbeat goes on (torchelastic's redundancy list), else 2 x --rdzv_timeout.
 //   E3. Node 0 forms attempt k's group: the survivors of attempt k-1 in their order (node 0 first),
 //       then waiting nodes in arrival order, up to MAX. Once MIN are there it waits --rdzv_last_call
 //       for more (not when MAX are there); for attempt 0 it waits up to --rdzv_timeout for MIN, after
@@ -46,23 +49,28 @@
 //       Each node's GROUP_RANK is its row, WORLD_SIZE = rows * nproc_per_node: ranks are contiguous.
 //   E4. Every node prints the transition line and starts attempt k's workers (restart count k).
 //   E5. While they run, node 0 checks every --monitor_interval each member's heartbeat and the
-//       waiting queue. A member gone, or a node waiting while the group is below MAX (torchrun's
-//       "waiting nodes" rule), makes node 0 set "stop/<k>" to the reason; every node polls it and
-//       stops its workers (SIGTERM, SIGKILL after --grace_period): survivors blocked in a collective
-//       with the dead rank do not wait for the collective's timeout. A worker failure still goes
-//       through step 5 (failure/<k>).
+//       waiting queue, the waiting nodes' heartbeats too (one that stopped is dropped: a node long
+//       dead would look alive at a first look when a place frees up). A member gone, or a node
+//       waiting while the group is below MAX (torchrun's "waiting nodes" rule), makes node 0 set
+//       "stop/<k>" to the reason; every node polls it and stops its workers (SIGTERM, SIGKILL after
+//       --grace_period): survivors blocked in a collective with the dead rank do not wait for the
+//       collective's timeout. For a waiting node node 0 first takes "failure/<k>" (compare_set to
+//       "membership change"): when a failure holds it already, there is no stop, the failure stops
+//       the attempt. A worker failure still goes through step 5 (failure/<k>).
 //   E6. When its workers are reaped each node sets "outcome/<k>/<id>" to its exit code (0, 1, or
 //       128+signo: a signalled launcher leaves the job and exits). Node 0 waits for every member's
 //       outcome, counting a member whose heartbeat stops (or that is silent for --rdzv_timeout) as gone.
-//   E7. Node 0 decides and sets "decision/<k>": "done" when every member exited 0; else, while
-//       k < --max_restarts (every restart counts, membership changes too) and at least MIN nodes
-//       remain, it forms attempt k+1 (E3) and sets "restart"; otherwise "stop <line>", which every
-//       node prints before exiting 1. A signal to node 0's launcher stops the job. If node 0 itself
-//       dies, the others lose the store and end with a line that says so: the rendezvous lives on
-//       node 0 only.
-//   E8. Node 0 answers "admit/<id>" with an error for nodes still waiting when the job ends; the
-//       others set "done/<id>", and node 0 keeps the store up until each member of the last attempt
-//       is done or gone (bounded by --rdzv_timeout).
+//   E7. Node 0 decides and sets "decision/<k>": "done" when every member exited 0; else it forms
+//       attempt k+1 (E3) and sets "restart", as long as at least MIN nodes remain and, for a failure,
+//       a restart is left; otherwise "stop <line>", which every node prints before exiting 1. Only
+//       failures spend --max_restarts (Note [Elastic restarts] in elastic.h): a stop for a waiting
+//       node, with every member still there, is free; a failed worker or a member gone spends one.
+//       A signal to node 0's launcher stops the job. If node 0 itself dies, the others lose the
+//       store and end with a line that says so: the rendezvous lives on node 0 only.
+//   E8. Node 0 answers "admit/<id>" with "end <exit code> <line>" for nodes still waiting when the
+//       job ends (exit code 0 when the job succeeded, else 1); the others set "done/<id>", and node
+//       0 keeps the store up until each member of the last attempt is done or gone (bounded by
+//       --rdzv_timeout).
 #pragma once
 
 #include "store/store.h"
@@ -101,6 +109,10 @@ class NodeRendezvous {
   // remote_failure: "node N (host) failed: <summary>" when a node other than `my_node_rank` failed.
   bool publish_failure(int attempt, int node_rank, const std::string& summary);
   std::optional<std::string> remote_failure(int attempt, int my_node_rank);
+  // Step E5: node 0 takes the attempt's failure slot for a membership change it is about to make, so
+  // that a worker that fails after the stop (its peers stopped under it) reads as a consequence, not
+  // as the cause; false when a failure came first. remote_failure() does not report the claim.
+  bool claim_for_membership_change(int attempt);
 
   // Step 6: every node's exit code of the attempt, by node_rank (only this node's own when it was
   // signalled). Throws std::runtime_error naming the nodes that did not report within the timeout.
