@@ -10,8 +10,8 @@
    that builds and works. `--update` rewrites the blocks from the sources.
 2. API reference: every class, struct and free function declared at namespace level in a public
    header (include/dtrain/*.h and include/dtrain/datasets/*.h, not detail/) is named in docs/api.md.
-3. Troubleshooting: every error line of README's bad-input catalogue appears in
-   docs/troubleshooting.md.
+3. Troubleshooting: every error line of the bad-input catalogue (docs/bad_input.md, which README
+   carried before) appears in docs/troubleshooting.md.
 4. Design notes: every `Note [Name]` cited in the code has a row in docs/design.md's index, every row
    names a note the code still has, and nothing cites a design document outside the repository or
    an issue number (a comment says the reason itself).
@@ -116,22 +116,28 @@ def check_api():
 
 
 def check_troubleshooting():
-    readme = (ROOT / "README.md").read_text()
+    catalogue = ROOT / "docs/bad_input.md"
     page = ROOT / "docs/troubleshooting.md"
     if not page.is_file():
         return ["docs/troubleshooting.md is missing: write the troubleshooting page"]
+    if not catalogue.is_file():
+        return ["docs/bad_input.md is missing: write the bad-input catalogue"]
     text = page.read_text()
-    section = readme.split("### Bad-input catalogue", 1)
+    section = catalogue.read_text().split("# Bad-input catalogue", 1)
     if len(section) != 2:
-        return ["README.md has no '### Bad-input catalogue' section"]
-    problems = []
+        return ["docs/bad_input.md has no '# Bad-input catalogue' heading"]
+    problems, rows = [], 0
     for row in section[1].split("\n## ", 1)[0].splitlines():
         cells = [c.strip() for c in row.strip().strip("|").split("|")]
         if len(cells) < 3 or not cells[2].startswith("`"):
             continue
+        rows += 1
         message = cells[2].strip("`")
         if message not in text:
-            problems.append(f"docs/troubleshooting.md lacks the catalogue error `{message}`: add it with its remedy")
+            problems.append(f"docs/troubleshooting.md lacks the catalogue error `{message}` (docs/bad_input.md): "
+                            f"add it with its remedy")
+    if not rows:
+        problems.append("docs/bad_input.md: its catalogue table has no rows (area | wrong input | `error line` | test)")
     return problems
 
 
