@@ -18,7 +18,7 @@
 // chunks (the unsplit model as 8 micro-batches ~1.06x its one-batch step). Its batch, 1536, keeps a
 // 2-chunk boundary tensor under the shared-memory point-to-point ring (DTRAIN_SHM_SLOT_BYTES, 1 MB),
 // where the goals were first measured; a larger message once waited for its sender's next
-// point-to-point call (12 ms of 1F1B's 77 ms step at batch 2048) and no longer does
+// point-to-point call (docs/benchmarks.md has what it cost at batch 2048) and no longer does
 // (Note [Send pusher]).
 //
 // Theory, from the unsplit model's step time S in one process, p = 2 ranks, m micro-batches, and the

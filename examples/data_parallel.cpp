@@ -17,14 +17,13 @@
 // tutorial's models are plain torch::nn::Module, not Cloneable, so DataParallel cannot clone them.
 //
 // The tutorial's point (end of section 2.2): DataParallel is the easy way, but DistributedDataParallel
-// is preferred. Why, measured on this CPU by bench_data_parallel (2 replicas vs 2 DDP ranks vs one
-// module, the same global batch; table and command in README): DataParallel pays, every step and
+// is preferred. Why (bench_data_parallel: 2 replicas vs 2 DDP ranks vs one module, the same global
+// batch; numbers in docs/benchmarks.md, "DataParallel vs DDP"): DataParallel pays, every step and
 // serially on the caller's thread, for copying the parameters into the replicas, starting and joining
 // the replica threads, gathering the outputs and summing the replicas' gradients into the module;
-// DDP's ranks do none of that and overlap the gradient all-reduce with backward. Measured (median of 3,
-// throughput vs one module on 1 thread): CNN batch 32: DDP 1.77x, DataParallel 1.38x; MLP batch 256:
-// DDP 1.24x, DataParallel 1.14x; MLP batch 32 (a 0.5 ms step): neither pays off (DDP 0.22x,
-// DataParallel 0.41x) — per-step overheads dominate, use one process there. On GPUs DataParallel also
+// DDP's ranks do none of that and overlap the gradient all-reduce with backward. So DDP wins on the
+// CNN; on the MLP's sub-millisecond steps neither pays off — per-step overheads dominate, use one
+// process there. On GPUs DataParallel also
 // piles the outputs and gradients on device 0 (the tutorial's "main GPU memory pressure").
 #include <cstdio>
 #include <vector>

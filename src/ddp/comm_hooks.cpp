@@ -116,8 +116,8 @@ Future sum_future(at::Tensor t, const Group& group) {
 }
 
 // Note [Small sums as exchanges]: over Gloo's TCP a tiny tensor's sum costs latency, not bytes, and
-// Gloo's collectives pay most of it in hand-offs: measured here on 2 idle ranks, a 4 KB all-reduce
-// takes ~1.3 ms, a 4 KB send reaches the other rank in ~50 µs (bench_allreduce, bench_p2p). So a
+// Gloo's collectives pay most of it in hand-offs: a 4 KB all-reduce takes many times as long as a
+// 4 KB send to the other rank (bench_allreduce, bench_p2p; docs/benchmarks.md). So a
 // small tensor is sent to every other member and received from each, then summed on every rank in
 // group-rank order: the same additions everywhere, so every rank gets the same bits (on 2 ranks
 // exactly the all-reduce's sum, a + b being b + a). Each rank sends (n - 1) copies where the ring

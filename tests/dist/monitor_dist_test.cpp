@@ -152,7 +152,7 @@ TEST(Monitor, InfoLogsBucketsAndSetupOnRankZero) {
   }
 }
 
-// README: DETAIL turns a mismatch into an error on every rank "in milliseconds" instead of a hang.
+// docs/features.md: DETAIL turns a mismatch into an error on every rank "in milliseconds" instead of a hang.
 // After a barrier both ranks call together, so the time is the check's own: a few store round
 // trips, 0.2-0.3 ms here. The best of 3 tries must be under 100 ms (scaled under a sanitizer): a
 // rank descheduled right after one barrier on a loaded machine cannot fail the claim alone.

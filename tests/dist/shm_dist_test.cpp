@@ -77,7 +77,7 @@ TEST(Shm, SumMatchesGlooBitForBitOnTwoRanks) {
   Group gloo = group_with_env("DTRAIN_SHM", "0");
   ASSERT_FALSE(gloo.uses_shared_memory());
 #if TORCH_VERSION_MAJOR < 2
-  // README: "Gloo 1.13 cannot all-reduce or reduce bfloat16 at all; the shared-memory path can" (the
+  // docs/features.md: "Gloo 1.13 cannot all-reduce or reduce bfloat16 at all; the shared-memory path can" (the
   // latter: Shm.AllReduceOpsAndDtypes). The call is rejected before anything is sent.
   at::Tensor bf = at::ones({4}, at::kBFloat16);
   EXPECT_NE(error_of([&] { all_reduce(bf, ReduceOp::SUM, gloo); }).find("has no BFloat16 collectives"),

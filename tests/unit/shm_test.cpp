@@ -324,7 +324,7 @@ TEST(ShmComm, ADeadRankIsNoticedWithoutWaitingForTheTimeout) {
   EXPECT_NE(errors[0].find("exited"), std::string::npos) << errors[0];
 }
 
-// README: "a rank that died is noticed within 50 ms". Rank 1 dies while rank 0 already waits in the
+// docs/features.md: "a rank that died is noticed within 50 ms". Rank 1 dies while rank 0 already waits in the
 // all-reduce (asleep on the futex by then); rank 0 must fail within 50 ms of the death. The waits
 // look for dead peers every 10 ms, so the median of the trials over 50 ms is not noise; a single
 // trial may be late by a time slice on a loaded machine, but never by seconds.
@@ -381,7 +381,7 @@ TEST(ShmSegment, AttachChecksTheSizeAndUnlinkRemovesTheName) {
   seg.unlink();
   EXPECT_EQ(shm_open(name.c_str(), O_RDWR, 0600), -1);
   EXPECT_NE(Segment::unique_name("x"), Segment::unique_name("x"));
-  // README: the names carry the creator's pid and a random 64-bit id (16 hex digits).
+  // docs/features.md: the names carry the creator's pid and a random 64-bit id (16 hex digits).
   const std::string n = Segment::unique_name("x");
   EXPECT_EQ(n.rfind("/dtrain-" + std::to_string(getpid()) + "-", 0), 0u) << n;
   EXPECT_EQ(n.size(), std::string("/dtrain-" + std::to_string(getpid()) + "-").size() + 16 + 2) << n;

@@ -35,7 +35,7 @@ void divide(void* out, const void* a, size_t count, DType t, double divisor);
 // that another process reads from shared memory: streamed lines go to memory instead of staying
 // modified in this core's cache, and the reader then fetches them from memory rather than from this
 // core, which on the machines measured here made the 2-rank all-reduce about twice as fast at every
-// size from 64 KB to 64 MB (see README, shared-memory benchmark). Ends with a store fence, so a
+// size from 64 KB to 64 MB (docs/benchmarks.md, shared-memory all-reduce). Ends with a store fence, so a
 // release store that follows publishes the values.
 void combine_streaming(void* out, void* shared, const void* a, const void* b, size_t count, DType t, RedOp op,
                        const Divided* divided = nullptr);

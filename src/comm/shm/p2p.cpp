@@ -117,7 +117,7 @@ P2p::~P2p() {
 // Note [Send pusher]: a send larger than the ring's free space is written in part, and its rest
 // moves only when some thread of this rank runs point-to-point code (step 4). A pipeline stage posts
 // its boundary send and goes on computing the next micro-batch, so without help its receiver would
-// wait for that computation (1F1B at 1 MB activations: 12 ms of a 77 ms step). The first such send
+// wait for that computation (docs/benchmarks.md, pipeline, has what it cost 1F1B). The first such send
 // starts this thread; each wakes it. It writes what the rings take as the receivers drain them,
 // sleeping on this rank's bell (which a receiver rings when it takes bytes) in between, and sleeps
 // on its condition variable again once nothing is left unsent. It only writes: completion is still

@@ -23,7 +23,7 @@ constexpr auto kSpin = std::chrono::microseconds(30);
 constexpr auto kYield = std::chrono::microseconds(300);
 constexpr long kSleepNs = 10'000'000;  // futex timeout: how often a sleeper wakes to check for failures
 // How often a waiter checks the abort flag, the timeout and whether the awaited process exited: at
-// every wake-up of a sleeper, so a dead peer is noticed within about 10 ms (README promises 50;
+// every wake-up of a sleeper, so a dead peer is noticed within about 10 ms (docs/features.md promises 50;
 // ShmComm.ADeadRankIsNoticedWithin50Milliseconds measures it). A check costs a kill() and a read of
 // /proc/<pid>/stat, nothing beside a 10 ms sleep. It was 50 ms, which put the worst case above 50.
 constexpr auto kCheckPeriod = std::chrono::nanoseconds(kSleepNs);
