@@ -154,7 +154,7 @@ class MultiNodeTest(MarkedTestCase):
             self.assertIn("(the last failure, after 1 restart(s) of --max_restarts 1)", last)
 
     def test_a_node_that_never_reports_ends_the_job_after_rdzv_timeout(self):
-        # README: "a launcher that never reports ends the job after --rdzv_timeout". Node 1's launcher
+        # docs/fault_tolerance.md: "a launcher that never reports ends the job after --rdzv_timeout". Node 1's launcher
         # is stopped (SIGSTOP) once its worker runs; then node 0's worker fails, and node 0 waits for
         # node 1's outcome of the attempt: it must give up after --rdzv_timeout 3, without a restart.
         port = free_port()
