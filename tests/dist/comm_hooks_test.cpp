@@ -4,9 +4,6 @@
 //   PowerSGD (layer-wise and batched): P, Q, the error memory and the averaged gradients of every
 //   step, warm-up steps included, against a plain re-implementation that simulates every rank in
 //   this process (float64).
-#include <functional>
-#include <string>
-#include <utility>
 #include <vector>
 
 #include <torch/nn/functional/loss.h>
@@ -567,13 +564,12 @@ bool same_on_every_rank(const std::vector<at::Tensor>& params) {
 TEST(CommHooks, EveryHookLeavesTheSameParametersOnEveryRank) {
   auto o = PowerSGDOptions().matrix_approximation_rank(1).start_powerSGD_iter(2);
   PowerSGDState layerwise(o), batched(o);
-  const std::vector<std::pair<std::string, std::function<void(DistributedDataParallel&)>>> hooks{
-      {"allreduce_hook", [](auto& ddp) { ddp.register_comm_hook(Group(), allreduce_hook); }},
-      {"fp16_compress_hook", [](auto& ddp) { ddp.register_comm_hook(Group(), fp16_compress_hook); }},
-      {"bf16_compress_hook", [](auto& ddp) { ddp.register_comm_hook(Group(), bf16_compress_hook); }},
-      {"powerSGD_hook", [&](auto& ddp) { ddp.register_comm_hook(layerwise, powerSGD_hook); }},
-      {"batched_powerSGD_hook", [&](auto& ddp) { ddp.register_comm_hook(batched, batched_powerSGD_hook); }}};
-  for (const auto& [name, reg] : hooks) EXPECT_TRUE(same_on_every_rank(train(at::kFloat, 5, reg))) << name;
+  auto check = [](const char* name, auto reg) { EXPECT_TRUE(same_on_every_rank(train(at::kFloat, 5, reg))) << name; };
+  check("allreduce_hook", [](auto& ddp) { ddp.register_comm_hook(Group(), allreduce_hook); });
+  check("fp16_compress_hook", [](auto& ddp) { ddp.register_comm_hook(Group(), fp16_compress_hook); });
+  check("bf16_compress_hook", [](auto& ddp) { ddp.register_comm_hook(Group(), bf16_compress_hook); });
+  check("powerSGD_hook", [&](auto& ddp) { ddp.register_comm_hook(layerwise, powerSGD_hook); });
+  check("batched_powerSGD_hook", [&](auto& ddp) { ddp.register_comm_hook(batched, batched_powerSGD_hook); });
   // The check can fail: a hook that keeps each rank's own gradient leaves the ranks apart.
   auto local =
       train(at::kFloat, 5, [](auto& ddp) { ddp.register_comm_hook([](GradBucket& b) { return Future(b.buffer()); }); });
