@@ -190,6 +190,18 @@ Work all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input, const
 // inputs: group.size() tensors shaped like output; output gets the reduction of everyone's inputs[rank].
 Work reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op = ReduceOp::SUM,
                     const Group& group = Group(), bool async_op = false);
+// torch.distributed's all_gather_into_tensor: `output` receives every member's `input` in group-rank
+// order, concatenated along dim 0 ([n * d0, d1, ...]) or stacked ([n, d0, d1, ...]); one dtype and
+// device, contiguous. `input` may be this rank's slice of `output` (the in-place form).
+Work all_gather_into_tensor(at::Tensor& output, const at::Tensor& input, const Group& group = Group(),
+                            bool async_op = false);
+// torch.distributed's reduce_scatter_tensor: `input` is group.size() parts shaped like `output`,
+// concatenated or stacked along dim 0; group rank r's `output` gets the reduction of every member's
+// part r. Over shared memory each rank reduces only its own part, in rank order (the same bits on
+// every rank and as all_reduce); on Gloo 1.13, which lacks it, it is an all_reduce of a copy of
+// `input` followed by a copy of this rank's part (n times the traffic).
+Work reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp op = ReduceOp::SUM,
+                           const Group& group = Group(), bool async_op = false);
 // gather_list: group.size() tensors on dst, empty elsewhere.
 Work gather(const at::Tensor& input, std::vector<at::Tensor>& gather_list, int dst = 0, const Group& group = Group(),
             bool async_op = false);

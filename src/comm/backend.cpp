@@ -63,6 +63,16 @@ bool all_reduce_divided_here(const compat::BackendPtr& pg, std::vector<at::Tenso
   return shm_all_reduce_divided_here(pg, ts, divisor);
 }
 
+bool takes_base_collective(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,
+                           const c10d::ReduceOp& op) {
+  bool takes = false;
+  if (shm_takes_base(pg, type, t, op, &takes)) return takes || DTRAIN_GLOO_HAS_TENSOR_COLLECTIVES;
+#ifdef DTRAIN_WITH_NCCL
+  if (pg->getBackendName() == "nccl") return true;
+#endif
+  return DTRAIN_GLOO_HAS_TENSOR_COLLECTIVES;  // Gloo alone (Python peers)
+}
+
 std::string unsupported(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,
                         const c10d::ReduceOp& op) {
   std::string why;

@@ -45,6 +45,13 @@ bool all_reduce_here(const compat::BackendPtr& pg, at::Tensor& t, const c10d::Re
 // already divided, in the same call: the bits are the same.
 bool all_reduce_divided_here(const compat::BackendPtr& pg, std::vector<at::Tensor>& ts, int64_t divisor);
 
+// Whether `pg` runs c10d's _allgather_base (type _ALLGATHER_BASE) or _reduce_scatter_base
+// (_REDUCE_SCATTER_BASE, with `op`) on tensors like `t` itself: NCCL, the shared-memory group on one
+// host, Gloo where it has them (compat/c10d_compat.h); false: the front end composes the collective
+// from all_gather or all_reduce. Every rank of a correct program answers alike.
+bool takes_base_collective(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,
+                           const c10d::ReduceOp& op);
+
 // Validates a backend name early (before any rendezvous), with the remedy in the message.
 void check_backend_name(const std::string& name);
 

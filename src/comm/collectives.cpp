@@ -8,6 +8,12 @@
 // done (floating-point tensors only, as an integer average would silently truncate).
 // Note [reduce_scatter on Gloo]: Gloo 1.13 has no reduce_scatter; we all-reduce the stacked inputs
 // and copy this rank's slice (the same result; more traffic; the shared-memory backend does better).
+// Note [Tensor collectives on Gloo]: all_gather_into_tensor and reduce_scatter_tensor are c10d's
+// _allgather_base and _reduce_scatter_base on NCCL, over shared memory on one host, and on a Gloo
+// that has them (compat/c10d_compat.h). On Gloo 1.13, which has neither, they are composed:
+// all_gather into views of the output's slices (the same traffic), and, as a fallback only, an
+// all_reduce of a copy of the input followed by a copy of this rank's slice (n times the traffic
+// of a real reduce-scatter; the same values, in the same rank order).
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <ATen/ATen.h>
@@ -295,6 +301,87 @@ Work reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceO
                     [w, stacked, output, me]() mutable {
                       w.wait();
                       output.copy_(stacked[me]);
+                    },
+                    [w]() mutable { return w.is_completed(); }),
+                async_op);
+}
+
+namespace {
+
+// `big` holds group-size times `small`: concatenated along dim 0 ([n*d0, d1, ...]) or stacked
+// ([n, d0, d1, ...]), of one dtype and device, as torch.distributed accepts both.
+void check_gathered(const at::Tensor& big, const at::Tensor& small, int64_t n, const char* op, const char* big_name,
+                    const char* small_name) {
+  check_tensor(big, op);
+  check_tensor(small, op);
+  DTRAIN_CHECK(big.scalar_type() == small.scalar_type() && big.device() == small.device(), op, ": ", big_name, " is ",
+               big.scalar_type(), " on ", big.device(), " but ", small_name, " is ", small.scalar_type(), " on ",
+               small.device(), ": pass tensors of one dtype on one device");
+  DTRAIN_CHECK(big.numel() == n * small.numel(), op, ": ", big_name, " has ", big.numel(),
+               " elements, expected world_size (", n, ") x ", small_name, " (", small.numel(),
+               ") = ", n * small.numel());
+  std::vector<int64_t> stacked{n}, concatenated = small.sizes().vec();
+  stacked.insert(stacked.end(), concatenated.begin(), concatenated.end());
+  if (!concatenated.empty()) concatenated[0] *= n;
+  const bool ok =
+      big.sizes() == at::IntArrayRef(stacked) || (small.dim() > 0 && big.sizes() == at::IntArrayRef(concatenated));
+  DTRAIN_CHECK(ok, op, ": ", big_name, " has shape ", big.sizes(), ", expected ", at::IntArrayRef(stacked),
+               small.dim() > 0 ? detail::cat(" or ", at::IntArrayRef(concatenated)) : std::string(), " for ",
+               small_name, " of shape ", small.sizes(), ": concatenate or stack world_size parts along dim 0");
+}
+
+}  // namespace
+
+Work all_gather_into_tensor(at::Tensor& output, const at::Tensor& input, const Group& group, bool async_op) {
+  const char* op = "all_gather_into_tensor";
+  const auto& g = member_group(group, op);
+  const auto n = static_cast<int64_t>(g.ranks.size());
+  check_gathered(output, input, n, op, "output", "input");
+  check_supported(g, op, c10d::OpType::ALLGATHER, input);
+  check_call(g, op, "output=" + comm::describe(output), "input=" + comm::describe(input));
+  c10d::AllgatherOptions opts;
+  opts.timeout = g.timeout;
+  comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
+  if (comm::takes_base_collective(g.pg, c10d::OpType::_ALLGATHER_BASE, input, c10d::ReduceOp::SUM)) {
+    at::Tensor in = input;
+    return finish(Work(g.pg->_allgather_base(output, in, opts), what(g, op)), async_op);
+  }
+  // Note [Tensor collectives on Gloo]: one all_gather into the output's slices.
+  std::vector<int64_t> stacked{n};
+  for (int64_t d : input.sizes()) stacked.push_back(d);
+  std::vector<std::vector<at::Tensor>> out{output.view(stacked).unbind(0)};
+  std::vector<at::Tensor> in{input};
+  return finish(Work(g.pg->allgather(out, in, opts), what(g, op)), async_op);
+}
+
+Work reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp op, const Group& group,
+                           bool async_op) {
+  const char* name = "reduce_scatter_tensor";
+  const auto& g = member_group(group, name);
+  const auto n = static_cast<int64_t>(g.ranks.size());
+  check_gathered(input, output, n, name, "input", "output");
+  check_avg(op, output, name);
+  check_supported(g, name, c10d::OpType::ALLREDUCE, input, op);  // Note [Tensor collectives on Gloo]
+  check_call(g, name, "output=" + comm::describe(output), "input=" + comm::describe(input), "op=" + to_string(op));
+  if (comm::takes_base_collective(g.pg, c10d::OpType::_REDUCE_SCATTER_BASE, input, to_c10d(op))) {
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = to_c10d(op);
+    opts.timeout = g.timeout;
+    std::function<void()> done;
+    if (op == ReduceOp::AVG) done = [output, n]() mutable { output.div_(n); };  // Note [AVG on Gloo]
+    at::Tensor in = input;
+    comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
+    return finish(Work(g.pg->_reduce_scatter_base(output, in, opts), what(g, name), std::move(done)), async_op);
+  }
+  // Note [Tensor collectives on Gloo]: the fallback, an all_reduce of a copy and this rank's slice.
+  at::Tensor whole = input.clone();
+  Work w = all_reduce(whole, op, group, /*async_op=*/true);
+  const int me = g.rank;
+  return finish(Work(
+                    c10::intrusive_ptr<c10d::Work>(), what(g, name),
+                    [w, whole, output, me, n]() mutable {
+                      w.wait();
+                      output.copy_(whole.view({n, output.numel()})[me].view_as(output));
                     },
                     [w]() mutable { return w.is_completed(); }),
                 async_op);

@@ -135,6 +135,22 @@ Started start(const Op& op, uint64_t s) {
       at::Tensor out = at::full({op.numel}, 99, op.dtype);
       return {reduce_scatter(out, ins, op.rop, g, op.async), [=] { expect_equal(out, red(R()), what); }};
     }
+    case Kind::kAllGatherIntoTensor: {
+      // Concatenated for even operations, stacked for odd ones: both shapes are accepted.
+      at::Tensor out =
+          op.index % 2 ? at::full({N(), op.numel}, 99, op.dtype) : at::full({N() * op.numel}, 99, op.dtype);
+      return {all_gather_into_tensor(out, in(R(), 0), g, op.async), [=] {
+                for (int k = 0; k < N(); ++k)
+                  expect_equal(out.view({N(), -1})[k], in(k, 0), what + ", part " + std::to_string(k));
+              }};
+    }
+    case Kind::kReduceScatterTensor: {
+      std::vector<at::Tensor> ins;
+      for (int j = 0; j < N(); ++j) ins.push_back(in(R(), j));
+      at::Tensor input = op.index % 2 ? at::stack(ins) : at::cat(ins);
+      at::Tensor out = at::full({op.numel}, 99, op.dtype);
+      return {reduce_scatter_tensor(out, input, op.rop, g, op.async), [=] { expect_equal(out, red(R()), what); }};
+    }
     case Kind::kGather: {
       std::vector<at::Tensor> list;
       if (R() == op.root)

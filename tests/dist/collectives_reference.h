@@ -15,9 +15,20 @@
 
 namespace dtrain::test_ref {
 
-enum class Kind { kAllReduce, kBroadcast, kReduce, kAllGather, kReduceScatter, kGather, kScatter };
-constexpr Kind kKinds[] = {Kind::kAllReduce,     Kind::kBroadcast, Kind::kReduce, Kind::kAllGather,
-                           Kind::kReduceScatter, Kind::kGather,    Kind::kScatter};
+enum class Kind {
+  kAllReduce,
+  kBroadcast,
+  kReduce,
+  kAllGather,
+  kReduceScatter,
+  kGather,
+  kScatter,
+  kAllGatherIntoTensor,
+  kReduceScatterTensor
+};
+constexpr Kind kKinds[] = {Kind::kAllReduce, Kind::kBroadcast,           Kind::kReduce,
+                           Kind::kAllGather, Kind::kReduceScatter,       Kind::kGather,
+                           Kind::kScatter,   Kind::kAllGatherIntoTensor, Kind::kReduceScatterTensor};
 
 inline const char* name(Kind k) {
   switch (k) {
@@ -31,6 +42,10 @@ inline const char* name(Kind k) {
       return "all_gather";
     case Kind::kReduceScatter:
       return "reduce_scatter";
+    case Kind::kAllGatherIntoTensor:
+      return "all_gather_into_tensor";
+    case Kind::kReduceScatterTensor:
+      return "reduce_scatter_tensor";
     case Kind::kGather:
       return "gather";
     case Kind::kScatter:
@@ -39,7 +54,9 @@ inline const char* name(Kind k) {
   return "?";
 }
 
-inline bool reduces(Kind k) { return k == Kind::kAllReduce || k == Kind::kReduce || k == Kind::kReduceScatter; }
+inline bool reduces(Kind k) {
+  return k == Kind::kAllReduce || k == Kind::kReduce || k == Kind::kReduceScatter || k == Kind::kReduceScatterTensor;
+}
 
 // Rank r's input of operation `op` (part `part` of a list input): integers in [-8, 8], or in
 // {-2, -1, 1, 2} for PRODUCT, from a hash of (seed, op, r, part) and the element index.

@@ -116,7 +116,62 @@ void check_divided(int n, const std::vector<size_t>& sizes, DType dt, double div
   expect_ok(errors);
 }
 
+// reduce_scatter of `count` elements per rank: rank r's output is, bit for bit, what all_reduce of
+// the whole input gives in part r (the same rank order), and the input is left as it was.
+template <class T>
+void check_reduce_scatter(int n, size_t count, DType dt, RedOp op, size_t slot = kSlot) {
+  auto errors = run_ranks(
+      n,
+      [&](Comm& c, int r) {
+        std::vector<T> in(n * count), whole(n * count), out(count, T(-7.0f));
+        for (size_t i = 0; i < in.size(); ++i) whole[i] = in[i] = T(value(r, i));
+        c.reduce_scatter(in.data(), out.data(), count, dt, op);
+        c.all_reduce(whole.data(), whole.size(), dt, op);
+        for (size_t i = 0; i < in.size(); ++i)
+          if (const T x = T(value(r, i)); std::memcmp(&in[i], &x, sizeof(T)) != 0)
+            throw std::runtime_error("input element " + std::to_string(i) + " changed");
+        for (size_t i = 0; i < count; ++i)
+          if (std::memcmp(&out[i], &whole[r * count + i], sizeof(T)) != 0)
+            throw std::runtime_error("rank " + std::to_string(r) + ": element " + std::to_string(i) +
+                                     " differs from all_reduce's: " + std::to_string(static_cast<double>(out[i])) +
+                                     " vs " + std::to_string(static_cast<double>(whole[r * count + i])));
+      },
+      std::chrono::seconds(10), slot);
+  expect_ok(errors);
+}
+
 }  // namespace
+
+// Sizes around the slot (4 KiB: 1024 float32, split n ways per step), empty and one element, every
+// dtype and reduce op, 1 to 4 ranks.
+TEST(ShmComm, ReduceScatterEqualsAllReducesPartOfEveryRank) {
+  for (int n : {1, 2, 3, 4})
+    for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{341}, size_t{342}, size_t{1025}, size_t{5003}}) {
+      check_reduce_scatter<float>(n, count, DType::F32, RedOp::SUM);
+      check_reduce_scatter<double>(n, count, DType::F64, RedOp::SUM);
+      check_reduce_scatter<c10::BFloat16>(n, count, DType::BF16, RedOp::SUM);
+      check_reduce_scatter<c10::Half>(n, count, DType::F16, RedOp::SUM);
+    }
+  for (RedOp op : {RedOp::PROD, RedOp::MIN, RedOp::MAX}) {
+    check_reduce_scatter<float>(3, 1000, DType::F32, op);
+    check_reduce_scatter<c10::BFloat16>(2, 3000, DType::BF16, op);
+  }
+  check_reduce_scatter<float>(4, 100000, DType::F32, RedOp::SUM, 64 * 1024);
+}
+
+TEST(ShmComm, ReduceScatterAgainstAnotherCollectiveFailsEveryRankNamingBoth) {
+  auto errors = run_ranks(2, [&](Comm& c, int r) {
+    std::vector<float> in(8, 1.0f), out(4);
+    if (r == 0)
+      c.reduce_scatter(in.data(), out.data(), 4, DType::F32, RedOp::SUM);
+    else
+      c.all_reduce(in.data(), 8, DType::F32, RedOp::SUM);
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("mismatched collectives"), std::string::npos) << e;
+    EXPECT_NE(e.find("reduce_scatter of 4 float32 per rank (SUM)"), std::string::npos) << e;
+  }
+}
 
 // DDP's last bucket averaged in the gradients themselves: pieces of any size (empty ones, ones that
 // straddle the parts and the chunks), 1 to 4 ranks, any divisor, and ranks that mix the two ways.

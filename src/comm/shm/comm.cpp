@@ -12,16 +12,6 @@
 namespace dtrain::shm {
 namespace {
 
-enum OpKind : uint32_t {
-  kAllReduce = 1,
-  kBroadcast = 2,
-  kAllGather = 3,
-  kBarrier = 4,
-  kReduce = 5,
-  kGather = 6,
-  kScatter = 7
-};
-
 const char* kind_name(uint32_t k) {
   switch (k) {
     case kAllReduce:
@@ -38,6 +28,8 @@ const char* kind_name(uint32_t k) {
       return "gather";
     case kScatter:
       return "scatter";
+    case kReduceScatter:
+      return "reduce_scatter";
   }
   return "unknown collective";
 }
@@ -80,6 +72,9 @@ std::string Comm::describe(const OpDesc& d) const {
       return detail::cat("gather of ", d.count, " bytes to rank ", root_label(d.root));
     case kScatter:
       return detail::cat("scatter of ", d.count, " bytes from rank ", root_label(d.root));
+    case kReduceScatter:
+      return detail::cat("reduce_scatter of ", d.count, " ", to_string(static_cast<DType>(d.dtype)), " per rank (",
+                         to_string(static_cast<RedOp>(d.redop)), ")");
   }
   return "an unknown collective";
 }

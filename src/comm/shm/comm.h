@@ -10,7 +10,8 @@
 //      rank order 0..n-1 (so every rank gets the same bits) into r's tensor and r's slot; B = s.
 //   3. gather: wait for B of every rank; copy their reduced parts into r's tensor; C = s.
 // reduce is all_reduce whose step 3 only the root runs (the others' tensors are only read), gather
-// is all_gather that only the root copies out of, and scatter is broadcast of one part per rank.
+// is all_gather that only the root copies out of, scatter is broadcast of one part per rank, and
+// reduce_scatter is steps 1 and 2 alone, part r being rank r's output (reduce_scatter.cpp).
 // broadcast, all_gather, gather and scatter use the same counters with one copy in and one copy out.
 //
 // Waiting: spin briefly, then yield, then sleep on a futex (woken by the signalling rank); every
@@ -27,6 +28,18 @@
 #include "comm/shm/segment.h"
 
 namespace dtrain::shm {
+
+// What an operation descriptor (OpDesc::op) names; every rank checks its peers' against its own.
+enum OpKind : uint32_t {
+  kAllReduce = 1,
+  kBroadcast = 2,
+  kAllGather = 3,
+  kBarrier = 4,
+  kReduce = 5,
+  kGather = 6,
+  kScatter = 7,
+  kReduceScatter = 8
+};
 
 class Comm {
  public:
@@ -51,6 +64,9 @@ class Comm {
   void broadcast(void* data, size_t bytes, int root);
   // outs[k] receives rank k's `bytes` bytes (outs[rank] may equal in).
   void all_gather(const void* in, size_t bytes, void* const* outs);
+  // `in` holds n x `count` elements; rank r's `out` receives the reduction, in rank order, of every
+  // rank's part r of `in` (reduce_scatter.cpp). `out` must not overlap `in`.
+  void reduce_scatter(const void* in, void* out, size_t count, DType dtype, RedOp op);
   // On root, outs[k] receives rank k's `bytes` bytes; `outs` is ignored elsewhere.
   void gather(const void* in, size_t bytes, void* const* outs, int root);
   // Rank k receives root's ins[k] (`bytes` bytes) in `out`; `ins` is ignored off the root.

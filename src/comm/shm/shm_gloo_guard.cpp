@@ -150,8 +150,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allreduce_coalesced(std::vector<
                                                                     const c10d::AllreduceCoalescedOptions& o) {
   DTRAIN_ON_GLOO(t, ALLREDUCE_COALESCED, call_of(kAllReduce, t, -1, &o.reduceOp), o.timeout, allreduce_coalesced(t, o));
 }
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_allgather_base(at::Tensor& out, at::Tensor& in,
-                                                                const c10d::AllgatherOptions& o) {
+c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allgather_base_on_gloo(at::Tensor& out, at::Tensor& in,
+                                                                       const c10d::AllgatherOptions& o) {
   DTRAIN_ON_GLOO({out}, _ALLGATHER_BASE, call_of(kAllGather, {in}), o.timeout, _allgather_base(out, in, o));
 }
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::allgather_coalesced(std::vector<std::vector<at::Tensor>>& out,
@@ -165,8 +165,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce_scatter(std::vector<at::T
   DTRAIN_ON_GLOO(out, REDUCE_SCATTER, call_of(kReduceScatter, out, -1, &o.reduceOp), o.timeout,
                  reduce_scatter(out, in, o));
 }
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_reduce_scatter_base(at::Tensor& out, at::Tensor& in,
-                                                                     const c10d::ReduceScatterOptions& o) {
+c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce_scatter_base_on_gloo(at::Tensor& out, at::Tensor& in,
+                                                                            const c10d::ReduceScatterOptions& o) {
   DTRAIN_ON_GLOO({out}, _REDUCE_SCATTER_BASE, call_of(kReduceScatter, {out}, -1, &o.reduceOp), o.timeout,
                  _reduce_scatter_base(out, in, o));
 }

@@ -106,12 +106,21 @@ class ShmProcessGroup : public compat::Backend {
   // (comm/backend.h, all_reduce_divided_here).
   bool allreduce_divided_here(std::vector<at::Tensor>& ts, int64_t divisor);
 
+  // all_gather_into_tensor and reduce_scatter_tensor: over the segment where takes_base() says so
+  // (shm_rooted_ops.cpp), on Gloo otherwise.
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                                 const c10d::AllgatherOptions& o) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                                                      const c10d::ReduceScatterOptions& o) override;
+  // Whether _allgather_base (type _ALLGATHER_BASE) or _reduce_scatter_base (_REDUCE_SCATTER_BASE,
+  // with `op`) of tensors like `t` runs over the segment; the front end has checked the other
+  // tensor's dtype, device, layout and size against `t`.
+  bool takes_base(c10d::OpType type, const at::Tensor& t, const c10d::ReduceOp& op) const;
+
   // Gloo for the rest.
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& t,
                                                      const c10d::AllreduceCoalescedOptions& o) override;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) override;
-  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
-                                                 const c10d::AllgatherOptions& o) override;
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& out,
                                                      std::vector<at::Tensor>& in,
                                                      const c10d::AllgatherOptions& o) override;
@@ -121,8 +130,6 @@ class ShmProcessGroup : public compat::Backend {
                                          const c10d::ScatterOptions& o) override;
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
                                                 const c10d::ReduceScatterOptions& o) override;
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
-                                                      const c10d::ReduceScatterOptions& o) override;
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& os,
                                                std::vector<int64_t>& is, const c10d::AllToAllOptions& o) override;
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
@@ -140,6 +147,11 @@ class ShmProcessGroup : public compat::Backend {
   // Whether the call runs over the segment (the entry points and unsupported() ask alike).
   bool shm_reduces(const at::Tensor& t, const c10d::ReduceOp& op, bool all) const;
   bool shm_moves(const at::Tensor& t) const;
+  // The Gloo side of _allgather_base and _reduce_scatter_base (shm_gloo_guard.cpp).
+  c10::intrusive_ptr<c10d::Work> allgather_base_on_gloo(at::Tensor& out, at::Tensor& in,
+                                                        const c10d::AllgatherOptions& o);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_base_on_gloo(at::Tensor& out, at::Tensor& in,
+                                                             const c10d::ReduceScatterOptions& o);
   // Marks the group unusable after a failure that may have left data half moved (`why`: this
   // rank's), and tells the other ranks: the segment's abort flag, the store's key, and the Gloo
   // connections closed (Note [Broken groups]). Returns the group's first failure: `why`, or what

@@ -2,8 +2,9 @@
 //
 // ShmProcessGroup is a c10d process group (compat::Backend) wrapping the group's ProcessGroupGloo, so
 // DDP and every other caller get it through the same interface. all_reduce and reduce (SUM, PRODUCT,
-// MIN, MAX on float32/float64/float16/bfloat16 CPU tensors), broadcast, all_gather, gather, scatter
-// (any dtype) and barrier run over shared memory on a worker thread (asynchronous like Gloo: the
+// MIN, MAX on float32/float64/float16/bfloat16 CPU tensors), reduce-scatter of one tensor (the same;
+// c10d's _reduce_scatter_base), broadcast, all_gather (also into one tensor: _allgather_base),
+// gather, scatter (any dtype) and barrier run over shared memory on a worker thread (asynchronous like Gloo: the
 // caller gets a Work at once);
 // everything else, and every tensor the shared-memory path does not take, goes to Gloo, on the same
 // worker, once every rank has described the same call (Note [Guarded Gloo collectives] in
@@ -59,5 +60,11 @@ bool shm_all_reduce_divided_here(const compat::BackendPtr& pg, std::vector<at::T
 // `t` with `op`, else why not and the remedy (the front end's check before anything is sent).
 bool shm_group_unsupported(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,
                            const c10d::ReduceOp& op, std::string* why_not);
+
+// Whether `pg` is a ShmProcessGroup; if so, *takes is whether its _allgather_base (type
+// _ALLGATHER_BASE) or _reduce_scatter_base (_REDUCE_SCATTER_BASE, with `op`) runs over shared memory
+// for tensors like `t` (comm/backend.h, takes_base_collective).
+bool shm_takes_base(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t, const c10d::ReduceOp& op,
+                    bool* takes);
 
 }  // namespace dtrain::comm

@@ -2,6 +2,7 @@
 // on one host, on Gloo otherwise (Note [Guarded Gloo collectives]); and which calls the group can
 // run at all, asked by the front end before anything is sent.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include "comm/gloo_backend.h"
 #include "comm/shm/shm_pg_impl.h"
@@ -100,6 +101,51 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::scatter(std::vector<at::Tensor>&
     for (const auto& p : parts) ptrs.push_back(p.data_ptr());
     local_->scatter(ptrs.data(), static_cast<size_t>(y.numel()) * y.element_size(), y.data_ptr(), root_rank);
   });
+}
+
+bool ShmProcessGroup::takes_base(c10d::OpType type, const at::Tensor& t, const c10d::ReduceOp& op) const {
+  if (type == c10d::OpType::_ALLGATHER_BASE) return shm_moves(t);
+  return type == c10d::OpType::_REDUCE_SCATTER_BASE && shm_reduces(t, op, /*all=*/false);
+}
+
+// Every rank's `in` lands in its slice of `out` (Comm::all_gather: each rank copies its part into
+// the segment once and reads the others'); `in` may be this rank's slice of `out` itself.
+c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_allgather_base(at::Tensor& out, at::Tensor& in,
+                                                                const c10d::AllgatherOptions& o) {
+  const bool fits = takes_base(c10d::OpType::_ALLGATHER_BASE, in, c10d::ReduceOp::SUM) && plain_cpu(out) &&
+                    out.scalar_type() == in.scalar_type() && out.numel() == in.numel() * size_;
+  if (!fits) return allgather_base_on_gloo(out, in, o);
+  return enqueue({out}, c10d::OpType::_ALLGATHER_BASE, [this, out, in] {
+    const size_t bytes = static_cast<size_t>(in.numel()) * in.element_size();
+    std::vector<void*> outs;
+    for (int k = 0; k < size_; ++k) outs.push_back(static_cast<char*>(out.data_ptr()) + k * bytes);
+    local_->all_gather(in.data_ptr(), bytes, outs.data());
+  });
+}
+
+// Each rank reduces only its own slice (Comm::reduce_scatter). An output inside the input (the
+// in-place form) is reduced into a temporary first: the segment reads this rank's slice of the
+// input while it writes the output.
+c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                                                                     const c10d::ReduceScatterOptions& o) {
+  const bool fits = takes_base(c10d::OpType::_REDUCE_SCATTER_BASE, in, o.reduceOp) && plain_cpu(out) &&
+                    out.scalar_type() == in.scalar_type() && in.numel() == out.numel() * size_;
+  if (!fits) return reduce_scatter_base_on_gloo(out, in, o);
+  return enqueue({out}, c10d::OpType::_REDUCE_SCATTER_BASE,
+                 [this, out, in, d = *shm_dtype(in), op = *shm_op(o.reduceOp)] {
+                   const bool overlaps = at::get_overlap_status(out, in) != at::MemOverlapStatus::No;
+                   at::Tensor dst = overlaps ? at::empty_like(out) : out;
+                   local_->reduce_scatter(in.data_ptr(), dst.data_ptr(), static_cast<size_t>(out.numel()), d, op);
+                   if (overlaps) out.copy_(dst);
+                 });
+}
+
+bool shm_takes_base(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t, const c10d::ReduceOp& op,
+                    bool* takes) {
+  auto* s = dynamic_cast<ShmProcessGroup*>(pg.get());
+  if (!s) return false;
+  *takes = s->takes_base(type, t, op);
+  return true;
 }
 
 }  // namespace dtrain::comm

@@ -1,0 +1,208 @@
+// all_gather_into_tensor and reduce_scatter_tensor on 2 to 4 real processes against references
+// computed here: every dtype class, empty to larger than a shared-memory slot, every reduce op,
+// both accepted shapes, the in-place forms; over shared memory (the default group) and over Gloo
+// alone (a DTRAIN_SHM=0 group here, and the whole program in dist_tensor_collectives_test_gloo_*).
+#include <chrono>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/api/include/torch/version.h>
+
+#include "dist_main.h"
+#include "dtrain/errors.h"
+#include "test_util.h"
+
+using namespace dtrain;
+
+namespace {
+int R() { return rank(); }
+int64_t N() { return world_size(); }
+using dtrain::test_util::dtrain_error_of;
+
+Group gloo_group() {
+  dtrain::test_util::EnvOverride off("DTRAIN_SHM", "0");
+  return new_group({});
+}
+
+// Rank r's values: multiples of 1/4 in [-1, 1] (integers in [-4, 4] for int64), so that sums,
+// products, minima and maxima of up to 4 ranks are exact in every dtype and every order: Gloo's
+// reduction order then cannot change the expected bits.
+at::Tensor values(int r, int64_t numel, at::ScalarType dt) {
+  at::Tensor p = (at::arange(numel, at::kLong) * 7 + r * 3).remainder(9) - 4;
+  return at::isFloatingType(dt) ? (p.to(at::kDouble) / 4).to(dt) : p.to(dt);
+}
+
+at::Tensor combine(const at::Tensor& a, const at::Tensor& b, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM:
+    case ReduceOp::AVG:
+      return a + b;
+    case ReduceOp::PRODUCT:
+      return a * b;
+    case ReduceOp::MIN:
+      return at::minimum(a, b);
+    case ReduceOp::MAX:
+      return at::maximum(a, b);
+  }
+  return a;
+}
+
+// Gloo in LibTorch 1.13 has no bfloat16: every rank rejects the call before anything is sent.
+bool rejected_here(const Group& g, at::ScalarType dt) {
+  return TORCH_VERSION_MAJOR < 2 && !g.uses_shared_memory() && dt == at::kBFloat16;
+}
+
+const at::ScalarType kDtypes[] = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kLong};
+// Empty, one element, sizes that split unevenly across ranks and chunks, more than one 1 MiB slot.
+const int64_t kCounts[] = {0, 1, 7, 1027, 300001};
+
+void check_all_gather(const Group& g, at::ScalarType dt, int64_t count, bool stacked, bool async_op) {
+  at::Tensor in = values(R(), count, dt);
+  at::Tensor out = stacked ? at::full({N(), count}, -9, at::TensorOptions(dt)) : at::full({N() * count}, -9, dt);
+  const std::string e = dtrain_error_of([&] { all_gather_into_tensor(out, in, g, async_op).wait(); });
+  if (rejected_here(g, dt)) {
+    EXPECT_NE(e.find("has no BFloat16 collectives"), std::string::npos) << e;
+    return;
+  }
+  ASSERT_EQ(e, "(no dtrain::Error thrown)") << dt << " x " << count;
+  std::vector<at::Tensor> parts;
+  for (int k = 0; k < N(); ++k) parts.push_back(values(k, count, dt));
+  at::Tensor expected = stacked ? at::stack(parts) : at::cat(parts);
+  EXPECT_TRUE(at::equal(out, expected)) << dt << " x " << count << (stacked ? " stacked" : "");
+}
+
+void check_reduce_scatter(const Group& g, at::ScalarType dt, int64_t count, ReduceOp op, bool stacked, bool async_op) {
+  at::Tensor in = values(R(), N() * count, dt);
+  if (stacked) in = in.view({N(), count});
+  at::Tensor out = at::full({count}, -9, dt);
+  const std::string e = dtrain_error_of([&] { reduce_scatter_tensor(out, in, op, g, async_op).wait(); });
+  if (rejected_here(g, dt)) {
+    EXPECT_NE(e.find("has no BFloat16 collectives"), std::string::npos) << e;
+    return;
+  }
+  ASSERT_EQ(e, "(no dtrain::Error thrown)") << dt << " x " << count << " " << to_string(op);
+  auto part = [&](int k) { return values(k, N() * count, dt).narrow(0, R() * count, count); };
+  at::Tensor expected = part(0);
+  for (int k = 1; k < N(); ++k) expected = combine(expected, part(k), op);
+  if (op == ReduceOp::AVG) expected = expected.div(N());
+  EXPECT_TRUE(at::equal(out, expected)) << dt << " x " << count << " " << to_string(op) << " rank " << R();
+  EXPECT_TRUE(at::equal(in.view({-1}), values(R(), N() * count, dt))) << "the input changed";
+}
+
+}  // namespace
+
+TEST(TensorCollectives, DefaultGroupRunsOverTheTransportThisRunTests) { expect_default_group_transport_from_env(); }
+
+TEST(TensorCollectives, AllGatherIntoTensorConcatenatesOrStacksInRankOrder) {
+  for (const Group& g : {Group(), gloo_group()})
+    for (at::ScalarType dt : kDtypes)
+      for (int64_t count : kCounts) {
+        check_all_gather(g, dt, count, /*stacked=*/false, /*async_op=*/false);
+        if (count == 7) check_all_gather(g, dt, count, /*stacked=*/true, /*async_op=*/true);
+      }
+}
+
+TEST(TensorCollectives, ReduceScatterTensorGivesEachRankItsReducedPart) {
+  for (const Group& g : {Group(), gloo_group()})
+    for (at::ScalarType dt : kDtypes)
+      for (int64_t count : kCounts)
+        for (ReduceOp op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::PRODUCT, ReduceOp::MIN, ReduceOp::MAX}) {
+          if (op == ReduceOp::AVG && !at::isFloatingType(dt)) continue;
+          if (op != ReduceOp::SUM && count > 1027) continue;  // the chunking is the same for every op
+          check_reduce_scatter(g, dt, count, op, /*stacked=*/count == 7, /*async_op=*/count == 1);
+        }
+}
+
+// The in-place forms: the input is this rank's slice of all_gather's output, and
+// reduce_scatter's output is this rank's slice of its input.
+TEST(TensorCollectives, InPlaceForms) {
+  for (const Group& g : {Group(), gloo_group()}) {
+    at::Tensor out = at::zeros({N() * 1000});
+    at::Tensor mine = out.narrow(0, R() * 1000, 1000);
+    mine.copy_(values(R(), 1000, at::kFloat));
+    all_gather_into_tensor(out, mine, g);
+    for (int k = 0; k < N(); ++k) EXPECT_TRUE(at::equal(out.narrow(0, k * 1000, 1000), values(k, 1000, at::kFloat)));
+
+    at::Tensor in = values(R(), N() * 1000, at::kFloat);
+    at::Tensor slice = in.narrow(0, R() * 1000, 1000);
+    reduce_scatter_tensor(slice, in, ReduceOp::SUM, g);
+    at::Tensor expected = at::zeros({1000});
+    for (int k = 0; k < N(); ++k) expected += values(k, N() * 1000, at::kFloat).narrow(0, R() * 1000, 1000);
+    EXPECT_TRUE(at::equal(slice, expected)) << "group " << g.name();
+  }
+}
+
+// Over shared memory each rank reduces its own part in rank order: arbitrary floats give the very
+// bits of all_reduce (which sums in rank order too), on every rank.
+// (A group of its own, over shared memory even in the DTRAIN_SHM=0 runs: Gloo's order is its own.)
+TEST(TensorCollectives, ReduceScatterOverSharedMemoryHasAllReducesBits) {
+  Group g;
+  {
+    dtrain::test_util::EnvOverride on("DTRAIN_SHM", "1");
+    g = new_group({});
+  }
+  ASSERT_TRUE(g.uses_shared_memory());
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble}) {
+    at::manual_seed(1000 + R());
+    at::Tensor in = at::randn({N() * 300001}).to(dt);
+    at::Tensor whole = in.clone();
+    at::Tensor out = at::empty({300001}, dt);
+    reduce_scatter_tensor(out, in, ReduceOp::SUM, g);
+    all_reduce(whole, ReduceOp::SUM, g);
+    EXPECT_TRUE(at::equal(out, whole.narrow(0, R() * 300001, 300001))) << dt;
+  }
+}
+
+TEST(TensorCollectives, IsCompletedMeansTheOutputIsFinal) {
+  for (const Group& g : {Group(), gloo_group()}) {
+    at::Tensor in = at::full({N() * 4}, static_cast<float>(R() + 1));
+    at::Tensor out = at::zeros({4});
+    Work w = reduce_scatter_tensor(out, in, ReduceOp::AVG, g, /*async_op=*/true);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!w.is_completed()) {
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "is_completed() never became true";
+      std::this_thread::yield();
+    }
+    EXPECT_FLOAT_EQ(out[3].item<float>(), (N() + 1) / 2.0f);
+    w.wait();
+  }
+}
+
+// Bad arguments fail on every rank before anything is sent, naming the value and the remedy; the
+// group stays usable.
+TEST(TensorCollectives, BadInputIsAClearError) {
+  const std::string n = std::to_string(N());
+  at::Tensor out = at::empty({4});
+  EXPECT_EQ(dtrain_error_of([&] { reduce_scatter_tensor(out, at::ones({N() * 4 + 2})); }),
+            "reduce_scatter_tensor: input has " + std::to_string(N() * 4 + 2) + " elements, expected world_size (" + n +
+                ") x output (4) = " + std::to_string(N() * 4));
+  at::Tensor big = at::empty({N() * 3});
+  EXPECT_EQ(dtrain_error_of([&] { all_gather_into_tensor(big, at::ones({4})); }),
+            "all_gather_into_tensor: output has " + std::to_string(N() * 3) + " elements, expected world_size (" + n +
+                ") x input (4) = " + std::to_string(N() * 4));
+  at::Tensor wrong_shape = at::empty({2, N() * 2});
+  const std::string shape = dtrain_error_of([&] { all_gather_into_tensor(wrong_shape, at::ones({2, 2})); });
+  EXPECT_NE(shape.find("output has shape [2, " + std::to_string(N() * 2) + "], expected [" + n + ", 2, 2] or [" +
+                       std::to_string(N() * 2) + ", 2]"),
+            std::string::npos)
+      << shape;
+  at::Tensor doubles = at::empty({N() * 4}, at::kDouble);
+  EXPECT_NE(dtrain_error_of([&] {
+              all_gather_into_tensor(doubles, at::ones({4}));
+            }).find("output is Double on cpu but input is Float on cpu: pass tensors of one dtype on one device"),
+            std::string::npos);
+  at::Tensor ints = at::empty({4}, at::kLong);
+  EXPECT_NE(dtrain_error_of([&] {
+              reduce_scatter_tensor(ints, at::ones({N() * 4}, at::kLong), ReduceOp::AVG);
+            }).find("ReduceOp::AVG needs a floating-point tensor"),
+            std::string::npos);
+  at::Tensor strided = at::empty({N() * 8}).view({N() * 4, 2}).select(1, 0);
+  EXPECT_NE(dtrain_error_of([&] { all_gather_into_tensor(strided, at::ones({4})); }).find("is not contiguous"),
+            std::string::npos);
+  at::Tensor ok = at::ones({N()});
+  at::Tensor one = at::empty({1});
+  reduce_scatter_tensor(one, ok);
+  EXPECT_FLOAT_EQ(one[0].item<float>(), static_cast<float>(N()));
+}
+
+DTRAIN_DIST_TEST_MAIN()
