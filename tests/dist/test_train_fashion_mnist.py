@@ -36,7 +36,10 @@ POWERSGD_RE = re.compile(r"^(?:\[rank 0\] )?PowerSGD: (\d+) of (\d+) steps compr
 STEPS_RE = re.compile(r" (\d+) steps/epoch ")
 # The CNN's parameter shapes in registration order (conv1, conv2, fc1, fc2; weight, bias each).
 CNN_SHAPES = [(32, 1, 3, 3), (32,), (64, 32, 3, 3), (64,), (128, 64 * 7 * 7), (128,), (10, 128), (10,)]
-RUN_TIMEOUT_S = 150  # a hang fails the test; a normal run here takes 20-60 s on a loaded 2-core machine
+RUN_TIMEOUT_S = 150
+# Test samples evaluated by the runs whose parameters, not accuracy, are checked: the whole test set
+# (10000) costs seconds per epoch, and evaluation leaves the parameters as they are.
+EVAL_SUBSET = 512  # a hang fails the test; a normal run here takes 20-60 s on a loaded 2-core machine
 ERROR_PREFIX = "train_fashion_mnist: error:"
 
 # The two paths DDP's buckets take between ranks of one host: the environment that picks each, and how
@@ -165,7 +168,7 @@ class TrainFashionMNIST(DistTestCase):
         # --comm_hook wires a hook into DDP; the ranks must still end with identical parameters (the
         # launch() check). bf16 changes every step's gradients, so its parameters differ from plain
         # all-reduce's; PowerSGD starts after 1000 steps, so 4 steps are plain all-reduce through it.
-        common = ("--subset", 256, "--epochs", 1, "--threads", 1)
+        common = ("--subset", 256, "--epochs", 1, "--threads", 1, "--test_subset", EVAL_SUBSET)
         res, plain = self.launch(2, *common)
         for hook in ("bf16", "powersgd"):
             with self.subTest(hook=hook):
@@ -235,7 +238,8 @@ class TrainFashionMNIST(DistTestCase):
         # timeout fails the test); under Join it shadows it, and launch() checks that every rank ends
         # with rank 0's parameters. The dropped batches must change the result, and --uneven 0 is no
         # Join at all: the same parameters as without the flag.
-        common = ("--subset", 256, "--epochs", 2, "--threads", 1, "--optimizer", "sgd", "--lr", 0.05)
+        common = ("--subset", 256, "--epochs", 2, "--threads", 1, "--optimizer", "sgd", "--lr", 0.05,
+                  "--test_subset", EVAL_SUBSET)
         _, even = self.launch(2, *common)
         _, zero = self.launch(2, *common, "--uneven", 0)
         self.assertEqual(zero.group(4), even.group(4), "--uneven 0 changed the result")
@@ -256,7 +260,8 @@ class TrainFashionMNIST(DistTestCase):
                 self.assertOneLineError(res, message, prefix=ERROR_PREFIX)
 
     def check_two_ranks_equal_one(self, *cases, transport):
-        common = ("--subset", 256, "--seed", 3, "--threads", 1, "--optimizer", "sgd", "--lr", 0.05)
+        common = ("--subset", 256, "--seed", 3, "--threads", 1, "--optimizer", "sgd", "--lr", 0.05,
+                  "--test_subset", EVAL_SUBSET)
         for case in cases:
             with self.subTest(case=case), tempfile.TemporaryDirectory() as tmp:
                 one, two = os.path.join(tmp, "one.bin"), os.path.join(tmp, "two.bin")
