@@ -10,6 +10,8 @@
     the second (as many gradient elements as PyTorch's rule sends), still learns and keeps the ranks
     in sync; started at the run's last step it leaves plain all-reduce's parameters bit for bit; the
     PowerSGD flags without that hook are refused;
+  * two identical runs on one machine end with the same params_sha256 (README: the hash depends on
+    the CPU's kernels and the LibTorch version, but not on the run);
   * a bad --data_dir fails every rank fast with one error line and exit status 1;
   * a bad numeric flag fails every rank at once, before the process group, with one line naming the
     flag, the value and what is allowed;
@@ -231,6 +233,14 @@ class TrainFashionMNIST(DistTestCase):
                 hook = "bf16" if "bf16" in args else "allreduce"
                 self.assertOneLineError(res, f"{args[0]} applies to --comm_hook powersgd only, got --comm_hook {hook}",
                                         prefix=ERROR_PREFIX)
+
+    def test_two_identical_runs_agree_bit_for_bit(self):
+        # params_sha256 may differ from another machine's (README: CPU kernels, LibTorch version), but
+        # on one machine the same command must give the same bits: no unseeded randomness, no
+        # reduction whose order depends on timing (e.g. which rank's bucket arrives first).
+        common = ("--subset", 512, "--epochs", 1, "--test_subset", EVAL_SUBSET)
+        hashes = [self.launch(2, *common)[1].group(4) for _ in range(2)]
+        self.assertEqual(hashes[0], hashes[1], "two identical runs ended with different parameters")
 
     def test_uneven_inputs_finish_under_join_with_the_ranks_in_sync(self):
         # 256 samples, batch 32: 4 steps per rank and epoch; --uneven 0.5 leaves the last rank 2. A rank
