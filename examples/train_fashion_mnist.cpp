@@ -26,12 +26,14 @@
 // for ranks_agree.
 // Exit status: 0 on success, 1 on any error (one line "train_fashion_mnist: error: ..." on stderr of
 // every rank).
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -96,10 +98,13 @@ struct Config {
   int64_t eval_batch_size = 0;          // 0: batch_size
   bool amp = false;                     // autocast (bfloat16 on CPU, float16 on CUDA) + GradScaler
   std::string device = "cpu";           // "cuda": rank r trains on cuda:LOCAL_RANK with backend nccl
-  std::string comm_hook = "allreduce";  // allreduce (DDP's own), bf16, or powersgd (rank 2)
+  std::string comm_hook = "allreduce";  // allreduce (DDP's own), bf16, or powersgd
   std::string sample_log;               // folder of the per-rank logs of trained indices (sample_log.h)
   double uneven = 0;                    // rank r drops uneven * r / (world - 1) of its batches (Join)
   bool tensorboard = false;             // TensorBoard event files in checkpoint_dir
+  // --comm_hook powersgd: the rank and the plain steps before compressing (PyTorch's defaults: 1, 1000)
+  int64_t powersgd_rank = dtrain::PowerSGDOptions().matrix_approximation_rank();
+  int64_t powersgd_start_iter = dtrain::PowerSGDOptions().start_powerSGD_iter();
 };
 // doc:end config
 
@@ -157,6 +162,14 @@ double evaluate(FashionCNN& model, const FashionMNIST& test, int64_t batch_size,
   return counts[0] / counts[1];
 }
 
+// The configuration line's hook: "" for DDP's own all-reduce.
+std::string comm_hook_text(const Config& cfg) {
+  if (cfg.comm_hook == "allreduce") return "";
+  if (cfg.comm_hook != "powersgd") return ", comm_hook " + cfg.comm_hook;
+  return ", comm_hook powersgd (rank " + std::to_string(cfg.powersgd_rank) + ", after " +
+         std::to_string(cfg.powersgd_start_iter) + " plain steps)";
+}
+
 int run(const Config& cfg) {
   // doc:begin init
   if (cfg.threads > 0) at::set_num_threads(static_cast<int>(cfg.threads));
@@ -203,11 +216,15 @@ int run(const Config& cfg) {
   dtrain::DistributedDataParallel ddp(model);
   // doc:begin comm_hook
   // Communication hooks (dtrain/comm_hooks.h): bf16 halves the bytes of every all-reduce; PowerSGD
-  // sends rank-2 factors of each weight's gradient after 1000 plain steps (PyTorch's default).
+  // sends rank-r factors of each weight's gradient after plain all-reduce for the first steps.
   if (cfg.comm_hook == "bf16") ddp.register_comm_hook(dtrain::Group(), dtrain::bf16_compress_hook);
-  if (cfg.comm_hook == "powersgd")
-    ddp.register_comm_hook(dtrain::PowerSGDState(dtrain::PowerSGDOptions().matrix_approximation_rank(2)),
-                           dtrain::powerSGD_hook);
+  std::optional<dtrain::PowerSGDState> powersgd;  // a handle shared with DDP's copy: read for the summary
+  if (cfg.comm_hook == "powersgd") {
+    powersgd.emplace(dtrain::PowerSGDOptions()
+                         .matrix_approximation_rank(cfg.powersgd_rank)
+                         .start_powerSGD_iter(cfg.powersgd_start_iter));
+    ddp.register_comm_hook(*powersgd, dtrain::powerSGD_hook);
+  }
   // doc:end comm_hook
   // Adam as the tutorial; SGD (momentum 0.9) has updates linear in the gradient, which makes
   // parameter equivalence checks exact up to float rounding (Adam's first steps are ~lr * sign(grad),
@@ -289,7 +306,7 @@ int run(const Config& cfg) {
         cfg.optimizer == "sgd" ? "SGD(momentum 0.9)"
                                : (cfg.amp ? (cuda ? "Adam+amp(fp16)" : "Adam+amp(bf16)") : "Adam"),
         cfg.lr, cfg.grad_clip, static_cast<long long>(cfg.epochs), static_cast<long long>(cfg.seed),
-        cfg.comm_hook == "allreduce" ? "" : (", comm_hook " + cfg.comm_hook).c_str());
+        comm_hook_text(cfg).c_str());
     std::fflush(stdout);
   }
 
@@ -445,6 +462,23 @@ int run(const Config& cfg) {
     if (first_disagreeing >= 0)
       std::fprintf(stderr, "train_fashion_mnist: warning: rank %d's final parameters differ from rank 0's\n",
                    first_disagreeing);
+    // What PowerSGD did, from its state (not the flags): a run that never left its plain steps
+    // compressed nothing.
+    if (powersgd) {
+      const dtrain::PowerSGDOptions& o = powersgd->options();
+      const int64_t synced = powersgd->iter();
+      const int64_t compressed = std::max<int64_t>(0, synced - o.start_powerSGD_iter());
+      const auto stats = powersgd->compression_stats();
+      std::printf("PowerSGD: %lld of %lld steps compressed (rank %lld, plain all-reduce for the first %lld)",
+                  static_cast<long long>(compressed), static_cast<long long>(synced),
+                  static_cast<long long>(o.matrix_approximation_rank()),
+                  static_cast<long long>(o.start_powerSGD_iter()));
+      if (compressed > 0)
+        std::printf(": %lld -> %lld gradient elements sent per step (%.1fx fewer)",
+                    static_cast<long long>(stats.numel_before / compressed),
+                    static_cast<long long>(stats.numel_after / compressed), stats.rate);
+      std::printf("\n");
+    }
     std::printf("training took %.1f s\n", total_s);
     std::printf("RESULT epochs=%lld test_accuracy=%.4f train_loss=%.4f params_sha256=%s ranks_agree=%d\n",
                 static_cast<long long>(cfg.epochs), test_accuracy, train_loss, sha.c_str(),
@@ -510,9 +544,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--comm_hook", cfg.comm_hook,
                  "how DDP averages gradients: allreduce (its own all-reduce), bf16 (bfloat16 compression), powersgd "
-                 "(PowerSGD rank 2 after 1000 plain steps; its state is not in checkpoints)")
+                 "(PowerSGD with error feedback and warm start, set by --powersgd_rank and --powersgd_start_iter; its "
+                 "state is not in checkpoints, so a resumed run starts its plain steps again)")
       ->check(CLI::IsMember({"allreduce", "bf16", "powersgd"}))
       ->capture_default_str();
+  numbers.add("--powersgd_rank", cfg.powersgd_rank, Allowed::kPositiveInteger,
+              "with --comm_hook powersgd: the rank r of each compressed gradient matrix's factors (PyTorch's "
+              "matrix_approximation_rank)");
+  numbers.add("--powersgd_start_iter", cfg.powersgd_start_iter, Allowed::kInteger,
+              "with --comm_hook powersgd: plain all-reduce for this many steps before compressing, at least 2 "
+              "(PyTorch's start_powerSGD_iter)");
   app.add_option("--sample_log", cfg.sample_log,
                  "folder where each rank appends every dataset index it trains to "
                  "samples.rank<RANK>.attempt<TORCHELASTIC_RESTART_COUNT or 0>.txt, one line 'EPOCH STEP INDEX' per "
@@ -539,6 +580,25 @@ int main(int argc, char** argv) {
                                    "rank which has run out does not shadow): drop one of them");
     return 1;
   }
+  // PyTorch's PowerSGDState refuses start_powerSGD_iter <= 1 when error feedback or warm start is on
+  // (both are here, its defaults): their memories are kept per bucket, and its DDP may rebuild the buckets
+  // after the first step. dtrain::PowerSGDState checks the same; here it is the flag's one-line error.
+  if (cfg.powersgd_start_iter < 2) {
+    std::fprintf(stderr,
+                 "train_fashion_mnist: error: --powersgd_start_iter must be an integer >= 2, got '%lld' (PowerSGD's "
+                 "error feedback and warm start need 2 plain steps first, as in PyTorch)\n",
+                 static_cast<long long>(cfg.powersgd_start_iter));
+    return 1;
+  }
+  // Tuning a hook that is not used would change nothing: say so rather than run without it.
+  for (const char* flag : {"--powersgd_rank", "--powersgd_start_iter"})
+    if (app.count(flag) > 0 && cfg.comm_hook != "powersgd") {
+      std::fprintf(stderr,
+                   "train_fashion_mnist: error: %s applies to --comm_hook powersgd only, got --comm_hook %s: add "
+                   "--comm_hook powersgd or drop %s\n",
+                   flag, cfg.comm_hook.c_str(), flag);
+      return 1;
+    }
 
   try {
     return run(cfg);

@@ -6,6 +6,12 @@
     rank r the list perm[r::2], so step b of the two ranks covers perm[64b:64b+64] -- exactly the batch
     the single rank takes at step b -- and DDP's averaged gradient equals the full batch's; with the
     buckets over shared memory (one host) and over Gloo alone (DTRAIN_SHM=0, the path between hosts);
+  * --comm_hook powersgd with --powersgd_start_iter 2 --powersgd_rank 2 compresses every step after
+    the second (as many gradient elements as PyTorch's rule sends), still learns and keeps the ranks
+    in sync; started at the run's last step it leaves plain all-reduce's parameters bit for bit; the
+    PowerSGD flags without that hook are refused;
+  * two identical runs on one machine end with the same params_sha256 (README: the hash depends on
+    the CPU's kernels and the LibTorch version, but not on the run);
   * a bad --data_dir fails every rank fast with one error line and exit status 1;
   * a bad numeric flag fails every rank at once, before the process group, with one line naming the
     flag, the value and what is allowed;
@@ -17,6 +23,7 @@ Binaries: $TRAIN_FASHION_MNIST and $DTRAIN_RUN (set by tests/dist/CMakeLists.txt
 """
 import array
 import hashlib
+import math
 import os
 import re
 import tempfile
@@ -26,7 +33,15 @@ from harness import ROOT, DistTestCase, clean_env, free_port, launcher, rank_env
 
 RESULT_RE = re.compile(r"^(?:\[rank 0\] )?RESULT epochs=(\d+) test_accuracy=([0-9.]+) train_loss=([0-9.]+)"
                        r" params_sha256=([0-9a-f]{64}) ranks_agree=([01])$")
-RUN_TIMEOUT_S = 150  # a hang fails the test; a normal run here takes 20-60 s on a loaded 2-core machine
+POWERSGD_RE = re.compile(r"^(?:\[rank 0\] )?PowerSGD: (\d+) of (\d+) steps compressed \(rank (\d+), plain all-reduce "
+                         r"for the first (\d+)\)(?:: (\d+) -> (\d+) gradient elements sent per step)?", re.M)
+STEPS_RE = re.compile(r" (\d+) steps/epoch ")
+# The CNN's parameter shapes in registration order (conv1, conv2, fc1, fc2; weight, bias each).
+CNN_SHAPES = [(32, 1, 3, 3), (32,), (64, 32, 3, 3), (64,), (128, 64 * 7 * 7), (128,), (10, 128), (10,)]
+RUN_TIMEOUT_S = 150
+# Test samples evaluated by the runs whose parameters, not accuracy, are checked: the whole test set
+# (10000) costs seconds per epoch, and evaluation leaves the parameters as they are.
+EVAL_SUBSET = 512  # a hang fails the test; a normal run here takes 20-60 s on a loaded 2-core machine
 ERROR_PREFIX = "train_fashion_mnist: error:"
 
 # The two paths DDP's buckets take between ranks of one host: the environment that picks each, and how
@@ -155,7 +170,7 @@ class TrainFashionMNIST(DistTestCase):
         # --comm_hook wires a hook into DDP; the ranks must still end with identical parameters (the
         # launch() check). bf16 changes every step's gradients, so its parameters differ from plain
         # all-reduce's; PowerSGD starts after 1000 steps, so 4 steps are plain all-reduce through it.
-        common = ("--subset", 256, "--epochs", 1, "--threads", 1)
+        common = ("--subset", 256, "--epochs", 1, "--threads", 1, "--test_subset", EVAL_SUBSET)
         res, plain = self.launch(2, *common)
         for hook in ("bf16", "powersgd"):
             with self.subTest(hook=hook):
@@ -164,7 +179,68 @@ class TrainFashionMNIST(DistTestCase):
                 if hook == "bf16":
                     self.assertNotEqual(m.group(4), plain.group(4), "bf16 compression changed nothing")
                 else:
+                    # PyTorch's PowerSGDState defaults: matrix_approximation_rank=1, start_powerSGD_iter=1_000.
+                    self.assertIn("comm_hook powersgd (rank 1, after 1000 plain steps)", res.out)
                     self.assertEqual(m.group(4), plain.group(4), "PowerSGD's warm-up is plain all-reduce")
+
+    def test_powersgd_flags_compress_after_the_plain_steps(self):
+        # 2000 samples over 2 ranks x batch 32: 32 steps. Started after 2 plain steps, PowerSGD must
+        # compress the other 30, at rank 2 (its elements per step say which rank ran), and change the
+        # result; started at step 32 it compresses none and must leave plain all-reduce's bits.
+        # Test accuracy measured here: plain 0.6975, PowerSGD (rank 2 after 2 plain steps) 0.7210.
+        common = ("--subset", 2000, "--epochs", 1, "--test_subset", 2000, "--threads", 1)
+        res, plain = self.launch(2, *common)
+        steps = int(STEPS_RE.search(res.out).group(1))
+        self.assertEqual(steps, 32, str(res))
+        self.assertIsNone(POWERSGD_RE.search(res.out), "a PowerSGD summary without PowerSGD")
+        for start in (2, steps):
+            with self.subTest(start=start):
+                res, m = self.launch(2, *common, "--comm_hook", "powersgd", "--powersgd_start_iter", start,
+                                     "--powersgd_rank", 2)
+                self.assertIn(f"comm_hook powersgd (rank 2, after {start} plain steps)", res.out)
+                stats = POWERSGD_RE.search(res.out)
+                self.assertIsNotNone(stats, f"no 'PowerSGD: ... steps compressed' line:\n{res}")
+                self.assertEqual(stats.group(1, 2, 3, 4), (str(steps - start), str(steps), "2", str(start)), str(res))
+                if start == steps:
+                    self.assertIsNone(stats.group(5), str(res))
+                    self.assertEqual(m.group(4), plain.group(4), "PowerSGD's plain steps are not plain all-reduce")
+                    continue
+                before, after = self.powersgd_elements(rank=2)
+                self.assertEqual((int(stats.group(5)), int(stats.group(6))), (before, after), str(res))
+                self.assertNotEqual(m.group(4), plain.group(4), "PowerSGD's compressed steps changed nothing")
+                accuracy = float(m.group(2))
+                self.assertGreaterEqual(accuracy, 0.6, str(res))
+                self.assertLess(abs(accuracy - float(plain.group(2))), 0.05, f"far from plain all-reduce's:\n{res}")
+
+    @staticmethod
+    def powersgd_elements(rank):
+        """Gradient elements per step before and after PowerSGD at `rank` on the CNN, by PyTorch's rule:
+        each parameter as a matrix n x m (first dimension x the rest) travels as P and Q, (n + m) r
+        elements with r = min(n, m, rank), when that times min_compression_rate (2) is below n m; the
+        others travel as they are."""
+        before = after = 0
+        for shape in CNN_SHAPES:
+            n, m = shape[0], math.prod(shape[1:])
+            r = min(n, m, rank)
+            before += n * m
+            after += (n + m) * r if (n + m) * r * 2 < n * m else n * m
+        return before, after
+
+    def test_powersgd_flags_need_the_powersgd_hook(self):
+        for args in (("--powersgd_rank", 2), ("--powersgd_start_iter", 10, "--comm_hook", "bf16")):
+            with self.subTest(args=args):
+                res = self.run_one([trainer(), *args], clean_env(), timeout=30)
+                hook = "bf16" if "bf16" in args else "allreduce"
+                self.assertOneLineError(res, f"{args[0]} applies to --comm_hook powersgd only, got --comm_hook {hook}",
+                                        prefix=ERROR_PREFIX)
+
+    def test_two_identical_runs_agree_bit_for_bit(self):
+        # params_sha256 may differ from another machine's (README: CPU kernels, LibTorch version), but
+        # on one machine the same command must give the same bits: no unseeded randomness, no
+        # reduction whose order depends on timing (e.g. which rank's bucket arrives first).
+        common = ("--subset", 512, "--epochs", 1, "--test_subset", EVAL_SUBSET)
+        hashes = [self.launch(2, *common)[1].group(4) for _ in range(2)]
+        self.assertEqual(hashes[0], hashes[1], "two identical runs ended with different parameters")
 
     def test_uneven_inputs_finish_under_join_with_the_ranks_in_sync(self):
         # 256 samples, batch 32: 4 steps per rank and epoch; --uneven 0.5 leaves the last rank 2. A rank
@@ -172,7 +248,8 @@ class TrainFashionMNIST(DistTestCase):
         # timeout fails the test); under Join it shadows it, and launch() checks that every rank ends
         # with rank 0's parameters. The dropped batches must change the result, and --uneven 0 is no
         # Join at all: the same parameters as without the flag.
-        common = ("--subset", 256, "--epochs", 2, "--threads", 1, "--optimizer", "sgd", "--lr", 0.05)
+        common = ("--subset", 256, "--epochs", 2, "--threads", 1, "--optimizer", "sgd", "--lr", 0.05,
+                  "--test_subset", EVAL_SUBSET)
         _, even = self.launch(2, *common)
         _, zero = self.launch(2, *common, "--uneven", 0)
         self.assertEqual(zero.group(4), even.group(4), "--uneven 0 changed the result")
@@ -193,7 +270,8 @@ class TrainFashionMNIST(DistTestCase):
                 self.assertOneLineError(res, message, prefix=ERROR_PREFIX)
 
     def check_two_ranks_equal_one(self, *cases, transport):
-        common = ("--subset", 256, "--seed", 3, "--threads", 1, "--optimizer", "sgd", "--lr", 0.05)
+        common = ("--subset", 256, "--seed", 3, "--threads", 1, "--optimizer", "sgd", "--lr", 0.05,
+                  "--test_subset", EVAL_SUBSET)
         for case in cases:
             with self.subTest(case=case), tempfile.TemporaryDirectory() as tmp:
                 one, two = os.path.join(tmp, "one.bin"), os.path.join(tmp, "two.bin")
@@ -272,7 +350,10 @@ class TrainFashionMNIST(DistTestCase):
                  ("--grad_clip", "-1", "a number >= 0"), ("--grad_clip", "inf", "a number >= 0"),
                  ("--checkpoint_every", "-1", "an integer >= 0"), ("--test_subset", "-1", "an integer >= 0"),
                  ("--step_sleep_ms", "-1", "an integer >= 0"), ("--threads", "-1", "an integer >= 0"),
-                 ("--eval_batch_size", "-1", "an integer >= 0"), ("--local_rank", "x", "an integer")]
+                 ("--eval_batch_size", "-1", "an integer >= 0"), ("--local_rank", "x", "an integer"),
+                 ("--powersgd_rank", "0", "a positive integer"), ("--powersgd_rank", "x", "a positive integer"),
+                 ("--powersgd_start_iter", "1", "an integer >= 2"), ("--powersgd_start_iter", "-3", "an integer >= 2"),
+                 ("--powersgd_start_iter", "2.5", "an integer")]
 
     def test_bad_numeric_flag_fails_with_one_line(self):
         # The flags are checked before the process group starts: no RANK/WORLD_SIZE needed.
