@@ -82,7 +82,8 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable,
   const std::vector<int>& owners() const { return owner_; }
   // The wrapped optimizer over this rank's share.
   torch::optim::Optimizer& local_optimizer() { return *local_; }
-  // Bytes of tensors in this rank's optimizer state (what sharding divides).
+  // Bytes of tensors in this rank's optimizer state (what sharding divides): numel * element_size
+  // summed over every tensor of every parameter's state (Adam: exp_avg and exp_avg_sq), no scalars.
   int64_t local_state_bytes() const;
 
  private:

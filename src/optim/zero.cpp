@@ -38,6 +38,26 @@ void move_states(torch::optim::Optimizer& from, torch::optim::Optimizer& to, con
   }
 }
 
+// numel * element_size over the tensors one parameter's state holds, whatever the optimizer: the
+// state's own serialize() names them (Adam: exp_avg, exp_avg_sq; SGD: momentum_buffer), and the
+// scalars it also writes (Adam's step) are not tensors.
+int64_t state_tensor_bytes(const torch::optim::OptimizerParamState& state) {
+  torch::serialize::OutputArchive out;
+  state.serialize(out);
+  std::ostringstream s;
+  out.save_to(s);
+  const std::string bytes = s.str();
+  torch::serialize::InputArchive in;
+  in.load_from(bytes.data(), bytes.size());
+  int64_t total = 0;
+  for (const std::string& key : in.keys()) {
+    c10::IValue v;
+    if (!in.try_read(key, v) || !v.isTensor() || !v.toTensor().defined()) continue;
+    total += v.toTensor().numel() * static_cast<int64_t>(v.toTensor().element_size());
+  }
+  return total;
+}
+
 }  // namespace
 
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params, OptimizerFactory factory,
@@ -190,13 +210,7 @@ void ZeroRedundancyOptimizer::load(torch::serialize::InputArchive& archive) {
 
 int64_t ZeroRedundancyOptimizer::local_state_bytes() const {
   int64_t bytes = 0;
-  for (const auto& kv : local_->state()) {
-    torch::serialize::OutputArchive a;
-    kv.second->serialize(a);
-    std::ostringstream s;
-    a.save_to(s);
-    bytes += static_cast<int64_t>(s.str().size());
-  }
+  for (const auto& kv : local_->state()) bytes += state_tensor_bytes(*kv.second);
   return bytes;
 }
 
