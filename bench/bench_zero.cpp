@@ -4,8 +4,8 @@
 //   ./build/bin/bench_zero
 //
 // Each job trains one step under DDP with ZeroRedundancyOptimizer(Adam), then every rank measures
-// the tensors of its own optimizer state (local_state_bytes(): each parameter's state serialized,
-// Adam's two moment tensors and its step); the job prints the largest rank's bytes and the sum over
+// the tensors of its own optimizer state (local_state_bytes(): numel * element_size of Adam's two
+// moment tensors per parameter); the job prints the largest rank's bytes and the sum over
 // ranks. The 1-rank job's sum is the unsharded state. Ratios over it:
 //   RESULT zero_state_fraction_2=X zero_state_fraction_4=Y zero_step_ms_2=T   (goal: fractions <= 1/N + 0.05)
 // The partition deals out whole parameters, balancing elements, so the largest share can exceed 1/N

@@ -72,6 +72,7 @@ struct GradScalerOptions {
   DTRAIN_ARG(int64_t, growth_interval, 2000)
   DTRAIN_ARG(bool, enabled, true)
   // When set, the overflow flag is MAX-reduced over this group so every member skips together.
+  // Refused inside a dtrain::Join sharing ranks with it: a rank that has joined cannot take part.
   DTRAIN_ARG(std::optional<Group>, sync_group, std::nullopt)
 };
 

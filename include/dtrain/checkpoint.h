@@ -16,13 +16,25 @@
 //   2. Rank 0 serializes one torch archive (the layout below) and writes
 //      <dir>/<prefix>_<step, 10 digits>.pt atomically: a temporary file in the same folder, write,
 //      fsync, rename over the name, fsync the folder. The previous checkpoints are untouched until
-//      the new one is complete; then all but the newest `keep` are deleted.
+//      the new one is complete; then all but the newest `keep` writes are deleted, the new one never.
 //   3. Rank 0 broadcasts the outcome: a failure (unwritable folder, disk full) throws the same
 //      dtrain::Error, naming the file and the reason, on every rank, and leaves the older files intact.
 // Steps of load_latest() (a collective too):
-//   1. Rank 0 lists <dir>/<prefix>_*.pt and tries them newest first: a file whose header, length or
+//   1. Rank 0 lists <dir>/<prefix>_*.pt and tries them newest write first: a file whose length or
 //      CRC-32 is wrong, or whose archive does not parse, gives "dtrain warning: checkpoint <file> is
-//      unusable (<reason>); falling back to the previous one" and the next older one is tried.
+//      unusable (<reason>); falling back to the previous one" and the next older one is tried (one
+//      whose header line cannot be read: "...; ignored", never tried).
+// Which checkpoint is the latest (Note [Write order] in src/checkpoint/checkpoint.cpp): the most
+// recently written, not the highest step. A run restarted from step 100 that saved step 150 resumes
+// at its own 150, not at a step 300 an abandoned run left in the folder; rotation keeps the newest
+// writes likewise, so a save is never deleted by its own rotation. When files of a later step than
+// the one saved or loaded are present, save() and load_latest() say so once per process
+// ("dtrain warning: checkpoint folder <dir> holds <file> from the later step 300, written before this
+// save of step 150 ..."; "dtrain warning: load_latest: resuming from <file>, the most recent write
+// in <dir>, although <file> has the later step 300 ..."). Writes are ordered by a stamp in each
+// header line (nanoseconds since the epoch, above every stamp already in the folder), not by mtime,
+// which is whole seconds on some file systems; files of older dtrains (no stamp) come before any
+// stamped one, by step.
 //   2. Rank 0 broadcasts the chosen file's bytes, so every rank restores the same checkpoint, also on
 //      nodes that do not share the folder. No file: std::nullopt everywhere; files but none usable:
 //      an error naming them.
@@ -33,8 +45,9 @@
 //      sampler, the DataLoader's too), its own RNG states and values, step and epoch.
 //
 // File format (kCheckpointFormatVersion = 1): one text line
-//   "DTRAIN-CHECKPOINT <version> <payload bytes> <crc32 of the payload, 8 hex digits>\n"
-// then the payload: a torch::serialize archive (zip) with the keys
+//   "DTRAIN-CHECKPOINT <version> <payload bytes> <crc32 of the payload, 8 hex digits> <write stamp>\n"
+// (older dtrains write no stamp, and skip it when reading), then the payload: a torch::serialize
+// archive (zip) with the keys
 //   version, step, epoch, world_size, model_manifest ("name dtype [shape]" per line), model,
 //   optimizer, scaler, sampler, sampler_position (rank 0's), sampler_positions (one per sampler rank),
 //   rank_state_<r> (uint8, one per rank).
@@ -115,7 +128,7 @@ class CheckpointManager {
   std::string save(const TrainingState& state);
   // Collective. The path restored, or std::nullopt when the folder holds no checkpoint.
   std::optional<std::string> load_latest(TrainingState& state);
-  // This process's view of the folder: checkpoint paths, oldest first.
+  // This process's view of the folder: checkpoint paths, oldest write first (the last is the latest).
   std::vector<std::string> list() const;
 
   const std::string& dir() const { return dir_; }

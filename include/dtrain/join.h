@@ -12,12 +12,20 @@
 // Without Join a rank that runs out of batches leaves the loop while the others wait in their next
 // collective forever. Protocol (PyTorch's, with the counts and roots folded into one exchange):
 //   1. Every iteration of an active rank, the first joinable (DDP's forward, ZeRO's step) calls
-//      Join::notify_join_context: one all-reduce in which each member contributes a 1 at its own
-//      group rank (a vector of group-size ones and zeros). Every rank gets the iteration's active set.
+//      Join::notify_join_context: one all-reduce in which each member contributes a nonzero tag at
+//      its own group rank (a vector of group-size tags and zeros). Every rank gets the iteration's
+//      active set.
+//   1b. A later joinable whose collectives do not come once per iteration of the first (ZeRO's
+//      step: once per optimizer step, after any number of DDP forwards, or none when GradScaler
+//      skips it) calls Join::notify_own_round before them: the same all-reduce, its tag naming that
+//      joinable, so that a joined rank learns whether they follow from the exchange it is already
+//      posting. The active ranks of one exchange must be at the same call (the same tag); when they
+//      are not, every rank throws naming who was where.
 //   2. A rank out of batches calls join(): it loops, contributing 0 to that same all-reduce, and
-//      while anyone is still active runs every joinable's JoinHook::main_hook, which issues the
-//      collectives the active ranks' iteration issues (DDP: its gradient all-reduces with zeros,
-//      buffers; ZeRO: its step and share broadcasts), in joinable order.
+//      while anyone is still active runs, for an iteration, every joinable's JoinHook::main_hook,
+//      which issues the collectives the active ranks' iteration issues (DDP: its gradient
+//      all-reduces with zeros, buffers), in joinable order; for a joinable's own round, that
+//      joinable's main_hook alone (ZeRO: its step and share broadcasts).
 //   3. When the all-reduce comes back all zeros, every rank has joined: each hook's post_hook runs
 //      (DDP: the model of the lowest rank active in the last iteration is broadcast to everyone).
 //   With throw_on_early_termination, the first all-reduce with a zero makes every rank throw
@@ -58,6 +66,9 @@ struct JoinOptions {
 struct JoinIteration {
   int64_t index = -1;
   std::vector<int> active;  // group ranks
+  // Which call started this exchange: 0, the first joinable's (an iteration); k > 0, joinable #k's
+  // own round (step 1b) inside iteration `index`.
+  int joinable = 0;
   int active_count() const { return static_cast<int>(active.size()); }
   // The global rank whose state counts in this iteration: the lowest active rank; the group's first
   // rank when nobody was active (Note [Authoritative rank under Join]).
@@ -68,7 +79,9 @@ struct JoinIteration {
 class JoinHook {
  public:
   virtual ~JoinHook() = default;
-  // Once per iteration that some rank is still running: issue that iteration's collectives.
+  // Once per iteration that some rank is still running: issue that iteration's collectives. Also once
+  // per round that this hook's own joinable starts (iteration.joinable is then its position), when
+  // it is the only hook called.
   virtual void main_hook(const JoinIteration& /*iteration*/) {}
   // Once, when every rank has joined. is_last_joiner: this rank was active in the last iteration.
   // last: the last iteration any rank ran (index -1 and no ranks when nobody ran one).
@@ -102,11 +115,13 @@ class Joinable {
   const JoinIteration* join_iteration() const;
   // Inside an enabled Join and the first of its joinables (the one that notifies).
   bool is_first_joinable() const;
+  // Inside an enabled Join: this joinable's position in the Join's list (0: the first); -1 otherwise.
+  int join_position() const;
 
  private:
   friend class Join;
   std::shared_ptr<detail::JoinContext> context_;
-  bool first_ = false;
+  int position_ = -1;
 };
 
 class Join {
@@ -126,6 +141,14 @@ class Join {
   // an enabled Join and this rank has not joined; returns the iteration (nullopt when it did nothing).
   // Throws on every rank with throw_on_early_termination once a rank has run out.
   static const JoinIteration* notify_join_context(Joinable& joinable);
+  // Step 1b, called by a joinable before collectives of its own that the first joinable's iterations
+  // do not announce (for the first joinable: notify_join_context). Does the collective when
+  // `joinable` is in an enabled Join and this rank has not joined; returns null otherwise.
+  static const JoinIteration* notify_own_round(Joinable& joinable);
+  // Whether this process is inside an enabled Join (not yet joined) whose group shares a rank other
+  // than this one with `group`: collectives over `group` that no joinable announces could then wait
+  // for a rank that has joined (GradScaler's sync_group refuses to run there).
+  static bool could_strand(const Group& group);
 
  private:
   void shadow_until_all_joined();

@@ -18,11 +18,13 @@
 //      into the state an unsharded optimizer of the wrapped type would have; save() writes it there,
 //      in that optimizer's own format, so a checkpoint loads into either. load() (every rank) reads a
 //      whole state and keeps its own share. dtrain's CheckpointManager does both by itself.
-// Join (dtrain/join.h): a Joinable. step() notifies the Join when it is the first joinable; a rank
-// that has joined runs step() in each iteration it shadows, so it still updates its own share and
-// takes part in the broadcasts. That step uses the joined rank's .grad(): list DistributedDataParallel
-// before it (Join({&ddp, &opt})), whose shadow writes the active ranks' averaged gradients there.
-// One step() per iteration (per synchronized DDP forward) is assumed, as in PyTorch.
+// Join (dtrain/join.h): a Joinable; list it after DistributedDataParallel (Join({&ddp, &opt})). A
+// rank that has joined steps its own share, and takes part in the broadcasts, exactly when the
+// active ranks call step(), because each step() starts with a Join exchange of its own; not once per
+// DDP forward, as PyTorch's hook does, so no_sync micro-batches, forwards under no-grad and steps
+// that GradScaler skips are shadowed right. The joined rank steps with its share's gradients as the
+// lowest active rank holds them at that step() (unscaled, clipped), sent to it then. Under Join,
+// step(closure) is an error (Note [ZeRO under Join] in src/optim/zero.cpp).
 // The learning rate and other options of param_groups()[0] (e.g. set by a scheduler) reach the
 // wrapped optimizer at every step. One param group.
 #pragma once
@@ -74,7 +76,7 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable,
   // On every rank: a whole state, from save() or from the unsharded optimizer; keeps this rank's share.
   void load(torch::serialize::InputArchive& archive) override;
 
-  // Joinable: a joined rank's shadow of an iteration is a step().
+  // Joinable: a joined rank's shadow of the active ranks' step() is a step() on its share.
   std::unique_ptr<JoinHook> join_hook(const JoinOptions& options) override;
   Group join_process_group() const override { return group_; }
 
@@ -82,10 +84,14 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable,
   const std::vector<int>& owners() const { return owner_; }
   // The wrapped optimizer over this rank's share.
   torch::optim::Optimizer& local_optimizer() { return *local_; }
-  // Bytes of tensors in this rank's optimizer state (what sharding divides).
+  // Bytes of tensors in this rank's optimizer state (what sharding divides): numel * element_size
+  // summed over every tensor of every parameter's state (Adam: exp_avg and exp_avg_sq), no scalars.
   int64_t local_state_bytes() const;
 
  private:
+  at::Tensor step_and_broadcast(LossClosure closure);
+  void send_joined_grads(const JoinIteration& it);
+  void shadow_step(const JoinIteration& it);
   void broadcast_shares();
 
   OptimizerFactory factory_;

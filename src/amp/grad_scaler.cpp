@@ -12,6 +12,7 @@
 #include "compat/amp_compat.h"
 #include "dtrain/amp.h"
 #include "dtrain/errors.h"
+#include "dtrain/join.h"
 
 namespace dtrain {
 
@@ -47,6 +48,12 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   DTRAIN_CHECK(state.stage != Stage::kUnscaled,
                "GradScaler: unscale_() has already been called on this optimizer since the last update()");
   DTRAIN_CHECK(state.stage != Stage::kStepped, "GradScaler: unscale_() is being called after step()");
+  // No joinable announces sync_group's all-reduce below, so a rank that has joined would never post it.
+  DTRAIN_CHECK(!options_.sync_group() || !Join::could_strand(*options_.sync_group()), "GradScaler: sync_group on rank ",
+               rank(),
+               " inside a dtrain::Join: a rank that has joined cannot take part in the overflow flag's all-reduce, so "
+               "the others would wait for it: leave sync_group unset (under DDP every rank holds the same averaged "
+               "gradients and skips alike)");
   // Computed in double, then stored as float, as PyTorch.
   at::Tensor inv_scale = at::reciprocal(scale_.to(at::kDouble)).to(at::kFloat);
   state.found_inf = at::zeros({1}, scale_.options());

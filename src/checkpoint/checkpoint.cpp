@@ -8,11 +8,13 @@
 #include <torch/serialize/archive.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <optional>
 #include <sstream>
+#include <tuple>
 
 #include "checkpoint/file_io.h"
 #include "checkpoint/rank_state.h"
@@ -266,6 +268,66 @@ void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::st
 
 bool distributed() { return is_initialized() && world_size() > 1; }
 
+// Note [Write order]: which checkpoint of a folder is the latest is the order they were written in,
+// not their steps: a run restarted from an older checkpoint (or with its step counter reset) writes
+// lower steps than files an abandoned timeline left, and its own newest write is what it must
+// resume from and what rotation must keep. Each file's header carries a write stamp: nanoseconds
+// since the epoch at the write, raised above every stamp already in the folder when the clock says
+// less (set back, or another host's), so stamps order writes even where mtime (whole seconds on some
+// file systems) or clocks would not. Files from before stamps (0) are older than any stamped one,
+// ordered by step among themselves; a file whose header cannot be read has no known age and comes
+// first (oldest): load_latest never picks it, and rotation removes it before any readable file.
+struct Found {
+  std::string path;
+  int64_t step = 0;
+  std::optional<int64_t> stamp;  // nullopt: the header cannot be read (why says why)
+  std::string why;
+};
+
+// `dir`'s <prefix>_<10 digits>.pt files, oldest write first.
+std::vector<Found> scan(const std::string& dir, const std::string& prefix) {
+  std::vector<Found> found;
+  std::error_code ec;
+  const std::string head = prefix + "_";
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() != head.size() + 10 + 3 || name.compare(0, head.size(), head) != 0 ||
+        name.compare(name.size() - 3, 3, ".pt") != 0)
+      continue;
+    const std::string digits = name.substr(head.size(), 10);
+    if (!util::is_digits(digits)) continue;
+    Found f;
+    f.path = it->path().string();
+    f.step = std::stoll(digits);
+    f.stamp = ckpt::read_write_stamp(f.path, &f.why);
+    found.push_back(std::move(f));
+  }
+  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
+    return std::make_tuple(a.stamp.has_value(), a.stamp.value_or(0), a.step, a.path) <
+           std::make_tuple(b.stamp.has_value(), b.stamp.value_or(0), b.step, b.path);
+  });
+  return found;
+}
+
+// Note [Write order]: the stamp of a write into a folder that holds `found`.
+int64_t next_write_stamp(const std::vector<Found>& found) {
+  const auto now =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  int64_t stamp = std::max<int64_t>(now, 1);
+  for (const Found& f : found)
+    if (f.stamp) stamp = std::max(stamp, *f.stamp + 1);
+  return stamp;
+}
+
+// The file of the highest step among `found` (older writes) other than `path`, when that step is
+// above `step`.
+const Found* later_step(const std::vector<Found>& found, const std::string& path, int64_t step) {
+  const Found* later = nullptr;
+  for (const Found& f : found)
+    if (f.stamp && f.path != path && f.step > step && (!later || f.step > later->step)) later = &f;
+  return later;
+}
+
 // Rank 0's string on every rank (itself when not distributed).
 std::string broadcast_string(const std::string& s) { return distributed() ? broadcast_bytes(s, 0) : s; }
 
@@ -274,12 +336,77 @@ std::vector<std::string> gather_packs(const std::string& mine) {
   return distributed() ? gather_bytes(mine, 0) : std::vector<std::string>{mine};
 }
 
+// Step 2 of save() on rank 0, after the folder exists: write, then rotate (Note [Write order]).
+void write_and_rotate(const std::string& dir, const CheckpointOptions& options, const std::string& path,
+                      const TrainingState& state, const std::vector<std::string>& packs) {
+  const std::vector<Found> before = scan(dir, options.prefix());
+  ckpt::write_atomic(path, ckpt::frame(encode(state, packs), next_write_stamp(before)));
+  if (const Found* later = later_step(before, path, state.step))
+    warn_once("checkpoint-later-step",
+              detail::cat("checkpoint folder ", dir, " holds ", later->path, " from the later step ", later->step,
+                          ", written before this save of step ", state.step,
+                          " (a restarted run, or a step counter that went back?): the latest checkpoint is now this "
+                          "one, the most recent write, which load_latest resumes from, and rotation (keep=",
+                          options.keep(), ") removes the oldest writes first, whatever their steps"));
+  // The newest `keep` writes stay; this one is the newest by its stamp, and never removed.
+  const std::vector<Found> all = scan(dir, options.prefix());
+  std::error_code ec;
+  for (size_t i = 0; i + static_cast<size_t>(options.keep()) < all.size(); ++i)
+    if (all[i].path != path) fs::remove(all[i].path, ec);
+}
+
+// Step 1 of load_latest() on rank 0: the most recent usable write (Note [Write order]). Its outcome
+// line: "" (no file), "ok <path>" (its bytes in `framed`) or "error <msg>".
+std::string pick_latest(const std::string& dir, const CheckpointOptions& options, std::string& framed) {
+  const std::vector<Found> files = scan(dir, options.prefix());
+  auto warn = [](const std::string& path, const std::string& why, const char* then) {
+    std::fprintf(stderr, "dtrain warning: checkpoint %s is unusable (%s); %s\n", path.c_str(),
+                 util::one_line(why).c_str(), then);
+    std::fflush(stderr);
+  };
+  std::vector<const Found*> candidates;  // newest write first
+  for (auto it = files.rbegin(); it != files.rend(); ++it) {
+    if (it->stamp)
+      candidates.push_back(&*it);
+    else
+      warn(it->path, it->why, "ignored");
+  }
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const Found& c = *candidates[i];
+    try {
+      std::string f = util::read_file(c.path, "checkpoint file");
+      torch::serialize::InputArchive probe;
+      parse(ckpt::unframe(f), probe, at::Device(at::kCPU));  // only checks that it parses
+      framed = std::move(f);
+      const std::vector<Found> older(files.begin(), files.begin() + (candidates[i] - files.data()));
+      if (const Found* later = later_step(older, c.path, c.step))
+        warn_once("checkpoint-later-step-load",
+                  detail::cat("load_latest: resuming from ", c.path, ", the most recent write in ", dir, ", although ",
+                              later->path, " has the later step ", later->step,
+                              ": it was written before (an abandoned run's?) and is ignored"));
+      return "ok " + c.path;
+    } catch (const std::exception& e) {
+      warn(c.path, e.what(), i + 1 == candidates.size() ? "no older one is left" : "falling back to the previous one");
+    }
+  }
+  if (files.empty()) return "";
+  return "error none of the " + std::to_string(files.size()) + " checkpoint(s) in " + dir +
+         " is usable (see the warnings above): remove them to start afresh, or restore a good copy";
+}
+
 }  // namespace
 
 // --- single process ----------------------------------------------------------------------------------
 
 void save_checkpoint(const std::string& path, const TrainingState& state) {
-  ckpt::write_atomic(path, ckpt::frame(encode(state, {own_pack(state)})));
+  // Note [Write order]: stamped after the folder's files of the same name pattern, if it has one.
+  const fs::path p(path);
+  const std::string name = p.filename().string();
+  std::vector<Found> found;
+  const size_t us = name.rfind('_');
+  if (us != std::string::npos && us > 0 && name.size() == us + 1 + 10 + 3)
+    found = scan(p.has_parent_path() ? p.parent_path().string() : ".", name.substr(0, us));
+  ckpt::write_atomic(path, ckpt::frame(encode(state, {own_pack(state)}), next_write_stamp(found)));
 }
 
 void load_checkpoint(const std::string& path, TrainingState& state) {
@@ -309,21 +436,8 @@ CheckpointManager::CheckpointManager(std::string dir, CheckpointOptions options)
 }
 
 std::vector<std::string> CheckpointManager::list() const {
-  std::vector<std::pair<int64_t, std::string>> found;
-  std::error_code ec;
-  const std::string head = options_.prefix() + "_";
-  for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (name.size() != head.size() + 10 + 3 || name.compare(0, head.size(), head) != 0 ||
-        name.compare(name.size() - 3, 3, ".pt") != 0)
-      continue;
-    const std::string digits = name.substr(head.size(), 10);
-    if (!util::is_digits(digits)) continue;
-    found.emplace_back(std::stoll(digits), it->path().string());
-  }
-  std::sort(found.begin(), found.end());
   std::vector<std::string> out;
-  for (auto& f : found) out.push_back(std::move(f.second));
+  for (Found& f : scan(dir_, options_.prefix())) out.push_back(std::move(f.path));
   return out;
 }
 
@@ -343,9 +457,7 @@ std::string CheckpointManager::save(const TrainingState& state) {
       fs::create_directories(dir_, ec);
       DTRAIN_CHECK(fs::is_directory(dir_), "cannot create the checkpoint folder ", dir_, ": ",
                    ec ? ec.message() : "a file of that name is in the way", ": choose another folder");
-      ckpt::write_atomic(path, ckpt::frame(encode(state, packs)));
-      auto all = list();  // keep the newest `keep`
-      for (size_t i = 0; i + static_cast<size_t>(options_.keep()) < all.size(); ++i) fs::remove(all[i], ec);
+      write_and_rotate(dir_, options_, path, state, packs);
     } catch (const c10::Error& e) {
       error = util::one_line(e.what_without_backtrace());
     } catch (const std::exception& e) {
@@ -361,27 +473,7 @@ std::string CheckpointManager::save(const TrainingState& state) {
 std::optional<std::string> CheckpointManager::load_latest(TrainingState& state) {
   // 1. Rank 0 picks the newest usable file. Its outcome line: "" (none), "ok <path>" or "error <msg>".
   std::string outcome, framed;
-  if (!is_initialized() || rank() == 0) {
-    const auto files = list();
-    for (auto it = files.rbegin(); it != files.rend(); ++it) {
-      try {
-        std::string f = util::read_file(*it, "checkpoint file");
-        torch::serialize::InputArchive probe;
-        parse(ckpt::unframe(f), probe, at::Device(at::kCPU));  // only checks that it parses
-        framed = std::move(f);
-        outcome = "ok " + *it;
-        break;
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "dtrain warning: checkpoint %s is unusable (%s); %s\n", it->c_str(),
-                     util::one_line(e.what()).c_str(),
-                     std::next(it) == files.rend() ? "no older one is left" : "falling back to the previous one");
-        std::fflush(stderr);
-      }
-    }
-    if (outcome.empty() && !files.empty())
-      outcome = "error none of the " + std::to_string(files.size()) + " checkpoint(s) in " + dir_ +
-                " is usable (see the warnings above): remove them to start afresh, or restore a good copy";
-  }
+  if (!is_initialized() || rank() == 0) outcome = pick_latest(dir_, options_, framed);
   // 2.
   outcome = broadcast_string(outcome);
   if (outcome.empty()) return std::nullopt;

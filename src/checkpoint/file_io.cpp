@@ -46,27 +46,66 @@ std::string remedy(int err) {
                           " (the previous checkpoints are untouched)"));
 }
 
+// The header line is at most this long, newline included.
+constexpr size_t kMaxHeader = 96;
+
+struct Header {
+  size_t eol = 0;  // where its newline is
+  size_t length = 0;
+  std::string crc_hex;
+  int64_t write_stamp = 0;  // 0: written before stamps existed
+};
+
+// Throws dtrain::Error with the reason for a header line that cannot be read. Readers of the four
+// fields of format version 1 skip the fifth (the write stamp), so files stay version 1 both ways.
+Header parse_header(const std::string& bytes) {
+  Header h;
+  h.eol = bytes.find('\n');
+  DTRAIN_CHECK(bytes.compare(0, std::strlen(kMagic), kMagic) == 0 && h.eol != std::string::npos && h.eol < kMaxHeader,
+               "not a dtrain checkpoint (no \"", kMagic, "\" header line)");
+  std::istringstream header(bytes.substr(std::strlen(kMagic), h.eol - std::strlen(kMagic)));
+  int version = 0;
+  header >> version >> h.length >> h.crc_hex;
+  DTRAIN_CHECK(!header.fail() && h.crc_hex.size() == 8, "malformed header line");
+  DTRAIN_CHECK(version == kCheckpointFormatVersion, "format version ", version,
+               " is not supported (this dtrain reads version ", kCheckpointFormatVersion, ")");
+  long long stamp = 0;
+  if (header >> stamp) h.write_stamp = stamp;
+  DTRAIN_CHECK(h.write_stamp >= 0, "malformed header line (write stamp ", h.write_stamp, ")");
+  return h;
+}
+
 }  // namespace
 
-std::string frame(const std::string& payload) {
-  char header[96];
-  std::snprintf(header, sizeof header, "%s %d %zu %08x\n", kMagic, kCheckpointFormatVersion, payload.size(),
-                crc32_of(payload));
+std::optional<int64_t> read_write_stamp(const std::string& path, std::string* why) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) {
+    *why = detail::cat("cannot open checkpoint file ", path, ": ", std::strerror(errno));
+    return std::nullopt;
+  }
+  std::string head(kMaxHeader, '\0');
+  f.read(&head[0], static_cast<std::streamsize>(head.size()));
+  head.resize(static_cast<size_t>(f.gcount()));
+  try {
+    return parse_header(head).write_stamp;
+  } catch (const Error& e) {
+    *why = e.what();
+    return std::nullopt;
+  }
+}
+
+std::string frame(const std::string& payload, int64_t write_stamp) {
+  char header[kMaxHeader];
+  std::snprintf(header, sizeof header, "%s %d %zu %08x %lld\n", kMagic, kCheckpointFormatVersion, payload.size(),
+                crc32_of(payload), static_cast<long long>(write_stamp));
   return header + payload;
 }
 
 std::string unframe(const std::string& file_bytes) {
-  const size_t eol = file_bytes.find('\n');
-  DTRAIN_CHECK(file_bytes.compare(0, std::strlen(kMagic), kMagic) == 0 && eol != std::string::npos && eol < 96,
-               "not a dtrain checkpoint (no \"", kMagic, "\" header line)");
-  std::istringstream header(file_bytes.substr(std::strlen(kMagic), eol - std::strlen(kMagic)));
-  int version = 0;
-  size_t length = 0;
-  std::string crc_hex;
-  header >> version >> length >> crc_hex;
-  DTRAIN_CHECK(!header.fail() && crc_hex.size() == 8, "malformed header line");
-  DTRAIN_CHECK(version == kCheckpointFormatVersion, "format version ", version,
-               " is not supported (this dtrain reads version ", kCheckpointFormatVersion, ")");
+  const Header h = parse_header(file_bytes);
+  const size_t eol = h.eol;
+  const size_t length = h.length;
+  const std::string& crc_hex = h.crc_hex;
   const size_t have = file_bytes.size() - eol - 1;
   DTRAIN_CHECK(have >= length, "truncated: ", have, " of ", length, " payload bytes");
   DTRAIN_CHECK(have == length, "has ", have - length, " bytes after the payload's ", length);

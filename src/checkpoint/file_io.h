@@ -1,12 +1,18 @@
 // The checkpoint file's framing and its atomic write (dtrain/checkpoint.h, "File format").
 #pragma once
 
+#include <cstdint>
+#include <optional>
 #include <string>
 
 namespace dtrain::ckpt {
 
-// "DTRAIN-CHECKPOINT <version> <length> <crc32>\n" + payload.
-std::string frame(const std::string& payload);
+// "DTRAIN-CHECKPOINT <version> <length> <crc32> <write stamp>\n" + payload.
+std::string frame(const std::string& payload, int64_t write_stamp);
+// The write stamp in the header line of the file at `path` (read alone: the first bytes only): 0 for a
+// file written before stamps existed (four fields), nullopt when the header line cannot be read,
+// with the reason in *why (the unframe() reasons, or the file's).
+std::optional<int64_t> read_write_stamp(const std::string& path, std::string* why);
 // The payload of a framed file. Throws dtrain::Error with the reason only (the caller names the
 // file): not a dtrain checkpoint, an unsupported version, truncated (fewer bytes than the header
 // says), trailing bytes, or a CRC-32 mismatch (corrupt).

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <mutex>
 #include <sstream>
 
 namespace dtrain {
@@ -13,7 +14,8 @@ struct JoinContext {
   Group group;
   JoinOptions options;
   bool joined = false;     // this rank called join()
-  int64_t iterations = 0;  // exchanges so far, notified or shadowed (the same count on every rank)
+  int64_t iterations = 0;  // iterations so far, notified or shadowed (the same count on every rank)
+  int64_t exchanges = 0;   // iterations and joinables' own rounds
   JoinIteration current;   // the latest exchange
   JoinIteration last;      // the latest exchange in which some rank was active
 };
@@ -31,21 +33,60 @@ std::string join_ranks(const std::vector<int>& ranks) {
   return os.str();
 }
 
-// Step 1 / 2: one all-reduce; each member adds a 1 at its own group rank while it is active.
-JoinIteration exchange(detail::JoinContext& ctx, bool active) {
+// Open Joins of this process that have not joined yet (Join::could_strand).
+std::mutex open_mu;
+std::vector<const detail::JoinContext*> open_joins;
+
+// What a tag (1 + the position of the joinable that notified) says, for error messages.
+std::string call_of(int64_t tag) {
+  if (tag == 1) return "joinable #0's iteration (e.g. DistributedDataParallel's forward)";
+  return detail::cat("joinable #", tag - 1, "'s own round (e.g. ZeroRedundancyOptimizer::step)");
+}
+
+// The active ranks of one exchange were at different calls: the same text on every rank.
+[[noreturn]] void throw_mixed_calls(const detail::JoinContext& ctx, const std::vector<int64_t>& tags) {
+  std::vector<int64_t> seen;
+  for (int64_t t : tags)
+    if (t != 0 && std::find(seen.begin(), seen.end(), t) == seen.end()) seen.push_back(t);
+  std::ostringstream where;
+  for (size_t i = 0; i < seen.size(); ++i) {
+    std::vector<int> ranks;
+    for (size_t r = 0; r < tags.size(); ++r)
+      if (tags[r] == seen[i]) ranks.push_back(ctx.group.ranks()[r]);
+    where << (i ? ", " : "") << "rank" << (ranks.size() > 1 ? "s " : " ") << join_ranks(ranks) << " at "
+          << call_of(seen[i]);
+  }
+  throw Error(detail::cat("rank ", rank(), ": dtrain::Join: after ", ctx.iterations,
+                          " iteration(s) the active ranks are at different calls: ", where.str(),
+                          ": every active rank must make the same calls in the same order (an optimizer step "
+                          "skipped on some ranks only? GradScaler skips alike only where the gradients are alike, "
+                          "as DDP's averages are)"));
+}
+
+// Step 1 / 1b / 2: one all-reduce; each member adds its tag (1 + the position of the joinable that
+// notified) at its own group rank while it is active, 0 once it has joined.
+JoinIteration exchange(detail::JoinContext& ctx, bool active, int position) {
   std::vector<int64_t> mine(static_cast<size_t>(ctx.group.size()), 0);
-  if (active) mine[static_cast<size_t>(ctx.group.rank())] = 1;
+  if (active) mine[static_cast<size_t>(ctx.group.rank())] = position + 1;
   std::vector<int64_t> all;
   try {
     all = all_reduce_values(mine, ReduceOp::SUM, ctx.group);
   } catch (const std::exception& e) {
     throw Error(detail::cat("rank ", rank(), ": dtrain::Join: the exchange of active ranks at iteration ",
-                            ctx.iterations, " failed: ", e.what()));
+                            ctx.iterations, " (exchange ", ctx.exchanges, ") failed: ", e.what()));
   }
+  ++ctx.exchanges;
   JoinIteration it;
-  it.index = ctx.iterations++;
-  for (size_t r = 0; r < all.size(); ++r)
-    if (all[r] != 0) it.active.push_back(static_cast<int>(r));
+  int64_t tag = 0;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r] == 0) continue;
+    it.active.push_back(static_cast<int>(r));
+    if (tag != 0 && all[r] != tag) throw_mixed_calls(ctx, all);
+    tag = all[r];
+  }
+  it.joinable = tag > 0 ? static_cast<int>(tag - 1) : 0;
+  // A joinable's own round belongs to the iteration in progress.
+  it.index = it.joinable == 0 ? ctx.iterations++ : ctx.iterations - 1;
   ctx.current = it;
   if (!it.active.empty()) ctx.last = it;
   return it;
@@ -76,7 +117,9 @@ const JoinIteration* Joinable::join_iteration() const {
   return &context_->current;
 }
 
-bool Joinable::is_first_joinable() const { return context_ && context_->options.enable() && first_; }
+bool Joinable::is_first_joinable() const { return join_position() == 0; }
+
+int Joinable::join_position() const { return context_ && context_->options.enable() ? position_ : -1; }
 
 Join::Join(std::vector<Joinable*> joinables, JoinOptions options)
     : joinables_(std::move(joinables)), options_(options), uncaught_at_entry_(std::uncaught_exceptions()) {
@@ -105,13 +148,17 @@ Join::Join(std::vector<Joinable*> joinables, JoinOptions options)
   context_ = ctx;
   for (size_t i = 0; i < joinables_.size(); ++i) {
     joinables_[i]->context_ = ctx;
-    joinables_[i]->first_ = i == 0;
+    joinables_[i]->position_ = static_cast<int>(i);
   }
   try {
     for (Joinable* j : joinables_) hooks_.push_back(j->join_hook(options_));
   } catch (...) {
     for (Joinable* j : joinables_) j->context_.reset();
     throw;
+  }
+  if (options_.enable()) {
+    std::lock_guard<std::mutex> g(open_mu);
+    open_joins.push_back(context_.get());
   }
 }
 
@@ -139,16 +186,27 @@ void Join::join() {
 void Join::shadow_until_all_joined() {
   detail::JoinContext& ctx = *context_;
   ctx.joined = true;
+  {
+    std::lock_guard<std::mutex> g(open_mu);
+    open_joins.erase(std::remove(open_joins.begin(), open_joins.end(), context_.get()), open_joins.end());
+  }
   bool is_last_joiner = true;
-  for (int64_t shadowed = 0;; ++shadowed) {
+  for (int64_t shadowed = 0;;) {
     // Step 2.
-    const JoinIteration it = exchange(ctx, /*active=*/false);
+    const JoinIteration it = exchange(ctx, /*active=*/false, /*position=*/0);
     if (it.active.empty()) break;
     if (options_.throw_on_early_termination()) throw_early_termination(ctx, it);
-    if (shadowed == kSkewWarnIterations)
+    is_last_joiner = false;
+    if (it.joinable != 0) {  // step 1b's round: its joinable's hook alone
+      DTRAIN_CHECK(it.joinable < static_cast<int>(hooks_.size()), "rank ", rank(), ": dtrain::Join: the active ranks ",
+                   "started a round of joinable #", it.joinable, " but this rank's Join has ", hooks_.size(),
+                   " joinable(s): enter the same Join (the same joinables, in the same order) on every rank");
+      hooks_[static_cast<size_t>(it.joinable)]->main_hook(it);
+      continue;
+    }
+    if (shadowed++ == kSkewWarnIterations)
       warn_once("join-skew", detail::cat("dtrain::Join: rank ", rank(), " has shadowed ", kSkewWarnIterations,
                                          " iterations of the other ranks: inputs this uneven may be a bug"));
-    is_last_joiner = false;
     for (auto& h : hooks_) h->main_hook(it);
   }
   // Step 3.
@@ -156,19 +214,37 @@ void Join::shadow_until_all_joined() {
 }
 
 void Join::leave() {
+  {
+    std::lock_guard<std::mutex> g(open_mu);
+    open_joins.erase(std::remove(open_joins.begin(), open_joins.end(), context_.get()), open_joins.end());
+  }
   for (Joinable* j : joinables_)
     if (j->context_ == context_) j->context_.reset();
 }
 
 const JoinIteration* Join::notify_join_context(Joinable& joinable) {
+  if (joinable.join_position() != 0) return nullptr;
+  return notify_own_round(joinable);
+}
+
+const JoinIteration* Join::notify_own_round(Joinable& joinable) {
   detail::JoinContext* ctx = joinable.context_.get();
-  if (!ctx || !ctx->options.enable() || !joinable.first_ || ctx->joined) return nullptr;
-  // Step 1.
-  exchange(*ctx, /*active=*/true);
+  if (joinable.join_position() < 0 || ctx->joined) return nullptr;
+  // Step 1 (the first joinable) or 1b.
+  exchange(*ctx, /*active=*/true, joinable.position_);
   const JoinIteration& it = ctx->current;
   if (ctx->options.throw_on_early_termination() && it.active_count() < ctx->group.size())
     throw_early_termination(*ctx, it);
   return &it;
+}
+
+bool Join::could_strand(const Group& group) {
+  if (!group.is_member()) return false;
+  std::lock_guard<std::mutex> g(open_mu);
+  for (const detail::JoinContext* ctx : open_joins)
+    for (int r : ctx->group.ranks())
+      if (r != rank() && std::find(group.ranks().begin(), group.ranks().end(), r) != group.ranks().end()) return true;
+  return false;
 }
 
 void join(std::vector<Joinable*> joinables, const JoinOptions& options, const std::function<void()>& fn) {

@@ -164,8 +164,9 @@ void Core::register_comm_hook(CommHook hook) { impl_->reducer->set_comm_hook(std
 // the lowest active rank when broadcast_buffers, (c) in backward, when synchronizing, every bucket's
 // all-reduce (or communication hook) in bucket order, the unused-parameter exchange when tracked.
 // The joined rank's main_hook issues the same: (a) with 0, whose sum tells it whether (c) follows,
-// (b), and (c) with zeros as its gradients, the results written to its .grad() so that an optimizer
-// joined after DDP (ZeroRedundancyOptimizer) steps with the true averages. post_hook broadcasts
+// (b), and (c) with zeros as its gradients, the results written to its .grad() as the active ranks'
+// are (ZeroRedundancyOptimizer's shadow step gets its share's gradients as they are at the active
+// ranks' step() instead: Note [ZeRO under Join]). post_hook broadcasts
 // parameters (and buffers when broadcast_buffers) from the lowest rank of the last iteration, so
 // every rank ends with the model of a rank that saw every iteration (PyTorch's _sync_final_model;
 // Note [Authoritative rank under Join] in dtrain/join.h).

@@ -38,6 +38,77 @@ void move_states(torch::optim::Optimizer& from, torch::optim::Optimizer& to, con
   }
 }
 
+// numel * element_size over the tensors one parameter's state holds, whatever the optimizer: the
+// state's own serialize() names them (Adam: exp_avg, exp_avg_sq; SGD: momentum_buffer), and the
+// scalars it also writes (Adam's step) are not tensors.
+int64_t state_tensor_bytes(const torch::optim::OptimizerParamState& state) {
+  torch::serialize::OutputArchive out;
+  state.serialize(out);
+  std::ostringstream s;
+  out.save_to(s);
+  const std::string bytes = s.str();
+  torch::serialize::InputArchive in;
+  in.load_from(bytes.data(), bytes.size());
+  int64_t total = 0;
+  for (const std::string& key : in.keys()) {
+    c10::IValue v;
+    if (!in.try_read(key, v) || !v.isTensor() || !v.toTensor().defined()) continue;
+    total += v.toTensor().numel() * static_cast<int64_t>(v.toTensor().element_size());
+  }
+  return total;
+}
+
+// Runs of `share` with one dtype and device, each [begin, end).
+std::vector<std::pair<size_t, size_t>> uniform_runs(const std::vector<at::Tensor>& share) {
+  std::vector<std::pair<size_t, size_t>> runs;
+  for (size_t i = 0; i < share.size(); ++i) {
+    if (i > 0 && share[i].scalar_type() == share[i - 1].scalar_type() && share[i].device() == share[i - 1].device())
+      runs.back().second = i + 1;
+    else
+      runs.emplace_back(i, i + 1);
+  }
+  return runs;
+}
+
+// Note [ZeRO under Join]: `share`'s gradients as global rank `root` holds them, into the share's
+// .grad() where `take`. One buffer per run of equal dtype and device: the values, then one flag per
+// parameter (1: defined; 0: undefined there, which makes the optimizer skip it, so it is undefined
+// here too).
+void broadcast_grads(const std::vector<at::Tensor>& share, int root, bool take, const Group& group) {
+  at::NoGradGuard ng;
+  const bool is_root = dtrain::rank() == root;
+  for (const auto& [begin, end] : uniform_runs(share)) {
+    int64_t numel = 0;
+    for (size_t i = begin; i < end; ++i) numel += share[i].numel();
+    const int64_t count = static_cast<int64_t>(end - begin);
+    at::Tensor flat = at::zeros({numel + count}, share[begin].options().requires_grad(false));
+    int64_t offset = 0;
+    for (size_t i = begin; i < end; ++i) {
+      const at::Tensor& g = share[i].grad();
+      if (is_root && g.defined()) {
+        flat.narrow(0, offset, share[i].numel()).view(share[i].sizes()).copy_(g.is_sparse() ? g.to_dense() : g);
+        flat[numel + static_cast<int64_t>(i - begin)] = 1;
+      }
+      offset += share[i].numel();
+    }
+    broadcast(flat, root, group);
+    if (!take) continue;
+    const at::Tensor flags = flat.narrow(0, numel, count).to(at::kCPU, at::kDouble);
+    offset = 0;
+    for (size_t i = begin; i < end; ++i) {
+      at::Tensor p = share[i];
+      const at::Tensor values = flat.narrow(0, offset, p.numel()).view(p.sizes());
+      offset += p.numel();
+      if (flags.data_ptr<double>()[i - begin] == 0)
+        p.mutable_grad() = at::Tensor();
+      else if (p.grad().defined() && p.grad().sizes() == p.sizes())
+        p.mutable_grad().copy_(values);
+      else
+        p.mutable_grad() = values.clone();
+    }
+  }
+}
+
 }  // namespace
 
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params, OptimizerFactory factory,
@@ -70,13 +141,43 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
   local_ = factory_(shares_[group_.rank()]);
 }
 
+// Note [ZeRO under Join]: a joined rank must step, and broadcast its share, exactly when the active
+// ranks call step(), which is not once per DDP forward: no_sync micro-batches and no-grad forwards
+// are forwards without a step, and GradScaler skips step() after an overflow. So every step() of an
+// active rank starts with a Join exchange of its own (Join::notify_own_round; the iteration's
+// exchange when ZeRO is the first joinable), and the joined rank runs its shadow step only for such
+// a round: it learns from the exchange it posts anyway whether a step follows, and no decision the
+// active ranks make before step() (GradScaler's, a user's) needs repeating. The shadow steps with
+// the gradients its share has on the lowest active rank at that moment, broadcast to it then (once
+// per joined share, only while some rank has joined): those are what the active ranks step with,
+// after whatever they did since backward (GradScaler's unscale_, clipping), which the joined rank
+// did not do. Then every rank broadcasts its share as in any step. A closure cannot be shadowed (it
+// would run the active ranks' forward inside step()): step(closure) inside a Join is refused.
 at::Tensor ZeroRedundancyOptimizer::step(LossClosure closure) {
-  Join::notify_join_context(*this);  // alone in a Join, this is an iteration's first collective
+  DTRAIN_CHECK(!closure || join_position() < 0, "ZeroRedundancyOptimizer::step: a closure inside a dtrain::Join ",
+               "(rank ", dtrain::rank(), "): a rank that has joined cannot shadow it: run the forward and backward ",
+               "before step() and call step() without a closure");
+  if (const JoinIteration* it = Join::notify_own_round(*this)) send_joined_grads(*it);
+  return step_and_broadcast(std::move(closure));
+}
+
+at::Tensor ZeroRedundancyOptimizer::step_and_broadcast(LossClosure closure) {
   // Step 2. A scheduler changes param_groups()[0]'s options: the wrapped optimizer follows.
   local_->param_groups()[0].set_options(param_groups()[0].options().clone());
   at::Tensor loss = local_->step(std::move(closure));
   broadcast_shares();
   return loss;
+}
+
+// Note [ZeRO under Join]: the gradients of every joined rank's share, from the lowest active rank
+// to that rank; the same calls on every rank of the group, active or joined.
+void ZeroRedundancyOptimizer::send_joined_grads(const JoinIteration& it) {
+  const int root = it.authoritative_rank(group_);
+  const int me = group_.rank();
+  for (int r = 0; r < group_.size(); ++r) {
+    if (std::binary_search(it.active.begin(), it.active.end(), r) || shares_[r].empty()) continue;
+    broadcast_grads(shares_[r], root, /*take=*/r == me, group_);
+  }
 }
 
 // Each share travels as one flat buffer (one broadcast per rank instead of
@@ -131,24 +232,33 @@ void ZeroRedundancyOptimizer::broadcast_shares() {
   }
 }
 
+void ZeroRedundancyOptimizer::shadow_step(const JoinIteration& it) {
+  send_joined_grads(it);
+  step_and_broadcast(nullptr);
+}
+
 namespace {
 
+// Note [ZeRO under Join]: the joined rank's step, in the rounds that the active ranks' step()
+// starts only (an iteration's hooks all run for every DDP forward: not ours, unless we are first).
 class ZeroJoinHook : public JoinHook {
  public:
-  explicit ZeroJoinHook(ZeroRedundancyOptimizer* zero) : zero_(zero) {}
-  // The active ranks step once per iteration: so does the joined rank, on its own share, with the
-  // gradients it has (DDP's shadow leaves the averaged ones), and it broadcasts that share.
-  void main_hook(const JoinIteration&) override { zero_->step(); }
+  ZeroJoinHook(int position, std::function<void(const JoinIteration&)> shadow)
+      : position_(position), shadow_(std::move(shadow)) {}
+  void main_hook(const JoinIteration& it) override {
+    if (it.joinable == position_) shadow_(it);
+  }
 
  private:
-  ZeroRedundancyOptimizer* zero_;
+  int position_;
+  std::function<void(const JoinIteration&)> shadow_;
 };
 
 }  // namespace
 
 std::unique_ptr<JoinHook> ZeroRedundancyOptimizer::join_hook(const JoinOptions& options) {
   if (!options.enable()) return std::make_unique<JoinHook>();
-  return std::make_unique<ZeroJoinHook>(this);
+  return std::make_unique<ZeroJoinHook>(join_position(), [this](const JoinIteration& it) { shadow_step(it); });
 }
 
 void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
@@ -190,13 +300,7 @@ void ZeroRedundancyOptimizer::load(torch::serialize::InputArchive& archive) {
 
 int64_t ZeroRedundancyOptimizer::local_state_bytes() const {
   int64_t bytes = 0;
-  for (const auto& kv : local_->state()) {
-    torch::serialize::OutputArchive a;
-    kv.second->serialize(a);
-    std::ostringstream s;
-    a.save_to(s);
-    bytes += static_cast<int64_t>(s.str().size());
-  }
+  for (const auto& kv : local_->state()) bytes += state_tensor_bytes(*kv.second);
   return bytes;
 }
 

@@ -47,7 +47,7 @@ def intact(path):
     """The file's header line matches its payload (length and CRC-32)."""
     with open(path, "rb") as f:
         data = f.read()
-    magic, version, length, crc = data[:data.index(b"\n")].split()
+    magic, version, length, crc = data[:data.index(b"\n")].split()[:4]  # then the write stamp
     payload = data[data.index(b"\n") + 1:]
     return magic == b"DTRAIN-CHECKPOINT" and int(length) == len(payload) and int(crc, 16) == zlib.crc32(payload)
 

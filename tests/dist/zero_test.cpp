@@ -4,6 +4,8 @@
 // checkpoint saved mid-run resumes bit-identically (the state travels consolidated, in the
 // unsharded optimizer's format). With GradScaler (an overflow injected on one rank: every rank skips
 // that step) and gradient clipping it equals the unsharded optimizer with the same recipe.
+// local_state_bytes() is the bytes of this rank's state tensors, at most an even share plus the
+// largest parameter's.
 // (ZeroRedundancyOptimizer under Join: tests/dist/join_test.cpp.)
 #include <torch/nn/modules/linear.h>  // (clip_grad.h needs what it includes)
 #include <torch/nn/utils/clip_grad.h>
@@ -87,6 +89,32 @@ TEST(Zero, TenStepsEqualTheUnshardedOptimizerOnTheWholeBatch) {
     EXPECT_EQ(static_cast<int64_t>(opt.local_optimizer().state().size()), mine) << kind;
     const int64_t all = all_reduce_values(std::vector<int64_t>{mine})[0];
     EXPECT_EQ(all, static_cast<int64_t>(ddp.parameters().size()));
+  }
+}
+
+TEST(Zero, LocalStateBytesAreTheBytesOfTheShareStateTensors) {
+  // SGD with momentum keeps one tensor per parameter (its momentum buffer), Adam two (exp_avg,
+  // exp_avg_sq), each of the parameter's size; the step counter is no tensor.
+  for (const auto& [kind, tensors] : {std::make_pair(std::string("sgd"), 1), std::make_pair(std::string("adam"), 2)}) {
+    auto model = make_model();
+    DistributedDataParallel ddp(model);
+    ZeroRedundancyOptimizer opt(ddp.parameters(), factory(kind));
+    train_step(
+        *model, [&](const at::Tensor& x) { return ddp(x); }, opt, 0, false, false);
+    const auto params = ddp.parameters();
+    int64_t want = 0, all = 0, largest = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const int64_t bytes = tensors * params[i].numel() * static_cast<int64_t>(params[i].element_size());
+      all += bytes;
+      largest = std::max(largest, bytes);
+      if (opt.owners()[i] == Group().rank()) want += bytes;
+    }
+    const int64_t mine = opt.local_state_bytes();
+    EXPECT_EQ(mine, want) << kind << " on rank " << rank();
+    const int64_t total = all_reduce_values(std::vector<int64_t>{mine})[0];
+    EXPECT_EQ(total, all) << kind;
+    // What sharding promises: at most an even share plus one parameter's state.
+    EXPECT_LE(mine, total / world_size() + largest) << kind << " on rank " << rank();
   }
 }
 
