@@ -39,7 +39,7 @@ bool read_exactly(int fd, char* out, size_t n, std::chrono::steady_clock::time_p
     auto left = duration_cast<milliseconds>(deadline - steady_clock::now()).count();
     pollfd p{fd, POLLIN, 0};
     if (left <= 0 || poll(&p, 1, static_cast<int>(left)) <= 0) return false;
-    ssize_t got = recv(fd, out, n, 0);
+    ssize_t got = ::recv(fd, out, n, 0);  // the socket call, not dtrain::recv
     if (got <= 0) return false;
     out += got;
     n -= static_cast<size_t>(got);
@@ -68,7 +68,7 @@ void check_torchrun_store(const std::string& host, uint16_t port, int rank) {
   // 2. Ask for the number of keys: query type 6 in 1.13's protocol, read-only, and answered at once
   //    with an int64. A 2.x server waits for its handshake instead (libuv backend) or hangs up.
   const char get_num_keys = 6;
-  if (send(s.fd, &get_num_keys, 1, MSG_NOSIGNAL) != 1) return;
+  if (::send(s.fd, &get_num_keys, 1, MSG_NOSIGNAL) != 1) return;
   char answer[8];
   if (read_exactly(s.fd, answer, sizeof(answer), std::chrono::steady_clock::now() + std::chrono::seconds(3))) return;
   // 3. No answer: a torchrun from PyTorch >= 2.1.
