@@ -9,8 +9,8 @@
 // Note [reduce_scatter on Gloo]: Gloo 1.13 has no reduce_scatter; we all-reduce the stacked inputs
 // and copy this rank's slice (the same result; more traffic; the shared-memory backend does better).
 // Note [Tensor collectives on Gloo]: all_gather_into_tensor and reduce_scatter_tensor are c10d's
-// _allgather_base and _reduce_scatter_base on NCCL, over shared memory on one host, and on a Gloo
-// that has them (compat/c10d_compat.h). On Gloo 1.13, which has neither, they are composed:
+// _allgather_base and _reduce_scatter_base on NCCL, and over shared memory on one host. On Gloo they
+// are composed (1.13 has neither; 2.15's native ones are off, compat/c10d_compat.h says why):
 // all_gather into views of the output's slices (the same traffic), and, as a fallback only, an
 // all_reduce of a copy of the input followed by a copy of this rank's slice (n times the traffic
 // of a real reduce-scatter; the same values, in the same rank order).

@@ -38,8 +38,9 @@ using Backend = c10d::ProcessGroup;
 // reduce_scatter_single underneath): 1.13 throws "no support"; checked in 2.15's headers, so earlier
 // 2.x releases are treated as 1.13 and the front end composes both from all_gather and all_reduce
 // (Note [Tensor collectives on Gloo] in comm/collectives.cpp).
-#define DTRAIN_GLOO_HAS_TENSOR_COLLECTIVES \
-  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15))
+// Off for now: 2.15's native all-gather refused the stacked output shape ((N, ...) for inputs of
+// (...)) that the front end accepts ("invalid tensor size at index 0"); every version composes.
+#define DTRAIN_GLOO_HAS_TENSOR_COLLECTIVES 0
 
 // The object collectives are called on.
 using BackendPtr = c10::intrusive_ptr<Backend>;
