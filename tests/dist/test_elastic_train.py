@@ -117,7 +117,8 @@ class ElasticTraining(DistTestCase):
             results.append((p.returncode, out, err))
         for rc, out, err in results:
             self.assertEqual(rc, 0, err)
-            self.assertRegex(err, r"dtrain-run: node [12] \(.*\) left; world size 3 -> 2 \(attempt 1\)\n")
+            self.assertRegex(err, r"dtrain-run: node [12] \(.*\) left; world size 3 -> 2 \(attempt 1, restart 1 of "
+                                  r"--max_restarts \d+\)\n")
         m = RESULT_RE.search(results[0][1])
         self.assertIsNotNone(m, results[0][1])
         self.assertEqual(m.group(5), "1", "the survivors' parameters differ")
@@ -164,7 +165,7 @@ class ElasticTraining(DistTestCase):
         _, err1 = nodes[1].communicate(timeout=60)
         self.assertEqual((nodes[0].returncode, nodes[1].returncode), (0, 0), err0 + err1)
         self.assertRegex(err0, r"node 2 \(.*\) joined; world size 2 -> 3 \(attempt 1\)")
-        self.assertRegex(err0, r"node 2 \(.*\) left; world size 3 -> 2 \(attempt 2\)")
+        self.assertRegex(err0, r"node 2 \(.*\) left; world size 3 -> 2 \(attempt 2, restart 1 of --max_restarts \d+\)")
         m = RESULT_RE.search(out0)
         self.assertIsNotNone(m, out0)
         self.assertEqual(m.group(1), "5")
