@@ -28,6 +28,7 @@ USES = {
     "parallel": {"comm", "compat", "common"},
     "nn": {"comm", "compat", "common"},
     "optim": {"comm", "compat", "common"},
+    "fsdp": {"ddp", "comm", "compat", "common"},
     "data": {"comm", "compat", "common"},
     "pipeline": {"ddp", "parallel", "comm", "compat", "common"},
     "checkpoint": {"amp", "data", "optim", "comm", "compat", "common"},
@@ -39,6 +40,7 @@ PUBLIC_OWNER = {
     "errors": "common", "system": "common", "process_group": "comm", "amp": "amp", "ddp": "ddp", "comm_hooks": "ddp",
     "data_parallel": "parallel", "sampler": "data", "datasets": "data", "checkpoint": "checkpoint",
     "monitor": "monitor", "summary_writer": "monitor", "pipeline": "pipeline", "detail": "common", "sync_batchnorm": "nn", "zero": "optim", "sharded_optimizer": "optim",
+    "fsdp": "fsdp",
     "join": "comm",
 }
 

@@ -79,7 +79,7 @@ def public_names():
             spaces = [b for b in stack if b is not None]
             # Namespace level of dtrain's public namespaces (not the implementation's dp, ddp, detail).
             public = (None not in stack and bool(spaces) and spaces[0].startswith("dtrain")
-                      and not set(spaces) & {"dp", "ddp", "detail"})
+                      and not set(spaces) & {"dp", "ddp", "fsdp", "detail"})
             if public and not re.match(r"\s*(namespace|#)", code):
                 m = re.match(r"\s*(?:template\s*<[^>]*>\s*)?(?:class|struct|enum class|enum)\s+(?:\[\[[^\]]*\]\]\s*)?"
                              r"(?:DTRAIN_\w+\s+)?(\w+)\s*(?:final\s*)?(?:[:{]|$)", code)

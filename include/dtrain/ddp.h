@@ -39,6 +39,7 @@
 
 #include "dtrain/comm_hooks.h"
 #include "dtrain/detail/arg.h"
+#include "dtrain/detail/collect_tensors.h"
 #include "dtrain/join.h"
 #include "dtrain/process_group.h"
 
@@ -112,21 +113,7 @@ class Core {
 };
 
 // Tensors inside a forward's result, for the unused-parameter search.
-inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
-inline void collect_tensors(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
-  out.insert(out.end(), ts.begin(), ts.end());
-}
-template <typename... Ts>
-void collect_tensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
-  std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, t);
-}
-template <typename A, typename B>
-void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out) {
-  collect_tensors(p.first, out);
-  collect_tensors(p.second, out);
-}
-template <typename T>
-void collect_tensors(const T&, std::vector<at::Tensor>&) {}  // no tensors to follow
+using detail::collect_tensors;
 
 }  // namespace ddp
 

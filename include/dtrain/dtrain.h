@@ -7,6 +7,7 @@
 #include "dtrain/data_parallel.h"
 #include "dtrain/ddp.h"
 #include "dtrain/errors.h"
+#include "dtrain/fsdp.h"
 #include "dtrain/join.h"
 #include "dtrain/monitor.h"
 #include "dtrain/pipeline.h"

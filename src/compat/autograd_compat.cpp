@@ -1,6 +1,7 @@
 #include "compat/autograd_compat.h"
 
 #include <algorithm>
+#include <mutex>
 #include <type_traits>
 #include <unordered_set>
 
@@ -67,6 +68,13 @@ void set_custom_backward(at::Tensor& output, const std::vector<at::Tensor>& inpu
 }
 
 NodePtr grad_accumulator(const at::Tensor& leaf) { return torch::autograd::impl::grad_accumulator(leaf); }
+
+void relink_grad_accumulator(const at::Tensor& leaf, const NodePtr& accumulator) {
+  auto* meta = torch::autograd::impl::get_autograd_meta(leaf);
+  if (!meta) return;
+  std::lock_guard<std::mutex> lock(meta->mutex_);
+  meta->grad_accumulator_ = decltype(meta->grad_accumulator_)(accumulator);
+}
 
 uintptr_t add_post_hook(const NodePtr& accumulator, std::function<void()> fn) {
   return accumulator->add_post_hook(std::make_unique<CallbackPostHook>(std::move(fn)));

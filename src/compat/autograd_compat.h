@@ -21,6 +21,12 @@ using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<co
 // returned pointer alive: the variable holds it only weakly, and its hooks die with it.
 NodePtr grad_accumulator(const at::Tensor& leaf);
 
+// Makes `accumulator` the leaf's accumulator again. Changing a leaf's dtype or device with set_data
+// drops autograd's (weak) link to its accumulator, so the next use would make a new one without
+// the hooks; fully_shard, which moves parameters between dtypes (mixed precision), relinks the one
+// it hooked and keeps alive. The accumulator's own metadata is not changed.
+void relink_grad_accumulator(const at::Tensor& leaf, const NodePtr& accumulator);
+
 // Calls fn() every time `accumulator` has accumulated a gradient into its variable's .grad().
 // Returns a key for remove_post_hook.
 uintptr_t add_post_hook(const NodePtr& accumulator, std::function<void()> fn);

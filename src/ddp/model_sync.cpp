@@ -24,7 +24,8 @@ std::vector<std::string> describe(const std::vector<std::string>& names, const s
 }
 
 // Step 3: the same message on every rank.
-std::string explain(const std::vector<std::vector<std::string>>& all, const std::vector<int>& ranks) {
+std::string explain(const std::vector<std::vector<std::string>>& all, const std::vector<int>& ranks,
+                    const std::string& who) {
   const auto& ref = all[0];
   for (size_t r = 1; r < all.size(); ++r) {
     const auto& mine = all[r];
@@ -33,20 +34,20 @@ std::string explain(const std::vector<std::vector<std::string>>& all, const std:
     size_t i = 0;
     while (i < n && ref[i] == mine[i]) ++i;
     std::ostringstream os;
-    os << "DistributedDataParallel: ranks disagree on the model: rank " << ranks[0] << " has " << ref.size()
-       << " parameters, rank " << ranks[r] << " has " << mine.size() << "; first difference at parameter #" << i
-       << ": rank " << ranks[0] << " " << (i < ref.size() ? ref[i] : "(none)") << " vs rank " << ranks[r] << " "
+    os << who << ": ranks disagree on the model: rank " << ranks[0] << " has " << ref.size() << " parameters, rank "
+       << ranks[r] << " has " << mine.size() << "; first difference at parameter #" << i << ": rank " << ranks[0] << " "
+       << (i < ref.size() ? ref[i] : "(none)") << " vs rank " << ranks[r] << " "
        << (i < mine.size() ? mine[i] : "(none)")
        << ": build the same model (same layers, shapes and dtypes) on every rank";
     return os.str();
   }
-  return "DistributedDataParallel: ranks disagree on the model (hash mismatch)";
+  return who + ": ranks disagree on the model (hash mismatch)";
 }
 
 }  // namespace
 
 void verify_same_model(const std::vector<std::string>& names, const std::vector<at::Tensor>& params, const Group& group,
-                       const std::string& key_prefix) {
+                       const std::string& key_prefix, const std::string& who) {
   const auto lines = describe(names, params);
   const std::string text = util::join(lines, "\n");
   // Step 1-2.
@@ -61,7 +62,7 @@ void verify_same_model(const std::vector<std::string>& names, const std::vector<
     auto v = store->get(key_prefix + std::to_string(r));
     all.push_back(util::split(std::string(v.begin(), v.end())));
   }
-  throw Error(detail::cat("rank ", rank(), ": ", explain(all, group.ranks())));
+  throw Error(detail::cat("rank ", rank(), ": ", explain(all, group.ranks(), who)));
 }
 
 void broadcast_from_first_rank(const std::vector<at::Tensor>& tensors, const Group& group) {

@@ -18,8 +18,9 @@
 
 namespace dtrain::ddp {
 
+// who: what the error line starts with (the caller, as the user named it).
 void verify_same_model(const std::vector<std::string>& names, const std::vector<at::Tensor>& params, const Group& group,
-                       const std::string& key_prefix);
+                       const std::string& key_prefix, const std::string& who = "DistributedDataParallel");
 
 void broadcast_from_first_rank(const std::vector<at::Tensor>& tensors, const Group& group);
 // The same from any member (src: a global rank).

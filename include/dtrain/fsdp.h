@@ -1,0 +1,181 @@
+// Fully sharded data parallel: torch.distributed.fsdp.fully_shard (FSDP2, ZeRO-3) in C++.
+//
+//   auto model = std::make_shared<Net>();                 // Net holds a torch::nn::Sequential `blocks`
+//   for (auto& block : *model->blocks) dtrain::fully_shard(block);   // each block is a unit
+//   auto fsdp = dtrain::fully_shard(model);               // the root: what is left
+//   torch::optim::Adam opt(model->parameters(), 1e-3);    // the parameters are now this rank's shards
+//   auto loss = torch::mse_loss(fsdp(x), y);              // forward through the handle, not model->forward
+//   opt.zero_grad(); loss.backward(); opt.step();         // .grad() holds the shard of the averaged gradient
+//
+// What a caller may rely on:
+// - Sharding as FSDP2's: every parameter is split on dim 0 into group.size() chunks of ceil(d0 / N)
+//   rows; group rank r holds chunk r (the last ranks fewer rows, or none). The module's parameters
+//   are these local shards (the same tensors as before, resized), so an optimizer built on them
+//   holds state for the shard only; so does one built before fully_shard that has not stepped yet.
+// - A unit's parameters are whole only while the unit runs: its forward all-gathers them first
+//   (prefetched one unit ahead from the second iteration on) and, with reshard_after_forward, frees
+//   them after; backward gathers them again and reduce-scatters the gradients, averaged over the
+//   group (asynchronously; every one has landed in .grad() when backward() returns).
+// - C++ modules have no forward hooks, so a unit runs through something dtrain owns: the
+//   FSDPModule handle fully_shard returns (call it, not module->forward), a torch::nn::Sequential
+//   element wrapped in place (fully_shard(AnyModule&): the element must take and return one tensor),
+//   or a member declared as FSDPModule<Block> in the parent and called as such. A unit whose forward
+//   runs any other way finds its parameters still sharded: torch then reports a shape mismatch.
+// - Every rank of the group builds the same model and calls fully_shard on the same modules in the
+//   same order (checked: names, shapes and dtypes must agree); as in FSDP2, parameters are not
+//   broadcast, so seed every rank alike. A parameter unused in backward gets no gradient, as in one
+//   process; it must be unused on every rank alike.
+// Design and protocol: docs/design.md, "Fully sharded data parallel", and Note [Sharded storage] in
+// src/fsdp/unit.cpp.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+
+#include "dtrain/detail/arg.h"
+#include "dtrain/detail/collect_tensors.h"
+#include "dtrain/process_group.h"
+
+namespace dtrain {
+
+// FSDP2's MixedPrecisionPolicy: the dtype parameters are all-gathered and computed in, and the dtype
+// gradients are reduce-scattered in. Shards, their gradients and the optimizer keep the parameters'
+// own dtype. Unset: the parameters' dtype.
+struct MixedPrecisionPolicy {
+  DTRAIN_ARG(std::optional<at::ScalarType>, param_dtype, std::nullopt)
+  DTRAIN_ARG(std::optional<at::ScalarType>, reduce_dtype, std::nullopt)
+};
+
+struct FullyShardOptions {
+  // The group the parameters are sharded over (FSDP2's mesh; default: the world).
+  DTRAIN_ARG(Group, process_group, Group())
+  // Free the gathered parameters after the unit's forward and gather them again in backward (true,
+  // ZeRO-3), or keep them until the unit's backward (false, ZeRO-2 for the parameters). Unset, as
+  // FSDP2: true, except for the root, whose parameters backward needs first.
+  DTRAIN_ARG(std::optional<bool>, reshard_after_forward, std::nullopt)
+  DTRAIN_ARG(MixedPrecisionPolicy, mp_policy, MixedPrecisionPolicy())
+};
+
+namespace fsdp {
+
+class Unit;  // src/fsdp/unit.h
+
+// The unit fully_shard made of `module`, or null.
+std::shared_ptr<Unit> find_unit(const torch::nn::Module* module);
+std::shared_ptr<Unit> make_unit(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options);
+
+// A unit's forward: the constructor gathers the parameters (and, for the root, prepares the
+// iteration); finish() follows the outputs into backward and frees the parameters if the unit
+// reshards after forward. A scope left by an exception leaves the unit as it was before.
+class ForwardScope {
+ public:
+  explicit ForwardScope(std::shared_ptr<Unit> unit);
+  ~ForwardScope();
+  void finish(const std::vector<at::Tensor>& outputs);
+  ForwardScope(const ForwardScope&) = delete;
+  ForwardScope& operator=(const ForwardScope&) = delete;
+
+ private:
+  std::shared_ptr<Unit> unit_;
+  bool finished_ = false;
+};
+
+// What FSDPModule's methods do, for any module type.
+void unshard(const torch::nn::Module& module);
+void reshard(const torch::nn::Module& module);
+void set_requires_gradient_sync(const torch::nn::Module& module, bool requires_sync, bool recurse);
+std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Module& module);
+// This rank's local shard of every parameter of the module, by name, as FSDP2's to_local().
+std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict(torch::nn::Module& module);
+
+}  // namespace fsdp
+
+// FSDP2's FSDPModule: a handle to a module fully_shard made a unit (or, before that, a plain
+// pass-through: a parent may declare its units' members as FSDPModule<Block>).
+template <typename ModuleType>
+class FSDPModule {
+ public:
+  FSDPModule(std::nullptr_t) {}  // NOLINT: an empty member, assigned in the parent's constructor
+  explicit FSDPModule(std::shared_ptr<ModuleType> module) : module_(std::move(module)) {}
+
+  // Runs the module's forward as a unit (gathering its parameters before, following its outputs
+  // into backward after); a module not yet fully_shard'ed runs as is.
+  template <typename... Args>
+  decltype(auto) forward(Args&&... args) {
+    auto unit = fsdp::find_unit(module_.get());
+    if (!unit) return module_->forward(std::forward<Args>(args)...);
+    fsdp::ForwardScope scope(std::move(unit));
+    auto out = module_->forward(std::forward<Args>(args)...);
+    std::vector<at::Tensor> tensors;
+    detail::collect_tensors(out, tensors);
+    scope.finish(tensors);
+    return out;
+  }
+  template <typename... Args>
+  decltype(auto) operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  const std::shared_ptr<ModuleType>& module() const { return module_; }
+  ModuleType* get() const { return module_.get(); }
+  std::vector<at::Tensor> parameters(bool recurse = true) const { return module_->parameters(recurse); }
+
+  // Gathers the parameters now and keeps them until reshard() or the unit's next backward.
+  void unshard() { fsdp::unshard(*module_); }
+  void reshard() { fsdp::reshard(*module_); }
+  // FSDP2's no_sync: false makes backward keep each unit's whole gradient, summed over backward
+  // passes (memory: one gradient of the unit's parameters, whole, in the reduce dtype), without
+  // communicating; the next backward with true reduce-scatters the sum. recurse: the units below too.
+  void set_requires_gradient_sync(bool requires_sync, bool recurse = true) {
+    fsdp::set_requires_gradient_sync(*module_, requires_sync, recurse);
+  }
+  // Collective: every parameter whole, by name as module->named_parameters() gives them, on every
+  // rank (a copy; loads into an unsharded model of the same architecture with load_state_dict-like
+  // code, or into PyTorch by name).
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() { return fsdp::full_state_dict(*module_); }
+  // This rank's shards, by name (FSDP2's sharded state dict: to_local() of each DTensor).
+  std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict() { return fsdp::sharded_state_dict(*module_); }
+
+ private:
+  std::shared_ptr<ModuleType> module_;
+};
+
+// Makes `module` a unit: its parameters that no unit below it holds are sharded over the group.
+// Apply it bottom-up, the root last, as FSDP2's. Collective over the group.
+template <typename ModuleType>
+FSDPModule<ModuleType> fully_shard(std::shared_ptr<ModuleType> module,
+                                   const FullyShardOptions& options = FullyShardOptions()) {
+  fsdp::make_unit(module, options);
+  return FSDPModule<ModuleType>(std::move(module));
+}
+template <typename ModuleType>
+FSDPModule<ModuleType> fully_shard(torch::nn::ModuleHolder<ModuleType> holder,
+                                   const FullyShardOptions& options = FullyShardOptions()) {
+  return fully_shard(holder.ptr(), options);
+}
+template <typename ModuleType>
+FSDPModule<ModuleType> fully_shard(FSDPModule<ModuleType>& member,
+                                   const FullyShardOptions& options = FullyShardOptions()) {
+  return fully_shard(member.module(), options);
+}
+// An element of a torch::nn::Sequential (for (auto& block : *seq) fully_shard(block)): the element
+// becomes a unit and is replaced in place by a wrapper that runs it as one, so the Sequential's own
+// forward runs it as a unit. Its parameters keep their names. The element takes and returns one
+// tensor.
+void fully_shard(torch::nn::AnyModule& element, const FullyShardOptions& options = FullyShardOptions());
+
+// torch.nn.utils.clip_grad_norm_ over sharded gradients: the total norm of the whole gradients,
+// computed across the group from each rank's shards (one all-reduce), then every shard's gradient
+// scaled by max_norm / (total + 1e-6) when that is below 1. Returns the total norm. Collective.
+double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0,
+                       const Group& group = Group());
+
+}  // namespace dtrain

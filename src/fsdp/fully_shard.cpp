@@ -1,0 +1,259 @@
+// fully_shard: making units, the registry that finds them from their modules, the Sequential
+// element wrapper, and the state dicts and gradient clipping over shards (see dtrain/fsdp.h).
+#include <cmath>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "ddp/model_sync.h"
+#include "dtrain/errors.h"
+#include "dtrain/fsdp.h"
+#include "fsdp/root.h"
+#include "fsdp/unit.h"
+
+namespace dtrain::fsdp {
+namespace {
+
+struct Entry {
+  std::weak_ptr<torch::nn::Module> module;
+  std::shared_ptr<Unit> unit;
+};
+
+// Units by module, and which unit holds each parameter (by tensor), for the whole process.
+struct Registry {
+  std::mutex mu;
+  std::unordered_map<const torch::nn::Module*, Entry> units;
+  std::unordered_map<const c10::TensorImpl*, std::string> holder;  // parameter -> its unit's label
+
+  void drop_dead() {  // units whose module is gone
+    for (auto it = units.begin(); it != units.end();) {
+      if (it->second.module.expired()) {
+        for (auto& p : it->second.unit->params()) holder.erase(p.param.unsafeGetTensorImpl());
+        it = units.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+std::string describe(const torch::nn::Module& m) { return "'" + m.name() + "'"; }
+
+// The parameters `module` shards: those of its own and of its submodules that are not units;
+// names as module->named_parameters() gives them.
+std::vector<std::pair<std::string, at::Tensor>> parameters_to_shard(const std::shared_ptr<torch::nn::Module>& module) {
+  auto& reg = registry();
+  std::vector<std::string> unit_prefixes;
+  for (const auto& item : module->named_modules("", /*include_self=*/false))
+    if (reg.units.count(item.value().get())) unit_prefixes.push_back(item.key() + ".");
+  auto below_a_unit = [&](const std::string& name) {
+    for (const auto& pre : unit_prefixes)
+      if (name.rfind(pre, 0) == 0) return true;
+    return false;
+  };
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::unordered_map<const c10::TensorImpl*, std::string> seen;
+  for (const auto& kv : module->named_parameters(/*recurse=*/true)) {
+    const at::Tensor& t = kv.value();
+    const std::string& name = kv.key();
+    if (below_a_unit(name)) continue;
+    auto held = reg.holder.find(t.unsafeGetTensorImpl());
+    DTRAIN_CHECK(held == reg.holder.end(), "fully_shard(", describe(*module), "): parameter '", name,
+                 "' is the same tensor as one that unit '", held->second,
+                 "' already shards (tied weights across units): make both users part of one unit (call "
+                 "fully_shard on a module that contains both), or untie them");
+    auto [it, fresh] = seen.emplace(t.unsafeGetTensorImpl(), name);
+    DTRAIN_CHECK(fresh, "fully_shard(", describe(*module), "): parameters '", it->second, "' and '", name,
+                 "' are the same tensor (tied weights): fully_shard shards each tensor once; register it "
+                 "under one name only");
+    DTRAIN_CHECK(at::isFloatingType(t.scalar_type()), "fully_shard(", describe(*module), "): parameter '", name,
+                 "' is ", t.scalar_type(), ": only floating-point parameters can be sharded (make it a buffer)");
+    if (!out.empty()) {
+      const at::Tensor& first = out.front().second;
+      DTRAIN_CHECK(first.scalar_type() == t.scalar_type() && first.device() == t.device(), "fully_shard(",
+                   describe(*module), "): parameter '", name, "' is ", t.scalar_type(), " on ", t.device(), " but '",
+                   out.front().first, "' is ", first.scalar_type(), " on ", first.device(),
+                   ": one unit's parameters share a dtype and device (module->to(...) first, or make them "
+                   "separate units)");
+    }
+    out.emplace_back(name, t);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::shared_ptr<Unit> find_unit(const torch::nn::Module* module) {
+  auto& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.units.find(module);
+  if (it == reg.units.end() || it->second.module.expired()) return nullptr;
+  return it->second.unit;
+}
+
+std::shared_ptr<Unit> make_unit(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options) {
+  DTRAIN_CHECK(module, "fully_shard: the module is null: pass a constructed model");
+  DTRAIN_CHECK(is_initialized(), "fully_shard needs a process group: call dtrain::init_process_group() first");
+  const Group& group = options.process_group();
+  DTRAIN_CHECK(group.is_member(), "fully_shard(", describe(*module), "): rank ", rank(),
+               " is not a member of the given process_group: shard the model only on the group's ranks");
+  auto& reg = registry();
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    reg.drop_dead();
+    auto it = reg.units.find(module.get());
+    DTRAIN_CHECK(it == reg.units.end(), "fully_shard(", describe(*module),
+                 "): this module is already a unit (fully_shard was called on it before): call fully_shard once "
+                 "per module");
+    for (const auto& m : module->modules(/*include_self=*/false)) {
+      auto u = reg.units.find(m.get());
+      DTRAIN_CHECK(u == reg.units.end() || !u->second.unit->root, "fully_shard(", describe(*module), "): unit '",
+                   u->second.unit->label(),
+                   "' below it has already run a forward as its own root: apply fully_shard bottom-up, the root "
+                   "last, before the first forward");
+    }
+    named = parameters_to_shard(module);
+  }
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  for (const auto& [n, t] : named) {
+    names.push_back(n);
+    params.push_back(t);
+  }
+  ddp::verify_same_model(names, params, group,
+                         detail::cat("fsdp/", group.name(), "/", group.next_object_index(), "/model/"),
+                         detail::cat("fully_shard(", describe(*module), ")"));
+  at::Tensor flat;
+  auto sharded = shard_parameters(std::move(named), group, flat);
+  auto unit = std::make_shared<Unit>(module, std::move(sharded), std::move(flat), options);
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (auto& p : unit->params()) reg.holder[p.param.unsafeGetTensorImpl()] = unit->label();
+  reg.units[module.get()] = Entry{module, unit};
+  return unit;
+}
+
+namespace {
+
+// The units of `module` and below, in module order.
+std::vector<std::shared_ptr<Unit>> units_under(const torch::nn::Module& module) {
+  std::vector<std::shared_ptr<Unit>> out;
+  for (const auto& m : module.modules(/*include_self=*/true))
+    if (auto u = find_unit(m.get())) out.push_back(u);
+  return out;
+}
+
+// A torch::nn::Sequential element run as a unit (fully_shard(AnyModule&)).
+class ShardedElementImpl : public torch::nn::Module {
+ public:
+  ShardedElementImpl(torch::nn::AnyModule inner, std::shared_ptr<Unit> unit)
+      : inner_(std::move(inner)), unit_(std::move(unit)) {}
+  at::Tensor forward(at::Tensor x) {
+    ForwardScope scope(unit_);
+    at::Tensor out = inner_.forward(std::move(x));
+    scope.finish({out});
+    return out;
+  }
+
+ private:
+  torch::nn::AnyModule inner_;
+  std::shared_ptr<Unit> unit_;
+};
+
+}  // namespace
+
+void unshard(const torch::nn::Module& module) {
+  auto unit = find_unit(&module);
+  DTRAIN_CHECK(unit, "unshard(", describe(module), "): the module is not a unit: call fully_shard on it first");
+  unit->unshard();
+}
+
+void reshard(const torch::nn::Module& module) {
+  auto unit = find_unit(&module);
+  DTRAIN_CHECK(unit, "reshard(", describe(module), "): the module is not a unit: call fully_shard on it first");
+  unit->reshard();
+}
+
+void set_requires_gradient_sync(const torch::nn::Module& module, bool requires_sync, bool recurse) {
+  if (!recurse) {
+    auto unit = find_unit(&module);
+    DTRAIN_CHECK(unit, "set_requires_gradient_sync(", describe(module),
+                 "): the module is not a unit: call fully_shard on it first");
+    unit->set_requires_gradient_sync(requires_sync);
+    return;
+  }
+  for (auto& u : units_under(module)) u->set_requires_gradient_sync(requires_sync);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> whole;
+  for (auto& u : units_under(module)) {
+    auto copies = u->whole_copies();
+    for (size_t i = 0; i < copies.size(); ++i) whole[u->params()[i].param.unsafeGetTensorImpl()] = copies[i];
+  }
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& kv : module.named_parameters()) {
+    auto it = whole.find(kv.value().unsafeGetTensorImpl());
+    out.emplace_back(kv.key(), it == whole.end() ? kv.value().detach().clone() : it->second);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict(torch::nn::Module& module) {
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> shards;
+  for (auto& u : units_under(module))
+    for (auto& p : u->params()) shards[p.param.unsafeGetTensorImpl()] = p.shard;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& kv : module.named_parameters()) {
+    auto it = shards.find(kv.value().unsafeGetTensorImpl());
+    out.emplace_back(kv.key(), it == shards.end() ? kv.value() : it->second);
+  }
+  return out;
+}
+
+}  // namespace dtrain::fsdp
+
+namespace dtrain {
+
+void fully_shard(torch::nn::AnyModule& element, const FullyShardOptions& options) {
+  DTRAIN_CHECK(!element.is_empty(), "fully_shard: the Sequential element is empty");
+  auto unit = fsdp::make_unit(element.ptr(), options);
+  element = torch::nn::AnyModule(std::make_shared<fsdp::ShardedElementImpl>(std::move(element), std::move(unit)));
+}
+
+double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type,
+                       const Group& group) {
+  DTRAIN_CHECK(max_norm >= 0, "clip_grad_norm_: max_norm must be >= 0, got ", max_norm);
+  DTRAIN_CHECK(norm_type > 0, "clip_grad_norm_: norm_type must be > 0 (or infinity), got ", norm_type);
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (const at::Tensor& p : parameters)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  const bool inf = std::isinf(norm_type);
+  at::Tensor local = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(collective_device(group)));
+  for (const at::Tensor& g : grads) {
+    if (g.numel() == 0) continue;
+    at::Tensor a = g.detach().abs().to(at::kDouble);
+    if (inf)
+      local = at::maximum(local, a.max().reshape({1}).to(local.device()));
+    else
+      local += a.pow(norm_type).sum().reshape({1}).to(local.device());
+  }
+  all_reduce(local, inf ? ReduceOp::MAX : ReduceOp::SUM, group);
+  const double total = inf ? local.item<double>() : std::pow(local.item<double>(), 1.0 / norm_type);
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1)
+    for (at::Tensor& g : grads) g.mul_(coef);
+  return total;
+}
+
+}  // namespace dtrain

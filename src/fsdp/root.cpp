@@ -1,0 +1,116 @@
+// A unit's forward and backward steps, and the root that orders them (see root.h and unit.h).
+#include "fsdp/root.h"
+
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "compat/autograd_compat.h"
+#include "fsdp/unit.h"
+
+namespace dtrain::fsdp {
+namespace {
+
+// Units' forwards running on this thread, one inside the other: the outermost is the root's.
+thread_local int forward_depth = 0;
+
+std::shared_ptr<Unit> lock(const std::weak_ptr<Unit>& w) { return w.lock(); }
+
+// Before a unit's backward: its parameters whole again, and the unit before it prefetched.
+void pre_backward(Unit& unit) {
+  if (unit.pre_backward_done) return;
+  unit.pre_backward_done = true;
+  if (unit.root) unit.root->on_backward();
+  unit.unshard();
+  if (unit.root) {
+    auto next = unit.root->before_in_forward(&unit);
+    if (next && !next->pre_backward_done) next->issue_gather();
+  }
+}
+
+// The root of `unit`: the one it already has, or a new one made of every unit below its module.
+void ensure_root(Unit& unit, const std::shared_ptr<Unit>& self) {
+  if (unit.root) return;
+  std::vector<std::weak_ptr<Unit>> units;
+  for (const auto& m : const_cast<torch::nn::Module*>(unit.module())->modules(/*include_self=*/false)) {
+    auto u = find_unit(m.get());
+    if (u && !u->root) units.push_back(u);
+  }
+  units.push_back(self);
+  unit.own_root = std::make_shared<Root>(units);
+  for (auto& w : units)
+    if (auto u = w.lock()) u->root = unit.own_root.get();
+  unit.make_root_default();
+}
+
+}  // namespace
+
+void Root::begin_iteration() {
+  if (!order_.empty()) last_order_ = std::move(order_);
+  order_.clear();
+  if (queued_) return;  // a backward is still running (a forward inside backward): nothing to reset
+  for (auto& w : units_)
+    if (auto u = lock(w)) u->reset_backward();
+}
+
+std::shared_ptr<Unit> Root::record_forward(const std::shared_ptr<Unit>& unit) {
+  order_.push_back(unit);
+  const size_t i = order_.size();
+  if (i < last_order_.size()) return lock(last_order_[i]);
+  return nullptr;
+}
+
+std::shared_ptr<Unit> Root::before_in_forward(const Unit* unit) const {
+  for (size_t i = order_.size(); i-- > 1;)
+    if (lock(order_[i]).get() == unit) return lock(order_[i - 1]);
+  return nullptr;
+}
+
+void Root::on_backward() {
+  if (queued_) return;
+  queued_ = true;
+  compat::queue_end_of_backward_callback([this] { end_of_backward(); });
+}
+
+void Root::end_of_backward() {
+  queued_ = false;
+  std::vector<std::shared_ptr<Unit>> units;
+  for (auto& w : units_)
+    if (auto u = lock(w)) units.push_back(u);
+  // Launches in reverse forward order first (what backward would have done had every parameter
+  // been used), then in module order for units the forward did not record.
+  for (size_t i = order_.size(); i-- > 0;)
+    if (auto u = lock(order_[i])) u->launch_if_pending();
+  for (auto& u : units) u->launch_if_pending();
+  for (auto& u : units) u->finish_gradients();
+  for (auto& u : units) u->reset_backward();
+}
+
+ForwardScope::ForwardScope(std::shared_ptr<Unit> unit) : unit_(std::move(unit)) {
+  DTRAIN_CHECK(unit_ != nullptr, "internal: a forward scope without a unit");
+  if (forward_depth == 0) {
+    ensure_root(*unit_, unit_);
+    unit_->root->begin_iteration();
+  }
+  ++forward_depth;
+  unit_->unshard();
+  if (unit_->root) {
+    if (auto next = unit_->root->record_forward(unit_)) next->issue_gather();
+  }
+}
+
+ForwardScope::~ForwardScope() { --forward_depth; }
+
+void ForwardScope::finish(const std::vector<at::Tensor>& outputs) {
+  finished_ = true;
+  if (unit_->reshard_after_forward()) unit_->reshard();
+  if (!torch::autograd::GradMode::is_enabled()) return;
+  std::weak_ptr<Unit> weak = unit_;
+  for (const at::Tensor& t : outputs) {
+    if (!t.defined() || !t.requires_grad()) continue;
+    at::Tensor out = t;
+    out.register_hook([weak](const at::Tensor&) {
+      if (auto u = weak.lock()) pre_backward(*u);
+    });
+  }
+}
+
+}  // namespace dtrain::fsdp

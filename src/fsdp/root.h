@@ -1,0 +1,35 @@
+// The root of fully_shard units: the unit whose forward runs with no other unit's forward active.
+// It starts each iteration, records the order units run in (for prefetching one unit ahead), and
+// at the end of backward (one callback per backward pass) has every unit launch what is pending,
+// wait for its reduce-scatter and leave the shards' gradients in .grad().
+#pragma once
+
+#include <memory>
+#include <vector>
+
+namespace dtrain::fsdp {
+
+class Unit;
+
+class Root {
+ public:
+  explicit Root(std::vector<std::weak_ptr<Unit>> units) : units_(std::move(units)) {}
+  // A forward of the root: a new iteration; gradients of an earlier backward that never ended
+  // (an exception inside it) are dropped.
+  void begin_iteration();
+  // `unit` runs its forward now; returns the unit that ran after it last iteration, if any.
+  std::shared_ptr<Unit> record_forward(const std::shared_ptr<Unit>& unit);
+  // The unit that ran before `unit` in this iteration's forward (next in backward), if any.
+  std::shared_ptr<Unit> before_in_forward(const Unit* unit) const;
+  // Called from autograd hooks: queues the end of this backward pass once.
+  void on_backward();
+
+ private:
+  void end_of_backward();
+
+  std::vector<std::weak_ptr<Unit>> units_;
+  std::vector<std::weak_ptr<Unit>> order_, last_order_;
+  bool queued_ = false;
+};
+
+}  // namespace dtrain::fsdp

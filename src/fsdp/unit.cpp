@@ -1,0 +1,276 @@
+// A fully_shard unit's storage and collectives (see unit.h).
+//
+// Note [Sharded storage]
+// C++ cannot swap a module's attribute as FSDP2 does (setattr between the sharded DTensor and the
+// unsharded parameter): a module's forward reads its own member tensors (Linear::weight). So each
+// parameter keeps its identity, and what changes is the data behind it (set_data), between
+//   - `shard`: this rank's rows, a view of the unit's flat shard (every parameter's chunk of
+//     ceil(d0 / n) rows, padded with zeros, back to back), which is what the optimizer updates and
+//     what the all-gather sends, without a copy when the param dtype is the parameters' own; and
+//   - `full`: the whole parameter, its own storage. Resharding does not drop that storage, it
+//     empties it (zero bytes, as FSDP2's storage resize_(0)): autograd keeps views of the whole
+//     weight for backward (Linear saves weight.t()), so a fresh tensor at the next gather would
+//     leave those views on the old one. Gathering refills the same storage, and the views see it.
+// A gradient accumulates into the whole parameter (autograd's AccumulateGrad). Once every
+// parameter of the unit that takes a gradient has one, the unit lays them out as the all-gather
+// did (chunk r of every parameter in part r), starts an asynchronous reduce-scatter (AVG) and
+// reshards at once, freeing the whole gradients. At the end of backward the reduced chunk becomes
+// the shard's .grad(), added to the one the shard held before (set aside while the parameter was
+// whole, since a whole gradient cannot accumulate into it).
+#include "fsdp/unit.h"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "dtrain/errors.h"
+#include "fsdp/root.h"
+
+namespace dtrain::fsdp {
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Empties a tensor's storage (zero bytes) and refills it (bytes allocated again, contents undefined),
+// keeping the StorageImpl that views share.
+void free_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (s->nbytes() == 0) return;
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  s->set_nbytes(0);
+}
+void alloc_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  if (s->nbytes() == bytes) return;
+  s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
+  s->set_nbytes(bytes);
+}
+
+}  // namespace
+
+std::vector<ShardedParam> shard_parameters(std::vector<std::pair<std::string, at::Tensor>> named, const Group& group,
+                                           at::Tensor& flat_shard) {
+  const int64_t n = group.size(), r = group.rank();
+  std::vector<ShardedParam> out;
+  int64_t offset = 0;
+  for (auto& [name, t] : named) {
+    ShardedParam p;
+    p.name = name;
+    p.param = t;
+    p.full_shape = t.sizes().vec();
+    p.rows = t.dim() == 0 ? 1 : t.size(0);
+    p.row_numel = p.rows == 0 ? 0 : t.numel() / p.rows;
+    p.chunk_rows = ceil_div(p.rows, n);
+    p.local_rows = std::max<int64_t>(0, std::min(p.chunk_rows, p.rows - r * p.chunk_rows));
+    p.offset = offset;
+    offset += p.chunk_numel();
+    out.push_back(std::move(p));
+  }
+  const at::Tensor first = out.empty() ? at::Tensor() : out[0].param;
+  flat_shard = at::zeros({offset}, first.defined() ? first.options().requires_grad(false) : at::TensorOptions());
+  torch::NoGradGuard no_grad;
+  for (ShardedParam& p : out) {
+    at::Tensor whole = p.param.detach().reshape({-1});
+    // A rank past the last chunk holds no rows (its start may lie past the end).
+    const int64_t start = std::min(r * p.chunk_numel(), whole.numel());
+    flat_shard.narrow(0, p.offset, p.local_numel()).copy_(whole.narrow(0, start, p.local_numel()));
+    std::vector<int64_t> shape = p.full_shape;
+    if (shape.empty())
+      shape = {p.local_rows};
+    else
+      shape[0] = p.local_rows;
+    p.shard = flat_shard.narrow(0, p.offset, p.local_numel()).view(shape);
+    p.param.set_data(p.shard);
+    p.param.mutable_grad() = at::Tensor();
+  }
+  return out;
+}
+
+Unit::Unit(const std::shared_ptr<torch::nn::Module>& module, std::vector<ShardedParam> params, at::Tensor flat_shard,
+           const FullyShardOptions& o)
+    : label_(module->name()),
+      module_(module.get()),
+      group_(o.process_group()),
+      params_(std::move(params)),
+      mp_(o.mp_policy()),
+      reshard_option_(o.reshard_after_forward()),
+      flat_shard_(std::move(flat_shard)) {
+  per_rank_ = flat_shard_.defined() ? flat_shard_.numel() : 0;
+  for (const ShardedParam& p : params_) takes_grad_ += p.param.requires_grad() ? 1 : 0;
+  reshard_after_forward_ = reshard_option_.value_or(true);
+  hook_keys_.assign(params_.size(), 0);
+}
+
+Unit::~Unit() {
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].accumulator) compat::remove_post_hook(params_[i].accumulator, hook_keys_[i]);
+}
+
+// Autograd fixes the shape and dtype a leaf's gradient must have when it creates the leaf's
+// accumulator, so the accumulators are made while the parameters are whole, and kept (the parameter
+// holds its accumulator only weakly, and set_data to another dtype drops even that link: unshard
+// relinks it): every backward then accumulates whole gradients into the hooked accumulator.
+void Unit::hook_accumulators() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    ShardedParam& p = params_[i];
+    if (p.accumulator || !p.param.requires_grad()) continue;
+    p.accumulator = compat::grad_accumulator(p.param);
+    std::weak_ptr<Unit> self = weak_from_this();
+    hook_keys_[i] = compat::add_post_hook(p.accumulator, [self, i] {
+      if (auto u = self.lock()) u->on_grad_ready(u->params_[i]);
+    });
+  }
+}
+
+at::ScalarType Unit::param_dtype() const {
+  return mp_.param_dtype().value_or(flat_shard_.defined() ? flat_shard_.scalar_type() : at::kFloat);
+}
+at::ScalarType Unit::reduce_dtype() const { return mp_.reduce_dtype().value_or(param_dtype()); }
+
+void Unit::issue_gather() {
+  if (whole_ || gather_ || params_.empty()) return;
+  // The input lives until the gather is waited for: an asynchronous collective reads it meanwhile.
+  // A gather moves bits without arithmetic, so 16-bit floats travel as bytes: Gloo in LibTorch 1.13
+  // has no BFloat16 (nor int16) collectives.
+  gather_in_ = flat_shard_.scalar_type() == param_dtype() ? flat_shard_ : flat_shard_.to(param_dtype());
+  gathered_ = at::empty({group_.size() * per_rank_}, gather_in_.options());
+  if (gather_in_.element_size() == 2) {
+    at::Tensor out = gathered_.view(at::kByte);
+    gather_ = all_gather_into_tensor(out, gather_in_.view(at::kByte), group_, /*async_op=*/true);
+  } else {
+    gather_ = all_gather_into_tensor(gathered_, gather_in_, group_, /*async_op=*/true);
+  }
+}
+
+void Unit::unshard() {
+  if (whole_ || params_.empty()) {
+    whole_ = true;
+    return;
+  }
+  issue_gather();
+  gather_->wait();
+  gather_.reset();
+  torch::NoGradGuard no_grad;
+  const at::Tensor parts = gathered_.view({group_.size(), per_rank_});
+  for (ShardedParam& p : params_) {
+    if (!p.full.defined()) p.full = at::empty(p.full_shape, p.shard.options().dtype(param_dtype()));
+    alloc_storage(p.full);
+    at::Tensor chunks = parts.narrow(1, p.offset, p.chunk_numel()).reshape({-1});
+    p.full.view({-1}).copy_(chunks.narrow(0, 0, p.rows * p.row_numel));
+    // Set the shard's gradient aside: a whole gradient accumulates into .grad() now.
+    if (p.param.grad().defined()) p.sharded_grad = p.param.grad();
+    p.param.mutable_grad() = at::Tensor();
+    p.param.set_data(p.full);
+    if (p.accumulator) compat::relink_grad_accumulator(p.param, p.accumulator);
+  }
+  gathered_ = at::Tensor();
+  gather_in_ = at::Tensor();
+  whole_ = true;
+  hook_accumulators();
+}
+
+std::vector<at::Tensor> Unit::whole_copies() const {
+  std::vector<at::Tensor> out;
+  if (params_.empty()) return out;
+  at::Tensor gathered = at::empty({group_.size() * per_rank_}, flat_shard_.options());
+  all_gather_into_tensor(gathered, flat_shard_, group_);
+  const at::Tensor parts = gathered.view({group_.size(), per_rank_});
+  for (const ShardedParam& p : params_) {
+    at::Tensor chunks = parts.narrow(1, p.offset, p.chunk_numel()).reshape({-1});
+    out.push_back(chunks.narrow(0, 0, p.rows * p.row_numel).clone().view(p.full_shape));
+  }
+  return out;
+}
+
+void Unit::reshard(bool restore_grads) {
+  if (!whole_) return;
+  torch::NoGradGuard no_grad;
+  for (ShardedParam& p : params_) {
+    p.param.mutable_grad() = at::Tensor();
+    p.param.set_data(p.shard);
+    if (p.full.defined()) free_storage(p.full);
+    if (restore_grads && p.sharded_grad.defined()) {
+      p.param.mutable_grad() = p.sharded_grad;
+      p.sharded_grad = at::Tensor();
+    }
+  }
+  whole_ = false;
+}
+
+void Unit::on_grad_ready(ShardedParam& p) {
+  if (root) root->on_backward();
+  if (p.got_grad || !whole_) return;
+  p.got_grad = true;
+  if (++ready_ == takes_grad_) launch_reduce_scatter();
+}
+
+void Unit::launch_if_pending() {
+  if (ready_ > 0 && !launched_) launch_reduce_scatter();
+  reshard();  // a unit gathered for backward whose parameters took no gradient
+}
+
+void Unit::launch_reduce_scatter() {
+  launched_ = true;
+  torch::NoGradGuard no_grad;
+  const int64_t n = group_.size();
+  if (!requires_sync_) {  // accumulate the whole gradients; nothing goes over the wire
+    for (ShardedParam& p : params_) {
+      if (!p.got_grad) continue;
+      at::Tensor g = p.param.grad().to(reduce_dtype());
+      p.accumulated = p.accumulated.defined() ? p.accumulated.add_(g) : g.clone();
+    }
+    reshard();
+    return;
+  }
+  scatter_in_ = at::zeros({n, per_rank_}, flat_shard_.options().dtype(reduce_dtype()));
+  for (ShardedParam& p : params_) {
+    at::Tensor g = p.got_grad ? p.param.grad().to(reduce_dtype()) : at::Tensor();
+    if (p.accumulated.defined()) g = g.defined() ? g.add(p.accumulated) : p.accumulated;
+    p.accumulated = at::Tensor();
+    if (!g.defined()) continue;
+    p.got_grad = true;  // a gradient accumulated without sync counts as this backward's
+    at::Tensor padded = at::zeros({n * p.chunk_numel()}, g.options());
+    padded.narrow(0, 0, g.numel()).copy_(g.reshape({-1}));
+    scatter_in_.narrow(1, p.offset, p.chunk_numel()).copy_(padded.view({n, p.chunk_numel()}));
+  }
+  scatter_out_ = at::empty({per_rank_}, scatter_in_.options());
+  scatter_ = reduce_scatter_tensor(scatter_out_, scatter_in_.view({-1}), ReduceOp::AVG, group_, /*async_op=*/true);
+  reshard(/*restore_grads=*/false);  // the shard's old gradient waits in sharded_grad for the new one
+}
+
+void Unit::finish_gradients() {
+  if (!scatter_) return;
+  scatter_->wait();
+  scatter_.reset();
+  torch::NoGradGuard no_grad;
+  for (ShardedParam& p : params_) {
+    at::Tensor old = p.sharded_grad;
+    p.sharded_grad = at::Tensor();
+    if (!p.got_grad) {
+      if (old.defined()) p.param.mutable_grad() = old;
+      continue;
+    }
+    at::Tensor g = scatter_out_.narrow(0, p.offset, p.local_numel()).view(p.shard.sizes()).to(p.shard.scalar_type());
+    if (old.defined()) {
+      old.add_(g);
+      p.param.mutable_grad() = old;
+    } else {
+      // A copy, so that the shard's gradient does not keep the unit's whole reduce buffer alive.
+      p.param.mutable_grad() = g.clone();
+    }
+  }
+  scatter_in_ = at::Tensor();
+  scatter_out_ = at::Tensor();
+}
+
+void Unit::reset_backward() {
+  ready_ = 0;
+  launched_ = false;
+  pre_backward_done = false;
+  for (ShardedParam& p : params_) p.got_grad = false;
+}
+
+}  // namespace dtrain::fsdp

@@ -1,0 +1,111 @@
+// One fully_shard unit: its parameters' shards in one flat buffer, the all-gather that makes them
+// whole, the reduce-scatter of their gradients (protocol: Note [Sharded storage] in unit.cpp).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include "compat/autograd_compat.h"
+#include "dtrain/fsdp.h"
+
+namespace dtrain::fsdp {
+
+class Root;
+
+// A parameter of a unit. `param` is the module's own tensor: its data is `shard` while sharded and
+// `full` while whole.
+struct ShardedParam {
+  std::string name;  // as the unit's module names it
+  at::Tensor param;
+  std::vector<int64_t> full_shape;
+  int64_t rows = 1;       // dim 0 of the whole parameter
+  int64_t row_numel = 1;  // elements per row
+  int64_t chunk_rows = 0, local_rows = 0;
+  int64_t offset = 0;       // of this parameter's chunk in the unit's flat shard, elements
+  at::Tensor shard;         // [local_rows, ...]: a view of the unit's flat shard
+  at::Tensor full;          // whole, in the param dtype; its storage holds no bytes while sharded
+  at::Tensor sharded_grad;  // the shard's .grad(), set aside while the parameter is whole
+  at::Tensor accumulated;   // the whole gradient summed over backward passes without sync
+  compat::NodePtr accumulator;
+  bool got_grad = false;  // in this backward
+
+  int64_t chunk_numel() const { return chunk_rows * row_numel; }
+  int64_t local_numel() const { return local_rows * row_numel; }
+};
+
+class Unit : public std::enable_shared_from_this<Unit> {
+ public:
+  Unit(const std::shared_ptr<torch::nn::Module>& module, std::vector<ShardedParam> params, at::Tensor flat_shard,
+       const FullyShardOptions& o);
+  ~Unit();
+
+  const std::string& label() const { return label_; }
+  const torch::nn::Module* module() const { return module_; }
+  const Group& group() const { return group_; }
+  std::vector<ShardedParam>& params() { return params_; }
+
+  // Forward and backward steps (fully_shard.cpp drives them).
+  void issue_gather();  // the all-gather, asynchronous (prefetch); no-op if issued or whole
+  void unshard();       // whole parameters (waits for the prefetch, or gathers now)
+  void reshard(bool restore_grads = true);
+  bool is_whole() const { return whole_; }
+  // Collective: a copy of every parameter, whole, in the shards' own dtype (the parameters as they
+  // are, whatever the param dtype), in the order of params().
+  std::vector<at::Tensor> whole_copies() const;
+  bool reshard_after_forward() const { return reshard_after_forward_; }
+  // Unset in the options: the root keeps its parameters after forward (FSDP2's default).
+  void make_root_default() {
+    if (!reshard_option_) reshard_after_forward_ = false;
+  }
+  void set_requires_gradient_sync(bool on) { requires_sync_ = on; }
+
+  // Called once per gradient accumulated (from autograd); launches the reduce-scatter once every
+  // parameter that takes a gradient has one.
+  void on_grad_ready(ShardedParam& p);
+  // End of backward: launches what waits for unused parameters, then reshards.
+  void launch_if_pending();
+  // Waits for the reduce-scatter and leaves each shard's averaged gradient in .grad().
+  void finish_gradients();
+  void reset_backward();
+
+  Root* root = nullptr;
+  std::shared_ptr<Root> own_root;  // when this unit is a root
+  bool pre_backward_done = false;
+
+ private:
+  void launch_reduce_scatter();
+  at::ScalarType param_dtype() const;
+  at::ScalarType reduce_dtype() const;
+
+  std::string label_;
+  const torch::nn::Module* module_;
+  Group group_;
+  std::vector<ShardedParam> params_;
+  MixedPrecisionPolicy mp_;
+  std::optional<bool> reshard_option_;
+  bool reshard_after_forward_ = true;
+  bool requires_sync_ = true;
+  at::Tensor flat_shard_;  // every parameter's chunk, padded: the all-gather's input
+  int64_t per_rank_ = 0;   // elements of flat_shard_
+  bool whole_ = false;
+  std::optional<Work> gather_;  // issued, not yet waited for
+  at::Tensor gather_in_, gathered_;
+  int ready_ = 0, takes_grad_ = 0;
+  bool launched_ = false;
+  std::optional<Work> scatter_;
+  at::Tensor scatter_in_, scatter_out_;
+  std::vector<uintptr_t> hook_keys_;  // per parameter, on its accumulator (0: none yet)
+  void hook_accumulators();
+};
+
+// Lays out one parameter as FSDP2 does (chunk ceil(d0 / n) rows) and copies this rank's rows.
+std::vector<ShardedParam> shard_parameters(std::vector<std::pair<std::string, at::Tensor>> named, const Group& group,
+                                           at::Tensor& flat_shard);
+
+}  // namespace dtrain::fsdp

@@ -1,0 +1,103 @@
+// The C++ side of test_fsdp_pytorch.py: trains a Sequential of three Linears under fully_shard on
+// this rank's part of deterministic batches (float64, SGD with momentum, then Adam), exactly as
+// fsdp_reference.py does with PyTorch's own fully_shard, and writes what the test compares:
+// each parameter's local shard shape right after sharding and every whole parameter after 20 steps.
+//   fsdp_reference OUT.json   (run on every rank, env:// from the launcher)
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <limits>
+#include <sstream>
+
+#include "dtrain/fsdp.h"
+#include "dtrain/process_group.h"
+
+namespace {
+
+constexpr int kSteps = 20, kBatch = 12;
+
+// Values both languages compute alike (no random generator is shared between them).
+at::Tensor wave(int64_t n, double scale, double freq, double phase) {
+  return at::arange(n, at::kDouble).mul(freq).add(phase).sin().mul(scale);
+}
+
+torch::nn::Sequential make_model() {
+  torch::nn::Sequential m(torch::nn::Linear(8, 13), torch::nn::Tanh(), torch::nn::Linear(13, 5), torch::nn::Tanh(),
+                          torch::nn::Linear(5, 3));
+  m->to(at::kDouble);
+  torch::NoGradGuard no_grad;
+  int k = 0;
+  for (auto& p : m->parameters()) {
+    p.copy_(wave(p.numel(), 0.3, 0.7, 1.3 * k).view(p.sizes()));
+    ++k;
+  }
+  return m;
+}
+
+std::string json_list(const at::Tensor& t) {
+  std::ostringstream s;
+  s << std::setprecision(std::numeric_limits<double>::max_digits10) << "[";
+  at::Tensor flat = t.reshape({-1}).contiguous();
+  for (int64_t i = 0; i < flat.numel(); ++i) s << (i ? ", " : "") << flat[i].item<double>();
+  return s.str() + "]";
+}
+
+std::string train(const std::string& kind) {
+  auto model = make_model();
+  // doc:begin fully_shard
+  for (auto& layer : *model)  // each Linear of the Sequential becomes a unit
+    if (!layer.ptr()->parameters().empty()) dtrain::fully_shard(layer);
+  auto fsdp = dtrain::fully_shard(model.ptr());  // the root, last
+  // doc:end fully_shard
+  std::ostringstream shapes;
+  bool first = true;
+  for (const auto& kv : model->named_parameters()) {
+    shapes << (first ? "" : ", ") << "\"" << kv.key() << "\": " << kv.value().sizes();
+    first = false;
+  }
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (kind == "sgd")
+    opt = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  else
+    opt = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-2));
+  const int n = dtrain::world_size(), r = dtrain::rank();
+  for (int s = 0; s < kSteps; ++s) {
+    at::Tensor x = wave(kBatch * 8, 1.0, 0.1, 0.97 * s).view({kBatch, 8}).chunk(n)[r];
+    at::Tensor y = wave(kBatch * 3, 1.0, 0.05, 0.31 * s + 1.5).view({kBatch, 3}).chunk(n)[r];
+    opt->zero_grad();
+    (fsdp(x) - y).pow(2).mean().backward();
+    opt->step();
+  }
+  std::ostringstream params;
+  first = true;
+  for (const auto& [name, t] : fsdp.full_state_dict()) {
+    params << (first ? "" : ", ") << "\"" << name << "\": " << json_list(t);
+    first = false;
+  }
+  return "{\"shapes\": {" + shapes.str() + "}, \"params\": {" + params.str() + "}}";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::cerr << "usage: fsdp_reference OUT.json\n";
+    return 2;
+  }
+  try {
+    dtrain::init_process_group();
+    const std::string sgd = train("sgd"), adam = train("adam");
+    std::ofstream(argv[1]) << "{\"sgd\": " << sgd << ", \"adam\": " << adam << "}\n";
+    dtrain::destroy_process_group();
+  } catch (const std::exception& e) {
+    std::cerr << "fsdp_reference: error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,243 @@
+// fully_shard on 2, 3 and 4 real processes, against one process training the whole batch in float64:
+// shards laid out as FSDP2's, parameters within 1e-10 after 20 steps (SGD with momentum and Adam,
+// ZeRO-3 and ZeRO-2), gradient accumulation without sync against the large batch, clip_grad_norm_
+// over shards against torch's on the whole model, a bf16 param dtype against float32, parameters
+// whole only while their unit runs, and the bad inputs named in one line on every rank.
+#include <torch/nn/modules/linear.h>  // (clip_grad.h needs what it includes)
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "dist_main.h"
+#include "dtrain/fsdp.h"
+#include "fsdp_models.h"
+
+using namespace dtrain;
+using fsdp_models::Net;
+
+namespace {
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind, std::vector<at::Tensor> params) {
+  if (kind == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
+  return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
+}
+
+// The largest difference between the whole parameters and the reference's, relative to the
+// reference's largest magnitude, over every parameter.
+double max_rel_diff(const std::vector<std::pair<std::string, at::Tensor>>& whole, torch::nn::Module& ref) {
+  std::map<std::string, at::Tensor> mine(whole.begin(), whole.end());
+  double worst = 0;
+  for (const auto& kv : ref.named_parameters()) {
+    auto it = mine.find(kv.key());
+    EXPECT_TRUE(it != mine.end()) << kv.key() << " is missing from the full state dict";
+    if (it == mine.end()) return 1e300;
+    EXPECT_EQ(it->second.sizes(), kv.value().sizes()) << kv.key();
+    const double scale = std::max(kv.value().abs().max().item<double>(), 1e-6);
+    worst = std::max(worst, (it->second - kv.value()).abs().max().item<double>() / scale);
+  }
+  return worst;
+}
+
+// Steps of training the sharded model on this rank's part and the reference on the whole batch.
+struct Pair {
+  Net net = fsdp_models::make_net();
+  Net ref = fsdp_models::make_net();
+  FSDPModule<fsdp_models::NetImpl> fsdp{nullptr};
+  std::unique_ptr<torch::optim::Optimizer> opt, ref_opt;
+
+  Pair(const std::string& kind, FullyShardOptions options = FullyShardOptions()) {
+    fsdp = fsdp_models::shard(net, options);
+    opt = make_optimizer(kind, net->parameters());
+    ref_opt = make_optimizer(kind, ref->parameters());
+  }
+  void step(int s, double clip = 0) {
+    auto [x, y] = fsdp_models::batch(s);
+    ref_opt->zero_grad();
+    (ref->forward(x) - y).pow(2).mean().backward();
+    if (clip > 0) torch::nn::utils::clip_grad_norm_(ref->parameters(), clip);
+    ref_opt->step();
+    fsdp_models::keep_this_ranks_part(x, y);
+    opt->zero_grad();
+    (fsdp(x) - y).pow(2).mean().backward();
+    if (clip > 0) dtrain::clip_grad_norm_(net->parameters(), clip);
+    opt->step();
+  }
+};
+
+}  // namespace
+
+TEST(FullyShard, EachLocalShardHasFsdp2sRows) {
+  Net net = fsdp_models::make_net();
+  std::map<std::string, at::Tensor> whole;
+  for (const auto& kv : net->named_parameters()) whole[kv.key()] = kv.value().detach().clone();
+  fsdp_models::shard(net);
+  const int n = world_size(), r = rank();
+  for (const auto& kv : net->named_parameters()) {
+    const at::Tensor& w = whole.at(kv.key());
+    // FSDP2: torch.chunk on dim 0, the ranks past the last chunk get an empty one.
+    auto chunks = w.chunk(n, 0);
+    at::Tensor expected = r < static_cast<int>(chunks.size()) ? chunks[r] : w.narrow(0, 0, 0);
+    EXPECT_EQ(kv.value().sizes(), expected.sizes()) << kv.key() << " on rank " << r << " of " << n;
+    EXPECT_TRUE(kv.value().equal(expected)) << kv.key() << ": the shard holds this rank's rows";
+  }
+}
+
+TEST(FullyShard, TwentyStepsEqualOneProcessOnTheWholeBatch) {
+  for (const std::string kind : {"sgd", "adam"}) {
+    for (bool zero3 : {true, false}) {
+      Pair pair(kind, FullyShardOptions().reshard_after_forward(zero3));
+      for (int s = 0; s < 20; ++s) pair.step(s);
+      EXPECT_LT(max_rel_diff(pair.fsdp.full_state_dict(), *pair.ref), 1e-10)
+          << kind << (zero3 ? " ZeRO-3" : " ZeRO-2") << " on " << world_size() << " ranks";
+      EXPECT_FALSE(pair.net->inner.module()->unused.grad().defined())
+          << "a parameter backward never reaches gets no gradient, as in one process";
+    }
+  }
+}
+
+TEST(FullyShard, ParametersAreWholeOnlyWhileTheirUnitRuns) {
+  Net net = fsdp_models::make_net();
+  auto fsdp = fsdp_models::shard(net);
+  const auto shard_numel = [&] {
+    int64_t total = 0;
+    for (const auto& p : net->parameters()) total += p.numel();
+    return total;
+  };
+  const int64_t sharded = shard_numel();
+  auto [x, y] = fsdp_models::batch(0);
+  fsdp_models::keep_this_ranks_part(x, y);
+  at::Tensor loss = (fsdp(x) - y).pow(2).mean();
+  // After forward only the root keeps its parameters (FSDP2's default); the units below reshard.
+  EXPECT_EQ(net->inp->weight.size(0), 13) << "the root is whole after forward";
+  EXPECT_LT(net->inner.module()->a->weight.size(0), 9) << "a unit below the root is sharded after forward";
+  loss.backward();
+  EXPECT_EQ(shard_numel(), sharded) << "every unit is sharded again after backward";
+  for (const auto& p : net->parameters()) {
+    if (p.grad().defined()) {
+      EXPECT_EQ(p.grad().sizes(), p.sizes()) << "each gradient is its shard's";
+    }
+  }
+}
+
+TEST(FullyShard, GradientAccumulationWithoutSyncEqualsTheLargeBatch) {
+  Pair pair("sgd");
+  for (int s = 0; s < 4; ++s) {
+    auto [x1, y1] = fsdp_models::batch(2 * s);
+    auto [x2, y2] = fsdp_models::batch(2 * s + 1);
+    pair.ref_opt->zero_grad();
+    (pair.ref->forward(at::cat({x1, x2})) - at::cat({y1, y2})).pow(2).mean().backward();
+    pair.ref_opt->step();
+    fsdp_models::keep_this_ranks_part(x1, y1);
+    fsdp_models::keep_this_ranks_part(x2, y2);
+    pair.opt->zero_grad();
+    pair.fsdp.set_requires_gradient_sync(false);
+    ((pair.fsdp(x1) - y1).pow(2).mean() / 2).backward();
+    pair.fsdp.set_requires_gradient_sync(true);
+    ((pair.fsdp(x2) - y2).pow(2).mean() / 2).backward();
+    pair.opt->step();
+  }
+  EXPECT_LT(max_rel_diff(pair.fsdp.full_state_dict(), *pair.ref), 1e-10);
+}
+
+TEST(FullyShard, ClipGradNormOverShardsEqualsTorchsOnTheWholeModel) {
+  Pair pair("adam");
+  for (int s = 0; s < 10; ++s) pair.step(s, /*clip=*/0.05);
+  EXPECT_LT(max_rel_diff(pair.fsdp.full_state_dict(), *pair.ref), 1e-10);
+}
+
+TEST(FullyShard, Bf16ParamDtypeEqualsOneProcessComputingInBf16) {
+  // The reference: float32 master weights, copied into a bf16 model for each forward and backward,
+  // whose gradients update the master in float32 (what MixedPrecisionPolicy means). The only
+  // difference left is where bf16 sums the batch (per rank, then a float32 average, against the
+  // whole batch at once), so the check is relative to how far training moved each parameter.
+  Net master = fsdp_models::make_net(), low = fsdp_models::make_net(), net = fsdp_models::make_net();
+  master->to(at::kFloat);
+  low->to(at::kBFloat16);
+  net->to(at::kFloat);
+  std::vector<at::Tensor> start;
+  for (const auto& p : master->parameters()) start.push_back(p.detach().clone());
+  auto fsdp = fsdp_models::shard(
+      net, FullyShardOptions().mp_policy(MixedPrecisionPolicy().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)));
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.5));
+  torch::optim::SGD ref_opt(master->parameters(), torch::optim::SGDOptions(0.5));
+  for (int s = 0; s < 10; ++s) {
+    auto [x, y] = fsdp_models::batch(s);
+    {
+      torch::NoGradGuard no_grad;
+      auto mp = master->parameters(), lp = low->parameters();
+      for (size_t i = 0; i < mp.size(); ++i) lp[i].copy_(mp[i]);
+    }
+    low->zero_grad();
+    (low->forward(x.to(at::kBFloat16)).to(at::kFloat) - y.to(at::kFloat)).pow(2).mean().backward();
+    {
+      auto mp = master->parameters(), lp = low->parameters();
+      for (size_t i = 0; i < mp.size(); ++i)
+        if (lp[i].grad().defined()) mp[i].mutable_grad() = lp[i].grad().to(at::kFloat);
+    }
+    ref_opt.step();
+    fsdp_models::keep_this_ranks_part(x, y);
+    opt.zero_grad();
+    at::Tensor out = fsdp(x.to(at::kBFloat16));
+    EXPECT_EQ(out.scalar_type(), at::kBFloat16) << "computed in the param dtype";
+    (out.to(at::kFloat) - y.to(at::kFloat)).pow(2).mean().backward();
+    opt.step();
+  }
+  for (const auto& p : net->parameters()) {
+    EXPECT_EQ(p.scalar_type(), at::kFloat) << "shards keep float32";
+    if (p.grad().defined()) {
+      EXPECT_EQ(p.grad().scalar_type(), at::kFloat) << "and so do their gradients";
+    }
+  }
+  auto whole = fsdp.full_state_dict();
+  auto ref = master->named_parameters();
+  for (size_t i = 0; i < whole.size(); ++i) {
+    const at::Tensor& r = ref[whole[i].first];
+    const double moved = (r - start[i]).abs().max().item<double>();
+    if (moved == 0) {
+      EXPECT_TRUE(whole[i].second.equal(r)) << whole[i].first << " never moves";
+      continue;
+    }
+    const double diff = (whole[i].second - r).abs().max().item<double>() / moved;
+    EXPECT_LT(diff, 0.05) << whole[i].first << ": moved " << moved << "; bf16 sums over other batch splits";
+  }
+}
+
+TEST(FullyShard, BadInputIsNamedInOneLine) {
+  auto expect_error = [](const std::function<void()>& fn, const std::string& part) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error; expected one containing: " << part;
+    } catch (const dtrain::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "one line: " << e.what();
+    }
+  };
+  {
+    Net net = fsdp_models::make_net();
+    dtrain::fully_shard(net->inner.module()->b);
+    expect_error([&] { dtrain::fully_shard(net->inner.module()->b); }, "already a unit");
+  }
+  {
+    auto tied = std::make_shared<torch::nn::Module>("Tied");
+    auto w = tied->register_parameter("w", torch::randn({4, 4}));
+    tied->register_parameter("w_again", w);
+    expect_error([&] { dtrain::fully_shard(tied); }, "'w' and 'w_again' are the same tensor");
+  }
+  {
+    auto ints = std::make_shared<torch::nn::Module>("Ints");
+    ints->register_parameter("steps", torch::zeros({4}, at::kLong), /*requires_grad=*/false);
+    expect_error([&] { dtrain::fully_shard(ints); }, "only floating-point parameters");
+  }
+  {
+    // Ranks that built different models: every rank names the first difference.
+    auto odd = std::make_shared<torch::nn::Module>("Odd");
+    odd->register_parameter("w", torch::randn({4 + (rank() == world_size() - 1 ? 1 : 0), 2}));
+    expect_error([&] { dtrain::fully_shard(odd); }, "fully_shard('Odd'): ranks disagree on the model");
+  }
+}
+
+DTRAIN_DIST_TEST_MAIN()
