@@ -5,12 +5,13 @@
 #   build-asan  -DDTRAIN_SANITIZE=ON: AddressSanitizer (+ LeakSanitizer) + UBSan. The unit tests and
 #               the multi-process tests on real ranks: collectives (shared memory and Gloo), shared
 #               memory, DDP, pipeline (2 and 4 ranks), monitor, AMP, sampler, the randomized
-#               collectives, communication hooks, SyncBatchNorm, ZeRO, Join.
+#               collectives, communication hooks, SyncBatchNorm, ZeRO, Join, fully_shard.
 #   build-tsan  -DDTRAIN_SANITIZE=thread: ThreadSanitizer over the threads inside one rank: the
 #               shared-memory group's worker thread and its atomics, point-to-point's pusher, DDP's
 #               bucket hooks and completion callbacks, TensorBoard's flush timer, and the launcher's
 #               heartbeat: the shm and SummaryWriter unit tests, shm_dist_test, ddp_test,
-#               ddp_overlap_test and pipeline_test on 2 ranks, the elastic launcher tests.
+#               ddp_overlap_test, pipeline_test and fsdp_test on 2 ranks (fully_shard's prefetches and
+#               asynchronous reduce-scatters), the elastic launcher tests.
 # Each run first requires its canary to be reported and to fail the process, and fails on any test
 # skipped that tests/skips_allowed.txt does not allow (scripts/check_skips.py).
 #   ./scripts/sanitize.sh            both
@@ -67,7 +68,7 @@ if [[ " $runs " == *" asan "* ]]; then
   mapfile -t UNIT < <(sed -n -e 's/^dtrain_unit_test(\([A-Za-z0-9_]*\).*/\1/p' \
                            -e 's/^add_executable(\([A-Za-z0-9_]*\).*/\1/p' tests/unit/CMakeLists.txt)
   DIST=(collectives_test collectives_random_test shm_dist_test ddp_test comm_hooks_test pipeline_test
-        monitor_dist_test amp_dist_test sampler_dist_test sync_batchnorm_test zero_test join_test)
+        monitor_dist_test amp_dist_test sampler_dist_test sync_batchnorm_test zero_test join_test fsdp_test)
   configure_and_build "$B" ON "${UNIT[@]}" "${DIST[@]}"
   prefix=()
   # detect_leaks: LeakSanitizer at exit. halt_on_error: a UBSan report fails the process (exit 87).
@@ -85,7 +86,7 @@ if [[ " $runs " == *" asan "* ]]; then
                                   pipeline_test_2 pipeline_test_4 monitor_dist_test_2 \
                                   amp_dist_test_2 sampler_dist_test_2 sampler_dist_test_3 \
                                   collectives_random_test_2 comm_hooks_test_2 sync_batchnorm_test_3 \
-                                  zero_test_2 join_test_3)"
+                                  zero_test_2 join_test_3 fsdp_test_3 fsdp_test_gloo_2)"
   unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
   echo "=== build-asan: done in $((SECONDS - start)) s"
 fi
@@ -95,7 +96,7 @@ if [[ " $runs " == *" tsan "* ]]; then
   start=$SECONDS
   T=build-tsan
   configure_and_build "$T" thread shm_test shm_p2p_test tensorboard_test shm_dist_test ddp_test ddp_overlap_test \
-                      pipeline_test
+                      pipeline_test fsdp_test
   # Reports exit 66 at the end of the process; second_deadlock_stack: both stacks of a lock-order
   # inversion.
   export TSAN_OPTIONS="exitcode=66:second_deadlock_stack=1:suppressions=$S/tsan.supp"
@@ -116,7 +117,7 @@ if [[ " $runs " == *" tsan "* ]]; then
   # flush timer, and the multi-process tests (a pipeline's sends through the pusher).
   run_ctest "$T" -j2 -R '^(Shm[A-Za-z0-9]*|SummaryWriter|MonitorTensorBoard)\.'
   run_ctest "$T" -R "$(dist_regex shm_dist_test_2 ddp_test_2 ddp_overlap_test_2 ddp_overlap_test_gloo_2 \
-                                  pipeline_test_2)"
+                                  pipeline_test_2 fsdp_test_2)"
   # The launcher's own threads (the elastic agent's heartbeat): its tests run the instrumented dtrain-run.
   run_ctest "$T" -R '^launcher_elastic$'
 

@@ -93,6 +93,7 @@ void unshard(const torch::nn::Module& module);
 void reshard(const torch::nn::Module& module);
 void set_requires_gradient_sync(const torch::nn::Module& module, bool requires_sync, bool recurse);
 std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Module& module);
+int64_t received_bytes(const torch::nn::Module& module);
 // This rank's local shard of every parameter of the module, by name, as FSDP2's to_local().
 std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict(torch::nn::Module& module);
 
@@ -143,6 +144,10 @@ class FSDPModule {
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict() { return fsdp::full_state_dict(*module_); }
   // This rank's shards, by name (FSDP2's sharded state dict: to_local() of each DTensor).
   std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict() { return fsdp::sharded_state_dict(*module_); }
+  // Bytes this rank has received through the training collectives of the units here and below
+  // (all-gathers and reduce-scatters, padding included), since fully_shard: ZeRO-3 receives about
+  // 3 * P * (N - 1) / N elements per step, ZeRO-2 about 2 * P * (N - 1) / N.
+  int64_t received_bytes() const { return fsdp::received_bytes(*module_); }
 
  private:
   std::shared_ptr<ModuleType> module_;

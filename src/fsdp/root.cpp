@@ -47,8 +47,12 @@ void Root::begin_iteration() {
   if (!order_.empty()) last_order_ = std::move(order_);
   order_.clear();
   if (queued_) return;  // a backward is still running (a forward inside backward): nothing to reset
-  for (auto& w : units_)
-    if (auto u = lock(w)) u->reset_backward();
+  for (auto& w : units_) {
+    if (auto u = lock(w)) {
+      u->drop_prefetch();  // prefetched for a unit the last forward did not run
+      u->reset_backward();
+    }
+  }
 }
 
 std::shared_ptr<Unit> Root::record_forward(const std::shared_ptr<Unit>& unit) {
@@ -81,7 +85,10 @@ void Root::end_of_backward() {
     if (auto u = lock(order_[i])) u->launch_if_pending();
   for (auto& u : units) u->launch_if_pending();
   for (auto& u : units) u->finish_gradients();
-  for (auto& u : units) u->reset_backward();
+  for (auto& u : units) {
+    u->drop_prefetch();  // gathered for a backward that did not reach the unit
+    u->reset_backward();
+  }
 }
 
 ForwardScope::ForwardScope(std::shared_ptr<Unit> unit) : unit_(std::move(unit)) {

@@ -137,12 +137,21 @@ void Unit::issue_gather() {
   // has no BFloat16 (nor int16) collectives.
   gather_in_ = flat_shard_.scalar_type() == param_dtype() ? flat_shard_ : flat_shard_.to(param_dtype());
   gathered_ = at::empty({group_.size() * per_rank_}, gather_in_.options());
+  received_bytes_ += (group_.size() - 1) * per_rank_ * static_cast<int64_t>(gather_in_.element_size());
   if (gather_in_.element_size() == 2) {
     at::Tensor out = gathered_.view(at::kByte);
     gather_ = all_gather_into_tensor(out, gather_in_.view(at::kByte), group_, /*async_op=*/true);
   } else {
     gather_ = all_gather_into_tensor(gathered_, gather_in_, group_, /*async_op=*/true);
   }
+}
+
+void Unit::drop_prefetch() {
+  if (!gather_) return;
+  gather_->wait();
+  gather_.reset();
+  gather_in_ = at::Tensor();
+  gathered_ = at::Tensor();
 }
 
 void Unit::unshard() {
@@ -237,6 +246,7 @@ void Unit::launch_reduce_scatter() {
     scatter_in_.narrow(1, p.offset, p.chunk_numel()).copy_(padded.view({n, p.chunk_numel()}));
   }
   scatter_out_ = at::empty({per_rank_}, scatter_in_.options());
+  received_bytes_ += (n - 1) * per_rank_ * static_cast<int64_t>(scatter_in_.element_size());
   scatter_ = reduce_scatter_tensor(scatter_out_, scatter_in_.view({-1}), ReduceOp::AVG, group_, /*async_op=*/true);
   reshard(/*restore_grads=*/false);  // the shard's old gradient waits in sharded_grad for the new one
 }

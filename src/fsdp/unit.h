@@ -52,9 +52,15 @@ class Unit : public std::enable_shared_from_this<Unit> {
 
   // Forward and backward steps (fully_shard.cpp drives them).
   void issue_gather();  // the all-gather, asynchronous (prefetch); no-op if issued or whole
-  void unshard();       // whole parameters (waits for the prefetch, or gathers now)
+  // Waits for a prefetch nobody used (a unit that did not run after all) and drops it: the shards
+  // may change before the unit next runs (the optimizer steps).
+  void drop_prefetch();
+  void unshard();  // whole parameters (waits for the prefetch, or gathers now)
   void reshard(bool restore_grads = true);
   bool is_whole() const { return whole_; }
+  // Bytes this rank has received through the unit's training collectives (all-gathers and
+  // reduce-scatters, padding included): (n - 1) parts of each.
+  int64_t received_bytes() const { return received_bytes_; }
   // Collective: a copy of every parameter, whole, in the shards' own dtype (the parameters as they
   // are, whatever the param dtype), in the order of params().
   std::vector<at::Tensor> whole_copies() const;
@@ -93,6 +99,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   bool requires_sync_ = true;
   at::Tensor flat_shard_;  // every parameter's chunk, padded: the all-gather's input
   int64_t per_rank_ = 0;   // elements of flat_shard_
+  int64_t received_bytes_ = 0;
   bool whole_ = false;
   std::optional<Work> gather_;  // issued, not yet waited for
   at::Tensor gather_in_, gathered_;

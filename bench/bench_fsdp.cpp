@@ -1,0 +1,286 @@
+// bench_fsdp: what fully_shard saves and costs against DistributedDataParallel, on ranks of this host.
+//
+//   ./build/bin/bench_fsdp [--layers 72 --width 2048] [--steps 7]
+//
+// Memory: a Sequential of --layers x (Linear width-width, Tanh), about 302 M float32 parameters by
+// default, trained one step with Adam under DDP (2 ranks) and under fully_shard (2 and 4 ranks, each
+// Linear a unit). Every rank counts the bytes its CPU allocator holds (dtrain's counting allocator
+// wraps LibTorch's: every tensor's storage, not RSS) after the step, when parameters, gradients and
+// Adam's state are what is left, and the peak during the step:
+//   RESULT fsdp_state_fraction_2=X fsdp_state_fraction_4=Y   (goal: <= 1/N + largest unit / DDP's state + 0.05)
+// DDP's bytes per rank do not depend on N, so both fractions divide by the 2-rank DDP job's.
+// Speed, on a model that fits both ways (8 x Linear 1024, batch 64), 2 ranks over shared memory: the
+// median step (forward, backward, Adam) of fully_shard over DDP's, the two jobs alternated --reps
+// times:  RESULT fsdp_step_vs_ddp=R   (goal <= 1.25)
+// Traffic: the bytes each rank received through fully_shard's collectives in one step, over
+// 3 * P * (N - 1) / N float32 (ZeRO-3) and 2 * P * (N - 1) / N (ZeRO-2, reshard_after_forward false):
+//   RESULT fsdp_bytes_per_step_ratio=Z3 fsdp2_bytes_per_step_ratio=Z2   (goal: within 1%)
+// Collectives: the shared-memory reduce_scatter_tensor and all_gather_into_tensor of 16 MB (output
+// of the gather, input of the scatter) on 2 ranks, against one core's memcpy of 16 MB in the same
+// job: memcpy's time over the collective's:
+//   RESULT rs_16m_fraction_of_memcpy=A ag_16m_fraction_of_memcpy=B   (goal >= 0.8)
+#include <atomic>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/CPUAllocator.h>
+#include <CLI/CLI.hpp>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <torch/version.h>
+
+#include "dtrain/ddp.h"
+#include "dtrain/fsdp.h"
+#include "dtrain/process_group.h"
+#include "spawn.h"
+
+namespace {
+
+using namespace bench;
+
+// Counts the bytes LibTorch's CPU allocator hands out and gets back (live and peak).
+class CountingAllocator final : public c10::Allocator {
+ public:
+  explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
+#if TORCH_VERSION_MAJOR >= 2
+  c10::DataPtr allocate(size_t n) override {
+#else
+  c10::DataPtr allocate(size_t n) const override {
+#endif
+    c10::DataPtr inner = inner_->allocate(n);
+    add(static_cast<int64_t>(n));
+    const c10::DeleterFnPtr inner_free = inner.get_deleter();
+    void* data = inner.get();
+    const c10::Device device = inner.device();
+    auto* ctx = new Ctx{this, inner.release_context(), inner_free, static_cast<int64_t>(n)};
+    return c10::DataPtr(data, ctx, &CountingAllocator::free, device);
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  int64_t live() const { return live_.load(); }
+  int64_t peak() const { return peak_.load(); }
+  void reset_peak() { peak_.store(live_.load()); }
+#if TORCH_VERSION_MAJOR >= 2
+  void copy_data(void* dest, const void* src, size_t count) const override { default_copy_data(dest, src, count); }
+#endif
+
+ private:
+  struct Ctx {
+    const CountingAllocator* self;
+    void* inner_ctx;
+    c10::DeleterFnPtr inner_free;
+    int64_t bytes;
+  };
+  static void free(void* p) {
+    auto* ctx = static_cast<Ctx*>(p);
+    ctx->self->add(-ctx->bytes);
+    if (ctx->inner_free) ctx->inner_free(ctx->inner_ctx);
+    delete ctx;
+  }
+  void add(int64_t n) const {
+    const int64_t now = live_.fetch_add(n) + n;
+    int64_t p = peak_.load();
+    while (now > p && !peak_.compare_exchange_weak(p, now)) {
+    }
+  }
+  c10::Allocator* inner_;
+  mutable std::atomic<int64_t> live_{0}, peak_{0};
+};
+
+CountingAllocator* install_counting_allocator() {
+  static CountingAllocator counting(c10::GetDefaultCPUAllocator());
+  c10::SetCPUAllocator(&counting, /*priority=*/100);
+  return &counting;
+}
+
+torch::nn::Sequential make_model(int layers, int64_t width) {
+  torch::manual_seed(0);
+  torch::nn::Sequential net;
+  for (int i = 0; i < layers; ++i) {
+    net->push_back(torch::nn::Linear(width, width));
+    net->push_back(torch::nn::Tanh());
+  }
+  return net;
+}
+
+dtrain::FSDPModule<torch::nn::SequentialImpl> shard(torch::nn::Sequential& net, bool zero3) {
+  auto options = dtrain::FullyShardOptions().reshard_after_forward(zero3);
+  for (auto& layer : *net)
+    if (!layer.ptr()->parameters().empty()) dtrain::fully_shard(layer, options);
+  return dtrain::fully_shard(net.ptr(), options);
+}
+
+// --job memory: one Adam step, then this rank's allocator bytes.
+void memory_job(const std::string& mode, int layers, int64_t width, CountingAllocator* counter) {
+  auto net = make_model(layers, width);
+  int64_t params = 0;
+  for (const auto& p : net->parameters()) params += p.numel();
+  const at::Tensor x = at::randn({4, width});
+  counter->reset_peak();
+  if (mode == "ddp") {
+    dtrain::DistributedDataParallel ddp(net);
+    torch::optim::Adam opt(ddp.parameters(), torch::optim::AdamOptions(1e-3));
+    ddp(x).pow(2).mean().backward();
+    opt.step();
+    std::printf("params=%lld live=%lld peak=%lld\n", static_cast<long long>(params),
+                static_cast<long long>(counter->live()), static_cast<long long>(counter->peak()));
+  } else {
+    auto fsdp = shard(net, true);
+    torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-3));
+    fsdp(x).pow(2).mean().backward();
+    opt.step();
+    std::printf("params=%lld live=%lld peak=%lld unit=%lld\n", static_cast<long long>(params),
+                static_cast<long long>(counter->live()), static_cast<long long>(counter->peak()),
+                static_cast<long long>((width * width + width) * 4));
+  }
+}
+
+// --job step / traffic: timed steps on the small model.
+void step_job(const std::string& mode, int steps, bool zero3) {
+  auto net = make_model(8, 1024);
+  int64_t params = 0;
+  for (const auto& p : net->parameters()) params += p.numel();
+  const at::Tensor x = at::randn({64 / dtrain::world_size(), 1024});
+  std::vector<double> step_s;
+  auto run = [&](auto& model) {
+    torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-3));
+    for (int i = 0; i <= steps; ++i) {
+      const auto t0 = Clock::now();
+      opt.zero_grad();
+      model(x).pow(2).mean().backward();
+      opt.step();
+      if (i > 0) step_s.push_back(secs_since(t0));  // the first builds buckets, accumulators, state
+    }
+  };
+  if (mode == "ddp") {
+    dtrain::DistributedDataParallel ddp(net);
+    run(ddp);
+  } else {
+    auto fsdp = shard(net, zero3);
+    const int64_t before = fsdp.received_bytes();
+    run(fsdp);
+    std::printf("received_per_step=%.1f\n", static_cast<double>(fsdp.received_bytes() - before) / (steps + 1));
+  }
+  std::printf("params=%lld step_ms=%.3f\n", static_cast<long long>(params), 1e3 * median(step_s));
+}
+
+// --job collectives: 16 MB shared-memory reduce-scatter and all-gather against memcpy.
+void collectives_job(int reps) {
+  const int n = dtrain::world_size();
+  const int64_t bytes = 16 << 20, elems = bytes / 4;
+  at::Tensor whole = at::randn({elems}), part = at::empty({elems / n});
+  std::vector<double> rs, ag;
+  for (int i = 0; i <= reps; ++i) {
+    dtrain::barrier();
+    auto t0 = Clock::now();
+    dtrain::reduce_scatter_tensor(part, whole, dtrain::ReduceOp::SUM);
+    if (i > 0) rs.push_back(secs_since(t0));
+    dtrain::barrier();
+    t0 = Clock::now();
+    dtrain::all_gather_into_tensor(whole, part);
+    if (i > 0) ag.push_back(secs_since(t0));
+  }
+  const double memcpy_s = static_cast<double>(bytes) / memcpy_bandwidth(static_cast<size_t>(bytes));
+  std::printf("rs_fraction=%.3f ag_fraction=%.3f rs_ms=%.3f ag_ms=%.3f memcpy_ms=%.3f\n", memcpy_s / median(rs),
+              memcpy_s / median(ag), 1e3 * median(rs), 1e3 * median(ag), 1e3 * memcpy_s);
+}
+
+int worker_main(int argc, char** argv) {
+  CLI::App app{"bench_fsdp worker"};
+  std::string job, mode = "fsdp";
+  int steps = 7, layers = 72;
+  int64_t width = 2048;
+  bool zero3 = true;
+  app.add_option("--job", job)->required();
+  app.add_option("--mode", mode);
+  app.add_option("--steps", steps);
+  app.add_option("--layers", layers);
+  app.add_option("--width", width);
+  app.add_option("--zero3", zero3);
+  CLI11_PARSE(app, argc, argv);
+  CountingAllocator* counter = install_counting_allocator();
+  at::set_num_threads(1);
+  dtrain::init_process_group();
+  if (job == "memory")
+    memory_job(mode, layers, width, counter);
+  else if (job == "step")
+    step_job(mode, steps, zero3);
+  else
+    collectives_job(steps);
+  dtrain::destroy_process_group();
+  return 0;
+}
+
+int driver_main(int argc, char** argv) {
+  CLI::App app{"fully_shard against DDP: bytes per rank, step time, traffic, collectives"};
+  double timeout_s = 600;
+  int steps = 7, reps = 3, layers = 72;
+  int64_t width = 2048;
+  app.add_option("--timeout", timeout_s, "seconds per job");
+  app.add_option("--steps", steps, "timed steps per job");
+  app.add_option("--reps", reps, "alternations of the DDP and fully_shard step jobs");
+  app.add_option("--layers", layers, "Linear layers of the memory model");
+  app.add_option("--width", width, "their width");
+  CLI11_PARSE(app, argc, argv);
+  std::printf("bench_fsdp: load %s\n\n", load_average().c_str());
+  const std::vector<std::string> self = {self_exe(), "--worker"};
+  auto job = [&](std::vector<std::string> args, int n) {
+    std::vector<std::string> argv = self;
+    argv.insert(argv.end(), args.begin(), args.end());
+    return run_job(argv, n, timeout_s, "bench_fsdp");
+  };
+  const std::vector<std::string> model = {"--layers", std::to_string(layers), "--width", std::to_string(width)};
+  auto with_model = [&](std::vector<std::string> a) {
+    a.insert(a.end(), model.begin(), model.end());
+    return a;
+  };
+  const std::string ddp = job(with_model({"--job", "memory", "--mode", "ddp"}), 2);
+  const double ddp_live = parse_value(ddp, "live"), params = parse_value(ddp, "params");
+  std::printf("memory: %d x Linear %lld (%.0f M parameters), Adam, bytes held after one step\n\n", layers,
+              static_cast<long long>(width), params / 1e6);
+  std::printf("| job | bytes per rank (allocator) | peak in the step | over DDP's | goal |\n|---|---|---|---|---|\n");
+  std::printf("| DDP, 2 ranks | %s | %s | 1 | - |\n", human_bytes(static_cast<size_t>(ddp_live)).c_str(),
+              human_bytes(static_cast<size_t>(parse_value(ddp, "peak"))).c_str());
+  double fraction[5] = {0, 0, 0, 0, 0};
+  for (int n : {2, 4}) {
+    const std::string out = job(with_model({"--job", "memory", "--mode", "fsdp"}), n);
+    fraction[n] = parse_value(out, "live") / ddp_live;
+    const double goal = 1.0 / n + parse_value(out, "unit") / ddp_live + 0.05;
+    std::printf("| fully_shard, %d ranks | %s | %s | %.3f | <= %.3f: %s |\n", n,
+                human_bytes(static_cast<size_t>(parse_value(out, "live"))).c_str(),
+                human_bytes(static_cast<size_t>(parse_value(out, "peak"))).c_str(), fraction[n], goal,
+                fraction[n] <= goal ? "met" : "missed");
+  }
+  std::vector<double> ratios;
+  double z3 = 0, z2 = 0;
+  for (int r = 0; r < reps; ++r) {
+    const std::string d = job({"--job", "step", "--mode", "ddp", "--steps", std::to_string(steps)}, 2);
+    const std::string f = job({"--job", "step", "--mode", "fsdp", "--steps", std::to_string(steps)}, 2);
+    ratios.push_back(parse_value(f, "step_ms") / parse_value(d, "step_ms"));
+    const double p = parse_value(f, "params");
+    z3 = parse_value(f, "received_per_step") / (3 * p * 4 / 2);
+    std::printf("step: DDP %.2f ms, fully_shard %.2f ms: %.3f\n", parse_value(d, "step_ms"), parse_value(f, "step_ms"),
+                ratios.back());
+  }
+  {
+    const std::string f2 =
+        job({"--job", "step", "--mode", "fsdp", "--zero3", "false", "--steps", std::to_string(steps)}, 2);
+    z2 = parse_value(f2, "received_per_step") / (2 * parse_value(f2, "params") * 4 / 2);
+  }
+  const std::string c = job({"--job", "collectives", "--steps", "9"}, 2);
+  std::printf("collectives at 16 MB, 2 ranks: %s\n", parse_line(c, "rs_fraction").c_str());
+  std::printf(
+      "\nRESULT fsdp_state_fraction_2=%.3f fsdp_state_fraction_4=%.3f fsdp_step_vs_ddp=%.3f "
+      "fsdp_bytes_per_step_ratio=%.4f fsdp2_bytes_per_step_ratio=%.4f rs_16m_fraction_of_memcpy=%.3f "
+      "ag_16m_fraction_of_memcpy=%.3f\n",
+      fraction[2], fraction[4], median(ratios), z3, z2, parse_value(c, "rs_fraction"), parse_value(c, "ag_fraction"));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return bench::main_of("bench_fsdp", argc, argv, worker_main, driver_main); }
