@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "ddp/buckets.h"
+#include "comm/param_claims.h"
 #include "ddp/model_sync.h"
 #include "ddp/reducer.h"
 #include "dtrain/ddp.h"
@@ -25,6 +26,10 @@ struct Core::Impl {
   DDPOptions options;
   std::vector<std::string> names;
   std::vector<at::Tensor> params;  // parameters that require grad, registration order
+  bool claimed = false;            // comm::claim_parameters; released also when construction throws
+  ~Impl() {
+    if (claimed) comm::release_parameters(params, "DistributedDataParallel");
+  }
   std::vector<at::Tensor> buffers;
   std::unique_ptr<Reducer> reducer;
   bool sync = true;
@@ -71,6 +76,10 @@ Core::Core(std::shared_ptr<torch::nn::Module> module, DDPOptions options) : impl
   DTRAIN_CHECK(!s.params.empty(),
                "DistributedDataParallel: the module has no parameter that requires a gradient: nothing to "
                "synchronize");
+  comm::claim_parameters(s.names, s.params, "DistributedDataParallel",
+                         "a model is either wrapped by DDP or fully_shard'ed, not both (fully_shard "
+                         "already averages the gradients over its group)");
+  s.claimed = true;
   // Note [Group-agreed ids]: the keys through which the members explain a model mismatch.
   verify_same_model(s.names, s.params, group,
                     detail::cat("ddp/", group.name(), "/", group.next_object_index(), "/model/"));

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "comm/param_claims.h"
 #include "ddp/model_sync.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
@@ -132,6 +133,9 @@ std::shared_ptr<Unit> make_unit(const std::shared_ptr<torch::nn::Module>& module
   ddp::verify_same_model(names, params, group,
                          detail::cat("fsdp/", group.name(), "/", group.next_object_index(), "/model/"),
                          detail::cat("fully_shard(", describe(*module), ")"));
+  comm::claim_parameters(names, params, detail::cat("fully_shard unit ", describe(*module)),
+                         "a model is either fully_shard'ed or wrapped by DistributedDataParallel, not both: "
+                         "build the DDP-free model and call fully_shard on it");
   at::Tensor flat;
   auto sharded = shard_parameters(std::move(named), group, flat);
   auto unit = std::make_shared<Unit>(module, std::move(sharded), std::move(flat), options);

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "dist_main.h"
+#include "dtrain/ddp.h"
 #include "dtrain/fsdp.h"
 #include "fsdp_models.h"
 
@@ -231,6 +232,17 @@ TEST(FullyShard, BadInputIsNamedInOneLine) {
     auto ints = std::make_shared<torch::nn::Module>("Ints");
     ints->register_parameter("steps", torch::zeros({4}, at::kLong), /*requires_grad=*/false);
     expect_error([&] { dtrain::fully_shard(ints); }, "only floating-point parameters");
+  }
+  {
+    // DDP and fully_shard on the same parameters, either way round.
+    auto wrapped = std::make_shared<torch::nn::LinearImpl>(4, 4);
+    {
+      DistributedDataParallel ddp(wrapped);
+      expect_error([&] { dtrain::fully_shard(wrapped); }, "is already held by DistributedDataParallel");
+    }
+    auto sharded = std::make_shared<torch::nn::LinearImpl>(4, 4);
+    dtrain::fully_shard(sharded);
+    expect_error([&] { DistributedDataParallel ddp(sharded); }, "is already held by fully_shard unit");
   }
   {
     // Ranks that built different models: every rank names the first difference.
