@@ -234,16 +234,29 @@ void Unit::launch_reduce_scatter() {
     reshard();
     return;
   }
-  scatter_in_ = at::zeros({n, per_rank_}, flat_shard_.options().dtype(reduce_dtype()));
+  // Part r of the input is chunk r of every parameter: whole chunks are one strided copy, the one
+  // cut short by the end of the parameter is zero-padded, and chunks past the end are zeros.
+  scatter_in_ = at::empty({n, per_rank_}, flat_shard_.options().dtype(reduce_dtype()));
   for (ShardedParam& p : params_) {
     at::Tensor g = p.got_grad ? p.param.grad().to(reduce_dtype()) : at::Tensor();
     if (p.accumulated.defined()) g = g.defined() ? g.add(p.accumulated) : p.accumulated;
     p.accumulated = at::Tensor();
-    if (!g.defined()) continue;
+    at::Tensor dst = scatter_in_.narrow(1, p.offset, p.chunk_numel());
+    if (!g.defined() || p.chunk_numel() == 0) {
+      dst.zero_();
+      continue;
+    }
     p.got_grad = true;  // a gradient accumulated without sync counts as this backward's
-    at::Tensor padded = at::zeros({n * p.chunk_numel()}, g.options());
-    padded.narrow(0, 0, g.numel()).copy_(g.reshape({-1}));
-    scatter_in_.narrow(1, p.offset, p.chunk_numel()).copy_(padded.view({n, p.chunk_numel()}));
+    const at::Tensor flat = g.reshape({-1});
+    const int64_t whole = std::min<int64_t>(n, p.rows / p.chunk_rows), done = whole * p.chunk_numel();
+    if (whole > 0) dst.narrow(0, 0, whole).copy_(flat.narrow(0, 0, done).view({whole, p.chunk_numel()}));
+    if (whole < n) {
+      const int64_t rest = flat.numel() - done;
+      at::Tensor part = dst[whole];
+      part.narrow(0, 0, rest).copy_(flat.narrow(0, done, rest));
+      part.narrow(0, rest, p.chunk_numel() - rest).zero_();
+      if (whole + 1 < n) dst.narrow(0, whole + 1, n - whole - 1).zero_();
+    }
   }
   scatter_out_ = at::empty({per_rank_}, scatter_in_.options());
   received_bytes_ += (n - 1) * per_rank_ * static_cast<int64_t>(scatter_in_.element_size());
@@ -268,7 +281,8 @@ void Unit::finish_gradients() {
       old.add_(g);
       p.param.mutable_grad() = old;
     } else {
-      // A copy, so that the shard's gradient does not keep the unit's whole reduce buffer alive.
+      // A tensor of its own, not a view of the reduce-scatter's output: LibTorch 1.13's zero_grad()
+      // detaches gradients in place, which a view refuses.
       p.param.mutable_grad() = g.clone();
     }
   }
