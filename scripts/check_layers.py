@@ -7,7 +7,13 @@ and dependency direction" and "comm/ inside").
 Every `#include "..."` in src/ is mapped to the layer that owns the header: src/DIR/... belongs to
 DIR, and each public header include/dtrain/NAME.h to the directory that implements it. A file may
 include its own layer and the layers its directory lists in USES below; comm/ has its own one-way
-order inside (COMM_RULES). Exit status 0 clean, 1 with one line per offending include.
+order inside (COMM_RULES). Two more rules outside src/:
+  - include/dtrain/ (the public API) includes only other public headers in quotes: never src/'s
+    internals, which are not installed; a public header of layer A includes public headers of A and
+    of the layers A uses, not of layers above it;
+  - tools/ (dtrain-run, which starts in milliseconds) never includes LibTorch (<torch/...>, <ATen/...>,
+    <c10/...>) nor dtrain's library, only store/, common/ (util, env, slurm) and its own files.
+Exit status 0 clean, 1 with one line per offending include.
 """
 import fnmatch
 import os
@@ -60,6 +66,57 @@ FRONT_END_EXEMPT = ["comm/shm/*", "comm/gloo_backend.*", "comm/backend.cpp", "co
                     "comm/call_hint.*"]
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+ANY_INCLUDE = re.compile(r'^\s*#\s*include\s+[<"]([^>"]+)[>"]')
+TOOLS_MAY_USE = ("store/", "common/util.h", "common/env.h", "common/slurm.h")
+TORCH_HEADERS = ("torch/", "ATen/", "c10/", "caffe2/")
+
+
+def check_public_headers(errors):
+    inc_root = os.path.join(ROOT, "include", "dtrain")
+    for dirpath, _, files in os.walk(inc_root):
+        for f in sorted(files):
+            if not f.endswith(".h"):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, f), os.path.join(ROOT, "include"))
+            name = rel.split("/")[1].split(".")[0]
+            layer = PUBLIC_OWNER.get(name)
+            with open(os.path.join(dirpath, f), encoding="utf-8") as fh:
+                for n, line in enumerate(fh, 1):
+                    m = INCLUDE.match(line)
+                    if not m:
+                        continue
+                    inc = m.group(1)
+                    where = f"include/{rel}:{n}: includes \"{inc}\""
+                    if not inc.startswith("dtrain/"):
+                        errors.append(f"{where}: a public header includes only public headers (dtrain/...); "
+                                      "src/'s headers are not installed")
+                        continue
+                    to = owner(inc)
+                    if layer and to and to != "*" and to != layer and to not in USES.get(layer, set()):
+                        errors.append(f"{where}: the public header of {layer}/ must not use {to}/'s API "
+                                      f"({layer}/ may use: {', '.join(sorted(USES.get(layer, []))) or 'nothing'})")
+
+
+def check_tools(errors):
+    tools = os.path.join(ROOT, "tools")
+    for dirpath, _, files in os.walk(tools):
+        for f in sorted(files):
+            if not f.endswith((".h", ".cpp")):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, f), ROOT)
+            with open(os.path.join(dirpath, f), encoding="utf-8") as fh:
+                for n, line in enumerate(fh, 1):
+                    m = ANY_INCLUDE.match(line)
+                    if not m:
+                        continue
+                    inc = m.group(1)
+                    where = f"{rel}:{n}: includes \"{inc}\""
+                    if inc.startswith(TORCH_HEADERS):
+                        errors.append(f"{where}: tools/ never includes LibTorch (the launcher starts in "
+                                      "milliseconds and links no torch)")
+                    elif '"' in line and "/" in inc and not inc.startswith(TOOLS_MAY_USE):
+                        errors.append(f"{where}: tools/ uses only store/, common/util.h, common/env.h, "
+                                      "common/slurm.h and its own files")
 
 
 def owner(header):
@@ -101,6 +158,8 @@ def main():
                                 errors.append(f"{where}: {why}")
                     if path.startswith("comm/") and not matches(path, FRONT_END_EXEMPT) and matches(inc, BACKENDS):
                         errors.append(f"{where}: comm's front end reaches backends only through comm/backend.h")
+    check_public_headers(errors)
+    check_tools(errors)
     for e in errors:
         print(f"check_layers: {e}")
     if errors:
