@@ -94,6 +94,7 @@ void reshard(const torch::nn::Module& module);
 void set_requires_gradient_sync(const torch::nn::Module& module, bool requires_sync, bool recurse);
 std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Module& module);
 int64_t received_bytes(const torch::nn::Module& module);
+int64_t prefetched_gathers(const torch::nn::Module& module);
 // This rank's local shard of every parameter of the module, by name, as FSDP2's to_local().
 std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict(torch::nn::Module& module);
 
@@ -148,6 +149,9 @@ class FSDPModule {
   // (all-gathers and reduce-scatters, padding included), since fully_shard: ZeRO-3 receives about
   // 3 * P * (N - 1) / N elements per step, ZeRO-2 about 2 * P * (N - 1) / N.
   int64_t received_bytes() const { return fsdp::received_bytes(*module_); }
+  // How many times a unit here or below found its all-gather already issued (prefetched one unit
+  // ahead, from the second iteration on) when it needed its parameters.
+  int64_t prefetched_gathers() const { return fsdp::prefetched_gathers(*module_); }
 
  private:
   std::shared_ptr<ModuleType> module_;

@@ -218,6 +218,12 @@ int64_t received_bytes(const torch::nn::Module& module) {
   return total;
 }
 
+int64_t prefetched_gathers(const torch::nn::Module& module) {
+  int64_t total = 0;
+  for (auto& u : units_under(module)) total += u->prefetched_gathers();
+  return total;
+}
+
 std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict(torch::nn::Module& module) {
   std::unordered_map<const c10::TensorImpl*, at::Tensor> shards;
   for (auto& u : units_under(module))

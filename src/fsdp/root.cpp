@@ -46,6 +46,7 @@ void ensure_root(Unit& unit, const std::shared_ptr<Unit>& self) {
 void Root::begin_iteration() {
   if (!order_.empty()) last_order_ = std::move(order_);
   order_.clear();
+  ends_.clear();
   if (queued_) return;  // a backward is still running (a forward inside backward): nothing to reset
   for (auto& w : units_) {
     if (auto u = lock(w)) {
@@ -62,9 +63,13 @@ std::shared_ptr<Unit> Root::record_forward(const std::shared_ptr<Unit>& unit) {
   return nullptr;
 }
 
+void Root::record_forward_end(const std::shared_ptr<Unit>& unit) { ends_.push_back(unit); }
+
 std::shared_ptr<Unit> Root::before_in_forward(const Unit* unit) const {
-  for (size_t i = order_.size(); i-- > 1;)
-    if (lock(order_[i]).get() == unit) return lock(order_[i - 1]);
+  // By the order forwards finished: a unit inside another finishes first, and backward reaches it
+  // after the outer one (FSDP2 prefetches backward by its post-forward order, too).
+  for (size_t i = ends_.size(); i-- > 1;)
+    if (lock(ends_[i]).get() == unit) return lock(ends_[i - 1]);
   return nullptr;
 }
 
@@ -79,10 +84,10 @@ void Root::end_of_backward() {
   std::vector<std::shared_ptr<Unit>> units;
   for (auto& w : units_)
     if (auto u = lock(w)) units.push_back(u);
-  // Launches in reverse forward order first (what backward would have done had every parameter
-  // been used), then in module order for units the forward did not record.
-  for (size_t i = order_.size(); i-- > 0;)
-    if (auto u = lock(order_[i])) u->launch_if_pending();
+  // Launches in backward's order first (what backward would have done had every parameter been
+  // used), then in module order for units the forward did not record.
+  for (size_t i = ends_.size(); i-- > 0;)
+    if (auto u = lock(ends_[i])) u->launch_if_pending();
   for (auto& u : units) u->launch_if_pending();
   for (auto& u : units) u->finish_gradients();
   for (auto& u : units) {
@@ -108,6 +113,7 @@ ForwardScope::~ForwardScope() { --forward_depth; }
 
 void ForwardScope::finish(const std::vector<at::Tensor>& outputs) {
   finished_ = true;
+  if (unit_->root) unit_->root->record_forward_end(unit_);
   if (unit_->reshard_after_forward()) unit_->reshard();
   if (!torch::autograd::GradMode::is_enabled()) return;
   std::weak_ptr<Unit> weak = unit_;

@@ -19,7 +19,9 @@ class Root {
   void begin_iteration();
   // `unit` runs its forward now; returns the unit that ran after it last iteration, if any.
   std::shared_ptr<Unit> record_forward(const std::shared_ptr<Unit>& unit);
-  // The unit that ran before `unit` in this iteration's forward (next in backward), if any.
+  // `unit`'s forward has finished (the order backward runs the units in is its reverse).
+  void record_forward_end(const std::shared_ptr<Unit>& unit);
+  // The unit whose forward finished before `unit`'s in this iteration (the next in backward), if any.
   std::shared_ptr<Unit> before_in_forward(const Unit* unit) const;
   // Called from autograd hooks: queues the end of this backward pass once.
   void on_backward();
@@ -28,7 +30,8 @@ class Root {
   void end_of_backward();
 
   std::vector<std::weak_ptr<Unit>> units_;
-  std::vector<std::weak_ptr<Unit>> order_, last_order_;
+  std::vector<std::weak_ptr<Unit>> order_, last_order_;  // forwards started, this and last iteration
+  std::vector<std::weak_ptr<Unit>> ends_;                // forwards finished, this iteration
   bool queued_ = false;
 };
 

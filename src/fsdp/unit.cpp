@@ -159,6 +159,7 @@ void Unit::unshard() {
     whole_ = true;
     return;
   }
+  if (gather_) ++prefetched_;
   issue_gather();
   gather_->wait();
   gather_.reset();

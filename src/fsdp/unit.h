@@ -61,6 +61,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   // Bytes this rank has received through the unit's training collectives (all-gathers and
   // reduce-scatters, padding included): (n - 1) parts of each.
   int64_t received_bytes() const { return received_bytes_; }
+  // Gathers this unit found already issued (prefetched) when it needed its parameters.
+  int64_t prefetched_gathers() const { return prefetched_; }
   // Collective: a copy of every parameter, whole, in the shards' own dtype (the parameters as they
   // are, whatever the param dtype), in the order of params().
   std::vector<at::Tensor> whole_copies() const;
@@ -99,7 +101,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
   bool requires_sync_ = true;
   at::Tensor flat_shard_;  // every parameter's chunk, padded: the all-gather's input
   int64_t per_rank_ = 0;   // elements of flat_shard_
-  int64_t received_bytes_ = 0;
+  int64_t received_bytes_ = 0, prefetched_ = 0;
   bool whole_ = false;
   std::optional<Work> gather_;  // issued, not yet waited for
   at::Tensor gather_in_, gathered_;

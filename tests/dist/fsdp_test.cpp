@@ -100,6 +100,51 @@ TEST(FullyShard, TwentyStepsEqualOneProcessOnTheWholeBatch) {
   }
 }
 
+TEST(FullyShard, AnOptimizerBuiltBeforeShardingHoldsTheShards) {
+  // The shards are the module's own tensors, resized, so an optimizer made before fully_shard (and
+  // not stepped yet) trains exactly like one made after.
+  Net net = fsdp_models::make_net(), ref = fsdp_models::make_net();
+  torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
+  auto fsdp = fsdp_models::shard(net);
+  auto ref_fsdp = fsdp_models::shard(ref);
+  torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(1e-2));
+  for (int s = 0; s < 5; ++s) {
+    auto [x, y] = fsdp_models::batch(s);
+    fsdp_models::keep_this_ranks_part(x, y);
+    for (auto* o : {&opt, &ref_opt}) o->zero_grad();
+    (fsdp(x) - y).pow(2).mean().backward();
+    (ref_fsdp(x) - y).pow(2).mean().backward();
+    opt.step();
+    ref_opt.step();
+  }
+  auto a = net->parameters(), b = ref->parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].equal(b[i])) << "parameter " << i;
+}
+
+TEST(FullyShard, FromTheSecondIterationEachGatherIsPrefetched) {
+  // Forwards start in the order root, blocks.0, blocks.2, inner, inner.b and end in the order
+  // blocks.0, blocks.2, inner.b, inner, root. Backward takes them in reverse: the root (whole since
+  // forward) prefetches inner; inner's output is inner.b's own output tensor, so inner.b's hook runs
+  // first, gathers without a prefetch and prefetches blocks.2; then inner (prefetched by the root),
+  // blocks.2, which prefetches blocks.0, and blocks.0: 3 per backward. From the second iteration on,
+  // each forward also prefetches the 4 units below the root: 7 per iteration.
+  Net net = fsdp_models::make_net();
+  auto fsdp = fsdp_models::shard(net);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.01));
+  std::vector<int64_t> prefetched;
+  for (int s = 0; s < 3; ++s) {
+    auto [x, y] = fsdp_models::batch(s);
+    fsdp_models::keep_this_ranks_part(x, y);
+    opt.zero_grad();
+    (fsdp(x) - y).pow(2).mean().backward();
+    opt.step();
+    prefetched.push_back(fsdp.prefetched_gathers());
+  }
+  EXPECT_EQ(prefetched[0], 3) << "the first forward knows no order; its backward prefetches";
+  EXPECT_EQ(prefetched[1] - prefetched[0], 7) << "the second iteration prefetches in forward too";
+  EXPECT_EQ(prefetched[2] - prefetched[1], 7) << "every later iteration alike";
+}
+
 TEST(FullyShard, ParametersAreWholeOnlyWhileTheirUnitRuns) {
   Net net = fsdp_models::make_net();
   auto fsdp = fsdp_models::shard(net);
