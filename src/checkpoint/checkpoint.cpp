@@ -23,6 +23,7 @@
 #include "dtrain/errors.h"
 #include "dtrain/process_group.h"
 #include "dtrain/sampler.h"
+#include "comm/param_claims.h"
 #include "dtrain/sharded_optimizer.h"
 
 namespace dtrain {
@@ -441,7 +442,25 @@ std::vector<std::string> CheckpointManager::list() const {
   return out;
 }
 
+namespace {
+
+// A fully_shard'ed model holds only this rank's shards: rank 0 alone would write a part of it, and a
+// load would put rank 0's shards on every rank. Refused until sharded checkpoints exist.
+void refuse_sharded_model(const TrainingState& st, const char* what) {
+  if (!st.model) return;
+  for (const auto& kv : st.model->named_parameters()) {
+    const std::string holder = comm::holder_of(kv.value());
+    DTRAIN_CHECK(holder.rfind("fully_shard", 0) != 0, "CheckpointManager::", what, ": parameter '", kv.key(),
+                 "' is held by ", holder,
+                 ": checkpoints of fully_shard'ed models are not supported yet (each rank holds only its shard); "
+                 "save fsdp.full_state_dict() yourself, or leave TrainingState::model null");
+  }
+}
+
+}  // namespace
+
 std::string CheckpointManager::save(const TrainingState& state) {
+  refuse_sharded_model(state, "save");
   DTRAIN_CHECK(state.step >= 0 && state.step <= 9999999999LL,
                "CheckpointManager::save: step must be in [0, 9999999999], got ", state.step);
   char name[32];
@@ -471,6 +490,7 @@ std::string CheckpointManager::save(const TrainingState& state) {
 }
 
 std::optional<std::string> CheckpointManager::load_latest(TrainingState& state) {
+  refuse_sharded_model(state, "load_latest");
   // 1. Rank 0 picks the newest usable file. Its outcome line: "" (none), "ok <path>" or "error <msg>".
   std::string outcome, framed;
   if (!is_initialized() || rank() == 0) outcome = pick_latest(dir_, options_, framed);

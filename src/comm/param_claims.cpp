@@ -47,4 +47,11 @@ void release_parameters(const std::vector<at::Tensor>& params, const std::string
   }
 }
 
+std::string holder_of(const at::Tensor& param) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto& c = claims();
+  auto it = c.find(param.unsafeGetTensorImpl());
+  return it == c.end() || it->second.tensor.expired() ? std::string() : it->second.holder;
+}
+
 }  // namespace dtrain::comm

@@ -16,5 +16,7 @@ namespace dtrain::comm {
 void claim_parameters(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                       const std::string& holder, const std::string& remedy);
 void release_parameters(const std::vector<at::Tensor>& params, const std::string& holder);
+// Who holds `param` ("" if nobody does).
+std::string holder_of(const at::Tensor& param);
 
 }  // namespace dtrain::comm

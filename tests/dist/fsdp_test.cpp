@@ -8,11 +8,14 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include <unistd.h>
+
 #include <map>
 #include <memory>
 #include <string>
 
 #include "dist_main.h"
+#include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
 #include "dtrain/fsdp.h"
 #include "fsdp_models.h"
@@ -288,6 +291,16 @@ TEST(FullyShard, BadInputIsNamedInOneLine) {
     auto sharded = std::make_shared<torch::nn::LinearImpl>(4, 4);
     dtrain::fully_shard(sharded);
     expect_error([&] { DistributedDataParallel ddp(sharded); }, "is already held by fully_shard unit");
+  }
+  {
+    // A checkpoint of a sharded model would hold rank 0's shards only: refused on every rank.
+    Net net = fsdp_models::make_net();
+    fsdp_models::shard(net);
+    TrainingState st;
+    st.model = net.ptr().get();
+    CheckpointManager ckpt(std::string("/tmp/dtrain_fsdp_refused_") + std::to_string(::getpid()));
+    expect_error([&] { ckpt.save(st); }, "checkpoints of fully_shard'ed models are not supported yet");
+    expect_error([&] { ckpt.load_latest(st); }, "checkpoints of fully_shard'ed models are not supported yet");
   }
   {
     // Ranks that built different models: every rank names the first difference.
