@@ -71,52 +71,43 @@ TOOLS_MAY_USE = ("store/", "common/util.h", "common/env.h", "common/slurm.h")
 TORCH_HEADERS = ("torch/", "ATen/", "c10/", "caffe2/")
 
 
-def check_public_headers(errors):
-    inc_root = os.path.join(ROOT, "include", "dtrain")
-    for dirpath, _, files in os.walk(inc_root):
+def each_include(top, exts, pattern):
+    """(path relative to the repository, line number, included name, line) for each include in `top`."""
+    for dirpath, _, files in os.walk(top):
         for f in sorted(files):
-            if not f.endswith(".h"):
+            if not f.endswith(exts):
                 continue
-            rel = os.path.relpath(os.path.join(dirpath, f), os.path.join(ROOT, "include"))
-            name = rel.split("/")[1].split(".")[0]
-            layer = PUBLIC_OWNER.get(name)
-            with open(os.path.join(dirpath, f), encoding="utf-8") as fh:
+            full = os.path.join(dirpath, f)
+            with open(full, encoding="utf-8") as fh:
                 for n, line in enumerate(fh, 1):
-                    m = INCLUDE.match(line)
-                    if not m:
-                        continue
-                    inc = m.group(1)
-                    where = f"include/{rel}:{n}: includes \"{inc}\""
-                    if not inc.startswith("dtrain/"):
-                        errors.append(f"{where}: a public header includes only public headers (dtrain/...); "
-                                      "src/'s headers are not installed")
-                        continue
-                    to = owner(inc)
-                    if layer and to and to != "*" and to != layer and to not in USES.get(layer, set()):
-                        errors.append(f"{where}: the public header of {layer}/ must not use {to}/'s API "
-                                      f"({layer}/ may use: {', '.join(sorted(USES.get(layer, []))) or 'nothing'})")
+                    m = pattern.match(line)
+                    if m:
+                        yield os.path.relpath(full, ROOT), n, m.group(1), line
+
+
+def check_public_headers(errors):
+    for rel, n, inc, _ in each_include(os.path.join(ROOT, "include", "dtrain"), (".h",), INCLUDE):
+        layer = PUBLIC_OWNER.get(rel.split("/")[2].split(".")[0])
+        where = f"{rel}:{n}: includes \"{inc}\""
+        if not inc.startswith("dtrain/"):
+            errors.append(f"{where}: a public header includes only public headers (dtrain/...); "
+                          "src/'s headers are not installed")
+            continue
+        to = owner(inc)
+        if layer and to and to != "*" and to != layer and to not in USES.get(layer, set()):
+            errors.append(f"{where}: the public header of {layer}/ must not use {to}/'s API "
+                          f"({layer}/ may use: {', '.join(sorted(USES.get(layer, []))) or 'nothing'})")
 
 
 def check_tools(errors):
-    tools = os.path.join(ROOT, "tools")
-    for dirpath, _, files in os.walk(tools):
-        for f in sorted(files):
-            if not f.endswith((".h", ".cpp")):
-                continue
-            rel = os.path.relpath(os.path.join(dirpath, f), ROOT)
-            with open(os.path.join(dirpath, f), encoding="utf-8") as fh:
-                for n, line in enumerate(fh, 1):
-                    m = ANY_INCLUDE.match(line)
-                    if not m:
-                        continue
-                    inc = m.group(1)
-                    where = f"{rel}:{n}: includes \"{inc}\""
-                    if inc.startswith(TORCH_HEADERS):
-                        errors.append(f"{where}: tools/ never includes LibTorch (the launcher starts in "
-                                      "milliseconds and links no torch)")
-                    elif '"' in line and "/" in inc and not inc.startswith(TOOLS_MAY_USE):
-                        errors.append(f"{where}: tools/ uses only store/, common/util.h, common/env.h, "
-                                      "common/slurm.h and its own files")
+    for rel, n, inc, line in each_include(os.path.join(ROOT, "tools"), (".h", ".cpp"), ANY_INCLUDE):
+        where = f"{rel}:{n}: includes \"{inc}\""
+        if inc.startswith(TORCH_HEADERS):
+            errors.append(f"{where}: tools/ never includes LibTorch (the launcher starts in milliseconds and "
+                          "links no torch)")
+        elif '"' in line and "/" in inc and not inc.startswith(TOOLS_MAY_USE):
+            errors.append(f"{where}: tools/ uses only store/, common/util.h, common/env.h, common/slurm.h and "
+                          "its own files")
 
 
 def owner(header):
