@@ -6,6 +6,7 @@ what the launcher gave it and steps through a file barrier with its peers, so a 
 survivors as a collective would. The launchers get identical command lines: no --node_rank; the one
 that can bind the master address hosts the rendezvous.
 """
+import contextlib
 import os
 import re
 import signal
@@ -27,6 +28,17 @@ def elastic_args(port, addr, nnodes, last_call=3, max_restarts=3):
             "--rdzv_timeout", 20, "--rdzv_last_call", last_call, "--max_restarts", max_restarts,
             "--monitor_interval", "0.1", "--grace_period", 1]
 
+
+
+@contextlib.contextmanager
+def running_nodes(nodes):
+    """The launched node processes, killed and reaped however the block ends."""
+    try:
+        yield nodes
+    finally:
+        for p in nodes:
+            p.kill()
+        finish(*nodes, timeout=10)
 
 class ElasticTest(MarkedTestCase):
     tmp_prefix = "dtrain_elastic_"
@@ -110,15 +122,10 @@ class ElasticTest(MarkedTestCase):
         # end a healthy job that grows. The workers' restart count still moves on (it keys their
         # rendezvous), and the job goes on from its checkpoint.
         args = elastic_args(self.port, self.hosts.addr[0], "1:3", last_call=0.5, max_restarts=0) + self.worker(40, 0.05)
-        nodes = [self.hosts.launch(0, [DTRAIN_RUN] + args, clean_env())]
-        try:
+        with running_nodes([self.hosts.launch(0, [DTRAIN_RUN] + args, clean_env())]) as nodes:
             self.assertTrue(wait_until(lambda: self.step_reached() >= 5, 20), "the job did not start training")
             nodes.append(self.hosts.launch(1, [DTRAIN_RUN] + args, clean_env()))
             results = finish(*nodes, timeout=30)
-        finally:
-            for p in nodes:
-                p.kill()
-            finish(*nodes, timeout=10)
         for rc, _, err in results:
             self.assertEqual(rc, 0, err)
             self.assertRegex(err, r"dtrain-run: node 1 \(.*\) joined; world size 1 -> 2 \(attempt 1\)\n")
@@ -166,8 +173,7 @@ class ElasticTest(MarkedTestCase):
 
     def test_the_middle_node_leaves_and_the_last_one_takes_its_group_rank(self):
         args = elastic_args(self.port, self.hosts.addr[0], "2:3", last_call=1, max_restarts=1) + self.worker(1000, 0.05)
-        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]
-        try:
+        with running_nodes([self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]) as nodes:
             self.assertTrue(wait_until(lambda: self.step_reached() >= 5, 20), "the job did not start training")
             last = [s["launcher"] for s in self.starts() if s["group"] == 2]
             killed = self.kill_node(nodes, 1)
@@ -175,10 +181,6 @@ class ElasticTest(MarkedTestCase):
                             "the survivors did not restart")
             self.end_training()
             results = finish(*[p for i, p in enumerate(nodes) if i != killed], timeout=20)
-        finally:
-            for p in nodes:
-                p.kill()
-            finish(*nodes, timeout=10)
         for rc, _, err in results:
             self.assertEqual(rc, 0, err)
             # A lost node spends a restart, as in torchelastic (the survivors' workers fail there).
@@ -191,15 +193,10 @@ class ElasticTest(MarkedTestCase):
 
     def test_a_lost_node_ends_the_job_when_no_restart_is_left(self):
         args = elastic_args(self.port, self.hosts.addr[0], "2:3", last_call=1, max_restarts=0) + self.worker(400, 0.05)
-        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]
-        try:
+        with running_nodes([self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]) as nodes:
             self.assertTrue(wait_until(lambda: self.step_reached() >= 5, 20), "the job did not start training")
             killed = self.kill_node(nodes, 2)
             results = finish(*[p for i, p in enumerate(nodes) if i != killed], timeout=30)
-        finally:
-            for p in nodes:
-                p.kill()
-            finish(*nodes, timeout=10)
         for rc, _, err in results:
             self.assertEqual(rc, 1, err)
             self.assertRegex(err.strip().splitlines()[-1],
@@ -276,16 +273,11 @@ class ElasticTest(MarkedTestCase):
 
     def test_a_killed_node_leaves_and_the_survivors_finish_with_world_size_2(self):
         args = elastic_args(self.port, self.hosts.addr[0], "2:3") + self.worker(60)
-        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]
-        try:
+        with running_nodes([self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]) as nodes:
             self.assertTrue(wait_until(lambda: self.step_reached() >= 15, 30), "the job did not start training")
             killed = self.kill_node(nodes, 2)
             killed_at = self.step_reached()
             (rc0, _, err0), (rc1, _, err1) = finish(*[p for i, p in enumerate(nodes) if i != killed], timeout=60)
-        finally:
-            for p in nodes:
-                p.kill()
-            finish(*nodes, timeout=10)
         self.assertEqual((rc0, rc1), (0, 0), err0 + err1)
         for err in (err0, err1):
             self.assertRegex(err, r"dtrain-run: elastic job formed by node 0 \(.*\), node 1 \(.*\), node 2 \(.*\); "
@@ -308,15 +300,10 @@ class ElasticTest(MarkedTestCase):
 
     def test_a_node_that_arrives_during_training_is_admitted_at_a_restart(self):
         args = elastic_args(self.port, self.hosts.addr[0], "2:3", last_call=1) + self.worker(50)
-        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(2)]
-        try:
+        with running_nodes([self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(2)]) as nodes:
             self.assertTrue(wait_until(lambda: self.step_reached() >= 10, 30), "the job did not start training")
             nodes.append(self.hosts.launch(2, [DTRAIN_RUN] + args, clean_env()))
             results = finish(*nodes, timeout=60)
-        finally:
-            for p in nodes:
-                p.kill()
-            finish(*nodes, timeout=10)
         for rc, _, err in results:
             self.assertEqual(rc, 0, err)
         self.assertRegex(results[0][2], r"world size 2 \(attempt 0\)")
@@ -331,17 +318,12 @@ class ElasticTest(MarkedTestCase):
 
     def test_below_min_every_survivor_ends_with_a_clear_message(self):
         args = elastic_args(self.port, self.hosts.addr[0], "3:4", last_call=1) + self.worker(400)
-        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]
-        try:
+        with running_nodes([self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]) as nodes:
             self.assertTrue(wait_until(lambda: self.step_reached() >= 5, 30), "the job did not start training")
             killed = self.kill_node(nodes, 2)
             t0 = time.monotonic()
             results = finish(*[p for i, p in enumerate(nodes) if i != killed], timeout=40)
             took = time.monotonic() - t0
-        finally:
-            for p in nodes:
-                p.kill()
-            finish(*nodes, timeout=10)
         for rc, _, err in results:
             self.assertEqual(rc, 1, err)
             last = err.strip().splitlines()[-1]
@@ -354,15 +336,10 @@ class ElasticTest(MarkedTestCase):
         # The rendezvous lives on node 0's launcher only: without it the others cannot agree on
         # anything, so they stop their workers and end with a line that says why.
         args = elastic_args(self.port, self.hosts.addr[0], "1:3", last_call=1) + self.worker(400)
-        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(2)]
-        try:
+        with running_nodes([self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(2)]) as nodes:
             self.assertTrue(wait_until(lambda: self.step_reached() >= 5, 30), "the job did not start training")
             killed = self.kill_node(nodes, 0)
             ((rc, _, err),) = finish(nodes[1 - killed], timeout=30)
-        finally:
-            for p in nodes:
-                p.kill()
-            finish(*nodes, timeout=10)
         self.assertEqual(rc, 1, err)
         self.assertRegex(err.strip().splitlines()[-1],
                          r"^dtrain-run: lost the rendezvous at 10\.232\.\d+\.1:\d+: node 0's launcher \(the rendezvous "
