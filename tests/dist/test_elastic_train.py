@@ -4,8 +4,8 @@ per "host" (network namespaces on one bridge, tests/common/netns_hosts.py), DDP 
   * 3 nodes of --nnodes 2:3, one node's launcher and worker SIGKILLed mid-epoch: the two others
     resume from the last checkpoint with WORLD_SIZE 2 and finish, and --sample_log shows every sample
     of the epoch trained exactly once, except those of the steps after that checkpoint (replayed);
-  * the main job (5 epochs of Fashion-MNIST) grows from 2 to 3 nodes and shrinks back to 2 on the way
-    and still reaches 0.90 test accuracy.
+  * the main job (3 epochs of Fashion-MNIST: the 0.90 test accuracy of its 5, in 3/5 of the time) grows
+    from 2 to 3 nodes and shrinks back to 2 on the way and still reaches 0.90 test accuracy.
 
 Both need a trainer whose checkpoints written by N ranks load on M ranks and which records the
 indices it trains (--sample_log); without them the tests are skipped, saying so.
@@ -146,7 +146,7 @@ class ElasticTraining(DistTestCase):
 
     def test_the_main_job_reaches_its_accuracy_through_a_join_and_a_leave(self):
         ckpt, log = os.path.join(self.tmp, "ckpt"), os.path.join(self.tmp, "samples")
-        args = ["--epochs", 5, "--checkpoint_dir", ckpt, "--checkpoint_every", 100, "--sample_log", log,
+        args = ["--epochs", 3, "--checkpoint_dir", ckpt, "--checkpoint_every", 100, "--sample_log", log,
                 "--threads", 1]
 
         def trained(rank, attempt):
@@ -168,8 +168,9 @@ class ElasticTraining(DistTestCase):
         self.assertRegex(err0, r"node 2 \(.*\) left; world size 3 -> 2 \(attempt 2, restart 1 of --max_restarts \d+\)")
         m = RESULT_RE.search(out0)
         self.assertIsNotNone(m, out0)
-        self.assertEqual(m.group(1), "5")
+        self.assertEqual(m.group(1), "3")
         self.assertEqual(m.group(5), "1", "the ranks' parameters differ")
+        print(f"main job through a join and a leave: test accuracy {m.group(2)} (needs 0.90)", flush=True)
         self.assertGreaterEqual(float(m.group(2)), 0.90, out0)
 
 
