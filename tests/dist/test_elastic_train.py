@@ -4,8 +4,10 @@ per "host" (network namespaces on one bridge, tests/common/netns_hosts.py), DDP 
   * 3 nodes of --nnodes 2:3, one node's launcher and worker SIGKILLed mid-epoch: the two others
     resume from the last checkpoint with WORLD_SIZE 2 and finish, and --sample_log shows every sample
     of the epoch trained exactly once, except those of the steps after that checkpoint (replayed);
-  * the main job (3 epochs of Fashion-MNIST: the 0.90 test accuracy of its 5, in 3/5 of the time) grows
-    from 2 to 3 nodes and shrinks back to 2 on the way and still reaches 0.90 test accuracy.
+  * the main job (3 epochs of Fashion-MNIST, 3/5 of its default) grows from 2 to 3 nodes and shrinks
+    back to 2 on the way and still reaches 0.89 test accuracy: above what one epoch reaches (0.884),
+    below the 0.905 +- 0.005 that 3 epochs reach with or without membership changes (0.9051 in README's
+    run, 0.9046 through the join and the leave).
 
 Both need a trainer whose checkpoints written by N ranks load on M ranks and which records the
 indices it trains (--sample_log); without them the tests are skipped, saying so.
@@ -170,8 +172,8 @@ class ElasticTraining(DistTestCase):
         self.assertIsNotNone(m, out0)
         self.assertEqual(m.group(1), "3")
         self.assertEqual(m.group(5), "1", "the ranks' parameters differ")
-        print(f"main job through a join and a leave: test accuracy {m.group(2)} (needs 0.90)", flush=True)
-        self.assertGreaterEqual(float(m.group(2)), 0.90, out0)
+        print(f"main job through a join and a leave: test accuracy {m.group(2)} (needs 0.89)", flush=True)
+        self.assertGreaterEqual(float(m.group(2)), 0.89, out0)
 
 
 if __name__ == "__main__":
