@@ -116,5 +116,4 @@ std::optional<int> parse_flags(int argc, char** argv, Config& cfg) {
   return std::nullopt;
 }
 
-
 }  // namespace train
