@@ -7,6 +7,17 @@
 # the shared header (REUSE_FROM: it is compiled once). Only third-party headers go in it: a dtrain
 # header there would recompile every consumer whenever it changed, and hide a missing include.
 # The owner is an executable, so its .gch is made with -fPIE as the consumers are compiled.
+#
+# Only where a whole CI run has passed with it: LibTorch 1.x (C++17) without sanitizers. Under
+# LibTorch 2.x (C++20) GCC 12 reported a false -Warray-bounds in pipeline_schedule_test.cpp's
+# std::string concatenation with it; the sanitizer trees are untried. Elsewhere dtrain_consumer_pch()
+# does nothing.
+if(DTRAIN_SANITIZE OR NOT Torch_VERSION VERSION_LESS 2
+   OR NOT (DTRAIN_BUILD_EXAMPLES OR DTRAIN_BUILD_BENCH OR DTRAIN_BUILD_TESTS))
+  function(dtrain_consumer_pch dir)
+  endfunction()
+  return()
+endif()
 add_executable(dtrain_consumer_pch ${CMAKE_CURRENT_LIST_DIR}/consumer_pch_main.cpp)
 target_link_libraries(dtrain_consumer_pch PRIVATE dtrain::dtrain)
 target_precompile_headers(dtrain_consumer_pch PRIVATE
