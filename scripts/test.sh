@@ -5,7 +5,8 @@
 #                  tests that need a GPU report themselves skipped): only the tests that depend on the
 #                  LibTorch underneath. Those labelled `once` (text checks, the torch-free parts, the
 #                  launcher, the trainer's process-level behaviour: tests/CMakeLists.txt) are neither
-#                  built nor run there (-DDTRAIN_ONCE_TESTS=OFF), and the library compiles as a unity
+#                  built nor run there (-DDTRAIN_ONCE_TESTS=OFF), each multi-process program runs at
+#                  one world size per transport (tests/dist/CMakeLists.txt), and the library compiles as a unity
 #                  build (a few batches of sources, so LibTorch 2's headers are parsed a few times
 #                  instead of once per file; build/ keeps one file per compile, which catches a
 #                  missing include)
