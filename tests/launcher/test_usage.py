@@ -39,6 +39,12 @@ class UsageTest(unittest.TestCase):
         self.bad(["--max_restarts", "-1", "true"], "--max_restarts", "'-1'")
         self.bad(["--monitor_interval", "0", "true"], "--monitor_interval", "'0'")
         self.bad(["--rdzv_timeout", "x", "true"], "--rdzv_timeout", "'x'")
+        self.assertEqual(self.bad(["--grace_period", "-0.5", "true"]),
+                         "dtrain-run: --grace_period must be a number of seconds >= 0, got '-0.5'")
+        self.assertEqual(self.bad(["--node-rank", "1.5", "true"]),  # an alias: the error names the flag
+                         "dtrain-run: --node_rank must be an integer >= 0, got '1.5'")
+        self.bad(["--monitor_interval", "3601", "true"], "--monitor_interval", "'3601'")
+        self.bad(["-t", "7", "--log_dir", "/tmp", "true"], "--tee", "'7'")
         self.bad(["--redirects", "4", "--log_dir", "/tmp", "true"], "--redirects", "'4'")
         self.bad(["--tee", "1", "true"], "--tee", "--log_dir")
         self.bad(["--standalone", "--nnodes", "2", "true"], "--standalone", "--nnodes")

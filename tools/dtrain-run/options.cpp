@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 
 #include "common/env.h"
 #include "slurm_step.h"
@@ -66,8 +67,121 @@ std::string resolve_program(const std::string& program) {
   throw UsageError("program '" + program + "' not found in PATH (give its path, e.g. ./" + program + ")");
 }
 
-std::string std_mask_text(const std::string& flag) {
-  return flag + " must be 0 (none), 1 (stdout), 2 (stderr) or 3 (both)";
+// A flag whose value is a number in a range. The table below holds each one's names, help, default
+// and rule, so that its check and its error message are written once:
+// "<first name> must be <rule>, got '<value>'".
+struct NumericFlag {
+  const char* names;  // CLI11's, the first one named in errors
+  const char* help;
+  const char* fallback;  // the default, as the command line would give it
+  const char* rule;
+  bool integer;
+  double lo, hi;  // the value lies in [lo, hi], or in (lo, hi] when lo_open
+  bool lo_open;
+  int LaunchOptions::*count;       // an integer flag's field, or
+  double LaunchOptions::*seconds;  // a number of seconds' field
+};
+
+constexpr double kNoLimit = 1e300;
+constexpr double kIntMax = 2147483647.0;
+constexpr const char* kStdMaskRule = "0 (none), 1 (stdout), 2 (stderr) or 3 (both)";
+
+// In --help's order among the other flags; validated in this order too.
+const NumericFlag kNodeRank{"--node_rank,--node-rank",
+                            "this node's rank, 0..nnodes-1 (default 0)",
+                            "0",
+                            "an integer >= 0",
+                            true,
+                            0,
+                            kIntMax,
+                            false,
+                            &LaunchOptions::node_rank,
+                            nullptr};
+const NumericFlag kMasterPort{"--master_port,--master-port",
+                              "port of the rendezvous on node 0 (default 29500)",
+                              "29500",
+                              "a port number 1..65535",
+                              true,
+                              1,
+                              65535,
+                              false,
+                              &LaunchOptions::master_port,
+                              nullptr};
+const NumericFlag kTimings[] = {
+    {"--max_restarts,--max-restarts", "restarts allowed after failures (default 0)", "0", "an integer >= 0", true, 0,
+     kIntMax, false, &LaunchOptions::max_restarts, nullptr},
+    {"--monitor_interval,--monitor-interval", "seconds between checks (default 0.1)", "0.1", "a number of seconds > 0",
+     false, 0, 3600, true, nullptr, &LaunchOptions::monitor_interval},
+    {"--rdzv_timeout,--rdzv-timeout", "seconds nodes wait for each other (default 900)", "900",
+     "a number of seconds > 0", false, 0, kNoLimit, true, nullptr, &LaunchOptions::rdzv_timeout},
+    {"--rdzv_last_call,--rdzv-last-call", "elastic: seconds to wait for more nodes once MIN have joined (default 30)",
+     "30", "a number of seconds >= 0", false, 0, kNoLimit, false, nullptr, &LaunchOptions::rdzv_last_call},
+    {"--grace_period,--grace-period", "seconds between SIGTERM and SIGKILL (default 5)", "5",
+     "a number of seconds >= 0", false, 0, kNoLimit, false, nullptr, &LaunchOptions::grace_period},
+};
+const NumericFlag kStreams[] = {
+    {"--redirects,-r", "streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both", "0", kStdMaskRule, true, 0, 3,
+     false, &LaunchOptions::redirects, nullptr},
+    {"--tee,-t", "streams to log files and console: 0 none, 1 stdout, 2 stderr, 3 both", "0", kStdMaskRule, true, 0, 3,
+     false, &LaunchOptions::tee, nullptr},
+};
+
+// The flag's first name: "--node_rank" of "--node_rank,--node-rank".
+std::string primary(const NumericFlag& f) {
+  std::string names = f.names;
+  return names.substr(0, names.find(','));
+}
+
+// The value given (or the default) for each numeric flag, bound to CLI11 and checked after parsing.
+class NumericValues {
+ public:
+  void add(CLI::App& app, const NumericFlag& f) { app.add_option(f.names, slot(f) = f.fallback, f.help); }
+
+  // Stores the checked value into `o`, or throws the flag's one-line error.
+  void check(const NumericFlag& f, LaunchOptions& o) {
+    const std::string& text = slot(f);
+    long long n = 0;
+    double x = 0;
+    bool ok = f.integer ? parse_int(text, &n) : parse_double(text, &x);
+    if (f.integer) x = static_cast<double>(n);
+    ok = ok && (f.lo_open ? x > f.lo : x >= f.lo) && x <= f.hi;
+    if (!ok) throw UsageError(primary(f) + " must be " + f.rule + ", got '" + text + "'");
+    if (f.count) o.*f.count = static_cast<int>(n);
+    if (f.seconds) o.*f.seconds = x;
+  }
+
+  const std::string& given(const NumericFlag& f) { return slot(f); }
+
+ private:
+  std::string& slot(const NumericFlag& f) { return values_[f.names]; }
+  std::map<std::string, std::string> values_;
+};
+
+// --nproc_per_node: a count or 'auto' (the online cores).
+int parse_nproc(const std::string& nproc) {
+  long long v = 0;
+  if (nproc == "auto") return online_cores();
+  if (!parse_int(nproc, &v) || v < 1 || v > 4096)
+    throw UsageError("--nproc_per_node must be a positive integer or 'auto', got '" + nproc + "'");
+  return static_cast<int>(v);
+}
+
+// --nnodes: N, or torchrun's MIN:MAX for an elastic job (nnodes is then MAX until the rendezvous).
+void parse_nnodes(const std::string& nnodes, LaunchOptions& o) {
+  long long v = 0;
+  if (const size_t colon = nnodes.find(':'); colon != std::string::npos) {
+    long long lo = 0, hi = 0;
+    if (!parse_int(nnodes.substr(0, colon), &lo) || !parse_int(nnodes.substr(colon + 1), &hi) || lo < 1 || hi < lo ||
+        hi > 100000)
+      throw UsageError("--nnodes MIN:MAX needs 1 <= MIN <= MAX (e.g. --nnodes 2:4), got '" + nnodes + "'");
+    o.elastic = true;
+    o.min_nodes = static_cast<int>(lo);
+    o.max_nodes = static_cast<int>(hi);
+    v = hi;
+  } else if (!parse_int(nnodes, &v) || v < 1 || v > 100000) {
+    throw UsageError("--nnodes must be a positive integer or MIN:MAX, got '" + nnodes + "'");
+  }
+  o.nnodes = static_cast<int>(v);
 }
 
 }  // namespace
@@ -77,40 +191,37 @@ int online_cores() {
   return n > 0 ? static_cast<int>(n) : 1;
 }
 
-LaunchOptions parse_options(int argc, char** argv) {
-  LaunchOptions o;
-  std::string nproc = "1", nnodes = "1", node_rank = "0", port = "29500", max_restarts = "0";
-  std::string monitor = "0.1", rdzv_timeout = "900", last_call = "30", grace = "5", redirects = "0", tee = "0";
-  std::string run_id;
+namespace {
 
-  CLI::App app{
-      "dtrain-run: start N worker processes per node with torchrun's environment "
-      "(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...).",
-      "dtrain-run"};
+// The values CLI11 fills in: text flags go straight into LaunchOptions, the others are checked after.
+struct Given {
+  std::string nproc = "1", nnodes = "1", run_id;
+  NumericValues numbers;
+};
+
+// Every flag, in --help's order.
+void add_flags(CLI::App& app, LaunchOptions& o, Given& g) {
   app.footer("Usage: dtrain-run [OPTIONS] PROGRAM [ARGS...]   (everything after PROGRAM goes to it)");
-  app.add_option("--nproc_per_node,--nproc-per-node", nproc, "workers per node: a number or 'auto' (= CPU cores)");
-  app.add_option("--nnodes", nnodes, "number of nodes N, or MIN:MAX for an elastic job (default 1)");
-  app.add_option("--node_rank,--node-rank", node_rank, "this node's rank, 0..nnodes-1 (default 0)");
+  app.add_option("--nproc_per_node,--nproc-per-node", g.nproc, "workers per node: a number or 'auto' (= CPU cores)");
+  app.add_option("--nnodes", g.nnodes, "number of nodes N, or MIN:MAX for an elastic job (default 1)");
+  g.numbers.add(app, kNodeRank);
   app.add_option("--master_addr,--master-addr", o.master_addr,
                  "address of node 0; its launcher serves the rendezvous there only (default 127.0.0.1)");
-  app.add_option("--master_port,--master-port", port, "port of the rendezvous on node 0 (default 29500)");
+  g.numbers.add(app, kMasterPort);
   app.add_flag("--standalone", o.standalone, "single node on 127.0.0.1 with a free port");
-  app.add_option("--max_restarts,--max-restarts", max_restarts, "restarts allowed after failures (default 0)");
-  app.add_option("--monitor_interval,--monitor-interval", monitor, "seconds between checks (default 0.1)");
-  app.add_option("--rdzv_timeout,--rdzv-timeout", rdzv_timeout, "seconds nodes wait for each other (default 900)");
-  app.add_option("--rdzv_last_call,--rdzv-last-call", last_call,
-                 "elastic: seconds to wait for more nodes once MIN have joined (default 30)");
-  app.add_option("--grace_period,--grace-period", grace, "seconds between SIGTERM and SIGKILL (default 5)");
+  for (const NumericFlag& f : kTimings) g.numbers.add(app, f);
   app.add_option("--log_dir,--log-dir", o.log_dir,
                  "write <log_dir>/<run_id>/attempt_<restart>/<rank>/{stdout,stderr}.log");
-  app.add_option("--redirects,-r", redirects, "streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both");
-  app.add_option("--tee,-t", tee, "streams to log files and console: 0 none, 1 stdout, 2 stderr, 3 both");
+  for (const NumericFlag& f : kStreams) g.numbers.add(app, f);
   app.add_flag("--use_local_rank_arg,--use-local-rank-arg", o.use_local_rank_arg,
                "pass --local_rank=N as the program's first argument");
-  app.add_option("--run_id,--run-id,--rdzv_id,--rdzv-id", run_id,
+  app.add_option("--run_id,--run-id,--rdzv_id,--rdzv-id", g.run_id,
                  "job id exported as TORCHELASTIC_RUN_ID (default none)");
+}
 
-  // 1. Split at the program.
+// Step 1: the launcher's arguments (a flag and its value), up to the program; the program and its
+// arguments go into `o`.
+std::vector<std::string> split_at_program(const CLI::App& app, int argc, char** argv, LaunchOptions& o) {
   std::vector<std::string> launcher_args;
   int i = 1;
   for (; i < argc; ++i) {
@@ -138,66 +249,29 @@ LaunchOptions parse_options(int argc, char** argv) {
         "no program given: dtrain-run [OPTIONS] PROGRAM [ARGS...] (e.g. dtrain-run --nproc_per_node 2 ./train)");
   o.program = argv[i];
   for (++i; i < argc; ++i) o.program_args.push_back(argv[i]);
+  return launcher_args;
+}
 
-  // 2. CLI11 parses the launcher part (it expects the arguments in reverse order).
-  std::vector<std::string> reversed(launcher_args.rbegin(), launcher_args.rend());
-  try {
-    app.parse(reversed);
-  } catch (const CLI::ParseError& e) {
-    throw UsageError(e.what());
-  }
-
-  long long v = 0;
-  if (nproc == "auto") {
-    o.nproc_per_node = online_cores();
-  } else if (!parse_int(nproc, &v) || v < 1 || v > 4096) {
-    throw UsageError("--nproc_per_node must be a positive integer or 'auto', got '" + nproc + "'");
-  } else {
-    o.nproc_per_node = static_cast<int>(v);
-  }
-  if (const size_t colon = nnodes.find(':'); colon != std::string::npos) {  // torchrun's MIN:MAX
-    long long lo = 0, hi = 0;
-    if (!parse_int(nnodes.substr(0, colon), &lo) || !parse_int(nnodes.substr(colon + 1), &hi) || lo < 1 || hi < lo ||
-        hi > 100000)
-      throw UsageError("--nnodes MIN:MAX needs 1 <= MIN <= MAX (e.g. --nnodes 2:4), got '" + nnodes + "'");
-    o.elastic = true;
-    o.min_nodes = static_cast<int>(lo);
-    o.max_nodes = static_cast<int>(hi);
-    v = hi;
-  } else if (!parse_int(nnodes, &v) || v < 1 || v > 100000) {
-    throw UsageError("--nnodes must be a positive integer or MIN:MAX, got '" + nnodes + "'");
-  }
-  o.nnodes = static_cast<int>(v);
-  if (!parse_double(last_call, &o.rdzv_last_call) || o.rdzv_last_call < 0)
-    throw UsageError("--rdzv_last_call must be a number of seconds >= 0, got '" + last_call + "'");
-  if (!parse_int(node_rank, &v) || v < 0)
-    throw UsageError("--node_rank must be an integer >= 0, got '" + node_rank + "'");
-  o.node_rank = static_cast<int>(v);
-  if (!parse_int(port, &v) || v < 1 || v > 65535)
-    throw UsageError("--master_port must be a port number 1..65535, got '" + port + "'");
-  o.master_port = static_cast<int>(v);
-  if (!parse_int(max_restarts, &v) || v < 0)
-    throw UsageError("--max_restarts must be an integer >= 0, got '" + max_restarts + "'");
-  o.max_restarts = static_cast<int>(v);
-  if (!parse_double(monitor, &o.monitor_interval) || o.monitor_interval <= 0 || o.monitor_interval > 3600)
-    throw UsageError("--monitor_interval must be a number of seconds > 0, got '" + monitor + "'");
-  if (!parse_double(rdzv_timeout, &o.rdzv_timeout) || o.rdzv_timeout <= 0)
-    throw UsageError("--rdzv_timeout must be a number of seconds > 0, got '" + rdzv_timeout + "'");
-  if (!parse_double(grace, &o.grace_period) || o.grace_period < 0)
-    throw UsageError("--grace_period must be a number of seconds >= 0, got '" + grace + "'");
-  if (!parse_int(redirects, &v) || v < 0 || v > 3)
-    throw UsageError(std_mask_text("--redirects") + ", got '" + redirects + "'");
-  o.redirects = static_cast<int>(v);
-  if (!parse_int(tee, &v) || v < 0 || v > 3) throw UsageError(std_mask_text("--tee") + ", got '" + tee + "'");
-  o.tee = static_cast<int>(v);
+// Step 2's checks: each value on its own, then the ones that depend on each other.
+void check_values(Given& g, LaunchOptions& o) {
+  o.nproc_per_node = parse_nproc(g.nproc);
+  parse_nnodes(g.nnodes, o);
+  g.numbers.check(kNodeRank, o);
+  g.numbers.check(kMasterPort, o);
+  for (const NumericFlag& f : kTimings) g.numbers.check(f, o);
+  for (const NumericFlag& f : kStreams) g.numbers.check(f, o);
   if ((o.redirects || o.tee) && o.log_dir.empty())
     throw UsageError(std::string(o.redirects ? "--redirects" : "--tee") +
                      " needs --log_dir DIR to write the log files to");
   if (o.master_addr.empty()) throw UsageError("--master_addr must not be empty (e.g. --master_addr 127.0.0.1)");
-  if (!run_id.empty()) o.run_id = run_id;
+  if (!g.run_id.empty()) o.run_id = g.run_id;
   if (o.run_id.find('/') != std::string::npos || o.run_id == "." || o.run_id == "..")
     throw UsageError("--run_id must not contain '/', got '" + o.run_id + "'");
-  // 4. Before --standalone's own settings: in a step of several tasks it is an error.
+}
+
+// Step 4, before --standalone's own settings (in a step of several tasks it is an error), then the
+// checks of the node count against the node rank and --standalone.
+void apply_placement(const CLI::App& app, Given& g, LaunchOptions& o) {
   GivenFlags given;
   given.nnodes = app.count("--nnodes") > 0;
   given.node_rank = app.count("--node_rank") > 0;
@@ -206,6 +280,7 @@ LaunchOptions parse_options(int argc, char** argv) {
   given.master_port = app.count("--master_port") > 0;
   o.node_rank_given = given.node_rank;
   apply_slurm_step(o, given, env::process());
+  const std::string& nnodes = g.nnodes;
   if (o.elastic && !o.slurm_note.empty())
     throw UsageError("--nnodes " + nnodes +
                      " (elastic) cannot run inside an srun step of several tasks: the step "
@@ -213,7 +288,7 @@ LaunchOptions parse_options(int argc, char** argv) {
   if (o.elastic && o.standalone)
     throw UsageError("--standalone runs one node, but --nnodes is " + nnodes + " (drop one of them)");
   if (o.node_rank >= o.nnodes)
-    throw UsageError("--node_rank " + node_rank + " is out of range for --nnodes " + nnodes +
+    throw UsageError("--node_rank " + g.numbers.given(kNodeRank) + " is out of range for --nnodes " + nnodes +
                      ": node ranks go from 0 to " + std::to_string(o.nnodes - 1));
   if (o.standalone) {
     if (o.nnodes != 1)
@@ -221,7 +296,28 @@ LaunchOptions parse_options(int argc, char** argv) {
     o.master_addr = "127.0.0.1";
     o.master_port = 0;  // the store binds a free port
   }
+}
 
+}  // namespace
+
+LaunchOptions parse_options(int argc, char** argv) {
+  LaunchOptions o;
+  Given g;
+  CLI::App app{
+      "dtrain-run: start N worker processes per node with torchrun's environment "
+      "(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...).",
+      "dtrain-run"};
+  add_flags(app, o, g);
+  std::vector<std::string> launcher_args = split_at_program(app, argc, argv, o);
+  // 2. CLI11 parses the launcher part (it expects the arguments in reverse order).
+  std::vector<std::string> reversed(launcher_args.rbegin(), launcher_args.rend());
+  try {
+    app.parse(reversed);
+  } catch (const CLI::ParseError& e) {
+    throw UsageError(e.what());
+  }
+  check_values(g, o);
+  apply_placement(app, g, o);
   // 3. The program must exist now, not after the rendezvous.
   o.program_path = resolve_program(o.program);
   return o;

@@ -5,8 +5,9 @@
 //      (or the one after `--`). Everything from the program on is passed to it untouched, so
 //      `dtrain-run --nproc_per_node 2 prog --lr 0.1 --nproc_per_node 7` gives prog the last four.
 //      An unknown flag before the program is a usage error naming it.
-//   2. CLI11 parses the launcher's part; values are then checked (positive counts, port range,
-//      node_rank < nnodes, redirects/tee in 0..3 and needing --log_dir, ...).
+//   2. CLI11 parses the launcher's part; values are then checked: each numeric flag against its row
+//      of options.cpp's flag table (its range and the rule its error states), then the ones that
+//      depend on each other (node_rank < nnodes, redirects/tee needing --log_dir, ...).
 //   3. The program is looked up in PATH here, so a missing program fails before anything starts.
 //   4. Inside an srun step of several tasks, the step decides --nnodes, --node_rank and the master
 //      (slurm_step.h); a flag that contradicts it is a usage error.
