@@ -75,7 +75,7 @@ void skinny_bmm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
 // r <= 2 a column of p at a time with matrix-vector products (see skinny_bmm_out: a general matrix
 // product with so few columns costs more), into a transposed scratch whose rows are contiguous.
 void fold_error_and_project(const at::Tensor& m, const at::Tensor& err, const at::Tensor& q, at::Tensor& p,
-                                 int64_t block_bytes) {
+                            int64_t block_bytes) {
   const int64_t n = m.size(0), r = q.size(1), rows = block_rows(m, block_bytes);
   const bool skinny = r <= 2;
   at::Tensor pt = skinny ? at::empty({r, n}, p.options()) : at::Tensor();
@@ -102,7 +102,7 @@ void fold_error_and_project(const at::Tensor& m, const at::Tensor& err, const at
 // an inner dimension of 1 or 2 runs far below memory speed (3 ms for P Q^T over 16.8 MB of float32,
 // measured, against 1.8 ms for a plain copy).
 void write_approximation(at::Tensor& m, const at::Tensor& err, const at::Tensor& p, const at::Tensor& q,
-                              int64_t block_bytes) {
+                         int64_t block_bytes) {
   const int64_t n = m.size(0), r = q.size(1), rows = block_rows(m, block_bytes);
   const bool skinny = r <= 2;
   const at::Tensor qt = q.t().contiguous();
