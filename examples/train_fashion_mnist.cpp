@@ -282,10 +282,18 @@ void print_configuration(const Config& cfg, const Place& place, const Datasets& 
   std::fflush(stdout);
 }
 
-// What train_epoch works with: built once by run(), borrowed for every epoch.
+// This rank's running sums of one epoch (the checkpoint's `values`).
+struct EpochSums {
+  double loss_sum = 0;
+  int64_t correct = 0, seen = 0;
+  std::chrono::steady_clock::time_point te;  // when the epoch started
+};
+
+// What an epoch trains with: built once by run(), borrowed for every epoch.
 struct Training {
   const Config& cfg;
-  const Place& place;
+  const at::Device device;
+  const bool cuda;
   DDP& ddp;
   torch::optim::Optimizer& optimizer;
   dtrain::GradScaler& scaler;
@@ -294,34 +302,16 @@ struct Training {
   train::SampleLog& sample_log;
   dtrain::TrainingState& state;
   std::optional<dtrain::CheckpointManager>& checkpoints;
-  int64_t my_steps;     // --uneven: this rank's batches per epoch
-  int64_t global_step;  // optimizer steps so far, over all epochs
+  const int64_t my_steps;  // --uneven: this rank's batches per epoch
+  int64_t global_step;     // optimizer steps so far, over all epochs
+
+  // One pass over this rank's shard of the training set; `resumed`: this epoch continues a checkpoint.
+  template <typename Loader>
+  EpochSums train_epoch(Loader& loader, int64_t epoch, bool resumed);
 };
 
-// This rank's running sums of one epoch (the checkpoint's `values`).
-struct EpochSums {
-  double loss_sum = 0;
-  int64_t correct = 0, seen = 0;
-  std::chrono::steady_clock::time_point te;  // when the epoch started
-};
-
-// One pass over this rank's shard of the training set; `resumed`: this epoch continues a checkpoint.
 template <typename Loader>
-EpochSums train_epoch(Training& t, Loader& loader, int64_t epoch, bool resumed) {
-  const Config& cfg = t.cfg;
-  const at::Device device = t.place.device;
-  const bool cuda = t.place.cuda;
-  DDP& ddp = t.ddp;
-  torch::optim::Optimizer& optimizer = t.optimizer;
-  dtrain::GradScaler& scaler = t.scaler;
-  dtrain::DistributedSampler& sampler = t.sampler;
-  dtrain::Monitor& monitor = t.monitor;
-  train::SampleLog* sample_log = &t.sample_log;
-  dtrain::TrainingState& state = t.state;
-  std::optional<dtrain::CheckpointManager>& checkpoints = t.checkpoints;
-  const int64_t my_steps = t.my_steps;
-  int64_t& global_step = t.global_step;
-
+EpochSums Training::train_epoch(Loader& loader, int64_t epoch, bool resumed) {
   const auto te = std::chrono::steady_clock::now();
   double loss_sum = 0;
   int64_t correct = 0, seen = 0, step = 0;
@@ -399,7 +389,7 @@ EpochSums train_epoch(Training& t, Loader& loader, int64_t epoch, bool resumed) 
                            .lr(cfg.lr)
                            .grad_norm(grad_norm));
     ++global_step;
-    sample_log->write(epoch, global_step, indexed.indices);
+    sample_log.write(epoch, global_step, indexed.indices);
     if (checkpoints && cfg.checkpoint_every > 0 && global_step % cfg.checkpoint_every == 0) save_checkpoint();
     if (cfg.step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(cfg.step_sleep_ms));
   }
@@ -557,15 +547,15 @@ int run(const Config& cfg) {
   collectively("opening --sample_log", true,
                [&] { sample_log.emplace(cfg.sample_log, place.rank, dtrain::restart_count()); });
   const auto t0 = std::chrono::steady_clock::now();
-  Training training{cfg,     place,       ddp,   *optimizer,  scaler,   sampler,
-                    monitor, *sample_log, state, checkpoints, my_steps, start.global_step};
+  Training training{cfg,     place.device, place.cuda, ddp,         *optimizer, scaler,           sampler,
+                    monitor, *sample_log,  state,      checkpoints, my_steps,   start.global_step};
   EpochResult last;
   for (int64_t epoch = start.epoch; epoch <= cfg.epochs; ++epoch) {
     // doc:begin set-epoch
     sampler.set_epoch(epoch - 1);  // a new shuffle every epoch, the same on every rank
     // doc:end set-epoch
     const bool resumed = epoch == start.epoch && (state.sampler_position > 0 || start.resharded);
-    const EpochSums sums = train_epoch(training, loader, epoch, resumed);
+    const EpochSums sums = training.train_epoch(loader, epoch, resumed);
     last = end_epoch(cfg, place, model, test, monitor, epoch, sums);
   }
   // doc:begin monitor-close
