@@ -125,8 +125,8 @@ struct Loop {
       // including the wait for the other rank.
       int64_t launch = -1, done = -1;
       for (const auto& e : ddp->last_backward_events()) {
-        if (e.kind == dtrain::DDPEvent::kBucketLaunched && launch < 0) launch = e.time_ns;
-        if (e.kind == dtrain::DDPEvent::kBucketDone) done = e.time_ns;
+        if (e.kind == dtrain::DDPEvent::Kind::kBucketLaunched && launch < 0) launch = e.time_ns;
+        if (e.kind == dtrain::DDPEvent::Kind::kBucketDone) done = e.time_ns;
       }
       auto ns = [](Clock::time_point t) {
         return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
@@ -138,11 +138,11 @@ struct Loop {
       }
       timeline.clear();  // the last profiled step's events, microseconds after backward started
       for (const auto& e : ddp->last_backward_events())
-        if (e.kind == dtrain::DDPEvent::kGradReady || e.kind == dtrain::DDPEvent::kBucketLaunched ||
-            e.kind == dtrain::DDPEvent::kBucketDone)
-          timeline += (e.kind == dtrain::DDPEvent::kGradReady        ? " g"
-                       : e.kind == dtrain::DDPEvent::kBucketLaunched ? " L"
-                                                                     : " D") +
+        if (e.kind == dtrain::DDPEvent::Kind::kGradReady || e.kind == dtrain::DDPEvent::Kind::kBucketLaunched ||
+            e.kind == dtrain::DDPEvent::Kind::kBucketDone)
+          timeline += (e.kind == dtrain::DDPEvent::Kind::kGradReady        ? " g"
+                       : e.kind == dtrain::DDPEvent::Kind::kBucketLaunched ? " L"
+                                                                           : " D") +
                       std::to_string(e.index) + "@" + std::to_string((e.time_ns - ns(t1)) / 1000);
       timeline += " end@" + std::to_string((ns(t2) - ns(t1)) / 1000);
     }

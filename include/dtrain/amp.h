@@ -20,7 +20,7 @@
 //
 // With DistributedDataParallel every rank holds the same averaged gradients, so an overflow on any
 // rank is an overflow on all and every rank makes the same skip decision. For gradients that are
-// not averaged (e.g. model parallel), GradScalerOptions().sync_group(group) MAX-reduces the
+// not averaged (e.g. model parallel), GradScalerOptions().process_group(group) MAX-reduces the
 // overflow flag over the group.
 #pragma once
 
@@ -73,7 +73,14 @@ struct GradScalerOptions {
   DTRAIN_ARG(bool, enabled, true)
   // When set, the overflow flag is MAX-reduced over this group so every member skips together.
   // Refused inside a dtrain::Join sharing ranks with it: a rank that has joined cannot take part.
-  DTRAIN_ARG(std::optional<Group>, sync_group, std::nullopt)
+  DTRAIN_ARG(std::optional<Group>, process_group, std::nullopt)
+  // The old name of process_group, kept for one release.
+  [[deprecated("GradScalerOptions::sync_group is process_group now")]] GradScalerOptions& sync_group(Group g) {
+    return process_group(std::move(g));
+  }
+  [[deprecated("GradScalerOptions::sync_group is process_group now")]] const std::optional<Group>& sync_group() const {
+    return process_group();
+  }
 };
 
 class GradScaler {

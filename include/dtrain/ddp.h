@@ -9,21 +9,16 @@
 //   opt.step();
 //   { auto guard = ddp.no_sync(); ddp(x2).sum().backward(); }  // accumulate locally, no communication
 //
-// Protocol (PyTorch's, see src/ddp/reducer.h for the details):
-//   1. Construction: every rank checks that all ranks hold the same parameters (names, shapes,
-//      dtypes; a clear error on every rank otherwise), then rank 0's parameters and buffers are
-//      broadcast. Gradients are grouped into buckets in reverse registration order (first bucket
-//      1 MB, then bucket_cap_mb), and a hook is put on every parameter's gradient accumulator.
-//   2. Forward: buffers are broadcast from rank 0 (broadcast_buffers), the module runs, and with
-//      find_unused_parameters the autograd graph of the outputs is searched for unused parameters.
-//   3. Backward: as each gradient is accumulated its hook copies it into its bucket (or it is
-//      already there with gradient_as_bucket_view); a full bucket starts its asynchronous
-//      all-reduce at once (buckets start in order), overlapping the rest of backward. The last
-//      bucket is reduced on the backward thread, over shared memory in the gradients themselves
-//      (all_reduce_divided: no copy into the bucket and back).
-//   4. End of backward: all-reduces are waited for and every param.grad() holds the average.
-// A communication hook (register_comm_hook, dtrain/comm_hooks.h) replaces step 3's division and
-// all-reduce: it gets each full bucket and returns a Future of the averaged values, waited for in 4.
+// What a caller may rely on (PyTorch's semantics):
+// - Construction is collective: every rank must hold the same parameters (names, shapes, dtypes;
+//   otherwise a clear error on every rank), and then holds rank 0's parameters and buffers.
+// - After loss.backward() on every rank, every param.grad() holds the gradient averaged over the
+//   group (summed and divided by its size, or whatever a registered communication hook returns,
+//   dtrain/comm_hooks.h); the all-reduces overlap backward, bucket by bucket.
+// - Under no_sync() backward only accumulates locally; the next synchronized backward averages
+//   the sum. With find_unused_parameters, parameters no rank used keep their .grad() untouched.
+// - Every rank runs forward and backward the same number of times (uneven inputs: dtrain/join.h).
+// The protocol: docs/design.md, "Data flow of a DDP step", and src/ddp/reducer.h.
 #pragma once
 
 #include <functional>
@@ -77,9 +72,17 @@ struct DDPOptions {
 //                    from its completion callback; the event itself is delivered after kBackwardEnd)
 //   kGradsSynced     every .grad() holds the average; backward() returns next (index -1)
 struct DDPEvent {
-  enum Kind { kGradReady, kBucketLaunched, kBucketDone, kBackwardEnd, kGradsSynced } kind;
+  enum class Kind { kGradReady, kBucketLaunched, kBucketDone, kBackwardEnd, kGradsSynced };
+  Kind kind;
   int index;        // parameter index (kGradReady), bucket index, or -1
   int64_t time_ns;  // steady clock
+
+  // The unscoped names of before, kept for one release: DDPEvent::kGradReady is DDPEvent::Kind::kGradReady.
+  [[deprecated("use DDPEvent::Kind::kGradReady")]] static constexpr Kind kGradReady = Kind::kGradReady;
+  [[deprecated("use DDPEvent::Kind::kBucketLaunched")]] static constexpr Kind kBucketLaunched = Kind::kBucketLaunched;
+  [[deprecated("use DDPEvent::Kind::kBucketDone")]] static constexpr Kind kBucketDone = Kind::kBucketDone;
+  [[deprecated("use DDPEvent::Kind::kBackwardEnd")]] static constexpr Kind kBackwardEnd = Kind::kBackwardEnd;
+  [[deprecated("use DDPEvent::Kind::kGradsSynced")]] static constexpr Kind kGradsSynced = Kind::kGradsSynced;
 };
 // Called for every DDPEvent as it is recorded, on the thread that runs backward. Keep it cheap.
 using DDPEventHook = std::function<void(const DDPEvent&)>;

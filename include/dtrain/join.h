@@ -147,7 +147,7 @@ class Join {
   static const JoinIteration* notify_own_round(Joinable& joinable);
   // Whether this process is inside an enabled Join (not yet joined) whose group shares a rank other
   // than this one with `group`: collectives over `group` that no joinable announces could then wait
-  // for a rank that has joined (GradScaler's sync_group refuses to run there).
+  // for a rank that has joined (GradScaler's process_group refuses to run there).
   static bool could_strand(const Group& group);
 
  private:

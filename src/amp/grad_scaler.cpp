@@ -48,11 +48,11 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   DTRAIN_CHECK(state.stage != Stage::kUnscaled,
                "GradScaler: unscale_() has already been called on this optimizer since the last update()");
   DTRAIN_CHECK(state.stage != Stage::kStepped, "GradScaler: unscale_() is being called after step()");
-  // No joinable announces sync_group's all-reduce below, so a rank that has joined would never post it.
-  DTRAIN_CHECK(!options_.sync_group() || !Join::could_strand(*options_.sync_group()), "GradScaler: sync_group on rank ",
-               rank(),
+  // No joinable announces process_group's all-reduce below, so a rank that has joined would never post it.
+  DTRAIN_CHECK(!options_.process_group() || !Join::could_strand(*options_.process_group()),
+               "GradScaler: process_group on rank ", rank(),
                " inside a dtrain::Join: a rank that has joined cannot take part in the overflow flag's all-reduce, so "
-               "the others would wait for it: leave sync_group unset (under DDP every rank holds the same averaged "
+               "the others would wait for it: leave process_group unset (under DDP every rank holds the same averaged "
                "gradients and skips alike)");
   // Computed in double, then stored as float, as PyTorch.
   at::Tensor inv_scale = at::reciprocal(scale_.to(at::kDouble)).to(at::kFloat);
@@ -67,7 +67,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
       grads.push_back(p.mutable_grad());
     }
   compat::amp_unscale_(grads, state.found_inf, inv_scale);
-  if (options_.sync_group()) all_reduce(state.found_inf, ReduceOp::MAX, *options_.sync_group());
+  if (options_.process_group()) all_reduce(state.found_inf, ReduceOp::MAX, *options_.process_group());
   state.stage = Stage::kUnscaled;
 }
 

@@ -9,8 +9,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <optional>
 #include <sstream>
@@ -361,9 +361,7 @@ void write_and_rotate(const std::string& dir, const CheckpointOptions& options, 
 std::string pick_latest(const std::string& dir, const CheckpointOptions& options, std::string& framed) {
   const std::vector<Found> files = scan(dir, options.prefix());
   auto warn = [](const std::string& path, const std::string& why, const char* then) {
-    std::fprintf(stderr, "dtrain warning: checkpoint %s is unusable (%s); %s\n", path.c_str(),
-                 util::one_line(why).c_str(), then);
-    std::fflush(stderr);
+    dtrain::warn(detail::cat("checkpoint ", path, " is unusable (", util::one_line(why), "); ", then));
   };
   std::vector<const Found*> candidates;  // newest write first
   for (auto it = files.rbegin(); it != files.rend(); ++it) {

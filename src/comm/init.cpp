@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <iostream>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -94,7 +93,7 @@ c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const Launch
   Endpoint ep;
   if (m == "env://") {
     ep = master_from_env(env::process(), le.launcher == "srun");
-    if (!ep.note.empty() && st.rank == 0) std::cerr << "dtrain: " << ep.note << std::endl;
+    if (!ep.note.empty() && st.rank == 0) info("dtrain: " + ep.note);
   } else if (m.rfind("tcp://", 0) == 0)
     ep = parse_tcp_url(m);
   else

@@ -1,7 +1,6 @@
 // DistributedDataParallel's non-template core: construction (checks, broadcast, buckets, hooks) and
 // the per-forward steps. The protocol is described in include/dtrain/ddp.h and src/ddp/reducer.h.
 #include <cstdlib>
-#include <iostream>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
@@ -93,18 +92,19 @@ Core::Core(std::shared_ptr<torch::nn::Module> module, DDPOptions options) : impl
                                         s.track_unused);
   if (debug_info() && group.rank() == 0) {
     const auto& o = s.options;
-    std::cerr << "[dtrain DDP] " << s.params.size() << " parameters in " << assignment.size() << " buckets (first "
-              << o.first_bucket_cap_mb() << " MB, then " << o.bucket_cap_mb() << " MB), group of " << group.size()
-              << " ranks (" << group.backend() << (group.uses_shared_memory() ? ", shared memory" : "") << "), "
-              << s.buffers.size() << " buffers | broadcast_buffers=" << o.broadcast_buffers()
-              << " find_unused_parameters=" << o.find_unused_parameters()
-              << " gradient_as_bucket_view=" << o.gradient_as_bucket_view() << " static_graph=" << o.static_graph()
-              << " debug=" << to_string(get_debug_level()) << "\n";
+    info(detail::cat("[dtrain DDP] ", s.params.size(), " parameters in ", assignment.size(), " buckets (first ",
+                     o.first_bucket_cap_mb(), " MB, then ", o.bucket_cap_mb(), " MB), group of ", group.size(),
+                     " ranks (", group.backend(), group.uses_shared_memory() ? ", shared memory" : "", "), ",
+                     s.buffers.size(), " buffers | broadcast_buffers=", o.broadcast_buffers(),
+                     " find_unused_parameters=", o.find_unused_parameters(),
+                     " gradient_as_bucket_view=", o.gradient_as_bucket_view(), " static_graph=", o.static_graph(),
+                     " debug=", to_string(get_debug_level())));
     for (size_t b = 0; b < assignment.size(); ++b) {
-      std::cerr << "[dtrain DDP]   bucket " << b << ": "
-                << s.reducer->buckets()[b].buffer.numel() * s.params[assignment[b][0]].element_size() << " bytes:";
-      for (int i : assignment[b]) std::cerr << " " << s.names[i];
-      std::cerr << "\n";
+      std::string line =
+          detail::cat("[dtrain DDP]   bucket ", b, ": ",
+                      s.reducer->buckets()[b].buffer.numel() * s.params[assignment[b][0]].element_size(), " bytes:");
+      for (int i : assignment[b]) line += " " + s.names[i];
+      info(line);
     }
   }
 }

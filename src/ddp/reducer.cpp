@@ -151,7 +151,7 @@ void Reducer::on_grad_ready(int index) {
   }
   if (ready_[index]) return;  // e.g. a parameter used twice still has one accumulator call per pass
   // Step 3.
-  record(DDPEvent::kGradReady, index);
+  record(DDPEvent::Kind::kGradReady, index);
   if (!defers_last_bucket() || bucket_of_[index] + 1 != static_cast<int>(buckets_.size())) fill_slot(index);
   mark_ready(index);
 }
@@ -215,7 +215,7 @@ void Reducer::launch_ready_buckets() {
       ++next_to_launch_;
       continue;
     }
-    record(DDPEvent::kBucketLaunched, static_cast<int>(next_to_launch_));
+    record(DDPEvent::Kind::kBucketLaunched, static_cast<int>(next_to_launch_));
     // The last bucket is ready only once backward has produced every gradient: nothing is left to
     // overlap it with, and finalize() would wait for it next. So it goes as a blocking call, which
     // the shared-memory group runs on this thread (Note [Inline blocking collectives]) instead of
@@ -257,7 +257,7 @@ void Reducer::set_comm_hook(CommHook hook) {
 // The hook averages, so the buffer goes to it undivided. Every bucket goes asynchronously: the hook
 // decides what to issue, and its continuations run when finalize() waits (Note [Comm hook futures]).
 void Reducer::launch_with_comm_hook(Bucket& b, size_t index) {
-  record(DDPEvent::kBucketLaunched, static_cast<int>(index));
+  record(DDPEvent::Kind::kBucketLaunched, static_cast<int>(index));
   if (index + 1 == buckets_.size()) waiting_since_ns_ = util::now_ns();
   std::vector<at::Tensor> params;
   for (int i : b.params) params.push_back(params_[i]);
@@ -310,7 +310,7 @@ void Reducer::abandon_iteration() {
 void Reducer::finalize() {
   std::lock_guard<std::mutex> g(mu_);
   if (!started_) return;  // the iteration failed in a hook and was abandoned there
-  record(DDPEvent::kBackwardEnd, -1, waiting_since_ns_);
+  record(DDPEvent::Kind::kBackwardEnd, -1, waiting_since_ns_);
   // Step 4.
   if (next_to_launch_ < buckets_.size()) {
     std::ostringstream missing;
@@ -345,12 +345,12 @@ void Reducer::finalize() {
       b.work.wait();
     }
     // The completion callback may run just after wait() returns: then "now" is as good.
-    record(DDPEvent::kBucketDone, static_cast<int>(&b - &buckets_[0]), b.done_ns ? b.done_ns->load() : 0);
+    record(DDPEvent::Kind::kBucketDone, static_cast<int>(&b - &buckets_[0]), b.done_ns ? b.done_ns->load() : 0);
     // Bucket by bucket (as PyTorch's reducer): a later bucket's hook continuation may wait on a
     // collective in flight (PowerSGD's last Q), and this copy passes meanwhile.
     write_grads(used_anywhere, static_cast<size_t>(&b - &buckets_[0]));
   }
-  record(DDPEvent::kGradsSynced, -1);
+  record(DDPEvent::Kind::kGradsSynced, -1);
   reset_iteration();
 }
 

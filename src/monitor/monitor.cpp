@@ -36,8 +36,10 @@ namespace dtrain {
 namespace {
 
 // Monitor::watch passes DDPEvent::Kind as an int (monitor.h does not include the DDP module headers).
-constexpr int kBucketLaunched = DDPEvent::kBucketLaunched, kBucketDone = DDPEvent::kBucketDone,
-              kBackwardEnd = DDPEvent::kBackwardEnd, kGradsSynced = DDPEvent::kGradsSynced;
+constexpr int kBucketLaunched = static_cast<int>(DDPEvent::Kind::kBucketLaunched),
+              kBucketDone = static_cast<int>(DDPEvent::Kind::kBucketDone),
+              kBackwardEnd = static_cast<int>(DDPEvent::Kind::kBackwardEnd),
+              kGradsSynced = static_cast<int>(DDPEvent::Kind::kGradsSynced);
 
 // The fields every rank contributes per window, in all_gather order.
 enum Field {

@@ -26,7 +26,7 @@ Layout make_groups(const Group& group, int replicas) {
     l.stage = group.rank();
     return l;
   }
-  DTRAIN_CHECK(group.is_default(), "PipelineOptions: replicas > 1 lays out the whole world; leave group unset");
+  DTRAIN_CHECK(group.is_default(), "PipelineOptions: replicas > 1 lays out the whole world; leave process_group unset");
   const int world = world_size();
   DTRAIN_CHECK(world % replicas == 0, "PipelineOptions: replicas=", replicas, " does not divide the world of ", world,
                " ranks: use a divisor (stages = world / replicas)");

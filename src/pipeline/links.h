@@ -1,5 +1,5 @@
 // The point-to-point links of one pipeline stage: activations to/from the neighbouring stages (Note
-// [pipeline failure] in dtrain/pipeline.h, Note [boundary envelopes] below).
+// [pipeline failure] in pipeline.cpp, Note [boundary envelopes] below).
 //
 // Activations travel on tag tag_base + 0 (stage s -> s+1), gradients on tag_base + 1 (stage s+1 -> s);
 // Gloo and the shared-memory point-to-point keep the messages of one pair and tag in order, so the

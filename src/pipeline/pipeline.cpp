@@ -1,5 +1,48 @@
 // dtrain::Pipeline: stages on ranks, micro-batches through a schedule, the failure protocol and the
-// optional DDP inside each stage group (protocol and notes in include/dtrain/pipeline.h).
+// optional DDP inside each stage group (the contract: include/dtrain/pipeline.h).
+//
+// Protocol of one step (every rank of the pipeline calls step()):
+//   1. The first stage splits the batch into `chunks` micro-batches along dim 0 (at::chunk); the last
+//      stage splits the target the same way.
+//   2. Each rank runs its schedule, a list of F(i) / B(i) / W(i) actions, each for one of its stages
+//      (src/pipeline/schedule.cpp gives the orders as numbered steps):
+//        GPipe: F(0..m-1), then B(m-1..0): every micro-batch's activations are stored at once (m).
+//        1F1B:  min(p-s-1, m) warm-up forwards, then alternate one forward / one backward, then the
+//               remaining backwards: stage s stores at most min(p-s, m) <= p micro-batches.
+//        Interleaved 1F1B (Megatron): the same over v chunks per rank, p micro-batches per chunk in
+//               turn; m must be a multiple of p. The bubble shrinks v-fold; rank r stores at most
+//               min((v-1)p + 2(p-r-1) + 1, mv) chunk-micro-batches.
+//        ZB-H1: 1F1B whose backward is split into B (the input gradient, which stage s-1 waits for)
+//               and W (the weight gradients), stage s holding back s W's to run in the cool-down's
+//               bubble. B and W of one micro-batch share its autograd graph (src/pipeline/split_backward.h).
+//      F(i) receives the activation from stage s-1 (or takes input chunk i), runs the stage, and sends
+//      the output to stage s+1 (or computes loss_fn(out_i, target_i) * n_i / N on the last stage, so
+//      the summed gradient equals the whole batch's mean-loss gradient). B(i) receives the output's
+//      gradient from stage s+1 (or backpropagates the loss), runs backward, and sends the input's
+//      gradient to stage s-1 (under ZB-H1, B sends it and a later W adds the weight gradients).
+//      Gradients accumulate in the parameters over the micro-batches.
+//      Every message is a small header (status, dtype, message id, shape) then the tensor, sent
+//      asynchronously; the receiver checks the id (the boundary and the micro-batch).
+//   3. Agreement: one all-reduce over the pipeline group (over all ranks with replicas > 1) carries
+//      the loss to every rank and tells whether any rank failed (Note [pipeline failure]).
+//   4. With replicas > 1, DDP (over the ranks holding the same stage) averages the accumulated
+//      gradients; then the caller's optimizer steps on every rank.
+//
+// Note [pipeline failure]: a stage that throws (its forward, backward, weight gradient or the loss) must
+// make every rank fail with that error, without hanging. The failing rank writes its message to the
+// job's store, sends a FAIL message on both of its outgoing channels (to the next rank and to the
+// previous one; with virtual stages they form a ring and every rank has both), and goes to
+// the agreement. A rank that receives FAIL where it expected data does the same (without a message),
+// so every rank blocked on a receive is released: the chain of waits ends at a failed rank. The
+// agreement then tells everyone which ranks failed (the lowest one's message is used); every rank
+// sends FAIL on the channels it has not yet, reads each incoming channel up to its FAIL (so no send
+// stays unmatched: Gloo's send completes only when it is received), and throws
+//   "rank R: pipeline step K failed: stage S (rank Q) failed in forward of micro-batch I: <what>".
+// The pipeline stays usable after that (the channels are empty). With replicas, the agreement spans
+// every rank and comes before DDP's all-reduce, so no replica waits in a collective for a failed one.
+//
+// Boundary check: at the first step, a stage whose forward rejects what its predecessor sent fails with
+// an error naming both stages and the shape; a received gradient must have the sent activation's shape.
 #include "dtrain/pipeline.h"
 
 #include <ATen/ATen.h>
@@ -31,7 +74,7 @@ std::string describe(const at::Tensor& t) {
 
 void Pipeline::Impl::init(std::vector<torch::nn::Sequential> parts, bool whole_model) {
   DTRAIN_CHECK(options.chunks() >= 1, "PipelineOptions: chunks must be >= 1, got ", options.chunks());
-  layout = pipeline::make_layout(options.group(), options.replicas(), options.virtual_stages());
+  layout = pipeline::make_layout(options.process_group(), options.replicas(), options.virtual_stages());
   pipeline::check_schedule(options.schedule(), layout.stages, options.chunks(), layout.virtual_stages);
   const int p = layout.stages, v = layout.virtual_stages, total = p * v;
   // "4 ranks", or "8 stages (4 ranks x 2 virtual stages)": what a balance or a stage list must match.

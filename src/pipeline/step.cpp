@@ -1,5 +1,5 @@
 // Pipeline::step: the micro-batches through this rank's schedule, then the agreement (protocol and
-// Note [pipeline failure] in include/dtrain/pipeline.h).
+// Note [pipeline failure] in src/pipeline/pipeline.cpp).
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>

@@ -57,10 +57,10 @@ TEST(AmpDist, OverflowOnOneRankSkipsTheSameStepEverywhere) {
 }
 
 TEST(AmpDist, SyncGroupMakesRanksAgreeWithoutDdp) {
-  // Without DDP the gradients differ per rank; sync_group shares the overflow flag.
+  // Without DDP the gradients differ per rank; process_group shares the overflow flag.
   torch::nn::Linear lin(4, 2);
   torch::optim::Adam opt(lin->parameters(), 1e-3);
-  GradScaler scaler(GradScalerOptions().sync_group(Group()));
+  GradScaler scaler(GradScalerOptions().process_group(Group()));
   at::Tensor loss = lin(at::ones({2, 4})).sum();
   if (rank() == 0) loss = loss * std::numeric_limits<float>::quiet_NaN();
   scaler.scale(loss).backward();

@@ -111,7 +111,7 @@ TEST(DDPOverlap, FirstBucketIsAveragedWhileTheSlowFirstLayerIsStillInBackward) {
   ddp.set_event_hook([&](const DDPEvent& e) { events.push_back(e); });
   auto launched = [&](int bucket) {
     for (const auto& e : events)
-      if (e.kind == DDPEvent::kBucketLaunched && e.index == bucket) return true;
+      if (e.kind == DDPEvent::Kind::kBucketLaunched && e.index == bucket) return true;
     return false;
   };
 
@@ -154,8 +154,8 @@ TEST(DDPOverlap, FirstBucketIsAveragedWhileTheSlowFirstLayerIsStillInBackward) {
     // DDP's own log must agree: bucket 0 done (its completion time) well before backward ended.
     int64_t done_ns = -1, end_ns = -1;
     for (const auto& e : ddp.last_backward_events()) {
-      if (e.kind == DDPEvent::kBucketDone && e.index == 0) done_ns = e.time_ns;
-      if (e.kind == DDPEvent::kBackwardEnd) end_ns = e.time_ns;
+      if (e.kind == DDPEvent::Kind::kBucketDone && e.index == 0) done_ns = e.time_ns;
+      if (e.kind == DDPEvent::Kind::kBackwardEnd) end_ns = e.time_ns;
     }
     ASSERT_GE(done_ns, 0);
     ASSERT_GE(end_ns, 0);

@@ -13,6 +13,7 @@
 #include "dtrain/ddp.h"
 #include "tutorial_models.h"
 #include "test_util.h"
+#include "matchers.h"
 
 using namespace dtrain;
 namespace F = torch::nn::functional;
@@ -220,8 +221,8 @@ TEST(DDP, UnusedParameterWithoutTheOptionIsAClearError) {
   DistributedDataParallel ddp(m);
   auto x = at::randn({4, 16});
   std::string err = error_of([&] { ddp.forward(x, false).sum().backward(); });
-  EXPECT_NE(err.find("head_b.weight"), std::string::npos) << err;
-  EXPECT_NE(err.find("find_unused_parameters"), std::string::npos) << err;
+  EXPECT_THAT(err, HasSubstr("head_b.weight")) << err;
+  EXPECT_THAT(err, HasSubstr("find_unused_parameters")) << err;
   // The wrapper recovers: the next iteration with every parameter used works.
   ddp.forward(x, true).sum().backward();
   barrier();
@@ -305,8 +306,8 @@ TEST(DDP, FirstBucketIsLaunchedBeforeBackwardEnds) {
   auto ev = ddp.last_backward_events();
   int first_launch = -1, last_grad = -1;
   for (int i = 0; i < static_cast<int>(ev.size()); ++i) {
-    if (ev[i].kind == DDPEvent::kBucketLaunched && first_launch < 0) first_launch = i;
-    if (ev[i].kind == DDPEvent::kGradReady) last_grad = i;
+    if (ev[i].kind == DDPEvent::Kind::kBucketLaunched && first_launch < 0) first_launch = i;
+    if (ev[i].kind == DDPEvent::Kind::kGradReady) last_grad = i;
   }
   ASSERT_GE(first_launch, 0);
   EXPECT_LT(first_launch, last_grad) << "the first all-reduce must start while backward still runs";
@@ -319,9 +320,9 @@ TEST(DDP, DifferentModelsAcrossRanksFailOnEveryRank) {
   SmallMlp m(rank() == world_size() - 1 ? 5 : 4);  // the last rank's head is wider
   auto t0 = std::chrono::steady_clock::now();
   std::string err = error_of([&] { DistributedDataParallel ddp(m); });
-  EXPECT_NE(err.find("ranks disagree on the model"), std::string::npos) << err;
-  EXPECT_NE(err.find("'b.weight' [5, 32]"), std::string::npos) << err;
-  EXPECT_NE(err.find("rank " + std::to_string(world_size() - 1)), std::string::npos) << err;
+  EXPECT_THAT(err, HasSubstr("ranks disagree on the model")) << err;
+  EXPECT_THAT(err, HasSubstr("'b.weight' [5, 32]")) << err;
+  EXPECT_THAT(err, HasSubstr("rank " + std::to_string(world_size() - 1))) << err;
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
 }
 

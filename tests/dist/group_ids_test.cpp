@@ -14,6 +14,7 @@
 #include "dtrain/pipeline.h"
 #include "pipeline_models.h"
 #include "test_util.h"
+#include "matchers.h"
 
 using namespace dtrain;
 using namespace dtrain::test_pipeline;
@@ -73,7 +74,7 @@ TEST(GroupIds, PipelineOnASubgroupThenOnTheWorld) {
   Group sub = new_group(ranks);  // every rank, members or not
   std::unique_ptr<CheckedPipeline> on_sub;
   if (in(ranks, rank())) {
-    on_sub = std::make_unique<CheckedPipeline>(PipelineOptions().group(sub).chunks(2));
+    on_sub = std::make_unique<CheckedPipeline>(PipelineOptions().process_group(sub).chunks(2));
     on_sub->step(1, "the subgroup's pipeline");
   }
   CheckedPipeline on_world(PipelineOptions().chunks(2));
@@ -81,7 +82,7 @@ TEST(GroupIds, PipelineOnASubgroupThenOnTheWorld) {
   on_world.step(2, "the world's pipeline");
   // Both stay usable side by side, and a second pipeline on the subgroup gets tags of its own.
   if (on_sub) {
-    CheckedPipeline again(PipelineOptions().group(sub).chunks(4));
+    CheckedPipeline again(PipelineOptions().process_group(sub).chunks(4));
     again.step(3, "a second pipeline on the subgroup");
     on_sub->step(4, "the subgroup's first pipeline, again");
   }
@@ -133,8 +134,8 @@ TEST(GroupIds, DDPOnASubgroupThenOnTheWorld) {
   // through the store under its id; ranks disagreeing on the id wait for keys nobody writes.
   const std::string err =
       test_util::error_of([&] { DistributedDataParallel bad(make_linear(rank() + 1 == world_size() ? 6 : 5)); });
-  EXPECT_NE(err.find("ranks disagree on the model"), std::string::npos) << err;
-  EXPECT_NE(err.find("first difference at parameter #"), std::string::npos) << err;
+  EXPECT_THAT(err, HasSubstr("ranks disagree on the model")) << err;
+  EXPECT_THAT(err, HasSubstr("first difference at parameter #")) << err;
   if (in(ranks, rank())) expect_mean_gradients(sub, "DDP on the subgroup, again");
 }
 

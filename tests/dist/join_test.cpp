@@ -8,7 +8,7 @@
 // when the others call step() (Note [ZeRO under Join]): with no_sync micro-batches, with an
 // evaluation forward under no-grad between backward and step, and with GradScaler skipping steps
 // after overflows (also while ranks have joined), every rank ends identical and equal to the
-// reference; active ranks at different calls, GradScaler's sync_group and a closure under Join are
+// reference; active ranks at different calls, GradScaler's process_group and a closure under Join are
 // clear errors on every rank.
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
@@ -23,6 +23,7 @@
 #include "dtrain/ddp.h"
 #include "dtrain/join.h"
 #include "dtrain/zero.h"
+#include "matchers.h"
 
 using namespace dtrain;
 
@@ -304,9 +305,8 @@ TEST(Join, ThrowOnEarlyTerminationStopsEveryRankNamingTheFirstToRunOut) {
   } catch (const Error& e) {
     error = e.what();
   }
-  EXPECT_NE(error.find("rank 2 ran out of inputs first, at iteration 4"), std::string::npos)
-      << "rank " << rank() << ": " << error;
-  EXPECT_NE(error.find("throw_on_early_termination"), std::string::npos) << error;
+  EXPECT_THAT(error, HasSubstr("rank 2 ran out of inputs first, at iteration 4")) << "rank " << rank() << ": " << error;
+  EXPECT_THAT(error, HasSubstr("throw_on_early_termination")) << error;
   // Every rank left at the same collective: the group still works.
   EXPECT_EQ(all_reduce_values(std::vector<int64_t>{1})[0], world_size());
 }
@@ -397,12 +397,12 @@ TEST(Join, ActiveRanksAtDifferentCallsAreAClearErrorOnEveryRank) {
   } catch (const Error& e) {
     error = e.what();
   }
-  EXPECT_NE(error.find("dtrain::Join: after 1 iteration(s) the active ranks are at different calls: rank 0 at "
-                       "joinable #1's own round (e.g. ZeroRedundancyOptimizer::step), ranks 1, 2 at joinable #0's "
-                       "iteration"),
-            std::string::npos)
+  EXPECT_THAT(error,
+              HasSubstr("dtrain::Join: after 1 iteration(s) the active ranks are at different calls: rank 0 at "
+                        "joinable #1's own round (e.g. ZeroRedundancyOptimizer::step), ranks 1, 2 at joinable #0's "
+                        "iteration"))
       << "rank " << rank() << ": " << error;
-  EXPECT_NE(error.find("every active rank must make the same calls in the same order"), std::string::npos) << error;
+  EXPECT_THAT(error, HasSubstr("every active rank must make the same calls in the same order")) << error;
   EXPECT_EQ(all_reduce_values(std::vector<int64_t>{1})[0], world_size());  // every rank left at one exchange
 }
 
@@ -412,7 +412,7 @@ TEST(Join, GradScalerSyncGroupInsideAJoinIsRefused) {
   net->to(at::kFloat);
   DistributedDataParallel ddp(net);
   torch::optim::SGD opt(ddp.parameters(), sgd());
-  GradScaler scaler(GradScalerOptions().sync_group(Group()));
+  GradScaler scaler(GradScalerOptions().process_group(Group()));
   auto step = [&] {
     auto [x, y] = batch(rank(), 0, 0, at::kFloat);
     opt.zero_grad();
@@ -420,17 +420,14 @@ TEST(Join, GradScalerSyncGroupInsideAJoinIsRefused) {
     scaler.step(opt);
     scaler.update();
   };
-  std::string error;
-  try {
-    Join join({&ddp});
-    step();
-  } catch (const Error& e) {
-    error = e.what();
-  }
-  EXPECT_NE(error.find("GradScaler: sync_group on rank " + std::to_string(rank()) + " inside a dtrain::Join"),
-            std::string::npos)
-      << error;
-  EXPECT_NE(error.find("leave sync_group unset"), std::string::npos) << error;
+  EXPECT_THAT(
+      [&] {
+        Join join({&ddp});
+        step();
+      },
+      ThrowsDtrainError(
+          AllOf(HasSubstr("GradScaler: process_group on rank " + std::to_string(rank()) + " inside a dtrain::Join"),
+                HasSubstr("leave process_group unset"))));
   EXPECT_EQ(all_reduce_values(std::vector<int64_t>{1})[0], world_size());
   step();  // outside a Join, as before
 }
@@ -443,13 +440,13 @@ TEST(Join, BadUseIsAClearError) {
     Join j({&zero, &ddp});
     FAIL() << "DDP after another joinable was accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("must be the first joinable"), std::string::npos) << e.what();
+    EXPECT_THAT(std::string(e.what()), HasSubstr("must be the first joinable")) << e.what();
   }
   try {
     Join j({&ddp, &ddp});
     FAIL() << "a joinable listed twice was accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("list each object once"), std::string::npos) << e.what();
+    EXPECT_THAT(std::string(e.what()), HasSubstr("list each object once")) << e.what();
   }
   std::string closure;
   try {
@@ -458,9 +455,8 @@ TEST(Join, BadUseIsAClearError) {
   } catch (const Error& e) {
     closure = e.what();
   }
-  EXPECT_NE(closure.find("ZeroRedundancyOptimizer::step: a closure inside a dtrain::Join"), std::string::npos)
-      << closure;
-  EXPECT_NE(closure.find("call step() without a closure"), std::string::npos) << closure;
+  EXPECT_THAT(closure, HasSubstr("ZeroRedundancyOptimizer::step: a closure inside a dtrain::Join")) << closure;
+  EXPECT_THAT(closure, HasSubstr("call step() without a closure")) << closure;
   // After the failed scopes, a Join works again (no joinable stayed inside one).
   dtrain::join({&ddp, &zero}, JoinOptions(), [] {});
 }

@@ -8,6 +8,7 @@
 #include "dtrain/pipeline.h"
 
 // The point of the test is to call them.
+#pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 
 TEST(DeprecatedNames, PipelineGroupIsProcessGroup) {
@@ -32,3 +33,5 @@ TEST(DeprecatedNames, UnscopedDDPEventKinds) {
   const dtrain::DDPEvent e{dtrain::DDPEvent::kBucketDone, 0, 0};
   EXPECT_EQ(e.kind, K::kBucketDone);
 }
+
+#pragma GCC diagnostic pop

@@ -39,9 +39,8 @@ TEST(Messages, AHandlerGetsEveryMessageAndStderrNone) {
     dtrain::info("c");
   }
   EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
-  const Seen want{{dtrain::MessageLevel::kWarning, "a"},
-                  {dtrain::MessageLevel::kWarning, "b"},
-                  {dtrain::MessageLevel::kInfo, "c"}};
+  const Seen want{
+      {dtrain::MessageLevel::kWarning, "a"}, {dtrain::MessageLevel::kWarning, "b"}, {dtrain::MessageLevel::kInfo, "c"}};
   EXPECT_EQ(seen, want);
 }
 
