@@ -21,6 +21,7 @@
 #include "dist_main.h"
 #include "dtrain/errors.h"
 #include "test_util.h"
+#include "matchers.h"
 
 using namespace dtrain;
 using dtrain::test_util::dtrain_error_of;
@@ -59,13 +60,13 @@ Group make_group(const std::string& shm, const std::string& host) {
 void expect_first_failure_line(const std::string& e, const std::string& op, const Group& g, const std::string& where) {
   EXPECT_EQ(e.rfind("rank " + std::to_string(R()) + ": " + op + " on group '" + g.name() + "'", 0), 0u)
       << where << ": " << e;
-  EXPECT_NE(e.find("failed: the group is unusable since an earlier collective failed (rank 0: allreduce failed: "),
-            std::string::npos)
+  EXPECT_THAT(e,
+              HasSubstr("failed: the group is unusable since an earlier collective failed (rank 0: allreduce failed: "))
       << where << ": " << e;
-  EXPECT_NE(e.find("imed out"), std::string::npos) << where << ": rank 0's timeout is the first failure: " << e;
-  EXPECT_NE(e.find("destroy the process group and create it again, or restart the job"), std::string::npos) << e;
-  EXPECT_EQ(e.find('\n'), std::string::npos) << where << ": one line: " << e;
-  EXPECT_EQ(e.find("onnection closed"), std::string::npos) << where << ": the consequence, not the cause: " << e;
+  EXPECT_THAT(e, HasSubstr("imed out")) << where << ": rank 0's timeout is the first failure: " << e;
+  EXPECT_THAT(e, HasSubstr("destroy the process group and create it again, or restart the job")) << e;
+  EXPECT_THAT(e, Not(HasSubstr("\n"))) << where << ": one line: " << e;
+  EXPECT_THAT(e, Not(HasSubstr("onnection closed"))) << where << ": the consequence, not the cause: " << e;
 }
 
 // Breaks `g` as the file's comment says, then checks what every rank sees.
@@ -82,8 +83,8 @@ void break_and_check(const Group& g, bool check_send) {
     const double took = seconds_since(t0);
     if (R() == 0) {
       // The first failure, in the Work's words for a timeout.
-      EXPECT_NE(e.find("rank 0: all_reduce on group '" + g.name() + "'"), std::string::npos) << e;
-      EXPECT_NE(e.find(" timed out (a rank of the group did not take part in time"), std::string::npos) << e;
+      EXPECT_THAT(e, HasSubstr("rank 0: all_reduce on group '" + g.name() + "'")) << e;
+      EXPECT_THAT(e, HasSubstr(" timed out (a rank of the group did not take part in time")) << e;
     } else {
       // Released by rank 0 closing its connections or its segment, at the latest by its own timeout,
       // and then reporting rank 0's line (the store's), not its own.

@@ -14,6 +14,7 @@
 #include "dist_main.h"
 #include "dtrain/errors.h"
 #include "test_util.h"
+#include "matchers.h"
 
 using namespace dtrain;
 using namespace dtrain::test_ref;
@@ -211,10 +212,10 @@ void run_sequence(uint64_t s, int count, const std::function<bool(const Op&)>& i
     if (!expect_supported(op.kind, op.dtype, shm)) {
       // Rejected at the call, async or not, on every rank: nothing is left in flight.
       const std::string e = dtrain_error_of([&] { start(op, s); });
-      EXPECT_NE(e.find(std::string(name(op.kind)) + " on group 'default'"), std::string::npos) << describe(op, s) << e;
-      EXPECT_NE(e.find(" cannot run: Gloo in LibTorch "), std::string::npos) << describe(op, s) << ": " << e;
-      EXPECT_NE(e.find(std::string("has no ") + c10::toString(op.dtype)), std::string::npos) << e;
-      EXPECT_NE(e.find("convert the tensor"), std::string::npos) << e;
+      EXPECT_THAT(e, HasSubstr(std::string(name(op.kind)) + " on group 'default'")) << describe(op, s) << e;
+      EXPECT_THAT(e, HasSubstr(" cannot run: Gloo in LibTorch ")) << describe(op, s) << ": " << e;
+      EXPECT_THAT(e, HasSubstr(std::string("has no ") + c10::toString(op.dtype))) << e;
+      EXPECT_THAT(e, HasSubstr("convert the tensor")) << e;
       continue;
     }
     try {
@@ -254,13 +255,13 @@ TEST(CollectivesRandom, InjectedFailuresLeaveTheGroupUsable) {
     if (op.index % 2 == 0) {
       at::Tensor t = at::ones({op.numel}, at::kShort);
       e = dtrain_error_of([&] { reduce(t, op.root, ReduceOp::SUM, g, op.async); });
-      EXPECT_NE(e.find("reduce on group 'default'"), std::string::npos) << where << ": " << e;
-      EXPECT_NE(e.find("has no Short collectives"), std::string::npos) << where << ": " << e;
+      EXPECT_THAT(e, HasSubstr("reduce on group 'default'")) << where << ": " << e;
+      EXPECT_THAT(e, HasSubstr("has no Short collectives")) << where << ": " << e;
     } else {
       DebugLevelScope detail(DebugLevel::DETAIL);
       at::Tensor t = at::ones({op.numel + (R() == op.root ? 1 : 0)}, at::kFloat);
       e = dtrain_error_of([&] { all_reduce(t, ReduceOp::SUM, g, op.async).wait(); });
-      EXPECT_NE(e.find("differs across ranks"), std::string::npos) << where << ": " << e;
+      EXPECT_THAT(e, HasSubstr("differs across ranks")) << where << ": " << e;
     }
     expect_group_usable(where + ", after the injected failure " + e);
     return true;
@@ -282,12 +283,12 @@ TEST(CollectivesRandom, Bfloat16ReduceOverGlooThenBarrier) {
     at::Tensor t = at::full({5}, static_cast<float>(R() + 1)).to(at::kBFloat16);
     const std::string e = dtrain_error_of([&] { reduce(t, 0, ReduceOp::SUM, g, /*async_op=*/i % 2 == 1).wait(); });
     if (TORCH_VERSION_MAJOR < 2) {
-      EXPECT_NE(e.find("rank " + std::to_string(R()) + ": reduce on group '" + g.name() + "' (gloo, ranks [0, 1"),
-                std::string::npos)
+      EXPECT_THAT(e,
+                  HasSubstr("rank " + std::to_string(R()) + ": reduce on group '" + g.name() + "' (gloo, ranks [0, 1"))
           << e;
-      EXPECT_NE(e.find("cannot run: Gloo in LibTorch 1.13"), std::string::npos) << e;
-      EXPECT_NE(e.find("has no BFloat16 collectives: convert the tensor (e.g. to float32)"), std::string::npos) << e;
-      EXPECT_NE(e.find("or run the ranks of one host over shared memory"), std::string::npos) << e;
+      EXPECT_THAT(e, HasSubstr("cannot run: Gloo in LibTorch 1.13")) << e;
+      EXPECT_THAT(e, HasSubstr("has no BFloat16 collectives: convert the tensor (e.g. to float32)")) << e;
+      EXPECT_THAT(e, HasSubstr("or run the ranks of one host over shared memory")) << e;
     } else {
       EXPECT_EQ(e, "(no dtrain::Error thrown)");
       if (R() == 0) {
@@ -313,7 +314,7 @@ TEST(CollectivesRandom, AFailureAfterDataMovedBreaksTheGroupOnEveryRank) {
   ASSERT_TRUE(g.uses_shared_memory());
   at::Tensor t = at::ones({R() == 0 ? 4 : 5});
   const std::string first = dtrain_error_of([&] { all_reduce(t, ReduceOp::SUM, g); });
-  EXPECT_NE(first.find("mismatched collectives over shared memory"), std::string::npos) << first;
+  EXPECT_THAT(first, HasSubstr("mismatched collectives over shared memory")) << first;
   const auto t0 = std::chrono::steady_clock::now();
   at::Tensor f = at::ones({3});
   at::Tensor i32 = at::ones({3}, at::kInt);  // reduced over Gloo: the group's other transport
@@ -326,10 +327,10 @@ TEST(CollectivesRandom, AFailureAfterDataMovedBreaksTheGroupOnEveryRank) {
   for (const auto& [op, call] : later) {
     const std::string e = dtrain_error_of(call);
     EXPECT_EQ(e.rfind("rank " + std::to_string(R()) + ": " + op + " on group '" + g.name() + "'", 0), 0u) << e;
-    EXPECT_NE(e.find("failed: the group is unusable since an earlier collective failed ("), std::string::npos) << e;
-    EXPECT_NE(e.find("mismatched collectives over shared memory"), std::string::npos) << e;
-    EXPECT_NE(e.find("destroy the process group and create it again, or restart the job"), std::string::npos) << e;
-    EXPECT_EQ(e.find("timed out"), std::string::npos) << e;
+    EXPECT_THAT(e, HasSubstr("failed: the group is unusable since an earlier collective failed (")) << e;
+    EXPECT_THAT(e, HasSubstr("mismatched collectives over shared memory")) << e;
+    EXPECT_THAT(e, HasSubstr("destroy the process group and create it again, or restart the job")) << e;
+    EXPECT_THAT(e, Not(HasSubstr("timed out"))) << e;
   }
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
   expect_group_usable("the default group, after a subgroup broke");

@@ -9,6 +9,7 @@
 #include "dtrain/errors.h"
 #include "common/util.h"
 #include "test_util.h"
+#include "matchers.h"
 
 using namespace dtrain;
 
@@ -52,8 +53,8 @@ TEST(Collectives, GroupsCreatedAndDroppedAtOnce) {
 TEST(Collectives, CollectiveDeviceAndSetCudaDevice) {
   EXPECT_EQ(collective_device(), at::Device(at::kCPU));
   const std::string err = dtrain_error_of([] { set_cuda_device(R()); });
-  EXPECT_NE(err.find("set_cuda_device(" + std::to_string(R()) + ")"), std::string::npos) << err;
-  EXPECT_NE(err.find("no CUDA device is visible"), std::string::npos) << err;
+  EXPECT_THAT(err, HasSubstr("set_cuda_device(" + std::to_string(R()) + ")")) << err;
+  EXPECT_THAT(err, HasSubstr("no CUDA device is visible")) << err;
 }
 
 TEST(Collectives, AllReduceOps) {
@@ -280,16 +281,15 @@ TEST(Collectives, GatherAndScatterListsOnlyOnTheRoot) {
   const std::string g = error_of([&] { gather(at::ones({2}), one, /*dst=*/0); });
   const std::string s = error_of([&] { scatter(one[0], one, /*src=*/N() - 1); });
   if (R() != 0)
-    EXPECT_NE(g.find("gather_list must be empty on non-destination rank " + std::to_string(R()) +
-                     " (dst=0): pass gather_list only on the destination rank"),
-              std::string::npos)
+    EXPECT_THAT(g, HasSubstr("gather_list must be empty on non-destination rank " + std::to_string(R()) +
+                             " (dst=0): pass gather_list only on the destination rank"))
         << g;
   else
-    EXPECT_NE(g.find("pass one tensor per rank"), std::string::npos) << g;
+    EXPECT_THAT(g, HasSubstr("pass one tensor per rank")) << g;
   if (R() != N() - 1)
-    EXPECT_NE(s.find("scatter_list must be empty on non-source rank " + std::to_string(R())), std::string::npos) << s;
+    EXPECT_THAT(s, HasSubstr("scatter_list must be empty on non-source rank " + std::to_string(R()))) << s;
   else
-    EXPECT_NE(s.find("pass one tensor per rank"), std::string::npos) << s;
+    EXPECT_THAT(s, HasSubstr("pass one tensor per rank")) << s;
 }
 
 TEST(Collectives, SendRecvRing) {
@@ -350,23 +350,23 @@ TEST(Collectives, MismatchOverGlooIsACatchableError) {
   at::Tensor t = at::ones({R() == 0 ? 4 : 5});
   std::string e = dtrain_error_of([&] { all_reduce(t, ReduceOp::SUM, g); });
   EXPECT_EQ(e.rfind(me + "all_reduce on group '", 0), 0u) << e;
-  EXPECT_NE(e.find("(gloo, ranks [0, 1"), std::string::npos) << e;
-  EXPECT_NE(e.find("all_reduce of 4 Float elements (SUM)"), std::string::npos) << e;
-  EXPECT_NE(e.find("all_reduce of 5 Float elements (SUM)"), std::string::npos) << e;
-  EXPECT_NE(e.find("every rank must call the same collectives"), std::string::npos) << e;
+  EXPECT_THAT(e, HasSubstr("(gloo, ranks [0, 1")) << e;
+  EXPECT_THAT(e, HasSubstr("all_reduce of 4 Float elements (SUM)")) << e;
+  EXPECT_THAT(e, HasSubstr("all_reduce of 5 Float elements (SUM)")) << e;
+  EXPECT_THAT(e, HasSubstr("every rank must call the same collectives")) << e;
 
   // Asynchronous: the check runs on the group's worker thread, and wait() rethrows its error.
   at::Tensor b = at::zeros({R() == 0 ? 3 : 2});
   Work w = broadcast(b, 0, g, /*async_op=*/true);
   e = dtrain_error_of([&] { w.wait(); });
   EXPECT_EQ(e.rfind(me + "broadcast on group '", 0), 0u) << e;
-  EXPECT_NE(e.find("broadcast of 3 Float elements with root rank 0"), std::string::npos) << e;
+  EXPECT_THAT(e, HasSubstr("broadcast of 3 Float elements with root rank 0")) << e;
 
   // Different operations.
   at::Tensor s = at::ones({2});
   e = dtrain_error_of([&] { R() == 0 ? barrier(g) : all_reduce(s, ReduceOp::MAX, g); });
-  EXPECT_NE(e.find("calls barrier"), std::string::npos) << e;
-  EXPECT_NE(e.find("calls all_reduce of 2 Float elements (MAX)"), std::string::npos) << e;
+  EXPECT_THAT(e, HasSubstr("calls barrier")) << e;
+  EXPECT_THAT(e, HasSubstr("calls all_reduce of 2 Float elements (MAX)")) << e;
 
   // No data moved: the same group still works.
   at::Tensor ok = at::ones({4});
@@ -385,8 +385,8 @@ TEST(Collectives, MonitoredBarrierNamesTheMissingRank) {
   Group sub = new_group({0, 1});  // a throwaway group: the failed barrier leaves it unusable
   if (R() == 0) {
     std::string err = error_of([&] { monitored_barrier(sub, std::chrono::milliseconds(600)); });
-    EXPECT_NE(err.find("monitored_barrier"), std::string::npos) << err;
-    EXPECT_NE(err.find("Rank 1"), std::string::npos) << err;
+    EXPECT_THAT(err, HasSubstr("monitored_barrier")) << err;
+    EXPECT_THAT(err, HasSubstr("Rank 1")) << err;
   }
   barrier();  // rank 1 did not take part; the world group still works
 }

@@ -14,6 +14,7 @@
 #include "dtrain/comm_hooks.h"
 #include "dtrain/ddp.h"
 #include "test_util.h"
+#include "matchers.h"
 
 using namespace dtrain;
 namespace F = torch::nn::functional;
@@ -221,7 +222,7 @@ TEST(CommHooks, RegistrationErrors) {
   DistributedDataParallel ddp3(net3, small_buckets());
   ddp3.register_comm_hook([](GradBucket& b) { return Future(b.buffer().narrow(0, 0, 1)); });
   const std::string e = test_util::error_of([&] { F::mse_loss(ddp3(x), y).backward(); });
-  EXPECT_NE(e.find("communication hook's result for bucket 0 has 1 elements"), std::string::npos) << e;
+  EXPECT_THAT(e, HasSubstr("communication hook's result for bucket 0 has 1 elements")) << e;
   EXPECT_NE(test_util::dtrain_error_of([] {
               (void)PowerSGDState(PowerSGDOptions().start_powerSGD_iter(1));
             }).find("start_powerSGD_iter must be > 1"),

@@ -5,6 +5,7 @@
 #include "dist_main.h"
 #include "dtrain/ddp.h"
 #include "test_util.h"
+#include "matchers.h"
 
 using namespace dtrain;
 
@@ -149,7 +150,7 @@ TEST(DDPOptions, StaticGraphKeepsTheFirstIterationsUsedSet) {
   DistributedDataParallel fixed(m2, DDPOptions().static_graph(true));
   fixed.forward(x, true)[0].sum().add(m2->side.sum()).backward();
   const std::string err = test_util::error_of([&] { fixed.forward(x, false)[0].sum().backward(); });
-  EXPECT_NE(err.find("b.weight"), std::string::npos) << err;
+  EXPECT_THAT(err, HasSubstr("b.weight")) << err;
   SideOutput m3;
   DistributedDataParallel searched(m3, DDPOptions().find_unused_parameters(true));
   searched.forward(x, true)[0].sum().add(m3->side.sum()).backward();

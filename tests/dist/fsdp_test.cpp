@@ -19,6 +19,7 @@
 #include "dtrain/ddp.h"
 #include "dtrain/fsdp.h"
 #include "fsdp_models.h"
+#include "matchers.h"
 
 using namespace dtrain;
 using fsdp_models::Net;
@@ -261,8 +262,8 @@ TEST(FullyShard, BadInputIsNamedInOneLine) {
       fn();
       ADD_FAILURE() << "no error; expected one containing: " << part;
     } catch (const dtrain::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
-      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "one line: " << e.what();
+      EXPECT_THAT(std::string(e.what()), HasSubstr(part)) << e.what();
+      EXPECT_THAT(std::string(e.what()), Not(HasSubstr("\n"))) << "one line: " << e.what();
     }
   };
   {

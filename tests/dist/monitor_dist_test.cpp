@@ -23,6 +23,7 @@
 #include "dtrain/monitor.h"
 #include "svg_check.h"
 #include "test_util.h"
+#include "matchers.h"
 
 namespace fs = std::filesystem;
 using namespace dtrain;
@@ -141,14 +142,14 @@ TEST(Monitor, InfoLogsBucketsAndSetupOnRankZero) {
   const std::string log = testing::internal::GetCapturedStderr();
   set_debug_level(DebugLevel::OFF);
   if (rank() == 0) {
-    EXPECT_NE(log.find("[dtrain DDP] 8 parameters in"), std::string::npos) << log;
-    EXPECT_NE(log.find("bucket 0:"), std::string::npos) << log;
-    EXPECT_NE(log.find("6.weight"), std::string::npos) << "parameter names: " << log;
-    EXPECT_NE(log.find("find_unused_parameters"), std::string::npos) << "setup options: " << log;
+    EXPECT_THAT(log, HasSubstr("[dtrain DDP] 8 parameters in")) << log;
+    EXPECT_THAT(log, HasSubstr("bucket 0:")) << log;
+    EXPECT_THAT(log, HasSubstr("6.weight")) << "parameter names: " << log;
+    EXPECT_THAT(log, HasSubstr("find_unused_parameters")) << "setup options: " << log;
     // The ranks share a host: the buckets go through shared memory, and the line says so.
-    EXPECT_NE(log.find("ranks (gloo, shared memory)"), std::string::npos) << log;
+    EXPECT_THAT(log, HasSubstr("ranks (gloo, shared memory)")) << log;
   } else {
-    EXPECT_EQ(log.find("[dtrain DDP]"), std::string::npos) << log;
+    EXPECT_THAT(log, Not(HasSubstr("[dtrain DDP]"))) << log;
   }
 }
 
@@ -170,9 +171,9 @@ TEST(DebugDetail, MismatchedAllReduceShapeFailsEveryRankWithinMilliseconds) {
     best_ms = std::min(best_ms, ms);
   }
   EXPECT_LT(best_ms, 100.0 * test_util::kTimeScale) << "instead of hanging";
-  EXPECT_NE(err.find("rank " + std::to_string(rank()) + ": DTRAIN_DEBUG=DETAIL"), std::string::npos) << err;
-  EXPECT_NE(err.find("rank 0 calls all_reduce(Float[4], op=SUM)"), std::string::npos) << err;
-  EXPECT_NE(err.find("rank 1 calls all_reduce(Float[5], op=SUM)"), std::string::npos) << err;
+  EXPECT_THAT(err, HasSubstr("rank " + std::to_string(rank()) + ": DTRAIN_DEBUG=DETAIL")) << err;
+  EXPECT_THAT(err, HasSubstr("rank 0 calls all_reduce(Float[4], op=SUM)")) << err;
+  EXPECT_THAT(err, HasSubstr("rank 1 calls all_reduce(Float[5], op=SUM)")) << err;
 
   // A different operation is caught too.
   at::Tensor u = at::ones({3});
@@ -182,8 +183,7 @@ TEST(DebugDetail, MismatchedAllReduceShapeFailsEveryRankWithinMilliseconds) {
     else
       broadcast(u, 0);
   });
-  EXPECT_NE(err2.find("rank 0 calls all_reduce(Float[3], op=SUM) but rank 1 calls broadcast(Float[3], src=0)"),
-            std::string::npos)
+  EXPECT_THAT(err2, HasSubstr("rank 0 calls all_reduce(Float[3], op=SUM) but rank 1 calls broadcast(Float[3], src=0)"))
       << err2;
 
   // No collective started: the group still works, checked.

@@ -18,6 +18,7 @@
 #include "pipeline_inject.h"
 #include "pipeline_models.h"
 #include "test_util.h"
+#include "matchers.h"
 
 using namespace dtrain;
 using namespace dtrain::test_pipeline;
@@ -222,17 +223,17 @@ TEST(PipelineFailure, AStageThatThrowsFailsEveryRankAndThePipelineRecovers) {
                                : c.where == Injection::kWeight   ? "injected weight gradient failure"
                                                                  : "injected loss failure";
       SCOPED_TRACE(to_string(schedule) + " stage " + std::to_string(c.stage) + " " + what);
-      EXPECT_NE(err.find(what), std::string::npos) << err;
-      EXPECT_NE(err.find("stage " + std::to_string(c.stage) + " (rank " + std::to_string(c.stage % p) + ") failed in"),
-                std::string::npos)
+      EXPECT_THAT(err, HasSubstr(what)) << err;
+      EXPECT_THAT(
+          err, HasSubstr("stage " + std::to_string(c.stage) + " (rank " + std::to_string(c.stage % p) + ") failed in"))
           << err;
       if (c.where == Injection::kWeight) {  // ZB-H1 computes weight gradients in W, the others in backward
         const bool zb = schedule == Schedule::kZeroBubbleH1;
-        EXPECT_NE(err.find(zb ? "failed in weight gradient of micro-batch" : "failed in backward of micro-batch"),
-                  std::string::npos)
+        EXPECT_THAT(err,
+                    HasSubstr(zb ? "failed in weight gradient of micro-batch" : "failed in backward of micro-batch"))
             << err;
       }
-      EXPECT_NE(err.find("rank " + std::to_string(rank()) + ": pipeline step"), std::string::npos) << err;
+      EXPECT_THAT(err, HasSubstr("rank " + std::to_string(rank()) + ": pipeline step")) << err;
       EXPECT_LT(took, 20.0) << "the failure took " << took << " s to reach rank " << rank();
       // The channels were emptied: the next step works.
       g_inject = Injection{};
@@ -272,8 +273,8 @@ TEST(PipelineFailure, BoundaryShapeMismatchNamesBothStages) {
   Pipeline pipe(stages, PipelineOptions().chunks(2));
   auto x = at::randn({8, kIn}), y = at::randint(0, kOut, {8});
   const std::string err = error_of([&] { pipe.step(x, y, loss_fn); });
-  EXPECT_NE(err.find("pipeline boundary mismatch: stage 0 (rank 0) outputs [4, 24]"), std::string::npos) << err;
-  EXPECT_NE(err.find("stage 1 (rank 1, layers 1..1) cannot take it"), std::string::npos) << err;
+  EXPECT_THAT(err, HasSubstr("pipeline boundary mismatch: stage 0 (rank 0) outputs [4, 24]")) << err;
+  EXPECT_THAT(err, HasSubstr("stage 1 (rank 1, layers 1..1) cannot take it")) << err;
 }
 
 // 2D: 2 stages x 2 replicas on 4 ranks, DDP inside each stage group; equals one process on the whole
@@ -310,9 +311,7 @@ TEST(Pipeline2D, AFailureInOneReplicaFailsAllRanks) {
   g_inject = Injection{rank() == 1 ? 1 : -1, Injection::kForward, 0, 0};
   const std::string err = error_of([&] { pipe.step(x.chunk(2)[0], y.chunk(2)[0], loss_fn); });
   g_inject = Injection{};
-  EXPECT_NE(err.find("stage 1 (rank 1) failed in forward of micro-batch 0: injected forward failure"),
-            std::string::npos)
-      << err;
+  EXPECT_THAT(err, HasSubstr("stage 1 (rank 1) failed in forward of micro-batch 0: injected forward failure")) << err;
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include "dist_main.h"
 #include "dtrain/errors.h"
 #include "test_util.h"
+#include "matchers.h"
 
 using namespace dtrain;
 
@@ -254,7 +255,7 @@ TEST(Shm, AllReduceOfRankDependentDataEqualsTheSumOfEveryRanksInputs) {
 TEST(Shm, RequiredWithoutASharedHostFailsOnEveryRank) {
   EnvOverride required("DTRAIN_SHM", "1");
   std::string err = error_of([] { group_with_env("DTRAIN_SHM_HOST", "h" + std::to_string(R())); });
-  EXPECT_NE(err.find("DTRAIN_SHM=1 but no two of the group's"), std::string::npos) << err;
+  EXPECT_THAT(err, HasSubstr("DTRAIN_SHM=1 but no two of the group's")) << err;
 }
 
 TEST(Shm, MismatchedShapesFailEveryRankNamingBothCalls) {
@@ -262,9 +263,9 @@ TEST(Shm, MismatchedShapesFailEveryRankNamingBothCalls) {
   ASSERT_TRUE(g.uses_shared_memory());
   at::Tensor t = at::ones({R() == 0 ? 8 : 16});
   std::string err = error_of([&] { all_reduce(t, ReduceOp::SUM, g); });
-  EXPECT_NE(err.find("mismatched collectives"), std::string::npos) << err;
+  EXPECT_THAT(err, HasSubstr("mismatched collectives")) << err;
   if (R() < 2) {
-    EXPECT_NE(err.find("all_reduce of 8 float32 (SUM)"), std::string::npos) << err;
+    EXPECT_THAT(err, HasSubstr("all_reduce of 8 float32 (SUM)")) << err;
   }
   EXPECT_EQ(err.rfind("rank " + std::to_string(R()) + ": ", 0), 0u) << err;  // names this rank first
   EXPECT_NE(error_of([&] { all_reduce(t, ReduceOp::SUM, g); }), "");
@@ -307,11 +308,11 @@ TEST(Shm, SendRecvOfDifferentShapesFailsBothRanksWithOneLine) {
       recv(t, 0, g, 3);
     }
   });
-  EXPECT_NE(err.find("rank 1: recv from rank 0 (tag 3) expected Float [5] but rank 0 sent Float [4]: sender and "
-                     "receiver must pass tensors of the same dtype and shape"),
-            std::string::npos)
+  EXPECT_THAT(err,
+              HasSubstr("rank 1: recv from rank 0 (tag 3) expected Float [5] but rank 0 sent Float [4]: sender and "
+                        "receiver must pass tensors of the same dtype and shape"))
       << err;
-  EXPECT_EQ(err.find('\n'), std::string::npos) << err;
+  EXPECT_THAT(err, Not(HasSubstr("\n"))) << err;
   std::string later = error_of([&] {
     at::Tensor t = at::ones({5});
     if (R() == 0)
@@ -319,7 +320,7 @@ TEST(Shm, SendRecvOfDifferentShapesFailsBothRanksWithOneLine) {
     else
       recv(t, 0, g, 4);
   });
-  EXPECT_NE(later.find("expected Float [5] but rank 0 sent Float [4]"), std::string::npos) << later;
+  EXPECT_THAT(later, HasSubstr("expected Float [5] but rank 0 sent Float [4]")) << later;
 }
 
 int main(int argc, char** argv) {

@@ -17,6 +17,7 @@
 #include "dist_main.h"
 #include "dtrain/ddp.h"
 #include "dtrain/sync_batchnorm.h"
+#include "matchers.h"
 
 using namespace dtrain;
 
@@ -190,9 +191,8 @@ TEST(SyncBatchNorm, ConvertSharesTheTensorsAndRefusesMembersItCannotRewire) {
     convert_sync_batchnorm(seq);
     ADD_FAILURE() << "a BatchNorm held by a C++ member was silently left unsynchronized";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("'1.bn'"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("declare that member as a dtrain::SyncBatchNorm"), std::string::npos)
-        << e.what();
+    EXPECT_THAT(std::string(e.what()), HasSubstr("'1.bn'")) << e.what();
+    EXPECT_THAT(std::string(e.what()), HasSubstr("declare that member as a dtrain::SyncBatchNorm")) << e.what();
   }
 }
 
@@ -202,7 +202,7 @@ TEST(SyncBatchNorm, RejectsAnInputWithTheWrongChannelCount) {
     bn(at::randn({2, 3}));
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("the input has 3 channels"), std::string::npos) << e.what();
+    EXPECT_THAT(std::string(e.what()), HasSubstr("the input has 3 channels")) << e.what();
   }
 }
 

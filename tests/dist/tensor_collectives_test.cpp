@@ -11,6 +11,7 @@
 #include "dist_main.h"
 #include "dtrain/errors.h"
 #include "test_util.h"
+#include "matchers.h"
 
 using namespace dtrain;
 
@@ -61,7 +62,7 @@ void check_all_gather(const Group& g, at::ScalarType dt, int64_t count, bool sta
   at::Tensor out = stacked ? at::full({N(), count}, -9, at::TensorOptions(dt)) : at::full({N() * count}, -9, dt);
   const std::string e = dtrain_error_of([&] { all_gather_into_tensor(out, in, g, async_op).wait(); });
   if (rejected_here(g, dt)) {
-    EXPECT_NE(e.find("has no BFloat16 collectives"), std::string::npos) << e;
+    EXPECT_THAT(e, HasSubstr("has no BFloat16 collectives")) << e;
     return;
   }
   ASSERT_EQ(e, "(no dtrain::Error thrown)") << dt << " x " << count;
@@ -77,7 +78,7 @@ void check_reduce_scatter(const Group& g, at::ScalarType dt, int64_t count, Redu
   at::Tensor out = at::full({count}, -9, dt);
   const std::string e = dtrain_error_of([&] { reduce_scatter_tensor(out, in, op, g, async_op).wait(); });
   if (rejected_here(g, dt)) {
-    EXPECT_NE(e.find("has no BFloat16 collectives"), std::string::npos) << e;
+    EXPECT_THAT(e, HasSubstr("has no BFloat16 collectives")) << e;
     return;
   }
   ASSERT_EQ(e, "(no dtrain::Error thrown)") << dt << " x " << count << " " << to_string(op);
@@ -182,9 +183,8 @@ TEST(TensorCollectives, BadInputIsAClearError) {
                 ") x input (4) = " + std::to_string(N() * 4));
   at::Tensor wrong_shape = at::empty({2, N() * 2});
   const std::string shape = dtrain_error_of([&] { all_gather_into_tensor(wrong_shape, at::ones({2, 2})); });
-  EXPECT_NE(shape.find("output has shape [2, " + std::to_string(N() * 2) + "], expected [" + n + ", 2, 2] or [" +
-                       std::to_string(N() * 2) + ", 2]"),
-            std::string::npos)
+  EXPECT_THAT(shape, HasSubstr("output has shape [2, " + std::to_string(N() * 2) + "], expected [" + n +
+                               ", 2, 2] or [" + std::to_string(N() * 2) + ", 2]"))
       << shape;
   at::Tensor doubles = at::empty({N() * 4}, at::kDouble);
   EXPECT_NE(dtrain_error_of([&] {

@@ -4,6 +4,7 @@
 // sharded optimizer is saved through, and the write order (Note [Write order]): a restarted run's
 // lower step is the latest, kept by rotation and loaded, with a warning; ascending rotation as before.
 #include "dtrain/checkpoint.h"
+#include "matchers.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -195,20 +196,19 @@ TEST_P(Corruption, NewestBadFallsBackToThePreviousWithAWarning) {
   const std::string err = ::testing::internal::GetCapturedStderr();
   ASSERT_TRUE(loaded);
   EXPECT_EQ(*loaded, dir + "/checkpoint_0000000001.pt");
-  EXPECT_NE(err.find("dtrain warning: checkpoint " + newest + " is unusable"), std::string::npos) << err;
+  EXPECT_THAT(err, HasSubstr("dtrain warning: checkpoint " + newest + " is unusable")) << err;
   // A file without its header line has no known write order: it is never tried, only reported.
-  EXPECT_NE(err.find(GetParam() == "garbage" ? "; ignored" : "falling back to the previous one"), std::string::npos)
-      << err;
+  EXPECT_THAT(err, HasSubstr(GetParam() == "garbage" ? "; ignored" : "falling back to the previous one")) << err;
   const char* reason = GetParam() == "truncated" ? "truncated"
                        : GetParam() == "bitflip" ? "CRC-32"
                                                  : "not a dtrain checkpoint";
-  EXPECT_NE(err.find(reason), std::string::npos) << err;
+  EXPECT_THAT(err, HasSubstr(reason)) << err;
   EXPECT_EQ(flat(other), good);
 
   // The single-file loader names the file and the reason.
   const std::string msg = error_of([&] { dtrain::load_checkpoint(newest, back); });
-  EXPECT_NE(msg.find("checkpoint " + newest + " is unusable: "), std::string::npos) << msg;
-  EXPECT_NE(msg.find(reason), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("checkpoint " + newest + " is unusable: ")) << msg;
+  EXPECT_THAT(msg, HasSubstr(reason)) << msg;
 }
 INSTANTIATE_TEST_SUITE_P(Kinds, Corruption, ::testing::Values("truncated", "bitflip", "garbage"));
 
@@ -221,7 +221,7 @@ TEST_F(Checkpoint, AllBadIsAnErrorNamingTheFolder) {
   ::testing::internal::CaptureStderr();
   const std::string msg = error_of([&] { dtrain::CheckpointManager(dir).load_latest(st); });
   ::testing::internal::GetCapturedStderr();
-  EXPECT_NE(msg.find("none of the 1 checkpoint(s) in " + dir + " is usable"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("none of the 1 checkpoint(s) in " + dir + " is usable")) << msg;
 }
 
 TEST_F(Checkpoint, DifferentModelNamesTheFirstMismatchingTensor) {
@@ -234,10 +234,9 @@ TEST_F(Checkpoint, DifferentModelNamesTheFirstMismatchingTensor) {
   dtrain::TrainingState back;
   back.model = big.ptr().get();
   const std::string msg = error_of([&] { dtrain::CheckpointManager(dir).load_latest(back); });
-  EXPECT_NE(msg.find("checkpoint " + path +
-                     " does not match the model: tensor 'fc1.weight' is Float [8, 4] in the "
-                     "checkpoint but Float [16, 4] in the model"),
-            std::string::npos)
+  EXPECT_THAT(msg, HasSubstr("checkpoint " + path +
+                             " does not match the model: tensor 'fc1.weight' is Float [8, 4] in the "
+                             "checkpoint but Float [16, 4] in the model"))
       << msg;
   EXPECT_EQ(flat(big), before) << "nothing is loaded on a mismatch";
 
@@ -246,8 +245,7 @@ TEST_F(Checkpoint, DifferentModelNamesTheFirstMismatchingTensor) {
   dtrain::TrainingState s2;
   s2.model = seq.ptr().get();
   const std::string msg2 = error_of([&] { dtrain::load_checkpoint(path, s2); });
-  EXPECT_NE(msg2.find("tensor #0 is 'fc1.weight' in the checkpoint but '0.weight' in the model"), std::string::npos)
-      << msg2;
+  EXPECT_THAT(msg2, HasSubstr("tensor #0 is 'fc1.weight' in the checkpoint but '0.weight' in the model")) << msg2;
 }
 
 TEST_F(Checkpoint, MissingOptimizerStateIsAnError) {
@@ -258,7 +256,7 @@ TEST_F(Checkpoint, MissingOptimizerStateIsAnError) {
   torch::optim::SGD opt(net->parameters(), 0.1);
   st.optimizer = &opt;
   const std::string msg = error_of([&] { dtrain::load_checkpoint(path, st); });
-  EXPECT_NE(msg.find("holds no optimizer state"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("holds no optimizer state")) << msg;
 }
 
 namespace {
@@ -290,8 +288,8 @@ TEST_F(Checkpoint, AFileInPlaceOfTheFolderIsAClearError) {
   dtrain::TrainingState st;
   st.model = net.ptr().get();
   const std::string msg = error_of([&] { dtrain::CheckpointManager(dir).save(st); });
-  EXPECT_NE(msg.find("cannot create the checkpoint folder " + dir), std::string::npos) << msg;
-  EXPECT_NE(msg.find("choose another folder"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("cannot create the checkpoint folder " + dir)) << msg;
+  EXPECT_THAT(msg, HasSubstr("choose another folder")) << msg;
   fs::remove(dir);
 }
 
@@ -309,10 +307,9 @@ TEST_F(Checkpoint, UnwritableFolderKeepsThePreviousCheckpoint) {
   ::chmod(dir.c_str(), 0555);
   st.step = 2;
   const std::string msg = error_of([&] { mgr.save(st); });
-  EXPECT_NE(msg.find("cannot create checkpoint file " + dir + "/.checkpoint_0000000002.pt.tmp."), std::string::npos)
-      << msg;
-  EXPECT_NE(msg.find("Permission denied"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("make the folder writable"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("cannot create checkpoint file " + dir + "/.checkpoint_0000000002.pt.tmp.")) << msg;
+  EXPECT_THAT(msg, HasSubstr("Permission denied")) << msg;
+  EXPECT_THAT(msg, HasSubstr("make the folder writable")) << msg;
   EXPECT_EQ(read(first), bytes);
 }
 
@@ -346,11 +343,10 @@ TEST_F(Checkpoint, RotationNeverDeletesTheNewSaveWhenALaterStepIsPresent) {
   const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(names_in(dir), std::vector<std::string>{ckpt_name(150)}) << "the new save must survive its rotation";
   EXPECT_EQ(mgr.list(), std::vector<std::string>{path});
-  EXPECT_NE(err.find("dtrain warning: checkpoint folder " + dir + " holds " + dir + "/" + ckpt_name(300) +
-                     " from the later step 300, written before this save of step 150"),
-            std::string::npos)
+  EXPECT_THAT(err, HasSubstr("dtrain warning: checkpoint folder " + dir + " holds " + dir + "/" + ckpt_name(300) +
+                             " from the later step 300, written before this save of step 150"))
       << err;
-  EXPECT_NE(err.find("rotation (keep=1) removes the oldest writes first"), std::string::npos) << err;
+  EXPECT_THAT(err, HasSubstr("rotation (keep=1) removes the oldest writes first")) << err;
   Net back;
   dtrain::TrainingState loaded;
   loaded.model = back.ptr().get();
@@ -384,9 +380,8 @@ TEST_F(Checkpoint, LoadLatestReturnsTheNewestWriteNotTheHighestStep) {
   ASSERT_TRUE(got);
   EXPECT_EQ(*got, fresh);
   EXPECT_EQ(loaded.step, 150);
-  EXPECT_NE(err.find("dtrain warning: load_latest: resuming from " + fresh + ", the most recent write in " + dir +
-                     ", although " + stale + " has the later step 300: it was written before"),
-            std::string::npos)
+  EXPECT_THAT(err, HasSubstr("dtrain warning: load_latest: resuming from " + fresh + ", the most recent write in " +
+                             dir + ", although " + stale + " has the later step 300: it was written before"))
       << err;
   // The restarted run goes on: its next save rotates the stale file out (the oldest write).
   st.step = 160;
@@ -419,7 +414,7 @@ TEST_F(Checkpoint, AscendingRotationKeepsTheHighestStepsWithoutAWarning) {
     ASSERT_TRUE(got);
     EXPECT_EQ(*got, dir + "/" + ckpt_name(5));
     EXPECT_EQ(loaded.step, 5);
-    EXPECT_EQ(err.find("later step"), std::string::npos) << err;
+    EXPECT_THAT(err, Not(HasSubstr("later step"))) << err;
   }
 }
 
@@ -506,5 +501,5 @@ TEST_F(Checkpoint, AnotherWorldSizeReshardsTheSampler) {
   EXPECT_EQ(loaded.sampler_position, 3);
   loaded.sampler = &other;
   const std::string msg = error_of([&] { dtrain::load_checkpoint(path2, loaded); });
-  EXPECT_NE(msg.find("lacks the sampler position of rank 1 of 2: load it on 2 ranks"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("lacks the sampler position of rank 1 of 2: load it on 2 ranks")) << msg;
 }

@@ -1,6 +1,7 @@
 // Fashion-MNIST from the Debian package dataset-fashion-mnist: values checked against Python's
 // reading of the same files, and every way a file can be broken.
 #include "dtrain/datasets/fashion_mnist.h"
+#include "matchers.h"
 
 #include <stdlib.h>
 #include <zlib.h>
@@ -229,11 +230,11 @@ TEST(FashionMNIST, MissingFileOrFolder) {
   dir.copy_test_split(false);
   fs::remove(dir.path() / "t10k-images-idx3-ubyte.gz");
   std::string msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
-  EXPECT_NE(msg.find((dir.path() / "t10k-images-idx3-ubyte.gz").string() + ": missing"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr((dir.path() / "t10k-images-idx3-ubyte.gz").string() + ": missing")) << msg;
   msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTrain); });
-  EXPECT_NE(msg.find("train-images-idx3-ubyte.gz: missing"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("train-images-idx3-ubyte.gz: missing")) << msg;
   msg = dtrain_error_of([] { FashionMNIST("/nonexistent/fmnist", FashionMNIST::Mode::kTest); });
-  EXPECT_NE(msg.find("/nonexistent/fmnist does not exist"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("/nonexistent/fmnist does not exist")) << msg;
 }
 
 TEST(FashionMNIST, WrongMagicNumber) {
@@ -243,16 +244,14 @@ TEST(FashionMNIST, WrongMagicNumber) {
   fs::copy_file(dir.path() / "t10k-labels-idx1-ubyte", dir.path() / "t10k-images-idx3-ubyte",
                 fs::copy_options::overwrite_existing);
   std::string msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
-  EXPECT_NE(msg.find("t10k-images-idx3-ubyte: not an IDX file of the expected kind: magic number 2049"),
-            std::string::npos)
-      << msg;
+  EXPECT_THAT(msg, HasSubstr("t10k-images-idx3-ubyte: not an IDX file of the expected kind: magic number 2049")) << msg;
   // Garbage.
   write_file(dir.path() / "t10k-images-idx3-ubyte", "hello, world, not an IDX file");
   msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
-  EXPECT_NE(msg.find("magic number"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("magic number")) << msg;
   write_file(dir.path() / "t10k-images-idx3-ubyte", "");
   msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
-  EXPECT_NE(msg.find("truncated: expected a 4-byte IDX header, got 0 bytes"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("truncated: expected a 4-byte IDX header, got 0 bytes")) << msg;
 }
 
 TEST(FashionMNIST, TruncatedFiles) {
@@ -262,8 +261,7 @@ TEST(FashionMNIST, TruncatedFiles) {
     const fs::path images = dir.path() / "t10k-images-idx3-ubyte";
     fs::resize_file(images, 16 + 1234);
     const std::string msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
-    EXPECT_NE(msg.find(images.string() + ": truncated: expected 7840000 bytes of pixels, got 1234"), std::string::npos)
-        << msg;
+    EXPECT_THAT(msg, HasSubstr(images.string() + ": truncated: expected 7840000 bytes of pixels, got 1234")) << msg;
   }
   {  // gzipped, cut in the middle of the stream
     TempDir dir;
@@ -271,16 +269,15 @@ TEST(FashionMNIST, TruncatedFiles) {
     const fs::path images = dir.path() / "t10k-images-idx3-ubyte.gz";
     fs::resize_file(images, fs::file_size(images) / 2);
     const std::string msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
-    EXPECT_NE(msg.find(images.string() + ": truncated: expected 7840000 bytes of pixels, got "), std::string::npos)
-        << msg;
-    EXPECT_NE(msg.find("gzip stream ends early"), std::string::npos) << msg;
+    EXPECT_THAT(msg, HasSubstr(images.string() + ": truncated: expected 7840000 bytes of pixels, got ")) << msg;
+    EXPECT_THAT(msg, HasSubstr("gzip stream ends early")) << msg;
   }
   {  // labels cut
     TempDir dir;
     dir.copy_test_split(true);
     fs::resize_file(dir.path() / "t10k-labels-idx1-ubyte", 8 + 10);
     const std::string msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
-    EXPECT_NE(msg.find("truncated: expected 10000 bytes of labels, got 10"), std::string::npos) << msg;
+    EXPECT_THAT(msg, HasSubstr("truncated: expected 10000 bytes of labels, got 10")) << msg;
   }
 }
 
@@ -293,8 +290,8 @@ TEST(FashionMNIST, CorruptFiles) {
   for (size_t i = bytes.size() / 2; i < bytes.size() / 2 + 64; ++i) bytes[i] = static_cast<char>(~bytes[i]);
   write_file(images, bytes);
   std::string msg = dtrain_error_of([&] { FashionMNIST(dir.path().string(), FashionMNIST::Mode::kTest); });
-  EXPECT_NE(msg.find(images.string() + ": "), std::string::npos) << msg;
-  EXPECT_NE(msg.find("corrupt"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr(images.string() + ": ")) << msg;
+  EXPECT_THAT(msg, HasSubstr("corrupt")) << msg;
 
   // Images and labels that do not belong together (different counts).
   TempDir mixed;
@@ -304,19 +301,19 @@ TEST(FashionMNIST, CorruptFiles) {
   labels.pop_back();
   write_file(mixed.path() / "t10k-labels-idx1-ubyte", labels);
   msg = dtrain_error_of([&] { FashionMNIST(mixed.path().string(), FashionMNIST::Mode::kTest); });
-  EXPECT_NE(msg.find("holds 10000 images but"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("holds 9999 labels"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("holds 10000 images but")) << msg;
+  EXPECT_THAT(msg, HasSubstr("holds 9999 labels")) << msg;
 
   // A label outside 0..9; trailing bytes.
   labels = read_file(dir.path() / "t10k-labels-idx1-ubyte.gz", true);
   labels[8 + 5] = static_cast<char>(200);
   write_file(mixed.path() / "t10k-labels-idx1-ubyte", labels);
   msg = dtrain_error_of([&] { FashionMNIST(mixed.path().string(), FashionMNIST::Mode::kTest); });
-  EXPECT_NE(msg.find("label 200 at index 5"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("label 200 at index 5")) << msg;
   labels[8 + 5] = 1;
   write_file(mixed.path() / "t10k-labels-idx1-ubyte", labels + "xyz");
   msg = dtrain_error_of([&] { FashionMNIST(mixed.path().string(), FashionMNIST::Mode::kTest); });
-  EXPECT_NE(msg.find("3 unexpected bytes after the 10000 items"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("3 unexpected bytes after the 10000 items")) << msg;
 }
 
 TEST(IdxReader, ReadsHeaderAndPrefix) {

@@ -16,6 +16,7 @@
 #include "common/util.h"
 #include "svg_check.h"
 #include "test_util.h"
+#include "matchers.h"
 
 namespace fs = std::filesystem;
 using namespace dtrain;
@@ -59,23 +60,23 @@ std::string progress_output(std::optional<bool> terminal, int steps) {
 
 TEST(Progress, PlainLinesWhenNotATerminal) {
   const std::string out = progress_output(false, 50);
-  EXPECT_EQ(out.find('\r'), std::string::npos) << "no carriage returns in a log";
-  EXPECT_EQ(out.find('\033'), std::string::npos) << "no escape codes in a log";
+  EXPECT_THAT(out, Not(HasSubstr("\r"))) << "no carriage returns in a log";
+  EXPECT_THAT(out, Not(HasSubstr("\033"))) << "no escape codes in a log";
   const auto lines = split(out);
   ASSERT_EQ(lines.size(), 10u) << out;  // one per 10%
   for (const auto& l : lines) {
     EXPECT_EQ(l.rfind("epoch 1/2 ", 0), 0u) << l;
-    EXPECT_NE(l.find("samples/s"), std::string::npos) << l;
-    EXPECT_NE(l.find("ETA"), std::string::npos) << l;
+    EXPECT_THAT(l, HasSubstr("samples/s")) << l;
+    EXPECT_THAT(l, HasSubstr("ETA")) << l;
   }
-  EXPECT_NE(lines[0].find(" 10% 5/50"), std::string::npos) << lines[0];
-  EXPECT_NE(lines.back().find("100% 50/50"), std::string::npos) << lines.back();
+  EXPECT_THAT(lines[0], HasSubstr(" 10% 5/50")) << lines[0];
+  EXPECT_THAT(lines.back(), HasSubstr("100% 50/50")) << lines.back();
 }
 
 TEST(Progress, BarOnATerminal) {
   const std::string out = progress_output(true, 3);
-  EXPECT_NE(out.find("\r"), std::string::npos);
-  EXPECT_NE(out.find("[==="), std::string::npos) << out;
+  EXPECT_THAT(out, HasSubstr("\r"));
+  EXPECT_THAT(out, HasSubstr("[===")) << out;
   EXPECT_EQ(out.back(), '\n') << "finish() ends the bar's line";
 }
 
@@ -108,8 +109,8 @@ TEST(Progress, MarkedLinesUnderTheLauncher) {
     ASSERT_FALSE(l.empty());
     if (l[0] == '\r' && l.size() > 1) {
       ++bars;
-      EXPECT_EQ(l.find("\033"), std::string::npos) << "the launcher does the erasing";
-      EXPECT_NE(l.find("epoch 1/1 [="), std::string::npos) << l;
+      EXPECT_THAT(l, Not(HasSubstr("\033"))) << "the launcher does the erasing";
+      EXPECT_THAT(l, HasSubstr("epoch 1/1 [=")) << l;
     } else if (l[0] == '\v') {
       ++plain;
     } else {
@@ -131,8 +132,8 @@ TEST(Plot, SvgIsWellFormedWithOnePointPerValue) {
   PlotSeries c{"throughput", {10}, {500}};                       // one point: still drawn
   const std::string svg = svg_plot({a, b, c}, "run & test");
   EXPECT_EQ(test_util::svg_problem(svg), "");
-  EXPECT_NE(svg.find("loss &lt;train&gt;"), std::string::npos) << "titles are escaped";
-  EXPECT_NE(svg.find("no data"), std::string::npos);
+  EXPECT_THAT(svg, HasSubstr("loss &lt;train&gt;")) << "titles are escaped";
+  EXPECT_THAT(svg, HasSubstr("no data"));
   EXPECT_EQ(test_util::polyline_point_counts(svg), (std::vector<int>{4, 1}));
   // The checker itself catches broken documents.
   EXPECT_NE(test_util::svg_problem(svg.substr(0, svg.size() - 8)), "");
@@ -233,12 +234,12 @@ TEST(Monitor, JsonLinesTraceAndPlotInOneProcess) {
   EXPECT_EQ(count(svg, "r=\"3.5\""), 9) << "a dot per window point";
   EXPECT_EQ(count(svg, "r=\"6\""), 4) << "a ring per epoch point";
   EXPECT_EQ(count(svg, "<polygon"), 3) << "compute, communication hidden, communication waited";
-  EXPECT_NE(svg.find(">test (epoch)</text>"), std::string::npos) << "legend";
+  EXPECT_THAT(svg, HasSubstr(">test (epoch)</text>")) << "legend";
   EXPECT_EQ(svg.find(">train (epoch)</text>", svg.find(">accuracy</text>")), std::string::npos)
       << "no legend entry for a series without data";
   // The x axis spans the steps run, 0..12, with ticks.
-  EXPECT_NE(svg.find(">0</text>"), std::string::npos);
-  EXPECT_NE(svg.find(">12</text>"), std::string::npos);
+  EXPECT_THAT(svg, HasSubstr(">0</text>"));
+  EXPECT_THAT(svg, HasSubstr(">12</text>"));
 }
 
 TEST(Plot, OneWindowShowsItsPointOverTheStepsRun) {
@@ -250,11 +251,11 @@ TEST(Plot, OneWindowShowsItsPointOverTheStepsRun) {
   EXPECT_EQ(test_util::svg_problem(svg), "");
   EXPECT_EQ(count(svg, "<circle"), 1);
   EXPECT_EQ(count(svg, "<polygon"), 2) << "one point of a stacked area: a bar";
-  EXPECT_NE(svg.find(">0</text>"), std::string::npos);
-  EXPECT_NE(svg.find(">40</text>"), std::string::npos);
-  EXPECT_EQ(svg.find(">48</text>"), std::string::npos);
+  EXPECT_THAT(svg, HasSubstr(">0</text>"));
+  EXPECT_THAT(svg, HasSubstr(">40</text>"));
+  EXPECT_THAT(svg, Not(HasSubstr(">48</text>")));
   // The y axis: the stack's total (4) is inside it, and it starts at 0.
-  EXPECT_NE(svg.find(">4</text>"), std::string::npos);
+  EXPECT_THAT(svg, HasSubstr(">4</text>"));
   // Grid lines: light lines on both axes.
   EXPECT_GE(count(svg, "<line "), 8);
 }
@@ -268,9 +269,9 @@ TEST(Monitor, BadOptionsAreClearErrors) {
 
 TEST(Status, MonitorTrainingLines) {
   const std::string s = training_status();
-  EXPECT_NE(s.find("Rank: 0, World Size: 1"), std::string::npos) << s;
-  EXPECT_NE(s.find("Device: cpu"), std::string::npos) << s;
-  EXPECT_NE(s.find("Memory: RSS"), std::string::npos) << s;
+  EXPECT_THAT(s, HasSubstr("Rank: 0, World Size: 1")) << s;
+  EXPECT_THAT(s, HasSubstr("Device: cpu")) << s;
+  EXPECT_THAT(s, HasSubstr("Memory: RSS")) << s;
   EXPECT_GT(memory_info().rss_bytes, 0);
 }
 
@@ -283,8 +284,8 @@ TEST(DebugLevel, ReadFromTheEnvironment) {
   EXPECT_EQ(get_debug_level(), DebugLevel::INFO);
   ::setenv("DTRAIN_DEBUG", "LOUD", 1);
   const std::string err = error_of([] { set_debug_level_from_env(); });
-  EXPECT_NE(err.find("DTRAIN_DEBUG=LOUD"), std::string::npos) << err;
-  EXPECT_NE(err.find("OFF, INFO or DETAIL"), std::string::npos) << err;
+  EXPECT_THAT(err, HasSubstr("DTRAIN_DEBUG=LOUD")) << err;
+  EXPECT_THAT(err, HasSubstr("OFF, INFO or DETAIL")) << err;
   ::unsetenv("DTRAIN_DEBUG");
   set_debug_level_from_env();
   EXPECT_EQ(get_debug_level(), DebugLevel::OFF);

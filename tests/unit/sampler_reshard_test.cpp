@@ -13,6 +13,7 @@
 
 #include "dtrain/sampler.h"
 #include "test_util.h"
+#include "matchers.h"
 
 using dtrain::DistributedSampler;
 using dtrain::DistributedSamplerOptions;
@@ -215,8 +216,7 @@ TEST(SamplerReshard, SaveLoadKeepsTheSegmentsAndLoadReshardedAddsOne) {
     buf.seekg(0);
     in.load_from(buf);
     const std::string msg = dtrain_error_of([&] { three.load(in); });
-    EXPECT_NE(msg.find("saved with num_replicas = 2, loading into one with num_replicas = 3"), std::string::npos)
-        << msg;
+    EXPECT_THAT(msg, HasSubstr("saved with num_replicas = 2, loading into one with num_replicas = 3")) << msg;
     torch::serialize::InputArchive in2;
     buf.seekg(0);
     in2.load_from(buf);
@@ -251,10 +251,10 @@ TEST(SamplerReshard, RejectsBadSegments) {
   const Config c{20, true, false};
   DistributedSampler s(c.n, opts(c, 2, 0));
   std::string msg = dtrain_error_of([&] { s.reshard_epoch({3, {1, 1}}); });
-  EXPECT_NE(msg.find("2 positions given for num_replicas = 3"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("2 positions given for num_replicas = 3")) << msg;
   msg = dtrain_error_of([&] { s.reshard_epoch({3, {1, 8, 1}}); });  // 7 per rank on 3 ranks
-  EXPECT_NE(msg.find("rank 1's position 8 is outside [0, 7]"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("rank 1's position 8 is outside [0, 7]")) << msg;
   msg = dtrain_error_of([&] { s.reshard_epoch({0, {}}); });
-  EXPECT_NE(msg.find("num_replicas must be > 0, got 0"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("num_replicas must be > 0, got 0")) << msg;
   EXPECT_TRUE(s.epoch_segments().empty());
 }

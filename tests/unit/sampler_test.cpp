@@ -1,6 +1,7 @@
 // DistributedSampler: PyTorch's own output (tests/data/sampler_golden.json, made by
 // tests/data/make_sampler_golden.py), partition properties, epochs, DataLoader integration.
 #include "dtrain/sampler.h"
+#include "matchers.h"
 
 #include <torch/data.h>
 #include <torch/serialize.h>
@@ -145,7 +146,7 @@ TEST(DistributedSampler, RejectsBadArguments) {
   EXPECT_NE(dtrain_error_of([] { DistributedSampler(10, opts(-2, 0)); }).find("got -2"), std::string::npos);
   // No process group here: the defaults cannot be taken from it.
   const std::string msg = dtrain_error_of([] { DistributedSampler(10); });
-  EXPECT_NE(msg.find("init_process_group"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("init_process_group")) << msg;
   EXPECT_NE(dtrain_error_of([] {
               DistributedSampler(10, DistributedSamplerOptions().num_replicas(2));
             }).find("rank not given"),
@@ -196,7 +197,7 @@ TEST(DistributedSampler, SaveLoadResumesMidEpoch) {
   torch::serialize::InputArchive in2;
   in2.load_from(buf2);
   const std::string msg = dtrain_error_of([&] { other_seed.load(in2); });
-  EXPECT_NE(msg.find("seed = 9"), std::string::npos) << msg;
+  EXPECT_THAT(msg, HasSubstr("seed = 9")) << msg;
 }
 
 namespace {

@@ -17,6 +17,7 @@
 #include "comm/shm/p2p.h"
 #include "dtrain/errors.h"
 #include "shm_fork.h"
+#include "matchers.h"
 
 using namespace dtrain::shm;
 using shm_fork::expect_ok;
@@ -185,9 +186,8 @@ TEST(ShmP2p, AMismatchedShapeFailsBothRanksWithTheSameLine) {
     }
   });
   for (int r = 0; r < 2; ++r) {
-    EXPECT_NE(errors[r].find("rank 1: recv from rank 0 (tag 3) expected dtype 1 of 5000 bytes but rank 0 sent "
-                             "dtype 1 of 4000 bytes"),
-              std::string::npos)
+    EXPECT_THAT(errors[r], HasSubstr("rank 1: recv from rank 0 (tag 3) expected dtype 1 of 5000 bytes but rank 0 sent "
+                                     "dtype 1 of 4000 bytes"))
         << "rank " << r << ": " << errors[r];
   }
 }
@@ -203,8 +203,7 @@ TEST(ShmP2p, AMismatchedDtypeFailsTheReceiveAndLaterSendsToIt) {
       p.wait(*op);
     }
   });
-  EXPECT_NE(errors[1].find("expected dtype 7 of 64 bytes but rank 0 sent dtype 6 of 64 bytes"), std::string::npos)
-      << errors[1];
+  EXPECT_THAT(errors[1], HasSubstr("expected dtype 7 of 64 bytes but rank 0 sent dtype 6 of 64 bytes")) << errors[1];
   EXPECT_EQ(errors[0], errors[1]);
 }
 
@@ -219,9 +218,8 @@ TEST(ShmP2p, ADeadSenderIsNoticedWithoutWaitingForTheTimeout) {
         p.wait(*op);
       },
       std::chrono::seconds(60));
-  EXPECT_NE(errors[1].find("rank 1: recv from rank 0 (tag 0) over shared memory: rank 0 (pid "), std::string::npos)
-      << errors[1];
-  EXPECT_NE(errors[1].find("exited before completing it"), std::string::npos) << errors[1];
+  EXPECT_THAT(errors[1], HasSubstr("rank 1: recv from rank 0 (tag 0) over shared memory: rank 0 (pid ")) << errors[1];
+  EXPECT_THAT(errors[1], HasSubstr("exited before completing it")) << errors[1];
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
@@ -239,8 +237,7 @@ TEST(ShmP2p, AMissingMessageTimesOutNamingTheTag) {
       },
       std::chrono::milliseconds(300));
   EXPECT_EQ(errors[0], "");
-  EXPECT_NE(errors[1].find("rank 1: recv from rank 0 (tag 2) over shared memory timed out after 300 ms"),
-            std::string::npos)
+  EXPECT_THAT(errors[1], HasSubstr("rank 1: recv from rank 0 (tag 2) over shared memory timed out after 300 ms"))
       << errors[1];
 }
 
@@ -258,8 +255,8 @@ TEST(ShmP2p, ASendNobodyReceivesTimesOut) {
         timed_out.set_on_throw([&] { p.wait(*op); });
       },
       std::chrono::milliseconds(300));
-  EXPECT_NE(errors[0].find("rank 0: send to rank 1 (tag 1) over shared memory timed out after 300 ms: the receiver "
-                           "did not take the message"),
-            std::string::npos)
+  EXPECT_THAT(errors[0],
+              HasSubstr("rank 0: send to rank 1 (tag 1) over shared memory timed out after 300 ms: the receiver "
+                        "did not take the message"))
       << errors[0];
 }

@@ -23,6 +23,7 @@
 #include "dtrain/errors.h"
 #include "shm_fork.h"
 #include "test_util.h"
+#include "matchers.h"
 
 using namespace dtrain::shm;
 using shm_fork::expect_ok;
@@ -168,8 +169,8 @@ TEST(ShmComm, ReduceScatterAgainstAnotherCollectiveFailsEveryRankNamingBoth) {
       c.all_reduce(in.data(), 8, DType::F32, RedOp::SUM);
   });
   for (const auto& e : errors) {
-    EXPECT_NE(e.find("mismatched collectives"), std::string::npos) << e;
-    EXPECT_NE(e.find("reduce_scatter of 4 float32 per rank (SUM)"), std::string::npos) << e;
+    EXPECT_THAT(e, HasSubstr("mismatched collectives")) << e;
+    EXPECT_THAT(e, HasSubstr("reduce_scatter of 4 float32 per rank (SUM)")) << e;
   }
 }
 
@@ -330,9 +331,9 @@ TEST(ShmComm, MismatchedShapesFailEveryRankWithBothCalls) {
   });
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   for (const auto& e : errors) {
-    EXPECT_NE(e.find("mismatched collectives"), std::string::npos) << e;
-    EXPECT_NE(e.find("all_reduce of 10 float32 (SUM)"), std::string::npos) << e;
-    EXPECT_NE(e.find("all_reduce of 20 float32 (SUM)"), std::string::npos) << e;
+    EXPECT_THAT(e, HasSubstr("mismatched collectives")) << e;
+    EXPECT_THAT(e, HasSubstr("all_reduce of 10 float32 (SUM)")) << e;
+    EXPECT_THAT(e, HasSubstr("all_reduce of 20 float32 (SUM)")) << e;
   }
 }
 
@@ -344,8 +345,8 @@ TEST(ShmComm, DifferentOperationsAreCaught) {
     else
       c.broadcast(&x, sizeof(x), 0);
   });
-  EXPECT_NE(errors[0].find("broadcast of 4 bytes from rank 0"), std::string::npos) << errors[0];
-  EXPECT_NE(errors[1].find("mismatched collectives"), std::string::npos) << errors[1];
+  EXPECT_THAT(errors[0], HasSubstr("broadcast of 4 bytes from rank 0")) << errors[0];
+  EXPECT_THAT(errors[1], HasSubstr("mismatched collectives")) << errors[1];
 }
 
 TEST(ShmComm, AMissingRankTimesOutNamingIt) {
@@ -360,7 +361,7 @@ TEST(ShmComm, AMissingRankTimesOutNamingIt) {
           timed_out.wait();  // alive but never calls, until rank 0 has given up
       },
       std::chrono::milliseconds(300));
-  EXPECT_NE(errors[0].find("timed out after 300 ms waiting for rank 1"), std::string::npos) << errors[0];
+  EXPECT_THAT(errors[0], HasSubstr("timed out after 300 ms waiting for rank 1")) << errors[0];
   EXPECT_EQ(errors[1], "");
 }
 
@@ -375,8 +376,8 @@ TEST(ShmComm, ADeadRankIsNoticedWithoutWaitingForTheTimeout) {
       },
       std::chrono::seconds(30));
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
-  EXPECT_NE(errors[0].find("rank 1 (pid"), std::string::npos) << errors[0];
-  EXPECT_NE(errors[0].find("exited"), std::string::npos) << errors[0];
+  EXPECT_THAT(errors[0], HasSubstr("rank 1 (pid")) << errors[0];
+  EXPECT_THAT(errors[0], HasSubstr("exited")) << errors[0];
 }
 
 // docs/features.md: "a rank that died is noticed within 50 ms". Rank 1 dies while rank 0 already waits in the
@@ -412,7 +413,7 @@ TEST(ShmComm, ADeadRankIsNoticedWithin50Milliseconds) {
           }
         },
         std::chrono::seconds(30));
-    EXPECT_NE(errors[0].find("exited"), std::string::npos) << errors[0];
+    EXPECT_THAT(errors[0], HasSubstr("exited")) << errors[0];
     ASSERT_TRUE(t[0] > 0 && t[1] > 0) << "rank 1 did not die, or rank 0 did not fail";
     const double ms = (t[1] - t[0]) / 1e6;
     std::printf("trial %d: rank 0 noticed the death after %.2f ms\n", trial, ms);
@@ -430,7 +431,7 @@ TEST(ShmSegment, AttachChecksTheSizeAndUnlinkRemovesTheName) {
     Segment::attach(seg.name(), 3, kSlot);
     ADD_FAILURE() << "attach with the wrong rank count succeeded";
   } catch (const dtrain::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("expected"), std::string::npos) << e.what();
+    EXPECT_THAT(std::string(e.what()), HasSubstr("expected")) << e.what();
   }
   const std::string name = seg.name();
   seg.unlink();

@@ -1,6 +1,7 @@
 // Slurm's host lists and task counts, the port derived from a job id, the rendezvous derived from a
 // job's variables (MASTER_ADDR / MASTER_PORT win), and an srun step as its tasks see it.
 #include "common/slurm.h"
+#include "matchers.h"
 
 #include <map>
 
@@ -55,7 +56,7 @@ TEST(SlurmHostList, MalformedListsNameTheVariableAndTheRemedy) {
   for (const char* bad : {"n[1-3", "n1-3]", "n[[1]]", "n[3-1]", "n[a-b]", "n[1-]", "n[]", "a,,b", "n[1]x]"}) {
     const std::string e = host_error(bad);
     EXPECT_EQ(e.rfind(std::string("LIST='") + bad + "' is not a Slurm host list (", 0), 0u) << e;
-    EXPECT_NE(e.find("): REMEDY"), std::string::npos) << e;
+    EXPECT_THAT(e, HasSubstr("): REMEDY")) << e;
   }
   EXPECT_NE(host_error("n[1-3").find("not closed"), std::string::npos);
   EXPECT_NE(host_error("n[3-1]").find("runs backwards"), std::string::npos);
@@ -85,10 +86,8 @@ TEST(SlurmMaster, DerivedFromTheStepAndSaidSo) {
   ASSERT_TRUE(m);
   EXPECT_EQ(m->host, "n07");
   EXPECT_EQ(m->port, 18456);
-  EXPECT_NE(m->note.find("MASTER_ADDR=n07 (the first host of SLURM_STEP_NODELIST=n[07-08])"), std::string::npos)
-      << m->note;
-  EXPECT_NE(m->note.find("MASTER_PORT=18456 (15000 + the last 4 digits of SLURM_JOB_ID=123456"), std::string::npos)
-      << m->note;
+  EXPECT_THAT(m->note, HasSubstr("MASTER_ADDR=n07 (the first host of SLURM_STEP_NODELIST=n[07-08])")) << m->note;
+  EXPECT_THAT(m->note, HasSubstr("MASTER_PORT=18456 (15000 + the last 4 digits of SLURM_JOB_ID=123456")) << m->note;
 }
 
 TEST(SlurmMaster, ExplicitValuesWin) {
@@ -97,7 +96,7 @@ TEST(SlurmMaster, ExplicitValuesWin) {
   auto m = slurm::master(env_of(vars), "R");
   EXPECT_EQ(m->host, "n07");
   EXPECT_EQ(m->port, 29501);
-  EXPECT_EQ(m->note.find("MASTER_PORT="), std::string::npos) << m->note;
+  EXPECT_THAT(m->note, Not(HasSubstr("MASTER_PORT="))) << m->note;
   vars["MASTER_ADDR"] = "10.1.2.3";
   m = slurm::master(env_of(vars), "R");
   EXPECT_EQ(m->host, "10.1.2.3");
@@ -153,7 +152,7 @@ TEST(SlurmLaunchEnv, SrunRanksWithoutMasterMeetWhereTheJobSays) {
   auto ep = dtrain::comm::master_from_env(env_of(vars), /*under_srun=*/true);
   EXPECT_EQ(ep.host, "n07");
   EXPECT_EQ(ep.port, 18456);
-  EXPECT_NE(ep.note.find("export MASTER_ADDR and MASTER_PORT to choose others"), std::string::npos) << ep.note;
+  EXPECT_THAT(ep.note, HasSubstr("export MASTER_ADDR and MASTER_PORT to choose others")) << ep.note;
   // Other launchers inside a Slurm job (mpirun in a batch script) are not guessed for.
   EXPECT_NE(dtrain_error_of([&] { dtrain::comm::master_from_env(env_of(vars), false); }).find("MASTER_ADDR is not set"),
             std::string::npos);

@@ -20,6 +20,7 @@
 #include "dtrain/summary_writer.h"
 #include "monitor/tensorboard/histogram.h"
 #include "monitor/tensorboard/record.h"
+#include "matchers.h"
 
 namespace tb = dtrain::tensorboard;
 namespace fs = std::filesystem;
@@ -142,7 +143,7 @@ TEST(SummaryWriter, FileNameAndRecords) {
   EXPECT_TRUE(std::regex_match(files[0].filename().string(), name)) << files[0];
   const auto records = read_records(dtrain::util::read_file(files[0].string()));
   ASSERT_EQ(records.size(), 3u);  // file_version, the scalar, the text
-  EXPECT_NE(records[0].find("brain.Event:2"), std::string::npos);
+  EXPECT_THAT(records[0], HasSubstr("brain.Event:2"));
 }
 
 TEST(SummaryWriter, BadInputIsAClearError) {
@@ -152,7 +153,7 @@ TEST(SummaryWriter, BadInputIsAClearError) {
     w.add_histogram("empty", at::zeros({0}));
     FAIL() << "no error";
   } catch (const dtrain::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("tag empty: the tensor has no element"), std::string::npos) << e.what();
+    EXPECT_THAT(std::string(e.what()), HasSubstr("tag empty: the tensor has no element")) << e.what();
   }
   EXPECT_THROW(dtrain::SummaryWriter(dir.path(), dtrain::SummaryWriterOptions().max_queue(0)), dtrain::Error);
 }
@@ -167,8 +168,7 @@ TEST(SummaryWriter, UnwritableFolderWarnsAndTrainingGoesOn) {
     w.flush();
   }
   const std::string err = testing::internal::GetCapturedStderr();
-  EXPECT_NE(err.find("SummaryWriter: cannot create the folder /proc/self/no_such_folder/run"), std::string::npos)
-      << err;
+  EXPECT_THAT(err, HasSubstr("SummaryWriter: cannot create the folder /proc/self/no_such_folder/run")) << err;
   EXPECT_EQ(err.find("SummaryWriter", err.find("SummaryWriter") + 1), std::string::npos) << "warned twice: " << err;
 }
 
@@ -215,7 +215,7 @@ TEST(SummaryWriter, FailedWriteWarnsOnceAndKeepsEarlierRecords) {
   }
   const std::string err = testing::internal::GetCapturedStderr();
   ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old), 0);
-  EXPECT_NE(err.find("SummaryWriter: cannot write"), std::string::npos) << err;
+  EXPECT_THAT(err, HasSubstr("SummaryWriter: cannot write")) << err;
   EXPECT_EQ(err.find("SummaryWriter", err.find("SummaryWriter") + 1), std::string::npos) << "warned twice: " << err;
   const auto files = event_files(dir.path());
   ASSERT_EQ(files.size(), 1u);
@@ -282,6 +282,6 @@ TEST(MonitorTensorBoard, NeedsAnOutputFolder) {
     dtrain::Monitor mon(dtrain::MonitorOptions().tensorboard(true).progress(false));
     FAIL() << "no error";
   } catch (const dtrain::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("tensorboard(true) needs an output_dir"), std::string::npos) << e.what();
+    EXPECT_THAT(std::string(e.what()), HasSubstr("tensorboard(true) needs an output_dir")) << e.what();
   }
 }
