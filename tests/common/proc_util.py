@@ -6,6 +6,30 @@ import socket
 import struct
 import time
 
+# Variables a launcher may have put in the tests' own environment (a suite run under srun, mpirun or
+# torchrun): every test controls them explicitly, so clean_env() drops them.
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID")
+_LAUNCH_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "SLURM_", "DTRAIN_", "TORCHELASTIC_")
+
+
+def clean_env(omp_threads="1", **extra):
+    """os.environ without any launcher variables (nor DTRAIN_*), with OMP_NUM_THREADS=omp_threads
+    (None: unset, for a test of what the launcher itself sets), plus `extra` (a None value deletes).
+    The one rule both suites use: tests/dist starts ranks with one thread each, tests/launcher starts
+    dtrain-run."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCH_VARS and not k.startswith(_LAUNCH_PREFIXES)}
+    env.pop("OMP_NUM_THREADS", None)
+    if omp_threads is not None:
+        env["OMP_NUM_THREADS"] = str(omp_threads)
+    for k, v in extra.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = str(v)
+    return env
+
 
 def free_port():
     """A TCP port on 127.0.0.1 that was free a moment ago (bind port 0, read it, close; a tiny race,

@@ -26,20 +26,14 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
 # Re-exported to the dist tests.
-from proc_util import (alive, children, free_port, free_slurm_job_id, slurm_job_port,  # noqa: E402
-                       wait_until)
+from proc_util import (alive, children, clean_env, free_port, free_slurm_job_id,  # noqa: E402
+                       slurm_job_port, wait_until)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 # Seconds any single process may run before the harness kills it (a hang is a failure, never a stall).
 PROC_TIMEOUT_S = 60
-
-# Variables a launcher may have put in our own environment: a test controls them all explicitly.
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID")
-_LAUNCH_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "SLURM_", "DTRAIN_", "TORCHELASTIC_")
-
 
 def binary(var, name):
     """Path of a built program: $var, else build*/bin/<name> under the repository; None if absent.
@@ -76,19 +70,6 @@ def launcher():
         raise unittest.SkipTest("dtrain-run is not built (tools/dtrain-run; or set DTRAIN_RUN): "
                                 "the tests that run the launcher are skipped")
     return path
-
-
-def clean_env(**extra):
-    """os.environ without any launcher variables, one thread per rank, plus `extra` (None deletes)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCH_VARS and not k.startswith(_LAUNCH_PREFIXES)}
-    env["OMP_NUM_THREADS"] = "1"
-    for k, v in extra.items():
-        if v is None:
-            env.pop(k, None)
-        else:
-            env[k] = str(v)
-    return env
 
 
 def rank_env(rank, world, port, addr="127.0.0.1", **extra):

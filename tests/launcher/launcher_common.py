@@ -14,6 +14,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+import proc_util  # noqa: E402
 from proc_util import alive, free_port, free_slurm_job_id, slurm_job_port, wait_until  # noqa: E402  (re-exported)
 
 DTRAIN_RUN = os.environ.get("DTRAIN_RUN", "")
@@ -30,13 +31,9 @@ def require_launcher(test):
 
 
 def clean_env(**extra):
-    """The test's environment without variables the launcher sets or reads (a suite run by srun would
-    make every launcher one node of its step), plus `extra`."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-           and not k.startswith("SLURM_")}
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    """proc_util.clean_env's environment (no launcher variables) without OMP_NUM_THREADS, which the
+    launcher itself sets for its workers, plus `extra`."""
+    return proc_util.clean_env(omp_threads=None, **extra)
 
 
 def run(args, env=None, timeout=TIMEOUT, **kw):
