@@ -12,6 +12,8 @@
 //   rows; group rank r holds chunk r (the last ranks fewer rows, or none). The module's parameters
 //   are these local shards (the same tensors as before, resized), so an optimizer built on them
 //   holds state for the shard only; so does one built before fully_shard that has not stepped yet.
+//   A parameter that already has a gradient (backward ran before fully_shard, and an optimizer may
+//   hold state of its whole shape) is refused, naming it.
 // - A unit's parameters are whole only while the unit runs: its forward all-gathers them first
 //   (prefetched one unit ahead from the second iteration on) and, with reshard_after_forward, frees
 //   them after; backward gathers them again and reduce-scatters the gradients, averaged over the

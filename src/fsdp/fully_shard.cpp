@@ -77,6 +77,12 @@ std::vector<std::pair<std::string, at::Tensor>> parameters_to_shard(const std::s
                  "under one name only");
     DTRAIN_CHECK(at::isFloatingType(t.scalar_type()), "fully_shard(", describe(*module), "): parameter '", name,
                  "' is ", t.scalar_type(), ": only floating-point parameters can be sharded (make it a buffer)");
+    // A gradient means backward ran on the whole parameter, and an optimizer may have stepped on it:
+    // its state then has the whole shape, which no shard matches (torch fails later, far from here).
+    DTRAIN_CHECK(!t.grad().defined(), "fully_shard(", describe(*module), "): parameter '", name,
+                 "' already has a gradient: shard the model before its first backward and build the optimizer "
+                 "after fully_shard (one that stepped holds state of the whole shape); if none stepped, clear "
+                 "the gradients first (optimizer.zero_grad() with set_to_none)");
     if (!out.empty()) {
       const at::Tensor& first = out.front().second;
       DTRAIN_CHECK(first.scalar_type() == t.scalar_type() && first.device() == t.device(), "fully_shard(",

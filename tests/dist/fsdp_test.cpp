@@ -1,7 +1,8 @@
 // fully_shard on 2, 3 and 4 real processes, against one process training the whole batch in float64:
 // shards laid out as FSDP2's, parameters within 1e-10 after 20 steps (SGD with momentum and Adam,
 // ZeRO-3 and ZeRO-2), gradient accumulation without sync against the large batch, clip_grad_norm_
-// over shards against torch's on the whole model, a bf16 param dtype against float32, parameters
+// over shards against torch's on the whole model, bf16 and fp16 param dtypes against one process
+// computing in them, sharding over a subgroup, parameters
 // whole only while their unit runs, and the bad inputs named in one line on every rank.
 #include <torch/nn/modules/linear.h>  // (clip_grad.h needs what it includes)
 #include <torch/nn/utils/clip_grad.h>
@@ -10,9 +11,11 @@
 
 #include <unistd.h>
 
+#include <exception>
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dist_main.h"
 #include "dtrain/checkpoint.h"
@@ -199,19 +202,21 @@ TEST(FullyShard, ClipGradNormOverShardsEqualsTorchsOnTheWholeModel) {
   EXPECT_LT(max_rel_diff(pair.fsdp.full_state_dict(), *pair.ref), 1e-10);
 }
 
-TEST(FullyShard, Bf16ParamDtypeEqualsOneProcessComputingInBf16) {
-  // The reference: float32 master weights, copied into a bf16 model for each forward and backward,
-  // whose gradients update the master in float32 (what MixedPrecisionPolicy means). The only
-  // difference left is where bf16 sums the batch (per rank, then a float32 average, against the
-  // whole batch at once), so the check is relative to how far training moved each parameter.
+// A low param dtype (bf16, fp16) against one process computing in it.
+static void expect_low_param_dtype_equals_one_process(at::ScalarType low_dtype) {
+  // The reference: float32 master weights, copied into a low-precision model for each forward and
+  // backward, whose gradients update the master in float32 (what MixedPrecisionPolicy means). The
+  // only difference left is where the low dtype sums the batch (per rank, then a float32 average,
+  // against the whole batch at once), so the check is relative to how far training moved each
+  // parameter.
   Net master = fsdp_models::make_net(), low = fsdp_models::make_net(), net = fsdp_models::make_net();
   master->to(at::kFloat);
-  low->to(at::kBFloat16);
+  low->to(low_dtype);
   net->to(at::kFloat);
   std::vector<at::Tensor> start;
   for (const auto& p : master->parameters()) start.push_back(p.detach().clone());
   auto fsdp = fsdp_models::shard(
-      net, FullyShardOptions().mp_policy(MixedPrecisionPolicy().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)));
+      net, FullyShardOptions().mp_policy(MixedPrecisionPolicy().param_dtype(low_dtype).reduce_dtype(at::kFloat)));
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.5));
   torch::optim::SGD ref_opt(master->parameters(), torch::optim::SGDOptions(0.5));
   for (int s = 0; s < 10; ++s) {
@@ -222,7 +227,7 @@ TEST(FullyShard, Bf16ParamDtypeEqualsOneProcessComputingInBf16) {
       for (size_t i = 0; i < mp.size(); ++i) lp[i].copy_(mp[i]);
     }
     low->zero_grad();
-    (low->forward(x.to(at::kBFloat16)).to(at::kFloat) - y.to(at::kFloat)).pow(2).mean().backward();
+    (low->forward(x.to(low_dtype)).to(at::kFloat) - y.to(at::kFloat)).pow(2).mean().backward();
     {
       auto mp = master->parameters(), lp = low->parameters();
       for (size_t i = 0; i < mp.size(); ++i)
@@ -231,8 +236,8 @@ TEST(FullyShard, Bf16ParamDtypeEqualsOneProcessComputingInBf16) {
     ref_opt.step();
     fsdp_models::keep_this_ranks_part(x, y);
     opt.zero_grad();
-    at::Tensor out = fsdp(x.to(at::kBFloat16));
-    EXPECT_EQ(out.scalar_type(), at::kBFloat16) << "computed in the param dtype";
+    at::Tensor out = fsdp(x.to(low_dtype));
+    EXPECT_EQ(out.scalar_type(), low_dtype) << "computed in the param dtype";
     (out.to(at::kFloat) - y.to(at::kFloat)).pow(2).mean().backward();
     opt.step();
   }
@@ -252,8 +257,54 @@ TEST(FullyShard, Bf16ParamDtypeEqualsOneProcessComputingInBf16) {
       continue;
     }
     const double diff = (whole[i].second - r).abs().max().item<double>() / moved;
-    EXPECT_LT(diff, 0.05) << whole[i].first << ": moved " << moved << "; bf16 sums over other batch splits";
+    EXPECT_LT(diff, 0.05) << whole[i].first << ": moved " << moved << "; the low dtype sums over other batch splits";
   }
+}
+
+TEST(FullyShard, Bf16ParamDtypeEqualsOneProcessComputingInBf16) {
+  expect_low_param_dtype_equals_one_process(at::kBFloat16);
+}
+
+TEST(FullyShard, Fp16ParamDtypeEqualsOneProcessComputingInFp16) {
+  try {
+    (void)at::mm(at::ones({2, 2}, at::kHalf), at::ones({2, 2}, at::kHalf));
+  } catch (const std::exception&) {
+    GTEST_SKIP() << "this LibTorch has no float16 matrix product on the CPU";
+  }
+  expect_low_param_dtype_equals_one_process(at::kHalf);
+}
+
+// The world split in two subgroups, the first ranks and the last one, each sharding its own model
+// over its own ranks and training on the whole batch split among them: nothing may assume the
+// world group.
+TEST(FullyShard, OnASubgroupEqualsOneProcess) {
+  const int n = world_size();
+  std::vector<int> first, last{n - 1};
+  for (int r = 0; r + 1 < n; ++r) first.push_back(r);
+  const Group a = new_group(first), b = new_group(last);  // every rank creates both, in this order
+  const Group& mine = rank() < n - 1 ? a : b;
+  Net net = fsdp_models::make_net(), ref = fsdp_models::make_net();
+  std::map<std::string, at::Tensor> whole;
+  for (const auto& kv : net->named_parameters()) whole[kv.key()] = kv.value().detach().clone();
+  auto fsdp = fsdp_models::shard(net, FullyShardOptions().process_group(mine));
+  for (const auto& kv : net->named_parameters()) {
+    auto chunks = whole.at(kv.key()).chunk(mine.size(), 0);
+    const int64_t rows = mine.rank() < static_cast<int>(chunks.size()) ? chunks[mine.rank()].size(0) : 0;
+    EXPECT_EQ(kv.value().size(0), rows) << kv.key() << ": sharded over the subgroup of " << mine.size();
+  }
+  auto opt = make_optimizer("adam", net->parameters()), ref_opt = make_optimizer("adam", ref->parameters());
+  for (int s = 0; s < 10; ++s) {
+    auto [x, y] = fsdp_models::batch(s);
+    ref_opt->zero_grad();
+    (ref->forward(x) - y).pow(2).mean().backward();
+    ref_opt->step();
+    x = x.chunk(mine.size())[mine.rank()];
+    y = y.chunk(mine.size())[mine.rank()];
+    opt->zero_grad();
+    (fsdp(x) - y).pow(2).mean().backward();
+    opt->step();
+  }
+  EXPECT_LT(max_rel_diff(fsdp.full_state_dict(), *ref), 1e-10) << "a subgroup of " << mine.size() << " ranks";
 }
 
 TEST(FullyShard, BadInputIsNamedInOneLine) {
@@ -276,6 +327,14 @@ TEST(FullyShard, BadInputIsNamedInOneLine) {
     auto w = tied->register_parameter("w", torch::randn({4, 4}));
     tied->register_parameter("w_again", w);
     expect_error([&] { dtrain::fully_shard(tied); }, "'w' and 'w_again' are the same tensor");
+  }
+  {
+    // Trained (and an optimizer stepped) before fully_shard: its state has the whole shapes.
+    auto trained = std::make_shared<torch::nn::LinearImpl>(4, 4);
+    torch::optim::SGD opt(trained->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    trained->forward(torch::ones({2, 4})).sum().backward();
+    opt.step();
+    expect_error([&] { dtrain::fully_shard(trained); }, "parameter 'weight' already has a gradient");
   }
   {
     auto ints = std::make_shared<torch::nn::Module>("Ints");
