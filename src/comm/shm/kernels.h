@@ -34,8 +34,8 @@ void divide(void* out, const void* a, size_t count, DType t, double divisor);
 // (streaming) stores, block by block. `out` may alias a or b; `shared` may alias a. Meant for a result
 // that another process reads from shared memory: streamed lines go to memory instead of staying
 // modified in this core's cache, and the reader then fetches them from memory rather than from this
-// core, which on the machines measured here made the 2-rank all-reduce about twice as fast at every
-// size from 64 KB to 64 MB (docs/benchmarks.md, shared-memory all-reduce). Ends with a store fence, so a
+// core, which is faster at every size (the numbers: docs/benchmarks.md, shared-memory all-reduce).
+// Ends with a store fence, so a
 // release store that follows publishes the values.
 void combine_streaming(void* out, void* shared, const void* a, const void* b, size_t count, DType t, RedOp op,
                        const Divided* divided = nullptr);
