@@ -14,9 +14,11 @@ class RestartTest(MarkedTestCase):
     tmp_prefix = "dtrain_restart_"
 
     def test_restarts_until_an_attempt_succeeds(self):
-        # Attempts 0 and 1: rank 1 fails; attempt 2 succeeds. Every worker records its attempt.
+        # Attempts 0 and 1: rank 1 fails; attempt 2 succeeds. Every worker records its attempt; rank 1
+        # fails only once rank 0 has written its line, or the launcher could stop rank 0 before it did.
         script = (f'echo "$RANK $DTRAIN_RESTART_COUNT $TORCHELASTIC_RESTART_COUNT" >> {self.tmp}/seen; '
-                  f'if [ "$RANK" = 1 ] && [ "$DTRAIN_RESTART_COUNT" -lt 2 ]; then exit 7; fi; '
+                  f'if [ "$RANK" = 1 ] && [ "$DTRAIN_RESTART_COUNT" -lt 2 ]; then '
+                  f'while ! grep -q "^0 $DTRAIN_RESTART_COUNT " {self.tmp}/seen; do sleep 0.01; done; exit 7; fi; '
                   f'if [ "$RANK" = 0 ] && [ "$DTRAIN_RESTART_COUNT" -lt 2 ]; then exec {PY} -c "import time; time.sleep(30)" {self.marker}; fi')
         r = run(["--standalone", "--nproc_per_node", 2, "--max_restarts", 3, "--grace_period", 1,
                  "--log_dir", self.tmp + "/logs", "sh", "-c", script])
