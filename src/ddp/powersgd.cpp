@@ -22,7 +22,6 @@
 // Orthogonalization: Gram-Schmidt (with orthogonalization_epsilon) for r <= 2 and half types, else QR.
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <map>
 #include <random>
 #include <tuple>
@@ -189,7 +188,7 @@ struct HookStart {
 
 // Step 1, then step 2's error memory: the one this bucket kept, or new zeros of `error_numel`
 // elements (the bucket's, or the batched hook's padded square).
-HookStart begin_hook(PowerSGDState& state, GradBucket& bucket, const std::function<int64_t(int64_t)>& error_numel) {
+HookStart begin_hook(PowerSGDState& state, GradBucket& bucket, int64_t error_numel) {
   HookStart h;
   h.impl = state.impl();
   auto& s = *h.impl;
@@ -205,8 +204,7 @@ HookStart begin_hook(PowerSGDState& state, GradBucket& bucket, const std::functi
   if (s.options.use_error_feedback()) {
     auto it = s.error.find(h.index);
     h.add_error = it != s.error.end();
-    h.error =
-        h.add_error ? it->second : (s.error[h.index] = at::zeros({error_numel(h.input.numel())}, h.input.options()));
+    h.error = h.add_error ? it->second : (s.error[h.index] = at::zeros({error_numel}, h.input.options()));
   }
   return h;
 }
@@ -298,7 +296,7 @@ Batches batch_by_shape(const PowerSGDOptions& o, Classified& c, bool add_error, 
 }  // namespace
 
 Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
-  HookStart h = begin_hook(state, bucket, [](int64_t numel) { return numel; });
+  HookStart h = begin_hook(state, bucket, bucket.buffer().numel());
   if (h.warmup.valid()) return h.warmup;
   std::shared_ptr<PowerSGDState::Impl> impl = h.impl;
   auto& s = *impl;
@@ -388,11 +386,10 @@ Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
 }
 
 Future batched_powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
-  auto padded_square = [](int64_t numel) {
-    const auto side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(numel))));
-    return side * side;
-  };
-  HookStart h = begin_hook(state, bucket, padded_square);
+  // PyTorch's square: side x side >= the bucket's elements, zero-padded.
+  const int64_t total = bucket.buffer().numel();
+  const int64_t side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(total))));
+  HookStart h = begin_hook(state, bucket, side * side);
   if (h.warmup.valid()) return h.warmup;
   std::shared_ptr<PowerSGDState::Impl> impl = h.impl;
   auto& s = *impl;
@@ -402,8 +399,6 @@ Future batched_powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
   const bool is_last = h.is_last;
   const int index = h.index;
   at::NoGradGuard ng;
-  const int64_t total = input.numel();
-  const int64_t side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(total))));
   const int64_t r = s.options.matrix_approximation_rank();
   s.numel_before += total;
   s.numel_after += side * r * 2;
