@@ -129,11 +129,13 @@ class MultiNodeTest(MarkedTestCase):
 
     def test_restart_on_two_nodes(self):
         # Attempt 0: rank 1 (node 1) fails while rank 0 (node 0) runs; node 0 stops, both nodes agree
-        # and restart together; attempt 1 succeeds everywhere.
+        # and restart together; attempt 1 succeeds everywhere. Rank 1 fails only once rank 0 has written
+        # its line (a fixed sleep raced under load: node 0 could be stopped before its shell wrote).
         seen = os.path.join(self.tmp, "seen")
         script = (f'echo "$RANK $DTRAIN_RESTART_COUNT" >> {seen}; '
                   f'if [ "$DTRAIN_RESTART_COUNT" = 0 ]; then '
-                  f'if [ "$RANK" = 1 ]; then sleep 0.5; exit 5; fi; exec {PY} -c "import time; time.sleep(60)" {self.marker}; fi')
+                  f'if [ "$RANK" = 1 ]; then while ! grep -q "^0 0$" {seen}; do sleep 0.01; done; exit 5; fi; '
+                  f'exec {PY} -c "import time; time.sleep(60)" {self.marker}; fi')
         (rc0, _, err0), (rc1, _, err1) = self.two_nodes_with_restarts(2, script)
         self.assertEqual((rc0, rc1), (0, 0), err0 + err1)
         for err in (err0, err1):
