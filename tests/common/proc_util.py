@@ -2,8 +2,10 @@
 import fcntl
 import os
 import random
+import signal
 import socket
 import struct
+import subprocess
 import time
 
 # Variables a launcher may have put in the tests' own environment (a suite run under srun, mpirun or
@@ -118,3 +120,21 @@ def children(pid):
             if st and st[1] == pid and st[0] != "Z":
                 out.append(int(d))
     return sorted(out)
+
+
+# One kill rule for both suites: every process a test starts runs in its own session, and a process
+# past its timeout is SIGKILLed with that whole session (a launcher's workers too, marked or not), and
+# its output says so.
+def kill_session(p):
+    """SIGKILL the session of Popen `p` (started with start_new_session=True), even after it exited."""
+    p.poll()
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    p.wait()
+
+
+def timeout_note(timeout):
+    """The line a killed process's stderr ends with."""
+    return f"\n[harness] killed after {timeout:.0f} s timeout\n"

@@ -16,7 +16,6 @@ Run one file by hand:  cd tests/dist && HELLO=../../build/bin/hello_distributed 
 """
 import glob
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
 # Re-exported to the dist tests.
 from proc_util import (alive, children, clean_env, free_port, free_slurm_job_id,  # noqa: E402
-                       slurm_job_port, wait_until)
+                       kill_session, slurm_job_port, timeout_note, wait_until)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -103,12 +102,7 @@ class Proc:
 
     def kill(self):
         """SIGKILL the process's whole session (a launcher's workers too), even after it exited."""
-        self.p.poll()
-        try:
-            os.killpg(self.p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.p.wait()
+        kill_session(self.p)
 
     def close(self):
         self.kill()
@@ -133,8 +127,7 @@ class Proc:
             self.p.wait(timeout=max(0.1, timeout))
         except subprocess.TimeoutExpired:
             self.kill()
-            self.p.wait()
-            note = f"\n[harness] killed after {timeout:.0f} s timeout\n"
+            note = timeout_note(timeout)
         out, err = self.read(self._out), self.read(self._err) + note
         return Result(self.argv, self.p.returncode, out, err, time.monotonic() - self.start)
 

@@ -43,20 +43,23 @@ def run(args, env=None, timeout=TIMEOUT, **kw):
 
 
 def start(args, env=None, **kw):
-    """Starts dtrain-run in the background (caller must wait/kill it)."""
+    """Starts dtrain-run in the background, in its own session (caller must finish or kill it)."""
+    kw.setdefault("start_new_session", True)
     return subprocess.Popen([DTRAIN_RUN] + [str(a) for a in args], env=env or clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
 def finish(*procs, timeout=40):
-    """Waits for every launcher; kills leftovers. Returns [(rc, out, err)]."""
+    """Waits for every launcher; one still running at `timeout` is killed with its whole session (its
+    workers too), and its stderr says so. Returns [(rc, out, err)]."""
     results = []
     for p in procs:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            p.kill()
+            proc_util.kill_session(p)
             out, err = p.communicate()
+            err += proc_util.timeout_note(timeout)
         results.append((p.returncode, out, err))
     return results
 
