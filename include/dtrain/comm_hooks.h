@@ -102,6 +102,8 @@ class GradBucket {
 using CommHook = std::function<Future(GradBucket&)>;
 
 namespace detail {
+struct PowerSGDStateImpl;  // the memories, the generator and the pipeline (the library's own)
+struct PowerSGDAccess;     // the hooks' way to a PowerSGDState's PowerSGDStateImpl
 template <typename T>
 T& comm_hook_state(T& s) {
   return s;
@@ -200,11 +202,9 @@ class PowerSGDState {
   };
   CompressionStats compression_stats() const;
 
-  struct Impl;
-  const std::shared_ptr<Impl>& impl() const { return impl_; }
-
  private:
-  std::shared_ptr<Impl> impl_;
+  friend struct detail::PowerSGDAccess;
+  std::shared_ptr<detail::PowerSGDStateImpl> impl_;
 };
 
 // Layer-wise PowerSGD: each gradient of a bucket viewed as a matrix (first dimension x the rest) and

@@ -49,14 +49,15 @@ struct DataParallelOptions {
   DTRAIN_ARG(int64_t, dim, 0)
 };
 
-namespace dp {
+namespace detail {
 
-// The non-template core (src/parallel/data_parallel.cpp).
-class Core {
+// Not API: DataParallel's non-template core (src/parallel/data_parallel.cpp), here only because the
+// class template calls it.
+class DataParallelCore {
  public:
   using Factory = std::function<std::shared_ptr<torch::nn::Module>()>;
-  Core(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options, Factory factory);
-  ~Core();
+  DataParallelCore(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options, Factory factory);
+  ~DataParallelCore();
   // Steps 1-2: chunks of every tensor argument, per replica; returns the number of replicas used.
   size_t prepare(const std::vector<at::Tensor>& inputs, std::vector<std::vector<at::Tensor>>& chunks);
   // Step 3: runs fn(replica_index) for each used replica, in parallel; rethrows the first failure.
@@ -85,7 +86,7 @@ struct ScatterArg<at::Tensor> {
   static void collect(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
 };
 
-}  // namespace dp
+}  // namespace detail
 
 template <typename ModuleType>
 class DataParallel {
@@ -93,7 +94,8 @@ class DataParallel {
   using Factory = std::function<std::shared_ptr<ModuleType>()>;
 
   DataParallel(std::shared_ptr<ModuleType> module, DataParallelOptions options, Factory factory = nullptr)
-      : module_(std::move(module)), core_(std::make_unique<dp::Core>(module_, std::move(options), wrap(factory))) {
+      : module_(std::move(module)),
+        core_(std::make_unique<detail::DataParallelCore>(module_, std::move(options), wrap(factory))) {
     // Module is a virtual base of Cloneable modules: the typed handles need a dynamic cast, once.
     for (size_t i = 0; i < core_->num_replicas(); ++i)
       replicas_.push_back(std::dynamic_pointer_cast<ModuleType>(core_->replica(i)));
@@ -105,13 +107,13 @@ class DataParallel {
   template <typename... Args>
   at::Tensor forward(const Args&... args) {
     std::vector<at::Tensor> tensors;
-    (dp::ScatterArg<std::decay_t<Args>>::collect(args, tensors), ...);
+    (detail::ScatterArg<std::decay_t<Args>>::collect(args, tensors), ...);
     std::vector<std::vector<at::Tensor>> chunks;  // chunks[replica][tensor argument]
     const size_t n = core_->prepare(tensors, chunks);
     std::vector<at::Tensor> outputs(n);
     core_->run_parallel(n, [&](size_t i) {
       size_t next = 0;
-      outputs[i] = replicas_[i]->forward(dp::ScatterArg<std::decay_t<Args>>::pick(args, chunks[i], next)...);
+      outputs[i] = replicas_[i]->forward(detail::ScatterArg<std::decay_t<Args>>::pick(args, chunks[i], next)...);
     });
     return core_->gather(outputs);
   }
@@ -126,12 +128,12 @@ class DataParallel {
   size_t num_replicas() const { return core_->num_replicas(); }
 
  private:
-  static dp::Core::Factory wrap(const Factory& f) {
+  static detail::DataParallelCore::Factory wrap(const Factory& f) {
     if (!f) return nullptr;
     return [f]() -> std::shared_ptr<torch::nn::Module> { return f(); };
   }
   std::shared_ptr<ModuleType> module_;
-  std::unique_ptr<dp::Core> core_;
+  std::unique_ptr<detail::DataParallelCore> core_;
   std::vector<std::shared_ptr<ModuleType>> replicas_;
 };
 

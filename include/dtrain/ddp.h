@@ -87,13 +87,17 @@ struct DDPEvent {
 // Called for every DDPEvent as it is recorded, on the thread that runs backward. Keep it cheap.
 using DDPEventHook = std::function<void(const DDPEvent&)>;
 
-namespace ddp {
+template <typename ModuleType>
+class DistributedDataParallel;
 
-// The non-template core: buckets, hooks and collectives (src/ddp/).
-class Core {
+namespace detail {
+
+// Not API: DistributedDataParallel's non-template core (buckets, hooks and collectives, src/ddp/),
+// here only because the class template calls it.
+class DDPCore {
  public:
-  Core(std::shared_ptr<torch::nn::Module> module, DDPOptions options);
-  ~Core();
+  DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions options);
+  ~DDPCore();
   // self: the DistributedDataParallel around this core, as a Join knows it (null: no Join, e.g. a
   // pipeline's replicas).
   void pre_forward(Joinable* self = nullptr);
@@ -109,22 +113,18 @@ class Core {
   // The shadow of a forward and backward for a rank that has joined (end of src/ddp/core.cpp).
   std::unique_ptr<JoinHook> join_hook(const JoinOptions& options, bool is_first_joinable);
 
-  struct Impl;
+  struct Impl;  // src/ddp/core.cpp (its join hook reaches it too)
 
  private:
   std::unique_ptr<Impl> impl_;
 };
 
-// Tensors inside a forward's result, for the unused-parameter search.
-using detail::collect_tensors;
-
-}  // namespace ddp
+}  // namespace detail
 
 // RAII scope from DistributedDataParallel::no_sync(): backward passes inside accumulate gradients
 // locally; the first synchronized backward after it all-reduces the accumulated sum.
 class NoSyncGuard {
  public:
-  explicit NoSyncGuard(ddp::Core* core) : core_(core), prev_(core->sync()) { core_->set_sync(false); }
   ~NoSyncGuard() {
     if (core_) core_->set_sync(prev_);
   }
@@ -134,7 +134,10 @@ class NoSyncGuard {
   NoSyncGuard& operator=(NoSyncGuard&&) = delete;
 
  private:
-  ddp::Core* core_;
+  template <typename ModuleType>
+  friend class DistributedDataParallel;
+  explicit NoSyncGuard(detail::DDPCore* core) : core_(core), prev_(core->sync()) { core_->set_sync(false); }
+  detail::DDPCore* core_;
   bool prev_;
 };
 
@@ -146,7 +149,7 @@ template <typename ModuleType>
 class DistributedDataParallel : public Joinable {
  public:
   explicit DistributedDataParallel(std::shared_ptr<ModuleType> module, DDPOptions options = DDPOptions())
-      : module_(std::move(module)), core_(std::make_unique<ddp::Core>(module_, std::move(options))) {}
+      : module_(std::move(module)), core_(std::make_unique<detail::DDPCore>(module_, std::move(options))) {}
   explicit DistributedDataParallel(torch::nn::ModuleHolder<ModuleType> holder, DDPOptions options = DDPOptions())
       : DistributedDataParallel(holder.ptr(), std::move(options)) {}
 
@@ -156,7 +159,7 @@ class DistributedDataParallel : public Joinable {
     core_->pre_forward(this);
     auto out = module_->forward(std::forward<Args>(args)...);
     std::vector<at::Tensor> tensors;
-    ddp::collect_tensors(out, tensors);
+    detail::collect_tensors(out, tensors);
     core_->post_forward(tensors);
     return out;
   }
@@ -202,7 +205,7 @@ class DistributedDataParallel : public Joinable {
 
  private:
   std::shared_ptr<ModuleType> module_;
-  std::unique_ptr<ddp::Core> core_;
+  std::unique_ptr<detail::DDPCore> core_;
 };
 
 template <typename M>

@@ -34,6 +34,10 @@ class Work;
 }  // namespace c10d
 
 namespace dtrain {
+namespace detail {
+struct GroupImpl;    // a group's backend, ranks and counters (the library's own)
+struct GroupAccess;  // the library's way to build a Group and to reach its GroupImpl
+}  // namespace detail
 
 // PyTorch's default process-group timeout: 30 minutes.
 constexpr std::chrono::milliseconds kDefaultTimeout = std::chrono::minutes(30);
@@ -108,12 +112,10 @@ class Group {
   // Note [Group-agreed ids]). Each member calls it once per such object; throws for non-members.
   int64_t next_object_index() const;
 
-  struct Impl;
-  explicit Group(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
-  const Impl& impl() const;
-
  private:
-  std::shared_ptr<Impl> impl_;
+  friend struct detail::GroupAccess;
+  explicit Group(std::shared_ptr<detail::GroupImpl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<detail::GroupImpl> impl_;  // null: the default group
 };
 
 // Note [Group-agreed ids]: an object that a group's members construct together (a

@@ -45,14 +45,14 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   return c10d::ReduceOp::SUM;
 }
 
-const Group::Impl& member_group(const Group& group, const char* op) {
+const detail::GroupImpl& member_group(const Group& group, const char* op) {
   const auto& g = resolve(group);
   DTRAIN_CHECK(g.rank >= 0, "rank ", comm::world_state().rank, ": ", op, " on group '", g.name,
                "', which this rank is not a member of: call it only on the group's ranks");
   return g;
 }
 
-int group_rank(const Group::Impl& g, int global, const char* role, const char* op) {
+int group_rank(const detail::GroupImpl& g, int global, const char* role, const char* op) {
   auto it = g.group_rank_of.find(global);
   DTRAIN_CHECK(it != g.group_rank_of.end(), op, ": ", role, "=", global, " is not a member of group '", g.name, "' (",
                g.ranks.size(), " ranks): use a global rank that belongs to the group");
@@ -61,7 +61,7 @@ int group_rank(const Group::Impl& g, int global, const char* role, const char* o
 
 // "rank 1: all_reduce on group 'default' (gloo, ranks [0, 1], timeout 5 s)": a failure or a timeout
 // names the operation, the ranks that had to take part and the timeout (Note [collective timeouts]).
-std::string what(const Group::Impl& g, const char* op) {
+std::string what(const detail::GroupImpl& g, const char* op) {
   std::string ranks = "[";
   for (size_t i = 0; i < g.ranks.size(); ++i) {
     if (g.ranks.size() > 8 && i == 6) {
@@ -87,7 +87,7 @@ void check_avg(ReduceOp op, const at::Tensor& t, const char* name) {
 // DETAIL check and before anything is sent: the answer depends only on the arguments every rank
 // passes alike, so every rank rejects it and the group stays usable (Note [Broken groups] in
 // comm/shm/shm_process_group.cpp for what happens to a call that fails later).
-void check_supported(const Group::Impl& g, const char* op, c10d::OpType type, const at::Tensor& t,
+void check_supported(const detail::GroupImpl& g, const char* op, c10d::OpType type, const at::Tensor& t,
                      ReduceOp rop = ReduceOp::SUM) {
   const std::string why = comm::unsupported(g.pg, type, t, to_c10d(rop));
   if (!why.empty()) throw Error(what(g, op) + " cannot run: " + why);
@@ -96,7 +96,7 @@ void check_supported(const Group::Impl& g, const char* op, c10d::OpType type, co
 // DTRAIN_DEBUG=DETAIL: every member describes its call and the descriptions must agree
 // (src/comm/debug_check.h). `parts` are the arguments every rank passes alike.
 template <typename... Parts>
-void check_call(const Group::Impl& g, const char* op, const Parts&... parts) {
+void check_call(const detail::GroupImpl& g, const char* op, const Parts&... parts) {
   if (!comm::detail_checks_on()) return;
   std::string desc = op;
   desc += "(";
@@ -391,7 +391,7 @@ namespace {
 
 // gather's and scatter's list: one tensor per rank on the root (in c10d's nested form), empty
 // elsewhere. role, root_name, root: "destination", "dst" and its value (or source/src) for the error.
-std::vector<std::vector<at::Tensor>> root_only_list(const Group::Impl& g, int root_in_group,
+std::vector<std::vector<at::Tensor>> root_only_list(const detail::GroupImpl& g, int root_in_group,
                                                     std::vector<at::Tensor>& list, const at::Tensor& like,
                                                     const char* op, const char* list_name, const char* role,
                                                     const char* root_name, int root) {

@@ -68,7 +68,7 @@ std::string describe(const at::Tensor& t) {
   return os.str();
 }
 
-void check_same_call(const Group::Impl& g, const std::string& desc) {
+void check_same_call(const detail::GroupImpl& g, const std::string& desc) {
   const size_t n = g.ranks.size();
   if (n < 2) return;
   auto& st = world_state();

@@ -29,7 +29,7 @@ bool detail_checks_on();
 // "float[4, 2]"
 std::string describe(const at::Tensor& t);
 // Steps 1-4 for the call `desc` on group g (the caller is a member). Throws dtrain::Error on a mismatch.
-void check_same_call(const Group::Impl& g, const std::string& desc);
+void check_same_call(const detail::GroupImpl& g, const std::string& desc);
 // init_process_group: reads $DTRAIN_DEBUG unless set_debug_level was called; throws on a bad value.
 void init_debug_level();
 

@@ -144,11 +144,13 @@ WorldState& world_state() {
   return *g_state;
 }
 
-const Group::Impl& resolve(const Group& group) { return group.is_default() ? *world_state().world : group.impl(); }
+const detail::GroupImpl& resolve(const Group& group) {
+  return group.is_default() ? *world_state().world : detail::GroupAccess::impl(group);
+}
 
-std::shared_ptr<Group::Impl> make_group(WorldState& st, const std::string& name, std::vector<int> ranks,
-                                        std::chrono::milliseconds timeout) {
-  auto g = std::make_shared<Group::Impl>();
+std::shared_ptr<detail::GroupImpl> make_group(WorldState& st, const std::string& name, std::vector<int> ranks,
+                                              std::chrono::milliseconds timeout) {
+  auto g = std::make_shared<detail::GroupImpl>();
   g->name = name;
   g->backend = st.backend;
   g->ranks = std::move(ranks);
@@ -290,7 +292,7 @@ Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds>
                          detail::cat("rank ", st.rank, ": new_group '", name, "'"),
                          "every rank must call new_group with the same ranks in the same order");
   }
-  return Group(std::move(g));
+  return detail::GroupAccess::make(std::move(g));
 }
 
 }  // namespace dtrain

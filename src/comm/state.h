@@ -18,7 +18,8 @@ class StoreServer;
 
 namespace dtrain {
 
-struct Group::Impl {
+// What a Group handle points to (null in a default Group(): the world, resolved at each call).
+struct detail::GroupImpl {
   std::string name;  // "default" or "group<N>"
   std::string backend;
   compat::BackendPtr pg;                       // null for non-members
@@ -30,6 +31,14 @@ struct Group::Impl {
   mutable std::atomic<uint64_t> debug_seq{0};
   // Objects built on this group so far (Note [Group-agreed ids]).
   mutable std::atomic<int64_t> objects{0};
+};
+
+// The library's only way to build a Group or to reach what it points to (the handle keeps both
+// private, so that callers see a contract and no internals).
+struct detail::GroupAccess {
+  static Group make(std::shared_ptr<GroupImpl> impl) { return Group(std::move(impl)); }
+  // Throws (an internal error) on the default group, which has no GroupImpl of its own.
+  static const GroupImpl& impl(const Group& group);
 };
 
 namespace comm {
@@ -46,7 +55,7 @@ struct WorldState {
   std::string bind_address;
   std::unique_ptr<store::StoreServer> server;  // when rank 0 hosts the rendezvous
   c10::intrusive_ptr<c10d::Store> store;       // job store, prefixed with this restart attempt
-  std::shared_ptr<Group::Impl> world;
+  std::shared_ptr<detail::GroupImpl> world;
   int next_group_id = 1;
   // Python ranks share the default group (Note [PyTorch peers]); `python_store` is the unprefixed
   // store their init_process_group uses.
@@ -59,7 +68,7 @@ WorldState& world_state();
 // nullptr when not initialized.
 WorldState* world_state_or_null();
 // The group's implementation (the world for a default Group()).
-const Group::Impl& resolve(const Group& group);
+const detail::GroupImpl& resolve(const Group& group);
 
 }  // namespace comm
 }  // namespace dtrain
@@ -77,6 +86,6 @@ Error collective_failure(const std::string& what, const std::exception& e);
 
 namespace dtrain::comm {
 // Builds a group over `ranks` (global, sorted); members construct their backend.
-std::shared_ptr<Group::Impl> make_group(WorldState& st, const std::string& name, std::vector<int> ranks,
-                                        std::chrono::milliseconds timeout);
+std::shared_ptr<detail::GroupImpl> make_group(WorldState& st, const std::string& name, std::vector<int> ranks,
+                                              std::chrono::milliseconds timeout);
 }  // namespace dtrain::comm

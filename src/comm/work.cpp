@@ -114,9 +114,9 @@ bool Work::is_completed() {
   return true;
 }
 
-const Group::Impl& Group::impl() const {
-  DTRAIN_ASSERT(impl_ != nullptr, "Group::impl on the default group");
-  return *impl_;
+const detail::GroupImpl& detail::GroupAccess::impl(const Group& group) {
+  DTRAIN_ASSERT(group.impl_ != nullptr, "GroupAccess::impl on the default group");
+  return *group.impl_;
 }
 
 bool Group::is_member() const { return comm::resolve(*this).rank >= 0; }

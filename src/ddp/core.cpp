@@ -13,14 +13,15 @@
 #include "ddp/reducer.h"
 #include "dtrain/ddp.h"
 
-namespace dtrain::ddp {
+namespace dtrain::detail {
+using namespace ddp;  // Reducer, the model checks
 namespace {
 
 bool debug_info() { return get_debug_level() != DebugLevel::OFF; }  // INFO or DETAIL
 
 }  // namespace
 
-struct Core::Impl {
+struct DDPCore::Impl {
   std::shared_ptr<torch::nn::Module> module;
   DDPOptions options;
   std::vector<std::string> names;
@@ -51,7 +52,7 @@ struct Core::Impl {
   }
 };
 
-Core::Core(std::shared_ptr<torch::nn::Module> module, DDPOptions options) : impl_(std::make_unique<Impl>()) {
+DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions options) : impl_(std::make_unique<Impl>()) {
   auto& s = *impl_;
   DTRAIN_CHECK(module, "DistributedDataParallel: the module is null: pass a constructed model");
   DTRAIN_CHECK(is_initialized(),
@@ -109,9 +110,9 @@ Core::Core(std::shared_ptr<torch::nn::Module> module, DDPOptions options) : impl
   }
 }
 
-Core::~Core() = default;
+DDPCore::~DDPCore() = default;
 
-void Core::pre_forward(Joinable* self) {
+void DDPCore::pre_forward(Joinable* self) {
   auto& s = *impl_;
   const Group& group = s.options.process_group();
   const JoinIteration* it = self ? Join::notify_join_context(*self) : nullptr;
@@ -129,7 +130,7 @@ void Core::pre_forward(Joinable* self) {
     broadcast_from(s.buffers, it->authoritative_rank(group), group);
 }
 
-void Core::post_forward(const std::vector<at::Tensor>& outputs) {
+void DDPCore::post_forward(const std::vector<at::Tensor>& outputs) {
   auto& s = *impl_;
   if (!s.sync || !at::GradMode::is_enabled()) {
     s.reducer->disarm();
@@ -153,19 +154,19 @@ void Core::post_forward(const std::vector<at::Tensor>& outputs) {
   s.reducer->prepare_for_backward(std::move(unused));
 }
 
-void Core::set_sync(bool enabled) { impl_->sync = enabled; }
-bool Core::sync() const { return impl_->sync; }
-const DDPOptions& Core::options() const { return impl_->options; }
+void DDPCore::set_sync(bool enabled) { impl_->sync = enabled; }
+bool DDPCore::sync() const { return impl_->sync; }
+const DDPOptions& DDPCore::options() const { return impl_->options; }
 
-std::vector<std::vector<int>> Core::bucket_param_indices() const {
+std::vector<std::vector<int>> DDPCore::bucket_param_indices() const {
   std::vector<std::vector<int>> out;
   for (const auto& b : impl_->reducer->buckets()) out.push_back(b.params);
   return out;
 }
 
-std::vector<DDPEvent> Core::last_backward_events() const { return impl_->reducer->events(); }
-void Core::set_event_hook(DDPEventHook hook) { impl_->reducer->set_event_hook(std::move(hook)); }
-void Core::register_comm_hook(CommHook hook) { impl_->reducer->set_comm_hook(std::move(hook)); }
+std::vector<DDPEvent> DDPCore::last_backward_events() const { return impl_->reducer->events(); }
+void DDPCore::set_event_hook(DDPEventHook hook) { impl_->reducer->set_event_hook(std::move(hook)); }
+void DDPCore::register_comm_hook(CommHook hook) { impl_->reducer->set_comm_hook(std::move(hook)); }
 
 // Note [DDP under Join]: per iteration an active rank's DDP issues, after Join's exchange of the
 // active set (its first collective, from pre_forward): (a) a SUM all-reduce of "I synchronize
@@ -183,7 +184,7 @@ namespace {
 
 class DDPJoinHook : public JoinHook {
  public:
-  explicit DDPJoinHook(Core::Impl* impl) : s_(*impl) {}
+  explicit DDPJoinHook(DDPCore::Impl* impl) : s_(*impl) {}
   void main_hook(const JoinIteration& it) override {
     const Group& group = s_.options.process_group();
     const bool sync = all_reduce_values(std::vector<int64_t>{0}, ReduceOp::SUM, group)[0] > 0;  // (a)
@@ -199,12 +200,12 @@ class DDPJoinHook : public JoinHook {
   }
 
  private:
-  Core::Impl& s_;
+  DDPCore::Impl& s_;
 };
 
 }  // namespace
 
-std::unique_ptr<JoinHook> Core::join_hook(const JoinOptions& options, bool is_first_joinable) {
+std::unique_ptr<JoinHook> DDPCore::join_hook(const JoinOptions& options, bool is_first_joinable) {
   if (!options.enable()) return std::make_unique<JoinHook>();
   DTRAIN_CHECK(is_first_joinable,
                "dtrain::Join: DistributedDataParallel must be the first joinable (its forward is the first "
@@ -213,4 +214,4 @@ std::unique_ptr<JoinHook> Core::join_hook(const JoinOptions& options, bool is_fi
   return std::make_unique<DDPJoinHook>(impl_.get());
 }
 
-}  // namespace dtrain::ddp
+}  // namespace dtrain::detail

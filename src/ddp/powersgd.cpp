@@ -38,7 +38,7 @@ namespace psgd = ddp::psgd;
 
 struct PowerSGDBucketStep;
 
-struct PowerSGDState::Impl {
+struct detail::PowerSGDStateImpl {
   PowerSGDOptions options;
   std::mt19937 rng;  // numpy's RandomState(seed) is this generator seeded the same way
   std::map<int, at::Tensor> error, p_memory, q_memory;
@@ -81,7 +81,12 @@ struct PowerSGDState::Impl {
   }
 };
 
-PowerSGDState::PowerSGDState(PowerSGDOptions o) : impl_(std::make_shared<Impl>()) {
+// The hooks' way in (PowerSGDState keeps its state private).
+struct detail::PowerSGDAccess {
+  static const std::shared_ptr<PowerSGDStateImpl>& impl(const PowerSGDState& state) { return state.impl_; }
+};
+
+PowerSGDState::PowerSGDState(PowerSGDOptions o) : impl_(std::make_shared<detail::PowerSGDStateImpl>()) {
   DTRAIN_CHECK(o.matrix_approximation_rank() >= 1, "PowerSGDOptions: matrix_approximation_rank must be >= 1, got ",
                o.matrix_approximation_rank());
   DTRAIN_CHECK(!((o.use_error_feedback() || o.warm_start()) && o.start_powerSGD_iter() <= 1),
@@ -175,7 +180,7 @@ void write_result(PowerSGDBucketStep& w) {
 
 // Both hooks begin alike: the state, the bucket's buffer and place, and step 2's error memory.
 struct HookStart {
-  std::shared_ptr<PowerSGDState::Impl> impl;
+  std::shared_ptr<detail::PowerSGDStateImpl> impl;
   Group group;
   int world = 1;
   at::Tensor input;
@@ -190,7 +195,7 @@ struct HookStart {
 // elements (the bucket's, or the batched hook's padded square).
 HookStart begin_hook(PowerSGDState& state, GradBucket& bucket, int64_t error_numel) {
   HookStart h;
-  h.impl = state.impl();
+  h.impl = detail::PowerSGDAccess::impl(state);
   auto& s = *h.impl;
   h.group = s.options.process_group();
   h.world = h.group.size();
@@ -218,7 +223,7 @@ struct Classified {
 
 // Step 3: views of buffer() (not gradients(): under a compression wrapper buffer() is the cast copy,
 // and that is what must be compressed); counts the compression statistics.
-Classified classify(PowerSGDState::Impl& s, const GradBucket& bucket, const at::Tensor& input,
+Classified classify(detail::PowerSGDStateImpl& s, const GradBucket& bucket, const at::Tensor& input,
                     const at::Tensor& error) {
   Classified c;
   int64_t offset = 0;
@@ -298,7 +303,7 @@ Batches batch_by_shape(const PowerSGDOptions& o, Classified& c, bool add_error, 
 Future powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
   HookStart h = begin_hook(state, bucket, bucket.buffer().numel());
   if (h.warmup.valid()) return h.warmup;
-  std::shared_ptr<PowerSGDState::Impl> impl = h.impl;
+  std::shared_ptr<detail::PowerSGDStateImpl> impl = h.impl;
   auto& s = *impl;
   at::NoGradGuard ng;
   const at::Tensor& input = h.input;
@@ -391,7 +396,7 @@ Future batched_powerSGD_hook(PowerSGDState& state, GradBucket& bucket) {
   const int64_t side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(total))));
   HookStart h = begin_hook(state, bucket, side * side);
   if (h.warmup.valid()) return h.warmup;
-  std::shared_ptr<PowerSGDState::Impl> impl = h.impl;
+  std::shared_ptr<detail::PowerSGDStateImpl> impl = h.impl;
   auto& s = *impl;
   const Group group = h.group;
   const int world = h.world;

@@ -8,7 +8,7 @@
 #include "compat/autograd_compat.h"
 #include "dtrain/data_parallel.h"
 
-namespace dtrain::dp {
+namespace dtrain::detail {
 namespace {
 
 bool same_device(const c10::Device& want, const c10::Device& have) {
@@ -17,7 +17,7 @@ bool same_device(const c10::Device& want, const c10::Device& have) {
 
 }  // namespace
 
-struct Core::Impl {
+struct DataParallelCore::Impl {
   DataParallelOptions options{{}};
   std::vector<std::shared_ptr<torch::nn::Module>> replicas;  // [0] is the module itself
   std::vector<std::vector<at::Tensor>> params, buffers;      // per replica, parameters() order
@@ -53,7 +53,8 @@ struct Core::Impl {
   }
 };
 
-Core::Core(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options, Factory factory)
+DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options,
+                                   Factory factory)
     : impl_(std::make_unique<Impl>()) {
   auto& s = *impl_;
   s.options = std::move(options);
@@ -101,9 +102,9 @@ Core::Core(std::shared_ptr<torch::nn::Module> module, DataParallelOptions option
     }
 }
 
-Core::~Core() = default;
+DataParallelCore::~DataParallelCore() = default;
 
-size_t Core::prepare(const std::vector<at::Tensor>& inputs, std::vector<std::vector<at::Tensor>>& chunks) {
+size_t DataParallelCore::prepare(const std::vector<at::Tensor>& inputs, std::vector<std::vector<at::Tensor>>& chunks) {
   auto& s = *impl_;
   const auto& devs = s.options.device_ids();
   DTRAIN_CHECK(!inputs.empty(), "DataParallel: forward got no tensor argument to scatter");
@@ -135,7 +136,7 @@ size_t Core::prepare(const std::vector<at::Tensor>& inputs, std::vector<std::vec
   return n;
 }
 
-void Core::run_parallel(size_t n, const std::function<void(size_t)>& fn) {
+void DataParallelCore::run_parallel(size_t n, const std::function<void(size_t)>& fn) {
   // Step 3: the caller's thread-local state (grad mode, autocast) in every worker.
   at::ThreadLocalState state;
   std::exception_ptr first;
@@ -156,7 +157,7 @@ void Core::run_parallel(size_t n, const std::function<void(size_t)>& fn) {
   if (first) std::rethrow_exception(first);
 }
 
-at::Tensor Core::gather(const std::vector<at::Tensor>& outputs) {
+at::Tensor DataParallelCore::gather(const std::vector<at::Tensor>& outputs) {
   auto& s = *impl_;
   const auto out_dev = *s.options.output_device();
   std::vector<at::Tensor> moved;
@@ -168,8 +169,8 @@ at::Tensor Core::gather(const std::vector<at::Tensor>& outputs) {
   return out;
 }
 
-std::shared_ptr<torch::nn::Module> Core::replica(size_t i) const { return impl_->replicas.at(i); }
-const DataParallelOptions& Core::options() const { return impl_->options; }
-size_t Core::num_replicas() const { return impl_->replicas.size(); }
+std::shared_ptr<torch::nn::Module> DataParallelCore::replica(size_t i) const { return impl_->replicas.at(i); }
+const DataParallelOptions& DataParallelCore::options() const { return impl_->options; }
+size_t DataParallelCore::num_replicas() const { return impl_->replicas.size(); }
 
-}  // namespace dtrain::dp
+}  // namespace dtrain::detail

@@ -22,8 +22,8 @@ struct Pipeline::Impl {
   std::vector<int64_t> first_layers;          // per chunk: the index of its first layer in the model
   c10::Device device{at::kCPU};
   std::unique_ptr<pipeline::Links> links;
-  std::unique_ptr<ddp::Core> ddp;  // replicas > 1
-  std::string store_prefix;        // this pipeline's keys in the job store (Note [Group-agreed ids])
+  std::unique_ptr<detail::DDPCore> ddp;  // replicas > 1
+  std::string store_prefix;              // this pipeline's keys in the job store (Note [Group-agreed ids])
   int64_t steps = 0;
   PipelineStepStats stats;
 

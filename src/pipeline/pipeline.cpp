@@ -148,7 +148,7 @@ void Pipeline::Impl::init(std::vector<torch::nn::Sequential> parts, bool whole_m
   if (layout.replicas > 1) {
     DDPOptions o = options.ddp();
     o.process_group(layout.stage_group);
-    ddp = std::make_unique<ddp::Core>(held, std::move(o));
+    ddp = std::make_unique<detail::DDPCore>(held, std::move(o));
   }
 }
 
