@@ -116,10 +116,10 @@ if [[ " $runs " == *" tsan "* ]]; then
   # The shm unit tests (forked ranks on one segment; point-to-point's pusher thread), TensorBoard's
   # flush timer, and the multi-process tests (a pipeline's sends through the pusher).
   run_ctest "$T" -j2 -R '^(Shm[A-Za-z0-9]*|SummaryWriter|MonitorTensorBoard)\.'
-  run_ctest "$T" -R "$(dist_regex shm_dist_test_2 ddp_test_2 ddp_overlap_test_2 ddp_overlap_test_gloo_2 \
-                                  pipeline_test_2 fsdp_test_2)"
-  # The launcher's own threads (the elastic agent's heartbeat): its tests run the instrumented dtrain-run.
-  run_ctest "$T" -R '^launcher_elastic$'
+  # With them, the launcher's own threads (the elastic agent's heartbeat): its tests run the
+  # instrumented dtrain-run, and mostly wait, so they run beside the others (-j3: scripts/test.sh).
+  run_ctest "$T" -j3 -R "$(dist_regex shm_dist_test_2 ddp_test_2 ddp_overlap_test_2 ddp_overlap_test_gloo_2 \
+                                  pipeline_test_2 fsdp_test_2)|^launcher_elastic\$"
 
   unset TSAN_OPTIONS OMP_NUM_THREADS
   echo "=== build-tsan: done in $((SECONDS - start)) s"

@@ -16,8 +16,11 @@
 #   ./scripts/test.sh              everything
 #   ./scripts/test.sh -R dist_     extra arguments go to ctest in both trees; the sanitizer run is skipped
 #   DTRAIN_TREES=build ./scripts/test.sh   only the trees named (build, build-torch2)
-# In each tree the single-process tests (label `unit`) run two at a time, then the others one at a
-# time; each test's time is in ctest's lines, and the 15 slowest follow (scripts/slowest_tests.py).
+# In each tree the single-process tests (label `unit`) run two at a time, then the others under
+# `ctest -j3`: a test that computes counts 2 of the 3 and a test that mostly waits counts 1
+# (cmake/test_weights.cmake), so a waiting test runs beside a computing one and two computing tests
+# never share the 2 cores. Each test's time is in ctest's lines, and the 15 slowest follow
+# (scripts/slowest_tests.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -59,7 +62,7 @@ for tree in $trees; do
     else
       run_ctest "$tree" -j2 -L '^unit$'
     fi
-    run_ctest "$tree" -LE "^(unit$skip)\$"
+    run_ctest "$tree" -j3 -LE "^(unit$skip)\$"
   elif [ -n "$skip" ]; then
     run_ctest "$tree" -LE '^once$' "$@"
   else
