@@ -12,14 +12,15 @@
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
-#include <tuple>
 
 #include "dist_main.h"
 #include "dtrain/comm_hooks.h"
 #include "dtrain/ddp.h"
 #include "dtrain/join.h"
+#include "powersgd_reference.h"
 
 using namespace dtrain;
+using dtrain::testing::RefPowerSGD;
 
 namespace {
 
@@ -155,120 +156,40 @@ struct NetImpl : torch::nn::Module {
 TORCH_MODULE(Net);
 
 constexpr int64_t kStartIter = 2;
-// numpy.random.RandomState(0).randint(1_000_000_000): PyTorch's seed of the first random Qs with
-// random_seed=0 (with warm start, the only draw of a bucket).
-constexpr uint64_t kFirstNumpySeed = 209652396;
 
 PowerSGDOptions powersgd_options() {
   return PowerSGDOptions().matrix_approximation_rank(1).start_powerSGD_iter(kStartIter);
 }
 
-// PyTorch's powerSGD_hook (rank 1, warm start, error feedback) on one bucket over every rank in one
-// process. flats[r]: rank r's bucket as its hook sees it (zeros for a rank that has joined);
-// shapes: the bucket's parameters in its order. Returns the averaged bucket (the same on every rank).
-struct RefPowerSGD {
-  int world;
-  std::vector<std::vector<int64_t>> shapes;
-  int64_t iter = 0;
-  std::vector<at::Tensor> error;  // per rank
-  at::Tensor q;                   // the last step's Qs, flat
-  // joined_error: whether a rank that has joined adds its error memory (PyTorch's), or zeros alone.
-  bool joined_error = true;
-
-  at::Tensor step(std::vector<at::Tensor> flats, const std::vector<bool>& joined) {
-    const int64_t total = flats[0].numel();
-    if (iter++ < kStartIter) {
-      at::Tensor sum = at::zeros({total}, flats[0].options());
-      for (auto& f : flats) sum += f;
-      return sum / world;
-    }
-    if (error.empty()) error.assign(world, at::zeros({total}, flats[0].options()));
-    for (int r = 0; r < world; ++r)
-      if (joined_error || !joined[r]) flats[r] = flats[r] + error[r];
-    at::Tensor result = at::zeros({total}, flats[0].options());
-    // The matrices to compress, grouped by shape in first-seen order (each (offset, n, m)); the rest
-    // averaged as they are.
-    std::vector<std::vector<int64_t>> group_shapes;
-    std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t>>> groups;
-    int64_t off = 0;
-    for (const auto& s : shapes) {
-      int64_t numel = 1;
-      for (int64_t d : s) numel *= d;
-      const int64_t n = s[0], m = numel / n;
-      if ((n + m) * 2 < n * m) {  // rank 1, min_compression_rate 2
-        auto it = std::find(group_shapes.begin(), group_shapes.end(), std::vector<int64_t>{n, m});
-        if (it == group_shapes.end()) {
-          group_shapes.push_back({n, m});
-          groups.emplace_back();
-          it = group_shapes.end() - 1;
-        }
-        groups[it - group_shapes.begin()].emplace_back(off, n, m);
-      } else {
-        for (int r = 0; r < world; ++r) result.narrow(0, off, numel) += flats[r].narrow(0, off, numel) / world;
-      }
-      off += numel;
-    }
-    auto unit = [](at::Tensor v) { return v / v.norm().item<double>(); };
-    std::vector<at::Tensor> new_q;
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(kFirstNumpySeed);
-    int64_t q_at = 0;
-    for (auto& g : groups)
-      for (auto& [o, n, m] : g) {
-        at::Tensor qj = q.defined() ? q.narrow(0, q_at, m).clone() : at::randn({m}, gen, at::kDouble);
-        q_at += m;
-        qj = unit(qj);
-        at::Tensor p = at::zeros({n}, qj.options());
-        for (int r = 0; r < world; ++r) p += at::mv(flats[r].narrow(0, o, n * m).view({n, m}), qj);
-        p = unit(p);
-        at::Tensor qs = at::zeros({m}, qj.options());
-        for (int r = 0; r < world; ++r) qs += at::mv(flats[r].narrow(0, o, n * m).view({n, m}).t(), p);
-        qs = qs / world;
-        result.narrow(0, o, n * m).copy_(at::outer(p, qs).reshape({-1}));
-        new_q.push_back(qs);
-      }
-    q = at::cat(new_q);
-    for (int r = 0; r < world; ++r) error[r] = flats[r] - result;
-    return result;
-  }
-};
-
-// The reference run: every iteration each rank's bucket (its local gradients, zeros once it has
-// joined) through RefPowerSGD, one SGD step with the result.
+// The reference run: every iteration each rank's local gradients (zeros once it has joined) through
+// the plain PowerSGD of tests/common/powersgd_reference.h, one SGD step with the result.
 std::vector<at::Tensor> powersgd_reference(const std::vector<std::vector<int>>& buckets, bool joined_error) {
-  EXPECT_EQ(buckets.size(), 1u) << "the reference is written for one bucket";
   Net net, scratch;
   torch::optim::SGD opt(net->parameters(), sgd());
   auto params = net->parameters(), local = scratch->parameters();
-  RefPowerSGD ref;
-  ref.world = static_cast<int>(kUneven.size());
+  const int world = static_cast<int>(kUneven.size());
+  RefPowerSGD ref(powersgd_options(), world, buckets, params);
   ref.joined_error = joined_error;
-  for (int k : buckets[0]) ref.shapes.push_back(params[k].sizes().vec());
   for (int i = 0; i < kIterations; ++i) {
-    std::vector<at::Tensor> flats;
+    std::vector<std::vector<at::Tensor>> grads(world);
     std::vector<bool> joined;
-    for (int r = 0; r < ref.world; ++r) {
+    for (int r = 0; r < world; ++r) {
       joined.push_back(i >= kUneven[r]);
-      std::vector<at::Tensor> parts;
       if (joined.back()) {
-        for (int k : buckets[0]) parts.push_back(at::zeros({params[k].numel()}, at::kDouble));
-      } else {
-        {
-          at::NoGradGuard ng;
-          for (size_t k = 0; k < params.size(); ++k) local[k].copy_(params[k]);
-        }
-        for (auto& p : local) p.mutable_grad() = at::Tensor();
-        auto [x, y] = batch(r, i);
-        loss_of(scratch->forward(x), y).backward();
-        for (int k : buckets[0]) parts.push_back(local[k].grad().reshape({-1}));
+        for (auto& p : params) grads[r].push_back(at::zeros_like(p));
+        continue;
       }
-      flats.push_back(at::cat(parts));
+      {
+        at::NoGradGuard ng;
+        for (size_t k = 0; k < params.size(); ++k) local[k].copy_(params[k]);
+      }
+      for (auto& p : local) p.mutable_grad() = at::Tensor();
+      auto [x, y] = batch(r, i);
+      loss_of(scratch->forward(x), y).backward();
+      for (auto& p : local) grads[r].push_back(p.grad().clone());
     }
-    const at::Tensor avg = ref.step(flats, joined);
-    int64_t off = 0;
-    for (int k : buckets[0]) {
-      params[k].mutable_grad() = avg.narrow(0, off, params[k].numel()).view(params[k].sizes()).clone();
-      off += params[k].numel();
-    }
+    const std::vector<at::Tensor> avg = ref.step(grads, joined);
+    for (size_t k = 0; k < params.size(); ++k) params[k].mutable_grad() = avg[k];
     opt.step();
   }
   return net->parameters();
