@@ -236,7 +236,7 @@ std::string broadcast_bytes(const std::string& bytes, int src, const Group& grou
 std::vector<std::string> all_gather_bytes(const std::string& mine, const Group& group = Group());
 std::vector<std::string> gather_bytes(const std::string& mine, int dst, const Group& group = Group());
 
-// Point to point. tag distinguishes concurrent messages between the same pair.
+// Point to point. tag distinguishes concurrent messages between the same pair; tags >= 0x6F000000 are dtrain's.
 void send(const at::Tensor& tensor, int dst, const Group& group = Group(), int tag = 0);
 // src = -1 receives from any rank. Returns the global rank of the sender.
 int recv(at::Tensor& tensor, int src = -1, const Group& group = Group(), int tag = 0);

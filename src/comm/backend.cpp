@@ -43,47 +43,38 @@ static compat::BackendPtr make_nccl(const BackendConfig& c) {
 }
 #endif
 
-compat::BackendPtr make_backend(const BackendConfig& config) {
-  check_backend_name(config.name);
 #ifdef DTRAIN_WITH_NCCL
-  if (config.name == "nccl") return make_nccl(config);
-#endif
-  if (config.pytorch_peers) return make_pytorch_gloo_backend(config);
-  const ShmMode mode = shm_mode_from_env();
-  return make_shm_process_group(config, make_gloo_backend(config), mode);
-}
+namespace {
 
-bool uses_shared_memory(const compat::BackendPtr& pg) { return has_shared_memory_segment(pg); }
-
-bool all_reduce_here(const compat::BackendPtr& pg, at::Tensor& t, const c10d::ReduceOp& op) {
-  return shm_all_reduce_here(pg, t, op);
-}
-
-bool all_reduce_divided_here(const compat::BackendPtr& pg, std::vector<at::Tensor>& ts, int64_t divisor) {
-  return shm_all_reduce_divided_here(pg, ts, divisor);
-}
-
-bool takes_base_collective(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,
-                           const c10d::ReduceOp& op) {
-  bool takes = false;
-  if (shm_takes_base(pg, type, t, op, &takes)) return takes || DTRAIN_GLOO_HAS_TENSOR_COLLECTIVES;
-#ifdef DTRAIN_WITH_NCCL
-  if (pg->getBackendName() == "nccl") return true;
-#endif
-  return DTRAIN_GLOO_HAS_TENSOR_COLLECTIVES;  // Gloo alone (Python peers)
-}
-
-std::string unsupported(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,
-                        const c10d::ReduceOp& op) {
-  std::string why;
-  if (shm_group_unsupported(pg, type, t, op, &why)) return why;
-#ifdef DTRAIN_WITH_NCCL
-  if (pg->getBackendName() == "nccl")
+class NcclCapabilities final : public Capabilities {
+ public:
+  std::string unsupported(c10d::OpType, const at::Tensor& t, const c10d::ReduceOp&) const override {
     return t.is_cuda() ? ""
                        : detail::cat("NCCL takes CUDA tensors, not ", t.device(),
                                      ": move the tensor to collective_device(group), or use a gloo group");
+  }
+  bool takes_base_collective(c10d::OpType, const at::Tensor&, const c10d::ReduceOp&) const override { return true; }
+};
+
+}  // namespace
 #endif
-  return gloo_unsupported(t);  // Gloo alone (Python peers)
+
+// The shared-memory group answers for itself; Gloo alone (one rank per host without a segment
+// group, a one-rank group, Python peers) through Gloo's table.
+static Backend gloo_family(compat::BackendPtr pg) {
+  auto* own = dynamic_cast<Capabilities*>(pg.get());
+  return {pg, own ? own : &gloo_capabilities()};
+}
+
+Backend make_backend(const BackendConfig& config) {
+  check_backend_name(config.name);
+#ifdef DTRAIN_WITH_NCCL
+  static NcclCapabilities nccl_capabilities;
+  if (config.name == "nccl") return {make_nccl(config), &nccl_capabilities};
+#endif
+  if (config.pytorch_peers) return gloo_family(make_pytorch_gloo_backend(config));
+  const ShmMode mode = shm_mode_from_env();
+  return gloo_family(make_shm_process_group(config, make_gloo_backend(config), mode));
 }
 
 }  // namespace dtrain::comm

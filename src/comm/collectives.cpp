@@ -19,9 +19,8 @@
 #include <ATen/ATen.h>
 #include <ATen/ScalarOps.h>
 
-#include "comm/backend.h"
 #include "comm/debug_check.h"
-#include "comm/call_hint.h"
+#include "comm/capabilities.h"
 #include "comm/state.h"
 
 namespace dtrain {
@@ -89,7 +88,7 @@ void check_avg(ReduceOp op, const at::Tensor& t, const char* name) {
 // comm/shm/shm_process_group.cpp for what happens to a call that fails later).
 void check_supported(const detail::GroupImpl& g, const char* op, c10d::OpType type, const at::Tensor& t,
                      ReduceOp rop = ReduceOp::SUM) {
-  const std::string why = comm::unsupported(g.pg, type, t, to_c10d(rop));
+  const std::string why = g.caps->unsupported(type, t, to_c10d(rop));
   if (!why.empty()) throw Error(what(g, op) + " cannot run: " + why);
 }
 
@@ -174,7 +173,7 @@ Work all_reduce(at::Tensor& tensor, ReduceOp op, const Group& group, bool async_
     // Note [Inline blocking collectives]: no Work at all where the backend runs it here.
     bool ran = false;
     try {
-      ran = comm::all_reduce_here(g.pg, tensor, opts.reduceOp);
+      ran = g.caps->all_reduce_here(tensor, opts.reduceOp);
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
@@ -206,7 +205,7 @@ void all_reduce_divided(std::vector<at::Tensor>& tensors, int64_t divisor, const
   if (!comm::detail_checks_on()) {
     bool ran = false;
     try {
-      ran = comm::all_reduce_divided_here(g.pg, tensors, divisor);
+      ran = g.caps->all_reduce_divided_here(tensors, divisor);
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
@@ -342,7 +341,7 @@ Work all_gather_into_tensor(at::Tensor& output, const at::Tensor& input, const G
   c10d::AllgatherOptions opts;
   opts.timeout = g.timeout;
   comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
-  if (comm::takes_base_collective(g.pg, c10d::OpType::_ALLGATHER_BASE, input, c10d::ReduceOp::SUM)) {
+  if (g.caps->takes_base_collective(c10d::OpType::_ALLGATHER_BASE, input, c10d::ReduceOp::SUM)) {
     at::Tensor in = input;
     return finish(Work(g.pg->_allgather_base(output, in, opts), what(g, op)), async_op);
   }
@@ -363,7 +362,7 @@ Work reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp
   check_avg(op, output, name);
   check_supported(g, name, c10d::OpType::ALLREDUCE, input, op);  // Note [Tensor collectives on Gloo]
   check_call(g, name, "output=" + comm::describe(output), "input=" + comm::describe(input), "op=" + to_string(op));
-  if (comm::takes_base_collective(g.pg, c10d::OpType::_REDUCE_SCATTER_BASE, input, to_c10d(op))) {
+  if (g.caps->takes_base_collective(c10d::OpType::_REDUCE_SCATTER_BASE, input, to_c10d(op))) {
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = to_c10d(op);
     opts.timeout = g.timeout;

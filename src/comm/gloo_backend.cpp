@@ -103,4 +103,28 @@ std::string gloo_unsupported(const at::Tensor& t) {
       at::isComplexType(t.scalar_type()) ? " (at::view_as_real for SUM)" : " (e.g. to float32)", " before the call");
 }
 
+namespace {
+
+class GlooCapabilities final : public Capabilities {
+ public:
+  std::string unsupported(c10d::OpType, const at::Tensor& t, const c10d::ReduceOp&) const override {
+    return gloo_unsupported(t);
+  }
+  bool takes_base_collective(c10d::OpType, const at::Tensor&, const c10d::ReduceOp&) const override {
+    return DTRAIN_GLOO_HAS_TENSOR_COLLECTIVES;
+  }
+  // Over Gloo's TCP a small sum costs latency, not bytes, and Gloo's all-reduce pays most of it in
+  // hand-offs: a 4 KB all-reduce takes many times as long as a 4 KB send to the other rank
+  // (bench_allreduce, bench_p2p). Each rank of an exchange sends (n - 1) copies where the ring
+  // all-reduce sends 2 (n - 1) / n, hence a bound on the copies.
+  int64_t exchange_sum_bytes() const override { return 256 * 1024; }
+};
+
+}  // namespace
+
+Capabilities& gloo_capabilities() {
+  static GlooCapabilities caps;
+  return caps;
+}
+
 }  // namespace dtrain::comm

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "comm/backend_config.h"
+#include "comm/capabilities.h"
 
 namespace dtrain::comm {
 
@@ -18,5 +19,9 @@ compat::BackendPtr make_pytorch_gloo_backend(const BackendConfig& config);
 // and the remedy, e.g. "Gloo in LibTorch 1.13.0 has no BFloat16 collectives: convert the tensor, e.g.
 // to float32". The same for every collective kind (Note [Gloo's dtypes] in gloo_backend.cpp).
 std::string gloo_unsupported(const at::Tensor& t);
+
+// What Gloo alone answers (Note [One backend interface]): its dtypes, the tensor collectives of this
+// LibTorch's Gloo, and small sums as exchanges. Stateless: one for every Gloo group.
+Capabilities& gloo_capabilities();
 
 }  // namespace dtrain::comm

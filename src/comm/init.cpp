@@ -172,9 +172,11 @@ std::shared_ptr<detail::GroupImpl> make_group(WorldState& st, const std::string&
     c.timeout = timeout;
     c.bind_address = st.bind_address;
     c.global_ranks = g->ranks;
-    g->pg = with_context(detail::cat("rank ", st.rank, ": creating the ", st.backend, " process group '", name, "' (",
-                                     g->ranks.size(), " ranks) failed: "),
-                         [&] { return make_backend(c); });
+    Backend made = with_context(detail::cat("rank ", st.rank, ": creating the ", st.backend, " process group '", name,
+                                            "' (", g->ranks.size(), " ranks) failed: "),
+                                [&] { return make_backend(c); });
+    g->pg = std::move(made.pg);
+    g->caps = made.caps;
   }
   return g;
 }

@@ -15,6 +15,9 @@
 namespace dtrain::store {
 class StoreServer;
 }
+namespace dtrain::comm {
+class Capabilities;
+}
 
 namespace dtrain {
 
@@ -23,6 +26,7 @@ struct detail::GroupImpl {
   std::string name;  // "default" or "group<N>"
   std::string backend;
   compat::BackendPtr pg;                       // null for non-members
+  comm::Capabilities* caps = nullptr;          // answers for pg (comm/capabilities.h); lives as long as pg
   int rank = -1;                               // rank inside the group
   std::vector<int> ranks;                      // global ranks, sorted
   std::unordered_map<int, int> group_rank_of;  // global -> group rank
@@ -69,6 +73,9 @@ WorldState& world_state();
 WorldState* world_state_or_null();
 // The group's implementation (the world for a default Group()).
 const detail::GroupImpl& resolve(const Group& group);
+// What the group's backend answers (Note [One backend interface] in comm/capabilities.h), for
+// callers above comm/ that choose an algorithm (DDP's hooks); throws for a non-member.
+const Capabilities& capabilities(const Group& group);
 
 }  // namespace comm
 }  // namespace dtrain

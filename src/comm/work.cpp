@@ -3,8 +3,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "comm/backend.h"
-#include "comm/call_hint.h"
+#include "comm/capabilities.h"
 #include "comm/state.h"
 
 namespace dtrain {
@@ -124,9 +123,18 @@ int Group::rank() const { return comm::resolve(*this).rank; }
 int Group::size() const { return static_cast<int>(comm::resolve(*this).ranks.size()); }
 const std::vector<int>& Group::ranks() const { return comm::resolve(*this).ranks; }
 std::string Group::backend() const { return comm::resolve(*this).backend; }
+namespace comm {
+const Capabilities& capabilities(const Group& group) {
+  const auto& g = resolve(group);
+  DTRAIN_CHECK(g.caps, "rank ", world_state().rank, ": group '", g.name,
+               "' has no backend on this rank, which is not a member: use it only on the group's ranks");
+  return *g.caps;
+}
+}  // namespace comm
+
 bool Group::uses_shared_memory() const {
   const auto& g = comm::resolve(*this);
-  return g.pg && comm::uses_shared_memory(g.pg);
+  return g.caps && g.caps->uses_shared_memory();
 }
 int Group::group_rank(int global_rank) const {
   const auto& g = comm::resolve(*this);

@@ -31,9 +31,6 @@ using Backend = c10d::ProcessGroup;
 // ProcessGroupGloo::Options::create_default.
 #define DTRAIN_PYTORCH_PEERS_SUPPORTED (TORCH_VERSION_MAJOR >= 2)
 
-// ProcessGroupGloo all-reduces bfloat16 from LibTorch 2.0 on; 1.13 throws "Invalid scalar type".
-#define DTRAIN_GLOO_HAS_BFLOAT16 (TORCH_VERSION_MAJOR >= 2)
-
 // ProcessGroupGloo's _allgather_base and _reduce_scatter_base (all_gather_single and
 // reduce_scatter_single underneath): 1.13 throws "no support"; checked in 2.15's headers, so earlier
 // 2.x releases are treated as 1.13 and the front end composes both from all_gather and all_reduce

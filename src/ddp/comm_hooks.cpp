@@ -5,6 +5,9 @@
 
 #include <ATen/ATen.h>
 
+#include "comm/capabilities.h"
+#include "comm/state.h"
+#include "comm/tags.h"
 #include "compat/c10d_compat.h"
 #include "ddp/hook_collectives.h"
 #include "dtrain/comm_hooks.h"
@@ -82,8 +85,8 @@ namespace {
 // saving shrinks with n (none left at 4 ranks against float32). LibTorch 2.x and the shared-memory
 // group reduce bfloat16 themselves.
 bool needs_gathered_bf16(const at::Tensor& t, const Group& group) {
-  return t.scalar_type() == at::kBFloat16 && !DTRAIN_GLOO_HAS_BFLOAT16 && group.backend() == "gloo" &&
-         !group.uses_shared_memory();
+  return t.scalar_type() == at::kBFloat16 &&
+         !comm::capabilities(group).unsupported(c10d::OpType::ALLREDUCE, t, c10d::ReduceOp::SUM).empty();
 }
 
 }  // namespace
@@ -115,21 +118,18 @@ Future sum_future(at::Tensor t, const Group& group) {
   });
 }
 
-// Note [Small sums as exchanges]: over Gloo's TCP a tiny tensor's sum costs latency, not bytes, and
-// Gloo's collectives pay most of it in hand-offs: a 4 KB all-reduce takes many times as long as a
-// 4 KB send to the other rank (bench_allreduce, bench_p2p; docs/benchmarks.md). So a
-// small tensor is sent to every other member and received from each, then summed on every rank in
-// group-rank order: the same additions everywhere, so every rank gets the same bits (on 2 ranks
-// exactly the all-reduce's sum, a + b being b + a). Each rank sends (n - 1) copies where the ring
-// all-reduce sends 2 (n - 1) / n, hence only below kExchangeBytes of copies; the shared-memory
-// group's all-reduce is fast already. The messages carry a tag of their own, apart from the users'
-// small tags and the pipeline's, and every rank issues its sends and receives in the same order.
+// Note [Small sums as exchanges]: where a backend's all-reduce of a tiny tensor costs latency, not
+// bytes (Gloo over TCP: a 4 KB all-reduce takes many times as long as a 4 KB send to the other rank;
+// bench_allreduce, bench_p2p), a small tensor is sent to every other member and received from each,
+// then summed on every rank in group-rank order: the same additions everywhere, so every rank gets
+// the same bits (on 2 ranks exactly the all-reduce's sum, a + b being b + a). The backend says up to
+// how many bytes of copies that pays (Capabilities::exchange_sum_bytes: 0 for the shared-memory
+// group, whose all-reduce is fast already, and NCCL). The messages carry a tag of their own
+// (comm/tags.h), and every rank issues its sends and receives in the same order.
 Future small_sum_future(at::Tensor t, const Group& group) {
-  constexpr int64_t kExchangeBytes = 256 * 1024;
-  constexpr int kSumTag = 0x6F000000;
   const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-  if (group.backend() != "gloo" || group.uses_shared_memory() || needs_gathered_bf16(t, group) ||
-      (group.size() - 1) * bytes > kExchangeBytes || !t.is_contiguous())
+  const int64_t most = comm::capabilities(group).exchange_sum_bytes();
+  if (most == 0 || (group.size() - 1) * bytes > most || !t.is_contiguous() || needs_gathered_bf16(t, group))
     return sum_future(t, group);
   const std::vector<int>& ranks = group.ranks();
   const int me = group.rank();
@@ -138,8 +138,8 @@ Future small_sum_future(at::Tensor t, const Group& group) {
   for (size_t r = 0; r < ranks.size(); ++r) {
     if (static_cast<int>(r) == me) continue;
     parts[r] = at::empty_like(t);
-    works.push_back(irecv(parts[r], ranks[r], group, kSumTag));
-    works.push_back(isend(t, ranks[r], group, kSumTag));
+    works.push_back(irecv(parts[r], ranks[r], group, comm::kSmallSumTag));
+    works.push_back(isend(t, ranks[r], group, comm::kSmallSumTag));
   }
   if (works.empty()) return Future(t);
   return Future(works.back(), t).then([t, me, parts, works](const at::Tensor&) mutable {

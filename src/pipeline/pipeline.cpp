@@ -53,6 +53,7 @@
 
 #include "comm/state.h"
 #include "dtrain/data_parallel.h"  // balance_by_size
+#include "comm/tags.h"
 #include "pipeline/impl.h"
 
 namespace dtrain {
@@ -61,8 +62,8 @@ using pipeline::Links;
 
 namespace {
 
-// Point-to-point tags of the pipelines (2 per pipeline on a group), far from the small tags users pick.
-constexpr int kTagBase = 0x70000000;
+// Point-to-point tags of the pipelines (2 per pipeline on a group): comm/tags.h.
+constexpr int kTagBase = comm::kPipelineTagBase;
 
 std::string describe(const at::Tensor& t) {
   std::ostringstream os;

@@ -10,6 +10,8 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
+#include "comm/capabilities.h"  // what the hooks ask the backend (internal)
+#include "comm/state.h"
 #include "dist_main.h"
 #include "dtrain/comm_hooks.h"
 #include "dtrain/ddp.h"
@@ -115,6 +117,27 @@ double max_rel(const at::Tensor& a, const at::Tensor& b) {
 
 // ctest runs this program over shared memory and, as dist_comm_hooks_test_gloo_2, over Gloo alone.
 TEST(CommHooks, DefaultGroupRunsOverTheTransportThisRunTests) { expect_default_group_transport_from_env(); }
+
+// The answers the hooks choose their algorithm by (Note [One backend interface]): over shared memory
+// every sum is the segment's all-reduce, bfloat16 included; Gloo alone sums small tensors as an
+// exchange of messages and, in LibTorch 1.x, has no bfloat16 sum (the hooks gather its bytes).
+TEST(CommHooks, TheBackendAnswersWhatTheHooksAsk) {
+  const comm::Capabilities& caps = comm::capabilities(Group());
+  const at::Tensor bf16 = at::ones({4}, at::kBFloat16), f32 = at::ones({4});
+  const std::string bf16_sum = caps.unsupported(c10d::OpType::ALLREDUCE, bf16, c10d::ReduceOp::SUM);
+  EXPECT_EQ(caps.unsupported(c10d::OpType::ALLREDUCE, f32, c10d::ReduceOp::SUM), "");
+  EXPECT_EQ(caps.uses_shared_memory(), !shm_disabled_by_env());
+  if (caps.uses_shared_memory()) {
+    EXPECT_EQ(caps.exchange_sum_bytes(), 0);
+    EXPECT_EQ(bf16_sum, "");
+    EXPECT_TRUE(caps.takes_base_collective(c10d::OpType::_ALLGATHER_BASE, f32, c10d::ReduceOp::SUM));
+  } else {
+    EXPECT_EQ(caps.exchange_sum_bytes(), 256 * 1024);
+    EXPECT_EQ(bf16_sum.empty(), TORCH_VERSION_MAJOR >= 2) << bf16_sum;
+    EXPECT_EQ(caps.takes_base_collective(c10d::OpType::_ALLGATHER_BASE, f32, c10d::ReduceOp::SUM),
+              DTRAIN_GLOO_HAS_TENSOR_COLLECTIVES);
+  }
+}
 
 TEST(CommHooks, AllreduceHookEqualsNoHookBitForBit) {
   auto plain = train(at::kFloat, 4, [](auto&) {});

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/capabilities.h"
 #include "comm/shm/comm.h"
 #include "comm/shm/p2p.h"
 #include "compat/c10d_compat.h"
@@ -79,16 +80,24 @@ struct ShmGroupParts {
   c10::intrusive_ptr<c10d::Store> store;  // the group's store: where the first failure is left
 };
 
-class ShmProcessGroup : public compat::Backend {
+// The group answers for itself (Note [One backend interface] in comm/capabilities.h): the segment's
+// paths where it has them, Gloo's answers otherwise.
+class ShmProcessGroup : public compat::Backend, public Capabilities {
  public:
   ShmProcessGroup(int rank, int size, ShmGroupParts parts);
   ~ShmProcessGroup() override;
 
   const std::string getBackendName() const override { return "gloo"; }
-  bool has_local() const { return local_ != nullptr; }
-  // "" when this group can run `type` on tensors like `t` (with `op`), else why not and the remedy;
-  // decided from what every rank knows alike, so every rank gets the same answer.
-  std::string unsupported(c10d::OpType type, const at::Tensor& t, const c10d::ReduceOp& op) const;
+  // Capabilities: decided from what every rank knows alike, so every rank gets the same answer.
+  bool uses_shared_memory() const override { return local_ != nullptr; }
+  std::string unsupported(c10d::OpType type, const at::Tensor& t, const c10d::ReduceOp& op) const override;
+  bool takes_base_collective(c10d::OpType type, const at::Tensor& t, const c10d::ReduceOp& op) const override;
+  // A blocking all_reduce run here, without Work or Future; one host only.
+  bool all_reduce_here(at::Tensor& t, const c10d::ReduceOp& op) override;
+  // The same for several tensors as one, each rank's values divided by `divisor` on their way in.
+  bool all_reduce_divided_here(std::vector<at::Tensor>& ts, int64_t divisor) override;
+  // With a segment none (its all-reduce is fast already); without one, Gloo's.
+  int64_t exchange_sum_bytes() const override;
   // Why the group is unusable ("" while it is usable): Note [Broken groups] in shm_process_group.cpp.
   std::string broken() const;
 
@@ -100,11 +109,6 @@ class ShmProcessGroup : public compat::Backend {
                                            std::vector<at::Tensor>& inputs,
                                            const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
-  // A blocking all_reduce run here, without Work or Future (comm/backend.h, all_reduce_here).
-  bool allreduce_here(at::Tensor& t, const c10d::ReduceOp& op);
-  // The same for several tensors as one, each rank's values divided by `divisor` on their way in
-  // (comm/backend.h, all_reduce_divided_here).
-  bool allreduce_divided_here(std::vector<at::Tensor>& ts, int64_t divisor);
 
   // all_gather_into_tensor and reduce_scatter_tensor: over the segment where takes_base() says so
   // (shm_rooted_ops.cpp), on Gloo otherwise.

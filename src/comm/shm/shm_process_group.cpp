@@ -1,6 +1,7 @@
 #include "comm/shm/shm_pg_impl.h"
 #include "comm/shm/shm_process_group.h"
-#include "comm/call_hint.h"
+#include "comm/capabilities.h"
+#include "comm/gloo_backend.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
@@ -210,7 +211,7 @@ bool ShmProcessGroup::run_inline(c10d::OpType type, Job& job) {
 // Note [Inline blocking collectives], without the c10d Work, its Future and their allocations (a
 // blocking all-reduce of DDP's last bucket pays them every step): the same job as allreduce()'s on
 // one host, the same failures, the same queue discipline (only when nothing is queued).
-bool ShmProcessGroup::allreduce_here(at::Tensor& t, const c10d::ReduceOp& op) {
+bool ShmProcessGroup::all_reduce_here(at::Tensor& t, const c10d::ReduceOp& op) {
   if (!local_ || topo_.hosts != 1 || !shm_reduces(t, op, /*all=*/true)) return false;
   auto job = [&] { local_->all_reduce(t.data_ptr(), static_cast<size_t>(t.numel()), *shm_dtype(t), *shm_op(op)); };
   return run_inline(c10d::OpType::ALLREDUCE, job);
@@ -219,7 +220,7 @@ bool ShmProcessGroup::allreduce_here(at::Tensor& t, const c10d::ReduceOp& op) {
 // The gradients of DDP's last bucket, in place: one float32 or float64 all-reduce over the segment,
 // read from and written to the tensors themselves (Comm::all_reduce_divided). Anything else (another
 // dtype, a tensor that is not a plain CPU one, mixed dtypes, more than one host) does nothing.
-bool ShmProcessGroup::allreduce_divided_here(std::vector<at::Tensor>& ts, int64_t divisor) {
+bool ShmProcessGroup::all_reduce_divided_here(std::vector<at::Tensor>& ts, int64_t divisor) {
   if (!local_ || topo_.hosts != 1 || ts.empty() || divisor <= 0) return false;
   const auto dtype = shm_dtype(ts[0]);
   if (!dtype || (*dtype != shm::DType::F32 && *dtype != shm::DType::F64)) return false;
@@ -261,7 +262,7 @@ bool ShmProcessGroup::allreduce_divided_here(std::vector<at::Tensor>& ts, int64_
 // runs until one of them fails a call; a rank that died without a word leaves no line in the
 // store, and the first rank to see its connection close names itself and that error. Failures
 // found before anything is sent leave the group usable, on every rank alike: a call the backend
-// cannot run (rejected by the front end, comm::unsupported), a DTRAIN_DEBUG=DETAIL mismatch, and a
+// cannot run (rejected by the front end, Capabilities::unsupported), a DTRAIN_DEBUG=DETAIL mismatch, and a
 // mismatch caught by the guard of Note [Guarded Gloo collectives] (CallMismatch).
 std::string ShmProcessGroup::broken() const {
   {
@@ -381,27 +382,6 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::barrier(const c10d::BarrierOptio
   return on_gloo({}, c10d::OpType::BARRIER, call_of(kBarrier, {}), opts.timeout, nullptr);
 }
 
-bool has_shared_memory_segment(const compat::BackendPtr& pg) {
-  auto* s = dynamic_cast<ShmProcessGroup*>(pg.get());
-  return s && s->has_local();
-}
-
-bool shm_all_reduce_here(const compat::BackendPtr& pg, at::Tensor& t, const c10d::ReduceOp& op) {
-  auto* s = dynamic_cast<ShmProcessGroup*>(pg.get());
-  return s && s->allreduce_here(t, op);
-}
-
-bool shm_all_reduce_divided_here(const compat::BackendPtr& pg, std::vector<at::Tensor>& ts, int64_t divisor) {
-  auto* s = dynamic_cast<ShmProcessGroup*>(pg.get());
-  return s && s->allreduce_divided_here(ts, divisor);
-}
-
-bool shm_group_unsupported(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,
-                           const c10d::ReduceOp& op, std::string* why_not) {
-  auto* s = dynamic_cast<ShmProcessGroup*>(pg.get());
-  if (!s) return false;
-  *why_not = s->unsupported(type, t, op);
-  return true;
-}
+int64_t ShmProcessGroup::exchange_sum_bytes() const { return local_ ? 0 : gloo_capabilities().exchange_sum_bytes(); }
 
 }  // namespace dtrain::comm

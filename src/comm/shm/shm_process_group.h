@@ -16,7 +16,9 @@
 //
 // Setup (make_backend, comm/backend.cpp): see make_shm_process_group below.
 //
-// Layering: shm/ depends on the lowest layer of comm/ (backend_config.h, call_hint.h) and on
+// The group is its own Capabilities (comm/capabilities.h): the factory asks it through that interface.
+//
+// Layering: shm/ depends on the lowest layer of comm/ (backend_config.h, capabilities.h) and on
 // gloo_backend.h (it wraps and creates Gloo groups); the factory (backend.cpp) is the only file above
 // that includes this header, so the front end (collectives, Group) never sees the shared-memory group.
 #pragma once
@@ -44,27 +46,5 @@ ShmMode shm_mode_from_env();
 //      unlink the names (Note [Segment lifetime]) and, with several hosts, the host leaders build
 //      a Gloo group among themselves.
 compat::BackendPtr make_shm_process_group(const BackendConfig& config, compat::BackendPtr gloo, ShmMode mode);
-
-// Whether `pg` is a ShmProcessGroup with a shared-memory segment for this rank's host.
-bool has_shared_memory_segment(const compat::BackendPtr& pg);
-
-// Whether `pg` is a ShmProcessGroup that all-reduced `t` on this thread (comm/backend.h,
-// all_reduce_here); false when it is not, or when it could not and did nothing.
-bool shm_all_reduce_here(const compat::BackendPtr& pg, at::Tensor& t, const c10d::ReduceOp& op);
-
-// Whether `pg` is a ShmProcessGroup that all-reduced `ts` as one tensor, divided, on this thread
-// (comm/backend.h, all_reduce_divided_here); false when it is not, or could not and did nothing.
-bool shm_all_reduce_divided_here(const compat::BackendPtr& pg, std::vector<at::Tensor>& ts, int64_t divisor);
-
-// Whether `pg` is a ShmProcessGroup; if so, *why_not is "" when it can run `type` on tensors like
-// `t` with `op`, else why not and the remedy (the front end's check before anything is sent).
-bool shm_group_unsupported(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t,
-                           const c10d::ReduceOp& op, std::string* why_not);
-
-// Whether `pg` is a ShmProcessGroup; if so, *takes is whether its _allgather_base (type
-// _ALLGATHER_BASE) or _reduce_scatter_base (_REDUCE_SCATTER_BASE, with `op`) runs over shared memory
-// for tensors like `t` (comm/backend.h, takes_base_collective).
-bool shm_takes_base(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t, const c10d::ReduceOp& op,
-                    bool* takes);
 
 }  // namespace dtrain::comm

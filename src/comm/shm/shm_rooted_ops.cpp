@@ -140,12 +140,9 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::_reduce_scatter_base(at::Tensor&
                  });
 }
 
-bool shm_takes_base(const compat::BackendPtr& pg, c10d::OpType type, const at::Tensor& t, const c10d::ReduceOp& op,
-                    bool* takes) {
-  auto* s = dynamic_cast<ShmProcessGroup*>(pg.get());
-  if (!s) return false;
-  *takes = s->takes_base(type, t, op);
-  return true;
+// The segment's, or else the wrapped Gloo's where this LibTorch's Gloo has them (compat/c10d_compat.h).
+bool ShmProcessGroup::takes_base_collective(c10d::OpType type, const at::Tensor& t, const c10d::ReduceOp& op) const {
+  return takes_base(type, t, op) || DTRAIN_GLOO_HAS_TENSOR_COLLECTIVES;
 }
 
 }  // namespace dtrain::comm

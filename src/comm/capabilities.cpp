@@ -1,4 +1,4 @@
-#include "comm/call_hint.h"
+#include "comm/capabilities.h"
 
 namespace dtrain::comm {
 

@@ -1,0 +1,20 @@
+// The point-to-point tags of dtrain's own messages, in one table, so that no two of its uses meet and
+// users' tags stay clear of them. dtrain::send/recv document tags from kFirstReservedTag up as
+// dtrain's (docs/api.md); a user's tag there would be matched against these messages.
+#pragma once
+
+namespace dtrain::comm {
+
+inline constexpr int kFirstReservedTag = 0x6F000000;
+
+// DDP's hooks: a small sum as an exchange of messages (Note [Small sums as exchanges] in
+// src/ddp/comm_hooks.cpp). One tag: every rank issues its sends and receives in the same order.
+inline constexpr int kSmallSumTag = 0x6F000000;
+
+// Pipelines: two tags per pipeline on a group, kPipelineTagBase + 2 * (the group's object index),
+// up to INT_MAX (src/pipeline/pipeline.cpp).
+inline constexpr int kPipelineTagBase = 0x70000000;
+
+static_assert(kFirstReservedTag <= kSmallSumTag && kSmallSumTag < kPipelineTagBase, "tags overlap");
+
+}  // namespace dtrain::comm
