@@ -147,6 +147,10 @@ def allowed_by(name, test, entries, facts):
             continue
         if fnmatch.fnmatchcase(name, pattern) or (test and fnmatch.fnmatchcase(f"{name}:{test}", pattern)):
             return reason
+        # A bare GoogleTest name: the case, whether ctest runs it alone or inside its whole program
+        # (tests/CMakeLists.txt, DTRAIN_TEST_PER_CASE).
+        if test and ":" not in pattern and fnmatch.fnmatchcase(test, pattern):
+            return reason
     return None
 
 
