@@ -118,13 +118,13 @@ TEST(Collectives, AllReduceDividedEqualsDividingAFlatCopyAndSumming) {
 
 TEST(Collectives, AllReduceDividedBadInputIsAClearError) {
   std::vector<at::Tensor> ts{at::ones({2})};
-  EXPECT_NE(dtrain_error_of([&] { all_reduce_divided(ts, 0); }).find("all_reduce_divided: divisor=0 is not positive"),
-            std::string::npos);
+  EXPECT_THAT(dtrain_error_of([&] { all_reduce_divided(ts, 0); }),
+              HasSubstr("all_reduce_divided: divisor=0 is not positive"));
   std::vector<at::Tensor> mixed{at::ones({2}), at::ones({2}, at::kDouble)};
-  EXPECT_NE(dtrain_error_of([&] { all_reduce_divided(mixed, 2); }).find("pass tensors of one floating-point dtype"),
-            std::string::npos);
+  EXPECT_THAT(dtrain_error_of([&] { all_reduce_divided(mixed, 2); }),
+              HasSubstr("pass tensors of one floating-point dtype"));
   std::vector<at::Tensor> none;
-  EXPECT_NE(dtrain_error_of([&] { all_reduce_divided(none, 2); }).find("no tensors"), std::string::npos);
+  EXPECT_THAT(dtrain_error_of([&] { all_reduce_divided(none, 2); }), HasSubstr("no tensors"));
   // Nothing was sent: the group still works.
   all_reduce_divided(ts, 1);
   EXPECT_EQ(ts[0][0].item<float>(), static_cast<float>(N()));
@@ -132,10 +132,10 @@ TEST(Collectives, AllReduceDividedBadInputIsAClearError) {
 
 TEST(Collectives, AvgOnIntegersIsAClearError) {
   at::Tensor t = at::ones({2}, at::kLong);
-  EXPECT_NE(error_of([&] { all_reduce(t, ReduceOp::AVG); }).find("needs a floating-point tensor"), std::string::npos);
+  EXPECT_THAT(error_of([&] { all_reduce(t, ReduceOp::AVG); }), HasSubstr("needs a floating-point tensor"));
   // reduce too, on every rank (only the destination divides, but every rank must refuse alike).
-  EXPECT_NE(error_of([&] { reduce(t, 0, ReduceOp::AVG); }).find("reduce: ReduceOp::AVG needs a floating-point tensor"),
-            std::string::npos);
+  EXPECT_THAT(error_of([&] { reduce(t, 0, ReduceOp::AVG); }),
+              HasSubstr("reduce: ReduceOp::AVG needs a floating-point tensor"));
 }
 
 // The small control messages: plain values in and out, on the world and on a subgroup of the others.
@@ -269,7 +269,7 @@ TEST(Collectives, GatherAndScatter) {
 TEST(Collectives, ListSizeMismatchIsAClearError) {
   std::vector<at::Tensor> out{at::empty({2})};
   if (N() > 1) {
-    EXPECT_NE(error_of([&] { all_gather(out, at::ones({2})); }).find("pass one tensor per rank"), std::string::npos);
+    EXPECT_THAT(error_of([&] { all_gather(out, at::ones({2})); }), HasSubstr("pass one tensor per rank"));
   }
 }
 
@@ -399,7 +399,7 @@ TEST(Collectives, SubgroupsUseGlobalRanks) {
   if (R() == 1) {
     EXPECT_FALSE(g.is_member());
     at::Tensor t = at::ones({1});
-    EXPECT_NE(error_of([&] { all_reduce(t, ReduceOp::SUM, g); }).find("not a member"), std::string::npos);
+    EXPECT_THAT(error_of([&] { all_reduce(t, ReduceOp::SUM, g); }), HasSubstr("not a member"));
   } else {
     EXPECT_EQ(g.rank(), R() == 0 ? 0 : 1);
     at::Tensor t = at::full({1}, static_cast<float>(R()));
@@ -408,14 +408,14 @@ TEST(Collectives, SubgroupsUseGlobalRanks) {
     at::Tensor b = at::full({1}, static_cast<float>(R()));
     broadcast(b, 2, g);  // src is a global rank
     EXPECT_FLOAT_EQ(b[0].item<float>(), 2.0f);
-    EXPECT_NE(error_of([&] { broadcast(b, 1, g); }).find("src=1 is not a member"), std::string::npos);
+    EXPECT_THAT(error_of([&] { broadcast(b, 1, g); }), HasSubstr("src=1 is not a member"));
   }
   barrier();
 }
 
 TEST(Collectives, NewGroupRejectsBadRanks) {
-  EXPECT_NE(error_of([] { new_group({0, N()}); }).find("out of range"), std::string::npos);
-  EXPECT_NE(error_of([] { new_group({0, 0}); }).find("listed twice"), std::string::npos);
+  EXPECT_THAT(error_of([] { new_group({0, N()}); }), HasSubstr("out of range"));
+  EXPECT_THAT(error_of([] { new_group({0, 0}); }), HasSubstr("listed twice"));
 }
 
 DTRAIN_DIST_TEST_MAIN()

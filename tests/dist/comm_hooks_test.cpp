@@ -223,28 +223,22 @@ TEST(CommHooks, RegistrationErrors) {
   Net net = make_net(at::kFloat);
   DistributedDataParallel ddp(net, small_buckets());
   ddp.register_comm_hook(Group(), allreduce_hook);
-  EXPECT_NE(test_util::dtrain_error_of([&] {
-              ddp.register_comm_hook(Group(), fp16_compress_hook);
-            }).find("already registered"),
-            std::string::npos);
+  EXPECT_THAT([&] { ddp.register_comm_hook(Group(), fp16_compress_hook); },
+              ThrowsDtrainError(HasSubstr("already registered")));
   Net net2 = make_net(at::kFloat);
   DistributedDataParallel ddp2(net2, small_buckets());
   auto [x, y] = data(0, rank(), at::kFloat);
   F::mse_loss(ddp2(x), y).backward();
-  EXPECT_NE(test_util::dtrain_error_of([&] {
-              ddp2.register_comm_hook(Group(), allreduce_hook);
-            }).find("before the first backward"),
-            std::string::npos);
+  EXPECT_THAT([&] { ddp2.register_comm_hook(Group(), allreduce_hook); },
+              ThrowsDtrainError(HasSubstr("before the first backward")));
   // A result of the wrong size is named at the end of backward (on every rank alike).
   Net net3 = make_net(at::kFloat);
   DistributedDataParallel ddp3(net3, small_buckets());
   ddp3.register_comm_hook([](GradBucket& b) { return Future(b.buffer().narrow(0, 0, 1)); });
   const std::string e = test_util::error_of([&] { F::mse_loss(ddp3(x), y).backward(); });
   EXPECT_THAT(e, HasSubstr("communication hook's result for bucket 0 has 1 elements")) << e;
-  EXPECT_NE(test_util::dtrain_error_of([] {
-              (void)PowerSGDState(PowerSGDOptions().start_powerSGD_iter(1));
-            }).find("start_powerSGD_iter must be > 1"),
-            std::string::npos);
+  EXPECT_THAT([] { (void)PowerSGDState(PowerSGDOptions().start_powerSGD_iter(1)); },
+              ThrowsDtrainError(HasSubstr("start_powerSGD_iter must be > 1")));
 }
 
 // --- PowerSGD against a re-implementation over every rank's data ----------------------------------

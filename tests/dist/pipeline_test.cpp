@@ -126,10 +126,7 @@ TEST(Pipeline, ExplicitBalance) {
   EXPECT_EQ(pipe.balance(), (std::vector<int64_t>{1, 4}));
   EXPECT_EQ(pipe.stage_module()->size(), pipe.stage() == 0 ? 1u : 4u);
   EXPECT_EQ(pipe.first_layer(), pipe.stage() == 0 ? 0 : 1);
-  EXPECT_NE(error_of([] {
-              Pipeline bad(make_model(), PipelineOptions().balance({2, 2}));
-            }).find("sums to 4"),
-            std::string::npos);
+  EXPECT_THAT(error_of([] { Pipeline bad(make_model(), PipelineOptions().balance({2, 2})); }), HasSubstr("sums to 4"));
 }
 
 // Boundary tensors larger than a shared-memory point-to-point ring (1 MB): a stage enters the
@@ -252,17 +249,14 @@ TEST(PipelineFailure, BadScheduleOptionsAreOneClearError) {
   EXPECT_EQ(
       error_of([&] { Pipeline bad(make_model(5), options_for(Schedule::kInterleaved1F1B, p).virtual_stages(0)); }),
       "PipelineOptions: virtual_stages must be >= 1, got 0");
-  EXPECT_NE(error_of([&] {
-              Pipeline bad(make_model(), options_for(Schedule::kZeroBubbleH1, 2).virtual_stages(2));
-            }).find("virtual_stages=2 needs Schedule::kInterleaved1F1B"),
-            std::string::npos);
-  EXPECT_NE(error_of([&] { Pipeline bad(injectable_stages(p), options_for(Schedule::kInterleaved1F1B, p)); })
-                .find(std::to_string(p) + " stage modules given but the pipeline has " + std::to_string(2 * p) +
-                      " stages (" + std::to_string(p) + " ranks x 2 virtual stages)"),
-            std::string::npos);
+  EXPECT_THAT(error_of([&] { Pipeline bad(make_model(), options_for(Schedule::kZeroBubbleH1, 2).virtual_stages(2)); }),
+              HasSubstr("virtual_stages=2 needs Schedule::kInterleaved1F1B"));
+  EXPECT_THAT(error_of([&] { Pipeline bad(injectable_stages(p), options_for(Schedule::kInterleaved1F1B, p)); }),
+              HasSubstr(std::to_string(p) + " stage modules given but the pipeline has " + std::to_string(2 * p) +
+                        " stages (" + std::to_string(p) + " ranks x 2 virtual stages)"));
   Pipeline pipe(make_model(5), options_for(Schedule::kInterleaved1F1B, p));
   EXPECT_EQ(pipe.stage_modules().size(), 2u);
-  EXPECT_NE(error_of([&] { pipe.stage_module(); }).find("use stage_modules()"), std::string::npos);
+  EXPECT_THAT(error_of([&] { pipe.stage_module(); }), HasSubstr("use stage_modules()"));
 }
 
 TEST(PipelineFailure, BoundaryShapeMismatchNamesBothStages) {

@@ -81,8 +81,7 @@ TEST(Shm, SumMatchesGlooBitForBitOnTwoRanks) {
   // docs/features.md: "Gloo 1.13 cannot all-reduce or reduce bfloat16 at all; the shared-memory path can" (the
   // latter: Shm.AllReduceOpsAndDtypes). The call is rejected before anything is sent.
   at::Tensor bf = at::ones({4}, at::kBFloat16);
-  EXPECT_NE(error_of([&] { all_reduce(bf, ReduceOp::SUM, gloo); }).find("has no BFloat16 collectives"),
-            std::string::npos);
+  EXPECT_THAT(error_of([&] { all_reduce(bf, ReduceOp::SUM, gloo); }), HasSubstr("has no BFloat16 collectives"));
 #endif
   for (auto dt : {at::kFloat, at::kDouble, at::kHalf})
     for (int64_t n : {1, 1000, 700001}) {
@@ -117,7 +116,7 @@ TEST(Shm, UnsupportedCallsFallBackToGloo) {
   all_reduce(i, ReduceOp::SUM);
   EXPECT_EQ(i[0].item<int64_t>(), N() * (N() + 1) / 2);
   at::Tensor nc = at::full({4, 4}, 1.0).t();  // broadcast of a non-contiguous view is refused upstream
-  EXPECT_NE(error_of([&] { broadcast(nc, 0); }).find("not contiguous"), std::string::npos);
+  EXPECT_THAT(error_of([&] { broadcast(nc, 0); }), HasSubstr("not contiguous"));
   at::Tensor r = at::full({3}, 2.0);
   reduce(r, 0, ReduceOp::SUM);
   if (R() == 0) {

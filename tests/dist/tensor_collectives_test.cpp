@@ -187,18 +187,13 @@ TEST(TensorCollectives, BadInputIsAClearError) {
                                ", 2, 2] or [" + std::to_string(N() * 2) + ", 2]"))
       << shape;
   at::Tensor doubles = at::empty({N() * 4}, at::kDouble);
-  EXPECT_NE(dtrain_error_of([&] {
-              all_gather_into_tensor(doubles, at::ones({4}));
-            }).find("output is Double on cpu but input is Float on cpu: pass tensors of one dtype on one device"),
-            std::string::npos);
+  EXPECT_THAT(dtrain_error_of([&] { all_gather_into_tensor(doubles, at::ones({4})); }),
+              HasSubstr("output is Double on cpu but input is Float on cpu: pass tensors of one dtype on one device"));
   at::Tensor ints = at::empty({4}, at::kLong);
-  EXPECT_NE(dtrain_error_of([&] {
-              reduce_scatter_tensor(ints, at::ones({N() * 4}, at::kLong), ReduceOp::AVG);
-            }).find("ReduceOp::AVG needs a floating-point tensor"),
-            std::string::npos);
+  EXPECT_THAT(dtrain_error_of([&] { reduce_scatter_tensor(ints, at::ones({N() * 4}, at::kLong), ReduceOp::AVG); }),
+              HasSubstr("ReduceOp::AVG needs a floating-point tensor"));
   at::Tensor strided = at::empty({N() * 8}).view({N() * 4, 2}).select(1, 0);
-  EXPECT_NE(dtrain_error_of([&] { all_gather_into_tensor(strided, at::ones({4})); }).find("is not contiguous"),
-            std::string::npos);
+  EXPECT_THAT(dtrain_error_of([&] { all_gather_into_tensor(strided, at::ones({4})); }), HasSubstr("is not contiguous"));
   at::Tensor ok = at::ones({N()});
   at::Tensor one = at::empty({1});
   reduce_scatter_tensor(one, ok);

@@ -12,6 +12,7 @@
 #include <torch/version.h>
 #include "compat/amp_compat.h"
 #include "test_util.h"
+#include "matchers.h"
 
 using dtrain::Autocast;
 using dtrain::GradScaler;
@@ -62,12 +63,12 @@ TEST(Autocast, NestsAndRestoresThePreviousState) {
 }
 
 TEST(Autocast, RejectsUnsupportedTypes) {
-  EXPECT_NE(error_of([] { Autocast ac(at::kCPU, at::kDouble); }).find("Autocast on CPU supports"), std::string::npos);
+  EXPECT_THAT(error_of([] { Autocast ac(at::kCPU, at::kDouble); }), HasSubstr("Autocast on CPU supports"));
   if (dtrain::compat::kAutocastCpuHalf) {  // LibTorch 2.4 added float16 to CPU autocast
     Autocast ac(at::kCPU, at::kHalf);
     EXPECT_EQ(at::mm(at::randn({4, 4}), at::randn({4, 4})).scalar_type(), at::kHalf);
   } else {
-    EXPECT_NE(error_of([] { Autocast ac(at::kCPU, at::kHalf); }).find("only bfloat16"), std::string::npos);
+    EXPECT_THAT(error_of([] { Autocast ac(at::kCPU, at::kHalf); }), HasSubstr("only bfloat16"));
   }
   EXPECT_FALSE(cpu_autocast_on());
 }
@@ -177,10 +178,10 @@ TEST(GradScaler, UnscaleTwiceAndStepTwiceAreErrors) {
   GradScaler scaler;
   scaler.scale(f.loss()).backward();
   scaler.unscale_(f.opt);
-  EXPECT_NE(error_of([&] { scaler.unscale_(f.opt); }).find("already been called"), std::string::npos);
+  EXPECT_THAT(error_of([&] { scaler.unscale_(f.opt); }), HasSubstr("already been called"));
   scaler.step(f.opt);
-  EXPECT_NE(error_of([&] { scaler.step(f.opt); }).find("step() has already been called"), std::string::npos);
-  EXPECT_NE(error_of([&] { scaler.unscale_(f.opt); }).find("after step()"), std::string::npos);
+  EXPECT_THAT(error_of([&] { scaler.step(f.opt); }), HasSubstr("step() has already been called"));
+  EXPECT_THAT(error_of([&] { scaler.unscale_(f.opt); }), HasSubstr("after step()"));
   scaler.update();
   scaler.scale(f.loss()).backward();
   scaler.unscale_(f.opt);  // fine again after update()
@@ -223,8 +224,8 @@ TEST(GradScaler, DisabledIsAPassThrough) {
 }
 
 TEST(GradScaler, BadOptionsAreClearErrors) {
-  EXPECT_NE(error_of([] { GradScaler s(GradScalerOptions().growth_factor(0.5)); }).find("growth_factor must be > 1"),
-            std::string::npos);
-  EXPECT_NE(error_of([] { GradScaler s(GradScalerOptions().init_scale(-1)); }).find("init_scale must be > 0, got -1"),
-            std::string::npos);
+  EXPECT_THAT(error_of([] { GradScaler s(GradScalerOptions().growth_factor(0.5)); }),
+              HasSubstr("growth_factor must be > 1"));
+  EXPECT_THAT(error_of([] { GradScaler s(GradScalerOptions().init_scale(-1)); }),
+              HasSubstr("init_scale must be > 0, got -1"));
 }

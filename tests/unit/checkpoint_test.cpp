@@ -447,13 +447,11 @@ TEST_F(Checkpoint, FilesWithoutAWriteStampAreOlderThanAnyStampedWrite) {
 }
 
 TEST_F(Checkpoint, BadOptionsAreClearErrors) {
-  EXPECT_NE(error_of([] {
-              dtrain::CheckpointManager("/tmp/x", dtrain::CheckpointOptions().keep(0));
-            }).find("keep must be >= 1, got 0"),
-            std::string::npos);
-  EXPECT_NE(error_of([] { dtrain::CheckpointManager(""); }).find("the checkpoint folder is empty"), std::string::npos);
+  EXPECT_THAT(error_of([] { dtrain::CheckpointManager("/tmp/x", dtrain::CheckpointOptions().keep(0)); }),
+              HasSubstr("keep must be >= 1, got 0"));
+  EXPECT_THAT(error_of([] { dtrain::CheckpointManager(""); }), HasSubstr("the checkpoint folder is empty"));
   dtrain::DistributedSampler s(10, dtrain::DistributedSamplerOptions().num_replicas(2).rank(0));
-  EXPECT_NE(error_of([&] { s.resume_at(6); }).find("resume_at(6) is past the 5 indices"), std::string::npos);
+  EXPECT_THAT(error_of([&] { s.resume_at(6); }), HasSubstr("resume_at(6) is past the 5 indices"));
 }
 
 }  // namespace

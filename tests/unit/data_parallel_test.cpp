@@ -9,6 +9,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 #include "test_util.h"
+#include "matchers.h"
 
 using dtrain::DataParallel;
 using dtrain::DataParallelOptions;
@@ -116,15 +117,13 @@ TEST(DataParallel, BatchNormKeepsReplicaZerosRunningStats) {
 
 TEST(DataParallel, BadInputIsAClearError) {
   Net model;
-  EXPECT_NE(error_of([&] { DataParallel dp(model, DataParallelOptions({})); }).find("device_ids is empty"),
-            std::string::npos);
-  EXPECT_NE(error_of([&] {
-              DataParallel dp(model, DataParallelOptions({c10::Device(at::kCPU), c10::Device(at::kCUDA, 0)}));
-            }).find("mix device types"),
-            std::string::npos);
+  EXPECT_THAT(error_of([&] { DataParallel dp(model, DataParallelOptions({})); }), HasSubstr("device_ids is empty"));
+  EXPECT_THAT(error_of([&] {
+                DataParallel dp(model, DataParallelOptions({c10::Device(at::kCPU), c10::Device(at::kCUDA, 0)}));
+              }),
+              HasSubstr("mix device types"));
   Plain plain;
-  EXPECT_NE(error_of([&] { DataParallel dp(plain, DataParallelOptions(cpus(2))); }).find("Cloneable"),
-            std::string::npos);
+  EXPECT_THAT(error_of([&] { DataParallel dp(plain, DataParallelOptions(cpus(2))); }), HasSubstr("Cloneable"));
   DataParallel with_factory(plain, DataParallelOptions(cpus(2)), [] { return Plain().ptr(); });
   EXPECT_EQ(with_factory.num_replicas(), 2u);
 }
@@ -151,7 +150,7 @@ TEST(Balance, ByParameterCount) {
   // Ties keep parameter-free layers (activations) with the layer before them.
   EXPECT_EQ(dtrain::balance_by_size({100, 0, 1, 0, 1}, 2), (std::vector<int64_t>{2, 3}));
   EXPECT_EQ(dtrain::balance_by_size({5, 5, 5}, 3), (std::vector<int64_t>{1, 1, 1}));
-  EXPECT_NE(error_of([] { dtrain::balance_by_size({1, 2}, 3); }).find("cannot fill 3 stages"), std::string::npos);
+  EXPECT_THAT(error_of([] { dtrain::balance_by_size({1, 2}, 3); }), HasSubstr("cannot fill 3 stages"));
 }
 
 TEST(ModelParallel, SplitOverTwoAndThreeDevicesMatchesTheUnsplitModel) {
@@ -178,9 +177,9 @@ TEST(ModelParallel, SplitOverTwoAndThreeDevicesMatchesTheUnsplitModel) {
       for (size_t i = 0; i < p.size(); ++i) EXPECT_TRUE(at::allclose(p[i].grad(), q[i].grad()));
     }
   }
-  EXPECT_NE(error_of([] {
-              dtrain::ModelParallelSequential mp(torch::nn::Sequential(torch::nn::Linear(2, 2)), cpus(2),
-                                                 std::vector<int64_t>{1, 1});
-            }).find("balance sums to 2 layers but the Sequential has 1"),
-            std::string::npos);
+  EXPECT_THAT(error_of([] {
+                dtrain::ModelParallelSequential mp(torch::nn::Sequential(torch::nn::Linear(2, 2)), cpus(2),
+                                                   std::vector<int64_t>{1, 1});
+              }),
+              HasSubstr("balance sums to 2 layers but the Sequential has 1"));
 }

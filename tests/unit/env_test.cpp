@@ -17,6 +17,7 @@
 #include "common/util.h"
 #include "dtrain/process_group.h"
 #include "test_util.h"
+#include "matchers.h"
 
 namespace env = dtrain::env;
 namespace fs = std::filesystem;
@@ -130,7 +131,7 @@ TEST(Env, GoodValuesAreParsed) {
 TEST(Env, BadValuesNameTheVariableTheValueAndWhatIsAllowed) {
   auto err = [](const std::function<void(const env::Lookup&)>& read, const char* name, const char* value) {
     const std::string e = error_of([&] { read(vars({{name, value}})); });
-    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+    EXPECT_THAT(e, Not(HasSubstr("\n")));
     return e;
   };
   auto choice = [](const char* n) { return [n](const env::Lookup& v) { env::choice(n, v); }; };
@@ -162,9 +163,9 @@ TEST(Env, BadValuesNameTheVariableTheValueAndWhatIsAllowed) {
 }
 
 TEST(Env, ReadingAVariableOutsideTheTableOrAsAnotherTypeIsABug) {
-  EXPECT_NE(error_of([] { env::text("DTRAIN_NO_SUCH_KNOB"); }).find("has no row"), std::string::npos);
-  EXPECT_NE(error_of([] { env::integer("DTRAIN_SHM"); }).find("internal error"), std::string::npos);
-  EXPECT_NE(error_of([] { env::flag("DTRAIN_DEBUG"); }).find("internal error"), std::string::npos);
+  EXPECT_THAT(error_of([] { env::text("DTRAIN_NO_SUCH_KNOB"); }), HasSubstr("has no row"));
+  EXPECT_THAT(error_of([] { env::integer("DTRAIN_SHM"); }), HasSubstr("internal error"));
+  EXPECT_THAT(error_of([] { env::flag("DTRAIN_DEBUG"); }), HasSubstr("internal error"));
 }
 
 // Rows the docs can show and the accessors can honour: unique names, a meaning, and a fallback that

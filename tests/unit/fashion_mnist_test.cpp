@@ -146,9 +146,9 @@ TEST_F(FashionMNISTFiles, GetAndBatchAgree) {
     EXPECT_TRUE(at::equal(b.data[k], one.data));
     EXPECT_EQ(b.target[k].item<int64_t>(), one.target.item<int64_t>());
   }
-  EXPECT_NE(dtrain_error_of([&] { test_->get(10000); }).find("index 10000 out of range"), std::string::npos);
+  EXPECT_THAT(dtrain_error_of([&] { test_->get(10000); }), HasSubstr("index 10000 out of range"));
   const std::vector<size_t> bad = {1, 10000};
-  EXPECT_NE(dtrain_error_of([&] { test_->batch(bad); }).find("index 10000 out of range"), std::string::npos);
+  EXPECT_THAT(dtrain_error_of([&] { test_->batch(bad); }), HasSubstr("index 10000 out of range"));
 }
 
 TEST(FashionMNIST, StandardizeUsesMeanAndStd) {
@@ -159,10 +159,10 @@ TEST(FashionMNIST, StandardizeUsesMeanAndStd) {
   FashionMNIST def(kRoot, FashionMNIST::Mode::kTest, FashionMNISTOptions().standardize(true).max_samples(10));
   FashionMNIST raw(kRoot, FashionMNIST::Mode::kTest, FashionMNISTOptions().max_samples(10));
   EXPECT_TRUE(at::allclose(def.images(), (raw.images() - 0.2860) / 0.3530));
-  EXPECT_NE(dtrain_error_of([] {
-              FashionMNIST(kRoot, FashionMNIST::Mode::kTest, FashionMNISTOptions().standardize(true).stddev(0));
-            }).find("stddev must be > 0"),
-            std::string::npos);
+  EXPECT_THAT(dtrain_error_of([] {
+                FashionMNIST(kRoot, FashionMNIST::Mode::kTest, FashionMNISTOptions().standardize(true).stddev(0));
+              }),
+              HasSubstr("stddev must be > 0"));
 }
 
 TEST_F(FashionMNISTFiles, SubsetIsThePrefix) {

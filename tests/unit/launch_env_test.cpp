@@ -7,6 +7,7 @@
 
 #include "dtrain/errors.h"
 #include "test_util.h"
+#include "matchers.h"
 
 using dtrain::comm::EnvLookup;
 using dtrain::comm::LaunchEnv;
@@ -49,10 +50,10 @@ TEST(LaunchEnv, RestartCountFromDtrainRunElseTorchrun) {
   EXPECT_EQ(with({}), 0);
   EXPECT_EQ(with({{"TORCHELASTIC_RESTART_COUNT", "2"}}), 2);
   EXPECT_EQ(with({{"DTRAIN_RESTART_COUNT", "1"}, {"TORCHELASTIC_RESTART_COUNT", "1"}}), 1);
-  EXPECT_NE(dtrain_error_of([&] {
-              with({{"TORCHELASTIC_RESTART_COUNT", "x"}});
-            }).find("TORCHELASTIC_RESTART_COUNT"),
-            std::string::npos);
+  EXPECT_THAT(dtrain_error_of([&] {
+                with({{"TORCHELASTIC_RESTART_COUNT", "x"}});
+              }),
+              HasSubstr("TORCHELASTIC_RESTART_COUNT"));
 }
 
 TEST(LaunchEnv, OpenMpi) {
@@ -93,41 +94,38 @@ TEST(LaunchEnv, ExplicitValuesOverride) {
 }
 
 TEST(LaunchEnv, BadValuesNameTheVariable) {
-  EXPECT_NE(dtrain_error_of([] { read_launch_env(env_of({})); }).find("RANK is not set"), std::string::npos);
-  EXPECT_NE(dtrain_error_of([] {
-              read_launch_env(env_of({{"RANK", "x1"}, {"WORLD_SIZE", "2"}}));
-            }).find("RANK='x1' is not a non-negative integer"),
-            std::string::npos);
-  EXPECT_NE(dtrain_error_of([] {
-              read_launch_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "-2"}}));
-            }).find("WORLD_SIZE='-2'"),
-            std::string::npos);
-  EXPECT_NE(dtrain_error_of([] {
-              read_launch_env(env_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}}));
-            }).find("RANK=2 is out of range for WORLD_SIZE=2"),
-            std::string::npos);
-  EXPECT_NE(dtrain_error_of([] {
-              read_launch_env(env_of({{"RANK", "0"}}));
-            }).find("WORLD_SIZE is not set"),
-            std::string::npos);
+  EXPECT_THAT(dtrain_error_of([] { read_launch_env(env_of({})); }), HasSubstr("RANK is not set"));
+  EXPECT_THAT(dtrain_error_of([] {
+                read_launch_env(env_of({{"RANK", "x1"}, {"WORLD_SIZE", "2"}}));
+              }),
+              HasSubstr("RANK='x1' is not a non-negative integer"));
+  EXPECT_THAT(dtrain_error_of([] {
+                read_launch_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "-2"}}));
+              }),
+              HasSubstr("WORLD_SIZE='-2'"));
+  EXPECT_THAT(dtrain_error_of([] {
+                read_launch_env(env_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}}));
+              }),
+              HasSubstr("RANK=2 is out of range for WORLD_SIZE=2"));
+  EXPECT_THAT(dtrain_error_of([] { read_launch_env(env_of({{"RANK", "0"}})); }), HasSubstr("WORLD_SIZE is not set"));
 }
 
 TEST(LaunchEnv, MasterAddressAndPort) {
   auto ep = dtrain::comm::master_from_env(env_of({{"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}}));
   EXPECT_EQ(ep.host, "10.0.0.1");
   EXPECT_EQ(ep.port, 29500);
-  EXPECT_NE(dtrain_error_of([] {
-              dtrain::comm::master_from_env(env_of({{"MASTER_PORT", "1"}}));
-            }).find("MASTER_ADDR is not set"),
-            std::string::npos);
-  EXPECT_NE(dtrain_error_of([] {
-              dtrain::comm::master_from_env(env_of({{"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}}));
-            }).find("MASTER_PORT='70000' is not a valid port"),
-            std::string::npos);
-  EXPECT_NE(dtrain_error_of([] {
-              dtrain::comm::master_from_env(env_of({{"MASTER_ADDR", "h"}, {"MASTER_PORT", "http"}}));
-            }).find("MASTER_PORT='http'"),
-            std::string::npos);
+  EXPECT_THAT(dtrain_error_of([] {
+                dtrain::comm::master_from_env(env_of({{"MASTER_PORT", "1"}}));
+              }),
+              HasSubstr("MASTER_ADDR is not set"));
+  EXPECT_THAT(dtrain_error_of([] {
+                dtrain::comm::master_from_env(env_of({{"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}}));
+              }),
+              HasSubstr("MASTER_PORT='70000' is not a valid port"));
+  EXPECT_THAT(dtrain_error_of([] {
+                dtrain::comm::master_from_env(env_of({{"MASTER_ADDR", "h"}, {"MASTER_PORT", "http"}}));
+              }),
+              HasSubstr("MASTER_PORT='http'"));
 }
 
 TEST(LaunchEnv, TcpUrls) {
@@ -137,5 +135,5 @@ TEST(LaunchEnv, TcpUrls) {
   auto b = dtrain::comm::parse_tcp_url("tcp://[::1]:29500");
   EXPECT_EQ(b.host, "::1");
   EXPECT_EQ(b.port, 29500);
-  EXPECT_NE(dtrain_error_of([] { dtrain::comm::parse_tcp_url("tcp://host"); }).find("has no port"), std::string::npos);
+  EXPECT_THAT(dtrain_error_of([] { dtrain::comm::parse_tcp_url("tcp://host"); }), HasSubstr("has no port"));
 }

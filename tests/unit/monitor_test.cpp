@@ -123,7 +123,7 @@ TEST(Progress, MarkedLinesUnderTheLauncher) {
 }
 
 TEST(Progress, BadTotalIsAClearError) {
-  EXPECT_NE(error_of([] { Progress p(ProgressOptions().total(0)); }).find("total must be > 0"), std::string::npos);
+  EXPECT_THAT(error_of([] { Progress p(ProgressOptions().total(0)); }), HasSubstr("total must be > 0"));
 }
 
 TEST(Plot, SvgIsWellFormedWithOnePointPerValue) {
@@ -261,10 +261,8 @@ TEST(Plot, OneWindowShowsItsPointOverTheStepsRun) {
 }
 
 TEST(Monitor, BadOptionsAreClearErrors) {
-  EXPECT_NE(error_of([] { Monitor m(MonitorOptions().log_every(0)); }).find("log_every must be > 0"),
-            std::string::npos);
-  EXPECT_NE(error_of([] { Monitor m(MonitorOptions().output_dir("/proc/no/such")); }).find("/proc/no/such"),
-            std::string::npos);
+  EXPECT_THAT(error_of([] { Monitor m(MonitorOptions().log_every(0)); }), HasSubstr("log_every must be > 0"));
+  EXPECT_THAT(error_of([] { Monitor m(MonitorOptions().output_dir("/proc/no/such")); }), HasSubstr("/proc/no/such"));
 }
 
 TEST(Status, MonitorTrainingLines) {

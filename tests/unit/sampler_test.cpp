@@ -139,18 +139,16 @@ TEST(DistributedSampler, CopiesShareTheEpoch) {
 }
 
 TEST(DistributedSampler, RejectsBadArguments) {
-  EXPECT_NE(dtrain_error_of([] { DistributedSampler(10, opts(4, 4)); }).find("got rank 4"), std::string::npos);
-  EXPECT_NE(dtrain_error_of([] { DistributedSampler(10, opts(4, -1)); }).find("got rank -1"), std::string::npos);
-  EXPECT_NE(dtrain_error_of([] { DistributedSampler(10, opts(0, 0)); }).find("num_replicas must be > 0, got 0"),
-            std::string::npos);
-  EXPECT_NE(dtrain_error_of([] { DistributedSampler(10, opts(-2, 0)); }).find("got -2"), std::string::npos);
+  EXPECT_THAT(dtrain_error_of([] { DistributedSampler(10, opts(4, 4)); }), HasSubstr("got rank 4"));
+  EXPECT_THAT(dtrain_error_of([] { DistributedSampler(10, opts(4, -1)); }), HasSubstr("got rank -1"));
+  EXPECT_THAT(dtrain_error_of([] { DistributedSampler(10, opts(0, 0)); }),
+              HasSubstr("num_replicas must be > 0, got 0"));
+  EXPECT_THAT(dtrain_error_of([] { DistributedSampler(10, opts(-2, 0)); }), HasSubstr("got -2"));
   // No process group here: the defaults cannot be taken from it.
   const std::string msg = dtrain_error_of([] { DistributedSampler(10); });
   EXPECT_THAT(msg, HasSubstr("init_process_group")) << msg;
-  EXPECT_NE(dtrain_error_of([] {
-              DistributedSampler(10, DistributedSamplerOptions().num_replicas(2));
-            }).find("rank not given"),
-            std::string::npos);
+  EXPECT_THAT(dtrain_error_of([] { DistributedSampler(10, DistributedSamplerOptions().num_replicas(2)); }),
+              HasSubstr("rank not given"));
 }
 
 TEST(DistributedSampler, NextWalksOnePassAndResetStartsAnother) {

@@ -58,19 +58,17 @@ TEST(SlurmHostList, MalformedListsNameTheVariableAndTheRemedy) {
     EXPECT_EQ(e.rfind(std::string("LIST='") + bad + "' is not a Slurm host list (", 0), 0u) << e;
     EXPECT_THAT(e, HasSubstr("): REMEDY")) << e;
   }
-  EXPECT_NE(host_error("n[1-3").find("not closed"), std::string::npos);
-  EXPECT_NE(host_error("n[3-1]").find("runs backwards"), std::string::npos);
-  EXPECT_NE(host_error("n[1-99999999]").find("too long"), std::string::npos);
+  EXPECT_THAT(host_error("n[1-3"), HasSubstr("not closed"));
+  EXPECT_THAT(host_error("n[3-1]"), HasSubstr("runs backwards"));
+  EXPECT_THAT(host_error("n[1-99999999]"), HasSubstr("too long"));
 }
 
 TEST(SlurmTaskCounts, ExpandsRepeats) {
   EXPECT_EQ(slurm::expand_counts("2", "V", ""), std::vector<int>({2}));
   EXPECT_EQ(slurm::expand_counts("2(x3),1", "V", ""), std::vector<int>({2, 2, 2, 1}));
   for (const char* bad : {"x", "2(3)", "2(x3", "-1", "2(x)"})
-    EXPECT_NE(dtrain_error_of([&] {
-                slurm::expand_counts(bad, "V", "R");
-              }).find(std::string("V='") + bad + "' is not Slurm's task counts"),
-              std::string::npos)
+    EXPECT_THAT(dtrain_error_of([&] { slurm::expand_counts(bad, "V", "R"); }),
+                HasSubstr(std::string("V='") + bad + "' is not Slurm's task counts"))
         << bad;
 }
 
@@ -110,10 +108,10 @@ TEST(SlurmMaster, JobNodeListWhenNoStepAndNothingOutsideAJob) {
   EXPECT_EQ(m->port, 15005);
   EXPECT_FALSE(slurm::master(env_of({{"SLURM_JOB_NODELIST", "a"}}), "R"));
   EXPECT_FALSE(slurm::master(env_of({{"SLURM_JOB_ID", "5"}}), "R"));
-  EXPECT_NE(dtrain_error_of([] {
-              slurm::master(env_of({{"SLURM_JOB_ID", "5"}, {"SLURM_STEP_NODELIST", "a[1-"}}), "set MASTER_ADDR");
-            }).find("SLURM_STEP_NODELIST='a[1-' is not a Slurm host list"),
-            std::string::npos);
+  EXPECT_THAT(dtrain_error_of([] {
+                slurm::master(env_of({{"SLURM_JOB_ID", "5"}, {"SLURM_STEP_NODELIST", "a[1-"}}), "set MASTER_ADDR");
+              }),
+              HasSubstr("SLURM_STEP_NODELIST='a[1-' is not a Slurm host list"));
 }
 
 TEST(SlurmStep, TheTaskItsHostAndItsNeighbours) {
@@ -135,15 +133,13 @@ TEST(SlurmStep, InconsistentVariablesFailClearly) {
     vars[k] = v;
     return dtrain_error_of([&] { slurm::step(env_of(vars), "REMEDY"); });
   };
-  EXPECT_NE(with("SLURM_PROCID", "4").find("SLURM_PROCID=4 is out of range for SLURM_STEP_NUM_TASKS=4: REMEDY"),
-            std::string::npos);
-  EXPECT_NE(with("SLURM_NODEID", "2").find("SLURM_NODEID=2 is out of range for SLURM_STEP_TASKS_PER_NODE=2(x2)"),
-            std::string::npos);
-  EXPECT_NE(with("SLURM_LOCALID", "2").find("SLURM_LOCALID=2 is out of range for 2 task(s) on node 1"),
-            std::string::npos);
-  EXPECT_NE(with("SLURM_LOCALID", "").find("SLURM_LOCALID is not set but SLURM_STEP_NUM_TASKS=4 is: REMEDY"),
-            std::string::npos);
-  EXPECT_NE(with("SLURM_STEP_TASKS_PER_NODE", "2(x").find("is not Slurm's task counts"), std::string::npos);
+  EXPECT_THAT(with("SLURM_PROCID", "4"),
+              HasSubstr("SLURM_PROCID=4 is out of range for SLURM_STEP_NUM_TASKS=4: REMEDY"));
+  EXPECT_THAT(with("SLURM_NODEID", "2"),
+              HasSubstr("SLURM_NODEID=2 is out of range for SLURM_STEP_TASKS_PER_NODE=2(x2)"));
+  EXPECT_THAT(with("SLURM_LOCALID", "2"), HasSubstr("SLURM_LOCALID=2 is out of range for 2 task(s) on node 1"));
+  EXPECT_THAT(with("SLURM_LOCALID", ""), HasSubstr("SLURM_LOCALID is not set but SLURM_STEP_NUM_TASKS=4 is: REMEDY"));
+  EXPECT_THAT(with("SLURM_STEP_TASKS_PER_NODE", "2(x"), HasSubstr("is not Slurm's task counts"));
 }
 
 // The library's side: ranks started by srun meet where the job says, and a batch script is no step.
@@ -154,8 +150,8 @@ TEST(SlurmLaunchEnv, SrunRanksWithoutMasterMeetWhereTheJobSays) {
   EXPECT_EQ(ep.port, 18456);
   EXPECT_THAT(ep.note, HasSubstr("export MASTER_ADDR and MASTER_PORT to choose others")) << ep.note;
   // Other launchers inside a Slurm job (mpirun in a batch script) are not guessed for.
-  EXPECT_NE(dtrain_error_of([&] { dtrain::comm::master_from_env(env_of(vars), false); }).find("MASTER_ADDR is not set"),
-            std::string::npos);
+  EXPECT_THAT(dtrain_error_of([&] { dtrain::comm::master_from_env(env_of(vars), false); }),
+              HasSubstr("MASTER_ADDR is not set"));
   vars["MASTER_ADDR"] = "h";
   vars["MASTER_PORT"] = "2";
   ep = dtrain::comm::master_from_env(env_of(vars), true);

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include "matchers.h"
 
 using namespace dtrain::store;
 using namespace std::chrono_literals;
@@ -98,7 +99,7 @@ TEST(Store, WaitersHaveTheirOwnTimeouts) {
     c.wait({"never"}, 300ms);
     FAIL() << "wait should time out";
   } catch (const TimeoutError& e) {
-    EXPECT_NE(std::string(e.what()).find("'never'"), std::string::npos) << e.what();
+    EXPECT_THAT(std::string(e.what()), HasSubstr("'never'")) << e.what();
   }
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
   EXPECT_FALSE(long_done.load());
@@ -118,7 +119,7 @@ TEST(Store, GetTimeoutNamesTheKey) {
     c.get("missing/key", 100ms);
     FAIL();
   } catch (const TimeoutError& e) {
-    EXPECT_NE(std::string(e.what()).find("missing/key"), std::string::npos) << e.what();
+    EXPECT_THAT(std::string(e.what()), HasSubstr("missing/key")) << e.what();
   }
 }
 
@@ -152,9 +153,8 @@ TEST(Store, PortInUseIsOneClearLine) {
     FAIL() << "second bind should fail";
   } catch (const std::runtime_error& e) {
     std::string msg = e.what();
-    EXPECT_NE(msg.find("port " + std::to_string(first.port()) + " on 127.0.0.1 is already in use"), std::string::npos)
-        << msg;
-    EXPECT_EQ(msg.find('\n'), std::string::npos);
+    EXPECT_THAT(msg, HasSubstr("port " + std::to_string(first.port()) + " on 127.0.0.1 is already in use")) << msg;
+    EXPECT_THAT(msg, Not(HasSubstr("\n")));
   }
 }
 
@@ -178,10 +178,9 @@ TEST(Store, ConnectTimeoutToClosedPort) {
     FAIL();
   } catch (const std::runtime_error& e) {
     std::string msg = e.what();
-    EXPECT_NE(msg.find("cannot reach the rendezvous at 127.0.0.1:" + std::to_string(port) + " within 0.5s"),
-              std::string::npos)
+    EXPECT_THAT(msg, HasSubstr("cannot reach the rendezvous at 127.0.0.1:" + std::to_string(port) + " within 0.5s"))
         << msg;
-    EXPECT_NE(msg.find("refused"), std::string::npos) << msg;
+    EXPECT_THAT(msg, HasSubstr("refused")) << msg;
   }
   auto took = std::chrono::steady_clock::now() - t0;
   EXPECT_GE(took, 450ms);
@@ -207,7 +206,7 @@ TEST(Store, UnresolvableHostFailsAtOnce) {
     StoreClient c("no-such-host.invalid", 29500, 10000ms);
     FAIL();
   } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("no-such-host.invalid"), std::string::npos) << e.what();
+    EXPECT_THAT(std::string(e.what()), HasSubstr("no-such-host.invalid")) << e.what();
   }
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
 }
