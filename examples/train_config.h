@@ -42,6 +42,8 @@ struct Config {
   std::string sample_log;               // folder of the per-rank logs of trained indices (sample_log.h)
   double uneven = 0;                    // rank r drops uneven * r / (world - 1) of its batches (Join)
   bool tensorboard = false;             // TensorBoard event files in checkpoint_dir
+  bool fsdp = false;                    // fully_shard instead of DDP: each rank holds its rows only
+  bool reshard_after_forward = true;    // --fsdp: free fc1's whole parameters after its forward (ZeRO-3)
   // --comm_hook powersgd: the rank and the plain steps before compressing (PyTorch's defaults: 1, 1000)
   int64_t powersgd_rank = dtrain::PowerSGDOptions().matrix_approximation_rank();
   int64_t powersgd_start_iter = dtrain::PowerSGDOptions().start_powerSGD_iter();

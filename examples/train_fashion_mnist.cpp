@@ -43,6 +43,7 @@
 #include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
 #include "dtrain/dtrain.h"
+#include "dtrain/fsdp.h"
 #include "dtrain/monitor.h"
 #include "sample_log.h"
 #include "train_config.h"
@@ -53,26 +54,49 @@ namespace {
 using dtrain::datasets::FashionMNIST;
 using train::Config;
 
-// conv 32, conv 64, linear 128: ~420K parameters.
+// conv 32, conv 64, linear 128: ~420K parameters. fc1 (401K of them) is declared as a unit of
+// --fsdp; without it, FSDPModule is a plain pass-through.
 struct FashionCNNImpl : torch::nn::Module {
   FashionCNNImpl() {
     using namespace torch::nn;
     conv1 = register_module("conv1", Conv2d(Conv2dOptions(1, 32, 3).padding(1)));
     conv2 = register_module("conv2", Conv2d(Conv2dOptions(32, 64, 3).padding(1)));
-    fc1 = register_module("fc1", Linear(64 * 7 * 7, 128));
+    fc1 = dtrain::FSDPModule<LinearImpl>(register_module("fc1", std::make_shared<LinearImpl>(64 * 7 * 7, 128)));
     fc2 = register_module("fc2", Linear(128, 10));
   }
   at::Tensor forward(at::Tensor x) {                           // (B, 1, 28, 28)
     x = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);  // (B, 32, 14, 14)
     x = torch::max_pool2d(torch::relu(conv2->forward(x)), 2);  // (B, 64, 7, 7)
-    x = torch::relu(fc1->forward(x.flatten(1)));               // (B, 128)
+    x = torch::relu(fc1(x.flatten(1)));                        // (B, 128)
     return fc2->forward(x);                                    // (B, 10) logits
   }
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  dtrain::FSDPModule<torch::nn::LinearImpl> fc1{nullptr};
+  torch::nn::Linear fc2{nullptr};
 };
 TORCH_MODULE(FashionCNN);
 using DDP = dtrain::DistributedDataParallel<FashionCNNImpl>;
+
+// The model as the ranks train it: DDP (every rank whole) or, with --fsdp, fully_shard (each rank its
+// rows of every parameter, gathered unit by unit while it runs).
+struct Parallel {
+  std::optional<DDP> ddp;
+  std::optional<dtrain::FSDPModule<FashionCNNImpl>> fsdp;
+  at::Tensor operator()(const at::Tensor& x) { return ddp ? (*ddp)(x) : (*fsdp)(x); }
+  std::vector<at::Tensor> parameters() const { return ddp ? ddp->parameters() : fsdp->parameters(); }
+  // clip_grad_norm_ over whole gradients: DDP's are whole on every rank, fully_shard's across the ranks.
+  double clip_grad_norm_(double max_norm) {
+    return ddp ? torch::nn::utils::clip_grad_norm_(ddp->parameters(), max_norm)
+               : dtrain::clip_grad_norm_(fsdp->parameters(), max_norm);
+  }
+  // The whole parameters in registration order, on every rank (fully_shard's: gathered).
+  std::vector<at::Tensor> whole_parameters() {
+    if (ddp) return ddp->parameters();
+    std::vector<at::Tensor> out;
+    for (auto& kv : fsdp->full_state_dict()) out.push_back(kv.second);
+    return out;
+  }
+};
 
 // Error text on one line (c10::Error messages may span several).
 std::string one_line(std::string s) {
@@ -108,7 +132,7 @@ void collectively(const std::string& what, bool this_rank_runs, Fn&& fn) {
 // Test accuracy over the whole test set. Each rank takes its shard of a non-shuffled DistributedSampler
 // (rank r: samples r, r+W, r+2W, ...); the sampler pads the list to a multiple of W by wrapping around,
 // and those padded positions (>= n) are skipped, so every test sample is counted exactly once.
-double evaluate(FashionCNN& model, const FashionMNIST& test, int64_t batch_size, at::Device device) {
+double evaluate(FashionCNN& model, Parallel& par, const FashionMNIST& test, int64_t batch_size, at::Device device) {
   torch::NoGradGuard no_grad;
   model->eval();
   const size_t n = test.size().value();
@@ -121,15 +145,18 @@ double evaluate(FashionCNN& model, const FashionMNIST& test, int64_t batch_size,
   for (size_t begin = 0; begin < mine.size(); begin += batch_size) {
     const size_t len = std::min<size_t>(batch_size, mine.size() - begin);
     auto batch = test.batch(c10::ArrayRef<size_t>(mine.data() + begin, len));
-    correct += model->forward(batch.data.to(device)).argmax(1).eq(batch.target.to(device)).sum().item<int64_t>();
+    correct += par(batch.data.to(device)).argmax(1).eq(batch.target.to(device)).sum().item<int64_t>();
   }
+  if (par.fsdp) par.fsdp->reshard();  // no backward follows to free the root's gathered parameters
   const auto counts = dtrain::all_reduce_values(std::vector<double>{double(correct), double(mine.size())});
   model->train();
   return counts[0] / counts[1];
 }
 
-// The configuration line's hook: "" for DDP's own all-reduce.
+// The configuration line's hook: "" for DDP's own all-reduce; fully_shard's mode with --fsdp.
 std::string comm_hook_text(const Config& cfg) {
+  if (cfg.fsdp)
+    return std::string(", fully_shard (reshard_after_forward ") + (cfg.reshard_after_forward ? "true" : "false") + ")";
   if (cfg.comm_hook == "allreduce") return "";
   if (cfg.comm_hook != "powersgd") return ", comm_hook " + cfg.comm_hook;
   return ", comm_hook powersgd (rank " + std::to_string(cfg.powersgd_rank) + ", after " +
@@ -294,7 +321,7 @@ struct Training {
   const Config& cfg;
   const at::Device device;
   const bool cuda;
-  DDP& ddp;
+  Parallel& par;
   torch::optim::Optimizer& optimizer;
   dtrain::GradScaler& scaler;
   dtrain::DistributedSampler& sampler;
@@ -325,7 +352,9 @@ EpochSums Training::train_epoch(Loader& loader, int64_t epoch, bool resumed) {
     seen = static_cast<int64_t>(state.values["seen"]);
   }
   // doc:begin begin-epoch
-  monitor.begin_epoch(epoch, cfg.epochs, epoch_steps, step);
+  // Resumed on another world size from the end of an epoch: none of it is left to train here.
+  const bool nothing_left = epoch_steps == 0;
+  if (!nothing_left) monitor.begin_epoch(epoch, cfg.epochs, epoch_steps, step);
   // doc:end begin-epoch
   // doc:begin save-checkpoint
   // This rank's progress through the epoch, as the checkpoint stores it.
@@ -341,7 +370,9 @@ EpochSums Training::train_epoch(Loader& loader, int64_t epoch, bool resumed) {
   // doc:begin uneven
   // --uneven: ranks run out of batches at different steps. Inside the Join a rank that has run out
   // shadows the others' gradient all-reduces until all are done (enable(false): no Join at all).
-  dtrain::Join join({&ddp}, dtrain::JoinOptions().enable(cfg.uneven > 0));
+  // (fully_shard is not a joinable: --fsdp takes no --uneven.)
+  std::optional<dtrain::Join> join;
+  if (par.ddp) join.emplace(std::vector<dtrain::Joinable*>{&*par.ddp}, dtrain::JoinOptions().enable(cfg.uneven > 0));
   // doc:end uneven
   // doc:begin batch-loop
   for (auto& indexed : *loader) {
@@ -355,7 +386,7 @@ EpochSums Training::train_epoch(Loader& loader, int64_t epoch, bool resumed) {
       dtrain::Autocast autocast(device.type(), cuda ? at::kHalf : at::kBFloat16, /*enabled=*/cfg.amp);
       batch.data = batch.data.to(device);
       batch.target = batch.target.to(device);
-      logits = ddp(batch.data);  // (B, 10)
+      logits = par(batch.data);  // (B, 10)
       loss = torch::nn::functional::cross_entropy(logits, batch.target);
     }
     {
@@ -367,7 +398,7 @@ EpochSums Training::train_epoch(Loader& loader, int64_t epoch, bool resumed) {
       auto phase = monitor.phase(dtrain::Phase::kOptimizer);
       if (cfg.grad_clip > 0) {
         scaler.unscale_(optimizer);  // clip the true gradients (a no-op without --amp)
-        grad_norm = torch::nn::utils::clip_grad_norm_(ddp.parameters(), cfg.grad_clip);
+        grad_norm = par.clip_grad_norm_(cfg.grad_clip);
       }
       scaler.step(optimizer);  // skipped after an overflow (--amp)
       scaler.update();
@@ -394,8 +425,8 @@ EpochSums Training::train_epoch(Loader& loader, int64_t epoch, bool resumed) {
     if (cfg.step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(cfg.step_sleep_ms));
   }
   // doc:end batch-loop
-  join.join();  // --uneven: wait for (and shadow) the ranks with batches left
-  monitor.end_epoch();
+  if (join) join->join();  // --uneven: wait for (and shadow) the ranks with batches left
+  if (!nothing_left) monitor.end_epoch();
   // The end of every epoch is a checkpoint too (unless the last step just wrote one).
   if (checkpoints && !(cfg.checkpoint_every > 0 && global_step % cfg.checkpoint_every == 0)) save_checkpoint();
   return {loss_sum, correct, seen, te};
@@ -407,8 +438,9 @@ struct EpochResult {
 };
 
 // Epoch statistics over all ranks, the test accuracy, and the epoch's line.
-EpochResult end_epoch(const Config& cfg, const Place& place, FashionCNN& model, const std::optional<FashionMNIST>& test,
-                      dtrain::Monitor& monitor, int64_t epoch, const EpochSums& sums) {
+EpochResult end_epoch(const Config& cfg, const Place& place, FashionCNN& model, Parallel& par,
+                      const std::optional<FashionMNIST>& test, dtrain::Monitor& monitor, int64_t epoch,
+                      const EpochSums& sums) {
   const auto [loss_sum, correct, seen, te] = sums;
   const at::Device device = place.device;
   const bool main_rank = place.main_rank;
@@ -420,7 +452,7 @@ EpochResult end_epoch(const Config& cfg, const Place& place, FashionCNN& model, 
   const double train_accuracy = stats[1] / stats[2];
   const double epoch_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - te).count();
   const auto tt = std::chrono::steady_clock::now();
-  test_accuracy = evaluate(model, *test, cfg.eval_batch_size > 0 ? cfg.eval_batch_size : cfg.batch_size, device);
+  test_accuracy = evaluate(model, par, *test, cfg.eval_batch_size > 0 ? cfg.eval_batch_size : cfg.batch_size, device);
   const double test_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - tt).count();
   // doc:begin progress
   monitor.log_epoch(epoch, dtrain::EpochInfo()
@@ -456,11 +488,12 @@ void print_powersgd_summary(dtrain::PowerSGDState& powersgd) {
 }
 
 // The end of the run: every rank's parameters compared, --dump_params, and rank 0's RESULT line.
-void report(const Config& cfg, const Place& place, DDP& ddp, std::optional<dtrain::PowerSGDState>& powersgd,
+void report(const Config& cfg, const Place& place, Parallel& par, std::optional<dtrain::PowerSGDState>& powersgd,
             const EpochResult& last, std::chrono::steady_clock::time_point t0) {
   // doc:begin ranks-agree
   // DDP keeps every rank's parameters identical: check it (each rank's hash, compared on rank 0).
-  const std::string bytes = train::parameter_bytes(ddp.parameters());
+  // fully_shard's whole parameters are gathered from the shards, so they agree unless a shard is lost.
+  const std::string bytes = train::parameter_bytes(par.whole_parameters());
   const std::string sha = train::sha256_hex(bytes);
   const std::vector<std::string> all = dtrain::all_gather_bytes(sha);
   int first_disagreeing = -1;
@@ -494,9 +527,21 @@ int run(const Config& cfg) {
   torch::manual_seed(static_cast<uint64_t>(cfg.seed));
   FashionCNN model;
   model->to(device);
-  dtrain::DistributedDataParallel ddp(model);
-  std::optional<dtrain::PowerSGDState> powersgd = register_comm_hook(cfg, ddp);
-  const std::unique_ptr<torch::optim::Optimizer> optimizer = make_optimizer(cfg, ddp.parameters());
+  Parallel par;
+  std::optional<dtrain::PowerSGDState> powersgd;
+  if (!cfg.fsdp) {
+    par.ddp.emplace(model);
+    powersgd = register_comm_hook(cfg, *par.ddp);
+  } else {
+    // doc:begin fsdp
+    // --fsdp (dtrain/fsdp.h): the units bottom-up, the root last, as FSDP2's fully_shard. The
+    // optimizer is built after, on the shards, and holds state for them only.
+    const auto options = dtrain::FullyShardOptions().reshard_after_forward(cfg.reshard_after_forward);
+    dtrain::fully_shard(model->fc1, options);
+    par.fsdp.emplace(dtrain::fully_shard(model, options));
+    // doc:end fsdp
+  }
+  const std::unique_ptr<torch::optim::Optimizer> optimizer = make_optimizer(cfg, par.parameters());
   // The tutorial's AMP recipe; disabled, every call is a pass-through.
   dtrain::GradScaler scaler(dtrain::GradScalerOptions().enabled(cfg.amp));
   // doc:end model
@@ -519,7 +564,7 @@ int run(const Config& cfg) {
   // sampler's position, with this epoch's running sums, so the run ends bit-identical to one never
   // interrupted (Note [exact resume]).
   dtrain::TrainingState state;
-  state.model = ddp.module().get();
+  state.model = model.get();  // the inner model, not the DDP wrapper; a sharded one as it is
   state.optimizer = optimizer.get();
   state.scaler = &scaler;
   state.sampler = &sampler;
@@ -540,14 +585,14 @@ int run(const Config& cfg) {
                               .trace_steps(50)
                               .tensorboard(cfg.tensorboard)
                               .histogram_every(10));
-  monitor.watch(ddp);
+  if (par.ddp) monitor.watch(*par.ddp);
   // doc:end monitor
 
   std::optional<train::SampleLog> sample_log;
   collectively("opening --sample_log", true,
                [&] { sample_log.emplace(cfg.sample_log, place.rank, dtrain::restart_count()); });
   const auto t0 = std::chrono::steady_clock::now();
-  Training training{cfg,     place.device, place.cuda, ddp,         *optimizer, scaler,           sampler,
+  Training training{cfg,     place.device, place.cuda, par,         *optimizer, scaler,           sampler,
                     monitor, *sample_log,  state,      checkpoints, my_steps,   start.global_step};
   EpochResult last;
   for (int64_t epoch = start.epoch; epoch <= cfg.epochs; ++epoch) {
@@ -556,12 +601,12 @@ int run(const Config& cfg) {
     // doc:end set-epoch
     const bool resumed = epoch == start.epoch && (state.sampler_position > 0 || start.resharded);
     const EpochSums sums = training.train_epoch(loader, epoch, resumed);
-    last = end_epoch(cfg, place, model, test, monitor, epoch, sums);
+    last = end_epoch(cfg, place, model, par, test, monitor, epoch, sums);
   }
   // doc:begin monitor-close
   monitor.close();  // every rank: the last metrics window, the merged trace, the plot
   // doc:end monitor-close
-  report(cfg, place, ddp, powersgd, last, t0);
+  report(cfg, place, par, powersgd, last, t0);
   dtrain::destroy_process_group();
   return 0;
 }

@@ -69,6 +69,18 @@ std::optional<int> parse_flags(int argc, char** argv, Config& cfg) {
   numbers.add("--powersgd_start_iter", cfg.powersgd_start_iter, Allowed::kInteger,
               "with --comm_hook powersgd: plain all-reduce for this many steps before compressing, at least 2 "
               "(PyTorch's start_powerSGD_iter)");
+  CLI::Option* fsdp = app.add_flag(
+      "--fsdp", cfg.fsdp,
+      "fully sharded data parallel (dtrain::fully_shard, FSDP2) instead of DDP: each rank holds its rows of every "
+      "parameter, gradient and optimizer state; fc1 is a unit of its own, the rest the root's; checkpoints are "
+      "written by every rank, its own shards");
+  std::string reshard = "true";
+  app.add_option("--reshard_after_forward", reshard,
+                 "with --fsdp: true frees fc1's gathered parameters after its forward and gathers them again in "
+                 "backward (ZeRO-3), false keeps them until its backward (ZeRO-2 for the parameters)")
+      ->check(CLI::IsMember({"true", "false"}))
+      ->needs(fsdp)
+      ->capture_default_str();
   app.add_option("--sample_log", cfg.sample_log,
                  "folder where each rank appends every dataset index it trains to "
                  "samples.rank<RANK>.attempt<TORCHELASTIC_RESTART_COUNT or 0>.txt, one line 'EPOCH STEP INDEX' per "
@@ -87,6 +99,14 @@ std::optional<int> parse_flags(int argc, char** argv, Config& cfg) {
   numbers.add("--local_rank,--local-rank", local_rank, Allowed::kInteger,
               "passed by dtrain-run --use_local_rank_arg (unused)");
   if (std::optional<int> exit_code = numbers.parse(argc, argv, "train_fashion_mnist")) return exit_code;
+  cfg.reshard_after_forward = reshard == "true";
+  // fully_shard has neither DDP's communication hooks nor Join: say so rather than ignore the flag.
+  if (cfg.fsdp && (cfg.comm_hook != "allreduce" || cfg.uneven > 0)) {
+    std::fprintf(stderr,
+                 "train_fashion_mnist: error: --fsdp cannot be combined with %s (DDP's only): drop one of them\n",
+                 cfg.comm_hook != "allreduce" ? ("--comm_hook " + cfg.comm_hook).c_str() : "--uneven");
+    return 1;
+  }
   if (cfg.uneven >= 1 || (cfg.uneven > 0 && !cfg.checkpoint_dir.empty())) {
     std::fprintf(stderr, "train_fashion_mnist: error: --uneven %g: %s\n", cfg.uneven,
                  cfg.uneven >= 1 ? "must be below 1 (the fraction of its batches the last rank drops)"

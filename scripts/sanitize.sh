@@ -5,7 +5,8 @@
 #   build-asan  -DDTRAIN_SANITIZE=ON: AddressSanitizer (+ LeakSanitizer) + UBSan. The unit tests and
 #               the multi-process tests on real ranks: collectives (shared memory and Gloo), shared
 #               memory, DDP, pipeline (2 and 4 ranks), monitor, AMP, sampler, the randomized
-#               collectives, communication hooks, SyncBatchNorm, ZeRO, Join, fully_shard.
+#               collectives, communication hooks, SyncBatchNorm, ZeRO, Join, fully_shard and its
+#               sharded checkpoints (saved on 3 ranks, loaded on 2).
 #   build-tsan  -DDTRAIN_SANITIZE=thread: ThreadSanitizer over the threads inside one rank: the
 #               shared-memory group's worker thread and its atomics, point-to-point's pusher, DDP's
 #               bucket hooks and completion callbacks, TensorBoard's flush timer, and the launcher's
@@ -20,9 +21,9 @@
 # To fit CI's time: build type Sanitize (-O1 -g1, see CMakeLists.txt), a unity build (the
 # library's sources compiled in a few batches, so LibTorch's headers are parsed a few times instead of
 # once per file), and each unit program run whole, one process for all its cases
-# (DTRAIN_TEST_PER_CASE=OFF, tests/CMakeLists.txt). Measured on 2 cores from nothing (empty trees, CCACHE_DISABLE=1), machine otherwise
-# idle: 398 s -- build-asan 316 s (build about 240 s, unit tests 38 s, multi-process tests 40 s),
-# build-tsan 82 s. While another build shared the cores, build-asan alone once took 697 s.
+# (DTRAIN_TEST_PER_CASE=OFF, tests/CMakeLists.txt). In CI's from-nothing run of 2026-12-03 evening
+# (docs/benchmarks.md, "Slowest tests"): build-asan 522 s (unit programs 21 s, multi-process tests
+# 71 s), build-tsan 197 s; on that day's slow afternoon 1049 s and 373 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S="$PWD/tests/sanitizers"
@@ -69,7 +70,8 @@ if [[ " $runs " == *" asan "* ]]; then
   mapfile -t UNIT < <(sed -n -e 's/^dtrain_unit_test(\([A-Za-z0-9_]*\).*/\1/p' \
                            -e 's/^add_executable(\([A-Za-z0-9_]*\).*/\1/p' tests/unit/CMakeLists.txt)
   DIST=(collectives_test collectives_random_test shm_dist_test ddp_test comm_hooks_test pipeline_test
-        monitor_dist_test amp_dist_test sampler_dist_test sync_batchnorm_test zero_test join_test fsdp_test)
+        monitor_dist_test amp_dist_test sampler_dist_test sync_batchnorm_test zero_test join_test fsdp_test
+        fsdp_checkpoint_test)
   configure_and_build "$B" ON "${UNIT[@]}" "${DIST[@]}"
   prefix=()
   # detect_leaks: LeakSanitizer at exit. halt_on_error: a UBSan report fails the process (exit 87).
@@ -87,7 +89,8 @@ if [[ " $runs " == *" asan "* ]]; then
                                   pipeline_test_2 pipeline_test_4 monitor_dist_test_2 \
                                   amp_dist_test_2 sampler_dist_test_2 sampler_dist_test_3 \
                                   collectives_random_test_2 comm_hooks_test_2 sync_batchnorm_test_3 \
-                                  zero_test_2 join_test_3 fsdp_test_3 fsdp_test_gloo_2)"
+                                  zero_test_2 join_test_3 fsdp_test_3 fsdp_test_gloo_2 \
+                                  fsdp_checkpoint_3to2)"
   unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
   echo "=== build-asan: done in $((SECONDS - start)) s"
 fi

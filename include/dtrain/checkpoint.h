@@ -50,7 +50,8 @@
 // archive (zip) with the keys
 //   version, step, epoch, world_size, model_manifest ("name dtype [shape]" per line), model,
 //   optimizer, scaler, sampler, sampler_position (rank 0's), sampler_positions (one per sampler rank),
-//   rank_state_<r> (uint8, one per rank).
+//   rank_state_<r> (uint8, one per rank); of a sharded model, model_replicated and shards (one
+//   header line per shard file) instead of model and optimizer.
 // Python reads it with torch.jit.load(io.BytesIO(data[data.index(b"\n") + 1:])).
 //
 // Note [exact resume]: restoring all of the above makes the continued run compute bit-identical
@@ -68,6 +69,23 @@
 //     values start empty. st.saved_world_size and st.saved_values (every saved rank's) let the
 //     caller merge running sums (train_fashion_mnist gives them all to rank 0).
 // N = M is the exact resume above, unchanged.
+//
+// A fully_shard'ed model (dtrain/fsdp.h) is on no rank whole, and no rank gathers it to save it
+// (Note [Sharded checkpoints] in src/checkpoint/sharded.cpp). save() then has every rank write, before
+// rank 0 writes the main file, its own shard file beside it,
+//   <dir>/<prefix>_<step, 10 digits>.shard<rank>-of-<world>.pt   (framed as the main file)
+// with its rows of every sharded parameter (FSDP2's to_local(): torch.chunk of dim 0 over the world)
+// and its optimizer's state for them (any torch::optim optimizer built on the shards). The main file
+// holds what every rank holds alike (buffers, parameters no unit holds, scaler, sampler, RNG packs)
+// and each shard file's header line, so a load reads the shards of that very save; a save where any
+// rank fails leaves no main file and no shard of it (every rank throws, naming the rank), and rotation
+// removes a checkpoint's shard files with it. load_latest() restores onto any world size, or into a
+// model without fully_shard: each rank reads the shard files holding its rows (on the world that
+// saved, its own: bit-identical continuation; on another, those overlapping its new rows, and the
+// optimizer's state tensors of a shard's shape resliced with them, its other values from saved rank
+// 0's). Every rank must read the shard files: on several nodes the folder must be one they share. A
+// missing or foreign shard fails the load on every rank before anything changed. A checkpoint of the
+// whole model does not load into a sharded one: load it before fully_shard.
 #pragma once
 
 #include <cstdint>
@@ -94,7 +112,8 @@ constexpr int kCheckpointFormatVersion = 1;
 
 // What a checkpoint holds. Null pointers are neither saved nor restored.
 struct TrainingState {
-  torch::nn::Module* model = nullptr;  // the inner model (ddp.module().get()), not the DDP wrapper
+  // The inner model (ddp.module().get()), not the DDP wrapper; a fully_shard'ed model as it is.
+  torch::nn::Module* model = nullptr;
   torch::optim::Optimizer* optimizer = nullptr;
   GradScaler* scaler = nullptr;
   DistributedSampler* sampler = nullptr;

@@ -17,7 +17,11 @@
 // - A unit's parameters are whole only while the unit runs: its forward all-gathers them first
 //   (prefetched one unit ahead from the second iteration on) and, with reshard_after_forward, frees
 //   them after; backward gathers them again and reduce-scatters the gradients, averaged over the
-//   group (asynchronously; every one has landed in .grad() when backward() returns).
+//   group (asynchronously; every one has landed in .grad() when backward() returns). .grad()
+//   accumulates over backward passes, as torch's; optimizer.zero_grad() clears it at any time, also
+//   between forward and backward while a unit is kept whole (Note [zero_grad while whole]).
+// - CheckpointManager saves a sharded model with each rank writing its own shards, and loads it on
+//   any world size (dtrain/checkpoint.h).
 // - C++ modules have no forward hooks, so a unit runs through something dtrain owns: the
 //   FSDPModule handle fully_shard returns (call it, not module->forward), a torch::nn::Sequential
 //   element wrapped in place (fully_shard(AnyModule&): the element must take and return one tensor),

@@ -18,12 +18,12 @@
 
 #include "checkpoint/file_io.h"
 #include "checkpoint/rank_state.h"
+#include "checkpoint/sharded.h"
 #include "common/util.h"
 #include "dtrain/amp.h"
 #include "dtrain/errors.h"
 #include "dtrain/process_group.h"
 #include "dtrain/sampler.h"
-#include "comm/param_claims.h"
 #include "dtrain/sharded_optimizer.h"
 
 namespace dtrain {
@@ -32,24 +32,13 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// "name dtype [d0, d1]" per parameter, then per buffer, in registration order (what Module::save
-// writes, flattened): compared before anything is loaded, so a checkpoint of another model is caught
-// with the first tensor that differs instead of LibTorch's set_() silently taking any shape.
-std::vector<std::pair<std::string, std::string>> manifest_of(const torch::nn::Module& model) {
-  std::vector<std::pair<std::string, std::string>> out;
-  auto add = [&](const std::string& name, const at::Tensor& t) {
-    std::ostringstream desc;
-    desc << t.scalar_type() << " " << t.sizes();
-    out.emplace_back(name, desc.str());
-  };
-  for (const auto& p : model.named_parameters()) add(p.key(), p.value());
-  for (const auto& b : model.named_buffers()) add(b.key(), b.value());
-  return out;
-}
-
+// The manifest ("name dtype [d0, d1]" per parameter, then per buffer, in registration order: what
+// Module::save writes, flattened; a sharded parameter by its whole shape) is compared before
+// anything is loaded, so a checkpoint of another model is caught with the first tensor that differs
+// instead of LibTorch's set_() silently taking any shape.
 std::string manifest_text(const torch::nn::Module& model) {
   std::string s;
-  for (const auto& [name, desc] : manifest_of(model)) s += name + " " + desc + "\n";
+  for (const auto& [name, desc] : ckpt::whole_manifest(model)) s += name + " " + desc + "\n";
   return s;
 }
 
@@ -59,7 +48,7 @@ void check_manifest(const std::string& saved_text, const torch::nn::Module& mode
     const size_t sp = line.find(' ');
     saved.emplace_back(line.substr(0, sp), sp == std::string::npos ? "" : line.substr(sp + 1));
   }
-  const auto mine = manifest_of(model);
+  const auto mine = ckpt::whole_manifest(model);
   const std::string head = "checkpoint " + file + " does not match the model: ";
   const std::string tail =
       " (a checkpoint of a different model? use another checkpoint folder or build the same model)";
@@ -109,20 +98,27 @@ std::string own_pack(const TrainingState& st) {
   return ckpt::pack_rank_state(st.rng, rs);
 }
 
-// The payload (a torch archive) of `state`, with the per-rank packs of every rank.
-std::string encode(const TrainingState& st, const std::vector<std::string>& rank_packs) {
+// The payload (a torch archive) of `state`, with the per-rank packs of every rank; for a sharded model,
+// the header lines of the shard files every rank wrote (Note [Sharded checkpoints]).
+std::string encode(const TrainingState& st, const std::vector<std::string>& rank_packs,
+                   const std::vector<std::string>& shard_headers = {}) {
+  const bool sharded = !shard_headers.empty();
   torch::serialize::OutputArchive a;
   a.write("version", c10::IValue(static_cast<int64_t>(kCheckpointFormatVersion)));
   a.write("step", c10::IValue(st.step));
   a.write("epoch", c10::IValue(st.epoch));
   a.write("world_size", c10::IValue(static_cast<int64_t>(rank_packs.size())));
   if (st.model) {
-    torch::serialize::OutputArchive m;
-    st.model->save(m);
-    a.write("model", m);
+    if (sharded) {
+      ckpt::encode_sharded_model(a, st, shard_headers);
+    } else {
+      torch::serialize::OutputArchive m;
+      st.model->save(m);
+      a.write("model", m);
+    }
     a.write("model_manifest", c10::IValue(manifest_text(*st.model)));
   }
-  if (st.optimizer) {
+  if (st.optimizer && !sharded) {  // a sharded model's: in each rank's shard file
     torch::serialize::OutputArchive o;
     st.optimizer->save(o);
     a.write("optimizer", o);
@@ -187,7 +183,8 @@ void parse(const std::string& payload, torch::serialize::InputArchive& a, std::o
 
 // Restores `st` from a parsed archive as this process of rank `my_rank` (Note [Resharded epoch] when
 // the saved world differs).
-void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::string& file, int my_rank) {
+void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::string& file, int my_rank,
+             std::optional<at::Device> device) {
   auto sub = [&](const char* key, torch::serialize::InputArchive& out) {
     DTRAIN_CHECK(a.try_read(key, out), "checkpoint ", file, " holds no ", key,
                  " state: it was saved without one; leave that member of TrainingState null");
@@ -209,14 +206,20 @@ void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::st
     packs[r] = tensor_bytes(pack);
   }
 
-  if (st.model) {
+  const bool sharded = ckpt::is_sharded_archive(a);
+  if (st.model && sharded) {
+    ckpt::load_sharded_model(a, st, file, device);  // the optimizer's state too
+  } else if (st.model) {
+    DTRAIN_CHECK(!ckpt::holds_shards(st.model), "checkpoint ", file,
+                 " holds a whole model, saved without fully_shard: load it into the model before fully_shard "
+                 "(whose shards then come from it), or resume from a checkpoint of the sharded model");
     torch::serialize::InputArchive m;
     sub("model", m);
     st.model->load(m);
   }
   // A sharded optimizer (ShardedOptimizerState) keeps this world's share of the whole state it
   // reads: resharded as is.
-  if (st.optimizer) {
+  if (st.optimizer && !(st.model && sharded)) {
     torch::serialize::InputArchive o;
     sub("optimizer", o);
     st.optimizer->load(o);
@@ -339,9 +342,10 @@ std::vector<std::string> gather_packs(const std::string& mine) {
 
 // Step 2 of save() on rank 0, after the folder exists: write, then rotate (Note [Write order]).
 void write_and_rotate(const std::string& dir, const CheckpointOptions& options, const std::string& path,
-                      const TrainingState& state, const std::vector<std::string>& packs) {
+                      const TrainingState& state, const std::vector<std::string>& packs,
+                      const std::vector<std::string>& shard_headers) {
   const std::vector<Found> before = scan(dir, options.prefix());
-  ckpt::write_atomic(path, ckpt::frame(encode(state, packs), next_write_stamp(before)));
+  ckpt::write_atomic(path, ckpt::frame(encode(state, packs, shard_headers), next_write_stamp(before)));
   if (const Found* later = later_step(before, path, state.step))
     warn_once("checkpoint-later-step",
               detail::cat("checkpoint folder ", dir, " holds ", later->path, " from the later step ", later->step,
@@ -352,8 +356,14 @@ void write_and_rotate(const std::string& dir, const CheckpointOptions& options, 
   // The newest `keep` writes stay; this one is the newest by its stamp, and never removed.
   const std::vector<Found> all = scan(dir, options.prefix());
   std::error_code ec;
-  for (size_t i = 0; i + static_cast<size_t>(options.keep()) < all.size(); ++i)
-    if (all[i].path != path) fs::remove(all[i].path, ec);
+  std::vector<std::string> kept;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (i + static_cast<size_t>(options.keep()) < all.size() && all[i].path != path)
+      fs::remove(all[i].path, ec);
+    else
+      kept.push_back(all[i].path);
+  }
+  ckpt::remove_shards_except(dir, options.prefix(), kept, -1);  // theirs, and those of failed saves
 }
 
 // Step 1 of load_latest() on rank 0: the most recent usable write (Note [Write order]). Its outcome
@@ -398,6 +408,9 @@ std::string pick_latest(const std::string& dir, const CheckpointOptions& options
 // --- single process ----------------------------------------------------------------------------------
 
 void save_checkpoint(const std::string& path, const TrainingState& state) {
+  DTRAIN_CHECK(!ckpt::holds_shards(state.model), "save_checkpoint(", path,
+               "): the model is fully_shard'ed, and this process holds only its shards: save it with "
+               "CheckpointManager::save on every rank (each writes its own shard file)");
   // Note [Write order]: stamped after the folder's files of the same name pattern, if it has one.
   const fs::path p(path);
   const std::string name = p.filename().string();
@@ -421,7 +434,7 @@ void load_checkpoint(const std::string& path, TrainingState& state) {
   } catch (const Error& e) {
     throw Error("checkpoint " + path + " is unusable: " + e.what());
   }
-  restore(a, state, path, is_initialized() ? rank() : 0);
+  restore(a, state, path, is_initialized() ? rank() : 0, model_device(state));
 }
 
 // --- CheckpointManager -------------------------------------------------------------------------------
@@ -442,31 +455,59 @@ std::vector<std::string> CheckpointManager::list() const {
 
 namespace {
 
-// A fully_shard'ed model holds only this rank's shards: rank 0 alone would write a part of it, and a
-// load would put rank 0's shards on every rank. Refused until sharded checkpoints exist.
-void refuse_sharded_model(const TrainingState& st, const char* what) {
-  if (!st.model) return;
-  for (const auto& kv : st.model->named_parameters()) {
-    const std::string holder = comm::holder_of(kv.value());
-    DTRAIN_CHECK(holder.rfind("fully_shard", 0) != 0, "CheckpointManager::", what, ": parameter '", kv.key(),
-                 "' is held by ", holder,
-                 ": checkpoints of fully_shard'ed models are not supported yet (each rank holds only its shard); "
-                 "save fsdp.full_state_dict() yourself, or leave TrainingState::model null");
+int my_rank() { return is_initialized() ? rank() : 0; }
+int my_world() { return is_initialized() ? world_size() : 1; }
+
+// Save step 2 of a sharded model, on every rank (Note [Sharded checkpoints]): each writes its shard
+// file; the header lines of all, in rank order. A rank that fails fails the save on every rank, and
+// each removes the shard it wrote.
+std::vector<std::string> write_shards(const std::string& dir, const std::string& path, const TrainingState& st) {
+  std::string mine;
+  try {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    DTRAIN_CHECK(fs::is_directory(dir), "cannot create the checkpoint folder ", dir, ": ",
+                 ec ? ec.message() : "a file of that name is in the way", ": choose another folder");
+    mine = "ok " + ckpt::write_own_shard(path, st, my_rank(), my_world());
+  } catch (const c10::Error& e) {
+    mine = "error " + util::one_line(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    mine = "error " + util::one_line(e.what());
   }
+  const std::vector<std::string> all = distributed() ? all_gather_bytes(mine) : std::vector<std::string>{mine};
+  std::vector<std::string> headers;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r].rfind("ok ", 0) == 0) {
+      headers.push_back(all[r].substr(3));
+      continue;
+    }
+    std::error_code ec;
+    fs::remove(ckpt::shard_path(path, my_rank(), my_world()), ec);
+    throw Error(r == static_cast<size_t>(my_rank())
+                    ? all[r].substr(6)
+                    : detail::cat("rank ", r, " failed to write its checkpoint shard: ", all[r].substr(6)));
+  }
+  return headers;
 }
 
 }  // namespace
 
 std::string CheckpointManager::save(const TrainingState& state) {
-  refuse_sharded_model(state, "save");
   DTRAIN_CHECK(state.step >= 0 && state.step <= 9999999999LL,
                "CheckpointManager::save: step must be in [0, 9999999999], got ", state.step);
   char name[32];
   std::snprintf(name, sizeof name, "_%010lld.pt", static_cast<long long>(state.step));
   const std::string path = (fs::path(dir_) / (options_.prefix() + name)).string();
   const auto packs = gather_packs(own_pack(state));  // 1.
+  const bool sharded = ckpt::holds_shards(state.model);
   // A sharded optimizer's state is spread over its group: gathered on rank 0, which writes it.
-  if (auto* sharded = dynamic_cast<ShardedOptimizerState*>(state.optimizer)) sharded->prepare_for_save(0);
+  if (auto* zero = dynamic_cast<ShardedOptimizerState*>(state.optimizer)) {
+    DTRAIN_CHECK(!sharded,
+                 "CheckpointManager::save: a ZeroRedundancyOptimizer over a fully_shard'ed model: "
+                 "fully_shard already shards the optimizer's state; build a torch::optim optimizer on the shards");
+    zero->prepare_for_save(0);
+  }
+  const std::vector<std::string> shard_headers = sharded ? write_shards(dir_, path, state) : std::vector<std::string>{};
   std::string error;
   if (!is_initialized() || rank() == 0) {  // 2.
     try {
@@ -474,7 +515,7 @@ std::string CheckpointManager::save(const TrainingState& state) {
       fs::create_directories(dir_, ec);
       DTRAIN_CHECK(fs::is_directory(dir_), "cannot create the checkpoint folder ", dir_, ": ",
                    ec ? ec.message() : "a file of that name is in the way", ": choose another folder");
-      write_and_rotate(dir_, options_, path, state, packs);
+      write_and_rotate(dir_, options_, path, state, packs, shard_headers);
     } catch (const c10::Error& e) {
       error = util::one_line(e.what_without_backtrace());
     } catch (const std::exception& e) {
@@ -482,13 +523,20 @@ std::string CheckpointManager::save(const TrainingState& state) {
     }
   }
   error = broadcast_string(error);  // 3.
-  if (!error.empty())
+  if (!error.empty()) {
+    std::error_code ec;
+    if (sharded) fs::remove(ckpt::shard_path(path, my_rank(), my_world()), ec);
     throw Error(distributed() && rank() != 0 ? "rank 0 failed to save a checkpoint: " + error : error);
+  }
+  // Each rank removes its own shard files of the checkpoints rotation removed (rank 0 already did
+  // in a folder they share).
+  if (sharded && distributed())
+    ckpt::remove_shards_except(dir_, options_.prefix(), util::split(broadcast_string(util::join(list(), "\n"))),
+                               rank());
   return path;
 }
 
 std::optional<std::string> CheckpointManager::load_latest(TrainingState& state) {
-  refuse_sharded_model(state, "load_latest");
   // 1. Rank 0 picks the newest usable file. Its outcome line: "" (none), "ok <path>" or "error <msg>".
   std::string outcome, framed;
   if (!is_initialized() || rank() == 0) outcome = pick_latest(dir_, options_, framed);
@@ -508,7 +556,7 @@ std::optional<std::string> CheckpointManager::load_latest(TrainingState& state) 
   // 3.
   torch::serialize::InputArchive a;
   parse(payload, a, model_device(state));
-  restore(a, state, path, is_initialized() ? rank() : 0);
+  restore(a, state, path, is_initialized() ? rank() : 0, model_device(state));
   return path;
 }
 

@@ -13,6 +13,7 @@
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "fsdp/root.h"
+#include "fsdp/shard_layout.h"
 #include "fsdp/unit.h"
 
 namespace dtrain::fsdp {
@@ -184,6 +185,7 @@ void unshard(const torch::nn::Module& module) {
   auto unit = find_unit(&module);
   DTRAIN_CHECK(unit, "unshard(", describe(module), "): the module is not a unit: call fully_shard on it first");
   unit->unshard();
+  unit->watch_zero_grad();
 }
 
 void reshard(const torch::nn::Module& module) {
@@ -215,6 +217,14 @@ std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Modul
     auto it = whole.find(kv.value().unsafeGetTensorImpl());
     out.emplace_back(kv.key(), it == whole.end() ? kv.value().detach().clone() : it->second);
   }
+  return out;
+}
+
+std::unordered_map<const c10::TensorImpl*, ShardLayout> shard_layouts(const torch::nn::Module& module) {
+  std::unordered_map<const c10::TensorImpl*, ShardLayout> out;
+  for (auto& u : units_under(module))
+    for (auto& p : u->params())
+      out[p.param.unsafeGetTensorImpl()] = ShardLayout{p.shard, p.full_shape, p.chunk_rows, u->group(), u->is_whole()};
   return out;
 }
 

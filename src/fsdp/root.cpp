@@ -114,7 +114,10 @@ ForwardScope::~ForwardScope() { --forward_depth; }
 void ForwardScope::finish(const std::vector<at::Tensor>& outputs) {
   finished_ = true;
   if (unit_->root) unit_->root->record_forward_end(unit_);
-  if (unit_->reshard_after_forward()) unit_->reshard();
+  if (unit_->reshard_after_forward())
+    unit_->reshard();
+  else
+    unit_->watch_zero_grad();
   if (!torch::autograd::GradMode::is_enabled()) return;
   std::weak_ptr<Unit> weak = unit_;
   for (const at::Tensor& t : outputs) {

@@ -195,10 +195,44 @@ std::vector<at::Tensor> Unit::whole_copies() const {
   return out;
 }
 
+// Note [zero_grad while whole]: while a unit is whole its shards' gradients wait in sharded_grad,
+// to be added to the new ones after the reduce-scatter (or put back when no backward comes), as
+// torch accumulates .grad(). An optimizer.zero_grad() in that time (between the forward of a unit
+// kept whole and backward: the root by default, every unit under reshard_after_forward(false))
+// must still clear them, as it clears FSDP2's sharded parameters' gradients at any time. It reaches
+// only the whole parameter's .grad(), so that .grad() is a placeholder of zeros while a shard's
+// gradient waits: zero_grad() resets it (set_to_none) or zeroes it in place (its version moves on
+// once more than the accumulations of the backward, which add in place). Either way the gradient
+// set aside is dropped. The placeholder is put where user code runs while the unit is whole: after a
+// forward that keeps it whole, and after unshard(); a unit gathered inside backward needs none.
+// Cost there: one whole gradient from the unit's forward on, where it would exist from its backward on.
+namespace {
+bool cleared_while_whole(ShardedParam& p, int64_t accumulations) {
+  if (!p.placeholder.defined()) return false;
+  const at::Tensor g = p.param.grad();
+  const bool cleared = !g.defined() || !g.is_same(p.placeholder) ||
+                       static_cast<int64_t>(p.placeholder._version()) > p.placeholder_version + accumulations;
+  p.placeholder = at::Tensor();
+  return cleared;
+}
+}  // namespace
+
+void Unit::watch_zero_grad() {
+  if (!whole_) return;
+  torch::NoGradGuard no_grad;
+  for (ShardedParam& p : params_) {
+    if (!p.sharded_grad.defined() || p.placeholder.defined() || p.param.grad().defined()) continue;
+    p.placeholder = at::zeros_like(p.full);
+    p.param.mutable_grad() = p.placeholder;
+    p.placeholder_version = static_cast<int64_t>(p.placeholder._version());
+  }
+}
+
 void Unit::reshard(bool restore_grads) {
   if (!whole_) return;
   torch::NoGradGuard no_grad;
   for (ShardedParam& p : params_) {
+    if (cleared_while_whole(p, 0)) p.sharded_grad = at::Tensor();
     p.param.mutable_grad() = at::Tensor();
     p.param.set_data(p.shard);
     if (p.full.defined()) free_storage(p.full);
@@ -213,6 +247,7 @@ void Unit::reshard(bool restore_grads) {
 void Unit::on_grad_ready(ShardedParam& p) {
   if (root) root->on_backward();
   if (p.got_grad || !whole_) return;
+  if (cleared_while_whole(p, 1)) p.sharded_grad = at::Tensor();
   p.got_grad = true;
   if (++ready_ == takes_grad_) launch_reduce_scatter();
 }

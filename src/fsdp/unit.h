@@ -32,6 +32,10 @@ struct ShardedParam {
   at::Tensor full;          // whole, in the param dtype; its storage holds no bytes while sharded
   at::Tensor sharded_grad;  // the shard's .grad(), set aside while the parameter is whole
   at::Tensor accumulated;   // the whole gradient summed over backward passes without sync
+  // Note [zero_grad while whole]: the whole parameter's .grad() while sharded_grad is set aside, and
+  // its version then.
+  at::Tensor placeholder;
+  int64_t placeholder_version = 0;
   compat::NodePtr accumulator;
   bool got_grad = false;  // in this backward
 
@@ -57,6 +61,9 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void drop_prefetch();
   void unshard();  // whole parameters (waits for the prefetch, or gathers now)
   void reshard(bool restore_grads = true);
+  // The unit stays whole while user code runs (after its forward, or unshard()): an optimizer's
+  // zero_grad() then must still reach the shards' gradients set aside (Note [zero_grad while whole]).
+  void watch_zero_grad();
   bool is_whole() const { return whole_; }
   // Bytes this rank has received through the unit's training collectives (all-gathers and
   // reduce-scatters, padding included): (n - 1) parts of each.

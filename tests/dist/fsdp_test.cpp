@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <exception>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <string>
@@ -62,15 +63,19 @@ struct Pair {
     opt = make_optimizer(kind, net->parameters());
     ref_opt = make_optimizer(kind, ref->parameters());
   }
-  void step(int s, double clip = 0) {
+  // zero_grad_after_forward: the optimizer's zero_grad() between forward and backward, while units
+  // kept whole (the root by default; every unit under ZeRO-2) hold their shards' gradients aside.
+  void step(int s, double clip = 0, bool zero_grad_after_forward = false) {
     auto [x, y] = fsdp_models::batch(s);
     ref_opt->zero_grad();
     (ref->forward(x) - y).pow(2).mean().backward();
     if (clip > 0) torch::nn::utils::clip_grad_norm_(ref->parameters(), clip);
     ref_opt->step();
     fsdp_models::keep_this_ranks_part(x, y);
-    opt->zero_grad();
-    (fsdp(x) - y).pow(2).mean().backward();
+    if (!zero_grad_after_forward) opt->zero_grad();
+    at::Tensor loss = (fsdp(x) - y).pow(2).mean();
+    if (zero_grad_after_forward) opt->zero_grad();
+    loss.backward();
     if (clip > 0) dtrain::clip_grad_norm_(net->parameters(), clip);
     opt->step();
   }
@@ -103,6 +108,34 @@ TEST(FullyShard, TwentyStepsEqualOneProcessOnTheWholeBatch) {
           << kind << (zero3 ? " ZeRO-3" : " ZeRO-2") << " on " << world_size() << " ranks";
       EXPECT_FALSE(pair.net->inner.module()->unused.grad().defined())
           << "a parameter backward never reaches gets no gradient, as in one process";
+    }
+  }
+}
+
+TEST(FullyShard, ZeroGradBetweenForwardAndBackwardClearsTheShardsGradients) {
+  // As FSDP2's, whose optimizer clears the sharded parameters' gradients whenever it is called.
+  for (bool zero3 : {true, false}) {
+    for (bool set_to_none : {true, false}) {
+      Pair pair("sgd", FullyShardOptions().reshard_after_forward(zero3));
+      for (int s = 0; s < 6; ++s) {
+        if (set_to_none) {
+          pair.step(s, 0, /*zero_grad_after_forward=*/true);
+          continue;
+        }
+        // zero_grad(false) (LibTorch 1.13's only kind): the gradients zeroed in place, not reset.
+        auto [x, y] = fsdp_models::batch(s);
+        pair.ref_opt->zero_grad();
+        (pair.ref->forward(x) - y).pow(2).mean().backward();
+        pair.ref_opt->step();
+        fsdp_models::keep_this_ranks_part(x, y);
+        at::Tensor loss = (pair.fsdp(x) - y).pow(2).mean();
+        for (auto& p : pair.net->parameters())
+          if (p.grad().defined()) p.mutable_grad().zero_();
+        loss.backward();
+        pair.opt->step();
+      }
+      EXPECT_LT(max_rel_diff(pair.fsdp.full_state_dict(), *pair.ref), 1e-10)
+          << (zero3 ? "ZeRO-3" : "ZeRO-2") << (set_to_none ? ", zero_grad()" : ", grads zeroed in place");
     }
   }
 }
@@ -353,14 +386,22 @@ TEST(FullyShard, BadInputIsNamedInOneLine) {
     expect_error([&] { DistributedDataParallel ddp(sharded); }, "is already held by fully_shard unit");
   }
   {
-    // A checkpoint of a sharded model would hold rank 0's shards only: refused on every rank.
+    // A checkpoint of the whole model (saved before fully_shard) cannot give a sharded model its
+    // shards: refused on every rank, with the remedy.
+    const int64_t pid0 = all_reduce_values(std::vector<int64_t>{rank() == 0 ? ::getpid() : 0}, ReduceOp::MAX)[0];
+    const std::string dir = "/tmp/dtrain_fsdp_whole_" + std::to_string(pid0);
+    Net whole = fsdp_models::make_net();
+    TrainingState saved;
+    saved.model = whole.ptr().get();
+    CheckpointManager ckpt(dir);
+    ckpt.save(saved);
     Net net = fsdp_models::make_net();
     fsdp_models::shard(net);
     TrainingState st;
     st.model = net.ptr().get();
-    CheckpointManager ckpt(std::string("/tmp/dtrain_fsdp_refused_") + std::to_string(::getpid()));
-    expect_error([&] { ckpt.save(st); }, "checkpoints of fully_shard'ed models are not supported yet");
-    expect_error([&] { ckpt.load_latest(st); }, "checkpoints of fully_shard'ed models are not supported yet");
+    expect_error([&] { ckpt.load_latest(st); }, "holds a whole model, saved without fully_shard");
+    barrier();
+    if (rank() == 0) std::filesystem::remove_all(dir);
   }
   {
     // Ranks that built different models: every rank names the first difference.

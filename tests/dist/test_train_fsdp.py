@@ -1,0 +1,101 @@
+"""examples/train_fashion_mnist --fsdp: the main job under fully_shard on real ranks.
+
+  * --fsdp ends with DDP's parameters (SGD, float32 rounding apart), with --reshard_after_forward
+    true (ZeRO-3) and false (ZeRO-2), and the ranks agree on the whole parameters;
+  * its checkpoints are written by every rank, each its own shard file beside rank 0's main file;
+    a run resumed from them on the same world ends bit for bit as one never stopped, and on another
+    world size (2 -> 3) it resumes resharded and finishes in sync;
+  * --fsdp with DDP-only flags (--comm_hook, --uneven) and --reshard_after_forward without --fsdp
+    are refused with one line.
+
+Binaries: $TRAIN_FASHION_MNIST and $DTRAIN_RUN (set by tests/dist/CMakeLists.txt), else build*/bin.
+"""
+import array
+import glob
+import os
+import re
+import tempfile
+import unittest
+
+from harness import DistTestCase, clean_env, launcher, trainer
+
+RESULT_RE = re.compile(r"^(?:\[rank 0\] )?RESULT epochs=(\d+) test_accuracy=([0-9.]+) train_loss=([0-9.]+)"
+                       r" params_sha256=([0-9a-f]{64}) ranks_agree=([01])$")
+# 256 samples, 2 ranks x batch 32: 4 steps per epoch; the test set's first 512 samples.
+COMMON = ("--subset", 256, "--seed", 3, "--threads", 1, "--optimizer", "sgd", "--lr", 0.05, "--test_subset", 512)
+RUN_TIMEOUT_S = 150
+
+
+class TrainFsdp(DistTestCase):
+    def launch(self, nproc, *args, rc=0):
+        res = self.run_one([launcher(), "--standalone", "--nproc_per_node", nproc, "--grace_period", 2,
+                            trainer(), *args], clean_env(DTRAIN_TIMEOUT_S=60), timeout=RUN_TIMEOUT_S)
+        self.assertEqual(res.rc, rc, str(res))
+        if rc != 0:
+            return res, None
+        lines = res.out.strip().splitlines()
+        m = RESULT_RE.match(lines[-1]) if lines else None
+        self.assertIsNotNone(m, f"the last line is not the RESULT line:\n{res}")
+        self.assertEqual(m.group(5), "1", f"the ranks' whole parameters differ:\n{res}")
+        return res, m
+
+    @staticmethod
+    def read(path):
+        values = array.array("f")
+        with open(path, "rb") as f:
+            values.frombytes(f.read())
+        return values
+
+    def test_fsdp_ends_with_ddps_parameters(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            ddp = os.path.join(tmp, "ddp.bin")
+            self.launch(2, *COMMON, "--epochs", 2, "--dump_params", ddp)
+            for reshard in ("true", "false"):
+                with self.subTest(reshard_after_forward=reshard):
+                    mine = os.path.join(tmp, f"fsdp_{reshard}.bin")
+                    res, _ = self.launch(2, *COMMON, "--epochs", 2, "--fsdp", "--reshard_after_forward", reshard,
+                                         "--dump_params", mine)
+                    self.assertIn(f"fully_shard (reshard_after_forward {reshard})", res.out)
+                    a, b = self.read(ddp), self.read(mine)
+                    self.assertEqual(len(a), 421642, "parameter count of conv32-conv64-fc128-fc10")
+                    self.assertEqual(len(a), len(b))
+                    # float32 sums in another order: relative 1e-5 plus a tiny absolute floor near 0.
+                    worst = max(abs(x - y) - 1e-5 * max(abs(x), abs(y)) for x, y in zip(a, b))
+                    self.assertLessEqual(worst, 1e-6, "--fsdp ended with other parameters than DDP")
+
+    def test_checkpoints_are_sharded_and_resume_exactly_and_on_another_world(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            _, straight = self.launch(2, *COMMON, "--epochs", 2, "--fsdp")
+            ckpt = os.path.join(tmp, "ckpt")
+            self.launch(2, *COMMON, "--epochs", 1, "--fsdp", "--checkpoint_dir", ckpt)
+            main = sorted(p for p in glob.glob(os.path.join(ckpt, "checkpoint_*.pt"))
+                          if re.fullmatch(r"checkpoint_\d{10}\.pt", os.path.basename(p)))
+            self.assertEqual(len(main), 1, os.listdir(ckpt))
+            shards = sorted(os.path.basename(p) for p in glob.glob(main[0][:-3] + ".shard*.pt"))
+            self.assertEqual(shards, [os.path.basename(main[0][:-3]) + f".shard{r}-of-2.pt" for r in range(2)])
+            # fc1's rows: each shard file holds about half of the 1.6 MB of parameters (and SGD's
+            # momentum for them), the main file none of fc1's.
+            for s in shards:
+                self.assertLess(os.path.getsize(os.path.join(ckpt, s)), 2 * 1.7e6 / 2 + 65536, s)
+            self.assertLess(os.path.getsize(main[0]), 0.5e6, "the main file holds sharded rows")
+            with tempfile.TemporaryDirectory() as other:
+                # The same folder resumed on 3 ranks first (a copy: the 2-rank resume below needs it).
+                os.rmdir(other)
+                os.system(f"cp -r {ckpt} {other}")
+                res, _ = self.launch(3, *COMMON, "--epochs", 2, "--fsdp", "--checkpoint_dir", other)
+                self.assertIn("saved by 2 rank(s)", res.out)
+            res, resumed = self.launch(2, *COMMON, "--epochs", 2, "--fsdp", "--checkpoint_dir", ckpt)
+            self.assertIn("resumed from", res.out)
+            self.assertEqual(resumed.group(4), straight.group(4), "the resumed run differs from the straight one")
+
+    def test_ddp_only_flags_are_refused_with_fsdp(self):
+        for args, text in ((("--fsdp", "--comm_hook", "bf16"), "--fsdp cannot be combined with --comm_hook bf16"),
+                           (("--fsdp", "--uneven", 0.5), "--fsdp cannot be combined with --uneven"),
+                           (("--reshard_after_forward", "false"), "--reshard_after_forward requires --fsdp")):
+            with self.subTest(args=args):
+                res, _ = self.launch(2, *COMMON, *args, rc=1)
+                self.assertIn(text, res.err)
+
+
+if __name__ == "__main__":
+    unittest.main()
