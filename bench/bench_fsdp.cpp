@@ -19,8 +19,24 @@
 // of the gather, input of the scatter) on 2 ranks, against one core's memcpy of 16 MB in the same
 // job: memcpy's time over the collective's:
 //   RESULT rs_16m_fraction_of_memcpy=A ag_16m_fraction_of_memcpy=B   (goal >= 0.8)
+// and the all-gather in place, as FSDP2 calls it (the input this rank's slice of the output: the
+// own part needs no copy, so a rank copies its part in and the others' out, memcpy's bytes):
+//   RESULT ag_16m_in_place_fraction_of_memcpy=C
+// A budget only sharding fits: each rank of a 2-rank job in a memory cgroup of its own (cgroup v1's
+// memory.limit_in_bytes, or v2's memory.max; the kernel kills a rank that exceeds it) of
+// 13 bytes per parameter + 400 MB, for --fit_layers x Linear 2048 with Adam (DDP: 20 bytes per
+// parameter with its buckets, and the runtime; fully_shard on 2 ranks: 8, the whole model while it is
+// built, and a unit whole). 20 steps each:
+//   RESULT fits_only_sharded=1   (DDP exceeded the budget, fully_shard trained within it; 0 otherwise)
+#include <malloc.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -139,6 +155,66 @@ void memory_job(const std::string& mode, int layers, int64_t width, CountingAllo
   }
 }
 
+// Moves this process into a new memory cgroup limited to `bytes` (v1 or v2): what the kernel
+// enforces, whoever allocates (LibTorch, the transport, the runtime). Throws when neither is writable.
+void enter_memory_budget(int64_t bytes) {
+  namespace fs = std::filesystem;
+  const std::string name = "dtrain_bench_fsdp_" + std::to_string(::getpid());
+  auto write = [](const fs::path& file, const std::string& value) {
+    std::ofstream f(file);
+    f << value;
+    f.close();
+    if (!f) throw std::runtime_error("cannot write " + value + " to " + file.string());
+  };
+  fs::path dir;
+  std::vector<std::pair<std::string, std::string>> limits;
+  if (fs::exists("/sys/fs/cgroup/memory/memory.limit_in_bytes")) {  // v1
+    dir = fs::path("/sys/fs/cgroup/memory") / name;
+    limits = {{"memory.limit_in_bytes", std::to_string(bytes)}};
+    if (fs::exists("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes"))
+      limits.emplace_back("memory.memsw.limit_in_bytes", std::to_string(bytes));  // no escape into swap
+  } else {                                                                        // v2
+    dir = fs::path("/sys/fs/cgroup") / name;
+    limits = {{"memory.max", std::to_string(bytes)}, {"memory.swap.max", "0"}};
+  }
+  std::error_code ec;
+  fs::create_directory(dir, ec);
+  if (ec) throw std::runtime_error("cannot create the memory cgroup " + dir.string() + ": " + ec.message());
+  for (const auto& [file, value] : limits)
+    if (fs::exists(dir / file)) write(dir / file, value);
+  write(dir / "cgroup.procs", std::to_string(::getpid()));
+  std::printf("budget=%lld cgroup=%s\n", static_cast<long long>(bytes), dir.c_str());
+}
+
+// --job fits: 20 Adam steps of the --fit_layers model inside a per-rank memory budget.
+void fits_job(const std::string& mode, int layers, int64_t budget) {
+  // Blocks of 1 MB and more from mmap, returned at free: a heap that keeps every freed unit's
+  // whole parameters would count against the budget (both jobs alike).
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  enter_memory_budget(budget);
+  auto net = make_model(layers, 2048);
+  const at::Tensor x = at::randn({4, 2048});
+  auto train = [&](auto& model, std::vector<at::Tensor> params) {
+    torch::optim::Adam opt(params, torch::optim::AdamOptions(1e-4));
+    for (int i = 0; i < 20; ++i) {
+      opt.zero_grad();
+      model(x).pow(2).mean().backward();
+      opt.step();
+    }
+  };
+  if (mode == "ddp") {
+    dtrain::DistributedDataParallel ddp(net);
+    train(ddp, ddp.parameters());
+  } else {
+    auto fsdp = shard(net, true);
+    train(fsdp, net->parameters());
+  }
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) std::printf("peak_rss_kb=%lld\n", std::atoll(line.substr(6).c_str()));
+  std::printf("steps_done=20\n");
+}
+
 // --job step / traffic: timed steps on the small model.
 void step_job(const std::string& mode, int steps, bool zero3) {
   auto net = make_model(8, 1024);
@@ -173,7 +249,9 @@ void collectives_job(int reps) {
   const int n = dtrain::world_size();
   const int64_t bytes = 16 << 20, elems = bytes / 4;
   at::Tensor whole = at::randn({elems}), part = at::empty({elems / n});
-  std::vector<double> rs, ag;
+  // In place, as FSDP2 calls it: the input is this rank's slice of the output, which needs no copy.
+  at::Tensor own = whole.narrow(0, dtrain::rank() * (elems / n), elems / n);
+  std::vector<double> rs, ag, ag_in_place;
   for (int i = 0; i <= reps; ++i) {
     dtrain::barrier();
     auto t0 = Clock::now();
@@ -183,18 +261,24 @@ void collectives_job(int reps) {
     t0 = Clock::now();
     dtrain::all_gather_into_tensor(whole, part);
     if (i > 0) ag.push_back(secs_since(t0));
+    dtrain::barrier();
+    t0 = Clock::now();
+    dtrain::all_gather_into_tensor(whole, own);
+    if (i > 0) ag_in_place.push_back(secs_since(t0));
   }
   const double memcpy_s = static_cast<double>(bytes) / memcpy_bandwidth(static_cast<size_t>(bytes));
-  std::printf("rs_fraction=%.3f ag_fraction=%.3f rs_ms=%.3f ag_ms=%.3f memcpy_ms=%.3f\n", memcpy_s / median(rs),
-              memcpy_s / median(ag), 1e3 * median(rs), 1e3 * median(ag), 1e3 * memcpy_s);
+  std::printf("rs_fraction=%.3f ag_fraction=%.3f ag_in_place_fraction=%.3f rs_ms=%.3f ag_ms=%.3f memcpy_ms=%.3f\n",
+              memcpy_s / median(rs), memcpy_s / median(ag), memcpy_s / median(ag_in_place), 1e3 * median(rs),
+              1e3 * median(ag), 1e3 * memcpy_s);
 }
 
 int worker_main(int argc, char** argv) {
   CLI::App app{"bench_fsdp worker"};
   std::string job, mode = "fsdp";
   int steps = 7, layers = 72;
-  int64_t width = 2048;
+  int64_t width = 2048, budget = 0;
   bool zero3 = true;
+  app.add_option("--budget", budget);
   app.add_option("--job", job)->required();
   app.add_option("--mode", mode);
   app.add_option("--steps", steps);
@@ -207,6 +291,8 @@ int worker_main(int argc, char** argv) {
   dtrain::init_process_group();
   if (job == "memory")
     memory_job(mode, layers, width, counter);
+  else if (job == "fits")
+    fits_job(mode, layers, budget);
   else if (job == "step")
     step_job(mode, steps, zero3);
   else
@@ -218,8 +304,9 @@ int worker_main(int argc, char** argv) {
 int driver_main(int argc, char** argv) {
   CLI::App app{"fully_shard against DDP: bytes per rank, step time, traffic, collectives"};
   double timeout_s = 600;
-  int steps = 7, reps = 3, layers = 72;
+  int steps = 7, reps = 3, layers = 72, fit_layers = 24;
   int64_t width = 2048;
+  app.add_option("--fit_layers", fit_layers, "Linear 2048 layers of the model only sharding fits (0: skip)");
   app.add_option("--timeout", timeout_s, "seconds per job");
   app.add_option("--steps", steps, "timed steps per job");
   app.add_option("--reps", reps, "alternations of the DDP and fully_shard step jobs");
@@ -272,12 +359,46 @@ int driver_main(int argc, char** argv) {
     z2 = parse_value(f2, "received_per_step") / (2 * parse_value(f2, "params") * 4 / 2);
   }
   const std::string c = job({"--job", "collectives", "--steps", "9"}, 2);
+  // A budget DDP exceeds and fully_shard keeps (the kernel's cgroup limit: a rank over it is killed).
+  int fits = 0;
+  if (fit_layers > 0) {
+    const double p = fit_layers * (2048.0 * 2048 + 2048);
+    const auto budget = static_cast<int64_t>(13 * p + 400e6);
+    const std::vector<std::string> fit = {
+        "--job", "fits", "--layers", std::to_string(fit_layers), "--budget", std::to_string(budget)};
+    auto outcome = [&](const char* mode) {
+      std::vector<std::string> a = fit;
+      a.insert(a.end(), {"--mode", mode});
+      try {
+        return parse_value(job(a, 2), "steps_done") == 20 ? std::string("trained 20 steps") : std::string("?");
+      } catch (const std::exception& e) {
+        const std::string m = e.what();
+        // A rank the kernel killed (wait status 9, SIGKILL) and no worker's own error line.
+        return m.find("(status 9)") != std::string::npos && m.find("worker: error:") == std::string::npos
+                   ? std::string("killed over the budget")
+                   : "failed: " + m.substr(0, 300);
+      }
+    };
+    const std::string d = outcome("ddp"), f = outcome("fsdp");
+    for (const char* parent : {"/sys/fs/cgroup/memory", "/sys/fs/cgroup"}) {  // the empty cgroups left
+      std::error_code ec;
+      for (std::filesystem::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec))
+        if (it->path().filename().string().rfind("dtrain_bench_fsdp_", 0) == 0) {
+          std::error_code rm;
+          std::filesystem::remove(it->path(), rm);
+        }
+    }
+    fits = d == "killed over the budget" && f == "trained 20 steps";
+    std::printf("budget %s per rank (%.0f M parameters, Adam, 2 ranks): DDP %s; fully_shard %s\n",
+                human_bytes(static_cast<size_t>(budget)).c_str(), p / 1e6, d.c_str(), f.c_str());
+  }
   std::printf("collectives at 16 MB, 2 ranks: %s\n", parse_line(c, "rs_fraction").c_str());
   std::printf(
       "\nRESULT fsdp_state_fraction_2=%.3f fsdp_state_fraction_4=%.3f fsdp_step_vs_ddp=%.3f "
       "fsdp_bytes_per_step_ratio=%.4f fsdp2_bytes_per_step_ratio=%.4f rs_16m_fraction_of_memcpy=%.3f "
-      "ag_16m_fraction_of_memcpy=%.3f\n",
-      fraction[2], fraction[4], median(ratios), z3, z2, parse_value(c, "rs_fraction"), parse_value(c, "ag_fraction"));
+      "ag_16m_fraction_of_memcpy=%.3f ag_16m_in_place_fraction_of_memcpy=%.3f fits_only_sharded=%d\n",
+      fraction[2], fraction[4], median(ratios), z3, z2, parse_value(c, "rs_fraction"), parse_value(c, "ag_fraction"),
+      parse_value(c, "ag_in_place_fraction"), fits);
   return 0;
 }
 
