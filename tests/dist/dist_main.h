@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 
@@ -35,4 +36,27 @@ class DistEnvironment : public ::testing::Environment {
     ::testing::InitGoogleTest(&argc, argv);                     \
     ::testing::AddGlobalTestEnvironment(new DistEnvironment()); \
     return RUN_ALL_TESTS();                                     \
+  }
+
+// A program run in two phases, the second on another world size: `<program> save|load <dir> [<saved
+// world>]` (its ctest tests: the save as the fixture of the loads). The arguments, after GoogleTest's.
+struct PhaseArgs {
+  std::string phase, dir;
+  int64_t saved_world = 0;
+};
+inline PhaseArgs& phase_args() {
+  static PhaseArgs args;
+  return args;
+}
+
+#define DTRAIN_DIST_PHASE_TEST_MAIN()                              \
+  int main(int argc, char** argv) {                                \
+    ::testing::InitGoogleTest(&argc, argv);                        \
+    if (argc >= 3) {                                               \
+      phase_args().phase = argv[1];                                \
+      phase_args().dir = argv[2];                                  \
+    }                                                              \
+    if (argc >= 4) phase_args().saved_world = std::atoll(argv[3]); \
+    ::testing::AddGlobalTestEnvironment(new DistEnvironment());    \
+    return RUN_ALL_TESTS();                                        \
   }

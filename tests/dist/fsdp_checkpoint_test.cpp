@@ -34,8 +34,9 @@ namespace {
 
 constexpr int kStepsBefore = 4, kStepsAfter = 4;
 
-std::string g_phase, g_dir;
-int64_t g_saved_world = 0;
+const std::string& g_phase = phase_args().phase;
+const std::string& g_dir = phase_args().dir;
+const int64_t& g_saved_world = phase_args().saved_world;
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind, std::vector<at::Tensor> params) {
   if (kind == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
@@ -224,13 +225,4 @@ TEST(FsdpCheckpoint, AMissingShardFailsTheLoadOnEveryRank) {
   if (rank() == 0) fs::remove_all(copy);
 }
 
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  if (argc >= 3) {
-    g_phase = argv[1];
-    g_dir = argv[2];
-  }
-  if (argc >= 4) g_saved_world = std::atoll(argv[3]);
-  ::testing::AddGlobalTestEnvironment(new DistEnvironment());
-  return RUN_ALL_TESTS();
-}
+DTRAIN_DIST_PHASE_TEST_MAIN()

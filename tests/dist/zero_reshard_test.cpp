@@ -22,8 +22,9 @@ namespace {
 
 constexpr int kStepsBefore = 5, kStepsAfter = 5;
 
-std::string g_phase, g_dir;
-int64_t g_saved_world = 0;
+const std::string& g_phase = phase_args().phase;
+const std::string& g_dir = phase_args().dir;
+const int64_t& g_saved_world = phase_args().saved_world;
 
 using zero_models::factory;
 using zero_models::make_model;
@@ -115,13 +116,4 @@ TEST(ZeroReshard, ARankBeyondTheSavedWorldDrawsItsOwnReproducibleStream) {
       EXPECT_FALSE(at::equal(draws[0][r], draws[0][q])) << "rank " << r << " draws what rank " << q << " draws";
 }
 
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  if (argc >= 3) {
-    g_phase = argv[1];
-    g_dir = argv[2];
-  }
-  if (argc >= 4) g_saved_world = std::atoll(argv[3]);
-  ::testing::AddGlobalTestEnvironment(new DistEnvironment());
-  return RUN_ALL_TESTS();
-}
+DTRAIN_DIST_PHASE_TEST_MAIN()
