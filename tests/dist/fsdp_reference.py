@@ -53,6 +53,10 @@ def main():
     out = {"sgd": train("sgd"), "adam": train("adam")}
     with open(sys.argv[1], "w") as f:
         json.dump(out, f)
+    # Both ranks past their last exchange before either closes its Gloo pairs: a rank that destroyed
+    # its group while the other still read from it once aborted the other ("terminate called
+    # without an active exception", exit -6, in CI's second tree).
+    dist.barrier()
     dist.destroy_process_group()
 
 
