@@ -1,6 +1,6 @@
 // bench_fsdp: what fully_shard saves and costs against DistributedDataParallel, on ranks of this host.
 //
-//   ./build/bin/bench_fsdp [--layers 72 --width 2048] [--steps 7]
+//   ./build/bin/bench_fsdp [--layers 72 --width 2048] [--steps 7] [--parts memory,step,collectives,fits]
 //
 // Memory: a Sequential of --layers x (Linear width-width, Tanh), about 302 M float32 parameters by
 // default, trained one step with Adam under DDP (2 ranks) and under fully_shard (2 and 4 ranks, each
@@ -11,7 +11,8 @@
 // DDP's bytes per rank do not depend on N, so both fractions divide by the 2-rank DDP job's.
 // Speed, on a model that fits both ways (8 x Linear 1024, batch 64), 2 ranks over shared memory: the
 // median step (forward, backward, Adam) of fully_shard over DDP's, the two jobs alternated --reps
-// times:  RESULT fsdp_step_vs_ddp=R   (goal <= 1.25)
+// times:  RESULT fsdp_step_vs_ddp=R   (goal <= 1.25); each step line also gives both jobs' page
+// faults per step (fresh pages touched: buffers the allocator did not reuse).
 // Traffic: the bytes each rank received through fully_shard's collectives in one step, over
 // 3 * P * (N - 1) / N float32 (ZeRO-3) and 2 * P * (N - 1) / N (ZeRO-2, reshard_after_forward false):
 //   RESULT fsdp_bytes_per_step_ratio=Z3 fsdp2_bytes_per_step_ratio=Z2   (goal: within 1%)
@@ -29,6 +30,7 @@
 // built, and a unit whole). 20 steps each:
 //   RESULT fits_only_sharded=1   (DDP exceeded the budget, fully_shard trained within it; 0 otherwise)
 #include <malloc.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -215,6 +217,13 @@ void fits_job(const std::string& mode, int layers, int64_t budget) {
   std::printf("steps_done=20\n");
 }
 
+// Page faults this process took so far (first touches of fresh pages: allocations the heap did not reuse).
+int64_t minor_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
+
 // --job step / traffic: timed steps on the small model.
 void step_job(const std::string& mode, int steps, bool zero3) {
   auto net = make_model(8, 1024);
@@ -222,9 +231,11 @@ void step_job(const std::string& mode, int steps, bool zero3) {
   for (const auto& p : net->parameters()) params += p.numel();
   const at::Tensor x = at::randn({64 / dtrain::world_size(), 1024});
   std::vector<double> step_s;
+  int64_t faults = 0;
   auto run = [&](auto& model) {
     torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-3));
     for (int i = 0; i <= steps; ++i) {
+      if (i == 1) faults = minor_faults();
       const auto t0 = Clock::now();
       opt.zero_grad();
       model(x).pow(2).mean().backward();
@@ -241,7 +252,8 @@ void step_job(const std::string& mode, int steps, bool zero3) {
     run(fsdp);
     std::printf("received_per_step=%.1f\n", static_cast<double>(fsdp.received_bytes() - before) / (steps + 1));
   }
-  std::printf("params=%lld step_ms=%.3f\n", static_cast<long long>(params), 1e3 * median(step_s));
+  std::printf("params=%lld step_ms=%.3f faults_per_step=%.0f\n", static_cast<long long>(params), 1e3 * median(step_s),
+              static_cast<double>(minor_faults() - faults) / steps);
 }
 
 // --job collectives: 16 MB shared-memory reduce-scatter and all-gather against memcpy.
@@ -312,7 +324,13 @@ int driver_main(int argc, char** argv) {
   app.add_option("--reps", reps, "alternations of the DDP and fully_shard step jobs");
   app.add_option("--layers", layers, "Linear layers of the memory model");
   app.add_option("--width", width, "their width");
+  std::string parts = "memory,step,collectives,fits";
+  app.add_option("--parts", parts, "which measures to run, comma-separated (memory, step, collectives, fits)");
   CLI11_PARSE(app, argc, argv);
+  auto part = [&](const char* name) {
+    return ("," + parts + ",").find(std::string(",") + name + ",") != std::string::npos;
+  };
+  if (!part("fits")) fit_layers = 0;
   std::printf("bench_fsdp: load %s\n\n", load_average().c_str());
   const std::vector<std::string> self = {self_exe(), "--worker"};
   auto job = [&](std::vector<std::string> args, int n) {
@@ -325,40 +343,44 @@ int driver_main(int argc, char** argv) {
     a.insert(a.end(), model.begin(), model.end());
     return a;
   };
-  const std::string ddp = job(with_model({"--job", "memory", "--mode", "ddp"}), 2);
-  const double ddp_live = parse_value(ddp, "live"), params = parse_value(ddp, "params");
-  std::printf("memory: %d x Linear %lld (%.0f M parameters), Adam, bytes held after one step\n\n", layers,
-              static_cast<long long>(width), params / 1e6);
-  std::printf("| job | bytes per rank (allocator) | peak in the step | over DDP's | goal |\n|---|---|---|---|---|\n");
-  std::printf("| DDP, 2 ranks | %s | %s | 1 | - |\n", human_bytes(static_cast<size_t>(ddp_live)).c_str(),
-              human_bytes(static_cast<size_t>(parse_value(ddp, "peak"))).c_str());
   double fraction[5] = {0, 0, 0, 0, 0};
-  for (int n : {2, 4}) {
-    const std::string out = job(with_model({"--job", "memory", "--mode", "fsdp"}), n);
-    fraction[n] = parse_value(out, "live") / ddp_live;
-    const double goal = 1.0 / n + parse_value(out, "unit") / ddp_live + 0.05;
-    std::printf("| fully_shard, %d ranks | %s | %s | %.3f | <= %.3f: %s |\n", n,
-                human_bytes(static_cast<size_t>(parse_value(out, "live"))).c_str(),
-                human_bytes(static_cast<size_t>(parse_value(out, "peak"))).c_str(), fraction[n], goal,
-                fraction[n] <= goal ? "met" : "missed");
+  if (part("memory")) {
+    const std::string ddp = job(with_model({"--job", "memory", "--mode", "ddp"}), 2);
+    const double ddp_live = parse_value(ddp, "live"), params = parse_value(ddp, "params");
+    std::printf("memory: %d x Linear %lld (%.0f M parameters), Adam, bytes held after one step\n\n", layers,
+                static_cast<long long>(width), params / 1e6);
+    std::printf("| job | bytes per rank (allocator) | peak in the step | over DDP's | goal |\n|---|---|---|---|---|\n");
+    std::printf("| DDP, 2 ranks | %s | %s | 1 | - |\n", human_bytes(static_cast<size_t>(ddp_live)).c_str(),
+                human_bytes(static_cast<size_t>(parse_value(ddp, "peak"))).c_str());
+    for (int n : {2, 4}) {
+      const std::string out = job(with_model({"--job", "memory", "--mode", "fsdp"}), n);
+      fraction[n] = parse_value(out, "live") / ddp_live;
+      const double goal = 1.0 / n + parse_value(out, "unit") / ddp_live + 0.05;
+      std::printf("| fully_shard, %d ranks | %s | %s | %.3f | <= %.3f: %s |\n", n,
+                  human_bytes(static_cast<size_t>(parse_value(out, "live"))).c_str(),
+                  human_bytes(static_cast<size_t>(parse_value(out, "peak"))).c_str(), fraction[n], goal,
+                  fraction[n] <= goal ? "met" : "missed");
+    }
   }
   std::vector<double> ratios;
   double z3 = 0, z2 = 0;
-  for (int r = 0; r < reps; ++r) {
+  for (int r = 0; part("step") && r < reps; ++r) {
     const std::string d = job({"--job", "step", "--mode", "ddp", "--steps", std::to_string(steps)}, 2);
     const std::string f = job({"--job", "step", "--mode", "fsdp", "--steps", std::to_string(steps)}, 2);
     ratios.push_back(parse_value(f, "step_ms") / parse_value(d, "step_ms"));
     const double p = parse_value(f, "params");
     z3 = parse_value(f, "received_per_step") / (3 * p * 4 / 2);
-    std::printf("step: DDP %.2f ms, fully_shard %.2f ms: %.3f\n", parse_value(d, "step_ms"), parse_value(f, "step_ms"),
-                ratios.back());
+    std::printf("step: DDP %.2f ms, fully_shard %.2f ms: %.3f (page faults per step: %.0f, %.0f)\n",
+                parse_value(d, "step_ms"), parse_value(f, "step_ms"), ratios.back(), parse_value(d, "faults_per_step"),
+                parse_value(f, "faults_per_step"));
   }
-  {
+  if (part("step")) {
     const std::string f2 =
         job({"--job", "step", "--mode", "fsdp", "--zero3", "false", "--steps", std::to_string(steps)}, 2);
     z2 = parse_value(f2, "received_per_step") / (2 * parse_value(f2, "params") * 4 / 2);
   }
-  const std::string c = job({"--job", "collectives", "--steps", "9"}, 2);
+  const std::string c = part("collectives") ? job({"--job", "collectives", "--steps", "9"}, 2)
+                                            : "rs_fraction=0 ag_fraction=0 ag_in_place_fraction=0";
   // A budget DDP exceeds and fully_shard keeps (the kernel's cgroup limit: a rank over it is killed).
   int fits = 0;
   if (fit_layers > 0) {
@@ -397,8 +419,8 @@ int driver_main(int argc, char** argv) {
       "\nRESULT fsdp_state_fraction_2=%.3f fsdp_state_fraction_4=%.3f fsdp_step_vs_ddp=%.3f "
       "fsdp_bytes_per_step_ratio=%.4f fsdp2_bytes_per_step_ratio=%.4f rs_16m_fraction_of_memcpy=%.3f "
       "ag_16m_fraction_of_memcpy=%.3f ag_16m_in_place_fraction_of_memcpy=%.3f fits_only_sharded=%d\n",
-      fraction[2], fraction[4], median(ratios), z3, z2, parse_value(c, "rs_fraction"), parse_value(c, "ag_fraction"),
-      parse_value(c, "ag_in_place_fraction"), fits);
+      fraction[2], fraction[4], ratios.empty() ? 0.0 : median(ratios), z3, z2, parse_value(c, "rs_fraction"),
+      parse_value(c, "ag_fraction"), parse_value(c, "ag_in_place_fraction"), fits);
   return 0;
 }
 

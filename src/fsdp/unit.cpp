@@ -26,6 +26,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "dtrain/errors.h"
+#include "fsdp/buffer_pool.h"
 #include "fsdp/root.h"
 
 namespace dtrain::fsdp {
@@ -47,6 +48,28 @@ void alloc_storage(const at::Tensor& t) {
   if (s->nbytes() == bytes) return;
   s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
   s->set_nbytes(bytes);
+}
+
+// How a parameter's elements lie over the n parts (FSDP2's chunks of ceil(d0 / n) rows): parts
+// [0, whole) hold a whole chunk each, part `whole` the `rest` cut short by the end (when whole < n),
+// and the parts after it nothing.
+struct ChunkSplit {
+  int64_t whole = 0, rest = 0;
+};
+ChunkSplit split_chunks(const ShardedParam& p, int64_t n) {
+  if (p.chunk_numel() == 0) return {};
+  const int64_t whole = std::min<int64_t>(n, p.rows / p.chunk_rows);
+  return {whole, p.rows * p.row_numel - whole * p.chunk_numel()};
+}
+
+// The whole parameter `flat` from the gathered parts ([n, per rank]): the whole chunks in one strided
+// copy, straight out of the gathered buffer (a reshape of the strided chunks would copy them twice).
+void copy_chunks_out(const at::Tensor& parts, const ShardedParam& p, const at::Tensor& flat) {
+  const ChunkSplit c = split_chunks(p, parts.size(0));
+  const int64_t cn = p.chunk_numel();
+  if (c.whole > 0)
+    flat.narrow(0, 0, c.whole * cn).view({c.whole, cn}).copy_(parts.narrow(0, 0, c.whole).narrow(1, p.offset, cn));
+  if (c.rest > 0) flat.narrow(0, c.whole * cn, c.rest).copy_(parts[c.whole].narrow(0, p.offset, c.rest));
 }
 
 }  // namespace
@@ -102,6 +125,12 @@ Unit::Unit(const std::shared_ptr<torch::nn::Module>& module, std::vector<Sharded
   for (const ShardedParam& p : params_) takes_grad_ += p.param.requires_grad() ? 1 : 0;
   reshard_after_forward_ = reshard_option_.value_or(true);
   hook_keys_.assign(params_.size(), 0);
+  // What the unit holds at once from the pool (Note [Buffer pool]): gathered, whole, and the scatter's.
+  const size_t n = static_cast<size_t>(group_.size()), per_rank = static_cast<size_t>(per_rank_);
+  const size_t param_bytes = c10::elementSize(param_dtype()), reduce_bytes = c10::elementSize(reduce_dtype());
+  size_t whole = 0;
+  for (const ShardedParam& p : params_) whole += static_cast<size_t>(p.rows * p.row_numel) * param_bytes;
+  reserve_pool_for((n + 1) * per_rank * param_bytes + whole + (n + 1) * per_rank * reduce_bytes);
 }
 
 Unit::~Unit() {
@@ -135,8 +164,13 @@ void Unit::issue_gather() {
   // The input lives until the gather is waited for: an asynchronous collective reads it meanwhile.
   // A gather moves bits without arithmetic, so 16-bit floats travel as bytes: Gloo in LibTorch 1.13
   // has no BFloat16 (nor int16) collectives.
-  gather_in_ = flat_shard_.scalar_type() == param_dtype() ? flat_shard_ : flat_shard_.to(param_dtype());
-  gathered_ = at::empty({group_.size() * per_rank_}, gather_in_.options());
+  if (flat_shard_.scalar_type() == param_dtype()) {
+    gather_in_ = flat_shard_;
+  } else {
+    gather_in_ = pooled_empty({per_rank_}, flat_shard_.options().dtype(param_dtype()));
+    gather_in_.copy_(flat_shard_);
+  }
+  gathered_ = pooled_empty({group_.size() * per_rank_}, gather_in_.options());
   received_bytes_ += (group_.size() - 1) * per_rank_ * static_cast<int64_t>(gather_in_.element_size());
   if (gather_in_.element_size() == 2) {
     at::Tensor out = gathered_.view(at::kByte);
@@ -166,10 +200,9 @@ void Unit::unshard() {
   torch::NoGradGuard no_grad;
   const at::Tensor parts = gathered_.view({group_.size(), per_rank_});
   for (ShardedParam& p : params_) {
-    if (!p.full.defined()) p.full = at::empty(p.full_shape, p.shard.options().dtype(param_dtype()));
+    if (!p.full.defined()) p.full = pooled_empty(p.full_shape, p.shard.options().dtype(param_dtype()));
     alloc_storage(p.full);
-    at::Tensor chunks = parts.narrow(1, p.offset, p.chunk_numel()).reshape({-1});
-    p.full.view({-1}).copy_(chunks.narrow(0, 0, p.rows * p.row_numel));
+    copy_chunks_out(parts, p, p.full.view({-1}));
     // Set the shard's gradient aside: a whole gradient accumulates into .grad() now.
     if (p.param.grad().defined()) p.sharded_grad = p.param.grad();
     p.param.mutable_grad() = at::Tensor();
@@ -189,8 +222,9 @@ std::vector<at::Tensor> Unit::whole_copies() const {
   all_gather_into_tensor(gathered, flat_shard_, group_);
   const at::Tensor parts = gathered.view({group_.size(), per_rank_});
   for (const ShardedParam& p : params_) {
-    at::Tensor chunks = parts.narrow(1, p.offset, p.chunk_numel()).reshape({-1});
-    out.push_back(chunks.narrow(0, 0, p.rows * p.row_numel).clone().view(p.full_shape));
+    at::Tensor whole = at::empty(p.full_shape, flat_shard_.options());
+    copy_chunks_out(parts, p, whole.view({-1}));
+    out.push_back(whole);
   }
   return out;
 }
@@ -272,7 +306,7 @@ void Unit::launch_reduce_scatter() {
   }
   // Part r of the input is chunk r of every parameter: whole chunks are one strided copy, the one
   // cut short by the end of the parameter is zero-padded, and chunks past the end are zeros.
-  scatter_in_ = at::empty({n, per_rank_}, flat_shard_.options().dtype(reduce_dtype()));
+  scatter_in_ = pooled_empty({n, per_rank_}, flat_shard_.options().dtype(reduce_dtype()));
   for (ShardedParam& p : params_) {
     at::Tensor g = p.got_grad ? p.param.grad().to(reduce_dtype()) : at::Tensor();
     if (p.accumulated.defined()) g = g.defined() ? g.add(p.accumulated) : p.accumulated;
@@ -284,17 +318,17 @@ void Unit::launch_reduce_scatter() {
     }
     p.got_grad = true;  // a gradient accumulated without sync counts as this backward's
     const at::Tensor flat = g.reshape({-1});
-    const int64_t whole = std::min<int64_t>(n, p.rows / p.chunk_rows), done = whole * p.chunk_numel();
-    if (whole > 0) dst.narrow(0, 0, whole).copy_(flat.narrow(0, 0, done).view({whole, p.chunk_numel()}));
-    if (whole < n) {
-      const int64_t rest = flat.numel() - done;
-      at::Tensor part = dst[whole];
-      part.narrow(0, 0, rest).copy_(flat.narrow(0, done, rest));
-      part.narrow(0, rest, p.chunk_numel() - rest).zero_();
-      if (whole + 1 < n) dst.narrow(0, whole + 1, n - whole - 1).zero_();
+    const ChunkSplit c = split_chunks(p, n);
+    const int64_t done = c.whole * p.chunk_numel();
+    if (c.whole > 0) dst.narrow(0, 0, c.whole).copy_(flat.narrow(0, 0, done).view({c.whole, p.chunk_numel()}));
+    if (c.whole < n) {
+      at::Tensor part = dst[c.whole];
+      part.narrow(0, 0, c.rest).copy_(flat.narrow(0, done, c.rest));
+      part.narrow(0, c.rest, p.chunk_numel() - c.rest).zero_();
+      if (c.whole + 1 < n) dst.narrow(0, c.whole + 1, n - c.whole - 1).zero_();
     }
   }
-  scatter_out_ = at::empty({per_rank_}, scatter_in_.options());
+  scatter_out_ = pooled_empty({per_rank_}, scatter_in_.options());
   received_bytes_ += (n - 1) * per_rank_ * static_cast<int64_t>(scatter_in_.element_size());
   scatter_ = reduce_scatter_tensor(scatter_out_, scatter_in_.view({-1}), ReduceOp::AVG, group_, /*async_op=*/true);
   reshard(/*restore_grads=*/false);  // the shard's old gradient waits in sharded_grad for the new one
