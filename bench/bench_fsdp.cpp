@@ -36,8 +36,10 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -256,32 +258,37 @@ void step_job(const std::string& mode, int steps, bool zero3) {
               static_cast<double>(minor_faults() - faults) / steps);
 }
 
-// --job collectives: 16 MB shared-memory reduce-scatter and all-gather against memcpy.
+// --job collectives: 16 MB shared-memory reduce-scatter and all-gather against memcpy, each repetition
+// timing a memcpy of 16 MB on every rank at once right before the three collectives, so that a ratio
+// compares times of the same moment (this machine's memory bandwidth changes from minute to minute).
 void collectives_job(int reps) {
   const int n = dtrain::world_size();
   const int64_t bytes = 16 << 20, elems = bytes / 4;
   at::Tensor whole = at::randn({elems}), part = at::empty({elems / n});
   // In place, as FSDP2 calls it: the input is this rank's slice of the output, which needs no copy.
   at::Tensor own = whole.narrow(0, dtrain::rank() * (elems / n), elems / n);
-  std::vector<double> rs, ag, ag_in_place;
+  std::vector<char> from(static_cast<size_t>(bytes), 1), to(static_cast<size_t>(bytes), 2);
+  std::vector<double> rs, ag, ag_in_place, copy;
+  auto timed = [](std::vector<double>& into, bool keep, const std::function<void()>& fn) {
+    dtrain::barrier();
+    const auto t0 = Clock::now();
+    fn();
+    if (keep) into.push_back(secs_since(t0));
+  };
   for (int i = 0; i <= reps; ++i) {
-    dtrain::barrier();
-    auto t0 = Clock::now();
-    dtrain::reduce_scatter_tensor(part, whole, dtrain::ReduceOp::SUM);
-    if (i > 0) rs.push_back(secs_since(t0));
-    dtrain::barrier();
-    t0 = Clock::now();
-    dtrain::all_gather_into_tensor(whole, part);
-    if (i > 0) ag.push_back(secs_since(t0));
-    dtrain::barrier();
-    t0 = Clock::now();
-    dtrain::all_gather_into_tensor(whole, own);
-    if (i > 0) ag_in_place.push_back(secs_since(t0));
+    timed(copy, i > 0, [&] { std::memcpy(to.data(), from.data(), from.size()); });
+    timed(rs, i > 0, [&] { dtrain::reduce_scatter_tensor(part, whole, dtrain::ReduceOp::SUM); });
+    timed(ag, i > 0, [&] { dtrain::all_gather_into_tensor(whole, part); });
+    timed(ag_in_place, i > 0, [&] { dtrain::all_gather_into_tensor(whole, own); });
   }
-  const double memcpy_s = static_cast<double>(bytes) / memcpy_bandwidth(static_cast<size_t>(bytes));
+  auto fraction = [&](const std::vector<double>& t) {
+    std::vector<double> r;
+    for (size_t i = 0; i < t.size(); ++i) r.push_back(copy[i] / t[i]);
+    return median(r);
+  };
   std::printf("rs_fraction=%.3f ag_fraction=%.3f ag_in_place_fraction=%.3f rs_ms=%.3f ag_ms=%.3f memcpy_ms=%.3f\n",
-              memcpy_s / median(rs), memcpy_s / median(ag), memcpy_s / median(ag_in_place), 1e3 * median(rs),
-              1e3 * median(ag), 1e3 * memcpy_s);
+              fraction(rs), fraction(ag), fraction(ag_in_place), 1e3 * median(rs), 1e3 * median(ag),
+              1e3 * median(copy));
 }
 
 int worker_main(int argc, char** argv) {
@@ -379,7 +386,7 @@ int driver_main(int argc, char** argv) {
         job({"--job", "step", "--mode", "fsdp", "--zero3", "false", "--steps", std::to_string(steps)}, 2);
     z2 = parse_value(f2, "received_per_step") / (2 * parse_value(f2, "params") * 4 / 2);
   }
-  const std::string c = part("collectives") ? job({"--job", "collectives", "--steps", "9"}, 2)
+  const std::string c = part("collectives") ? job({"--job", "collectives", "--steps", "15"}, 2)
                                             : "rs_fraction=0 ag_fraction=0 ag_in_place_fraction=0";
   // A budget DDP exceeds and fully_shard keeps (the kernel's cgroup limit: a rank over it is killed).
   int fits = 0;

@@ -364,15 +364,18 @@ void Comm::gather_into(const void* in, size_t bytes, void* const* outs, int root
     shm_copy(seg_.slot(rank_, buf), src + done, m);
     announce(s, first);
     if (receives) {
+      // The own part needs no peer: copied while they fill their slots, the chunk still in cache
+      // (after the first step: no output changes before the peers' calls were checked).
+      char* own = static_cast<char*>(outs[rank_]) + done;
+      const bool copy_own = own != src + done;
+      if (copy_own && !first) shm_copy(own, src + done, m);
       wait_all(A, s);
       if (first)
         for (int k = 0; k < n_; ++k)
           if (k != rank_) check_peer(k, current_);
-      for (int k = 0; k < n_; ++k) {
-        char* dst = static_cast<char*>(outs[k]) + done;
-        const char* from = k == rank_ ? src + done : seg_.slot(k, buf);
-        if (dst != from) shm_copy(dst, from, m);
-      }
+      if (copy_own && first) shm_copy(own, src + done, m);
+      for (int k = 0; k < n_; ++k)
+        if (k != rank_) shm_copy(static_cast<char*>(outs[k]) + done, seg_.slot(k, buf), m);
     } else if (first) {
       // The root checks everyone; checking the root here too means that a rank whose root called
       // something else fails as well, instead of completing a gather that never happened.
