@@ -6,7 +6,8 @@
 #               the multi-process tests on real ranks: collectives (shared memory and Gloo), shared
 #               memory, DDP, pipeline (2 and 4 ranks), monitor, AMP, sampler, the randomized
 #               collectives, communication hooks, SyncBatchNorm, ZeRO, Join, fully_shard and its
-#               sharded checkpoints (saved on 3 ranks, loaded on 2).
+#               sharded checkpoints (saved on 3 ranks, loaded on 2; over the replica groups {0, 1} and
+#               {2, 3} of 4 ranks, loaded over {0, 1} and {2} of 3).
 #   build-tsan  -DDTRAIN_SANITIZE=thread: ThreadSanitizer over the threads inside one rank: the
 #               shared-memory group's worker thread and its atomics, point-to-point's pusher, DDP's
 #               bucket hooks and completion callbacks, TensorBoard's flush timer, and the launcher's
@@ -90,7 +91,7 @@ if [[ " $runs " == *" asan "* ]]; then
                                   amp_dist_test_2 sampler_dist_test_2 sampler_dist_test_3 \
                                   collectives_random_test_2 comm_hooks_test_2 sync_batchnorm_test_3 \
                                   zero_test_2 join_test_3 fsdp_test_3 fsdp_test_gloo_2 \
-                                  fsdp_checkpoint_3to2)"
+                                  fsdp_checkpoint_3to2 fsdp_checkpoint_4to3)"
   unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
   echo "=== build-asan: done in $((SECONDS - start)) s"
 fi

@@ -44,14 +44,19 @@
 //      (epoch, and the position where the next pass over the epoch starts, for every copy of the
 //      sampler, the DataLoader's too), its own RNG states and values, step and epoch.
 //
-// File format (kCheckpointFormatVersion = 1): one text line
+// File format (version 1; 2 for a sharded model over subgroups, below): one text line
 //   "DTRAIN-CHECKPOINT <version> <payload bytes> <crc32 of the payload, 8 hex digits> <write stamp>\n"
 // (older dtrains write no stamp, and skip it when reading), then the payload: a torch::serialize
 // archive (zip) with the keys
 //   version, step, epoch, world_size, model_manifest ("name dtype [shape]" per line), model,
 //   optimizer, scaler, sampler, sampler_position (rank 0's), sampler_positions (one per sampler rank),
-//   rank_state_<r> (uint8, one per rank); of a sharded model, model_replicated and shards (one
-//   header line per shard file) instead of model and optimizer.
+//   rank_state_<r> (uint8, one per rank); of a sharded model, model_replicated, shards (one
+//   header line per shard file), shard_layouts (one line per shard file: "<group rank>/<group
+//   size>*<parameters>" per run of parameters alike) and shard_names (the sharded parameters)
+//   instead of model and optimizer. A sharded save over the world writes version 1, which dtrains
+//   before subgroups read; one over subgroups version 2, which they refuse (they took world rank r's
+//   file for rank r's rows of the world). This dtrain reads both, and sharded files without layouts
+//   as of the world.
 // Python reads it with torch.jit.load(io.BytesIO(data[data.index(b"\n") + 1:])).
 //
 // Note [exact resume]: restoring all of the above makes the continued run compute bit-identical
@@ -73,19 +78,25 @@
 // A fully_shard'ed model (dtrain/fsdp.h) is on no rank whole, and no rank gathers it to save it
 // (Note [Sharded checkpoints] in src/checkpoint/sharded.cpp). save() then has every rank write, before
 // rank 0 writes the main file, its own shard file beside it,
-//   <dir>/<prefix>_<step, 10 digits>.shard<rank>-of-<world>.pt   (framed as the main file)
-// with its rows of every sharded parameter (FSDP2's to_local(): torch.chunk of dim 0 over the world)
-// and its optimizer's state for them (any torch::optim optimizer built on the shards). The main file
-// holds what every rank holds alike (buffers, parameters no unit holds, scaler, sampler, RNG packs)
-// and each shard file's header line, so a load reads the shards of that very save; a save where any
-// rank fails leaves no main file and no shard of it (every rank throws, naming the rank), and rotation
-// removes a checkpoint's shard files with it. load_latest() restores onto any world size, or into a
-// model without fully_shard: each rank reads the shard files holding its rows (on the world that
-// saved, its own: bit-identical continuation; on another, those overlapping its new rows, and the
-// optimizer's state tensors of a shard's shape resliced with them, its other values from saved rank
-// 0's). Every rank must read the shard files: on several nodes the folder must be one they share. A
-// missing or foreign shard fails the load on every rank before anything changed. A checkpoint of the
-// whole model does not load into a sharded one: load it before fully_shard.
+//   <dir>/<prefix>_<step, 10 digits>.shard<world rank>-of-<world size>.pt   (framed as the main file)
+// with its rows of every sharded parameter (FSDP2's to_local(): torch.chunk of dim 0 over the group
+// it is sharded over, the world or a subgroup) and its optimizer's state for them (any torch::optim
+// optimizer built on the shards). Each file records which rows it holds: per parameter, its rank in
+// that group and the group's size. The main file holds what every rank holds alike (buffers,
+// parameters no unit holds, scaler, sampler, RNG packs) and each shard file's header line and
+// layout, so a load reads the shards of that very save; a save where any rank fails leaves no main
+// file and no shard of it (every rank throws, naming the rank), and rotation removes a checkpoint's
+// shard files with it. Every rank takes part in save() and load_latest(), and the model must be
+// fully_shard'ed on every rank or on none, over the same parameters (each rank over its own group:
+// replica groups {0, 1} and {2, 3}, as HSDP's, are fine). load_latest() restores onto any world and
+// group size, or into a model without fully_shard: each rank reads, by their recorded layouts, the
+// shard files holding its rows (one file of the same group rank and size, its own first: the exact
+// resume continues bit for bit; else pieces of the files overlapping its rows, one of several that
+// hold the same rows), and the optimizer's state tensors of a shard's shape are resliced with them,
+// its other values taken from one of the files read. Every rank must read the shard files: on several
+// nodes the folder must be one they share. A missing or foreign shard fails the load on every rank
+// before anything changed. A checkpoint of the whole model does not load into a sharded one: load it
+// before fully_shard.
 #pragma once
 
 #include <cstdint>
@@ -108,7 +119,10 @@ namespace dtrain {
 class GradScaler;
 class DistributedSampler;
 
-constexpr int kCheckpointFormatVersion = 1;
+// The newest file format this dtrain reads and writes; it reads every older one too. A file carries
+// the lowest version that reads it: 2 only for a sharded checkpoint of a model sharded over subgroups
+// (whose shard files record their group's rows), 1 for every other.
+constexpr int kCheckpointFormatVersion = 2;
 
 // What a checkpoint holds. Null pointers are neither saved nor restored.
 struct TrainingState {

@@ -20,8 +20,9 @@
 //   group (asynchronously; every one has landed in .grad() when backward() returns). .grad()
 //   accumulates over backward passes, as torch's; optimizer.zero_grad() clears it at any time, also
 //   between forward and backward while a unit is kept whole (Note [zero_grad while whole]).
-// - CheckpointManager saves a sharded model with each rank writing its own shards, and loads it on
-//   any world size (dtrain/checkpoint.h).
+// - CheckpointManager saves a sharded model with each rank writing its own shards, sharded over the
+//   world or over subgroups (replica groups too), and loads it on any world and group size
+//   (dtrain/checkpoint.h).
 // - C++ modules have no forward hooks, so a unit runs through something dtrain owns: the
 //   FSDPModule handle fully_shard returns (call it, not module->forward), a torch::nn::Sequential
 //   element wrapped in place (fully_shard(AnyModule&): the element must take and return one tensor),

@@ -98,19 +98,24 @@ std::string own_pack(const TrainingState& st) {
   return ckpt::pack_rank_state(st.rng, rs);
 }
 
+// The format version of a main file: 1, unless a sharded model's shard records need 2.
+int version_of(const std::vector<std::string>& shard_records) {
+  return shard_records.empty() ? 1 : ckpt::format_version(shard_records);
+}
+
 // The payload (a torch archive) of `state`, with the per-rank packs of every rank; for a sharded model,
-// the header lines of the shard files every rank wrote (Note [Sharded checkpoints]).
+// the records of the shard files every rank wrote (Note [Sharded checkpoints]).
 std::string encode(const TrainingState& st, const std::vector<std::string>& rank_packs,
-                   const std::vector<std::string>& shard_headers = {}) {
-  const bool sharded = !shard_headers.empty();
+                   const std::vector<std::string>& shard_records = {}) {
+  const bool sharded = !shard_records.empty();
   torch::serialize::OutputArchive a;
-  a.write("version", c10::IValue(static_cast<int64_t>(kCheckpointFormatVersion)));
+  a.write("version", c10::IValue(static_cast<int64_t>(version_of(shard_records))));
   a.write("step", c10::IValue(st.step));
   a.write("epoch", c10::IValue(st.epoch));
   a.write("world_size", c10::IValue(static_cast<int64_t>(rank_packs.size())));
   if (st.model) {
     if (sharded) {
-      ckpt::encode_sharded_model(a, st, shard_headers);
+      ckpt::encode_sharded_model(a, st, shard_records);
     } else {
       torch::serialize::OutputArchive m;
       st.model->save(m);
@@ -178,7 +183,8 @@ void parse(const std::string& payload, torch::serialize::InputArchive& a, std::o
   }
   c10::IValue v;
   DTRAIN_CHECK(a.try_read("version", v) && v.isInt(), "its archive has no format version");
-  DTRAIN_CHECK(v.toInt() == kCheckpointFormatVersion, "its archive has format version ", v.toInt());
+  DTRAIN_CHECK(v.toInt() >= 1 && v.toInt() <= kCheckpointFormatVersion, "its archive has format version ", v.toInt(),
+               " (this dtrain reads versions 1 to ", kCheckpointFormatVersion, ")");
 }
 
 // Restores `st` from a parsed archive as this process of rank `my_rank` (Note [Resharded epoch] when
@@ -343,9 +349,10 @@ std::vector<std::string> gather_packs(const std::string& mine) {
 // Step 2 of save() on rank 0, after the folder exists: write, then rotate (Note [Write order]).
 void write_and_rotate(const std::string& dir, const CheckpointOptions& options, const std::string& path,
                       const TrainingState& state, const std::vector<std::string>& packs,
-                      const std::vector<std::string>& shard_headers) {
+                      const std::vector<std::string>& shard_records) {
   const std::vector<Found> before = scan(dir, options.prefix());
-  ckpt::write_atomic(path, ckpt::frame(encode(state, packs, shard_headers), next_write_stamp(before)));
+  ckpt::write_atomic(
+      path, ckpt::frame(encode(state, packs, shard_records), next_write_stamp(before), version_of(shard_records)));
   if (const Found* later = later_step(before, path, state.step))
     warn_once("checkpoint-later-step",
               detail::cat("checkpoint folder ", dir, " holds ", later->path, " from the later step ", later->step,
@@ -458,9 +465,24 @@ namespace {
 int my_rank() { return is_initialized() ? rank() : 0; }
 int my_world() { return is_initialized() ? world_size() : 1; }
 
+// Whether the model is fully_shard'ed, which every rank must agree on: a rank whose model is not
+// would skip the shard files' all-gather that the others wait in (with fully_shard over subgroups,
+// some ranks may have left their model whole). Throws alike on every rank when they differ.
+bool sharded_everywhere(const TrainingState& st) {
+  const bool mine = ckpt::holds_shards(st.model);
+  if (!distributed()) return mine;
+  const std::vector<std::string> all = all_gather_bytes(mine ? "1" : "0");
+  for (size_t r = 1; r < all.size(); ++r)
+    DTRAIN_CHECK(all[r] == all[0], "CheckpointManager::save: the model of rank ", r, " is ",
+                 all[r] == "1" ? "" : "not ", "fully_shard'ed, that of rank 0 is ", all[0] == "1" ? "" : "not ",
+                 "fully_shard'ed: fully_shard the model on every rank (over a group of one on a rank that trains "
+                 "alone) or on none");
+  return mine;
+}
+
 // Save step 2 of a sharded model, on every rank (Note [Sharded checkpoints]): each writes its shard
-// file; the header lines of all, in rank order. A rank that fails fails the save on every rank, and
-// each removes the shard it wrote.
+// file; the records of all (header line, layout), in rank order. A rank that fails, or ranks that
+// shard different parameters, fail the save on every rank, and each removes the shard it wrote.
 std::vector<std::string> write_shards(const std::string& dir, const std::string& path, const TrainingState& st) {
   std::string mine;
   try {
@@ -475,10 +497,10 @@ std::vector<std::string> write_shards(const std::string& dir, const std::string&
     mine = "error " + util::one_line(e.what());
   }
   const std::vector<std::string> all = distributed() ? all_gather_bytes(mine) : std::vector<std::string>{mine};
-  std::vector<std::string> headers;
+  std::vector<std::string> records;
   for (size_t r = 0; r < all.size(); ++r) {
     if (all[r].rfind("ok ", 0) == 0) {
-      headers.push_back(all[r].substr(3));
+      records.push_back(all[r].substr(3));
       continue;
     }
     std::error_code ec;
@@ -487,7 +509,14 @@ std::vector<std::string> write_shards(const std::string& dir, const std::string&
                     ? all[r].substr(6)
                     : detail::cat("rank ", r, " failed to write its checkpoint shard: ", all[r].substr(6)));
   }
-  return headers;
+  try {
+    ckpt::check_shard_records(records);
+  } catch (...) {
+    std::error_code ec;
+    fs::remove(ckpt::shard_path(path, my_rank(), my_world()), ec);
+    throw;
+  }
+  return records;
 }
 
 }  // namespace
@@ -499,7 +528,7 @@ std::string CheckpointManager::save(const TrainingState& state) {
   std::snprintf(name, sizeof name, "_%010lld.pt", static_cast<long long>(state.step));
   const std::string path = (fs::path(dir_) / (options_.prefix() + name)).string();
   const auto packs = gather_packs(own_pack(state));  // 1.
-  const bool sharded = ckpt::holds_shards(state.model);
+  const bool sharded = sharded_everywhere(state);
   // A sharded optimizer's state is spread over its group: gathered on rank 0, which writes it.
   if (auto* zero = dynamic_cast<ShardedOptimizerState*>(state.optimizer)) {
     DTRAIN_CHECK(!sharded,
@@ -507,7 +536,7 @@ std::string CheckpointManager::save(const TrainingState& state) {
                  "fully_shard already shards the optimizer's state; build a torch::optim optimizer on the shards");
     zero->prepare_for_save(0);
   }
-  const std::vector<std::string> shard_headers = sharded ? write_shards(dir_, path, state) : std::vector<std::string>{};
+  const std::vector<std::string> shard_records = sharded ? write_shards(dir_, path, state) : std::vector<std::string>{};
   std::string error;
   if (!is_initialized() || rank() == 0) {  // 2.
     try {
@@ -515,7 +544,7 @@ std::string CheckpointManager::save(const TrainingState& state) {
       fs::create_directories(dir_, ec);
       DTRAIN_CHECK(fs::is_directory(dir_), "cannot create the checkpoint folder ", dir_, ": ",
                    ec ? ec.message() : "a file of that name is in the way", ": choose another folder");
-      write_and_rotate(dir_, options_, path, state, packs, shard_headers);
+      write_and_rotate(dir_, options_, path, state, packs, shard_records);
     } catch (const c10::Error& e) {
       error = util::one_line(e.what_without_backtrace());
     } catch (const std::exception& e) {

@@ -17,10 +17,6 @@
 
 namespace dtrain::ckpt {
 
-namespace {
-
-constexpr const char* kMagic = "DTRAIN-CHECKPOINT";
-
 uint32_t crc32_of(const std::string& bytes) {
   uLong crc = crc32(0L, Z_NULL, 0);
   const auto* p = reinterpret_cast<const Bytef*>(bytes.data());
@@ -33,6 +29,10 @@ uint32_t crc32_of(const std::string& bytes) {
   }
   return static_cast<uint32_t>(crc);
 }
+
+namespace {
+
+constexpr const char* kMagic = "DTRAIN-CHECKPOINT";
 
 std::string remedy(int err) {
   if (err == ENOSPC || err == EDQUOT || err == EFBIG) return "free space there or choose another checkpoint folder";
@@ -67,8 +67,8 @@ Header parse_header(const std::string& bytes) {
   int version = 0;
   header >> version >> h.length >> h.crc_hex;
   DTRAIN_CHECK(!header.fail() && h.crc_hex.size() == 8, "malformed header line");
-  DTRAIN_CHECK(version == kCheckpointFormatVersion, "format version ", version,
-               " is not supported (this dtrain reads version ", kCheckpointFormatVersion, ")");
+  DTRAIN_CHECK(version >= 1 && version <= kCheckpointFormatVersion, "format version ", version,
+               " is not supported (this dtrain reads versions 1 to ", kCheckpointFormatVersion, ")");
   long long stamp = 0;
   if (header >> stamp) h.write_stamp = stamp;
   DTRAIN_CHECK(h.write_stamp >= 0, "malformed header line (write stamp ", h.write_stamp, ")");
@@ -94,10 +94,10 @@ std::optional<int64_t> read_write_stamp(const std::string& path, std::string* wh
   }
 }
 
-std::string frame(const std::string& payload, int64_t write_stamp) {
+std::string frame(const std::string& payload, int64_t write_stamp, int version) {
   char header[kMaxHeader];
-  std::snprintf(header, sizeof header, "%s %d %zu %08x %lld\n", kMagic, kCheckpointFormatVersion, payload.size(),
-                crc32_of(payload), static_cast<long long>(write_stamp));
+  std::snprintf(header, sizeof header, "%s %d %zu %08x %lld\n", kMagic, version, payload.size(), crc32_of(payload),
+                static_cast<long long>(write_stamp));
   return header + payload;
 }
 

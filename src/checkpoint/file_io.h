@@ -7,8 +7,11 @@
 
 namespace dtrain::ckpt {
 
-// "DTRAIN-CHECKPOINT <version> <length> <crc32> <write stamp>\n" + payload.
-std::string frame(const std::string& payload, int64_t write_stamp);
+// "DTRAIN-CHECKPOINT <version> <length> <crc32> <write stamp>\n" + payload. The version is the
+// lowest that reads the payload (dtrain/checkpoint.h): 1, or 2 for a sharded save over subgroups.
+std::string frame(const std::string& payload, int64_t write_stamp, int version = 1);
+// zlib's CRC-32 of `bytes`.
+uint32_t crc32_of(const std::string& bytes);
 // The write stamp in the header line of the file at `path` (read alone: the first bytes only): 0 for a
 // file written before stamps existed (four fields), nullopt when the header line cannot be read,
 // with the reason in *why (the unframe() reasons, or the file's).

@@ -22,16 +22,24 @@ std::vector<std::pair<std::string, std::string>> whole_manifest(const torch::nn:
 // The file of rank `rank` of `world` beside the main file `main_path`:
 // <prefix>_<step>.shard<rank>-of-<world>.pt.
 std::string shard_path(const std::string& main_path, int rank, int world);
-// Save, on every rank: writes this rank's shard file atomically and returns its header line (the
-// main file records it, so that a load reads the shards of that very save).
+// Save, on every rank: writes this rank's shard file atomically and returns its record, three lines:
+// the file's header line and layout (the main file records both, so that a load reads the shards of
+// that very save and knows which rows each holds) and a digest of its sharded parameters' names.
 std::string write_own_shard(const std::string& main_path, const TrainingState& st, int rank, int world);
+// Save, on every rank, with every rank's record in rank order: throws (alike on every rank) when the
+// ranks shard different parameters.
+void check_shard_records(const std::vector<std::string>& records);
+// The format version of the main file of a save with these records: 2 when some file does not hold
+// its world rank's rows of the world (sharded over a subgroup), else 1 (Note [Sharded checkpoints]).
+int format_version(const std::vector<std::string>& records);
 // Save, on rank 0: the main file's part for the model (replicated tensors, the shard records).
 void encode_sharded_model(torch::serialize::OutputArchive& a, const TrainingState& st,
-                          const std::vector<std::string>& shard_headers);
+                          const std::vector<std::string>& records);
 // Whether a main file's archive is of a sharded save.
 bool is_sharded_archive(torch::serialize::InputArchive& a);
-// Load, on every rank: reads the shards it needs (all ranks' rows of its own, on any world size or
-// none), checks them, then restores st.model's parameters and buffers and st.optimizer's state.
+// Load, on every rank: reads the shards it needs (by their recorded layouts, the rows of its own on
+// any world and group size, or all of them), checks them, then restores st.model's parameters and
+// buffers and st.optimizer's state.
 // Throws before changing anything when a shard is missing or not of that save.
 void load_sharded_model(torch::serialize::InputArchive& a, TrainingState& st, const std::string& main_path,
                         std::optional<at::Device> device);

@@ -6,14 +6,22 @@
 // batch within 1e-10 (float64). Also: no rank wrote the whole model (each shard file holds its rows
 // only), the full state dict at the save equals the one-process model, a model without fully_shard
 // loads the sharded checkpoint whole, and a missing shard file fails the load on every rank, naming
-// the file, before anything changed. ctest runs 3 -> 3 and 3 -> 2.
+// the file, before anything changed. Also a model sharded over subgroups (ShardedOverSubgroups): on 4
+// ranks two replica groups {0, 1} and {2, 3}, on 3 ranks {0, 1} and {2} alone, on 2 the world; every
+// group trains the whole batch split among its ranks, so each equals one process. Loaded on the world
+// that saved (same groups) it continues bit for bit; on another it takes each rank's rows from
+// whichever saved files hold them (by their recorded groups, not their world ranks) and equals one
+// process within 1e-10, parameters and Adam's state. Ranks that do not all shard the same parameters
+// fail the save on every rank. ctest runs 3 -> 3, 3 -> 2, 4 -> 4 and 4 -> 3.
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -23,6 +31,7 @@
 #include "dist_main.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/fsdp.h"
+#include "dtrain/process_group.h"
 #include "fsdp_models.h"
 #include "matchers.h"
 
@@ -43,23 +52,29 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind,
   return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
 }
 
-// One step: this rank's part of the batch through the sharded model (`root`), or the whole batch
-// through a plain one.
-void step(Net& net, FSDPModule<fsdp_models::NetImpl>* root, torch::optim::Optimizer& opt, int s) {
+// One step: this rank's part of the batch through the model sharded over `group` (`root`), or the
+// whole batch through a plain one.
+void step(Net& net, FSDPModule<fsdp_models::NetImpl>* root, torch::optim::Optimizer& opt, int s,
+          const Group& group = Group()) {
   auto [x, y] = fsdp_models::batch(s);
-  if (root) fsdp_models::keep_this_ranks_part(x, y);
+  if (root) fsdp_models::keep_this_ranks_part(x, y, group);
   opt.zero_grad();
   ((root ? (*root)(x) : net->forward(x)) - y).pow(2).mean().backward();
   opt.step();
 }
 
-// One process's model after `steps` steps on the whole batch.
-Net one_process(const std::string& kind, int steps) {
-  Net ref = fsdp_models::make_net();
-  auto opt = make_optimizer(kind, ref->parameters());
-  for (int s = 0; s < steps; ++s) step(ref, nullptr, *opt, s);
+// One process's model and optimizer after `steps` steps on the whole batch.
+struct OneProcess {
+  Net net = fsdp_models::make_net();
+  std::unique_ptr<torch::optim::Optimizer> opt;
+};
+OneProcess one_process_run(const std::string& kind, int steps) {
+  OneProcess ref;
+  ref.opt = make_optimizer(kind, ref.net->parameters());
+  for (int s = 0; s < steps; ++s) step(ref.net, nullptr, *ref.opt, s);
   return ref;
 }
+Net one_process(const std::string& kind, int steps) { return one_process_run(kind, steps).net; }
 
 double max_rel_diff(const std::vector<std::pair<std::string, at::Tensor>>& whole, torch::nn::Module& ref) {
   std::map<std::string, at::Tensor> mine(whole.begin(), whole.end());
@@ -223,6 +238,194 @@ TEST(FsdpCheckpoint, AMissingShardFailsTheLoadOnEveryRank) {
     EXPECT_TRUE(at::equal(kv.value(), before.at(kv.key()))) << kv.key() << " changed by a failed load";
   barrier();
   if (rank() == 0) fs::remove_all(copy);
+}
+
+namespace {
+
+// --- a model sharded over subgroups ----------------------------------------------------------------
+
+// The group this rank shards the model over, by world size: two replica groups on 4 ranks (HSDP's
+// layout), {0, 1} and {2} alone on 3, the world on any other.
+Group replica_group(int world) {
+  std::vector<std::vector<int>> groups;
+  if (world == 4) groups = {{0, 1}, {2, 3}};
+  if (world == 3) groups = {{0, 1}, {2}};
+  Group mine;
+  for (const auto& ranks : groups) {  // every rank creates every group, in this order
+    Group g = new_group(ranks);
+    if (g.is_member()) mine = g;
+  }
+  return mine;
+}
+
+// Where the group's continuation is recorded (each group's own: {2} alone rounds otherwise than {0, 1}).
+std::string group_recorded_path(const Group& group) {
+  return g_dir + "/groups_continued_" + std::to_string(group.ranks()[0]) + ".pt";
+}
+
+std::string header_line(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// This rank's Adam state is its rows of one process's after kStepsBefore steps.
+void expect_adam_state_of_one_process(Net& net, torch::optim::Optimizer& opt, const Group& group) {
+  OneProcess ref = one_process_run("adam", kStepsBefore);
+  auto ref_params = ref.net->named_parameters();
+  double worst = 0;
+  for (const auto& kv : net->named_parameters()) {
+    const at::Tensor& whole = ref_params[kv.key()];
+    const int64_t rows = whole.size(0), chunk = (rows + group.size() - 1) / group.size();
+    const int64_t lo = std::min(rows, group.rank() * chunk), hi = std::min(rows, lo + chunk);
+    auto it = opt.state().find(compat::optimizer_state_key(kv.value()));
+    auto ref_it = ref.opt->state().find(compat::optimizer_state_key(whole));
+    if (ref_it == ref.opt->state().end() || it == opt.state().end()) {  // never stepped (no gradient)
+      EXPECT_TRUE(ref_it == ref.opt->state().end() && (it == opt.state().end() || hi == lo))
+          << kv.key() << ": Adam state here or in one process only";
+      continue;
+    }
+    const auto& mine = static_cast<torch::optim::AdamParamState&>(*it->second);
+    const auto& theirs = static_cast<torch::optim::AdamParamState&>(*ref_it->second);
+    EXPECT_EQ(mine.step(), theirs.step()) << kv.key();
+    for (const auto& [a, b] :
+         {std::pair(mine.exp_avg(), theirs.exp_avg()), std::pair(mine.exp_avg_sq(), theirs.exp_avg_sq())}) {
+      const at::Tensor expected = b.narrow(0, lo, hi - lo);
+      ASSERT_EQ(a.sizes(), expected.sizes()) << kv.key() << ": rows " << lo << ".." << hi;
+      if (a.numel() == 0) continue;
+      const double scale = std::max(b.abs().max().item<double>(), 1e-12);
+      worst = std::max(worst, (a - expected).abs().max().item<double>() / scale);
+    }
+  }
+  EXPECT_LT(worst, 1e-10) << "Adam's state, saved on " << g_saved_world << " ranks, loaded on " << world_size();
+}
+
+// Trains the model sharded over `group` (HSDP's replicas when groups are disjoint) and saves it, then
+// records where 4 more steps lead.
+void save_over_groups(const Group& group) {
+  Net net = fsdp_models::make_net();
+  auto root = fsdp_models::shard(net, FullyShardOptions().process_group(group));
+  auto opt = make_optimizer("adam", net->parameters());
+  for (int s = 0; s < kStepsBefore; ++s) step(net, &root, *opt, s, group);
+  CheckpointManager ckpt(g_dir + "/groups", CheckpointOptions().prefix("groups"));
+  TrainingState st;
+  st.model = net.ptr().get();
+  st.optimizer = opt.get();
+  st.step = kStepsBefore;
+  const std::string path = ckpt.save(st);
+  // Named by world rank; over subgroups format version 2, which dtrains that took world rank r's file
+  // for rank r's rows of the world refuse.
+  const std::string mine = path.substr(0, path.size() - 3) + ".shard" + std::to_string(rank()) + "-of-" +
+                           std::to_string(world_size()) + ".pt";
+  const std::string version = group.size() == world_size() ? "1" : "2";
+  EXPECT_EQ(header_line(mine).rfind("DTRAIN-CHECKPOINT " + version + " ", 0), 0u) << header_line(mine);
+  EXPECT_EQ(header_line(path).rfind("DTRAIN-CHECKPOINT " + version + " ", 0), 0u) << header_line(path);
+  EXPECT_LT(max_rel_diff(root.full_state_dict(), *one_process("adam", kStepsBefore)), 1e-10);
+  for (int s = kStepsBefore; s < kStepsBefore + kStepsAfter; ++s) step(net, &root, *opt, s, group);
+  auto continued = values_of(root.full_state_dict());
+  if (group.rank() == 0) torch::save(continued, group_recorded_path(group));
+  barrier();
+}
+
+// Loads the save into the model sharded over `group` and trains 4 more steps: bit for bit the run
+// that saved when `exact` (the same groups), else one process's within 1e-10, Adam's state too.
+void load_over_groups(const Group& group, bool exact) {
+  Net net = fsdp_models::make_net();
+  auto root = fsdp_models::shard(net, FullyShardOptions().process_group(group));
+  auto opt = make_optimizer("adam", net->parameters());
+  CheckpointManager ckpt(g_dir + "/groups", CheckpointOptions().prefix("groups"));
+  TrainingState st;
+  st.model = net.ptr().get();
+  st.optimizer = opt.get();
+  ASSERT_TRUE(ckpt.load_latest(st).has_value());
+  ASSERT_EQ(st.saved_world_size, g_saved_world);
+  if (!exact) expect_adam_state_of_one_process(net, *opt, group);
+  for (int s = kStepsBefore; s < kStepsBefore + kStepsAfter; ++s) step(net, &root, *opt, s, group);
+  const auto whole = root.full_state_dict();
+  if (exact) {
+    std::vector<at::Tensor> recorded;
+    torch::load(recorded, group_recorded_path(group));
+    ASSERT_EQ(recorded.size(), whole.size());
+    for (size_t i = 0; i < whole.size(); ++i)
+      EXPECT_TRUE(at::equal(whole[i].second, recorded[i]))
+          << whole[i].first << " differs from the run that saved (exact resume over the group of " << group.size()
+          << ")";
+    return;
+  }
+  const double worst = max_rel_diff(whole, *one_process("adam", kStepsBefore + kStepsAfter));
+  if (rank() == 0)
+    std::printf("subgroups, %lld ranks -> groups of %d of %d ranks: max relative difference %.3g\n",
+                static_cast<long long>(g_saved_world), group.size(), world_size(), worst);
+  EXPECT_LT(worst, 1e-10) << "saved over subgroups on " << g_saved_world << " ranks, resumed over a group of "
+                          << group.size() << " of " << world_size();
+}
+
+}  // namespace
+
+// Saved by every world rank, each sharding over its own group; loaded over this world's groups (the
+// same as the save's on the same world: bit for bit), over the world, and into a model without
+// fully_shard: each rank's rows from whichever files hold them, by their recorded groups.
+TEST(FsdpCheckpoint, ShardedOverSubgroups) {
+  const Group group = replica_group(world_size());
+  if (g_phase == "save") {
+    save_over_groups(group);
+    return;
+  }
+  load_over_groups(group, g_saved_world == world_size());
+  if (group.size() != world_size()) load_over_groups(Group(), false);
+  // A model without fully_shard loads it whole.
+  Net plain = fsdp_models::make_net();
+  auto opt = make_optimizer("adam", plain->parameters());
+  CheckpointManager ckpt(g_dir + "/groups", CheckpointOptions().prefix("groups"));
+  TrainingState st;
+  st.model = plain.ptr().get();
+  st.optimizer = opt.get();
+  ASSERT_TRUE(ckpt.load_latest(st).has_value());
+  for (int s = kStepsBefore; s < kStepsBefore + kStepsAfter; ++s) step(plain, nullptr, *opt, s);
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (const auto& kv : plain->named_parameters()) params.emplace_back(kv.key(), kv.value());
+  EXPECT_LT(max_rel_diff(params, *one_process("adam", kStepsBefore + kStepsAfter)), 1e-10) << "unsharded";
+}
+
+// Ranks that do not shard alike fail the save on every rank, naming the rank, and leave no file: the
+// last rank's model not sharded at all, then sharding fewer parameters than the others.
+TEST(FsdpCheckpoint, RanksThatShardUnlikeFailTheSaveOnEveryRank) {
+  const int n = world_size();
+  std::vector<int> others;
+  for (int r = 0; r + 1 < n; ++r) others.push_back(r);
+  const Group a = new_group(others), b = new_group({n - 1});  // every rank creates both, in this order
+  const bool last = rank() == n - 1;
+  const std::string dir = g_dir + "_unlike";
+  auto expect_refused = [&](Net& net, const std::string& part) {
+    CheckpointManager ckpt(dir);
+    TrainingState st;
+    st.model = net.ptr().get();
+    try {
+      ckpt.save(st);
+      ADD_FAILURE() << "saved on rank " << rank() << " (" << part << ")";
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), testing::HasSubstr(part));
+      EXPECT_THAT(e.what(), testing::HasSubstr("rank " + std::to_string(n - 1)));
+    }
+    barrier();
+    EXPECT_TRUE(!fs::exists(dir) || fs::is_empty(dir)) << dir << " holds files of a failed save";
+    barrier();
+  };
+  {
+    Net net = fsdp_models::make_net();
+    if (!last) fsdp_models::shard(net, FullyShardOptions().process_group(a));
+    expect_refused(net, "is not fully_shard'ed");
+  }
+  {
+    Net net = fsdp_models::make_net();
+    if (last)
+      dtrain::fully_shard(net->inner.module()->b, FullyShardOptions().process_group(b));
+    else
+      fsdp_models::shard(net, FullyShardOptions().process_group(a));
+    expect_refused(net, "are not those of rank 0");
+  }
+  if (rank() == 0) fs::remove_all(dir);
 }
 
 DTRAIN_DIST_PHASE_TEST_MAIN()

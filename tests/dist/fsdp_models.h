@@ -73,10 +73,11 @@ inline std::pair<at::Tensor, at::Tensor> batch(int step) {
   return {at::randn({kGlobalBatch, 8}, g, at::kDouble), at::randn({kGlobalBatch, 3}, g, at::kDouble)};
 }
 
-// This rank's rows of a batch.
-inline void keep_this_ranks_part(at::Tensor& x, at::Tensor& y) {
-  x = x.chunk(dtrain::world_size())[dtrain::rank()];
-  y = y.chunk(dtrain::world_size())[dtrain::rank()];
+// This rank's rows of a batch split among the ranks of `group` (a model sharded over it trains the
+// whole batch).
+inline void keep_this_ranks_part(at::Tensor& x, at::Tensor& y, const dtrain::Group& group = dtrain::Group()) {
+  x = x.chunk(group.size())[group.rank()];
+  y = y.chunk(group.size())[group.rank()];
 }
 
 }  // namespace fsdp_models
