@@ -48,6 +48,12 @@ class Capabilities {
   // Whether collectives run over shared memory on this rank's host.
   virtual bool uses_shared_memory() const { return false; }
 
+  // Whether a small collective of the group costs less than copying a few megabytes once: the
+  // segment of a group on one host (a call costs microseconds), not a network's round trip (Gloo)
+  // nor a kernel launch (NCCL). The same answer on every rank (fully_shard asks it:
+  // Note [Collectives per parameter] in src/fsdp/unit.cpp).
+  virtual bool small_calls_are_cheap() const { return false; }
+
   // Note [Inline blocking collectives]: all-reduces `t` in place on this thread and returns true
   // when the backend can without a c10d Work (nothing queued, a tensor and op it reduces); returns
   // false, having done nothing, otherwise. Throws the backend's failure.

@@ -7,16 +7,31 @@
 //   - `shard`: this rank's rows, a view of the unit's flat shard (every parameter's chunk of
 //     ceil(d0 / n) rows, padded with zeros, back to back), which is what the optimizer updates and
 //     what the all-gather sends, without a copy when the param dtype is the parameters' own; and
-//   - `full`: the whole parameter, its own storage. Resharding does not drop that storage, it
-//     empties it (zero bytes, as FSDP2's storage resize_(0)): autograd keeps views of the whole
-//     weight for backward (Linear saves weight.t()), so a fresh tensor at the next gather would
-//     leave those views on the old one. Gathering refills the same storage, and the views see it.
+//   - `full`: the whole parameter, a view of its own storage of n chunks (`padded`), where the
+//     all-gather leaves it (Note [Collectives per parameter]). Resharding does not drop that
+//     storage, it empties it (zero bytes, as FSDP2's storage resize_(0)): autograd keeps views of
+//     the whole weight for backward (Linear saves weight.t()), so a fresh tensor at the next gather
+//     would leave those views on the old one. Gathering refills the same storage, and the views see it.
 // A gradient accumulates into the whole parameter (autograd's AccumulateGrad). Once every
-// parameter of the unit that takes a gradient has one, the unit lays them out as the all-gather
-// did (chunk r of every parameter in part r), starts an asynchronous reduce-scatter (AVG) and
-// reshards at once, freeing the whole gradients. At the end of backward the reduced chunk becomes
-// the shard's .grad(), added to the one the shard held before (set aside while the parameter was
-// whole, since a whole gradient cannot accumulate into it).
+// parameter of the unit that takes a gradient has one, the unit starts an asynchronous
+// reduce-scatter (AVG) and reshards at once. At the end of backward the reduced chunk becomes the
+// shard's .grad(), added to the one the shard held before (set aside while the parameter was whole,
+// since a whole gradient cannot accumulate into it).
+//
+// Note [Collectives per parameter]
+// FSDP2 makes a unit whole with one all-gather into a buffer whose part r holds chunk r of every
+// parameter, then copies each parameter out of it, and lays the gradients out the same way for one
+// reduce-scatter: on a GPU a copy is nearly free and a collective is a kernel launch. On the
+// shared-memory segment of one host it is the other way round: a collective costs microseconds, and
+// copying every parameter out (twice a step under ZeRO-3) and every gradient in was 3 bytes copied
+// per parameter byte per step on the main thread (bench_fsdp's step: 1.14 of DDP's with them, 1.05
+// without). So where the group says small calls are cheap (Capabilities, the same answer on
+// every rank), a unit runs one all-gather per parameter, from its chunk of the flat shard straight
+// into its whole storage (n chunks: the padding rows past the end come along and are not part of
+// the parameter), and one reduce-scatter per parameter, of the whole gradient itself when its n
+// chunks cover it exactly, into its chunk of the unit's output. Elsewhere (Gloo between hosts,
+// NCCL) a unit keeps FSDP2's one collective each way, whose calls would otherwise cost a network
+// round trip per parameter.
 #include "fsdp/unit.h"
 
 #include <algorithm>
@@ -26,6 +41,8 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "dtrain/errors.h"
+#include "comm/capabilities.h"
+#include "comm/state.h"
 #include "fsdp/buffer_pool.h"
 #include "fsdp/root.h"
 
@@ -50,27 +67,9 @@ void alloc_storage(const at::Tensor& t) {
   s->set_nbytes(bytes);
 }
 
-// How a parameter's elements lie over the n parts (FSDP2's chunks of ceil(d0 / n) rows): parts
-// [0, whole) hold a whole chunk each, part `whole` the `rest` cut short by the end (when whole < n),
-// and the parts after it nothing.
-struct ChunkSplit {
-  int64_t whole = 0, rest = 0;
-};
-ChunkSplit split_chunks(const ShardedParam& p, int64_t n) {
-  if (p.chunk_numel() == 0) return {};
-  const int64_t whole = std::min<int64_t>(n, p.rows / p.chunk_rows);
-  return {whole, p.rows * p.row_numel - whole * p.chunk_numel()};
-}
-
-// The whole parameter `flat` from the gathered parts ([n, per rank]): the whole chunks in one strided
-// copy, straight out of the gathered buffer (a reshape of the strided chunks would copy them twice).
-void copy_chunks_out(const at::Tensor& parts, const ShardedParam& p, const at::Tensor& flat) {
-  const ChunkSplit c = split_chunks(p, parts.size(0));
-  const int64_t cn = p.chunk_numel();
-  if (c.whole > 0)
-    flat.narrow(0, 0, c.whole * cn).view({c.whole, cn}).copy_(parts.narrow(0, 0, c.whole).narrow(1, p.offset, cn));
-  if (c.rest > 0) flat.narrow(0, c.whole * cn, c.rest).copy_(parts[c.whole].narrow(0, p.offset, c.rest));
-}
+// A view of `t`'s bytes where a gather moves 16-bit floats: a gather moves bits without arithmetic,
+// and Gloo in LibTorch 1.13 has no BFloat16 (nor int16) collectives.
+at::Tensor as_gathered(const at::Tensor& t) { return t.element_size() == 2 ? t.view(at::kByte) : t; }
 
 }  // namespace
 
@@ -125,12 +124,13 @@ Unit::Unit(const std::shared_ptr<torch::nn::Module>& module, std::vector<Sharded
   for (const ShardedParam& p : params_) takes_grad_ += p.param.requires_grad() ? 1 : 0;
   reshard_after_forward_ = reshard_option_.value_or(true);
   hook_keys_.assign(params_.size(), 0);
-  // What the unit holds at once from the pool (Note [Buffer pool]): gathered, whole, and the scatter's.
+  per_param_ =
+      comm::capabilities(group_).small_calls_are_cheap() && (!flat_shard_.defined() || flat_shard_.device().is_cpu());
+  // What the unit holds at once from the pool (Note [Buffer pool]): the cast shard and the whole
+  // (padded) parameters, the reduce-scatter's padded inputs and its output.
   const size_t n = static_cast<size_t>(group_.size()), per_rank = static_cast<size_t>(per_rank_);
   const size_t param_bytes = c10::elementSize(param_dtype()), reduce_bytes = c10::elementSize(reduce_dtype());
-  size_t whole = 0;
-  for (const ShardedParam& p : params_) whole += static_cast<size_t>(p.rows * p.row_numel) * param_bytes;
-  reserve_pool_for((n + 1) * per_rank * param_bytes + whole + (n + 1) * per_rank * reduce_bytes);
+  reserve_pool_for((n + 1) * per_rank * (param_bytes + reduce_bytes));
 }
 
 Unit::~Unit() {
@@ -159,33 +159,51 @@ at::ScalarType Unit::param_dtype() const {
 }
 at::ScalarType Unit::reduce_dtype() const { return mp_.reduce_dtype().value_or(param_dtype()); }
 
+// The whole parameter's storage of n chunks, refilled (its bytes from the pool).
+void Unit::fill_storage(ShardedParam& p, const at::TensorOptions& options) {
+  if (!p.padded.defined()) {
+    p.padded = pooled_empty({group_.size() * p.chunk_numel()}, options);
+    p.full = p.padded.narrow(0, 0, p.rows * p.row_numel).view(p.full_shape);
+  }
+  alloc_storage(p.padded);
+}
+
+// Note [Collectives per parameter]: with per_param_, one all-gather per parameter straight into its
+// whole storage; otherwise one for the unit into a gathered buffer, copied out in unshard().
 void Unit::issue_gather() {
-  if (whole_ || gather_ || params_.empty()) return;
-  // The input lives until the gather is waited for: an asynchronous collective reads it meanwhile.
-  // A gather moves bits without arithmetic, so 16-bit floats travel as bytes: Gloo in LibTorch 1.13
-  // has no BFloat16 (nor int16) collectives.
+  if (whole_ || !gathers_.empty() || params_.empty()) return;
+  // The input lives until the gathers are waited for: an asynchronous collective reads it meanwhile.
   if (flat_shard_.scalar_type() == param_dtype()) {
     gather_in_ = flat_shard_;
   } else {
     gather_in_ = pooled_empty({per_rank_}, flat_shard_.options().dtype(param_dtype()));
     gather_in_.copy_(flat_shard_);
   }
-  gathered_ = pooled_empty({group_.size() * per_rank_}, gather_in_.options());
-  received_bytes_ += (group_.size() - 1) * per_rank_ * static_cast<int64_t>(gather_in_.element_size());
-  if (gather_in_.element_size() == 2) {
-    at::Tensor out = gathered_.view(at::kByte);
-    gather_ = all_gather_into_tensor(out, gather_in_.view(at::kByte), group_, /*async_op=*/true);
-  } else {
-    gather_ = all_gather_into_tensor(gathered_, gather_in_, group_, /*async_op=*/true);
+  const int64_t n = group_.size();
+  received_bytes_ += (n - 1) * per_rank_ * static_cast<int64_t>(gather_in_.element_size());
+  if (!per_param_) {
+    gathered_ = pooled_empty({n * per_rank_}, gather_in_.options());
+    at::Tensor out = as_gathered(gathered_);
+    gathers_.push_back(all_gather_into_tensor(out, as_gathered(gather_in_), group_, /*async_op=*/true));
+    return;
+  }
+  for (ShardedParam& p : params_) {
+    if (p.chunk_numel() == 0) continue;
+    fill_storage(p, gather_in_.options());
+    at::Tensor out = as_gathered(p.padded);
+    gathers_.push_back(all_gather_into_tensor(out, as_gathered(gather_in_.narrow(0, p.offset, p.chunk_numel())), group_,
+                                              /*async_op=*/true));
   }
 }
 
 void Unit::drop_prefetch() {
-  if (!gather_) return;
-  gather_->wait();
-  gather_.reset();
+  if (gathers_.empty()) return;
+  for (Work& w : gathers_) w.wait();
+  gathers_.clear();
   gather_in_ = at::Tensor();
   gathered_ = at::Tensor();
+  for (ShardedParam& p : params_)
+    if (p.padded.defined()) free_storage(p.padded);
 }
 
 void Unit::unshard() {
@@ -193,38 +211,40 @@ void Unit::unshard() {
     whole_ = true;
     return;
   }
-  if (gather_) ++prefetched_;
+  if (!gathers_.empty()) ++prefetched_;
   issue_gather();
-  gather_->wait();
-  gather_.reset();
+  for (Work& w : gathers_) w.wait();
+  gathers_.clear();
   torch::NoGradGuard no_grad;
-  const at::Tensor parts = gathered_.view({group_.size(), per_rank_});
+  if (gathered_.defined()) {  // one gather for the unit: part r holds chunk r of every parameter
+    const at::Tensor parts = gathered_.view({group_.size(), per_rank_});
+    for (ShardedParam& p : params_) {
+      if (p.chunk_numel() == 0) continue;
+      fill_storage(p, gathered_.options());
+      p.padded.view({group_.size(), p.chunk_numel()}).copy_(parts.narrow(1, p.offset, p.chunk_numel()));
+    }
+    gathered_ = at::Tensor();
+  }
+  gather_in_ = at::Tensor();
   for (ShardedParam& p : params_) {
-    if (!p.full.defined()) p.full = pooled_empty(p.full_shape, p.shard.options().dtype(param_dtype()));
-    alloc_storage(p.full);
-    copy_chunks_out(parts, p, p.full.view({-1}));
+    if (!p.full.defined()) fill_storage(p, flat_shard_.options().dtype(param_dtype()));  // no rows at all
     // Set the shard's gradient aside: a whole gradient accumulates into .grad() now.
     if (p.param.grad().defined()) p.sharded_grad = p.param.grad();
     p.param.mutable_grad() = at::Tensor();
     p.param.set_data(p.full);
     if (p.accumulator) compat::relink_grad_accumulator(p.param, p.accumulator);
   }
-  gathered_ = at::Tensor();
-  gather_in_ = at::Tensor();
   whole_ = true;
   hook_accumulators();
 }
 
 std::vector<at::Tensor> Unit::whole_copies() const {
   std::vector<at::Tensor> out;
-  if (params_.empty()) return out;
-  at::Tensor gathered = at::empty({group_.size() * per_rank_}, flat_shard_.options());
-  all_gather_into_tensor(gathered, flat_shard_, group_);
-  const at::Tensor parts = gathered.view({group_.size(), per_rank_});
+  const int64_t n = group_.size();
   for (const ShardedParam& p : params_) {
-    at::Tensor whole = at::empty(p.full_shape, flat_shard_.options());
-    copy_chunks_out(parts, p, whole.view({-1}));
-    out.push_back(whole);
+    at::Tensor padded = at::empty({n * p.chunk_numel()}, flat_shard_.options());
+    if (p.chunk_numel() > 0) all_gather_into_tensor(padded, flat_shard_.narrow(0, p.offset, p.chunk_numel()), group_);
+    out.push_back(padded.narrow(0, 0, p.rows * p.row_numel).view(p.full_shape));
   }
   return out;
 }
@@ -269,7 +289,7 @@ void Unit::reshard(bool restore_grads) {
     if (cleared_while_whole(p, 0)) p.sharded_grad = at::Tensor();
     p.param.mutable_grad() = at::Tensor();
     p.param.set_data(p.shard);
-    if (p.full.defined()) free_storage(p.full);
+    if (p.padded.defined()) free_storage(p.padded);
     if (restore_grads && p.sharded_grad.defined()) {
       p.param.mutable_grad() = p.sharded_grad;
       p.sharded_grad = at::Tensor();
@@ -304,40 +324,56 @@ void Unit::launch_reduce_scatter() {
     reshard();
     return;
   }
-  // Part r of the input is chunk r of every parameter: whole chunks are one strided copy, the one
-  // cut short by the end of the parameter is zero-padded, and chunks past the end are zeros.
-  scatter_in_ = pooled_empty({n, per_rank_}, flat_shard_.options().dtype(reduce_dtype()));
+  // Chunk r of each parameter's gradient goes to rank r (Note [Collectives per parameter]): one
+  // reduce-scatter per parameter into its chunk of the unit's output, or one for the unit whose
+  // part r holds chunk r of every parameter.
+  const at::TensorOptions options = flat_shard_.options().dtype(reduce_dtype());
+  scatter_out_ = pooled_empty({per_rank_}, options);
+  at::Tensor parts;
+  if (!per_param_) parts = pooled_empty({n, per_rank_}, options);
   for (ShardedParam& p : params_) {
+    if (p.chunk_numel() == 0) continue;
     at::Tensor g = p.got_grad ? p.param.grad().to(reduce_dtype()) : at::Tensor();
     if (p.accumulated.defined()) g = g.defined() ? g.add(p.accumulated) : p.accumulated;
     p.accumulated = at::Tensor();
-    at::Tensor dst = scatter_in_.narrow(1, p.offset, p.chunk_numel());
-    if (!g.defined() || p.chunk_numel() == 0) {
-      dst.zero_();
-      continue;
-    }
-    p.got_grad = true;  // a gradient accumulated without sync counts as this backward's
-    const at::Tensor flat = g.reshape({-1});
-    const ChunkSplit c = split_chunks(p, n);
-    const int64_t done = c.whole * p.chunk_numel();
-    if (c.whole > 0) dst.narrow(0, 0, c.whole).copy_(flat.narrow(0, 0, done).view({c.whole, p.chunk_numel()}));
-    if (c.whole < n) {
-      at::Tensor part = dst[c.whole];
-      part.narrow(0, 0, c.rest).copy_(flat.narrow(0, done, c.rest));
-      part.narrow(0, c.rest, p.chunk_numel() - c.rest).zero_();
-      if (c.whole + 1 < n) dst.narrow(0, c.whole + 1, n - c.whole - 1).zero_();
+    if (g.defined()) p.got_grad = true;  // a gradient accumulated without sync counts as this backward's
+    const at::Tensor in = padded_gradient(p, g, options);
+    if (per_param_) {
+      at::Tensor out = scatter_out_.narrow(0, p.offset, p.chunk_numel());
+      scatters_.push_back(reduce_scatter_tensor(out, in, ReduceOp::AVG, group_, /*async_op=*/true));
+      // Read by the collective until it completes, then given back at once: backward's next
+      // gradients are then allocated where these were, not in fresh pages.
+      scatters_.back().then([keep = at::Tensor(in)]() mutable { keep = at::Tensor(); });
+    } else {
+      parts.narrow(1, p.offset, p.chunk_numel()).copy_(in.view({n, p.chunk_numel()}));
     }
   }
-  scatter_out_ = pooled_empty({per_rank_}, scatter_in_.options());
-  received_bytes_ += (n - 1) * per_rank_ * static_cast<int64_t>(scatter_in_.element_size());
-  scatter_ = reduce_scatter_tensor(scatter_out_, scatter_in_.view({-1}), ReduceOp::AVG, group_, /*async_op=*/true);
+  if (!per_param_) {
+    scatters_.push_back(reduce_scatter_tensor(scatter_out_, parts.view({-1}), ReduceOp::AVG, group_, true));
+    scatter_inputs_.push_back(parts);
+  }
+  received_bytes_ += (n - 1) * per_rank_ * static_cast<int64_t>(scatter_out_.element_size());
   reshard(/*restore_grads=*/false);  // the shard's old gradient waits in sharded_grad for the new one
 }
 
+// A parameter's gradient as n chunks back to back: the gradient itself when they cover it exactly
+// (no copy), otherwise a copy padded with zeros; zeros for a parameter without a gradient on this
+// rank (every rank calls the same collectives, whatever its backward reached).
+at::Tensor Unit::padded_gradient(const ShardedParam& p, const at::Tensor& g, const at::TensorOptions& options) const {
+  const int64_t padded = group_.size() * p.chunk_numel();
+  if (g.defined() && g.is_contiguous() && g.numel() == padded) return g.view({-1});
+  at::Tensor in = pooled_empty({padded}, options);
+  const int64_t filled = g.defined() ? g.numel() : 0;
+  if (filled > 0) in.narrow(0, 0, filled).copy_(g.reshape({-1}));
+  in.narrow(0, filled, padded - filled).zero_();
+  return in;
+}
+
 void Unit::finish_gradients() {
-  if (!scatter_) return;
-  scatter_->wait();
-  scatter_.reset();
+  if (!scatter_out_.defined()) return;
+  for (Work& w : scatters_) w.wait();
+  scatters_.clear();
+  scatter_inputs_.clear();
   torch::NoGradGuard no_grad;
   for (ShardedParam& p : params_) {
     at::Tensor old = p.sharded_grad;
@@ -356,7 +392,6 @@ void Unit::finish_gradients() {
       p.param.mutable_grad() = g.clone();
     }
   }
-  scatter_in_ = at::Tensor();
   scatter_out_ = at::Tensor();
 }
 

@@ -29,7 +29,8 @@ struct ShardedParam {
   int64_t chunk_rows = 0, local_rows = 0;
   int64_t offset = 0;       // of this parameter's chunk in the unit's flat shard, elements
   at::Tensor shard;         // [local_rows, ...]: a view of the unit's flat shard
-  at::Tensor full;          // whole, in the param dtype; its storage holds no bytes while sharded
+  at::Tensor padded;        // n chunks, the all-gather's output; its storage holds no bytes while sharded
+  at::Tensor full;          // whole, in the param dtype: a view of `padded`
   at::Tensor sharded_grad;  // the shard's .grad(), set aside while the parameter is whole
   at::Tensor accumulated;   // the whole gradient summed over backward passes without sync
   // Note [zero_grad while whole]: the whole parameter's .grad() while sharded_grad is set aside, and
@@ -95,6 +96,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
 
  private:
   void launch_reduce_scatter();
+  void fill_storage(ShardedParam& p, const at::TensorOptions& options);
+  at::Tensor padded_gradient(const ShardedParam& p, const at::Tensor& g, const at::TensorOptions& options) const;
   at::ScalarType param_dtype() const;
   at::ScalarType reduce_dtype() const;
 
@@ -110,12 +113,14 @@ class Unit : public std::enable_shared_from_this<Unit> {
   int64_t per_rank_ = 0;   // elements of flat_shard_
   int64_t received_bytes_ = 0, prefetched_ = 0;
   bool whole_ = false;
-  std::optional<Work> gather_;  // issued, not yet waited for
+  bool per_param_ = false;     // Note [Collectives per parameter]
+  std::vector<Work> gathers_;  // issued, not yet waited for
   at::Tensor gather_in_, gathered_;
   int ready_ = 0, takes_grad_ = 0;
   bool launched_ = false;
-  std::optional<Work> scatter_;
-  at::Tensor scatter_in_, scatter_out_;
+  std::vector<Work> scatters_;  // launched, not yet waited for
+  std::vector<at::Tensor> scatter_inputs_;
+  at::Tensor scatter_out_;
   std::vector<uintptr_t> hook_keys_;  // per parameter, on its accumulator (0: none yet)
   void hook_accumulators();
 };

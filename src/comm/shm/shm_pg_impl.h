@@ -90,6 +90,7 @@ class ShmProcessGroup : public compat::Backend, public Capabilities {
   const std::string getBackendName() const override { return "gloo"; }
   // Capabilities: decided from what every rank knows alike, so every rank gets the same answer.
   bool uses_shared_memory() const override { return local_ != nullptr; }
+  bool small_calls_are_cheap() const override { return topo_.hosts == 1 && local_ != nullptr; }
   std::string unsupported(c10d::OpType type, const at::Tensor& t, const c10d::ReduceOp& op) const override;
   bool takes_base_collective(c10d::OpType type, const at::Tensor& t, const c10d::ReduceOp& op) const override;
   // A blocking all_reduce run here, without Work or Future; one host only.
