@@ -133,6 +133,25 @@ TEST(TensorCollectives, InPlaceForms) {
   }
 }
 
+// A gather whose output reaches 8 MiB is written with streaming stores: here into an output that
+// starts 4 bytes past a 16-byte boundary and whose parts end off one too, out of place and in place.
+TEST(TensorCollectives, LargeAllGatherWritesEveryByteOfAnUnalignedOutput) {
+  const int64_t count = (int64_t{1} << 20) + 3;  // 4 MiB + 12 bytes of float32 per rank
+  at::Tensor storage = at::full({N() * count + 1}, -9.0f);
+  at::Tensor out = storage.narrow(0, 1, N() * count);
+  std::vector<at::Tensor> parts;
+  for (int k = 0; k < N(); ++k) parts.push_back(values(k, count, at::kFloat));
+  const at::Tensor expected = at::cat(parts);
+  all_gather_into_tensor(out, parts[R()]);
+  EXPECT_TRUE(at::equal(out, expected)) << "out of place";
+  EXPECT_EQ(storage[0].item<float>(), -9.0f) << "wrote before the output";
+  out.fill_(-9.0f);
+  at::Tensor mine = out.narrow(0, R() * count, count);
+  mine.copy_(parts[R()]);
+  all_gather_into_tensor(out, mine);
+  EXPECT_TRUE(at::equal(out, expected)) << "in place";
+}
+
 // Over shared memory each rank reduces its own part in rank order: arbitrary floats give the very
 // bits of all_reduce (which sums in rank order too), on every rank.
 // (A group of its own, over shared memory even in the DTRAIN_SHM=0 runs: Gloo's order is its own.)

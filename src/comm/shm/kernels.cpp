@@ -187,8 +187,20 @@ void dispatch(void* out, const void* a, const void* b, size_t n, DType t, Op op)
   }
 }
 
-// memcpy with non-temporal stores where the destination is 16-byte aligned.
-void stream_copy(char* dst, const char* src, size_t bytes) {
+template <class Op>
+void dispatch_wide(void* out, const void* a, const void* b, size_t n, DType t, Op op) {
+  DTRAIN_ASSERT(t == DType::F32 || t == DType::F64);
+  if (t == DType::F32)
+    loop(static_cast<float*>(out), static_cast<const float*>(a), static_cast<const float*>(b), n, op);
+  else
+    loop(static_cast<double*>(out), static_cast<const double*>(a), static_cast<const double*>(b), n, op);
+}
+
+}  // namespace
+
+void stream_copy(void* to, const void* from, size_t bytes) {
+  char* dst = static_cast<char*>(to);
+  const char* src = static_cast<const char*>(from);
 #ifdef DTRAIN_HAVE_STREAMING_STORES
   const size_t head = std::min(bytes, (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15);
   std::memcpy(dst, src, head);
@@ -212,16 +224,11 @@ void stream_copy(char* dst, const char* src, size_t bytes) {
 #endif
 }
 
-template <class Op>
-void dispatch_wide(void* out, const void* a, const void* b, size_t n, DType t, Op op) {
-  DTRAIN_ASSERT(t == DType::F32 || t == DType::F64);
-  if (t == DType::F32)
-    loop(static_cast<float*>(out), static_cast<const float*>(a), static_cast<const float*>(b), n, op);
-  else
-    loop(static_cast<double*>(out), static_cast<const double*>(a), static_cast<const double*>(b), n, op);
+void store_fence() {
+#ifdef DTRAIN_HAVE_STREAMING_STORES
+  _mm_sfence();
+#endif
 }
-
-}  // namespace
 
 void combine_streaming(void* out, void* shared, const void* a, const void* b, size_t count, DType t, RedOp op,
                        const Divided* divided) {
@@ -233,9 +240,7 @@ void combine_streaming(void* out, void* shared, const void* a, const void* b, si
     combine(o, static_cast<const char*>(a) + off, static_cast<const char*>(b) + off, n, t, op, divided);
     stream_copy(static_cast<char*>(shared) + off, o, n * es);
   }
-#ifdef DTRAIN_HAVE_STREAMING_STORES
-  _mm_sfence();
-#endif
+  store_fence();
 }
 
 void divide(void* out, const void* a, size_t count, DType t, double divisor) {

@@ -35,9 +35,16 @@ void divide(void* out, const void* a, size_t count, DType t, double divisor);
 // that another process reads from shared memory: streamed lines go to memory instead of staying
 // modified in this core's cache, and the reader then fetches them from memory rather than from this
 // core, which is faster at every size (the numbers: docs/benchmarks.md, shared-memory all-reduce).
-// Ends with a store fence, so a
-// release store that follows publishes the values.
+// Ends with a store fence, so a release store that follows publishes the values.
 void combine_streaming(void* out, void* shared, const void* a, const void* b, size_t count, DType t, RedOp op,
                        const Divided* divided = nullptr);
+
+// memcpy with non-temporal stores where `dst` is 16-byte aligned: the destination's lines are not
+// read first and do not stay in cache. For outputs larger than the cache keeps anyway. Weakly ordered:
+// call store_fence() before anything that publishes the bytes to another thread or process.
+void stream_copy(void* dst, const void* src, size_t bytes);
+
+// Orders every streaming store before it ahead of the stores that follow (sfence).
+void store_fence();
 
 }  // namespace dtrain::shm
