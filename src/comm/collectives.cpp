@@ -22,6 +22,7 @@
 #include "comm/debug_check.h"
 #include "comm/capabilities.h"
 #include "comm/state.h"
+#include "common/util.h"
 
 namespace dtrain {
 namespace {
@@ -450,7 +451,7 @@ void monitored_barrier(const Group& group, std::optional<std::chrono::millisecon
                "': create a gloo subgroup for it");
   // No DETAIL check here: monitored_barrier exists to report absent ranks within its own timeout.
   c10d::BarrierOptions opts;
-  opts.timeout = timeout.value_or(g.timeout);
+  opts.timeout = util::capped(timeout.value_or(g.timeout));
   try {
     g.pg->monitoredBarrier(opts, wait_all_ranks);
   } catch (const std::exception& e) {

@@ -31,6 +31,7 @@
 #include "comm/store_count.h"
 #include "comm/debug_check.h"
 #include "comm/store_adapter.h"
+#include "common/util.h"
 #include "compat/torchrun_store_compat.h"
 #include "store/store.h"
 
@@ -54,10 +55,10 @@ std::mutex g_mu;
 std::chrono::milliseconds resolve_timeout(const InitOptions& o) {
   if (o.timeout()) {
     DTRAIN_CHECK(o.timeout()->count() > 0, "timeout must be > 0 ms, got ", o.timeout()->count());
-    return *o.timeout();
+    return util::capped(*o.timeout());  // milliseconds::max(): forever, not a deadline in the past
   }
   // Unset, the table's fallback applies: kDefaultTimeout, PyTorch's 30 min (ctest env_test).
-  return std::chrono::milliseconds(static_cast<int64_t>(*env::seconds("DTRAIN_TIMEOUT_S") * 1000));
+  return util::millis_of_seconds(*env::seconds("DTRAIN_TIMEOUT_S"));
 }
 
 // The local address of the interface that routes to host (a UDP connect sends nothing).
@@ -116,6 +117,9 @@ c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const Launch
     st.bind_address = local_address_towards(ep.host);
     return c10::make_intrusive<c10d::TCPStore>(ep.host, opts);
   }
+  DTRAIN_CHECK(!util::is_wildcard_address(ep.host), "rank ", st.rank, ": MASTER_ADDR ", ep.host,
+               " is the wildcard address, not rank 0's: the store would listen on every network this machine "
+               "is on; give rank 0's own address or host name (127.0.0.1 on one machine)");
   if (!le.dtrain_agent_store && st.rank == 0) st.server = std::make_unique<store::StoreServer>(ep.host, ep.port);
   auto client = c10::make_intrusive<ClientStore>(ep.host, ep.port, st.timeout);
   st.bind_address = client->local_address();
@@ -281,7 +285,7 @@ Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds>
   if (ranks.empty())
     for (int i = 0; i < st.world_size; ++i) ranks.push_back(i);
   std::string name = "group" + std::to_string(st.next_group_id++);
-  const auto group_timeout = timeout.value_or(st.timeout);
+  const auto group_timeout = util::capped(timeout.value_or(st.timeout));
   auto g = comm::make_group(st, name, std::move(ranks), group_timeout);
   // Note [new_group barrier]: a member that finishes connecting first could drop the group (and
   // close its connections) while a peer is still completing its own handshake with it, which then

@@ -42,8 +42,9 @@ std::vector<Knob> make_table() {
                  "gloo (CPU tensors) or nccl (CUDA tensors, CUDA builds)",
                  "Backend when `InitOptions::backend` is empty."),
       row("DTRAIN_TIMEOUT_S", R::kLibrary, Type::kSeconds, "1800", "a positive number of seconds", "",
-          "Process-group timeout (fractions allowed) when `InitOptions::timeout` is unset: store "
-          "connection, rendezvous and every collective. 1800 s is PyTorch's 30 min."),
+          "Process-group timeout (fractions allowed, rounded up to whole milliseconds; from 10^9 s on, "
+          "forever) when `InitOptions::timeout` is unset: store connection, rendezvous and every "
+          "collective. 1800 s is PyTorch's 30 min."),
       choice_row("DTRAIN_DEBUG", R::kLibrary, {"OFF", "INFO", "DETAIL"}, "OFF", "OFF, INFO or DETAIL",
                  "Debug level, as PyTorch's `TORCH_DISTRIBUTED_DEBUG`: `INFO` logs DDP's setup and buckets, "
                  "`DETAIL` compares every collective's call across ranks."),

@@ -1,8 +1,13 @@
 #include "common/util.h"
 
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -24,6 +29,17 @@ std::string read_file(const std::string& path, const std::string& what) {
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+std::chrono::milliseconds capped(std::chrono::milliseconds d) { return std::min(d, kForever); }
+
+std::chrono::milliseconds millis_of_seconds(double seconds) {
+  // Up from a millionth of a millisecond above a whole one: 2.3 s is 2300 ms, not 2301 for the last
+  // bit of 2.3 * 1000; and any positive wait is at least 1 ms.
+  double ms = std::ceil(seconds * 1000 - 1e-6);
+  if (seconds > 0 && ms < 1) ms = 1;
+  if (!(ms < static_cast<double>(kForever.count()))) return kForever;  // +inf, and NaN if one slips through
+  return std::chrono::milliseconds(static_cast<int64_t>(ms));
 }
 
 std::string host_name() {
@@ -53,5 +69,23 @@ std::string one_line(std::string s) {
 }
 
 bool is_digits(const std::string& s) { return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos; }
+
+bool is_wildcard_address(const std::string& host) {
+  std::string h = host;
+  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  addrinfo hints{};
+  hints.ai_flags = AI_NUMERICHOST;  // numbers only: a name is never the wildcard, and no DNS here
+  addrinfo* res = nullptr;
+  if (getaddrinfo(h.c_str(), nullptr, &hints, &res) != 0) return false;
+  bool any = false;
+  for (addrinfo* ai = res; ai; ai = ai->ai_next) {
+    if (ai->ai_family == AF_INET)
+      any |= reinterpret_cast<const sockaddr_in*>(ai->ai_addr)->sin_addr.s_addr == htonl(INADDR_ANY);
+    else if (ai->ai_family == AF_INET6)
+      any |= IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6*>(ai->ai_addr)->sin6_addr);
+  }
+  freeaddrinfo(res);
+  return any;
+}
 
 }  // namespace dtrain::util

@@ -3,6 +3,7 @@
 // dtrain_util), so dtrain-run links it too; examples/ stay on the public API and do not use it.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -17,6 +18,18 @@ std::string read_file(const std::string& path, const std::string& what = "file")
 // process, not comparable between machines.
 int64_t now_ns();
 
+// The longest wait dtrain keeps: 10^9 s, about 31.7 years, which is "forever" to a job. A deadline
+// this far ahead still fits steady_clock's int64 nanoseconds (292 years); milliseconds::max() or
+// INT64_MAX ms added to now() would overflow into the past and time out at once.
+constexpr std::chrono::milliseconds kForever{int64_t{1000000000} * 1000};
+
+// min(d, kForever): a caller's milliseconds::max() means forever, not an overflow.
+std::chrono::milliseconds capped(std::chrono::milliseconds d);
+
+// `seconds` (>= 0, not NaN: the callers' parsers refuse those) as milliseconds, rounded up so that
+// 0.0001 s waits 1 ms rather than 0 (no wait at all); +inf and anything past kForever is kForever.
+std::chrono::milliseconds millis_of_seconds(double seconds);
+
 // This machine's host name; "unknown-host" when it has none.
 std::string host_name();
 
@@ -28,6 +41,11 @@ std::string join(const std::vector<std::string>& parts, const std::string& sep);
 
 // s on one line, for a message: newlines become spaces, trailing spaces and newlines go.
 std::string one_line(std::string s);
+
+// Whether host is a numeric wildcard address (0.0.0.0, 0, ::, 0:0::0, [::]): one that every
+// interface answers, so a store bound there is open to every network the machine is on, and a
+// client given it reaches whichever local listener answers first. Host names are not resolved.
+bool is_wildcard_address(const std::string& host);
 
 // Whether s is a non-empty run of the digits 0-9 (no sign, no spaces).
 bool is_digits(const std::string& s);

@@ -381,6 +381,16 @@ TEST(Collectives, BarrierAndMonitoredBarrier) {
   monitored_barrier(Group(), std::chrono::seconds(30));
 }
 
+// A timeout of milliseconds::max() waits as long as it takes (dtrain caps it at 10^9 s): added to
+// now() as it is, it would overflow into the past and every wait would time out at once.
+TEST(Collectives, TimeoutOfMillisecondsMaxMeansForever) {
+  Group g = new_group({}, std::chrono::milliseconds::max());
+  at::Tensor t = at::ones({4});
+  all_reduce(t, ReduceOp::SUM, g);
+  EXPECT_FLOAT_EQ(t[0].item<float>(), static_cast<float>(N()));
+  monitored_barrier(g, std::chrono::milliseconds::max());
+}
+
 TEST(Collectives, MonitoredBarrierNamesTheMissingRank) {
   Group sub = new_group({0, 1});  // a throwaway group: the failed barrier leaves it unusable
   if (R() == 0) {

@@ -53,6 +53,11 @@ class SingleProcess(DistTestCase):
     def test_master_addr_missing(self):
         self.fails(self.env(MASTER_ADDR=None), "MASTER_ADDR is not set", "127.0.0.1")
 
+    def test_master_addr_wildcard(self):
+        # The store would listen on every network the machine is on: refused, naming the value.
+        for addr in ("0.0.0.0", "::"):
+            self.fails(self.env(MASTER_ADDR=addr), f"MASTER_ADDR {addr} is the wildcard address", "127.0.0.1")
+
     def test_master_port_out_of_range(self):
         self.fails(self.env(MASTER_PORT="99999"), "MASTER_PORT='99999'", "1 to 65535")
 

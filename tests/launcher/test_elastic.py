@@ -357,7 +357,7 @@ class ElasticLoopbackTest(MarkedTestCase):
                                        f"got '{value}'\n")
         r = run(["--nnodes", "1:2", "--rdzv_last_call", "-1", "true"])
         self.assertEqual((r.returncode, r.stderr),
-                         (2, "dtrain-run: --rdzv_last_call must be a number of seconds >= 0, got '-1'\n"))
+                         (2, "dtrain-run: --rdzv_last_call must be a number of seconds >= 0 (inf: forever), got '-1'\n"))
         r = run(["--nnodes", "1:2", "--standalone", "true"])
         self.assertEqual((r.returncode, r.stderr),
                          (2, "dtrain-run: --standalone runs one node, but --nnodes is 1:2 (drop one of them)\n"))

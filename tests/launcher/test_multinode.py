@@ -103,6 +103,26 @@ class MultiNodeTest(MarkedTestCase):
                                  f"--master_port {port}\\?$")
         self.assertLess(took, 10, "the lines came only at the end of the wait")
 
+    def test_a_timeout_too_long_to_count_means_forever(self):
+        # 1e300 s and inf wait forever (capped at 10^9 s): converted to milliseconds as they are, they
+        # overflowed, and node 0 gave up at once.
+        for timeout in ("1e300", "inf"):
+            port = free_port()
+            p = start(["--nnodes", 2, "--node_rank", 0, "--nproc_per_node", 1, "--master_port", port,
+                       "--rdzv_timeout", timeout, "--grace_period", "inf", "true"],
+                      env=clean_env(DTRAIN_RUN_RDZV_REPORT_S=0.3))
+            try:
+                first = p.stderr.readline().rstrip("\n")
+                second = p.stderr.readline().rstrip("\n")
+                still_running = p.poll() is None
+            finally:
+                p.kill()
+                p.communicate()
+            self.assertEqual(first, f"dtrain-run: node 0 waiting for 1 more node(s) of --nnodes 2 at 127.0.0.1:{port} "
+                                    "(--rdzv_timeout inf (forever))", timeout)
+            self.assertIn("still waiting for node_rank 1", second, timeout)
+            self.assertTrue(still_running, f"--rdzv_timeout {timeout}: node 0 stopped waiting")
+
     def test_failure_on_node1_stops_node0(self):
         port = free_port()
         sleeper = [PY, "-c", "import time; time.sleep(60)", self.marker]

@@ -40,7 +40,8 @@ class UsageTest(unittest.TestCase):
         self.bad(["--monitor_interval", "0", "true"], "--monitor_interval", "'0'")
         self.bad(["--rdzv_timeout", "x", "true"], "--rdzv_timeout", "'x'")
         self.assertEqual(self.bad(["--grace_period", "-0.5", "true"]),
-                         "dtrain-run: --grace_period must be a number of seconds >= 0, got '-0.5'")
+                         "dtrain-run: --grace_period must be a number of seconds >= 0 (inf: forever), got '-0.5'")
+        self.bad(["--rdzv_timeout", "nan", "true"], "--rdzv_timeout", "'nan'")
         self.assertEqual(self.bad(["--node-rank", "1.5", "true"]),  # an alias: the error names the flag
                          "dtrain-run: --node_rank must be an integer >= 0, got '1.5'")
         self.bad(["--monitor_interval", "3601", "true"], "--monitor_interval", "'3601'")
@@ -48,6 +49,8 @@ class UsageTest(unittest.TestCase):
         self.bad(["--redirects", "4", "--log_dir", "/tmp", "true"], "--redirects", "'4'")
         self.bad(["--tee", "1", "true"], "--tee", "--log_dir")
         self.bad(["--standalone", "--nnodes", "2", "true"], "--standalone", "--nnodes")
+        for addr in ("0.0.0.0", "::", "[::]", "0"):
+            self.bad(["--master_addr", addr, "true"], f"--master_addr {addr} is the wildcard address", "127.0.0.1")
 
     def test_unknown_flag_before_program(self):
         self.bad(["--nproc_per_node", "2", "--bogus_flag", "true"], "'--bogus_flag'")

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <regex>
 #include <set>
@@ -124,6 +125,34 @@ TEST(Env, GoodValuesAreParsed) {
   EXPECT_EQ(env::port("MASTER_PORT", v), 29500);
   EXPECT_EQ(env::list("GLOO_SOCKET_IFNAME", v), (std::vector<std::string>{"eth0", "ib0"}));
   EXPECT_EQ(env::text("DTRAIN_SHM_HOST", v), "a b");
+}
+
+// Durations become milliseconds without overflow and without a wait of nothing: the smallest
+// positive wait is 1 ms (DTRAIN_TIMEOUT_S=0.0001 too), a whole number of milliseconds stays whole, and
+// inf, 1e300 and milliseconds::max() are forever, a deadline that is still ahead of now().
+TEST(Env, DurationsNeitherOverflowNorRoundToNothing) {
+  using dtrain::util::kForever;
+  using std::chrono::milliseconds;
+  EXPECT_EQ(dtrain::util::millis_of_seconds(0.0001), milliseconds(1));
+  EXPECT_EQ(dtrain::util::millis_of_seconds(*env::seconds("DTRAIN_TIMEOUT_S", vars({{"DTRAIN_TIMEOUT_S", "0.0001"}}))),
+            milliseconds(1));
+  EXPECT_EQ(dtrain::util::millis_of_seconds(0.0015), milliseconds(2));
+  EXPECT_EQ(dtrain::util::millis_of_seconds(2.3), milliseconds(2300));
+  EXPECT_EQ(dtrain::util::millis_of_seconds(0), milliseconds(0));
+  EXPECT_EQ(dtrain::util::millis_of_seconds(1e300), kForever);
+  EXPECT_EQ(dtrain::util::millis_of_seconds(std::numeric_limits<double>::infinity()), kForever);
+  EXPECT_EQ(dtrain::util::capped(milliseconds::max()), kForever);
+  EXPECT_EQ(dtrain::util::capped(milliseconds(5)), milliseconds(5));
+  const auto now = std::chrono::steady_clock::now();
+  EXPECT_GT(now + dtrain::util::capped(milliseconds::max()), now);
+}
+
+// The wildcard addresses, whichever way they are spelled, and nothing else (names are not resolved).
+TEST(Env, WildcardAddressesAreRecognized) {
+  for (const char* a : {"0.0.0.0", "0", "::", "[::]", "0:0::0", "::0"})
+    EXPECT_TRUE(dtrain::util::is_wildcard_address(a)) << a;
+  for (const char* a : {"127.0.0.1", "::1", "localhost", "node0.example", "10.0.0.0", ""})
+    EXPECT_FALSE(dtrain::util::is_wildcard_address(a)) << a;
 }
 
 // One line naming the variable, the value and what is allowed; the texts that tests and the

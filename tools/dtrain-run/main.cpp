@@ -106,7 +106,7 @@ int run(const LaunchOptions& o) {
   std::optional<NodeRendezvous> rdzv;
   if (o.nnodes > 1) {
     pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
-    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.rdzv_timeout * 1000));
+    const auto timeout = dtrain::util::millis_of_seconds(o.rdzv_timeout);
     rdzv.emplace(o.master_addr, port, timeout);
     rdzv->join(NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, o.max_restarts, dtrain::util::host_name()}, say);
     pthread_sigmask(SIG_BLOCK, &terminating, nullptr);
@@ -143,7 +143,7 @@ int run(const LaunchOptions& o) {
   if (rdzv) {
     try {
       rdzv->mark_done(o.node_rank, result.exit_code);
-      if (server) rdzv->wait_all_done(o.nnodes, std::chrono::milliseconds(static_cast<int64_t>(o.rdzv_timeout * 1000)));
+      if (server) rdzv->wait_all_done(o.nnodes, dtrain::util::millis_of_seconds(o.rdzv_timeout));
     } catch (const std::exception&) {
       // The store is gone (node 0 finished first): nothing left to tell.
     }
@@ -171,7 +171,7 @@ int run_elastic(const LaunchOptions& given) {
       // Not this machine's address, or node 0 already serves it: this launcher joins as a client.
     }
   }
-  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(given.rdzv_timeout * 1000));
+  const auto timeout = dtrain::util::millis_of_seconds(given.rdzv_timeout);
   NodeRendezvous rdzv(given.master_addr, port, timeout);
   const std::string hostname = dtrain::util::host_name();
   rdzv.set_hostname(hostname);
@@ -182,9 +182,9 @@ int run_elastic(const LaunchOptions& given) {
   eo.max_restarts = given.max_restarts;
   eo.hostname = hostname;
   eo.host = server != nullptr;
-  eo.beat_period = std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(given.monitor_interval * 1000)));
+  eo.beat_period = dtrain::util::millis_of_seconds(given.monitor_interval);
   eo.rdzv_timeout = timeout;
-  eo.last_call = std::chrono::milliseconds(static_cast<int64_t>(given.rdzv_last_call * 1000));
+  eo.last_call = dtrain::util::millis_of_seconds(given.rdzv_last_call);
   ElasticRendezvous elastic(rdzv, given.master_addr, port, eo);
   pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
   ElasticNext first = elastic.join(say);

@@ -10,9 +10,11 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 
 #include "common/env.h"
+#include "common/util.h"
 #include "slurm_step.h"
 
 namespace dtrain::run {
@@ -82,7 +84,9 @@ struct NumericFlag {
   double LaunchOptions::*seconds;  // a number of seconds' field
 };
 
-constexpr double kNoLimit = 1e300;
+// A duration flag takes any number of seconds up to `inf`: from 10^9 s (31.7 years) on it means
+// forever (util::millis_of_seconds), so no value overflows a deadline.
+constexpr double kNoLimit = std::numeric_limits<double>::infinity();
 constexpr double kIntMax = 2147483647.0;
 constexpr const char* kStdMaskRule = "0 (none), 1 (stdout), 2 (stderr) or 3 (both)";
 
@@ -113,11 +117,12 @@ const NumericFlag kTimings[] = {
     {"--monitor_interval,--monitor-interval", "seconds between checks (default 0.1)", "0.1", "a number of seconds > 0",
      false, 0, 3600, true, nullptr, &LaunchOptions::monitor_interval},
     {"--rdzv_timeout,--rdzv-timeout", "seconds nodes wait for each other (default 900)", "900",
-     "a number of seconds > 0", false, 0, kNoLimit, true, nullptr, &LaunchOptions::rdzv_timeout},
+     "a number of seconds > 0 (inf: forever)", false, 0, kNoLimit, true, nullptr, &LaunchOptions::rdzv_timeout},
     {"--rdzv_last_call,--rdzv-last-call", "elastic: seconds to wait for more nodes once MIN have joined (default 30)",
-     "30", "a number of seconds >= 0", false, 0, kNoLimit, false, nullptr, &LaunchOptions::rdzv_last_call},
+     "30", "a number of seconds >= 0 (inf: forever)", false, 0, kNoLimit, false, nullptr,
+     &LaunchOptions::rdzv_last_call},
     {"--grace_period,--grace-period", "seconds between SIGTERM and SIGKILL (default 5)", "5",
-     "a number of seconds >= 0", false, 0, kNoLimit, false, nullptr, &LaunchOptions::grace_period},
+     "a number of seconds >= 0 (inf: forever)", false, 0, kNoLimit, false, nullptr, &LaunchOptions::grace_period},
 };
 const NumericFlag kStreams[] = {
     {"--redirects,-r", "streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both", "0", kStdMaskRule, true, 0, 3,
@@ -264,6 +269,10 @@ void check_values(Given& g, LaunchOptions& o) {
     throw UsageError(std::string(o.redirects ? "--redirects" : "--tee") +
                      " needs --log_dir DIR to write the log files to");
   if (o.master_addr.empty()) throw UsageError("--master_addr must not be empty (e.g. --master_addr 127.0.0.1)");
+  if (util::is_wildcard_address(o.master_addr))
+    throw UsageError("--master_addr " + o.master_addr +
+                     " is the wildcard address, not node 0's: the store would listen on every network this "
+                     "machine is on; give node 0's own address or host name (127.0.0.1 on one node)");
   if (!g.run_id.empty()) o.run_id = g.run_id;
   if (o.run_id.find('/') != std::string::npos || o.run_id == "." || o.run_id == "..")
     throw UsageError("--run_id must not contain '/', got '" + o.run_id + "'");

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "common/env.h"
+#include "common/util.h"
 #include "store_keys.h"
 
 namespace dtrain::run {
@@ -20,11 +21,12 @@ const std::string kMembershipChange = "membership change";
 // How often node 0 names the nodes it still waits for: often enough that a wait of --rdzv_timeout
 // (900 s by default) never looks like a hang, rarely enough not to flood the console. 30 s, the
 // fallback of DTRAIN_RUN_RDZV_REPORT_S in src/common/env.cpp, which the launcher's tests lower.
-Millis report_period() { return Millis(static_cast<int64_t>(*env::seconds("DTRAIN_RUN_RDZV_REPORT_S") * 1000)); }
+Millis report_period() { return util::millis_of_seconds(*env::seconds("DTRAIN_RUN_RDZV_REPORT_S")); }
 
 }  // namespace
 
 std::string seconds_text(std::chrono::milliseconds ms) {
+  if (ms >= util::kForever) return "inf (forever)";
   std::ostringstream s;
   s << ms.count() / 1000.0 << "s";
   return s.str();
