@@ -42,7 +42,9 @@
 //      order; the first mismatch is the error: "... tensor 'fc1.weight' is Float [128, 3136] in the
 //      checkpoint but Float [64, 3136] in the model ..."), then restores model, optimizer, scaler, sampler
 //      (epoch, and the position where the next pass over the epoch starts, for every copy of the
-//      sampler, the DataLoader's too), its own RNG states and values, step and epoch.
+//      sampler, the DataLoader's too), its own RNG states and values, step and epoch. All or nothing:
+//      a checkpoint that fails half-way (a member it lacks, an optimizer state of another shape)
+//      leaves all of them as they were (a copy of what it changes is kept while it runs).
 //
 // File format (version 1; 2 for a sharded model over subgroups, below): one text line
 //   "DTRAIN-CHECKPOINT <version> <payload bytes> <crc32 of the payload, 8 hex digits> <write stamp>\n"

@@ -18,6 +18,7 @@
 
 #include "checkpoint/file_io.h"
 #include "checkpoint/rank_state.h"
+#include "checkpoint/rollback.h"
 #include "checkpoint/sharded.h"
 #include "common/util.h"
 #include "dtrain/amp.h"
@@ -189,8 +190,8 @@ void parse(const std::string& payload, torch::serialize::InputArchive& a, std::o
 
 // Restores `st` from a parsed archive as this process of rank `my_rank` (Note [Resharded epoch] when
 // the saved world differs).
-void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::string& file, int my_rank,
-             std::optional<at::Device> device) {
+void restore_all(torch::serialize::InputArchive& a, TrainingState& st, const std::string& file, int my_rank,
+                 std::optional<at::Device> device) {
   auto sub = [&](const char* key, torch::serialize::InputArchive& out) {
     DTRAIN_CHECK(a.try_read(key, out), "checkpoint ", file, " holds no ", key,
                  " state: it was saved without one; leave that member of TrainingState null");
@@ -276,6 +277,19 @@ void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::st
   }
 }
 
+// restore_all, all or nothing: a checkpoint that fails half-way (a member it lacks, an optimizer
+// state of another shape) leaves `st` as it was.
+void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::string& file, int my_rank,
+             std::optional<at::Device> device) {
+  const ckpt::Rollback before(st);
+  try {
+    restore_all(a, st, file, my_rank, device);
+  } catch (...) {
+    before.put_back(st);
+    throw;
+  }
+}
+
 bool distributed() { return is_initialized() && world_size() > 1; }
 
 // Note [Write order]: which checkpoint of a folder is the latest is the order they were written in,
@@ -301,6 +315,9 @@ std::vector<Found> scan(const std::string& dir, const std::string& prefix) {
   const std::string head = prefix + "_";
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
+    // Regular files only: a link of a checkpoint's name would be read (or rotated) as one.
+    std::error_code kind;
+    if (!fs::is_regular_file(it->symlink_status(kind))) continue;
     if (name.size() != head.size() + 10 + 3 || name.compare(0, head.size(), head) != 0 ||
         name.compare(name.size() - 3, 3, ".pt") != 0)
       continue;
@@ -350,6 +367,9 @@ std::vector<std::string> gather_packs(const std::string& mine) {
 void write_and_rotate(const std::string& dir, const CheckpointOptions& options, const std::string& path,
                       const TrainingState& state, const std::vector<std::string>& packs,
                       const std::vector<std::string>& shard_records) {
+  // Every rank's shard is written by now, so no write of this folder's checkpoints is under way:
+  // what a save killed mid-write left goes.
+  ckpt::sweep_temp_files(dir, options.prefix() + "_");
   const std::vector<Found> before = scan(dir, options.prefix());
   ckpt::write_atomic(
       path, ckpt::frame(encode(state, packs, shard_records), next_write_stamp(before), version_of(shard_records)));
@@ -425,6 +445,7 @@ void save_checkpoint(const std::string& path, const TrainingState& state) {
   const size_t us = name.rfind('_');
   if (us != std::string::npos && us > 0 && name.size() == us + 1 + 10 + 3)
     found = scan(p.has_parent_path() ? p.parent_path().string() : ".", name.substr(0, us));
+  ckpt::sweep_temp_files(p.has_parent_path() ? p.parent_path().string() : ".", name);
   ckpt::write_atomic(path, ckpt::frame(encode(state, {own_pack(state)}), next_write_stamp(found)));
 }
 

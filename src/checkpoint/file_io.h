@@ -21,9 +21,16 @@ std::optional<int64_t> read_write_stamp(const std::string& path, std::string* wh
 // says), trailing bytes, or a CRC-32 mismatch (corrupt).
 std::string unframe(const std::string& file_bytes);
 
-// Writes `bytes` to `path` atomically: a temporary file beside it, write, fsync, rename, fsync of
-// the folder. On failure the temporary file is removed, `path` (if it existed) is untouched, and a
-// dtrain::Error names the file, the reason (strerror) and the remedy.
+// Writes `bytes` to `path` atomically: a fresh temporary file beside it (a random name, created with
+// O_EXCL | O_NOFOLLOW, so nothing planted there is written through), write, fsync, rename, fsync of
+// the folder (a failure of that last one is a warning: the data is in place). On failure the
+// temporary file is removed, `path` (if it existed) is untouched, and a dtrain::Error names the file,
+// the reason (strerror) and the remedy.
 void write_atomic(const std::string& path, const std::string& bytes);
+
+// Removes, from `dir`, the temporary files of write_atomic for targets whose names start with
+// `name_prefix` (those a save killed mid-write leaves behind); links are removed, not followed.
+// Call it only where no write of those targets is under way. Returns how many went.
+int sweep_temp_files(const std::string& dir, const std::string& name_prefix);
 
 }  // namespace dtrain::ckpt

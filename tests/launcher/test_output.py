@@ -79,6 +79,32 @@ class OutputTest(unittest.TestCase):
         self.assertIn("[rank 1] out 1", r.stdout)
         self.assertIn("[rank 1] err 1", r.stderr)
 
+    def test_planted_log_links_are_not_followed(self):
+        # A link where a log file goes is replaced, never written through; a link where one of the
+        # folders below --log_dir goes is refused in one line.
+        victim = os.path.join(self.tmp, "victim")
+        with open(victim, "w") as f:
+            f.write("precious")
+        d = os.path.join(self.tmp, "logs", "j2", "attempt_0", "0")
+        os.makedirs(d)
+        os.symlink(victim, os.path.join(d, "stdout.log"))
+        r = run(["--nproc_per_node", "1", "--standalone", "--log_dir", os.path.join(self.tmp, "logs"), "--run_id", "j2",
+                 "--redirects", "3"] + self.write_both())
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(victim) as f:
+            self.assertEqual(f.read(), "precious")
+        self.assertFalse(os.path.islink(os.path.join(d, "stdout.log")))
+        with open(os.path.join(d, "stdout.log")) as f:
+            self.assertEqual(f.read(), "out 0\n")
+        elsewhere = os.path.join(self.tmp, "elsewhere")
+        os.makedirs(elsewhere)
+        os.symlink(elsewhere, os.path.join(self.tmp, "logs", "j3"))
+        r = run(["--nproc_per_node", "1", "--standalone", "--log_dir", os.path.join(self.tmp, "logs"), "--run_id", "j3",
+                 "--redirects", "3"] + self.write_both())
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("log directory '" + os.path.join(self.tmp, "logs", "j3") + "' is a symbolic link", r.stderr)
+        self.assertEqual(os.listdir(elsewhere), [])
+
     def test_redirects_both_silences_console(self):
         r = run(["--nproc_per_node", "2", "--standalone", "--log_dir", self.tmp, "--redirects", "3"] + self.write_both())
         self.assertEqual(r.returncode, 0, r.stderr)

@@ -22,21 +22,34 @@ namespace {
 
 double now_s() { return dtrain::util::now_ns() * 1e-9; }
 
-void mkdir_p(const std::string& path) {
+// The folder `path` and those above it. The ones dtrain-run makes below --log_dir
+// (<run_id>/attempt_<k>/<rank>) must be real folders of this user, each checked before the next is
+// made inside it: one planted as a link (or by someone else) would take the logs wherever it points.
+void make_log_folders(const std::string& log_dir, const std::string& path) {
   for (size_t pos = 1; pos <= path.size(); ++pos) {
-    if (pos == path.size() || path[pos] == '/') {
-      std::string part = path.substr(0, pos);
-      if (mkdir(part.c_str(), 0755) != 0 && errno != EEXIST)
-        throw std::runtime_error("cannot create log directory '" + part + "': " + std::strerror(errno) +
-                                 " (choose another --log_dir)");
-    }
+    if (pos != path.size() && path[pos] != '/') continue;
+    const std::string part = path.substr(0, pos);
+    if (mkdir(part.c_str(), 0755) != 0 && errno != EEXIST)
+      throw std::runtime_error("cannot create log directory '" + part + "': " + std::strerror(errno) +
+                               " (choose another --log_dir)");
+    if (pos <= log_dir.size()) continue;
+    struct stat sb {};
+    if (lstat(part.c_str(), &sb) != 0 || !S_ISDIR(sb.st_mode) || sb.st_uid != geteuid())
+      throw std::runtime_error("log directory '" + part + "' is " +
+                               (S_ISLNK(sb.st_mode) ? "a symbolic link" : "not a folder of this user") +
+                               ": remove it, or choose another --log_dir");
   }
 }
 
+// A fresh file, never through a link (O_EXCL | O_NOFOLLOW). A log of an earlier run with the same
+// --run_id is replaced: unlink removes a link itself, never what it points to.
 int open_log(const std::string& path) {
-  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw std::runtime_error("cannot open log file '" + path + "': " + std::strerror(errno));
-  return fd;
+  for (int attempt = 0;; ++attempt) {
+    const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd >= 0) return fd;
+    if (errno != EEXIST || attempt == 1 || unlink(path.c_str()) != 0)
+      throw std::runtime_error("cannot open log file '" + path + "': " + std::strerror(errno));
+  }
 }
 
 }  // namespace
@@ -80,7 +93,7 @@ void Supervisor::start_workers(int attempt) {
     bool out_console = true, err_console = true;
     if (!opts_.log_dir.empty()) {
       const std::string dir = log_path(attempt, w->spec.rank);
-      mkdir_p(dir);
+      make_log_folders(opts_.log_dir, dir);
       out_log = open_log(dir + "/stdout.log");
       err_log = open_log(dir + "/stderr.log");
       out_console = !(opts_.redirects & kStdOut) || (opts_.tee & kStdOut);
@@ -108,7 +121,9 @@ AttemptResult Supervisor::run_attempt(int attempt) {
     for (auto& w : workers_) any_alive |= w->alive;
     if (!any_alive) break;
     int timeout_ms = interval_ms;
-    if (kill_deadline_ > 0) timeout_ms = std::min(timeout_ms, std::max(0, int((kill_deadline_ - now_s()) * 1000) + 1));
+    // In double: --grace_period inf puts the deadline at infinity, which no int holds.
+    if (kill_deadline_ > 0)
+      timeout_ms = static_cast<int>(std::min<double>(timeout_ms, std::max(0.0, (kill_deadline_ - now_s()) * 1000 + 1)));
     poll_once(timeout_ms);
     handle_signals();
     reap();
