@@ -8,6 +8,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <new>
 #include <set>
 #include <string>
@@ -259,4 +261,86 @@ TEST(ShmP2p, ASendNobodyReceivesTimesOut) {
               HasSubstr("rank 0: send to rank 1 (tag 1) over shared memory timed out after 300 ms: the receiver "
                         "did not take the message"))
       << errors[0];
+}
+
+// What another program could write into the job's segment: a head past the ring, a tail past the
+// head, a length no allocation holds. Each is an error naming the peer and the segment, never a
+// read or write outside the ring. Rank 0 plays the hostile sender (or rank 1 the hostile receiver)
+// by writing the channel's shared state directly.
+namespace {
+
+// A message header as p2p.cpp's WireHeader lays it out (magic "dp2phdr1", sequence number 1).
+struct PlantedHeader {
+  uint64_t magic = 0x6470327068647231ULL;
+  uint64_t seq = 1;
+  MsgDesc desc;
+};
+
+void plant_message(const Segment& seg, const MsgDesc& d, uint64_t head) {
+  PlantedHeader h;
+  h.desc = d;
+  std::memcpy(seg.ring(0, 1), &h, sizeof h);
+  seg.chan(0, 1).head.store(head, std::memory_order_release);
+}
+
+// Rank 1 receives `bytes` with `tag` once rank 0 has planted; rank 0 stays alive until rank 1 is done.
+std::vector<std::string> receive_planted(size_t bytes, int64_t tag, const std::function<void(const Segment&)>& plant) {
+  shm_fork::SharedFlag planted, done;
+  return run_ranks_shared(2, [&](std::shared_ptr<Comm> c, int r) {
+    if (r == 0) {
+      plant(c->segment());
+      planted.set();
+      done.wait();
+      return;
+    }
+    P2p p(c, [](const MsgDesc& d) { return std::to_string(d.bytes) + " bytes"; });
+    planted.wait();
+    std::vector<uint8_t> buf(bytes);
+    done.set_on_throw([&] {
+      auto op = p.recv(0, buf.data(), desc_of(bytes, tag));
+      p.wait(*op);
+    });
+    done.set();
+  });
+}
+
+}  // namespace
+
+TEST(ShmP2p, AHeadPastTheRingIsAnErrorNotAReadPastIt) {
+  const auto errors = receive_planted(2 * shm_fork::kSlot, 4, [](const Segment& seg) {
+    plant_message(seg, desc_of(2 * shm_fork::kSlot, 4), 3 * seg.chan_bytes() + 100);
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_THAT(errors[1], HasSubstr("rank 1: the point-to-point channel from rank 0 of shared-memory segment /dtrain-"))
+      << errors[1];
+  EXPECT_THAT(errors[1], HasSubstr("is corrupt (the sender's head ")) << errors[1];
+}
+
+TEST(ShmP2p, ALengthNoAllocationHoldsIsAnError) {
+  MsgDesc huge = desc_of(16, 6);
+  huge.bytes = ~uint64_t{0} - 5;
+  const auto errors = receive_planted(16, 5, [&](const Segment& seg) { plant_message(seg, huge, 256); });
+  EXPECT_THAT(errors[1], HasSubstr("is corrupt (message 1 claims " + std::to_string(huge.bytes) + " bytes)"))
+      << errors[1];
+}
+
+TEST(ShmP2p, ATailPastTheHeadIsAnErrorNotRoomFromNothing) {
+  shm_fork::SharedFlag planted, done;
+  const auto errors = run_ranks_shared(2, [&](std::shared_ptr<Comm> c, int r) {
+    if (r == 1) {  // the hostile receiver
+      c->segment().chan(0, 1).tail.store(12345, std::memory_order_release);
+      planted.set();
+      done.wait();
+      return;
+    }
+    P2p p(c, [](const MsgDesc& d) { return std::to_string(d.bytes) + " bytes"; });
+    planted.wait();
+    const auto v = pattern(64, 1);
+    done.set_on_throw([&] { send_blocking(p, 1, v, 0); });
+    done.set();
+  });
+  EXPECT_THAT(errors[0], HasSubstr("rank 0: the point-to-point channel to rank 1 of shared-memory segment /dtrain-"))
+      << errors[0];
+  EXPECT_THAT(errors[0], HasSubstr("is corrupt (the receiver's tail 12345 is not within ")) << errors[0];
+  EXPECT_EQ(errors[1], "");
 }

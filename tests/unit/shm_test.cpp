@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -441,4 +442,33 @@ TEST(ShmSegment, AttachChecksTheSizeAndUnlinkRemovesTheName) {
   const std::string n = Segment::unique_name("x");
   EXPECT_EQ(n.rfind("/dtrain-" + std::to_string(getpid()) + "-", 0), 0u) << n;
   EXPECT_EQ(n.size(), std::string("/dtrain-" + std::to_string(getpid()) + "-").size() + 16 + 2) << n;
+}
+
+// The segment's name comes from the store, which anyone who reaches it can write: attach maps only
+// what this job's creator could have made. A segment planted under the expected name with mode
+// 0666 (or owned by another user, or under a name unique_name() never makes) is refused, naming why.
+TEST(ShmSegment, AttachRefusesASegmentThisJobCouldNotHaveMade) {
+  auto refusal = [](const std::string& name) {
+    try {
+      Segment::attach(name, 2, kSlot);
+    } catch (const dtrain::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("attached");
+  };
+  Segment planted = Segment::create(Segment::unique_name("planted"), 2, kSlot);
+  const int fd = shm_open(planted.name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(fchmod(fd, 0666), 0);
+  EXPECT_THAT(refusal(planted.name()), HasSubstr("the shared-memory segment " + planted.name() +
+                                                 " has mode 0666, not 0600: it is not one this job's ranks created"));
+  ASSERT_EQ(fchmod(fd, 0600), 0);
+  EXPECT_EQ(refusal(planted.name()), "attached");
+  if (geteuid() == 0) {  // only root can give a segment to another user
+    ASSERT_EQ(fchown(fd, 65534, 65534), 0);
+    EXPECT_THAT(refusal(planted.name()), HasSubstr(" is owned by uid 65534, not this process's 0")) << "as root";
+  }
+  close(fd);
+  EXPECT_THAT(refusal("/../../tmp/x"), HasSubstr("is not one unique_name() makes"));
+  EXPECT_THAT(refusal("/somebody-else"), HasSubstr("is not one unique_name() makes"));
 }

@@ -215,6 +215,14 @@ std::string P2p::channel_error(int src, int dst) const {
   return std::string(c.message, strnlen(c.message, sizeof(c.message)));
 }
 
+std::string P2p::corrupt(int src, int dst, const std::string& what) const {
+  const auto& labels = comm_->labels();
+  const int peer = src == me_ ? dst : src;
+  return detail::cat("rank ", labels[me_], ": the point-to-point channel ", src == me_ ? "to" : "from", " rank ",
+                     labels[peer], " of shared-memory segment ", seg_.name(), " is corrupt (", what,
+                     "): another program wrote into the job's shared memory; restart the job");
+}
+
 void P2p::complete(Op& op, std::string error) {
   if (op.finishing.exchange(true)) return;
   op.error = std::move(error);
@@ -307,12 +315,28 @@ void P2p::progress_send(int dst) {
   char* ring = seg_.ring(me_, dst);
   const uint64_t cap = seg_.chan_bytes();
   uint64_t tail = c.tail.load(std::memory_order_acquire);
+  // The receiver's tail lies in [head - cap, head]; any other value would make room (and the
+  // completions below) from nothing.
+  auto tail_ok = [&] { return o.head - tail <= cap; };
+  auto fail_all = [&](const std::string& msg) {
+    break_channel(me_, dst, msg);
+    for (auto& op : o.inflight) complete(*op, msg);
+    for (auto& op : o.unsent) complete(*op, msg);
+    o.inflight.clear();
+    o.unsent.clear();
+  };
+  auto bad_tail = [&] {
+    return corrupt(me_, dst,
+                   detail::cat("the receiver's tail ", tail, " is not within ", cap, " bytes below head ", o.head));
+  };
+  if (!tail_ok()) return fail_all(bad_tail());
   while (!o.unsent.empty()) {
     Op& op = *o.unsent.front();
     const uint64_t total = p2p_wire::kHeaderBytes + op.desc.bytes;
     uint64_t room = cap - (o.head - tail);
     if (room == 0) {
       tail = c.tail.load(std::memory_order_acquire);
+      if (!tail_ok()) return fail_all(bad_tail());
       room = cap - (o.head - tail);
       if (room == 0) break;
     }
@@ -338,6 +362,7 @@ void P2p::progress_send(int dst) {
     }
   }
   tail = c.tail.load(std::memory_order_acquire);
+  if (!tail_ok()) return fail_all(bad_tail());
   while (!o.inflight.empty() && tail >= o.inflight.front()->end) {
     complete(*o.inflight.front(), "");
     o.inflight.pop_front();
@@ -365,19 +390,23 @@ void P2p::progress_recv(int src) {
   ChanCtl& c = seg_.chan(src, me_);
   const char* ring = seg_.ring(src, me_);
   const uint64_t cap = seg_.chan_bytes();
-  const auto& labels = comm_->labels();
   std::string broken = channel_error(src, me_);
   if (!broken.empty()) return fail_incoming(src, broken);
   for (;;) {
     const uint64_t head = c.head.load(std::memory_order_acquire);
+    // The sender's head lies in [tail, tail + cap]: more would read past the ring.
+    if (head - in.tail > cap) {
+      const std::string msg = corrupt(
+          src, me_, detail::cat("the sender's head ", head, " is not within ", cap, " bytes above tail ", in.tail));
+      break_channel(src, me_, msg);
+      return fail_incoming(src, msg);
+    }
     if (!in.have_header) {
       if (head - in.tail < p2p_wire::kHeaderBytes) return;
       from_ring(ring, cap, in.tail, reinterpret_cast<char*>(&in.header), sizeof(in.header));
       if (in.header.magic != p2p_wire::kMagic || in.header.seq != in.seq + 1 || in.header.desc.ndim < 0 ||
           in.header.desc.ndim > kMaxDims) {
-        std::string msg = detail::cat("rank ", labels[me_], ": the point-to-point channel from rank ", labels[src],
-                                      " is corrupt (message ", in.seq + 1,
-                                      "): another program wrote into the job's shared memory; restart the job");
+        std::string msg = corrupt(src, me_, detail::cat("the header of message ", in.seq + 1));
         break_channel(src, me_, msg);
         return fail_incoming(src, msg);
       }
@@ -401,7 +430,14 @@ void P2p::progress_recv(int src) {
         in.stash = std::make_shared<Stashed>();
         in.stash->src = src;
         in.stash->desc = d;
-        in.stash->data.resize(d.bytes);
+        try {  // the length comes from shared memory: a hostile one must not escape as bad_alloc
+          in.stash->data.resize(d.bytes);
+        } catch (const std::exception&) {
+          const std::string msg = corrupt(src, me_, detail::cat("message ", in.seq + 1, " claims ", d.bytes, " bytes"));
+          in.stash.reset();
+          break_channel(src, me_, msg);
+          return fail_incoming(src, msg);
+        }
         stash_.push_back(in.stash);
       }
       in.have_header = true;

@@ -100,6 +100,9 @@ class P2p {
   void ring_bell(int rank);
   void break_channel(int src, int dst, const std::string& message);
   std::string channel_error(int src, int dst) const;  // "" while the channel is sound
+  // The error of a channel (src -> dst) whose shared state is impossible, naming this rank, the peer
+  // and the segment, and `what` was wrong.
+  std::string corrupt(int src, int dst, const std::string& what) const;
   void complete(Op& op, std::string error);
   std::string what(const Op& op) const;
   std::string mismatch(const Op& op, int src, const MsgDesc& sent) const;  // step 3's line

@@ -5,8 +5,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <new>
 #include <random>
@@ -35,6 +36,20 @@ size_t rings_offset(int nranks, size_t slot_bytes) {
 constexpr size_t kRingBudget = size_t{64} << 20;
 
 std::string errno_text(int e) { return std::strerror(e); }
+
+// Why the object behind `fd` is not one create() made for this user ("" when it is): a regular shm
+// object, owned by this process's user, owner-only (0600). Fills `st`.
+std::string why_not_ours(int fd, struct stat& st) {
+  if (fstat(fd, &st) != 0) return "cannot be inspected: " + errno_text(errno);
+  if (!S_ISREG(st.st_mode)) return "is not a regular shared-memory object";
+  if (st.st_uid != geteuid()) return detail::cat("is owned by uid ", st.st_uid, ", not this process's ", geteuid());
+  if ((st.st_mode & 07777) != 0600) {
+    char mode[16];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return detail::cat("has mode ", mode, ", not 0600");
+  }
+  return "";
+}
 
 }  // namespace
 
@@ -104,12 +119,25 @@ Segment Segment::create(const std::string& name, int nranks, size_t slot_bytes) 
 
 Segment Segment::attach(const std::string& name, int nranks, size_t slot_bytes) {
   const size_t total = segment_bytes(nranks, slot_bytes);
+  DTRAIN_CHECK(name.rfind("/dtrain-", 0) == 0 && name.find('/', 1) == std::string::npos && name.size() < 240,
+               "the shared-memory segment name '", name,
+               "' is not one unique_name() makes: the store that "
+               "published it was written by something else; set DTRAIN_SHM=0 to use Gloo only");
   int fd = shm_open(name.c_str(), O_RDWR, 0600);
   DTRAIN_CHECK(fd >= 0, "opening the shared-memory segment ", name, " failed: ", errno_text(errno),
                ": the ranks that share this host must see the same /dev/shm (same container); "
                "set DTRAIN_SHM=0 to use Gloo only");
   struct stat st {};
-  if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != total) {
+  // The name comes from the store, which anyone who reaches it can write: map only a segment that
+  // this job's creator could have made, before reading anything in it.
+  const std::string not_ours = why_not_ours(fd, st);
+  if (!not_ours.empty()) {
+    close(fd);
+    throw Error(detail::cat("the shared-memory segment ", name, " ", not_ours,
+                            ": it is not one this job's ranks created (planted, or another user's); set "
+                            "DTRAIN_SHM=0 to use Gloo only"));
+  }
+  if (static_cast<size_t>(st.st_size) != total) {
     close(fd);
     throw Error(detail::cat("the shared-memory segment ", name, " has ", st.st_size, " bytes, expected ", total, " (",
                             nranks, " ranks, ", slot_bytes,
