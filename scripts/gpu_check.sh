@@ -4,7 +4,8 @@
 # of the trainer (--device cuda, then resumed from its checkpoint) on up to 2 GPUs, then prints
 #   RESULT gpu_check=pass|fail gpus=N torch=<version> cuda_test=<ctest outcome> nccl_1=<...> nccl_2=<...>
 #          amp_train=<...> trainer=<...> trainer_resume=<...>
-# (a test needing more GPUs than the machine has is "skipped", which does not fail the check).
+# (a test needing more GPUs than the machine has is "skipped", which does not fail the check); a
+# failed one-rank NCCL test is rerun under cuda-gdb, its backtrace in the log.
 #
 #   scripts/gpu_check.sh prepare   here (Debian, registries reachable): downloads the header-only and
 #                                  test dependencies that a GPU image may lack (GoogleTest, CLI11,
@@ -82,6 +83,13 @@ outcome() {
 cuda=$(outcome gpu_cuda_test)
 nccl1=$(outcome gpu_nccl_dist_test_1)
 nccl2=$(outcome gpu_nccl_dist_test_2)
+# A one-rank failure again under cuda-gdb (the image has it, not gdb): the backtrace of a crash,
+# which ctest's output does not show.
+if [ "$nccl1" = failed ] && command -v cuda-gdb >/dev/null; then
+  echo "== nccl_dist_test under cuda-gdb" >>"$log"
+  RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 \
+    timeout 300 cuda-gdb -batch -ex run -ex bt --args build-gpu/bin/nccl_dist_test 2>&1 | tee -a "$log" | tail -40 >&2
+fi
 nproc=$(( gpus >= 2 ? 2 : 1 ))
 
 # ran NAME COMMAND...: runs a DDP job, logs it, echoes its RESULT lines; the verdict goes to $verdict_of.

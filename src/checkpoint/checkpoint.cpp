@@ -21,6 +21,7 @@
 #include "checkpoint/rollback.h"
 #include "checkpoint/sharded.h"
 #include "common/util.h"
+#include "optim/state_device.h"
 #include "dtrain/amp.h"
 #include "dtrain/errors.h"
 #include "dtrain/process_group.h"
@@ -156,29 +157,13 @@ std::string encode(const TrainingState& st, const std::vector<std::string>& rank
   return os.str();
 }
 
-// The one device every parameter and buffer of `st.model` is on, or nullopt (no model, none, or a
-// model spread over several devices, whose tensors then return to the devices they were saved from).
-std::optional<at::Device> model_device(const TrainingState& st) {
-  if (!st.model) return std::nullopt;
-  std::optional<at::Device> device;
-  for (const auto& t : st.model->parameters()) {
-    if (device && *device != t.device()) return std::nullopt;
-    device = t.device();
-  }
-  for (const auto& t : st.model->buffers()) {
-    if (device && *device != t.device()) return std::nullopt;
-    device = t.device();
-  }
-  return device;
-}
-
 // Parses the payload into `a` and checks its version; throws with the reason (no file name).
-// Tensors are loaded onto `device` when given (PyTorch's map_location): rank 0 saved its own GPU's
-// tensors, and every rank must get them on its own GPU, the optimizer's state included.
-void parse(const std::string& payload, torch::serialize::InputArchive& a, std::optional<at::Device> device) {
+// Every tensor is read onto the CPU, and restore_all puts each where its model's or optimizer's
+// tensor is: rank 0 saved its own GPU's tensors, which every rank must get on its own device, and
+// LibTorch's Optimizer::load faults on an archive read onto a GPU (optim/state_device.h).
+void parse(const std::string& payload, torch::serialize::InputArchive& a) {
   try {
-    // c10::optional is not std::optional before LibTorch 2.4.
-    a.load_from(payload.data(), payload.size(), device ? c10::optional<at::Device>(*device) : c10::nullopt);
+    a = optim_state::parse_on_cpu(payload);
   } catch (const c10::Error& e) {
     throw Error("its archive does not parse: " + std::string(e.what_without_backtrace()).substr(0, 200));
   }
@@ -188,10 +173,23 @@ void parse(const std::string& payload, torch::serialize::InputArchive& a, std::o
                " (this dtrain reads versions 1 to ", kCheckpointFormatVersion, ")");
 }
 
+// Module::load from an archive read onto the CPU, each parameter and buffer then back on the device
+// it was on. Module::load swaps a tensor of another device in with set_data, which keeps its
+// identity: the optimizer's references to the parameters stay valid, and so they do here.
+void load_in_place(torch::nn::Module& model, torch::serialize::InputArchive& archive) {
+  std::vector<at::Tensor> tensors = model.parameters();
+  for (const at::Tensor& b : model.buffers()) tensors.push_back(b);
+  std::vector<at::Device> devices;
+  for (const at::Tensor& t : tensors) devices.push_back(t.device());
+  model.load(archive);
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (tensors[i].device() != devices[i]) tensors[i].set_data(tensors[i].to(devices[i]));
+}
+
 // Restores `st` from a parsed archive as this process of rank `my_rank` (Note [Resharded epoch] when
 // the saved world differs).
-void restore_all(torch::serialize::InputArchive& a, TrainingState& st, const std::string& file, int my_rank,
-                 std::optional<at::Device> device) {
+void restore_all(torch::serialize::InputArchive& a, TrainingState& st, const std::string& file, int my_rank) {
   auto sub = [&](const char* key, torch::serialize::InputArchive& out) {
     DTRAIN_CHECK(a.try_read(key, out), "checkpoint ", file, " holds no ", key,
                  " state: it was saved without one; leave that member of TrainingState null");
@@ -215,21 +213,21 @@ void restore_all(torch::serialize::InputArchive& a, TrainingState& st, const std
 
   const bool sharded = ckpt::is_sharded_archive(a);
   if (st.model && sharded) {
-    ckpt::load_sharded_model(a, st, file, device);  // the optimizer's state too
+    ckpt::load_sharded_model(a, st, file);  // the optimizer's state too
   } else if (st.model) {
     DTRAIN_CHECK(!ckpt::holds_shards(st.model), "checkpoint ", file,
                  " holds a whole model, saved without fully_shard: load it into the model before fully_shard "
                  "(whose shards then come from it), or resume from a checkpoint of the sharded model");
     torch::serialize::InputArchive m;
     sub("model", m);
-    st.model->load(m);
+    load_in_place(*st.model, m);
   }
   // A sharded optimizer (ShardedOptimizerState) keeps this world's share of the whole state it
   // reads: resharded as is.
   if (st.optimizer && !(st.model && sharded)) {
     torch::serialize::InputArchive o;
     sub("optimizer", o);
-    st.optimizer->load(o);
+    optim_state::load_onto_param_devices(*st.optimizer, o);
   }
   if (st.scaler && st.scaler->is_enabled()) {
     torch::serialize::InputArchive s;
@@ -279,11 +277,10 @@ void restore_all(torch::serialize::InputArchive& a, TrainingState& st, const std
 
 // restore_all, all or nothing: a checkpoint that fails half-way (a member it lacks, an optimizer
 // state of another shape) leaves `st` as it was.
-void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::string& file, int my_rank,
-             std::optional<at::Device> device) {
+void restore(torch::serialize::InputArchive& a, TrainingState& st, const std::string& file, int my_rank) {
   const ckpt::Rollback before(st);
   try {
-    restore_all(a, st, file, my_rank, device);
+    restore_all(a, st, file, my_rank);
   } catch (...) {
     before.put_back(st);
     throw;
@@ -412,7 +409,7 @@ std::string pick_latest(const std::string& dir, const CheckpointOptions& options
     try {
       std::string f = util::read_file(c.path, "checkpoint file");
       torch::serialize::InputArchive probe;
-      parse(ckpt::unframe(f), probe, at::Device(at::kCPU));  // only checks that it parses
+      parse(ckpt::unframe(f), probe);  // only checks that it parses
       framed = std::move(f);
       const std::vector<Found> older(files.begin(), files.begin() + (candidates[i] - files.data()));
       if (const Found* later = later_step(older, c.path, c.step))
@@ -458,11 +455,11 @@ void load_checkpoint(const std::string& path, TrainingState& state) {
   }
   torch::serialize::InputArchive a;
   try {
-    parse(payload, a, model_device(state));
+    parse(payload, a);
   } catch (const Error& e) {
     throw Error("checkpoint " + path + " is unusable: " + e.what());
   }
-  restore(a, state, path, is_initialized() ? rank() : 0, model_device(state));
+  restore(a, state, path, is_initialized() ? rank() : 0);
 }
 
 // --- CheckpointManager -------------------------------------------------------------------------------
@@ -605,8 +602,8 @@ std::optional<std::string> CheckpointManager::load_latest(TrainingState& state) 
   }
   // 3.
   torch::serialize::InputArchive a;
-  parse(payload, a, model_device(state));
-  restore(a, state, path, is_initialized() ? rank() : 0, model_device(state));
+  parse(payload, a);
+  restore(a, state, path, is_initialized() ? rank() : 0);
   return path;
 }
 

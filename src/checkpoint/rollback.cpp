@@ -11,6 +11,7 @@
 #include "dtrain/errors.h"
 #include "dtrain/sampler.h"
 #include "dtrain/sharded_optimizer.h"
+#include "optim/state_device.h"
 
 namespace dtrain::ckpt {
 
@@ -29,13 +30,6 @@ std::string saved(const T& thing) {
   std::ostringstream os;
   a.save_to(os);
   return os.str();
-}
-
-torch::serialize::InputArchive archive_of(const std::string& bytes) {
-  std::istringstream is(bytes);
-  torch::serialize::InputArchive a;
-  a.load_from(is);
-  return a;
 }
 
 }  // namespace
@@ -68,22 +62,28 @@ void Rollback::put_back(TrainingState& st) const noexcept {
       const std::vector<at::Tensor> now = model_tensors(*st.model);
       DTRAIN_CHECK(now.size() == tensors_.size(), "the model has ", now.size(), " tensors, ", tensors_.size(),
                    " were kept");
-      for (size_t i = 0; i < now.size(); ++i) now[i].detach().copy_(tensors_[i]);
+      // A load that failed half-way may have swapped a tensor of another device in (Module::load's set_data).
+      for (size_t i = 0; i < now.size(); ++i) {
+        if (now[i].device() == tensors_[i].device())
+          now[i].detach().copy_(tensors_[i]);
+        else
+          now[i].set_data(tensors_[i].clone());
+      }
     });
   if (st.optimizer && !optimizer_.empty())
     attempt("optimizer", [&] {
       st.optimizer->state().clear();  // a load keeps what the archive does not name: start from none
-      auto a = archive_of(optimizer_);
-      st.optimizer->load(a);
+      auto a = optim_state::parse_on_cpu(optimizer_);
+      optim_state::load_onto_param_devices(*st.optimizer, a);
     });
   if (st.scaler && !scaler_.empty())
     attempt("gradient scaler", [&] {
-      auto a = archive_of(scaler_);
+      auto a = optim_state::parse_on_cpu(scaler_);
       st.scaler->load(a);
     });
   if (st.sampler && !sampler_.empty())
     attempt("sampler", [&] {
-      auto a = archive_of(sampler_);
+      auto a = optim_state::parse_on_cpu(sampler_);
       st.sampler->load(a);
     });
   if (!rng_.empty()) attempt("random generators", [&] { restore_rng(rng_); });

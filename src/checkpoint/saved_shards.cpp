@@ -12,6 +12,7 @@
 #include "common/util.h"
 #include "dtrain/errors.h"
 #include "dtrain/process_group.h"
+#include "optim/state_device.h"
 
 namespace dtrain::ckpt {
 
@@ -96,8 +97,8 @@ SavedState read_optimizer_state(torch::serialize::InputArchive& opt) {
 }
 
 // The framed file at `path`, whose header line must be `header`, parsed.
-void load_shard_archive(const std::string& path, const std::string& header, std::optional<at::Device> device,
-                        torch::serialize::InputArchive& a) {
+// Its tensors are read onto the CPU (optim/state_device.h).
+void load_shard_archive(const std::string& path, const std::string& header, torch::serialize::InputArchive& a) {
   std::string bytes;
   try {
     bytes = util::read_file(path, "checkpoint shard");
@@ -111,7 +112,7 @@ void load_shard_archive(const std::string& path, const std::string& header, std:
                "of that save together");
   try {
     const std::string payload = unframe(bytes);
-    a.load_from(payload.data(), payload.size(), device ? c10::optional<at::Device>(*device) : c10::nullopt);
+    a = optim_state::parse_on_cpu(payload);
   } catch (const std::exception& e) {
     throw Error(detail::cat("checkpoint shard ", path, " is unusable: ", util::one_line(e.what())));
   }
@@ -119,9 +120,7 @@ void load_shard_archive(const std::string& path, const std::string& header, std:
 
 }  // namespace
 
-SavedShards::SavedShards(torch::serialize::InputArchive& main, const std::string& main_path,
-                         std::optional<at::Device> device)
-    : device_(device) {
+SavedShards::SavedShards(torch::serialize::InputArchive& main, const std::string& main_path) {
   const std::vector<std::string> headers = util::split(read_string(main, "shards", main_path));
   const int64_t world = static_cast<int64_t>(headers.size());
   DTRAIN_CHECK(world >= 1, "checkpoint ", main_path, " names no shard files");
@@ -155,7 +154,7 @@ SavedShards::SavedShards(torch::serialize::InputArchive& main, const std::string
 
 SavedShard SavedShards::read(const File& f) {
   torch::serialize::InputArchive a;
-  load_shard_archive(f.path, f.header, device_, a);
+  load_shard_archive(f.path, f.header, a);
   SavedShard s;
   s.file = f.path;
   const std::vector<std::string> names = util::split(read_string(a, "names", f.path));

@@ -58,7 +58,7 @@ class SavedShards {
   // encode_layout) and "shard_names" (the sharded parameters). A file saved before layouts were
   // recorded (over the world only) has none of the last two: file r holds rank r's rows of the
   // saved world, and the names come from file 0.
-  SavedShards(torch::serialize::InputArchive& main, const std::string& main_path, std::optional<at::Device> device);
+  SavedShards(torch::serialize::InputArchive& main, const std::string& main_path);
   int64_t count() const { return static_cast<int64_t>(files_.size()); }
   // The save's sharded parameters.
   const std::vector<std::string>& names() const { return names_; }
@@ -77,7 +77,6 @@ class SavedShards {
   SavedShard read(const File& f);
   std::vector<File> files_;
   std::vector<std::string> names_;
-  std::optional<at::Device> device_;
   std::vector<std::unique_ptr<SavedShard>> cache_;
 };
 

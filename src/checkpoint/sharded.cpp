@@ -24,6 +24,7 @@
 #include "dtrain/errors.h"
 #include "dtrain/process_group.h"
 #include "fsdp/shard_layout.h"
+#include "optim/state_device.h"
 
 // Note [Sharded checkpoints]: a fully_shard'ed model is on no rank whole, and gathering it to one
 // rank to write it would need the memory sharding saves. So every rank writes what it holds, as
@@ -189,7 +190,7 @@ OptimizerPlan plan_resliced(const torch::optim::Optimizer& opt, SavedShards& sav
 }
 
 void apply(torch::optim::Optimizer& opt, const OptimizerPlan& plan) {
-  opt.load(*plan.whole);
+  opt.load(*plan.whole);  // read onto the CPU: moved to the parameters' devices below
   const std::vector<at::Tensor> params = optimizer_params(opt);
   for (const auto& [q, bytes] : plan.states) {
     auto st = opt.state().find(compat::optimizer_state_key(params[q]));
@@ -198,6 +199,7 @@ void apply(torch::optim::Optimizer& opt, const OptimizerPlan& plan) {
     in.load_from(bytes.data(), bytes.size());
     st->second->serialize(in);
   }
+  optim_state::move_to_param_devices(opt);
 }
 
 // What the main file holds of the model besides its shards: parameters no unit holds, and buffers.
@@ -347,14 +349,13 @@ bool is_sharded_archive(torch::serialize::InputArchive& a) {
   return a.try_read("shards", v);
 }
 
-void load_sharded_model(torch::serialize::InputArchive& a, TrainingState& st, const std::string& main_path,
-                        std::optional<at::Device> device) {
+void load_sharded_model(torch::serialize::InputArchive& a, TrainingState& st, const std::string& main_path) {
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // destination, source
   std::optional<SavedShards> saved;
   OptimizerPlan plan;
   // 1. Everything read and assembled; nothing changes until every rank has all of its part.
   on_every_rank([&] {
-    saved.emplace(a, main_path, device);
+    saved.emplace(a, main_path);
     const Layouts layouts = fsdp::shard_layouts(*st.model);
     check_sharded_now(*st.model, layouts);
     const int64_t own = is_initialized() ? rank() : 0;

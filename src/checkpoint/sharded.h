@@ -41,8 +41,8 @@ bool is_sharded_archive(torch::serialize::InputArchive& a);
 // any world and group size, or all of them), checks them, then restores st.model's parameters and
 // buffers and st.optimizer's state.
 // Throws before changing anything when a shard is missing or not of that save.
-void load_sharded_model(torch::serialize::InputArchive& a, TrainingState& st, const std::string& main_path,
-                        std::optional<at::Device> device);
+// Tensors are read onto the CPU and copied into the model's own (its devices).
+void load_sharded_model(torch::serialize::InputArchive& a, TrainingState& st, const std::string& main_path);
 // Rotation: removes the shard files in `dir` of checkpoints (by `prefix`) that `keep` (main file
 // names) does not hold, for shard rank `rank` (-1: every rank's). Errors are ignored.
 void remove_shards_except(const std::string& dir, const std::string& prefix, const std::vector<std::string>& keep,

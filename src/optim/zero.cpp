@@ -11,6 +11,7 @@
 
 #include "compat/optim_compat.h"
 #include "dtrain/errors.h"
+#include "optim/state_device.h"
 
 namespace dtrain {
 namespace {
@@ -24,9 +25,8 @@ std::string to_bytes(const torch::optim::Optimizer& o) {
 }
 
 void from_bytes(torch::optim::Optimizer& o, const std::string& bytes) {
-  torch::serialize::InputArchive a;
-  a.load_from(bytes.data(), bytes.size());
-  o.load(a);
+  torch::serialize::InputArchive a = optim_state::parse_on_cpu(bytes);
+  optim_state::load_onto_param_devices(o, a);
 }
 
 // Moves the states of `params` from one optimizer to another (both over these tensors).
@@ -291,7 +291,7 @@ void ZeroRedundancyOptimizer::save(torch::serialize::OutputArchive& archive) con
 
 void ZeroRedundancyOptimizer::load(torch::serialize::InputArchive& archive) {
   auto whole = factory_(params_);
-  whole->load(archive);
+  optim_state::load_onto_param_devices(*whole, archive);
   local_->state().clear();
   move_states(*whole, *local_, shares_[group_.rank()]);
   param_groups()[0].set_options(whole->param_groups()[0].options().clone());

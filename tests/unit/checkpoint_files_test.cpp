@@ -15,6 +15,7 @@
 #include <fstream>
 
 #include "common/util.h"
+#include "compat/optim_compat.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/sampler.h"
 #include "matchers.h"
@@ -160,8 +161,7 @@ TEST_F(CheckpointFiles, ARestoreThatFailsHalfWayChangesNothing) {
   std::vector<at::Tensor> params, moments;
   for (const at::Tensor& p : net->parameters()) {
     params.push_back(p.detach().clone());
-    const auto& s =
-        static_cast<torch::optim::AdamParamState&>(*opt.state().at(c10::guts::to_string(p.unsafeGetTensorImpl())));
+    const auto& s = static_cast<torch::optim::AdamParamState&>(*opt.state().at(dtrain::compat::optimizer_state_key(p)));
     moments.push_back(s.exp_avg().clone());
   }
   dtrain::DistributedSampler sampler(100, dtrain::DistributedSamplerOptions().num_replicas(1).rank(0));
@@ -173,7 +173,7 @@ TEST_F(CheckpointFiles, ARestoreThatFailsHalfWayChangesNothing) {
   for (size_t i = 0; i < now.size(); ++i) {
     EXPECT_TRUE(at::equal(now[i], params[i])) << "parameter " << i << " was left as the checkpoint has it";
     const auto& s =
-        static_cast<torch::optim::AdamParamState&>(*opt.state().at(c10::guts::to_string(now[i].unsafeGetTensorImpl())));
+        static_cast<torch::optim::AdamParamState&>(*opt.state().at(dtrain::compat::optimizer_state_key(now[i])));
     EXPECT_TRUE(at::equal(s.exp_avg(), moments[i])) << "Adam's exp_avg " << i << " was left as the checkpoint has it";
   }
 }
