@@ -120,8 +120,12 @@ c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const Launch
   DTRAIN_CHECK(!util::is_wildcard_address(ep.host), "rank ", st.rank, ": MASTER_ADDR ", ep.host,
                " is the wildcard address, not rank 0's: the store would listen on every network this machine "
                "is on; give rank 0's own address or host name (127.0.0.1 on one machine)");
-  if (!le.dtrain_agent_store && st.rank == 0) st.server = std::make_unique<store::StoreServer>(ep.host, ep.port);
-  auto client = c10::make_intrusive<ClientStore>(ep.host, ep.port, st.timeout);
+  // dtrain-run gives its workers the job's secret; a job started otherwise may set it itself.
+  const std::optional<std::string> given = env::text(store::kSecretEnv);
+  const std::string secret = given && !given->empty() ? store::check_job_secret(*given, store::kSecretEnv) : "";
+  if (!le.dtrain_agent_store && st.rank == 0)
+    st.server = std::make_unique<store::StoreServer>(ep.host, ep.port, secret);
+  auto client = c10::make_intrusive<ClientStore>(ep.host, ep.port, st.timeout, secret);
   st.bind_address = client->local_address();
   return client;
 }

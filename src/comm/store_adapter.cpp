@@ -2,12 +2,12 @@
 
 namespace dtrain::comm {
 
-ClientStore::ClientStore(const std::string& host, uint16_t port, std::chrono::milliseconds timeout)
-    : c10d::Store(timeout), client_(host, port, timeout) {}
+ClientStore::ClientStore(const std::string& host, uint16_t port, std::chrono::milliseconds timeout, std::string secret)
+    : c10d::Store(timeout), secret_(std::move(secret)), client_(host, port, timeout, secret_) {}
 
 #if DTRAIN_C10D_STORE_CLONE
 c10::intrusive_ptr<c10d::Store> ClientStore::clone() {
-  return c10::make_intrusive<ClientStore>(client_.host(), client_.port(), timeout_);
+  return c10::make_intrusive<ClientStore>(client_.host(), client_.port(), timeout_, secret_);
 }
 #endif
 

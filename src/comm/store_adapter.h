@@ -1,5 +1,6 @@
 // ClientStore: a c10d::Store over dtrain's own rendezvous client (src/store), so Gloo, NCCL and
 // PrefixStore use the store that binds to one address. Thread-safe (one request at a time).
+// `secret` is the job's (DTRAIN_JOB_SECRET), or "" for an open store (store.h).
 #pragma once
 
 #include <memory>
@@ -14,7 +15,7 @@ namespace dtrain::comm {
 
 class ClientStore : public c10d::Store {
  public:
-  ClientStore(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
+  ClientStore(const std::string& host, uint16_t port, std::chrono::milliseconds timeout, std::string secret);
 
   void set(const std::string& key, const std::vector<uint8_t>& value) override;
   std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
@@ -36,6 +37,7 @@ class ClientStore : public c10d::Store {
 
  private:
   std::mutex mu_;
+  std::string secret_;
   dtrain::store::StoreClient client_;
 };
 

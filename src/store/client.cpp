@@ -5,9 +5,14 @@
 //   2. Try each address with a non-blocking connect bounded by the remaining time; a refused or
 //      unreachable peer (the server not up yet) is retried every kRetryInterval until
 //      connect_timeout, then "cannot reach the rendezvous at HOST:PORT within Ns: <strerror>".
-//   3. Each call sends one request frame (protocol.h, MSG_NOSIGNAL) and blocks on its response.
-//      GET/WAIT timeouts are enforced by the server (it answers TIMEOUT), so the stream never holds
-//      a stale reply; TIMEOUT becomes TimeoutError naming the keys and the timeout.
+//   3. The handshake (Note [Store handshake] in server.cpp): HELLO read, AUTH sent, the server's
+//      proof checked. The socket keeps TCP keepalive on (protocol.h).
+//   4. Each call sends one request frame (protocol.h, MSG_NOSIGNAL) and waits for its response
+//      until a deadline: connect_timeout, or a GET's/WAIT's own timeout plus kReplyGrace (the
+//      server answers TIMEOUT at the timeout itself, so the stream never holds a stale reply when
+//      the server is alive). Past the deadline the connection is closed and the call throws
+//      TimeoutError: the store's host is stopped or gone.
+#include "store/auth.h"
 #include "store/protocol.h"
 #include "store/store.h"
 
@@ -31,6 +36,9 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 constexpr Millis kRetryInterval{75};
+constexpr Millis kReplyGrace{5000};
+constexpr Millis kHandshakeBudget{10000};             // at least, after the connect
+constexpr Millis kForever{Millis(int64_t{1} << 40)};  // about 35 years: no deadline
 
 std::string seconds_text(Millis ms) {
   char buf[32];
@@ -67,11 +75,12 @@ int try_connect(const addrinfo* ai, Millis budget) {
       return -1;
     }
   }
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  set_keepalive(fd);  // stays non-blocking: every wait is a poll() with a deadline
   return fd;
 }
+
+// A GET's or WAIT's wait for call(): its timeout, or -1 for none (0 on the wire means forever).
+Millis forever_or(Millis timeout) { return timeout.count() > 0 ? timeout : Millis(-1); }
 
 }  // namespace
 
@@ -79,19 +88,28 @@ struct StoreClient::Impl {
   std::string host;
   uint16_t port = 0;
   int fd = -1;
+  std::string secret;
+  Millis op_timeout{0};
+  bool lost = false;  // closed after a deadline passed: no reply can be trusted on this stream
 
   std::string where() const { return host_port(host, port); }
-  void send_all(const std::vector<uint8_t>& frame);
-  void recv_all(uint8_t* p, size_t n);
+  void send_all(const std::vector<uint8_t>& frame, Clock::time_point deadline);
+  void recv_all(uint8_t* p, size_t n, Clock::time_point deadline);
+  // Waits for `events` on fd until `deadline`; throws TimeoutError after closing the connection.
+  void await(short events, Clock::time_point deadline);
+  std::vector<uint8_t> read_frame(Clock::time_point deadline);
+  void handshake(Clock::time_point deadline);
   // Sends the request and returns the response payload; status in `status`.
-  std::vector<uint8_t> call(const Writer& request, Status* status);
-  std::vector<uint8_t> call_ok(const Writer& request);
+  std::vector<uint8_t> call(const Writer& request, Status* status, Millis wait);
+  std::vector<uint8_t> call_ok(const Writer& request, Millis wait = Millis(0));
 };
 
-StoreClient::StoreClient(const std::string& host, uint16_t port, Millis connect_timeout)
+StoreClient::StoreClient(const std::string& host, uint16_t port, Millis connect_timeout, std::string secret)
     : impl_(std::make_unique<Impl>()) {
   impl_->host = host;
   impl_->port = port;
+  impl_->secret = secret.empty() ? secret : check_job_secret(secret, "the job secret");
+  impl_->op_timeout = std::min(connect_timeout, kForever);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -101,7 +119,7 @@ StoreClient::StoreClient(const std::string& host, uint16_t port, Millis connect_
   if (rc != 0)
     throw std::runtime_error("cannot resolve the rendezvous host '" + host + "': " + gai_strerror(rc) +
                              " (check --master_addr)");
-  const auto deadline = Clock::now() + connect_timeout;
+  const auto deadline = Clock::now() + impl_->op_timeout;
   int last_errno = ETIMEDOUT;
   for (;;) {
     for (addrinfo* ai = res; ai && impl_->fd < 0; ai = ai->ai_next) {
@@ -117,27 +135,58 @@ StoreClient::StoreClient(const std::string& host, uint16_t port, Millis connect_
   if (impl_->fd < 0)
     throw std::runtime_error("cannot reach the rendezvous at " + impl_->where() + " within " +
                              seconds_text(connect_timeout) + ": " + std::strerror(last_errno));
+  try {
+    impl_->handshake(std::max(deadline, Clock::now() + kHandshakeBudget));
+  } catch (...) {
+    if (impl_->fd >= 0) close(impl_->fd);
+    impl_->fd = -1;
+    throw;
+  }
 }
 
 StoreClient::~StoreClient() {
   if (impl_->fd >= 0) close(impl_->fd);
 }
 
-void StoreClient::Impl::send_all(const std::vector<uint8_t>& frame) {
+void StoreClient::Impl::await(short events, Clock::time_point deadline) {
+  for (;;) {
+    const auto left = std::chrono::ceil<Millis>(deadline - Clock::now()).count();
+    pollfd p{fd, events, 0};
+    const int n = poll(&p, 1, static_cast<int>(std::clamp<int64_t>(left, 0, 1 << 30)));
+    if (n > 0) return;  // ready, or an error the next recv/send reports
+    if (n < 0 && errno == EINTR) continue;
+    if (n == 0 && left > (int64_t{1} << 30)) continue;  // a wait longer than poll takes at once
+    close(fd);
+    fd = -1;
+    lost = true;
+    throw TimeoutError("the rendezvous store at " + where() +
+                       " did not answer in time: its host is stopped, overloaded or gone (the connection is closed)");
+  }
+}
+
+void StoreClient::Impl::send_all(const std::vector<uint8_t>& frame, Clock::time_point deadline) {
   size_t sent = 0;
   while (sent < frame.size()) {
     ssize_t n = send(fd, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL);
     if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      await(POLLOUT, deadline);
+      continue;
+    }
     if (n <= 0)
       throw std::runtime_error("lost the connection to the rendezvous at " + where() + ": " + std::strerror(errno));
     sent += static_cast<size_t>(n);
   }
 }
 
-void StoreClient::Impl::recv_all(uint8_t* p, size_t n) {
+void StoreClient::Impl::recv_all(uint8_t* p, size_t n, Clock::time_point deadline) {
   while (n > 0) {
     ssize_t r = recv(fd, p, n, 0);
     if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      await(POLLIN, deadline);
+      continue;
+    }
     if (r == 0) throw std::runtime_error("the rendezvous at " + where() + " closed the connection");
     if (r < 0)
       throw std::runtime_error("lost the connection to the rendezvous at " + where() + ": " + std::strerror(errno));
@@ -146,22 +195,85 @@ void StoreClient::Impl::recv_all(uint8_t* p, size_t n) {
   }
 }
 
-std::vector<uint8_t> StoreClient::Impl::call(const Writer& request, Status* status) {
-  send_all(request.frame());
+std::vector<uint8_t> StoreClient::Impl::read_frame(Clock::time_point deadline) {
   uint8_t len_le[4];
-  recv_all(len_le, 4);
+  recv_all(len_le, 4, deadline);
   uint32_t len = decode_u32(len_le);
   if (len == 0 || len > kMaxFrameBytes)
     throw std::runtime_error("malformed response from the rendezvous at " + where());
   std::vector<uint8_t> payload(len);
-  recv_all(payload.data(), len);
+  recv_all(payload.data(), len, deadline);
+  return payload;
+}
+
+void StoreClient::Impl::handshake(Clock::time_point deadline) {
+  const std::vector<uint8_t> hello = read_frame(deadline);
+  Reader r(hello.data(), hello.size());
+  const auto status = static_cast<Status>(r.head());
+  if (status == Status::kError) throw std::runtime_error(r.str());  // it names the store and why
+  std::string magic;
+  int64_t auth = 0;
+  Bytes server_nonce;
+  try {
+    magic = r.str();
+    auth = r.i64();
+    server_nonce = r.blob();
+  } catch (const std::exception&) {
+    magic.clear();
+  }
+  if (status != Status::kOk || magic != kMagic)
+    throw std::runtime_error("the server at " + where() +
+                             " is not a dtrain rendezvous store (its first message is not the store's greeting): "
+                             "another program holds the port");
+  if (auth && secret.empty())
+    throw std::runtime_error("the rendezvous at " + where() +
+                             " requires the job's secret, which this process was "
+                             "not given: start it with dtrain-run, or set " +
+                             kSecretEnv + " to the job's secret");
+  if (!auth && !secret.empty())
+    throw std::runtime_error("the rendezvous at " + where() +
+                             " asks for no job secret, so it is not this job's "
+                             "store (a job started without the secret, or another program on the port): "
+                             "give every launcher of the job the same secret");
+  Writer w(uint8_t(Op::kAuth));
+  Bytes client_nonce;
+  if (auth) {
+    client_nonce = random_bytes(kNonceBytes);
+    w.blob(client_nonce).blob(handshake_mac(secret, kClientRole, server_nonce, client_nonce));
+  } else {
+    w.blob({}).blob({});
+  }
+  send_all(w.frame(), deadline);
+  const std::vector<uint8_t> answer = read_frame(deadline);
+  Reader a(answer.data(), answer.size());
+  if (static_cast<Status>(a.head()) != Status::kOk)
+    throw std::runtime_error("the rendezvous at " + where() + " " + a.str() +
+                             (auth ? " (check that every launcher of the job has the same secret)" : ""));
+  const Bytes proof = a.blob();
+  if (auth && !same_digest(proof, handshake_mac(secret, kServerRole, server_nonce, client_nonce)))
+    throw std::runtime_error("the rendezvous at " + where() +
+                             " did not prove it knows this job's secret: it is not "
+                             "this job's store");
+}
+
+std::vector<uint8_t> StoreClient::Impl::call(const Writer& request, Status* status, Millis wait) {
+  if (fd < 0)
+    throw std::runtime_error("the connection to the rendezvous at " + where() +
+                             (lost ? " was closed after the store did not answer in time" : " is closed"));
+  // A GET's or WAIT's own timeout bounds it (0: forever); any other request, op_timeout.
+  const Millis budget = wait.count() > 0   ? std::min(wait, kForever) + kReplyGrace
+                        : wait.count() < 0 ? kForever
+                                           : op_timeout;
+  const auto deadline = Clock::now() + budget;
+  send_all(request.frame(), deadline);
+  std::vector<uint8_t> payload = read_frame(deadline);
   *status = static_cast<Status>(payload[0]);
   return payload;
 }
 
-std::vector<uint8_t> StoreClient::Impl::call_ok(const Writer& request) {
+std::vector<uint8_t> StoreClient::Impl::call_ok(const Writer& request, Millis wait) {
   Status st;
-  auto payload = call(request, &st);
+  auto payload = call(request, &st, wait);
   if (st == Status::kError) {
     Reader r(payload.data(), payload.size());
     r.head();
@@ -175,7 +287,7 @@ void StoreClient::set(const std::string& key, const Bytes& value) {
 }
 
 Bytes StoreClient::get(const std::string& key, Millis timeout) {
-  auto p = impl_->call_ok(Writer(uint8_t(Op::kGet)).str(key).i64(timeout.count()));
+  auto p = impl_->call_ok(Writer(uint8_t(Op::kGet)).str(key).i64(timeout.count()), forever_or(timeout));
   Reader r(p.data(), p.size());
   if (static_cast<Status>(r.head()) == Status::kTimeout)
     throw TimeoutError("timed out after " + seconds_text(timeout) + " waiting for key '" + key +
@@ -225,7 +337,7 @@ void StoreClient::wait(const std::vector<std::string>& keys, Millis timeout) {
   Writer w(uint8_t(Op::kWait));
   w.i64(timeout.count()).i64(static_cast<int64_t>(keys.size()));
   for (const auto& k : keys) w.str(k);
-  auto p = impl_->call_ok(w);
+  auto p = impl_->call_ok(w, forever_or(timeout));
   if (static_cast<Status>(p[0]) == Status::kTimeout) {
     std::string names;
     for (const auto& k : keys) names += (names.empty() ? "'" : ", '") + k + "'";

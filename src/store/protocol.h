@@ -9,6 +9,12 @@
 // fields. One request is outstanding per connection: the client sends a frame and blocks until the
 // response frame arrives (for GET/WAIT that is when the keys exist or the server-side timeout fires).
 //
+// A connection opens with a handshake (Note [Store handshake] in server.cpp): the server's first
+// frame is HELLO, and the client's first request must be AUTH.
+//
+//   HELLO (server) status OK, magic "dtrain-store/1", auth(i64: 1 = a job secret is required), nonce
+//   AUTH          client_nonce, client_mac          server_mac       (or status ERROR, then closed)
+//
 //   op            request fields                     OK response fields
 //   SET           key, value                         -
 //   GET           key, timeout_ms                    value            (or status TIMEOUT)
@@ -22,18 +28,34 @@
 // timeout_ms == 0 means wait forever (c10d's kNoTimeout). Status ERROR carries one message field.
 #pragma once
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace dtrain::store::detail {
 
-enum class Op : uint8_t { kSet = 1, kGet, kCompareSet, kAdd, kCheck, kDelete, kNumKeys, kWait };
+enum class Op : uint8_t { kSet = 1, kGet, kCompareSet, kAdd, kCheck, kDelete, kNumKeys, kWait, kAuth };
 enum class Status : uint8_t { kOk = 0, kTimeout = 1, kError = 2 };
 
-constexpr uint32_t kMaxFrameBytes = 1u << 30;  // 1 GiB: a corrupt length must not allocate forever
+constexpr const char* kMagic = "dtrain-store/1";
+
+// What one client can make the server hold. PyTorch's libuv store caps keys at 8 KiB and payloads
+// at 8 MiB; values here may be larger (a few MiB of Gloo or NCCL addresses on big jobs, with room).
+constexpr size_t kMaxKeyBytes = 8 << 10;
+constexpr size_t kMaxValueBytes = 64 << 20;
+constexpr size_t kMaxStoredBytes = size_t{2} << 30;  // keys and values together
+constexpr int64_t kMaxKeysPerRequest = 1 << 16;      // CHECK, WAIT
+// A frame holds at most a COMPARE_SET of two values; a longer length is a corrupt or hostile peer.
+constexpr uint32_t kMaxFrameBytes = 2 * kMaxValueBytes + 2 * kMaxKeyBytes + 64;
+constexpr uint32_t kMaxAuthFrameBytes = 256;  // before the handshake, nothing longer is read
+constexpr size_t kNonceBytes = 32;
 
 // Appends fields to a payload.
 class Writer {
@@ -94,9 +116,21 @@ class Reader {
     return out;
   }
   std::string str() {
-    auto b = blob();
+    auto b = view();
     return std::string(b.begin(), b.end());
   }
+  // A field without a copy: valid while the payload is.
+  std::string_view view() {
+    need(4);
+    uint32_t n = decode_u32(p_);
+    p_ += 4;
+    need(n);
+    std::string_view out(reinterpret_cast<const char*>(p_), n);
+    p_ += n;
+    return out;
+  }
+  // Whether every byte was read.
+  bool done() const { return p_ == end_; }
   int64_t i64() {
     auto b = blob();
     if (b.size() != 8)
@@ -113,6 +147,17 @@ class Reader {
   const uint8_t* p_;
   const uint8_t* end_;
 };
+
+// TCP keepalive: a peer whose host is gone without a FIN (powered off, partitioned) is noticed
+// within about 30 s (10 s idle, then 4 probes 5 s apart), well inside any group timeout.
+inline void set_keepalive(int fd) {
+  int on = 1, idle = 10, interval = 5, count = 4;
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof on);
+}
 
 // "host:port", with brackets around IPv6 literals: "[::1]:29500".
 inline std::string host_port(const std::string& host, uint16_t port) {

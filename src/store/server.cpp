@@ -5,83 +5,59 @@
 //      never INADDR_ANY). SO_REUSEADDR lets a quick rerun reuse a TIME_WAIT port; a port that is
 //      actively listened on still fails with EADDRINUSE -> one-line std::runtime_error.
 //   2. The thread poll()s the listening socket, a self-pipe (the destructor writes a byte to stop
-//      it promptly) and every client socket (non-blocking, TCP_NODELAY).
-//   3. Complete request frames (protocol.h) are handled in order, one at a time per connection.
-//      GET/WAIT on missing keys park the connection as a waiter with its own deadline; every
-//      mutation (SET, ADD, COMPARE_SET) answers the waiters whose keys now all exist, and the poll
-//      timeout is the nearest deadline, whose waiter is answered TIMEOUT. No busy polling.
+//      it promptly) and every client socket (non-blocking, TCP_NODELAY, keepalive).
+//   3. Each connection opens with the handshake (Note [Store handshake]); then complete request
+//      frames (protocol.h) are handled in order, one at a time per connection. GET/WAIT on missing
+//      keys park the connection as a waiter with its own deadline; a mutation marks the store
+//      changed, and settle() then answers the waiters whose keys all exist and reads the requests
+//      they had pipelined, in a loop (no recursion, however many connections wait on each other).
 //   4. Responses are queued per connection and flushed with MSG_NOSIGNAL as the socket allows; a
-//      peer that disconnects (even mid-request) is simply dropped, never crashing the server.
-#include "store/protocol.h"
-#include "store/store.h"
-
+//      connection whose queue passes kOutputHighWater is read no further until it drains.
+//   5. Time limits (ServerLimits): a handshake within handshake_timeout, a frame within
+//      frame_timeout of its first byte; the poll timeout is the nearest of these and of the waiters' deadlines.
+//   6. Nothing escapes the thread: an exception while serving one connection drops that connection
+//      and is reported on stderr (the first few); the store goes on serving the others.
+//
+// Note [Store handshake]: on accept the server sends HELLO with a fresh 32-byte nonce and whether
+// it requires the job secret. The client answers AUTH with its own nonce and
+// HMAC-SHA256(secret, "dtrain-store client" | server nonce | client nonce); the server checks it in
+// constant time and answers HMAC-SHA256(secret, "dtrain-store server" | both nonces), which the
+// client checks in turn: each side proves it knows the secret, for this connection only, and the
+// secret never crosses the wire. A connection that sends anything else first, a wrong digest, or
+// nothing within the handshake timeout is refused and counted (rejected_connections()), with no line
+// on the server's side: the job goes on. An open store (no secret) still sends HELLO and reads
+// AUTH, so that a client with a secret knows it reached a store that cannot prove one.
 #include <fcntl.h>
 #include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
-#include <sys/socket.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <map>
-#include <thread>
-#include <unordered_map>
+#include <cstdio>
+#include <new>
+
+#include "store/auth.h"
+#include "store/server_impl.h"
 
 namespace dtrain::store {
 
 using namespace detail;
-using Clock = std::chrono::steady_clock;
 
 namespace {
 
-struct Connection {
-  int fd = -1;
-  std::vector<uint8_t> in;   // bytes received, not yet parsed
-  std::vector<uint8_t> out;  // bytes to send
-  bool waiting = false;      // a GET/WAIT is parked: don't parse further requests yet
-};
-
-struct Waiter {
-  int fd;
-  Op op;  // kGet (answer with the value) or kWait
-  std::vector<std::string> keys;
-  bool has_deadline;
-  Clock::time_point deadline;
-};
-
 void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
+// Connections the process can hold: a few descriptors stay for everything else it opens.
+size_t connection_cap() {
+  rlimit r{};
+  if (getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur == RLIM_INFINITY) return kMaxConnections;
+  const auto room = static_cast<size_t>(r.rlim_cur);
+  return std::clamp<size_t>(room > 64 ? room - 64 : 16, 16, kMaxConnections);
+}
+
 }  // namespace
-
-struct StoreServer::Impl {
-  std::string host;
-  uint16_t port = 0;
-  int listen_fd = -1;
-  int wake_pipe[2] = {-1, -1};
-  std::thread thread;
-
-  // Owned by the server thread only.
-  std::map<std::string, Bytes> data;
-  std::unordered_map<int, Connection> conns;
-  std::vector<Waiter> waiters;
-
-  void bind_and_listen(uint16_t requested_port);
-  void run();
-  void accept_all();
-  void on_readable(Connection& c);
-  bool handle_frames(Connection& c);  // false: drop the connection
-  void handle(Connection& c, Reader& r);
-  void reply(Connection& c, const Writer& w);
-  void flush(Connection& c);
-  void answer_ready_waiters();
-  void expire_waiters(Clock::time_point now);
-  void drop(int fd);
-  bool all_present(const std::vector<std::string>& keys) const {
-    return std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return data.count(k); });
-  }
-};
 
 void StoreServer::Impl::bind_and_listen(uint16_t requested_port) {
   addrinfo hints{};
@@ -102,7 +78,7 @@ void StoreServer::Impl::bind_and_listen(uint16_t requested_port) {
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     if (ai->ai_family == AF_INET6) setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof(one));
-    if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 128) == 0) {
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 1024) == 0) {
       listen_fd = fd;
       break;
     }
@@ -111,15 +87,15 @@ void StoreServer::Impl::bind_and_listen(uint16_t requested_port) {
   }
   freeaddrinfo(res);
   if (listen_fd < 0) {
-    const std::string where = "port " + std::to_string(requested_port) + " on " + host;
+    const std::string at = "port " + std::to_string(requested_port) + " on " + host;
     if (last_errno == EADDRINUSE)
-      throw std::runtime_error(where +
+      throw std::runtime_error(at +
                                " is already in use: choose another port (MASTER_PORT, or dtrain-run --master_port), or "
                                "use dtrain-run --standalone for a free one");
     if (last_errno == EADDRNOTAVAIL)
-      throw std::runtime_error("cannot listen on " + where + ": " + host +
+      throw std::runtime_error("cannot listen on " + at + ": " + host +
                                " is not an address of this machine (set --master_addr to one of its addresses)");
-    throw std::runtime_error("cannot listen on " + where + ": " + std::strerror(last_errno));
+    throw std::runtime_error("cannot listen on " + at + ": " + std::strerror(last_errno));
   }
   sockaddr_storage ss{};
   socklen_t len = sizeof(ss);
@@ -129,13 +105,18 @@ void StoreServer::Impl::bind_and_listen(uint16_t requested_port) {
   set_nonblocking(listen_fd);
 }
 
-StoreServer::StoreServer(const std::string& host, uint16_t port) : impl_(std::make_unique<Impl>()) {
+StoreServer::StoreServer(const std::string& host, uint16_t port, std::string secret, ServerLimits limits)
+    : impl_(std::make_unique<Impl>()) {
   impl_->host = host;
+  impl_->secret = secret.empty() ? secret : check_job_secret(secret, "the store's job secret");
+  impl_->limits = limits;
+  if (limits.max_connections == 0) impl_->limits.max_connections = connection_cap();
   impl_->bind_and_listen(port);
   if (pipe2(impl_->wake_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
     close(impl_->listen_fd);
     throw std::runtime_error(std::string("store server: pipe2 failed: ") + std::strerror(errno));
   }
+  impl_->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
   impl_->thread = std::thread([impl = impl_.get()] { impl->run(); });
 }
 
@@ -147,184 +128,215 @@ StoreServer::~StoreServer() {
   close(impl_->listen_fd);
   close(impl_->wake_pipe[0]);
   close(impl_->wake_pipe[1]);
+  if (impl_->spare_fd >= 0) close(impl_->spare_fd);
 }
 
 uint16_t StoreServer::port() const { return impl_->port; }
 const std::string& StoreServer::host() const { return impl_->host; }
+uint64_t StoreServer::rejected_connections() const { return impl_->rejected.load(); }
+size_t StoreServer::connections() const { return impl_->open_connections.load(); }
 
-void StoreServer::Impl::run() {
-  std::vector<pollfd> fds;
+void StoreServer::Impl::report(const std::string& what) {
+  if (++reports <= 5) std::fprintf(stderr, "dtrain: the store at %s %s\n", where().c_str(), what.c_str());
+}
+
+void StoreServer::Impl::run() noexcept {
   for (;;) {
-    fds.clear();
-    fds.push_back({wake_pipe[0], POLLIN, 0});
-    fds.push_back({listen_fd, POLLIN, 0});
-    for (auto& kv : conns) {
-      short ev = kv.second.waiting ? POLLRDHUP : POLLIN;  // parked: still notice a peer that leaves
-      if (!kv.second.out.empty()) ev |= POLLOUT;
-      fds.push_back({kv.first, ev, 0});
+    try {
+      if (!poll_once()) return;
+    } catch (const std::exception& e) {
+      report(std::string("went on after an error: ") + e.what());
+    } catch (...) {
+      report("went on after an unknown error");
     }
-    int timeout_ms = -1;
-    bool any_deadline = false;
-    Clock::time_point nearest;
-    for (auto& w : waiters)
-      if (w.has_deadline && (!any_deadline || w.deadline < nearest)) nearest = w.deadline, any_deadline = true;
-    if (any_deadline) {
-      auto ms = std::chrono::ceil<std::chrono::milliseconds>(nearest - Clock::now()).count();
-      timeout_ms = static_cast<int>(std::clamp<int64_t>(ms, 0, 1 << 30));
-    }
-    int n = poll(fds.data(), fds.size(), timeout_ms);
-    if (n < 0 && errno != EINTR) return;
-    if (fds[0].revents) return;  // destructor asked us to stop
-    if (fds[1].revents & POLLIN) accept_all();
-    for (size_t i = 2; i < fds.size(); ++i) {
-      auto it = conns.find(fds[i].fd);
-      if (it == conns.end() || !fds[i].revents) continue;
+  }
+}
+
+int StoreServer::Impl::poll_timeout(Clock::time_point now) const {
+  Clock::time_point nearest = Clock::time_point::max();
+  for (const auto& w : waiters)
+    if (w.has_deadline) nearest = std::min(nearest, w.deadline);
+  for (const auto& kv : conns) {
+    const Connection& c = kv.second;
+    if (!c.authed) nearest = std::min(nearest, c.opened + limits.handshake_timeout);
+    if (!c.waiting && complete_frame(c.in, kMaxFrameBytes) == 0 && !c.in.empty())
+      nearest = std::min(nearest, c.frame_from + limits.frame_timeout);
+  }
+  if (listen_paused_until > now) nearest = std::min(nearest, listen_paused_until);
+  if (nearest == Clock::time_point::max()) return -1;
+  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(nearest - now).count();
+  return static_cast<int>(std::clamp<int64_t>(ms, 0, 1 << 30));
+}
+
+bool StoreServer::Impl::poll_once() {
+  std::vector<pollfd> fds;
+  fds.push_back({wake_pipe[0], POLLIN, 0});
+  const auto now = Clock::now();
+  fds.push_back({now >= listen_paused_until ? listen_fd : -1, POLLIN, 0});
+  for (auto& kv : conns) {
+    const Connection& c = kv.second;
+    // Parked, refused or backed up: read no further, but still notice a peer that leaves.
+    const bool reading = !c.waiting && !c.closing && c.out.size() < kOutputHighWater;
+    short ev = reading ? POLLIN : POLLRDHUP;
+    if (!c.out.empty()) ev |= POLLOUT;
+    fds.push_back({kv.first, ev, 0});
+  }
+  const int n = poll(fds.data(), fds.size(), poll_timeout(now));
+  if (n < 0 && errno != EINTR) {
+    report(std::string("stopped: poll failed: ") + std::strerror(errno));
+    return false;
+  }
+  if (fds[0].revents) return false;  // destructor asked us to stop
+  if (fds[1].revents & POLLIN) accept_all();
+  for (size_t i = 2; i < fds.size(); ++i) {
+    const int fd = fds[i].fd;
+    if (!fds[i].revents || !conns.count(fd)) continue;
+    try {
       if (fds[i].revents & (POLLERR | POLLNVAL)) {
-        drop(fds[i].fd);
+        drop(fd);
         continue;
       }
-      if (fds[i].revents & POLLOUT) flush(it->second);
-      it = conns.find(fds[i].fd);
-      if (it == conns.end()) continue;
-      if (fds[i].revents & (POLLIN | POLLHUP | POLLRDHUP)) on_readable(it->second);  // reads EOF on hang-up
+      if (fds[i].revents & POLLOUT) {
+        Connection& c = conns.at(fd);
+        flush(c);
+        if (c.closing && c.out.empty()) {
+          drop(fd);
+          continue;
+        }
+        if (!c.in.empty()) ready.push_back(fd);  // drained: its buffered requests are read again
+      }
+      if ((fds[i].revents & (POLLIN | POLLHUP | POLLRDHUP)) && !on_readable(conns.at(fd))) drop(fd);
+    } catch (const std::bad_alloc&) {
+      report("dropped a connection it had no memory for");
+      if (conns.count(fd)) drop(fd);
     }
-    expire_waiters(Clock::now());
   }
+  expire(Clock::now());
+  settle();
+  return true;
 }
 
 void StoreServer::Impl::accept_all() {
   for (;;) {
-    int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0) return;  // EAGAIN, or a transient error: try again on the next POLLIN
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    conns[fd].fd = fd;
+    const int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE) {
+        // Out of descriptors: the pending connection would make poll() report the listening
+        // socket readable forever (100% CPU). Refuse one with the spare descriptor, and look
+        // again in 100 ms, when connections may have closed.
+        if (spare_fd >= 0) {
+          close(spare_fd);
+          const int extra = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+          if (extra >= 0) close(extra);
+          spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        }
+        listen_paused_until = Clock::now() + std::chrono::milliseconds(100);
+        report("is out of file descriptors (" + std::string(std::strerror(errno)) +
+               "): refusing connections until some close (raise ulimit -n)");
+      }
+      return;  // EAGAIN, or a transient error: try again on the next POLLIN
+    }
+    if (conns.size() >= limits.max_connections) {
+      refuse(fd, "serves " + std::to_string(conns.size()) + " connections, its limit");
+      continue;
+    }
+    set_keepalive(fd);
+    Connection& c = conns[fd];
+    open_connections = conns.size();
+    c.fd = fd;
+    c.opened = Clock::now();
+    if (!secret.empty()) c.nonce = random_bytes(kNonceBytes);
+    reply(c, Writer(uint8_t(Status::kOk)).str(kMagic).i64(secret.empty() ? 0 : 1).blob(c.nonce));
   }
 }
 
-void StoreServer::Impl::on_readable(Connection& c) {
+void StoreServer::Impl::refuse(int fd, const std::string& why) {
+  const auto f = Writer(uint8_t(Status::kError)).str("the store at " + where() + " " + why).frame();
+  (void)!send(fd, f.data(), f.size(), MSG_NOSIGNAL);  // a fresh socket's buffer takes it whole
+  close(fd);
+}
+
+bool StoreServer::Impl::on_readable(Connection& c) {
   uint8_t buf[65536];
+  const uint32_t cap = c.authed ? kMaxFrameBytes : kMaxAuthFrameBytes;
   for (;;) {
-    ssize_t n = recv(c.fd, buf, sizeof(buf), 0);
+    const int64_t whole = complete_frame(c.in, cap);
+    if (whole < 0) {
+      if (!c.authed) ++rejected;
+      return false;
+    }
+    // Read ahead of the requests being handled by a bounded amount only.
+    if (whole > 0 && c.in.size() >= kInputBuffered) break;
+    const ssize_t n = recv(c.fd, buf, sizeof(buf), 0);
     if (n > 0) {
+      if (c.in.empty()) c.frame_from = Clock::now();
       c.in.insert(c.in.end(), buf, buf + n);
       continue;
     }
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
     if (n < 0 && errno == EINTR) continue;
-    drop(c.fd);  // EOF or error: the peer is gone (maybe mid-request)
-    return;
+    // EOF or error: the peer is gone (maybe mid-request); one that left without proving the secret
+    // (a client that has none gives up at the greeting) is a refusal too.
+    if (!c.authed && !c.closing && !secret.empty()) ++rejected;
+    return false;
   }
-  if (!handle_frames(c)) drop(c.fd);
+  return read_frames(c);
 }
 
-bool StoreServer::Impl::handle_frames(Connection& c) {
+bool StoreServer::Impl::read_frames(Connection& c) {
   size_t pos = 0;
-  while (!c.waiting && c.in.size() - pos >= 4) {
-    uint32_t len = decode_u32(c.in.data() + pos);
-    if (len > kMaxFrameBytes || len == 0) return false;
+  while (!c.waiting && !c.closing && c.out.size() < kOutputHighWater) {
+    const uint32_t cap = c.authed ? kMaxFrameBytes : kMaxAuthFrameBytes;
+    if (c.in.size() - pos < 4) break;
+    const uint32_t len = decode_u32(c.in.data() + pos);
+    if (len == 0 || len > cap) {
+      if (!c.authed) ++rejected;
+      return false;
+    }
     if (c.in.size() - pos - 4 < len) break;
     Reader r(c.in.data() + pos + 4, len);
     pos += 4 + len;
     try {
-      handle(c, r);
+      if (c.authed)
+        handle(c, r);
+      else
+        handshake(c, r);
+    } catch (const std::bad_alloc&) {
+      throw;  // the connection goes: poll_once reports it
     } catch (const std::exception& e) {
       reply(c, Writer(uint8_t(Status::kError)).str(e.what()));
     }
   }
-  c.in.erase(c.in.begin(), c.in.begin() + pos);
+  c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(pos));
+  if (pos > 0 && !c.in.empty()) c.frame_from = Clock::now();
+  if (c.closing && c.out.empty()) return false;
   return true;
 }
 
-void StoreServer::Impl::handle(Connection& c, Reader& r) {
-  const Op op = static_cast<Op>(r.head());
-  Writer ok(uint8_t(Status::kOk));
-  switch (op) {
-    case Op::kSet: {
-      std::string key = r.str();
-      data[key] = r.blob();
-      reply(c, ok);
-      answer_ready_waiters();
-      return;
-    }
-    case Op::kGet:
-    case Op::kWait: {
-      Waiter w{c.fd, op, {}, false, {}};
-      if (op == Op::kGet) {
-        w.keys.push_back(r.str());
-      }
-      int64_t timeout_ms = r.i64();
-      if (op == Op::kWait) {
-        int64_t n = r.i64();
-        for (int64_t i = 0; i < n; ++i) w.keys.push_back(r.str());
-      }
-      if (all_present(w.keys)) {
-        if (op == Op::kGet) ok.blob(data[w.keys[0]]);
-        reply(c, ok);
-        return;
-      }
-      w.has_deadline = timeout_ms > 0;
-      w.deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
-      c.waiting = true;
-      waiters.push_back(std::move(w));
-      return;
-    }
-    case Op::kCompareSet: {
-      std::string key = r.str();
-      Bytes expected = r.blob(), desired = r.blob();
-      auto it = data.find(key);
-      if (it == data.end()) {
-        if (expected.empty()) {
-          data[key] = desired;
-          reply(c, ok.blob(desired));
-          answer_ready_waiters();
-        } else {
-          reply(c, ok.blob(expected));  // c10d semantics: absent key, non-empty expected
-        }
-      } else {
-        if (it->second == expected) it->second = desired;
-        reply(c, ok.blob(it->second));
-      }
-      return;
-    }
-    case Op::kAdd: {
-      std::string key = r.str();
-      int64_t delta = r.i64();
-      int64_t value = 0;
-      auto it = data.find(key);
-      if (it != data.end()) {
-        std::string s(it->second.begin(), it->second.end());
-        size_t used = 0;
-        try {
-          value = std::stoll(s, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != s.size())
-          throw std::runtime_error("add(): key '" + key + "' holds '" + s + "', not an integer");
-      }
-      value += delta;
-      data[key] = to_bytes(std::to_string(value));
-      reply(c, ok.i64(value));
-      answer_ready_waiters();
-      return;
-    }
-    case Op::kCheck: {
-      int64_t n = r.i64();
-      bool all = true;
-      for (int64_t i = 0; i < n; ++i) all = data.count(r.str()) && all;
-      reply(c, ok.i64(all ? 1 : 0));
-      return;
-    }
-    case Op::kDelete: {
-      reply(c, ok.i64(data.erase(r.str()) ? 1 : 0));
-      return;
-    }
-    case Op::kNumKeys:
-      reply(c, ok.i64(static_cast<int64_t>(data.size())));
-      return;
+void StoreServer::Impl::handshake(Connection& c, Reader& r) {
+  if (static_cast<Op>(r.head()) != Op::kAuth) {
+    ++rejected;
+    c.closing = true;
+    reply(c, Writer(uint8_t(Status::kError)).str("the store at " + where() + " takes the handshake first"));
+    return;
   }
-  throw std::runtime_error("unknown store request " + std::to_string(int(op)));
+  const Bytes client_nonce = r.blob(), mac = r.blob();
+  if (secret.empty()) {
+    c.authed = true;
+    reply(c, Writer(uint8_t(Status::kOk)).blob({}));
+    return;
+  }
+  if (client_nonce.size() != kNonceBytes ||
+      !same_digest(mac, handshake_mac(secret, kClientRole, c.nonce, client_nonce))) {
+    ++rejected;
+    c.closing = true;
+    reply(c, Writer(uint8_t(Status::kError))
+                 .str(mac.empty() ? "requires the job's secret, which this process was not given"
+                                  : "refused this process: its job secret is not the job's"));
+    return;
+  }
+  c.authed = true;
+  reply(c, Writer(uint8_t(Status::kOk)).blob(handshake_mac(secret, kServerRole, c.nonce, client_nonce)));
 }
 
 void StoreServer::Impl::reply(Connection& c, const Writer& w) {
@@ -344,34 +356,37 @@ void StoreServer::Impl::flush(Connection& c) {
     if (n < 0 && errno == EINTR) continue;
     break;  // EAGAIN: wait for POLLOUT; EPIPE/ECONNRESET: POLLHUP/EOF drops it
   }
-  c.out.erase(c.out.begin(), c.out.begin() + sent);
+  c.out.erase(c.out.begin(), c.out.begin() + static_cast<std::ptrdiff_t>(sent));
 }
 
-void StoreServer::Impl::answer_ready_waiters() {
-  std::vector<int> resumed;
-  for (auto it = waiters.begin(); it != waiters.end();) {
-    if (!all_present(it->keys)) {
-      ++it;
-      continue;
+// Answers the waiters a mutation made ready and reads what they and drained connections had
+// pipelined, until nothing more is ready: a loop where a recursion would be as deep as the chain of
+// connections waiting on each other's keys.
+void StoreServer::Impl::settle() {
+  for (;;) {
+    if (changed) {
+      changed = false;
+      answer_ready_waiters();
     }
-    auto c = conns.find(it->fd);
-    if (c != conns.end()) {
-      Writer ok(uint8_t(Status::kOk));
-      if (it->op == Op::kGet) ok.blob(data[it->keys[0]]);
-      c->second.waiting = false;
-      reply(c->second, ok);
-      resumed.push_back(it->fd);
+    if (ready.empty()) return;
+    std::vector<int> batch;
+    batch.swap(ready);
+    std::sort(batch.begin(), batch.end());
+    batch.erase(std::unique(batch.begin(), batch.end()), batch.end());
+    for (int fd : batch) {
+      auto it = conns.find(fd);
+      if (it == conns.end()) continue;
+      try {
+        if (!read_frames(it->second)) drop(fd);
+      } catch (const std::bad_alloc&) {
+        report("dropped a connection it had no memory for");
+        drop(fd);
+      }
     }
-    it = waiters.erase(it);
-  }
-  for (int fd : resumed) {  // they may have pipelined more requests
-    auto c = conns.find(fd);
-    if (c != conns.end() && !handle_frames(c->second)) drop(fd);
   }
 }
 
-void StoreServer::Impl::expire_waiters(Clock::time_point now) {
-  std::vector<int> resumed;
+void StoreServer::Impl::expire(Clock::time_point now) {
   for (auto it = waiters.begin(); it != waiters.end();) {
     if (!it->has_deadline || it->deadline > now) {
       ++it;
@@ -381,20 +396,29 @@ void StoreServer::Impl::expire_waiters(Clock::time_point now) {
     if (c != conns.end()) {
       c->second.waiting = false;
       reply(c->second, Writer(uint8_t(Status::kTimeout)));
-      resumed.push_back(it->fd);
+      ready.push_back(it->fd);
     }
     it = waiters.erase(it);
   }
-  for (int fd : resumed) {
-    auto c = conns.find(fd);
-    if (c != conns.end() && !handle_frames(c->second)) drop(fd);
+  std::vector<int> late;
+  for (const auto& kv : conns) {
+    const Connection& c = kv.second;
+    if (!c.authed && now - c.opened >= limits.handshake_timeout) {
+      if (!c.closing) ++rejected;  // a refused one was counted when refused
+      late.push_back(kv.first);
+    } else if (!c.in.empty() && !c.waiting && now - c.frame_from >= limits.frame_timeout &&
+               complete_frame(c.in, kMaxFrameBytes) == 0) {
+      late.push_back(kv.first);  // a frame begun and never finished: a stuck or hostile peer
+    }
   }
+  for (int fd : late) drop(fd);
 }
 
 void StoreServer::Impl::drop(int fd) {
   waiters.erase(std::remove_if(waiters.begin(), waiters.end(), [fd](const Waiter& w) { return w.fd == fd; }),
                 waiters.end());
   conns.erase(fd);
+  open_connections = conns.size();
   close(fd);
 }
 

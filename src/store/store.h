@@ -10,6 +10,19 @@
 // Semantics follow c10d::Store: get() and wait() block until the keys exist or the timeout passes;
 // add() creates the key at 0; compare_set() sets `desired` when the current value equals
 // `expected` (or the key is absent and `expected` is empty) and returns the value now stored.
+//
+// A job secret closes the store: a server given one serves only clients that prove they know it
+// (HMAC-SHA256 challenge-response, the secret never sent), and a client given one talks only to a
+// server that proves it too. dtrain-run makes one per job and hands it to its workers in
+// DTRAIN_JOB_SECRET. Without one on both sides the store is open, as PyTorch's TCPStore is.
+//
+//   StoreServer server("127.0.0.1", 0, secret);
+//   StoreClient client("127.0.0.1", server.port(), std::chrono::seconds(30), secret);
+//   client.set("k", to_bytes("v"));
+//
+// Limits (protocol.h): keys of 8 KiB, values of 64 MiB, 2^20 keys; a connection that sends a
+// frame slower than 60 s, or no handshake within 10 s, is closed; a connection whose replies do
+// not drain is read no further until they do.
 #pragma once
 
 #include <chrono>
@@ -29,17 +42,39 @@ struct TimeoutError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Serves the store on host:port from a background thread. port 0 picks a free port.
-// Throws std::runtime_error with a one-line message naming host:port when the address
-// cannot be bound (e.g. "port 29500 on 127.0.0.1 is already in use").
+// The environment variable that carries a job's secret to its processes.
+constexpr const char* kSecretEnv = "DTRAIN_JOB_SECRET";
+constexpr size_t kMinSecretBytes = 32;
+
+// A fresh random secret: 32 bytes from the kernel, as 64 hex digits.
+std::string new_job_secret();
+// `secret` when it can be a job secret (at least kMinSecretBytes, one line); else throws one line
+// that names `from` (where it came from) and how to make one.
+std::string check_job_secret(const std::string& secret, const std::string& from);
+
+// What the server allows in time and count; the defaults are the store's (tests lower them).
+struct ServerLimits {
+  Millis handshake_timeout{10000};  // from accept to a proven secret (or, open, to the client's AUTH)
+  Millis frame_timeout{60000};      // from a frame's first byte to its last
+  size_t max_connections = 0;       // 0: what RLIMIT_NOFILE leaves room for, at most 16384
+  size_t max_keys = size_t{1} << 20;
+};
+
+// Serves the store on host:port from a background thread. port 0 picks a free port. A non-empty
+// `secret` requires it of every client. Throws std::runtime_error with a one-line message naming
+// host:port when the address cannot be bound (e.g. "port 29500 on 127.0.0.1 is already in use").
 class StoreServer {
  public:
-  StoreServer(const std::string& host, uint16_t port);
+  StoreServer(const std::string& host, uint16_t port, std::string secret = "", ServerLimits limits = {});
   ~StoreServer();  // stops the thread, closes every socket
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
   uint16_t port() const;
   const std::string& host() const;
+  // Connections refused for not proving the secret (a wrong one, none, or no handshake in time).
+  uint64_t rejected_connections() const;
+  // Connections open now (test and diagnostics).
+  size_t connections() const;
 
  private:
   struct Impl;
@@ -51,8 +86,13 @@ class StoreServer {
 class StoreClient {
  public:
   // Connects, retrying refused connections until connect_timeout; then throws
-  // std::runtime_error "cannot reach the rendezvous at HOST:PORT within Ns: <reason>".
-  StoreClient(const std::string& host, uint16_t port, Millis connect_timeout);
+  // std::runtime_error "cannot reach the rendezvous at HOST:PORT within Ns: <reason>". Then the
+  // handshake: with a `secret`, the server must require and prove the same one; without, it must
+  // require none. Either failing is one std::runtime_error line naming the store.
+  // Every later call has a deadline: connect_timeout for a request, a GET's or WAIT's own timeout
+  // plus a few seconds for those; a store that does not answer by then (its host stopped, or gone
+  // without a FIN, which TCP keepalive notices) is a TimeoutError, and the connection is closed.
+  StoreClient(const std::string& host, uint16_t port, Millis connect_timeout, std::string secret = "");
   ~StoreClient();
   StoreClient(const StoreClient&) = delete;
   StoreClient& operator=(const StoreClient&) = delete;

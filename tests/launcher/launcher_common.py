@@ -36,6 +36,16 @@ def clean_env(**extra):
     return proc_util.clean_env(omp_threads=None, **extra)
 
 
+# A job secret for tests whose launchers share one (tools/dtrain-run/secret.h): without it a launcher
+# of several nodes prints a line saying its store is open, which tests of other lines would count.
+SECRET = "launcher-tests-job-secret-0123456789abcdef"
+
+
+def with_secret(**extra):
+    """clean_env(**extra) with the launchers' shared SECRET."""
+    return clean_env(DTRAIN_JOB_SECRET=SECRET, **extra)
+
+
 def run(args, env=None, timeout=TIMEOUT, **kw):
     """Runs dtrain-run with `args`; returns CompletedProcess with text stdout/stderr."""
     return subprocess.run([DTRAIN_RUN] + [str(a) for a in args], env=env or clean_env(),

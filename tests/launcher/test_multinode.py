@@ -7,7 +7,7 @@ import time
 import unittest
 
 from launcher_common import (MarkedTestCase, DTRAIN_RUN, PY, clean_env, finish, free_port, pids_with_marker,
-                             require_launcher, start)
+                             require_launcher, start, with_secret)
 
 PRINT_ENV = 'echo "rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE node=$NODE_RANK group=$GROUP_RANK"'
 
@@ -62,7 +62,7 @@ class MultiNodeTest(MarkedTestCase):
         port = free_port()
         t0 = time.monotonic()
         p = start(["--nnodes", 2, "--node_rank", 1, "--nproc_per_node", 1, "--master_port", port,
-                   "--rdzv_timeout", 2, "true"])
+                   "--rdzv_timeout", 2, "true"], env=with_secret())
         ((rc, out, err),) = finish(p, timeout=20)
         took = time.monotonic() - t0
         self.assertEqual(rc, 1)
@@ -88,7 +88,7 @@ class MultiNodeTest(MarkedTestCase):
         port = free_port()
         t0 = time.monotonic()
         p = start(["--nnodes", 2, "--node_rank", 0, "--nproc_per_node", 1, "--master_port", port,
-                   "--rdzv_timeout", 30, "true"], env=clean_env(DTRAIN_RUN_RDZV_REPORT_S=0.5))
+                   "--rdzv_timeout", 30, "true"], env=with_secret(DTRAIN_RUN_RDZV_REPORT_S=0.5))
         try:
             first = p.stderr.readline().rstrip("\n")
             second = p.stderr.readline().rstrip("\n")
@@ -110,7 +110,7 @@ class MultiNodeTest(MarkedTestCase):
             port = free_port()
             p = start(["--nnodes", 2, "--node_rank", 0, "--nproc_per_node", 1, "--master_port", port,
                        "--rdzv_timeout", timeout, "--grace_period", "inf", "true"],
-                      env=clean_env(DTRAIN_RUN_RDZV_REPORT_S=0.3))
+                      env=with_secret(DTRAIN_RUN_RDZV_REPORT_S=0.3))
             try:
                 first = p.stderr.readline().rstrip("\n")
                 second = p.stderr.readline().rstrip("\n")

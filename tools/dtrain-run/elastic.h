@@ -45,6 +45,7 @@ struct ElasticOptions {
   std::chrono::milliseconds beat_period{100};
   std::chrono::milliseconds rdzv_timeout{900000};
   std::chrono::milliseconds last_call{30000};
+  std::string secret;  // the job secret, or "" (secret.h)
 };
 
 // One attempt's membership, as this node sees it.

@@ -27,6 +27,11 @@ std::vector<WorkerSpec> make_worker_specs(const LaunchOptions& o, uint16_t maste
   base["TORCHELASTIC_RESTART_COUNT"] = base["DTRAIN_RESTART_COUNT"] = std::to_string(attempt);
   base["TORCHELASTIC_MAX_RESTARTS"] = base["DTRAIN_MAX_RESTARTS"] = std::to_string(o.max_restarts);
   base["DTRAIN_AGENT_STORE"] = "1";
+  // The job secret, or none: an open job's workers must not inherit a stale one the launcher ignored.
+  if (o.secret.empty())
+    base.erase("DTRAIN_JOB_SECRET");
+  else
+    base["DTRAIN_JOB_SECRET"] = o.secret;
 
   std::vector<WorkerSpec> specs;
   for (int local = 0; local < o.nproc_per_node; ++local) {

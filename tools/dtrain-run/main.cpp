@@ -21,6 +21,7 @@
 #include "options.h"
 #include "output.h"
 #include "rendezvous.h"
+#include "secret.h"
 #include "store/store.h"
 #include "supervisor.h"
 
@@ -99,7 +100,8 @@ int run(const LaunchOptions& o) {
   sigset_t all = handled_signals(true), terminating = handled_signals(false);
   sigprocmask(SIG_BLOCK, &all, nullptr);
   std::unique_ptr<dtrain::store::StoreServer> server;
-  if (o.node_rank == 0) server = std::make_unique<dtrain::store::StoreServer>(o.master_addr, uint16_t(o.master_port));
+  if (o.node_rank == 0)
+    server = std::make_unique<dtrain::store::StoreServer>(o.master_addr, uint16_t(o.master_port), o.secret);
   const uint16_t port = server ? server->port() : uint16_t(o.master_port);
 
   // 3.
@@ -107,7 +109,8 @@ int run(const LaunchOptions& o) {
   if (o.nnodes > 1) {
     pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
     const auto timeout = dtrain::util::millis_of_seconds(o.rdzv_timeout);
-    rdzv.emplace(o.master_addr, port, timeout);
+    if (o.secret.empty()) say(open_store_warning(o));
+    rdzv.emplace(o.master_addr, port, timeout, o.secret);
     rdzv->join(NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, o.max_restarts, dtrain::util::host_name()}, say);
     pthread_sigmask(SIG_BLOCK, &terminating, nullptr);
   }
@@ -135,6 +138,9 @@ int run(const LaunchOptions& o) {
 
   // 5.
   show_tail(result);
+  if (server && server->rejected_connections() > 0)
+    say("the rendezvous store refused " + std::to_string(server->rejected_connections()) +
+        " connection(s) that did not prove the job's secret");
   if (!result.summary.empty())
     say(result.summary + (result.exit_code == 1 && attempt > 0
                               ? " (the last failure, after " + std::to_string(attempt) +
@@ -162,17 +168,27 @@ int run_elastic(const LaunchOptions& given) {
   // decides the same way), so identical command lines on every node work.
   std::unique_ptr<dtrain::store::StoreServer> server;
   const uint16_t port = uint16_t(given.master_port);
+  bool warned = false;
   if (given.node_rank_given && given.node_rank == 0) {
-    server = std::make_unique<dtrain::store::StoreServer>(given.master_addr, port);
+    server = std::make_unique<dtrain::store::StoreServer>(given.master_addr, port, given.secret);
   } else if (!given.node_rank_given) {
     try {
-      server = std::make_unique<dtrain::store::StoreServer>(given.master_addr, port);
+      server = std::make_unique<dtrain::store::StoreServer>(given.master_addr, port, given.secret);
     } catch (const std::runtime_error&) {
       // Not this machine's address, or node 0 already serves it: this launcher joins as a client.
+      // With a secret, the handshake proves the store there is this job's before it joins; without
+      // one nothing can prove it, and it says so.
+      if (given.secret.empty()) {
+        say("could not host the rendezvous at " + given.master_addr + ":" + std::to_string(port) +
+            ", so joins the store there, which nothing proves is this job's: give every launcher the same "
+            "secret (--rdzv_conf secret_file=PATH) to make sure");
+        warned = true;
+      }
     }
   }
+  if (given.secret.empty() && !warned) say(open_store_warning(given));
   const auto timeout = dtrain::util::millis_of_seconds(given.rdzv_timeout);
-  NodeRendezvous rdzv(given.master_addr, port, timeout);
+  NodeRendezvous rdzv(given.master_addr, port, timeout, given.secret);
   const std::string hostname = dtrain::util::host_name();
   rdzv.set_hostname(hostname);
   ElasticOptions eo;
@@ -185,6 +201,7 @@ int run_elastic(const LaunchOptions& given) {
   eo.beat_period = dtrain::util::millis_of_seconds(given.monitor_interval);
   eo.rdzv_timeout = timeout;
   eo.last_call = dtrain::util::millis_of_seconds(given.rdzv_last_call);
+  eo.secret = given.secret;
   ElasticRendezvous elastic(rdzv, given.master_addr, port, eo);
   pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
   ElasticNext first = elastic.join(say);

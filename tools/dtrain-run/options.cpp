@@ -15,6 +15,7 @@
 
 #include "common/env.h"
 #include "common/util.h"
+#include "secret.h"
 #include "slurm_step.h"
 
 namespace dtrain::run {
@@ -200,7 +201,7 @@ namespace {
 
 // The values CLI11 fills in: text flags go straight into LaunchOptions, the others are checked after.
 struct Given {
-  std::string nproc = "1", nnodes = "1", run_id;
+  std::string nproc = "1", nnodes = "1", run_id, rdzv_conf;
   NumericValues numbers;
 };
 
@@ -222,6 +223,8 @@ void add_flags(CLI::App& app, LaunchOptions& o, Given& g) {
                "pass --local_rank=N as the program's first argument");
   app.add_option("--run_id,--run-id,--rdzv_id,--rdzv-id", g.run_id,
                  "job id exported as TORCHELASTIC_RUN_ID (default none)");
+  app.add_option("--rdzv_conf,--rdzv-conf", g.rdzv_conf,
+                 "KEY=VALUE,...: secret_file=PATH, the job secret every node's launcher shares (a mode-0600 file)");
 }
 
 // Step 1: the launcher's arguments (a flag and its value), up to the program; the program and its
@@ -274,6 +277,7 @@ void check_values(Given& g, LaunchOptions& o) {
                      " is the wildcard address, not node 0's: the store would listen on every network this "
                      "machine is on; give node 0's own address or host name (127.0.0.1 on one node)");
   if (!g.run_id.empty()) o.run_id = g.run_id;
+  parse_rdzv_conf(g.rdzv_conf, o);
   if (o.run_id.find('/') != std::string::npos || o.run_id == "." || o.run_id == "..")
     throw UsageError("--run_id must not contain '/', got '" + o.run_id + "'");
 }
@@ -327,6 +331,7 @@ LaunchOptions parse_options(int argc, char** argv) {
   }
   check_values(g, o);
   apply_placement(app, g, o);
+  resolve_job_secret(o);  // once the node count is known
   // 3. The program must exist now, not after the rendezvous.
   o.program_path = resolve_program(o.program);
   return o;

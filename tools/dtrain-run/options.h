@@ -55,6 +55,9 @@ struct LaunchOptions {
   int tee = kStdNone;             // streams sent to the log files and the console
   bool use_local_rank_arg = false;
   std::string run_id = "none";  // torchrun's default rdzv id
+  // --rdzv_conf secret_file=PATH, and the job secret (secret.h): "" when the job runs open.
+  std::string secret_file;
+  std::string secret;
   // Not an option: the launcher's stdout is a terminal and shows rank 0's stdout, so rank 0 gets
   // DTRAIN_PROGRESS_TTY=1 and its progress bar is drawn in place (output.h, Note [Launcher bar]).
   bool progress_bar = false;

@@ -58,11 +58,14 @@ NodeInfo parse_info(const std::string& s) {
 
 }  // namespace
 
-NodeRendezvous::NodeRendezvous(const std::string& host, uint16_t port, Millis timeout) : timeout_(timeout) {
+NodeRendezvous::NodeRendezvous(const std::string& host, uint16_t port, Millis timeout, const std::string& secret)
+    : timeout_(timeout) {
   try {
-    client_ = std::make_unique<dtrain::store::StoreClient>(host, port, timeout);
+    client_ = std::make_unique<dtrain::store::StoreClient>(host, port, timeout, secret);
   } catch (const std::runtime_error& e) {
-    throw std::runtime_error(std::string(e.what()) +
+    const std::string what = e.what();
+    if (what.rfind("cannot reach", 0) != 0) throw;  // reached, but refused: the line says why
+    throw std::runtime_error(what +
                              " (is node 0's dtrain-run running with this --master_addr and "
                              "--master_port? --rdzv_timeout sets how long to wait for it)");
   }
