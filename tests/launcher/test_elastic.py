@@ -10,13 +10,15 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 import unittest
 
 from launcher_common import (DTRAIN_RUN, PY, MarkedTestCase, clean_env, finish, free_port, pids_with_marker,
-                             run, start, wait_until)
+                             run, start, wait_until, with_secret)
 from netns_hosts import Hosts, netns_unavailable
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worker.py")
@@ -28,6 +30,14 @@ def elastic_args(port, addr, nnodes, last_call=3, max_restarts=3):
             "--rdzv_timeout", 20, "--rdzv_last_call", last_call, "--max_restarts", max_restarts,
             "--monitor_interval", "0.1", "--grace_period", 1]
 
+
+
+def port_open(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
@@ -208,11 +218,13 @@ class ElasticTest(MarkedTestCase):
         # As torchelastic's redundancy list: a node that finds the job at MAX does not restart it; it
         # waits for a place (a node that leaves frees one) and ends with the job.
         args = elastic_args(self.port, self.hosts.addr[0], "2:3", last_call=1) + self.worker(1000, 0.05)
-        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]
+        # A shared secret: the spare then joins the store only once it proved to be this job's, and
+        # says nothing of an unproven host.
+        nodes = [self.hosts.launch(i, [DTRAIN_RUN] + args, with_secret()) for i in range(3)]
         spare = None
         try:
             self.assertTrue(wait_until(lambda: self.step_reached() >= 3, 20), "the job did not start training")
-            spare = self.hosts.launch(2, [DTRAIN_RUN] + args, clean_env())
+            spare = self.hosts.launch(2, [DTRAIN_RUN] + args, with_secret())
             lines, wait_spare = self.follow_stderr(spare)
             told = wait_until(lambda: any("the job is full" in l for l in lines), 10)
             at = self.step_reached()
@@ -381,6 +393,28 @@ class ElasticLoopbackTest(MarkedTestCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertEqual(r.stdout, "[rank 0] world=1 group=0 groups=1 restart=0\n")
         self.assertRegex(r.stderr, r"dtrain-run: elastic job formed by node 0 \(.*\); world size 1 \(attempt 0\)\n")
+
+    def test_stray_writes_to_an_open_store_neither_stall_nor_queue_a_node(self):
+        # Anyone who reaches an open store can write its keys. A stray ADD of the old waiting counter
+        # stalled the start for 10 s, then failed it; a malformed queue line is now ignored, named.
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+        from store_wire import OpenStore
+        port = free_port()
+        p = start(["--nnodes", "1:2", "--master_port", port, "--rdzv_last_call", 2, "--monitor_interval", 0.1,
+                   "sh", "-c", "echo ran"])
+        try:
+            self.assertTrue(wait_until(lambda: port_open(port), 10), "the store never came up")
+            stray = OpenStore(port)
+            stray.add("dtrain-run/e/waiting", 1)
+            stray.set("dtrain-run/e/queue", "not a node\n")
+            stray.close()
+            ((rc, out, err),) = finish(p, timeout=30)
+        finally:
+            p.kill()
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out.strip(), "[rank 0] ran")
+        self.assertIn("dtrain-run: node 0 ignores 'not a node' in the rendezvous store's key 'dtrain-run/e/queue': "
+                      "not a waiting node", err)
 
     def test_failures_use_up_max_restarts(self):
         seen = os.path.join(self.tmp, "seen")

@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <sstream>
 
 namespace dtrain::run {
@@ -31,6 +32,7 @@ void sleep_for(Millis ms) { std::this_thread::sleep_for(ms); }
 // "round/<attempt>": the transition line, then one "id hostname" row per node in group-rank order.
 // group_rank stays -1 when `id` is not a member.
 ElasticRound parse_round(const std::string& value, int attempt, int64_t id) {
+  const std::string k = key("round", attempt);
   std::istringstream in(value);
   ElasticRound r;
   r.attempt = attempt;
@@ -38,7 +40,7 @@ ElasticRound parse_round(const std::string& value, int attempt, int64_t id) {
   std::getline(in, r.line);
   std::string row;
   for (int g = 0; std::getline(in, row); ++g) {
-    if (std::stoll(row) == id) r.group_rank = g;
+    if (int_value(k, row.substr(0, row.find(' '))) == id) r.group_rank = g;
     r.nnodes = g + 1;
   }
   return r;
@@ -95,7 +97,7 @@ void ElasticRendezvous::heartbeat_loop(std::string host, uint16_t port) {
   // Every failure here ends the heartbeat quietly: node 0 then sees this node as gone, which is
   // the truth when the store is unreachable. Nothing may escape a background thread.
   try {
-    dtrain::store::StoreClient client(host, port, Millis(5000));
+    dtrain::store::StoreClient client(host, port, Millis(5000), o_.secret);
     for (int64_t n = 1;; ++n) {
       client.set(key("beat", id_), to_bytes(std::to_string(n)));
       std::unique_lock<std::mutex> lock(mu_);
@@ -125,10 +127,10 @@ ElasticNext ElasticRendezvous::wait_for_admission(const NodeRendezvous::Say& say
   std::optional<std::string> host_beat_key;  // node 0's heartbeat, once it said that the job is full
   std::string host_beat, admit;
   try {
-    const int64_t slot = store_.add(key("waiting"), 1);
-    store_.set(key("wait", slot), to_bytes(std::to_string(id_) + " " + std::to_string(o_.nproc_per_node) + " " +
-                                           std::to_string(o_.max_restarts) + " " + std::to_string(o_.min_nodes) + " " +
-                                           std::to_string(o_.max_nodes) + " " + o_.hostname));
+    // One compare-and-set: node 0 never sees a node half queued, whenever this one dies.
+    append_line(store_, key("queue"),
+                std::to_string(id_) + " " + std::to_string(o_.nproc_per_node) + " " + std::to_string(o_.max_restarts) +
+                    " " + std::to_string(o_.min_nodes) + " " + std::to_string(o_.max_nodes) + " " + o_.hostname);
     for (;;) {
       try {
         admit = to_string(store_.get(key("admit", id_), kAdmitPoll));
@@ -138,7 +140,7 @@ ElasticNext ElasticRendezvous::wait_for_admission(const NodeRendezvous::Say& say
       if (!host_beat_key && store_.check({key("full", id_)})) {
         const std::string note = to_string(store_.get(key("full", id_), Millis(1000)));
         const size_t nl = note.find('\n');
-        host_beat_key = key("beat", std::stoll(note.substr(0, nl)));
+        host_beat_key = key("beat", int_value(key("full", id_), note.substr(0, nl)));
         say(note.substr(nl + 1));
       }
       if (host_beat_key) {  // a full job may run for days: wait for a place as long as node 0 lives
@@ -157,22 +159,34 @@ ElasticNext ElasticRendezvous::wait_for_admission(const NodeRendezvous::Say& say
   }
   if (admit.rfind("error ", 0) == 0) return {std::nullopt, 1, admit.substr(6)};
   if (admit.rfind("end ", 0) == 0)  // "end <exit code> <line>": the job ended while this node waited
-    return {std::nullopt, std::stoi(admit.substr(4)), admit.substr(admit.find(' ', 4) + 1)};
-  const int attempt = std::stoi(admit);
+    return {std::nullopt, static_cast<int>(int_value(key("admit", id_), admit.substr(4, admit.find(' ', 4) - 4))),
+            admit.substr(admit.find(' ', 4) + 1)};
+  const int attempt = static_cast<int>(int_value(key("admit", id_), admit));
   ElasticRound r = parse_round(to_string(store_.get(key("round", attempt), Millis(10000))), attempt, id_);
   if (r.group_rank < 0) return {std::nullopt, 1, "node 0 admitted this node but left it out of attempt " + admit};
   return {r, 0, ""};
 }
 
 void ElasticRendezvous::absorb_waiters() {
-  for (int64_t n = store_.add(key("waiting"), 0); waiters_seen_ < n;) {
-    const int64_t slot = ++waiters_seen_;
-    std::istringstream in(to_string(store_.get(key("wait", slot), Millis(10000))));
+  const std::string q = key("queue");
+  if (!store_.check({q})) return;
+  std::istringstream lines(to_string(store_.get(q, Millis(10000))));
+  std::string line;
+  for (int64_t n = 0; std::getline(lines, line); ++n) {
+    if (n < waiters_seen_) continue;
+    waiters_seen_ = n + 1;
+    std::istringstream in(line);
     int64_t id = 0;
     int nproc = 0, restarts = 0, lo = 0, hi = 0;
     std::string host;
-    in >> id >> nproc >> restarts >> lo >> hi;
-    std::getline(in >> std::ws, host);
+    const bool parsed = static_cast<bool>(in >> id >> nproc >> restarts >> lo >> hi);
+    if (parsed) std::getline(in >> std::ws, host);
+    if (!parsed || host.empty() || id <= 0) {
+      // Not a launcher's record: a stray write to an open store. It queues no node.
+      std::fprintf(stderr, "dtrain-run: node 0 ignores '%s' in the rendezvous store's key '%s': not a waiting node\n",
+                   line.substr(0, 64).c_str(), q.c_str());
+      continue;
+    }
     // Every node must agree on what the group may be, or the nodes would disagree on WORLD_SIZE.
     if (nproc != o_.nproc_per_node || restarts != o_.max_restarts || lo != o_.min_nodes || hi != o_.max_nodes) {
       store_.set(key("admit", id),
@@ -380,7 +394,7 @@ std::vector<int> ElasticRendezvous::outcomes(int attempt, int exit_code) {
       if (codes[g] != -1) continue;
       const std::string k = key("outcome", attempt, members_[g].id);
       if (store_.check({k}))
-        codes[g] = std::stoi(to_string(store_.get(k, Millis(1000))));
+        codes[g] = static_cast<int>(int_value(k, to_string(store_.get(k, Millis(1000)))));
       else if (stale(members_[g]) || Clock::now() >= deadline)
         codes[g] = -2;
       else

@@ -35,8 +35,9 @@
 //       --monitor_interval. Node 0 declares a node gone when its counter has not changed for 10
 //       intervals (at least 3 s), measured on node 0's clock only (no clock sync needed). The
 //       heartbeat, not the connection's close, also covers a machine that vanishes without a FIN.
-//   E2. Every other launcher queues up: slot = add("waiting", 1), "wait/<slot>" = "<id> <nproc_per_node>
-//       <max_restarts> <min> <max> <hostname>", then waits for "admit/<id>": an attempt number,
+//   E2. Every other launcher queues up: it appends the line "<id> <nproc_per_node> <max_restarts>
+//       <min> <max> <hostname>" to "queue" in one compare-and-set (a node killed while it queues is
+//       queued whole or not at all), then waits for "admit/<id>": an attempt number,
 //       "error <line>" (its flags disagree with node 0's, or its heartbeat stopped while it waited),
 //       or "end <exit code> <line>" (the job ended first). While the group is at MAX, node 0 sets
 //       "full/<id>" = "<node 0's id>\n<line>": the node prints the line and waits for a place as long
@@ -98,7 +99,7 @@ struct NodeInfo {
 class NodeRendezvous {
  public:
   // Connects to the store (step 1). Throws std::runtime_error naming host:port and the timeout.
-  NodeRendezvous(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
+  NodeRendezvous(const std::string& host, uint16_t port, std::chrono::milliseconds timeout, const std::string& secret);
 
   // Steps 2-4. Throws std::runtime_error with the verdict's line when the nodes disagree. Node 0 reports
   // its waiting through `say` (one line each, without the "dtrain-run: " prefix).

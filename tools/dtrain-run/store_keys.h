@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -31,5 +32,34 @@ class StoreKeys {
  private:
   std::string prefix_;
 };
+
+// The integer a store key holds. Anyone who reaches an open store can write its keys: a value that
+// is not an integer is an error naming the key and the value, never std::stoll's bare "stoll".
+inline int64_t int_value(const std::string& key, const std::string& value) {
+  size_t used = 0;
+  int64_t v = 0;
+  try {
+    v = std::stoll(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != value.size())
+    throw std::runtime_error("the rendezvous store's key '" + key + "' holds '" + value.substr(0, 64) +
+                             "', not an integer: another process wrote it (give the job a secret to keep others out)");
+  return v;
+}
+
+// Appends `line` and a newline to the list at `key` in one compare-and-set, retried while another
+// writer comes first: a reader sees the line whole or not at all, whenever this process dies.
+inline void append_line(dtrain::store::StoreClient& store, const std::string& key, const std::string& line) {
+  std::string now = store.check({key}) ? to_string(store.get(key, Millis(10000))) : "";
+  for (;;) {
+    const std::string want = now + line + "\n";
+    const std::string got = to_string(store.compare_set(key, to_bytes(now), to_bytes(want)));
+    if (got == want) return;
+    now = got;  // another node appended first (or, absent key, the store answered `expected`)
+    if (!store.check({key})) now.clear();
+  }
+}
 
 }  // namespace dtrain::run
