@@ -41,7 +41,7 @@ def machine_facts(build_dir):
         gpus = sum(line.startswith("GPU ") for line in out.splitlines())
     except (OSError, subprocess.SubprocessError):
         gpus = 0
-    torch_major, sanitize = None, "OFF"
+    torch_major, sanitize, fuzz_missing = None, "OFF", ""
     try:
         with open(os.path.join(build_dir, "CMakeCache.txt")) as f:
             cache = f.read()
@@ -49,12 +49,16 @@ def machine_facts(build_dir):
         torch_major = int(m.group(1)) if m else None
         m = re.search(r"^DTRAIN_SANITIZE:\w+=(.*)$", cache, re.M)
         sanitize = m.group(1) if m else "OFF"
+        # Why the configure found no clang++ able to build libFuzzer targets (tests/fuzz/CMakeLists.txt).
+        m = re.search(r"^DTRAIN_FUZZ_MISSING:INTERNAL=(.*)$", cache, re.M)
+        fuzz_missing = m.group(1) if m else ""
     except OSError:
         pass
     # The tree's sanitizers (CMakeLists.txt: DTRAIN_SANITIZE ON is AddressSanitizer + UBSan).
     sanitizer = {"thread": "tsan"}.get(sanitize, "asan" if sanitize.upper() in ("ON", "TRUE", "1", "YES") else None)
     return {"root": os.geteuid() == 0, "gpus": gpus, "torch_major": torch_major,
-            "loopback_only": non_loopback_ipv4() is None, "sanitizer": sanitizer}
+            "loopback_only": non_loopback_ipv4() is None, "sanitizer": sanitizer,
+            "no_libfuzzer": bool(fuzz_missing)}
 
 
 def holds(condition, facts):
@@ -66,6 +70,8 @@ def holds(condition, facts):
         return facts["loopback_only"]
     if condition in ("asan", "tsan"):
         return facts["sanitizer"] == condition
+    if condition == "no-libfuzzer":
+        return facts["no_libfuzzer"]
     m = re.fullmatch(r"gpus<(\d+)", condition)
     if m:
         return facts["gpus"] < int(m.group(1))

@@ -1,39 +1,25 @@
-// Checkpoint framing (header + CRC-32) and the atomic write.
+// Checkpoint files: the header line read alone, and the atomic write (the framing: frame.cpp).
 #include "checkpoint/file_io.h"
 
 #include <fcntl.h>
 #include <sys/random.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 
 #include "dtrain/checkpoint.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::ckpt {
 
-uint32_t crc32_of(const std::string& bytes) {
-  uLong crc = crc32(0L, Z_NULL, 0);
-  const auto* p = reinterpret_cast<const Bytef*>(bytes.data());
-  size_t left = bytes.size();
-  while (left > 0) {  // zlib's length is a uInt: feed it in chunks
-    const uInt n = static_cast<uInt>(std::min<size_t>(left, 1u << 30));
-    crc = crc32(crc, p, n);
-    p += n;
-    left -= n;
-  }
-  return static_cast<uint32_t>(crc);
-}
+static_assert(kNewestFrameVersion == kCheckpointFormatVersion,
+              "frame.h's newest version must be dtrain/checkpoint.h's kCheckpointFormatVersion");
 
 namespace {
-
-constexpr const char* kMagic = "DTRAIN-CHECKPOINT";
 
 std::string remedy(int err) {
   if (err == ENOSPC || err == EDQUOT || err == EFBIG) return "free space there or choose another checkpoint folder";
@@ -47,35 +33,6 @@ std::string remedy(int err) {
                           " (the previous checkpoints are untouched)"));
 }
 
-// The header line is at most this long, newline included.
-constexpr size_t kMaxHeader = 96;
-
-struct Header {
-  size_t eol = 0;  // where its newline is
-  size_t length = 0;
-  std::string crc_hex;
-  int64_t write_stamp = 0;  // 0: written before stamps existed
-};
-
-// Throws dtrain::Error with the reason for a header line that cannot be read. Readers of the four
-// fields of format version 1 skip the fifth (the write stamp), so files stay version 1 both ways.
-Header parse_header(const std::string& bytes) {
-  Header h;
-  h.eol = bytes.find('\n');
-  DTRAIN_CHECK(bytes.compare(0, std::strlen(kMagic), kMagic) == 0 && h.eol != std::string::npos && h.eol < kMaxHeader,
-               "not a dtrain checkpoint (no \"", kMagic, "\" header line)");
-  std::istringstream header(bytes.substr(std::strlen(kMagic), h.eol - std::strlen(kMagic)));
-  int version = 0;
-  header >> version >> h.length >> h.crc_hex;
-  DTRAIN_CHECK(!header.fail() && h.crc_hex.size() == 8, "malformed header line");
-  DTRAIN_CHECK(version >= 1 && version <= kCheckpointFormatVersion, "format version ", version,
-               " is not supported (this dtrain reads versions 1 to ", kCheckpointFormatVersion, ")");
-  long long stamp = 0;
-  if (header >> stamp) h.write_stamp = stamp;
-  DTRAIN_CHECK(h.write_stamp >= 0, "malformed header line (write stamp ", h.write_stamp, ")");
-  return h;
-}
-
 }  // namespace
 
 std::optional<int64_t> read_write_stamp(const std::string& path, std::string* why) {
@@ -84,37 +41,15 @@ std::optional<int64_t> read_write_stamp(const std::string& path, std::string* wh
     *why = detail::cat("cannot open checkpoint file ", path, ": ", std::strerror(errno));
     return std::nullopt;
   }
-  std::string head(kMaxHeader, '\0');
+  std::string head(kMaxHeaderBytes, '\0');
   f.read(&head[0], static_cast<std::streamsize>(head.size()));
   head.resize(static_cast<size_t>(f.gcount()));
   try {
-    return parse_header(head).write_stamp;
+    return header_write_stamp(head);
   } catch (const Error& e) {
     *why = e.what();
     return std::nullopt;
   }
-}
-
-std::string frame(const std::string& payload, int64_t write_stamp, int version) {
-  char header[kMaxHeader];
-  std::snprintf(header, sizeof header, "%s %d %zu %08x %lld\n", kMagic, version, payload.size(), crc32_of(payload),
-                static_cast<long long>(write_stamp));
-  return header + payload;
-}
-
-std::string unframe(const std::string& file_bytes) {
-  const Header h = parse_header(file_bytes);
-  const size_t eol = h.eol;
-  const size_t length = h.length;
-  const std::string& crc_hex = h.crc_hex;
-  const size_t have = file_bytes.size() - eol - 1;
-  DTRAIN_CHECK(have >= length, "truncated: ", have, " of ", length, " payload bytes");
-  DTRAIN_CHECK(have == length, "has ", have - length, " bytes after the payload's ", length);
-  std::string payload = file_bytes.substr(eol + 1);
-  char actual[16];
-  std::snprintf(actual, sizeof actual, "%08x", crc32_of(payload));
-  DTRAIN_CHECK(crc_hex == actual, "corrupt: CRC-32 of the payload is ", actual, ", the header says ", crc_hex);
-  return payload;
 }
 
 namespace {

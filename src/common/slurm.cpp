@@ -9,6 +9,9 @@ namespace {
 
 // A list longer than any cluster is a corrupted variable, not a job.
 constexpr size_t kMaxListHosts = size_t{1} << 20;
+// ... and so are more bytes of host names than that many hosts of 16 characters: the count alone let
+// a list of 60 bytes ("<48 letters>[0-1048575]") expand to 55 MiB of names and a 4 KiB one to 4 GiB.
+constexpr size_t kMaxListBytes = size_t{16} << 20;
 
 [[noreturn]] void malformed(const std::string& var, const std::string& value, const std::string& kind,
                             const std::string& why, const std::string& remedy) {
@@ -59,16 +62,20 @@ std::vector<std::string> bracket_values(const std::string& inside, const std::st
 
 std::vector<std::string> expand_hosts(const std::string& list, const std::string& var, const std::string& remedy) {
   std::vector<std::string> hosts;
+  size_t list_bytes = 0;  // of `hosts`
   for (const std::string& item : top_level_items(list, var, remedy)) {
     if (item.empty()) malformed(var, list, "a Slurm host list", "an empty host name", remedy);
     // Every bracket multiplies the names made so far by its values; the last bracket varies fastest.
     std::vector<std::string> names{""};
+    size_t bytes = 0;  // of `names`, checked against kMaxListBytes before they are made
     size_t pos = 0;
     while (pos < item.size()) {
       const size_t open = item.find('[', pos);
       const std::string literal = item.substr(pos, open == std::string::npos ? std::string::npos : open - pos);
       if (literal.find(']') != std::string::npos)
         malformed(var, list, "a Slurm host list", "a ']' without its '['", remedy);
+      bytes += names.size() * literal.size();
+      if (list_bytes + bytes > kMaxListBytes) malformed(var, list, "a Slurm host list", "over 16 MiB of names", remedy);
       for (std::string& n : names) n += literal;
       if (open == std::string::npos) break;
       const size_t close = item.find(']', open);
@@ -76,12 +83,17 @@ std::vector<std::string> expand_hosts(const std::string& list, const std::string
       std::vector<std::string> next;
       if (names.size() * values.size() > kMaxListHosts)
         malformed(var, list, "a Slurm host list", "more than 2^20 hosts", remedy);
+      size_t value_bytes = 0;
+      for (const std::string& v : values) value_bytes += v.size();
+      bytes = bytes * values.size() + names.size() * value_bytes;  // < 2^44: 2^24 bytes times 2^20 values
+      if (list_bytes + bytes > kMaxListBytes) malformed(var, list, "a Slurm host list", "over 16 MiB of names", remedy);
       for (const std::string& n : names)
         for (const std::string& v : values) next.push_back(n + v);
       names = std::move(next);
       pos = close + 1;
     }
     hosts.insert(hosts.end(), names.begin(), names.end());
+    list_bytes += bytes;
     if (hosts.size() > kMaxListHosts) malformed(var, list, "a Slurm host list", "more than 2^20 hosts", remedy);
   }
   return hosts;

@@ -61,6 +61,10 @@ TEST(SlurmHostList, MalformedListsNameTheVariableAndTheRemedy) {
   EXPECT_THAT(host_error("n[1-3"), HasSubstr("not closed"));
   EXPECT_THAT(host_error("n[3-1]"), HasSubstr("runs backwards"));
   EXPECT_THAT(host_error("n[1-99999999]"), HasSubstr("too long"));
+  // Few hosts of long names, or many of short ones, but not 2^20 hosts of 48 letters (55 MiB).
+  EXPECT_EQ(hosts(std::string(4000, 'n') + "[1-2]").size(), 2u);
+  EXPECT_THAT(host_error(std::string(48, 'n') + "[0-1048575]"), HasSubstr("over 16 MiB of names"));
+  EXPECT_THAT(host_error("n[0-1023]" + std::string(48, 'x') + "[0-1023]"), HasSubstr("over 16 MiB of names"));
 }
 
 TEST(SlurmTaskCounts, ExpandsRepeats) {
