@@ -358,6 +358,26 @@ class ElasticTest(MarkedTestCase):
                          r"host\) is gone, so the elastic job ends$")
         self.assertEqual(pids_with_marker(self.marker), [])
 
+    def test_a_stopped_node_zero_ends_the_job_in_one_line(self):
+        # SIGSTOP: node 0's launcher, and the store in it, stop answering, though the kernel keeps
+        # their connections (no FIN, no reset). The others notice within the heartbeat deadline
+        # (3 s) and end, instead of waiting for a decision that never comes.
+        args = elastic_args(self.port, self.hosts.addr[0], "1:3", last_call=1) + self.worker(400)
+        with running_nodes([self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(2)]) as nodes:
+            self.assertTrue(wait_until(lambda: self.step_reached() >= 5, 30), "the job did not start training")
+            host = [s for s in self.starts() if s["group"] == 0][0]["launcher"]
+            os.kill(host, signal.SIGSTOP)
+            t0 = time.monotonic()
+            other = [p for p in nodes if p.pid != host][0]
+            ((rc, _, err),) = finish(other, timeout=30)
+            took = time.monotonic() - t0
+        self.assertEqual(rc, 1, err)
+        self.assertLess(took, 20, err)
+        self.assertRegex(err.strip().splitlines()[-1],
+                         r"^dtrain-run: node 0's launcher \(the rendezvous host at 10\.232\.\d+\.1:\d+\) did not "
+                         r"answer within 3s: it is stopped or gone, so the elastic job ends$")
+
+
 class ElasticLoopbackTest(MarkedTestCase):
     """What needs no namespaces: the command line and nodes that disagree."""
 

@@ -53,7 +53,9 @@ ElasticRendezvous::ElasticRendezvous(NodeRendezvous& base, const std::string& ma
     : base_(base),
       store_(base.client()),
       o_(o),
-      dead_after_(std::max(kMinDeadAfter, Millis(o.beat_period.count() * kMissedBeats))) {
+      dead_after_(std::max(kMinDeadAfter, Millis(o.beat_period.count() * kMissedBeats))),
+      host_(master_host),
+      port_(port) {
   // E1.
   id_ = store_.add(key("ids"), 1);
   store_.set(key("beat", id_), to_bytes("0"));
@@ -69,7 +71,7 @@ ElasticRendezvous::ElasticRendezvous(NodeRendezvous& base, const std::string& ma
 void ElasticRendezvous::finish_job() {
   try {
     if (!o_.host) {
-      store_.set(key("done", id_), to_bytes("1"));
+      if (!host_silent_) store_.set(key("done", id_), to_bytes("1"));  // a silent store would hold it
       return;
     }
     const auto deadline = Clock::now() + o_.rdzv_timeout;
@@ -105,6 +107,11 @@ void ElasticRendezvous::heartbeat_loop(std::string host, uint16_t port) {
     }
   } catch (...) {
   }
+}
+
+std::string ElasticRendezvous::silent_host_text() const {
+  return "node 0's launcher (the rendezvous host at " + host_ + ":" + std::to_string(port_) +
+         ") did not answer within " + seconds_text(dead_after_) + ": it is stopped or gone";
 }
 
 std::string ElasticRendezvous::member_text(int group_rank) const {
@@ -317,8 +324,18 @@ ElasticNext ElasticRendezvous::form_round(int attempt, const std::vector<Member>
 
 std::optional<std::string> ElasticRendezvous::watch(int attempt) {
   if (!o_.host) {  // E5: follow node 0
-    if (!store_.check({key("stop", attempt)})) return std::nullopt;
-    return "stopped this node's workers: " + to_string(store_.get(key("stop", attempt), Millis(1000)));
+    try {
+      if (!watch_client_)
+        watch_client_ = std::make_unique<dtrain::store::StoreClient>(host_, port_, dead_after_, o_.secret);
+      if (!watch_client_->check({key("stop", attempt)})) return std::nullopt;
+      return "stopped this node's workers: " + to_string(watch_client_->get(key("stop", attempt), Millis(1000)));
+    } catch (const dtrain::store::TimeoutError&) {
+      host_silent_ = true;
+      return "stopped this node's workers: " + silent_host_text();
+    } catch (const std::exception& e) {  // the store closed: node 0 is gone, finish_attempt says so
+      return "stopped this node's workers: lost the rendezvous at " + host_ + ":" + std::to_string(port_) + ": " +
+             e.what();
+    }
   }
   if (!stop_reason_.empty()) return std::nullopt;
   std::string reason;
@@ -346,6 +363,7 @@ std::optional<std::string> ElasticRendezvous::watch(int attempt) {
 
 ElasticNext ElasticRendezvous::finish_attempt(int attempt, int exit_code, const NodeRendezvous::Say& say) {
   if (o_.host) return host_finish(attempt, exit_code, say);
+  if (host_silent_) return {std::nullopt, 1, silent_host_text() + ", so the elastic job ends"};
   // E6: report, then follow node 0's decision.
   const std::string lost = "lost the rendezvous at " + store_.host() + ":" + std::to_string(store_.port()) +
                            ": node 0's launcher (the rendezvous host) is gone, so the elastic job ends";

@@ -110,6 +110,7 @@ class ElasticRendezvous {
   std::vector<int> outcomes(int attempt, int exit_code);
   std::string failure_cause(int attempt);
   ElasticNext end_job(int attempt, int code, const std::string& message);
+  std::string silent_host_text() const;
   std::string member_text(int group_rank) const;
 
   NodeRendezvous& base_;
@@ -117,6 +118,14 @@ class ElasticRendezvous {
   ElasticOptions o_;
   int64_t id_ = 0;
   std::chrono::milliseconds dead_after_;
+
+  // A member's own connection for watch(), whose requests wait dead_after_ at most: node 0's store
+  // lives in node 0's launcher, so a store that stops answering is a node 0 stopped (SIGSTOP) or
+  // gone without a FIN, and the member ends instead of hanging (host_silent_).
+  std::string host_;
+  uint16_t port_ = 0;
+  std::unique_ptr<dtrain::store::StoreClient> watch_client_;
+  bool host_silent_ = false;
 
   // Heartbeat thread (its own store connection: StoreClient is one caller at a time).
   std::mutex mu_;

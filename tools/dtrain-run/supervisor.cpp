@@ -254,17 +254,19 @@ void Supervisor::kill_groups(int signo) {
 void Supervisor::check_remote() {
   if (stopping_) return;
   try {
-    if (auto f = rdzv_->remote_failure(attempt_, opts_.node_rank)) {
-      remote_summary_ = "stopped this node's workers: " + *f;
-      stop_all(SIGTERM);
-      return;
-    }
+    // The elastic watch first: its requests wait a few heartbeats at most, so a node 0 that stopped
+    // answering is noticed there, not after the rendezvous client's --rdzv_timeout.
     if (watch_) {
       if (auto why = watch_()) {
         remote_summary_ = *why;
         stop_all(SIGTERM);
         return;
       }
+    }
+    if (auto f = rdzv_->remote_failure(attempt_, opts_.node_rank)) {
+      remote_summary_ = "stopped this node's workers: " + *f;
+      stop_all(SIGTERM);
+      return;
     }
     if (!node0_done_seen_ && opts_.node_rank != 0) node0_done_seen_ = rdzv_->client().check({"dtrain-run/done/0"});
   } catch (const std::exception& e) {
