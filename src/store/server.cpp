@@ -2,8 +2,9 @@
 //
 // Steps:
 //   1. Resolve host with getaddrinfo and bind the FIRST address that binds (exactly one address,
-//      never INADDR_ANY). SO_REUSEADDR lets a quick rerun reuse a TIME_WAIT port; a port that is
-//      actively listened on still fails with EADDRINUSE -> one-line std::runtime_error.
+//      never INADDR_ANY); an address whose port another process holds ends the search. SO_REUSEADDR lets a quick rerun
+//      reuse a TIME_WAIT port; a port that is actively listened on still fails with EADDRINUSE -> one-line
+//      std::runtime_error.
 //   2. The thread poll()s the listening socket, a self-pipe (the destructor writes a byte to stop
 //      it promptly) and every client socket (non-blocking, TCP_NODELAY, keepalive).
 //   3. Each connection opens with the handshake (Note [Store handshake]); then complete request
@@ -84,6 +85,10 @@ void StoreServer::Impl::bind_and_listen(uint16_t requested_port) {
     }
     last_errno = errno;
     close(fd);
+    // The port is held on this address: an error, never a reason to bind the next one (`localhost`
+    // as ::1, then 127.0.0.1). Clients try the addresses in this same order and would reach the
+    // holder first.
+    if (last_errno == EADDRINUSE) break;
   }
   freeaddrinfo(res);
   if (listen_fd < 0) {

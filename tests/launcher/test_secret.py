@@ -2,10 +2,12 @@
 launchers of several nodes, refused when others could read it; a node with another secret is turned
 away in one line; a job of several nodes given none runs open and says so."""
 import os
+import shutil
+import subprocess
 import time
 import unittest
 
-from launcher_common import MarkedTestCase, clean_env, finish, free_port, run, start
+from launcher_common import DTRAIN_RUN, PY, MarkedTestCase, clean_env, finish, free_port, run, start
 
 SHOW = 'echo "secret=${DTRAIN_JOB_SECRET:-none}"'
 
@@ -87,6 +89,49 @@ class SecretTest(MarkedTestCase):
             self.assertEqual(len(warned), 1, err)
             self.assertIn(f"the rendezvous store at 127.0.0.1:{port} is open to anyone who can reach that port",
                           warned[0])
+
+
+# Inside a mount namespace whose /etc/hosts gives "dualhost" two addresses: hold the port on the
+# address clients try first, then start a one-node job on dualhost at that port.
+SQUAT = r"""
+import socket, subprocess, sys
+addrs = [a for a in socket.getaddrinfo("dualhost", 0, type=socket.SOCK_STREAM)]
+if len({a[4][0] for a in addrs}) < 2:
+    print("dualhost has one address here"); sys.exit(77)
+first = addrs[0]
+squatter = socket.socket(first[0], socket.SOCK_STREAM)
+squatter.bind((first[4][0], 0))
+squatter.listen(4)
+port = squatter.getsockname()[1]
+r = subprocess.run([sys.argv[1], "--master_addr", "dualhost", "--master_port", str(port), "true"],
+                   capture_output=True, text=True, timeout=30)
+print(f"first={first[4][0]} rc={r.returncode}")
+print(r.stderr.strip())
+"""
+
+
+class StoreAddressTest(MarkedTestCase):
+    tmp_prefix = "dtrain_addr_"
+
+    def test_a_held_port_on_the_first_address_is_an_error_not_a_fall_back(self):
+        # The store bound the first address that bound: with the port held on ::1, `localhost` went on
+        # to 127.0.0.1, while clients, trying ::1 first, reached the holder.
+        if os.geteuid() != 0 or not shutil.which("unshare"):
+            self.skipTest("needs root and unshare for a mount namespace with its own /etc/hosts")
+        hosts = os.path.join(self.tmp, "hosts")
+        with open(hosts, "w") as f:
+            f.write("::1 dualhost\n127.0.0.1 dualhost\n")
+        script = os.path.join(self.tmp, "squat.py")
+        with open(script, "w") as f:
+            f.write(SQUAT)
+        r = subprocess.run(["unshare", "--mount", "sh", "-c", f"mount --bind {hosts} /etc/hosts && "
+                            f"exec {PY} {script} {DTRAIN_RUN}"], capture_output=True, text=True, timeout=60)
+        if r.returncode == 77:
+            self.skipTest(r.stdout.strip())
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        first, rc = r.stdout.splitlines()[0].split()
+        self.assertNotEqual(rc, "rc=0", r.stdout)
+        self.assertIn("is already in use", r.stdout)
 
 
 if __name__ == "__main__":
