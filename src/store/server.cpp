@@ -174,7 +174,8 @@ int StoreServer::Impl::poll_timeout(Clock::time_point now) const {
 }
 
 bool StoreServer::Impl::poll_once() {
-  std::vector<pollfd> fds;
+  std::vector<pollfd>& fds = pollfds;
+  fds.clear();
   fds.push_back({wake_pipe[0], POLLIN, 0});
   const auto now = Clock::now();
   fds.push_back({now >= listen_paused_until ? listen_fd : -1, POLLIN, 0});

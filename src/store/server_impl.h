@@ -2,6 +2,8 @@
 // time) and server_requests.cpp (the operations, limits in size). Internal header.
 #pragma once
 
+#include <poll.h>
+
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -95,6 +97,7 @@ struct StoreServer::Impl {
   bool changed = false;    // a key was set since the waiters were last looked at
   std::vector<int> ready;  // connections with requests to read again (resumed, drained)
   Clock::time_point listen_paused_until{};
+  std::vector<pollfd> pollfds;  // poll_once's, kept: no allocation per wake-up
   int reports = 0;
 
   // server.cpp

@@ -121,14 +121,8 @@ void StoreServer::Impl::handle(Connection& c, Reader& r) {
       int64_t value = 0;
       auto it = data.find(key);
       if (it != data.end()) {
-        std::string s(it->second.begin(), it->second.end());
-        size_t used = 0;
-        try {
-          value = std::stoll(s, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != s.size())
+        const std::string s = to_string(it->second);
+        if (!parse_integer(s, &value))
           throw std::runtime_error("add(): key " + shown(key) + " holds '" + s.substr(0, 64) + "', not an integer");
       }
       // Wraps as two's complement, never undefined: a hostile delta cannot crash the server.

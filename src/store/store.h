@@ -120,5 +120,16 @@ class StoreClient {
 // Helpers for string values.
 inline Bytes to_bytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
 inline std::string to_string(const Bytes& b) { return std::string(b.begin(), b.end()); }
+// Whether `s` is a decimal int64 (what add() stores) as std::stoll reads it, into *out; trailing
+// text or a number out of range is false.
+inline bool parse_integer(const std::string& s, int64_t* out) {
+  size_t used = 0;
+  try {
+    *out = std::stoll(s, &used);
+  } catch (const std::exception&) {
+    return false;
+  }
+  return used != 0 && used == s.size();
+}
 
 }  // namespace dtrain::store

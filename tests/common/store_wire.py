@@ -27,6 +27,12 @@ def read_frame(sock):
     return _read_exact(sock, n)
 
 
+def frame(op, *fields):
+    """The request frame of `op` with `fields` (str, bytes or int)."""
+    payload = bytes([op]) + b"".join(_field(f) for f in fields)
+    return struct.pack("<I", len(payload)) + payload
+
+
 class OpenStore:
     """A connection to an open store (no job secret): the greeting read, an empty AUTH answered."""
 
@@ -40,8 +46,7 @@ class OpenStore:
         self.call(AUTH, b"", b"")
 
     def call(self, op, *fields):
-        payload = bytes([op]) + b"".join(_field(f) for f in fields)
-        self.sock.sendall(struct.pack("<I", len(payload)) + payload)
+        self.sock.sendall(frame(op, *fields))
         answer = read_frame(self.sock)
         if answer[0] != 0:
             raise RuntimeError(f"the store answered status {answer[0]}: {answer[5:].decode(errors='replace')}")

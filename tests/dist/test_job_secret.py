@@ -9,33 +9,9 @@ import time
 import unittest
 
 from harness import DistTestCase, clean_env, free_port, hello, rank_env
+from store_wire import SET, frame, read_frame
 
 DTRAIN_RUN = os.environ.get("DTRAIN_RUN", "")
-
-
-def field(b):
-    return struct.pack("<I", len(b)) + b
-
-
-def frame(payload):
-    return struct.pack("<I", len(payload)) + payload
-
-
-def read_frame(sock):
-    head = b""
-    while len(head) < 4:
-        chunk = sock.recv(4 - len(head))
-        if not chunk:
-            return None
-        head += chunk
-    (n,) = struct.unpack("<I", head)
-    body = b""
-    while len(body) < n:
-        chunk = sock.recv(n - len(body))
-        if not chunk:
-            return None
-        body += chunk
-    return body
 
 
 def closed(sock, within=3.0):
@@ -75,7 +51,7 @@ class JobSecret(DistTestCase):
             self.assertEqual(hello_frame[5:5 + magic_len], b"dtrain-store/1")
             auth = struct.unpack("<q", hello_frame[5 + magic_len + 4:5 + magic_len + 12])[0]
             self.assertEqual(auth, 1, "the job's store must require its secret")
-            sock.sendall(frame(bytes([1]) + field(b"intruder") + field(b"x")))
+            sock.sendall(frame(SET, "intruder", "x"))
             self.assertTrue(closed(sock), "a SET without the handshake must close the connection")
             sock.close()
             # As a node: another launcher without the secret.

@@ -36,14 +36,8 @@ class StoreKeys {
 // The integer a store key holds. Anyone who reaches an open store can write its keys: a value that
 // is not an integer is an error naming the key and the value, never std::stoll's bare "stoll".
 inline int64_t int_value(const std::string& key, const std::string& value) {
-  size_t used = 0;
   int64_t v = 0;
-  try {
-    v = std::stoll(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != value.size())
+  if (!dtrain::store::parse_integer(value, &v))
     throw std::runtime_error("the rendezvous store's key '" + key + "' holds '" + value.substr(0, 64) +
                              "', not an integer: another process wrote it (give the job a secret to keep others out)");
   return v;
