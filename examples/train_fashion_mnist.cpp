@@ -369,7 +369,10 @@ EpochSums Training::train_epoch(Loader& loader, int64_t epoch, bool resumed) {
     state.sampler_position = std::min<int64_t>(step * cfg.batch_size, static_cast<int64_t>(sampler.epoch_size()));
     state.values = {
         {"loss_sum", loss_sum}, {"correct", static_cast<double>(correct)}, {"seen", static_cast<double>(seen)}};
-    checkpoints->save(state);
+    if (cfg.async_checkpoint)
+      checkpoints->save_async(state);  // written by a thread while the next steps train
+    else
+      checkpoints->save(state);
   };
   // doc:end save-checkpoint
   // doc:begin uneven
@@ -620,6 +623,7 @@ int run(const Config& cfg) {
   // doc:begin monitor-close
   monitor.close();  // every rank: the last metrics window, the merged trace, the plot
   // doc:end monitor-close
+  if (checkpoints) checkpoints->wait();  // --async_checkpoint: the last write done, or its error on every rank
   report(cfg, place, par, powersgd, last, t0);
   dtrain::destroy_process_group();
   return 0;

@@ -41,6 +41,10 @@ std::optional<int> parse_flags(int argc, char** argv, Config& cfg) {
       "good one there");
   numbers.add("--checkpoint_every", cfg.checkpoint_every, Allowed::kNonNegativeInteger,
               "steps between checkpoints (0: at the end of each epoch only)");
+  app.add_flag("--async_checkpoint", cfg.async_checkpoint,
+               "write checkpoints in the background (CheckpointManager::save_async): a step waits only for the "
+               "state's copy in memory")
+      ->needs(checkpoint_dir);
   numbers.add("--test_subset", cfg.test_subset, Allowed::kNonNegativeInteger,
               "evaluate on the first N test samples only (0: all 10000)");
   numbers.add("--step_sleep_ms", cfg.step_sleep_ms, Allowed::kNonNegativeInteger,

@@ -82,8 +82,9 @@ class TrainFashionMNIST(DistTestCase):
         # average, sampler or optimizer stays far below.
         with tempfile.TemporaryDirectory() as ckpt:
             weights = os.path.join(ckpt, "model.safetensors")
+            # The checkpoints written in the background (save_async); the fault tests write theirs in place.
             res, m = self.launch(2, "--subset", 6000, "--epochs", 2, "--checkpoint_dir", ckpt,
-                                 "--save_safetensors", weights)
+                                 "--save_safetensors", weights, "--async_checkpoint")
             self.assertEqual(int(m.group(1)), 2)
             accuracy, loss = float(m.group(2)), float(m.group(3))
             self.assertGreaterEqual(accuracy, 0.75, str(res))
