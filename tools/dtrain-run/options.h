@@ -55,6 +55,17 @@ struct LaunchOptions {
   int tee = kStdNone;             // streams sent to the log files and the console
   bool use_local_rank_arg = false;
   std::string run_id = "none";  // torchrun's default rdzv id
+  // torchrun's rendezvous form (cluster.h, Note [torchrun's command line]).
+  bool c10d = false;                    // --rdzv_backend c10d: node ranks come from the rendezvous
+  std::string role = "default";         // --role, the workers' ROLE_NAME
+  std::string local_addr;               // --local_addr: the name this node gives the others (default: host name)
+  std::vector<int> local_ranks_filter;  // --local_ranks_filter: the local ranks shown on the console (empty: all)
+  // --rdzv_conf's timeouts in seconds (< 0: not given) and is_host (-1 not given, 0, 1).
+  double join_timeout = -1, last_call_timeout = -1;
+  double close_timeout = 30, read_timeout = 60;
+  int is_host = -1;
+  std::string run_log_dir;  // <log_dir>/<run_id>_<random>, made when the job starts (main.cpp)
+  std::string launch_note;  // node 0's line when the environment placed the job (cluster.h)
   // --rdzv_conf secret_file=PATH, and the job secret (secret.h): "" when the job runs open.
   std::string secret_file;
   std::string secret;
