@@ -246,7 +246,7 @@ std::string apply_pod_environment(LaunchOptions& o, bool free, const env::Lookup
     const auto rank = env::integer("RANK", from);
     const auto addr = env::host("MASTER_ADDR", from);
     const auto port = env::port("MASTER_PORT", from);
-    if (!world || !rank || !addr || !port || env::text("LOCAL_RANK", from)) return "";
+    if (!world || !rank || !addr || !port || env::integer("LOCAL_RANK", from)) return "";
     if (*world < 1 || *rank >= *world)
       throw UsageError("RANK=" + std::to_string(*rank) + " and WORLD_SIZE=" + std::to_string(*world) +
                        " (a Kubeflow PyTorchJob pod's) do not fit: RANK must be below WORLD_SIZE; give --nnodes and "
