@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <optional>
 #include <thread>
 
 namespace dtrain::store {
@@ -82,9 +83,6 @@ int try_connect(const addrinfo* ai, Millis budget) {
   return fd;
 }
 
-// A GET's or WAIT's wait for call(): its timeout, or -1 for none (0 on the wire means forever).
-Millis forever_or(Millis timeout) { return timeout.count() > 0 ? timeout : Millis(-1); }
-
 }  // namespace
 
 struct StoreClient::Impl {
@@ -102,9 +100,10 @@ struct StoreClient::Impl {
   void await(short events, Clock::time_point deadline);
   std::vector<uint8_t> read_frame(Clock::time_point deadline);
   void handshake(Clock::time_point deadline);
-  // Sends the request and returns the response payload; status in `status`.
-  std::vector<uint8_t> call(const Writer& request, Status* status, Millis wait);
-  std::vector<uint8_t> call_ok(const Writer& request, Millis wait = Millis(0));
+  // Sends the request and returns the response payload; status in `status`. `wait`: a GET's or
+  // WAIT's own timeout (0: forever), which bounds the request instead of op_timeout.
+  std::vector<uint8_t> call(const Writer& request, Status* status, std::optional<Millis> wait);
+  std::vector<uint8_t> call_ok(const Writer& request, std::optional<Millis> wait = std::nullopt);
 };
 
 StoreClient::StoreClient(const std::string& host, uint16_t port, Millis connect_timeout, std::string secret)
@@ -253,14 +252,12 @@ void StoreClient::Impl::handshake(Clock::time_point deadline) {
                              "this job's store");
 }
 
-std::vector<uint8_t> StoreClient::Impl::call(const Writer& request, Status* status, Millis wait) {
+std::vector<uint8_t> StoreClient::Impl::call(const Writer& request, Status* status, std::optional<Millis> wait) {
   if (fd < 0)
     throw std::runtime_error("the connection to the rendezvous at " + where() +
                              (lost ? " was closed after the store did not answer in time" : " is closed"));
   // A GET's or WAIT's own timeout bounds it (0: forever); any other request, op_timeout.
-  const Millis budget = wait.count() > 0   ? std::min(wait, kForever) + kReplyGrace
-                        : wait.count() < 0 ? kForever
-                                           : op_timeout;
+  const Millis budget = !wait ? op_timeout : wait->count() > 0 ? std::min(*wait, kForever) + kReplyGrace : kForever;
   const auto deadline = Clock::now() + budget;
   send_all(request.frame(), deadline);
   std::vector<uint8_t> payload = read_frame(deadline);
@@ -268,7 +265,7 @@ std::vector<uint8_t> StoreClient::Impl::call(const Writer& request, Status* stat
   return payload;
 }
 
-std::vector<uint8_t> StoreClient::Impl::call_ok(const Writer& request, Millis wait) {
+std::vector<uint8_t> StoreClient::Impl::call_ok(const Writer& request, std::optional<Millis> wait) {
   Status st;
   auto payload = call(request, &st, wait);
   if (st == Status::kError) {
@@ -284,7 +281,7 @@ void StoreClient::set(const std::string& key, const Bytes& value) {
 }
 
 Bytes StoreClient::get(const std::string& key, Millis timeout) {
-  auto p = impl_->call_ok(Writer(uint8_t(Op::kGet)).str(key).i64(timeout.count()), forever_or(timeout));
+  auto p = impl_->call_ok(Writer(uint8_t(Op::kGet)).str(key).i64(timeout.count()), timeout);
   Reader r(p.data(), p.size());
   if (static_cast<Status>(r.head()) == Status::kTimeout)
     throw TimeoutError("timed out after " + seconds_text(timeout) + " waiting for key '" + key +
@@ -334,7 +331,7 @@ void StoreClient::wait(const std::vector<std::string>& keys, Millis timeout) {
   Writer w(uint8_t(Op::kWait));
   w.i64(timeout.count()).i64(static_cast<int64_t>(keys.size()));
   for (const auto& k : keys) w.str(k);
-  auto p = impl_->call_ok(w, forever_or(timeout));
+  auto p = impl_->call_ok(w, timeout);
   if (static_cast<Status>(p[0]) == Status::kTimeout) {
     std::string names;
     for (const auto& k : keys) names += (names.empty() ? "'" : ", '") + k + "'";
@@ -360,6 +357,9 @@ std::string StoreClient::local_address() const {
   }
   return buf;
 }
+
+void StoreClient::set_timeout(Millis timeout) { impl_->op_timeout = std::clamp(timeout, Millis(1), kForever); }
+Millis StoreClient::timeout() const { return impl_->op_timeout; }
 
 const std::string& StoreClient::host() const { return impl_->host; }
 uint16_t StoreClient::port() const { return impl_->port; }

@@ -120,6 +120,12 @@ class StoreClient {
   int64_t num_keys();
   void wait(const std::vector<std::string>& keys, Millis timeout);  // throws TimeoutError
 
+  // The deadline of a request other than a GET's or WAIT's (c10d::Store::setTimeout): at first the
+  // connect_timeout. A launcher polling node 0's store while workers run shortens it, so that a
+  // node 0 that stopped answering is noticed in seconds (ScopedTimeout).
+  void set_timeout(Millis timeout);
+  Millis timeout() const;
+
   // The local IP address of this connection: the interface that routes to the master.
   // Ranks bind their Gloo device to it.
   std::string local_address() const;
@@ -129,6 +135,23 @@ class StoreClient {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+};
+
+// A client's request deadline for one scope; the old one is put back when it ends.
+//
+//   { ScopedTimeout quick(client, std::chrono::seconds(3)); client.check({"k"}); }
+class ScopedTimeout {
+ public:
+  ScopedTimeout(StoreClient& client, Millis timeout) : client_(client), old_(client.timeout()) {
+    client_.set_timeout(timeout);
+  }
+  ~ScopedTimeout() { client_.set_timeout(old_); }
+  ScopedTimeout(const ScopedTimeout&) = delete;
+  ScopedTimeout& operator=(const ScopedTimeout&) = delete;
+
+ private:
+  StoreClient& client_;
+  Millis old_;
 };
 
 // Helpers for string values.

@@ -7,7 +7,7 @@ import time
 import unittest
 
 from launcher_common import (MarkedTestCase, DTRAIN_RUN, PY, clean_env, finish, free_port, pids_with_marker,
-                             require_launcher, start, with_secret)
+                             require_launcher, start, wait_until, with_secret)
 
 PRINT_ENV = 'echo "rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE node=$NODE_RANK group=$GROUP_RANK"'
 
@@ -190,10 +190,7 @@ class MultiNodeTest(MarkedTestCase):
         n0 = start(args(0) + ["sh", "-c", f"while [ ! -e {go} ]; do sleep 0.05; done; exit 5"])
         n1 = start(args(1) + [PY, "-c", "import time; time.sleep(60)", self.marker])
         try:
-            deadline = time.monotonic() + 20
-            while not pids_with_marker(self.marker) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            self.assertTrue(pids_with_marker(self.marker), "node 1's worker did not start")
+            self.assertTrue(wait_until(lambda: pids_with_marker(self.marker), 20), "node 1's worker did not start")
             os.kill(n1.pid, signal.SIGSTOP)
             t0 = time.monotonic()
             open(go, "w").close()
@@ -209,6 +206,35 @@ class MultiNodeTest(MarkedTestCase):
         self.assertGreater(took, 3, err0)
         self.assertLess(took, 3 + 3 + 5, err0)
 
+    def test_a_stopped_node_zero_ends_a_fixed_node_job_in_one_line(self):
+        # SIGSTOP: node 0's launcher, and the store in it, stop answering, though the kernel keeps the
+        # connection (no FIN, no reset). Node 1 polls the store with a deadline of 3 s while its
+        # workers run and ends them, instead of waiting --rdzv_timeout (20 s here).
+        port = free_port()
+        extra = ["--grace_period", "1"]
+
+        def args(n):
+            return node_args(port, n, nproc=1, extra=extra)
+
+        n0 = start(args(0) + [PY, "-c", "import time; time.sleep(60)", self.marker + "-n0"])
+        n1 = start(args(1) + [PY, "-c", "import time; time.sleep(60)", self.marker])
+        try:
+            self.assertTrue(wait_until(lambda: pids_with_marker(self.marker), 20), "node 1's worker did not start")
+            time.sleep(0.3)  # node 1 polls the store at least once
+            os.kill(n0.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            (rc1, _, err1), = finish(n1, timeout=30)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(n0.pid, signal.SIGKILL)
+            finish(n0)
+        self.assertEqual(rc1, 1, err1)
+        self.assertLess(took, 3 + 1 + 4, err1)
+        self.assertRegex(err1.strip().splitlines()[-1],
+                         r"^dtrain-run: stopping this node's workers: node 0's launcher \(the rendezvous host at "
+                         r"127\.0\.0\.1:\d+\) did not answer within 3s: it is stopped or gone, so the job ends$")
+        self.assertEqual(pids_with_marker(self.marker), [])
+
     def test_nodes_disagree_on_max_restarts(self):
         port = free_port()
         n0 = start(node_args(port, 0, nproc=1, extra=["--max_restarts", "1"]) + ["true"])
@@ -219,7 +245,7 @@ class MultiNodeTest(MarkedTestCase):
             self.assertIn("give every node the same --max_restarts", err)
 
     def test_store_listens_on_master_addr_only(self):
-        from launcher_common import listeners, wait_until
+        from launcher_common import listeners
         port = free_port()
         n0 = start(node_args(port, 0) + ["sleep", "1"])
         try:
@@ -285,6 +311,34 @@ class NetnsTest(unittest.TestCase):
         self.assertIn("[rank 1] rank=1 local=1 world=4 node=0 group=0", out0)
         self.assertIn("[rank 3] rank=3 local=1 world=4 node=1 group=1", out1)
         self.assertIn(f"addr={self.addr[0]}", out1)
+
+    def test_node_zero_vanishing_without_a_fin_ends_node_one(self):
+        # Node 0's link goes down while the workers run: no FIN and no reset reach node 1, whose
+        # requests to the store then meet their 3 s deadline (TCP would retransmit for minutes).
+        port = 29612
+        extra = ["--grace_period", "1"]
+        def launch(i):
+            return subprocess.Popen(
+                ["ip", "netns", "exec", self.ns[i], DTRAIN_RUN] +
+                [str(a) for a in node_args(port, i, nproc=1, addr=self.addr[0], extra=extra)] +
+                ["sh", "-c", "echo started; exec sleep 60"],
+                env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        n0, n1 = launch(0), launch(1)
+        try:
+            self.assertEqual(n1.stdout.readline().strip(), "[rank 1] started")
+            time.sleep(0.3)
+            self.ip("-n", self.ns[0], "link", "set", self.veth[0], "down")
+            t0 = time.monotonic()
+            (rc1, _, err1), = finish(n1, timeout=30)
+            took = time.monotonic() - t0
+        finally:
+            n0.kill()
+            finish(n0)
+        self.assertEqual(rc1, 1, err1)
+        self.assertLess(took, 3 + 1 + 4, err1)
+        self.assertRegex(err1.strip().splitlines()[-1],
+                         r"^dtrain-run: stopping this node's workers: node 0's launcher \(the rendezvous host at "
+                         r"10\.231\.\d+\.1:29612\) did not answer within 3s: it is stopped or gone, so the job ends$")
 
 
 if __name__ == "__main__":

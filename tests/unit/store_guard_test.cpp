@@ -2,6 +2,8 @@
 // handshake, limits in size, count and time, back-pressure, a server stopped under a client, and a
 // hostile client sending random frames while a well-behaved one keeps being served.
 #include <arpa/inet.h>
+#include <fcntl.h>
+#include <pthread.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -15,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 #include <thread>
@@ -29,6 +32,7 @@ using namespace std::chrono_literals;
 using detail::Op;
 using detail::Status;
 using detail::Writer;
+using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
 namespace {
@@ -101,21 +105,52 @@ double rss_mib() {
   return 0;
 }
 
-// A StoreServer in a child process (to stop it, or to lower its descriptor limit); killed when
-// this goes.
+// What a ForkedServer's process may use.
+struct ChildLimits {
+  int max_files = 0;         // RLIMIT_NOFILE; 0: inherited
+  size_t thread_stack = 0;   // the server thread's stack, in bytes; 0: the default (8 MiB)
+  size_t memory_margin = 0;  // RLIMIT_AS: what the process maps once serving, plus this; 0: none
+  std::string stderr_path;   // where the child's stderr goes; "": inherited
+};
+
+// Bytes of address space this process maps now.
+size_t mapped_bytes() {
+  std::ifstream f("/proc/self/statm");
+  size_t pages = 0;
+  f >> pages;
+  return pages * static_cast<size_t>(sysconf(_SC_PAGESIZE));
+}
+
+// A StoreServer in a child process (to stop it, or to limit its descriptors, stack or memory);
+// killed when this goes.
 struct ForkedServer {
   pid_t pid = -1;
   uint16_t port = 0;
-  explicit ForkedServer(int max_files = 0, ServerLimits limits = {}) {
+  explicit ForkedServer(ChildLimits child = {}, ServerLimits limits = {}) {
     int fds[2];
     if (pipe(fds) != 0) ADD_FAILURE() << "pipe failed";
     pid = fork();
     if (pid == 0) {
-      if (max_files > 0) {
-        rlimit r{rlim_t(max_files), rlim_t(max_files)};
+      if (!child.stderr_path.empty()) {
+        const int fd = open(child.stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        dup2(fd, STDERR_FILENO);
+      }
+      if (child.max_files > 0) {
+        rlimit r{rlim_t(child.max_files), rlim_t(child.max_files)};
         setrlimit(RLIMIT_NOFILE, &r);
       }
+      if (child.thread_stack > 0) {  // the default of threads made from now on: the server's
+        pthread_attr_t a;
+        pthread_attr_init(&a);
+        pthread_attr_setstacksize(&a, child.thread_stack);
+        pthread_setattr_default_np(&a);
+      }
       StoreServer server("127.0.0.1", 0, "", limits);
+      if (child.memory_margin > 0) {
+        const rlim_t cap = mapped_bytes() + child.memory_margin;
+        rlimit r{cap, cap};
+        setrlimit(RLIMIT_AS, &r);
+      }
       const uint16_t p = server.port();
       (void)!write(fds[1], &p, sizeof p);
       pause();
@@ -292,10 +327,16 @@ TEST(StoreLimits, AFrameThatNeverEndsIsClosed) {
   EXPECT_EQ(c.num_keys(), 0);
 }
 
-// 600 connections (fewer under a low descriptor limit), each waiting for the key the one before it
-// sets: the server answers the whole chain from one SET, iteratively (a recursion would be as deep).
+// 2000 connections, each waiting for the key the one before it sets: the server answers the whole
+// chain from one SET, iteratively. Its thread runs on a 160 KiB stack (a connection's read buffer
+// takes 64 KiB of it), where a recursion as deep as the chain, even of 50 bytes a level, overflows
+// and kills the server.
 TEST(StoreLimits, AChainOfWaitersIsAnsweredWithoutRecursion) {
-  // Both ends of every connection are in this process: room for them under a soft limit of 1024.
+#if defined(__SANITIZE_ADDRESS__)
+  constexpr size_t kStack = 512 << 10;  // AddressSanitizer's redzones widen every frame
+#else
+  constexpr size_t kStack = 160 << 10;
+#endif
   rlimit r{};
   getrlimit(RLIMIT_NOFILE, &r);
   if (r.rlim_cur < 4096 && r.rlim_max > r.rlim_cur) {
@@ -303,11 +344,14 @@ TEST(StoreLimits, AChainOfWaitersIsAnsweredWithoutRecursion) {
     setrlimit(RLIMIT_NOFILE, &r);
   }
   getrlimit(RLIMIT_NOFILE, &r);
-  const int kChain = static_cast<int>(std::min<rlim_t>(600, (r.rlim_cur - 128) / 2));
-  StoreServer server("127.0.0.1", 0);
+  const int kChain = static_cast<int>(std::min<rlim_t>(2000, r.rlim_cur - 128));
+  ASSERT_GE(kChain, 1000) << "raise ulimit -n: the chain needs 1000 connections to mean anything";
+  ChildLimits child;
+  child.thread_stack = kStack;
+  ForkedServer server(child);
   std::vector<std::unique_ptr<Raw>> chain;
   for (int i = 0; i < kChain; ++i) {
-    chain.push_back(std::make_unique<Raw>(server.port()));
+    chain.push_back(std::make_unique<Raw>(server.port));
     auto f = auth_frame({}, {});
     const auto w = Writer(uint8_t(Op::kWait)).i64(0).i64(1).str("k" + std::to_string(i)).frame();
     const auto s = Writer(uint8_t(Op::kSet)).str("k" + std::to_string(i + 1)).blob(to_bytes("1")).frame();
@@ -315,12 +359,43 @@ TEST(StoreLimits, AChainOfWaitersIsAnsweredWithoutRecursion) {
     f.insert(f.end(), s.begin(), s.end());
     chain.back()->send_bytes(f);
   }
-  StoreClient c("127.0.0.1", server.port(), kConnect);
+  StoreClient c("127.0.0.1", server.port, kConnect);
   std::this_thread::sleep_for(200ms);
   EXPECT_FALSE(c.check({"k1"}));
   c.set("k0", to_bytes("go"));
   c.wait({"k" + std::to_string(kChain)}, 10000ms);
   EXPECT_EQ(c.num_keys(), kChain + 1);
+}
+
+// The server thread out of memory: a 60 MiB SET into a process that may map 48 MiB more costs that
+// client its connection, with one line on stderr, and the store goes on serving the others.
+// AddressSanitizer and ThreadSanitizer abort on a failed allocation instead of throwing bad_alloc.
+TEST(StoreLimits, OutOfMemoryDropsOneConnectionAndTheStoreGoesOn) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "a sanitizer's allocator aborts on a failed allocation instead of throwing bad_alloc";
+#endif
+  char path[] = "/tmp/dtrain_store_oom_XXXXXX";
+  close(mkstemp(path));
+  ChildLimits child;
+  child.memory_margin = 48 << 20;
+  child.stderr_path = path;
+  {
+    ForkedServer server(child);
+    StoreClient before("127.0.0.1", server.port, kConnect);
+    before.set("small", to_bytes("kept"));
+    StoreClient big("127.0.0.1", server.port, kConnect);
+    EXPECT_THAT(error_of([&] { big.set("big", Bytes(60 << 20, 7)); }),
+                AnyOf(HasSubstr("closed the connection"), HasSubstr("lost the connection")));
+    StoreClient after("127.0.0.1", server.port, kConnect);
+    EXPECT_EQ(to_string(after.get("small", 1000ms)), "kept");
+    after.set("more", to_bytes("1"));
+    EXPECT_TRUE(before.check({"more"}));
+    EXPECT_FALSE(before.check({"big"}));
+  }
+  std::ifstream f(path);
+  const std::string err((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  unlink(path);
+  EXPECT_THAT(err, HasSubstr("dropped a connection it had no memory for"));
 }
 
 // ---- A server that stops answering ---------------------------------------------------------------
@@ -347,7 +422,9 @@ TEST(StoreDeadline, AStoppedServerIsATimeoutNotAHang) {
 TEST(StoreLimits, OutOfDescriptorsTheServerDoesNotSpin) {
   ServerLimits limits;
   limits.max_connections = 1000;  // past the descriptor limit on purpose
-  ForkedServer server(48, limits);
+  ChildLimits child;
+  child.max_files = 48;
+  ForkedServer server(child, limits);
   std::vector<std::unique_ptr<Raw>> conns;
   for (int i = 0; i < 80; ++i) conns.push_back(std::make_unique<Raw>(server.port));
   auto cpu_ticks = [&server] {

@@ -15,10 +15,6 @@ namespace dtrain::run {
 namespace {
 
 const StoreKeys key("dtrain-run/e/");
-// A node is declared gone after this many missed heartbeats, but never sooner than kMinDeadAfter: a
-// launcher on a loaded machine may miss a few beats without being dead.
-constexpr int kMissedBeats = 10;
-constexpr Millis kMinDeadAfter{3000};
 // How often a waiting node looks for node 0's word besides its admission (that the job is full).
 constexpr Millis kAdmitPoll{250};
 
@@ -53,7 +49,7 @@ ElasticRendezvous::ElasticRendezvous(NodeRendezvous& base, const std::string& ma
     : base_(base),
       store_(base.client()),
       o_(o),
-      dead_after_(std::max(kMinDeadAfter, Millis(o.beat_period.count() * kMissedBeats))),
+      dead_after_(silent_host_after(o.beat_period)),
       host_(master_host),
       port_(port) {
   // E1.
@@ -109,10 +105,7 @@ void ElasticRendezvous::heartbeat_loop(std::string host, uint16_t port) {
   }
 }
 
-std::string ElasticRendezvous::silent_host_text() const {
-  return "node 0's launcher (the rendezvous host at " + host_ + ":" + std::to_string(port_) +
-         ") did not answer within " + seconds_text(dead_after_) + ": it is stopped or gone";
-}
+std::string ElasticRendezvous::silent_host_text() const { return run::silent_host_text(host_, port_, dead_after_); }
 
 std::string ElasticRendezvous::member_text(int group_rank) const {
   return "node " + std::to_string(group_rank) + " (" + members_[static_cast<size_t>(group_rank)].hostname + ")";
@@ -325,10 +318,9 @@ ElasticNext ElasticRendezvous::form_round(int attempt, const std::vector<Member>
 std::optional<std::string> ElasticRendezvous::watch(int attempt) {
   if (!o_.host) {  // E5: follow node 0
     try {
-      if (!watch_client_)
-        watch_client_ = std::make_unique<dtrain::store::StoreClient>(host_, port_, dead_after_, o_.secret);
-      if (!watch_client_->check({key("stop", attempt)})) return std::nullopt;
-      return "stopped this node's workers: " + to_string(watch_client_->get(key("stop", attempt), Millis(1000)));
+      dtrain::store::ScopedTimeout quick(store_, dead_after_);
+      if (!store_.check({key("stop", attempt)})) return std::nullopt;
+      return "stopped this node's workers: " + to_string(store_.get(key("stop", attempt), Millis(1000)));
     } catch (const dtrain::store::TimeoutError&) {
       host_silent_ = true;
       return "stopped this node's workers: " + silent_host_text();

@@ -119,12 +119,10 @@ class ElasticRendezvous {
   int64_t id_ = 0;
   std::chrono::milliseconds dead_after_;
 
-  // A member's own connection for watch(), whose requests wait dead_after_ at most: node 0's store
-  // lives in node 0's launcher, so a store that stops answering is a node 0 stopped (SIGSTOP) or
-  // gone without a FIN, and the member ends instead of hanging (host_silent_).
+  // A member's watch() waits dead_after_ at most for the store (Note [Silent host] in rendezvous.h):
+  // past it node 0 is stopped or gone, and the member ends instead of hanging (host_silent_).
   std::string host_;
   uint16_t port_ = 0;
-  std::unique_ptr<dtrain::store::StoreClient> watch_client_;
   bool host_silent_ = false;
 
   // Heartbeat thread (its own store connection: StoreClient is one caller at a time).

@@ -158,6 +158,7 @@ int run(const LaunchOptions& o) {
     if (o.secret.empty()) say(open_store_warning(o));
     rdzv.emplace(o.master_addr, port, timeout, o.secret);
     rdzv->join(NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, o.max_restarts, node_name(o)}, say);
+    if (!server) rdzv->watch_host(silent_host_after(dtrain::util::millis_of_seconds(o.monitor_interval)));
     pthread_sigmask(SIG_BLOCK, &terminating, nullptr);
   }
 
@@ -173,6 +174,12 @@ int run(const LaunchOptions& o) {
     {
       Supervisor supervisor(o, port, sfd, rdzv ? &*rdzv : nullptr);
       result = supervisor.run_attempt(attempt);
+    }
+    if (rdzv && rdzv->host_silent()) {  // nobody to agree with: the job ends here
+      if (result.summary.find(rdzv->silent_host_line()) == std::string::npos)
+        result.summary += (result.summary.empty() ? "" : "; ") + rdzv->silent_host_line() + ", so the job ends";
+      result.exit_code = result.exit_code == 0 ? 1 : result.exit_code;
+      break;
     }
     if (rdzv && o.max_restarts > 0 && !job_wide_outcome(*rdzv, o, attempt, result)) break;
     if (result.exit_code != 1 || attempt >= o.max_restarts) break;
@@ -192,7 +199,7 @@ int run(const LaunchOptions& o) {
                               ? " (the last failure, after " + std::to_string(attempt) +
                                     " restart(s) of --max_restarts " + std::to_string(o.max_restarts) + ")"
                               : ""));
-  if (rdzv) {
+  if (rdzv && !rdzv->host_silent()) {
     try {
       rdzv->mark_done(o.node_rank, result.exit_code);
       if (server) rdzv->wait_all_done(o.nnodes, dtrain::util::millis_of_seconds(o.rdzv_timeout));

@@ -32,6 +32,17 @@ std::string seconds_text(std::chrono::milliseconds ms) {
   return s.str();
 }
 
+Millis silent_host_after(Millis monitor_interval) {
+  constexpr int kMissedIntervals = 10;
+  constexpr Millis kAtLeast{3000};
+  return std::max(kAtLeast, Millis(std::min<int64_t>(monitor_interval.count(), int64_t{1} << 40) * kMissedIntervals));
+}
+
+std::string silent_host_text(const std::string& host, uint16_t port, Millis after) {
+  return "node 0's launcher (the rendezvous host at " + host + ":" + std::to_string(port) + ") did not answer within " +
+         seconds_text(after) + ": it is stopped or gone";
+}
+
 namespace {
 
 std::string world_text(const NodeInfo& n) {
@@ -59,7 +70,7 @@ NodeInfo parse_info(const std::string& s) {
 }  // namespace
 
 NodeRendezvous::NodeRendezvous(const std::string& host, uint16_t port, Millis timeout, const std::string& secret)
-    : timeout_(timeout) {
+    : timeout_(timeout), host_(host), port_(port) {
   try {
     client_ = std::make_unique<dtrain::store::StoreClient>(host, port, timeout, secret);
   } catch (const std::runtime_error& e) {
@@ -165,9 +176,26 @@ std::string NodeRendezvous::check_arrivals(const NodeInfo& me, const Say& say) {
   return "ok";
 }
 
+template <class F>
+auto NodeRendezvous::polled(F f) -> decltype(f()) {
+  if (silent_after_.count() <= 0) return f();
+  dtrain::store::ScopedTimeout quick(*client_, silent_after_);
+  try {
+    return f();
+  } catch (const dtrain::store::TimeoutError&) {
+    host_silent_ = true;
+    throw;
+  }
+}
+
+bool NodeRendezvous::node0_done() {
+  return polled([&] { return client_->check({node_key("done", 0)}); });
+}
+
 bool NodeRendezvous::publish_failure(int attempt, int node_rank, const std::string& summary) {
   std::string mine = std::to_string(node_rank) + " " + hostname_ + "\n" + summary;
-  return to_string(client_->compare_set(node_key("failure", attempt), {}, to_bytes(mine))) == mine;
+  return polled([&] { return to_string(client_->compare_set(node_key("failure", attempt), {}, to_bytes(mine))); }) ==
+         mine;
 }
 
 bool NodeRendezvous::claim_for_membership_change(int attempt) {
@@ -175,16 +203,28 @@ bool NodeRendezvous::claim_for_membership_change(int attempt) {
   return v == kMembershipChange;
 }
 
-std::optional<std::string> NodeRendezvous::remote_failure(int attempt, int my_node_rank) {
-  const std::string failure = node_key("failure", attempt);
-  if (!client_->check({failure})) return std::nullopt;
-  const std::string v = to_string(client_->get(failure, Millis(1000)));
+namespace {
+
+// A failure slot's value as the line a node prints; nothing for this node's own or node 0's claim.
+std::optional<std::string> describe_failure(const std::string& v, int my_node_rank) {
   if (v == kMembershipChange) return std::nullopt;  // node 0's stop, not a failure: "stop/<k>" says why
   const size_t space = v.find(' '), nl = v.find('\n');
   if (space == std::string::npos || nl == std::string::npos || space > nl) return "a node failed: " + v;
   const std::string node = v.substr(0, space);
   if (node == std::to_string(my_node_rank)) return std::nullopt;  // our own
   return "node " + node + " (" + v.substr(space + 1, nl - space - 1) + ") failed: " + v.substr(nl + 1);
+}
+
+}  // namespace
+
+std::optional<std::string> NodeRendezvous::remote_failure(int attempt, int my_node_rank) {
+  const std::string failure = node_key("failure", attempt);
+  const auto v = polled([&]() -> std::optional<std::string> {
+    if (!client_->check({failure})) return std::nullopt;
+    return to_string(client_->get(failure, Millis(1000)));
+  });
+  if (!v) return std::nullopt;
+  return describe_failure(*v, my_node_rank);
 }
 
 std::vector<int> NodeRendezvous::attempt_outcomes(int attempt, int node_rank, int nnodes, int exit_code) {

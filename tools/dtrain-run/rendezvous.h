@@ -88,6 +88,15 @@ namespace dtrain::run {
 // "1.5s": a duration as the launcher's messages print it.
 std::string seconds_text(std::chrono::milliseconds ms);
 
+// Note [Silent host]: node 0's store lives in node 0's launcher, so a store that stops answering is
+// node 0 stopped (SIGSTOP: the kernel still holds the connection) or gone without a FIN. While the
+// workers run, every other node asks it with this deadline: 10 monitor intervals, never under 3 s
+// (a loaded launcher may be slow). Past it the node ends its workers with silent_host_text()
+// instead of waiting --rdzv_timeout. Elastic jobs take the same deadline as their heartbeats'.
+std::chrono::milliseconds silent_host_after(std::chrono::milliseconds monitor_interval);
+// "node 0's launcher (the rendezvous host at H:P) did not answer within 3s: it is stopped or gone"
+std::string silent_host_text(const std::string& host, uint16_t port, std::chrono::milliseconds after);
+
 struct NodeInfo {
   int nnodes = 0;
   int nproc_per_node = 0;
@@ -105,6 +114,15 @@ class NodeRendezvous {
   // its waiting through `say` (one line each, without the "dtrain-run: " prefix).
   using Say = std::function<void(const std::string&)>;
   void join(const NodeInfo& me, const Say& say);
+
+  // Step 5 on a node other than node 0: its requests wait `after` at most (Note [Silent host]). A
+  // store silent that long makes publish_failure, remote_failure and node0_done throw
+  // store::TimeoutError, and host_silent() true.
+  void watch_host(std::chrono::milliseconds after) { silent_after_ = after; }
+  bool host_silent() const { return host_silent_; }
+  std::string silent_host_line() const { return silent_host_text(host_, port_, silent_after_); }
+  // Whether node 0 said that its workers are done (step 7).
+  bool node0_done();
 
   // Step 5. publish_failure returns false when another node's failure was first.
   // remote_failure: "node N (host) failed: <summary>" when a node other than `my_node_rank` failed.
@@ -132,6 +150,13 @@ class NodeRendezvous {
   std::unique_ptr<dtrain::store::StoreClient> client_;
   std::chrono::milliseconds timeout_;
   std::string hostname_;  // this node's, from join(): named in the failures it publishes
+  std::string host_;
+  uint16_t port_ = 0;
+  std::chrono::milliseconds silent_after_{0};  // 0: requests wait the rendezvous timeout
+  bool host_silent_ = false;
+  // Runs f with the step-5 deadline; a TimeoutError marks the host silent.
+  template <class F>
+  auto polled(F f) -> decltype(f());
 };
 
 }  // namespace dtrain::run

@@ -272,7 +272,11 @@ void Supervisor::check_remote() {
       stop_all(SIGTERM);
       return;
     }
-    if (!node0_done_seen_ && opts_.node_rank != 0) node0_done_seen_ = rdzv_->client().check({"dtrain-run/done/0"});
+    if (!node0_done_seen_ && opts_.node_rank != 0) node0_done_seen_ = rdzv_->node0_done();
+  } catch (const dtrain::store::TimeoutError&) {
+    if (node0_done_seen_) return;
+    remote_summary_ = "stopping this node's workers: " + rdzv_->silent_host_line() + ", so the job ends";
+    stop_all(SIGTERM);
   } catch (const std::exception& e) {
     if (node0_done_seen_) return;  // node 0 finished cleanly and took its store: keep going
     remote_summary_ = "stopping this node's workers: lost the rendezvous at " + opts_.master_addr + ":" +
