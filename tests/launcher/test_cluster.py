@@ -14,6 +14,7 @@ import time
 import unittest
 
 from launcher_common import (DTRAIN_RUN, PY, MarkedTestCase, clean_env, finish, free_port, start, with_secret)
+from cluster_pods import PodNames, launch_pod, torchx_command
 from netns_hosts import Hosts, netns_unavailable
 
 # A stand-in trainer: a script, as TorchX's --script is (torchrun runs it with python, dtrain-run as a
@@ -28,16 +29,6 @@ print("rank=%s group=%s world=%s local=%s role=[%s] master=%s args=%s" % (
 WAITING = "waiting for the rendezvous host name"
 
 
-def torchx_command(torchrun, script, app_id, nnodes, nproc, *script_args, rdzv_port=29500):
-    """The bash command line TorchX's dist.ddp component writes (meta-pytorch/torchx,
-    torchx/components/dist.py): the endpoint unquoted so that bash expands $TORCHX_RANK0_HOST, every
-    other argument shlex-quoted, `--role ''` included."""
-    endpoint = f"${{TORCHX_RANK0_HOST:=localhost}}:{rdzv_port}"
-    args = [torchrun, "--rdzv_backend", "c10d", "--rdzv_endpoint", None, "--rdzv_id", app_id, "--nnodes", str(nnodes),
-            "--nproc_per_node", str(nproc), "--tee", "3", "--role", "", script, *script_args]
-    return " ".join(endpoint if a is None else shlex.quote(a) for a in args)
-
-
 class ClusterTest(MarkedTestCase):
     tmp_prefix = "dtrain_cluster_"
 
@@ -47,22 +38,6 @@ class ClusterTest(MarkedTestCase):
         with open(self.script, "w") as f:
             f.write(WORKER.format(python=PY))
         os.chmod(self.script, 0o755)
-
-    def pod_files(self, i, hosts_lines=""):
-        """Pod i's /etc/hosts and resolv.conf (a resolver that answers nothing, at once)."""
-        hosts = os.path.join(self.tmp, f"hosts{i}")
-        with open(hosts, "w") as f:
-            f.write("127.0.0.1 localhost\n" + hosts_lines)
-        resolv = os.path.join(self.tmp, f"resolv{i}")
-        with open(resolv, "w") as f:
-            f.write("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-        return hosts, resolv
-
-    def in_pod(self, hosts, resolv, command):
-        """argv running the shell `command` in a mount namespace with this pod's name files."""
-        return ["unshare", "--mount", "sh", "-c",
-                f"mount --bind {hosts} /etc/hosts && mount --bind {resolv} /etc/resolv.conf && exec bash -c "
-                + shlex.quote(command)]
 
     def lines(self, out):
         return sorted(line for line in out.splitlines() if line.startswith("[rank"))
@@ -76,18 +51,13 @@ class ClusterTest(MarkedTestCase):
         hosts = Hosts(2)
         self.addCleanup(hosts.close)
         name = f"app{os.getpid()}-trainer-0.app{os.getpid()}.default.svc.cluster.local"
-        files = [self.pod_files(i) for i in range(2)]
+        names = PodNames(self.tmp, 2)
         command = torchx_command(DTRAIN_RUN, self.script, f"app{os.getpid()}", 2, 1, "--epochs", "1", self.marker)
         env = clean_env(TORCHX_RANK0_HOST=name, TMPDIR=self.tmp)
-        # Each pod in a session of its own, so that a pod still running at the timeout dies whole.
-        pods = [subprocess.Popen(["ip", "netns", "exec", hosts.ns[i], *self.in_pod(*files[i], command)], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-                for i in range(2)]
+        pods = [launch_pod(hosts.ns[i], names.argv(i, command), env) for i in range(2)]
         time.sleep(2)
         alive_while_unresolved = [p.poll() is None for p in pods]
-        for hosts_file, _ in files:  # the DNS record appears: in place, as the bind mount sees the file
-            with open(hosts_file, "a") as f:
-                f.write(f"{hosts.addr[0]} {name}\n")
+        names.publish(hosts.addr[0], name)
         (rc0, out0, err0), (rc1, out1, err1) = finish(*pods, timeout=40)
         self.assertEqual((rc0, rc1), (0, 0), err0 + err1)
         self.assertEqual(alive_while_unresolved, [True, True], err0 + err1)
@@ -104,9 +74,9 @@ class ClusterTest(MarkedTestCase):
     def test_a_name_that_never_resolves_fails_naming_it(self):
         if os.geteuid() != 0:
             self.skipTest("a mount namespace needs root")
-        hosts_file, resolv = self.pod_files(0)
+        names = PodNames(self.tmp, 1)
         t0 = time.monotonic()
-        r = subprocess.run(self.in_pod(hosts_file, resolv, shlex.join([
+        r = subprocess.run(names.argv(0, shlex.join([
             DTRAIN_RUN, "--rdzv_backend", "c10d", "--rdzv_endpoint", "never-there.invalid:29500", "--nnodes", "2",
             "--rdzv_conf", "join_timeout=1.5", "true"])), env=clean_env(), capture_output=True, text=True, timeout=30)
         took = time.monotonic() - t0
