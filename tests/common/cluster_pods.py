@@ -10,8 +10,11 @@ import subprocess
 
 def torchx_command(torchrun, script, app_id, nnodes, nproc, *script_args, rdzv_port=29500):
     """The bash command line TorchX's dist.ddp component writes: the endpoint unquoted so that bash
-    expands $TORCHX_RANK0_HOST, every other argument shlex-quoted, `--role ''` included."""
-    endpoint = f"${{TORCHX_RANK0_HOST:=localhost}}:{rdzv_port}"
+    expands $TORCHX_RANK0_HOST (or localhost:0 for one node), every other argument shlex-quoted,
+    `--role ''` included."""
+    # One node: a free port on localhost; several: the rank-0 host the scheduler names.
+    single = str(nnodes).split(":")[-1] == "1"
+    endpoint = "localhost:0" if single else f"${{TORCHX_RANK0_HOST:=localhost}}:{rdzv_port}"
     args = [torchrun, "--rdzv_backend", "c10d", "--rdzv_endpoint", None, "--rdzv_id", app_id, "--nnodes", str(nnodes),
             "--nproc_per_node", str(nproc), "--tee", "3", "--role", "", script, *[str(a) for a in script_args]]
     return " ".join(endpoint if a is None else shlex.quote(a) for a in args)

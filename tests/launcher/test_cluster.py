@@ -71,6 +71,16 @@ class ClusterTest(MarkedTestCase):
         self.assertEqual(self.lines(out1), [f"[rank 1] rank=1 group=1 world=2 local=0 role=[] master={name} "
                                             f"args=--epochs 1 {self.marker}"])
 
+    def test_torchx_command_on_one_node(self):
+        # dist.ddp -j 1x2: the endpoint is localhost:0, a free port.
+        r = subprocess.run(["bash", "-c", torchx_command(DTRAIN_RUN, self.script, "app1", 1, 2, self.marker)],
+                           env=clean_env(TMPDIR=self.tmp), capture_output=True, text=True, timeout=30)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(self.lines(r.stdout), [f"[rank 0] rank=0 group=0 world=2 local=0 role=[] master=localhost "
+                                                f"args={self.marker}",
+                                                f"[rank 1] rank=1 group=0 world=2 local=1 role=[] master=localhost "
+                                                f"args={self.marker}"])
+
     def test_a_name_that_never_resolves_fails_naming_it(self):
         if os.geteuid() != 0:
             self.skipTest("a mount namespace needs root")

@@ -202,7 +202,10 @@ struct Given {
 
 // Every flag, in --help's order.
 void add_flags(CLI::App& app, LaunchOptions& o, Given& g) {
-  app.footer("Usage: dtrain-run [OPTIONS] PROGRAM [ARGS...]   (everything after PROGRAM goes to it)");
+  app.footer(
+      "Usage: dtrain-run [OPTIONS] PROGRAM [ARGS...]   (everything after PROGRAM goes to it)\n"
+      "Each of torchrun's flags takes its default from PET_<FLAG> (e.g. PET_NNODES, PET_NPROC_PER_NODE), as torchrun "
+      "does; the flag wins.");
   app.add_option("--nproc_per_node,--nproc-per-node", g.nproc,
                  "workers per node: a number, cpu (the CPUs), gpu (the GPUs) or auto (GPUs if any, else CPUs)");
   app.add_option("--nnodes", g.nnodes, "number of nodes N, or MIN:MAX for an elastic job (default 1)");
