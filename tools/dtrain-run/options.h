@@ -60,9 +60,8 @@ struct LaunchOptions {
   std::string role = "default";         // --role, the workers' ROLE_NAME
   std::string local_addr;               // --local_addr: the name this node gives the others (default: host name)
   std::vector<int> local_ranks_filter;  // --local_ranks_filter: the local ranks shown on the console (empty: all)
-  // --rdzv_conf's timeouts in seconds (< 0: not given) and is_host (-1 not given, 0, 1).
+  // --rdzv_conf's join_timeout and last_call_timeout in seconds (< 0: not given), is_host (-1 not given, 0, 1).
   double join_timeout = -1, last_call_timeout = -1;
-  double close_timeout = 30, read_timeout = 60;
   int is_host = -1;
   std::string run_log_dir;  // <log_dir>/<run_id>_<random>, made when the job starts (main.cpp)
   std::string launch_note;  // node 0's line when the environment placed the job (cluster.h)
