@@ -78,6 +78,8 @@ class UsageTest(unittest.TestCase):
         self.bad(["--rdzv_backend", "c10d", "--rdzv_endpoint", "node0:0", "--nnodes", "2", "true"],
                  "port 0", "one node only")
         self.bad(["--local_ranks_filter", "0,x", "true"], "--local_ranks_filter", "'0,x'")
+        self.bad(["--rdzv_backend", "c10d", "--rdzv_endpoint", "0.0.0.0:29400", "--nnodes", "2", "true"],
+                 "--rdzv_endpoint 0.0.0.0:29400 is the wildcard address")
         # A PET_ variable's bad value is the flag's error, saying where it came from.
         self.assertEqual(self.bad(["true"], env=clean_env(PET_NNODES="two")),
                          "dtrain-run: --nnodes must be a positive integer or MIN:MAX, got 'two' (from the environment: "

@@ -256,10 +256,11 @@ std::vector<std::string> split_at_program(const CLI::App& app, int argc, char** 
     if (a.size() < 2 || a[0] != '-') break;  // the program
     std::string name = a.substr(0, a.find('='));
     const CLI::Option* opt = app.get_option_no_throw(name);
-    if (!opt) refuse_torchrun_only_flag(name);
-    if (!opt)
+    if (!opt) {
+      refuse_torchrun_only_flag(name);  // a torchrun flag: its own line, saying what to use
       throw UsageError("unknown option '" + name +
                        "' before the program (see dtrain-run --help; options after the program go to it)");
+    }
     launcher_args.push_back(a);
     g.on_command_line.push_back(opt);
     if (a.find('=') == std::string::npos && opt->get_items_expected_max() > 0) {  // takes a value
@@ -287,7 +288,8 @@ void check_values(Given& g, LaunchOptions& o) {
     throw UsageError("--rdzv_backend must be static or c10d, got '" + g.rdzv_backend +
                      "' (etcd and etcd-v2 need an etcd server: use c10d, whose store dtrain-run hosts)");
   o.c10d = g.rdzv_backend == "c10d";
-  for (const std::string& item : util::split(g.ranks_filter, ',')) {
+  for (const std::string& item :
+       g.ranks_filter.empty() ? std::vector<std::string>{} : util::split(g.ranks_filter, ',')) {
     if (!util::is_digits(item) || item.size() > 6)
       throw UsageError("--local_ranks_filter must be local ranks separated by commas (e.g. 0,1), got '" +
                        g.ranks_filter + "'");
@@ -306,8 +308,12 @@ void check_values(Given& g, LaunchOptions& o) {
 
 // --rdzv_endpoint, --rdzv_conf's timeouts (Note [torchrun's command line] in cluster.h).
 void apply_rendezvous_form(const CLI::App& app, Given& g, LaunchOptions& o) {
-  if (!g.rdzv_endpoint.empty() || o.c10d)
+  if (!g.rdzv_endpoint.empty() || o.c10d) {
     parse_endpoint(g.rdzv_endpoint, o.c10d ? 29400 : o.master_port, &o.master_addr, &o.master_port);
+    if (util::is_wildcard_address(o.master_addr))
+      throw UsageError("--rdzv_endpoint " + g.rdzv_endpoint +
+                       " is the wildcard address, not the rendezvous host's: give that host's name or address");
+  }
   if (o.join_timeout > 0) {
     if (app.count("--rdzv_timeout") > 0)
       throw UsageError("--rdzv_timeout and --rdzv_conf join_timeout say the same thing: give one of them");

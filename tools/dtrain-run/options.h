@@ -4,13 +4,17 @@
 //   1. Split argv at the program: the first argument that is not a launcher flag or a flag's value
 //      (or the one after `--`). Everything from the program on is passed to it untouched, so
 //      `dtrain-run --nproc_per_node 2 prog --lr 0.1 --nproc_per_node 7` gives prog the last four.
-//      An unknown flag before the program is a usage error naming it.
-//   2. CLI11 parses the launcher's part; values are then checked: each numeric flag against its row
+//      An unknown flag before the program is a usage error naming it (a torchrun-only one with what
+//      to use instead, cluster.h).
+//   2. Each torchrun flag not on the command line takes its PET_<FLAG> value when set (cluster.h).
+//      CLI11 parses the launcher's part; values are then checked: each numeric flag against its row
 //      of options.cpp's flag table (its range and the rule its error states), then the ones that
 //      depend on each other (node_rank < nnodes, redirects/tee needing --log_dir, ...).
 //   3. The program is looked up in PATH here, so a missing program fails before anything starts.
-//   4. Inside an srun step of several tasks, the step decides --nnodes, --node_rank and the master
-//      (slurm_step.h); a flag that contradicts it is a usage error.
+//   4. --rdzv_endpoint and --rdzv_conf's timeouts; inside an srun step of several tasks, the step
+//      decides --nnodes, --node_rank and the master (slurm_step.h), a flag that contradicts it being a
+//      usage error; else in a Kubeflow PyTorchJob pod its WORLD_SIZE/RANK/MASTER_* when nothing else
+//      placed the job; then --rdzv_backend c10d on several nodes becomes the elastic form (cluster.h).
 // Every problem is a UsageError with one line: the flag, the value given, the remedy.
 #pragma once
 
