@@ -115,6 +115,23 @@ class ClusterTest(MarkedTestCase):
         self.assertEqual(self.lines(out1), ["[rank 2] rank=2 world=4 node=1 local=0",
                                             "[rank 3] rank=3 world=4 node=1 local=1"])
 
+    def test_is_host_says_who_hosts_the_c10d_store(self):
+        # Both launchers could bind the endpoint (one machine): the one started first would host, but
+        # it says is_host=0, and the other is_host=1. The host is node 0.
+        port = free_port()
+
+        def node(host):
+            return start(["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--nnodes", 2,
+                          "--rdzv_conf", f"is_host={host},join_timeout=20", "sh", "-c",
+                          f'echo "host={host} group=$GROUP_RANK"'], env=with_secret())
+        first = node(0)
+        time.sleep(0.5)
+        second = node(1)
+        (rc0, out0, err0), (rc1, out1, err1) = finish(first, second, timeout=30)
+        self.assertEqual((rc0, rc1), (0, 0), err0 + err1)
+        self.assertEqual(self.lines(out1), ["[rank 0] host=1 group=0"])
+        self.assertEqual(self.lines(out0), ["[rank 1] host=0 group=1"])
+
     def test_a_flag_wins_over_its_pet_variable(self):
         r = subprocess.run([DTRAIN_RUN, "--nproc_per_node", "1", "sh", "-c", 'echo "world=$WORLD_SIZE"'],
                            env=clean_env(PET_NPROC_PER_NODE=3, PET_NNODES=1), capture_output=True, text=True,
