@@ -34,6 +34,7 @@ class ClusterTest(MarkedTestCase):
 
     def setUp(self):
         super().setUp()
+        self.name = f"app{os.getpid()}-node-0-0.app{os.getpid()}.default.svc.cluster.local"
         self.script = os.path.join(self.tmp, "train.py")
         with open(self.script, "w") as f:
             f.write(WORKER.format(python=PY))
@@ -42,34 +43,52 @@ class ClusterTest(MarkedTestCase):
     def lines(self, out):
         return sorted(line for line in out.splitlines() if line.startswith("[rank"))
 
-    def test_torchx_command_in_two_pods_whose_rank0_name_resolves_late(self):
-        # TorchX's dist.ddp -j 2x1 on Kubernetes: the same command in both pods, TORCHX_RANK0_HOST the
-        # rank-0 pod's DNS name, which the cluster's DNS knows only some seconds after both started.
+    def late_pods(self, commands, envs, source):
+        """Runs commands[i] (bash) in pod i with envs[i] while self.name does not resolve, then 2 s on
+        publishes it as pod 0's address. Every pod must wait for it in one line naming `source`, and
+        end with 0. Returns the pods' stdouts."""
         why = netns_unavailable()
         if why:
             self.skipTest(why)
         hosts = Hosts(2)
         self.addCleanup(hosts.close)
-        name = f"app{os.getpid()}-trainer-0.app{os.getpid()}.default.svc.cluster.local"
         names = PodNames(self.tmp, 2)
-        command = torchx_command(DTRAIN_RUN, self.script, f"app{os.getpid()}", 2, 1, "--epochs", "1", self.marker)
-        env = clean_env(TORCHX_RANK0_HOST=name, TMPDIR=self.tmp)
-        pods = [launch_pod(hosts.ns[i], names.argv(i, command), env) for i in range(2)]
+        pods = [launch_pod(hosts.ns[i], names.argv(i, commands[i]), envs[i]) for i in range(2)]
         time.sleep(2)
         alive_while_unresolved = [p.poll() is None for p in pods]
-        names.publish(hosts.addr[0], name)
-        (rc0, out0, err0), (rc1, out1, err1) = finish(*pods, timeout=40)
-        self.assertEqual((rc0, rc1), (0, 0), err0 + err1)
-        self.assertEqual(alive_while_unresolved, [True, True], err0 + err1)
-        for err in (err0, err1):
+        names.publish(hosts.addr[0], self.name)
+        results = finish(*pods, timeout=40)
+        errs = "".join(err for _, _, err in results)
+        self.assertEqual([rc for rc, _, _ in results], [0, 0], errs)
+        self.assertEqual(alive_while_unresolved, [True, True], errs)
+        for _, _, err in results:
             said = [l for l in err.splitlines() if WAITING in l]
             self.assertEqual(len(said), 1, err)
-            self.assertIn(f"'{name}' (--rdzv_endpoint) to resolve", said[0])
+            self.assertIn(f"'{self.name}' ({source}) to resolve", said[0])
+        return [out for _, out, _ in results]
+
+    def test_torchx_command_in_two_pods_whose_rank0_name_resolves_late(self):
+        # TorchX's dist.ddp -j 2x1 on Kubernetes: the same command in both pods, TORCHX_RANK0_HOST the
+        # rank-0 pod's DNS name, which the cluster's DNS knows only some seconds after both started.
+        command = torchx_command(DTRAIN_RUN, self.script, f"app{os.getpid()}", 2, 1, "--epochs", "1", self.marker)
+        env = clean_env(TORCHX_RANK0_HOST=self.name, TMPDIR=self.tmp)
+        out0, out1 = self.late_pods([command] * 2, [env] * 2, "--rdzv_endpoint")
         # The pod whose address the name has hosts the store and is group 0; ranks by the rendezvous.
-        self.assertEqual(self.lines(out0), [f"[rank 0] rank=0 group=0 world=2 local=0 role=[] master={name} "
+        self.assertEqual(self.lines(out0), [f"[rank 0] rank=0 group=0 world=2 local=0 role=[] master={self.name} "
                                             f"args=--epochs 1 {self.marker}"])
-        self.assertEqual(self.lines(out1), [f"[rank 1] rank=1 group=1 world=2 local=0 role=[] master={name} "
+        self.assertEqual(self.lines(out1), [f"[rank 1] rank=1 group=1 world=2 local=0 role=[] master={self.name} "
                                             f"args=--epochs 1 {self.marker}"])
+
+    def test_trainjob_pods_whose_master_name_resolves_late(self):
+        # A TrainJob's pods: PET_ variables only, PET_MASTER_ADDR the rank-0 pod's DNS name
+        # (<job>-node-0-0.<job>), the static form: node 0 binds it once it resolves, node 1 reaches it.
+        envs = [clean_env(PET_NNODES=2, PET_NPROC_PER_NODE=1, PET_NODE_RANK=i, PET_MASTER_ADDR=self.name,
+                          PET_MASTER_PORT=29500) for i in range(2)]
+        out0, out1 = self.late_pods([shlex.join([DTRAIN_RUN, self.script, self.marker])] * 2, envs, "--master_addr")
+        self.assertEqual(self.lines(out0), [f"[rank 0] rank=0 group=0 world=2 local=0 role=[default] "
+                                            f"master={self.name} args={self.marker}"])
+        self.assertEqual(self.lines(out1), [f"[rank 1] rank=1 group=1 world=2 local=0 role=[default] "
+                                            f"master={self.name} args={self.marker}"])
 
     def test_torchx_command_on_one_node(self):
         # dist.ddp -j 1x2: the endpoint is localhost:0, a free port.
