@@ -18,21 +18,21 @@ namespace {
 
 // "--start-method" and "--start_method" alike: the name without dashes, '-' as '_'.
 std::string canonical(const std::string& flag) {
-  std::string s =
-      flag.substr(flag.find_first_not_of('-') == std::string::npos ? flag.size() : flag.find_first_not_of('-'));
+  const size_t start = flag.find_first_not_of('-');
+  std::string s = start == std::string::npos ? "" : flag.substr(start);
   std::replace(s.begin(), s.end(), '-', '_');
   return s;
 }
 
+constexpr const char* kModule =
+    "runs a Python module (python -m) and dtrain-run starts programs, not modules: give the program instead, e.g. "
+    "dtrain-run [OPTIONS] python3 -m MODULE ARGS";
+
 // torchrun's flags that dtrain-run does not take, and what to do instead.
 const std::map<std::string, const char*>& torchrun_only() {
   static const std::map<std::string, const char*> table = {
-      {"m",
-       "runs a Python module (python -m) and dtrain-run starts programs, not modules: give the program "
-       "instead, e.g. dtrain-run [OPTIONS] python3 -m MODULE ARGS"},
-      {"module",
-       "runs a Python module (python -m) and dtrain-run starts programs, not modules: give the program "
-       "instead, e.g. dtrain-run [OPTIONS] python3 -m MODULE ARGS"},
+      {"m", kModule},
+      {"module", kModule},
       {"start_method", "is Python multiprocessing's; dtrain-run forks and execs each worker: drop it"},
       {"run_path", "runs a script inside torchrun's interpreter; dtrain-run starts programs: drop it"},
       {"event_log_handler", "is torchrun's Python event log; dtrain-run has none: drop it"},
