@@ -66,7 +66,7 @@ class Supervisor {
   void kill_groups(int signo);
   void check_remote();
   void drain_pipes();
-  std::string log_path(int attempt, int rank) const;
+  std::string log_path(int attempt, int local_rank) const;
   std::string failure_summary(const Worker& w, int attempt, bool for_remote = false) const;
 
   const LaunchOptions& opts_;
