@@ -3,14 +3,18 @@
 //                                       save_async() of step 2, "staged" on stdout, then it sleeps
 //                                       (the test kills it with SIGKILL while the thread writes)
 //   checkpoint_async_tool save_and_wait DIR MB   the same, then waits for the write and exits
+//   checkpoint_async_tool fail DIR MB   on every rank of a job (env://): save_async() of step 2 where a
+//                                       folder takes the file's name; wait() must throw on every rank
 //   checkpoint_async_tool load DIR MB   load_latest() into the same model: "loaded step N" on stdout
 #include <chrono>
+#include <filesystem>
 #include <iostream>
 #include <thread>
 
 #include <torch/torch.h>
 
 #include "dtrain/checkpoint.h"
+#include "dtrain/process_group.h"
 
 namespace {
 
@@ -39,6 +43,11 @@ int main(int argc, char** argv) {
     if (mode == "load") {
       std::cout << (mgr.load_latest(st) ? "loaded step " + std::to_string(st.step) : "no checkpoint") << std::endl;
       return 0;
+    }
+    if (mode == "fail") {
+      dtrain::init_process_group();
+      if (dtrain::rank() == 0) std::filesystem::create_directories(dir + "/checkpoint_0000000002.pt/in_the_way");
+      dtrain::barrier();
     }
     st.step = 1;
     mgr.save(st);

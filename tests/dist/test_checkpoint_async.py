@@ -1,6 +1,7 @@
 """CheckpointManager::save_async killed mid-write (SIGKILL while its thread writes a 256 MiB state):
 the previous checkpoint is intact and load_latest resumes from it; the next save sweeps the
-temporary file the killed write left.
+temporary file the killed write left. A background write that fails makes the next call throw on
+every rank of the job, naming the file.
 
 Env: $CHECKPOINT_ASYNC_TOOL (checkpoint_async_tool.cpp, set by tests/dist/CMakeLists.txt).
 """
@@ -12,7 +13,7 @@ import tempfile
 import time
 import unittest
 
-from harness import binary
+from harness import binary, free_port, rank_env
 
 MIB = 256
 
@@ -49,6 +50,22 @@ class AsyncSaveKilled(unittest.TestCase):
         out = subprocess.run([tool, "save_and_wait", folder, str(MIB)], capture_output=True, text=True, timeout=120)
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertFalse([f for f in os.listdir(folder) if f.startswith(".")], os.listdir(folder))
+
+    def test_a_failed_background_write_fails_the_next_call_on_every_rank(self):
+        tool = binary("CHECKPOINT_ASYNC_TOOL", "checkpoint_async_tool")
+        folder = tempfile.mkdtemp(prefix="dtrain_async_fail_")
+        self.addCleanup(shutil.rmtree, folder, True)
+        port = free_port()
+        procs = [subprocess.Popen([tool, "fail", folder, "1"], env=rank_env(r, 2, port, DTRAIN_TIMEOUT_S=60),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        for r, p in enumerate(procs):
+            out, err = p.communicate(timeout=120)
+            self.assertEqual(p.returncode, 1, err)
+            lines = [l for l in err.splitlines() if l.startswith("checkpoint_async_tool: ")]
+            self.assertEqual(len(lines), 1, err)
+            self.assertIn("asynchronous save of " + folder + "/checkpoint_0000000002.pt failed", lines[0])
+            if r == 1:
+                self.assertIn("rank 0's asynchronous save", lines[0])
 
 
 if __name__ == "__main__":
