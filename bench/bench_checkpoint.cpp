@@ -130,7 +130,8 @@ int worker_main(int argc, char** argv) {
   const int n = dtrain::world_size(), r = dtrain::rank();
   const int64_t rows = (mib << 20) / (4 * kWidth);
   const at::Tensor mine = at::randn({rows / n, kWidth});
-  dtrain::dcp::StateDict sd{dtrain::dcp::Entry::chunk({"model", "weight"}, mine, {rows / n * n, kWidth}, {rows / n * r, 0})};
+  dtrain::dcp::StateDict sd{
+      dtrain::dcp::Entry::chunk({"model", "weight"}, mine, {rows / n * n, kWidth}, {rows / n * r, 0})};
   dtrain::barrier();
   const auto t0 = Clock::now();
   dtrain::dcp::save(sd, folder);

@@ -121,7 +121,8 @@ namespace dtrain {
 
 namespace ckpt {
 class BackgroundWrite;
-}
+class StagingPool;
+}  // namespace ckpt
 class GradScaler;
 class DistributedSampler;
 
@@ -199,6 +200,7 @@ class CheckpointManager {
   CheckpointOptions options_;
   bool async_outstanding_ = false;                 // every rank: a save_async() whose outcome is not told yet
   std::unique_ptr<ckpt::BackgroundWrite> writer_;  // rank 0
+  std::unique_ptr<ckpt::StagingPool> staging_;     // rank 0: the copies, reused from save to save
 };
 
 // Single-process building blocks (no collectives; the RNG states and values are this process's).

@@ -108,10 +108,10 @@ int version_of(const std::vector<std::string>& shard_records) {
 
 // The payload (a torch archive) of `state`, with the per-rank packs of every rank; for a sharded model,
 // the records of the shard files every rank wrote (Note [Sharded checkpoints]).
-// `staged`: the model's tensors are copies (Note [Asynchronous saves]).
+// `staged`: the model's tensors are copies from it (Note [Asynchronous saves]).
 void fill_archive(torch::serialize::OutputArchive& a, const TrainingState& st,
                   const std::vector<std::string>& rank_packs, const std::vector<std::string>& shard_records,
-                  bool staged) {
+                  ckpt::StagingPool* staged) {
   const bool sharded = !shard_records.empty();
   a.write("version", c10::IValue(static_cast<int64_t>(version_of(shard_records))));
   a.write("step", c10::IValue(st.step));
@@ -123,7 +123,7 @@ void fill_archive(torch::serialize::OutputArchive& a, const TrainingState& st,
     } else {
       torch::serialize::OutputArchive m;
       if (staged)
-        ckpt::save_module_staged(*st.model, m);
+        ckpt::save_module_staged(*st.model, m, *staged);
       else
         st.model->save(m);
       a.write("model", m);
@@ -168,7 +168,7 @@ std::string serialize(torch::serialize::OutputArchive& a) {
 std::string encode(const TrainingState& st, const std::vector<std::string>& rank_packs,
                    const std::vector<std::string>& shard_records = {}) {
   torch::serialize::OutputArchive a;
-  fill_archive(a, st, rank_packs, shard_records, /*staged=*/false);
+  fill_archive(a, st, rank_packs, shard_records, /*staged=*/nullptr);
   return serialize(a);
 }
 
@@ -564,7 +564,9 @@ CheckpointManager::~CheckpointManager() {
 // as save() does; then rank 0 builds the archive from copies: the model's tensors are written as
 // copies (save_module_staged), and the optimizer's state is written as it is while the live
 // optimizer gets copies instead (restage_optimizer_state), so one memcpy of the state stages all
-// of it. Serializing the archive (a zip with CRCs) and writing the file, the slow parts, run on a
+// of it. The copies come from a pool that keeps those of the last save once its write is done
+// (ckpt::StagingPool): from the second save on, staging page-faults nothing, at the cost of one
+// more copy of the state held between saves (double buffering). Serializing the archive (a zip with CRCs) and writing the file, the slow parts, run on a
 // thread of rank 0's. Only that thread touches the archive, and no collective runs on it: the
 // outcome is told at the next collective call of the manager (finish_async), where rank 0
 // broadcasts it. The file is written as save() writes it (temporary name, fsync, rename), so a crash
@@ -576,6 +578,7 @@ void CheckpointManager::finish_async() {
   if (writer_) {
     what = writer_->what();
     error = writer_->finish();
+    staging_->release();  // the archive is gone: its copies serve the next save
   }
   error = broadcast_string(error.empty() ? "" : what + "\n" + error);
   if (error.empty()) return;
@@ -648,11 +651,12 @@ std::string CheckpointManager::save_impl(const TrainingState& state, bool backgr
 
 void CheckpointManager::stage_and_write(const std::string& path, const TrainingState& state,
                                         const std::vector<std::string>& packs) {
+  if (!staging_) staging_ = std::make_unique<ckpt::StagingPool>();
   auto archive = std::make_shared<torch::serialize::OutputArchive>();
-  fill_archive(*archive, state, packs, {}, /*staged=*/true);
+  fill_archive(*archive, state, packs, {}, staging_.get());
   std::string payload;  // serialized here when the optimizer's state cannot be staged
   if (state.optimizer && !dynamic_cast<ShardedOptimizerState*>(state.optimizer) &&
-      !ckpt::restage_optimizer_state(*state.optimizer)) {
+      !ckpt::restage_optimizer_state(*state.optimizer, *staging_)) {
     warn_once("checkpoint-async-optimizer",
               "save_async: this optimizer's state cannot be staged (not Adam, AdamW, SGD, Adagrad or RMSprop): "
               "its checkpoints are serialized before save_async returns, and only written in the background");

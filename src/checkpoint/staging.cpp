@@ -16,29 +16,51 @@ namespace dtrain::ckpt {
 
 namespace {
 
-// A copy that loads as the original: Module::load checks requires_grad against the module's.
-at::Tensor staged(const at::Tensor& t) {
-  if (!t.defined()) return t;
-  return t.detach().clone().requires_grad_(t.requires_grad());
+std::string pool_key(const at::Tensor& t) {
+  return c10::str(t.scalar_type(), t.sizes(), t.device(), t.requires_grad() ? " grad" : "");
 }
-
-at::Tensor copy(const at::Tensor& t) { return t.defined() ? t.clone() : t; }
 
 }  // namespace
 
-void save_module_staged(const torch::nn::Module& module, torch::serialize::OutputArchive& archive) {
-  for (const auto& p : module.named_parameters(/*recurse=*/false)) archive.write(p.key(), staged(p.value()));
+at::Tensor StagingPool::copy_of(const at::Tensor& t, bool held) {
+  if (!t.defined()) return t;
+  auto& free = free_[pool_key(t)];
+  at::Tensor c;
+  if (free.empty()) {
+    // A copy that loads as the original: Module::load checks requires_grad against the module's.
+    c = t.detach().clone().requires_grad_(t.requires_grad());
+  } else {
+    c = std::move(free.back());
+    free.pop_back();
+    at::NoGradGuard no_grad;
+    c.copy_(t.detach());
+  }
+  if (held) held_.push_back(c);
+  return c;
+}
+
+void StagingPool::hold(const at::Tensor& t) {
+  if (t.defined()) held_.push_back(t);
+}
+
+void StagingPool::release() {
+  for (at::Tensor& t : held_) free_[pool_key(t)].push_back(std::move(t));
+  held_.clear();
+}
+
+void save_module_staged(const torch::nn::Module& module, torch::serialize::OutputArchive& archive, StagingPool& pool) {
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) archive.write(p.key(), pool.copy_of(p.value()));
   for (const auto& b : module.named_buffers(/*recurse=*/false))
-    archive.write(b.key(), staged(b.value()), /*is_buffer=*/true);
+    archive.write(b.key(), pool.copy_of(b.value()), /*is_buffer=*/true);
   for (const auto& child : module.named_children()) {
     if (!child.value()->is_serializable()) continue;
     torch::serialize::OutputArchive child_archive(archive.compilation_unit());
-    save_module_staged(*child.value(), child_archive);
+    save_module_staged(*child.value(), child_archive, pool);
     archive.write(child.key(), child_archive);
   }
 }
 
-bool restage_optimizer_state(torch::optim::Optimizer& optimizer) {
+bool restage_optimizer_state(torch::optim::Optimizer& optimizer, StagingPool& pool) {
   using namespace torch::optim;
   for (const auto& kv : optimizer.state()) {
     const OptimizerParamState* s = kv.second.get();
@@ -47,6 +69,11 @@ bool restage_optimizer_state(torch::optim::Optimizer& optimizer) {
         !dynamic_cast<const RMSpropParamState*>(s))
       return false;
   }
+  // The live optimizer takes a copy; the archive keeps the tensor it wrote, which the pool gets back.
+  auto copy = [&pool](const at::Tensor& t) {
+    pool.hold(t);
+    return pool.copy_of(t, /*held=*/false);
+  };
   for (auto& kv : optimizer.state()) {
     OptimizerParamState* s = kv.second.get();
     if (auto* a = dynamic_cast<AdamParamState*>(s)) {

@@ -77,29 +77,38 @@ TEST_F(AsyncCheckpoint, TheFileHoldsTheStateOfTheCallNotOfLaterSteps) {
   dtrain::TrainingState st;
   st.model = net.ptr().get();
   st.optimizer = &opt;
-  st.step = 3;
   dtrain::CheckpointManager mgr(dir);
-  const auto at_save = snapshot(net, opt);
-  const std::string path = mgr.save_async(st);
-  {  // At once, while the thread starts to serialize: every tensor it would read, changed in place.
-    torch::NoGradGuard no_grad;
-    for (auto& t : snapshot_refs(net, opt)) t.fill_(7.0);
-  }
-  train_steps(net, opt, 2);
-  mgr.wait();
-  ASSERT_TRUE(fs::exists(path));
+  // Twice: the second save stages into the copies of the first (the staging pool).
+  for (int64_t step : {3, 6}) {
+    st.step = step;
+    const auto at_save = snapshot(net, opt);
+    const std::string path = mgr.save_async(st);
+    {  // At once, while the thread starts to serialize: every tensor it would read, changed in place.
+      torch::NoGradGuard no_grad;
+      for (auto& t : snapshot_refs(net, opt)) t.fill_(7.0 + step);
+    }
+    train_steps(net, opt, 2);
+    const auto live = snapshot(net, opt);
+    mgr.wait();
+    ASSERT_TRUE(fs::exists(path));
 
-  torch::manual_seed(99);
-  auto back = make_net();
-  torch::optim::Adam opt_back(back->parameters(), torch::optim::AdamOptions(1e-2));
-  dtrain::TrainingState in;
-  in.model = back.ptr().get();
-  in.optimizer = &opt_back;
-  ASSERT_EQ(mgr.load_latest(in), path);
-  const auto loaded = snapshot(back, opt_back);
-  ASSERT_EQ(loaded.size(), at_save.size());
-  for (size_t i = 0; i < loaded.size(); ++i) EXPECT_TRUE(loaded[i].equal(at_save[i])) << "tensor " << i;
-  EXPECT_EQ(in.step, 3);
+    torch::manual_seed(99);
+    auto back = make_net();
+    torch::optim::Adam opt_back(back->parameters(), torch::optim::AdamOptions(1e-2));
+    dtrain::TrainingState in;
+    in.model = back.ptr().get();
+    in.optimizer = &opt_back;
+    ASSERT_EQ(mgr.load_latest(in), path);
+    const auto loaded = snapshot(back, opt_back);
+    ASSERT_EQ(loaded.size(), at_save.size());
+    for (size_t i = 0; i < loaded.size(); ++i)
+      EXPECT_TRUE(loaded[i].equal(at_save[i])) << "step " << step << " tensor " << i;
+    EXPECT_EQ(in.step, step);
+    // The live optimizer kept its own state through the save (a staged copy never became live).
+    const auto after = snapshot(net, opt);
+    for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(after[i].equal(live[i])) << "step " << step << " live " << i;
+    train_steps(net, opt, 1);
+  }
 }
 
 TEST_F(AsyncCheckpoint, AFailedWriteIsReportedByTheNextCallNamingTheFile) {
