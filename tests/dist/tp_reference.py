@@ -66,6 +66,7 @@ def record(model, run):
         if step == 0:
             out["output"] = flat(y)
             out["grads"] = {n: flat(p.grad) for n, p in model.named_parameters()}
+            out["grad_shapes"] = {n: list(local(p.grad).shape) for n, p in model.named_parameters()}
         opt.step()
     out["params"] = {n: flat(p) for n, p in model.named_parameters()}
     return out
