@@ -2,10 +2,10 @@
 //
 //   1. Every member of the parent all-gathers (color, key) over the parent, so each knows every
 //      member's choice and the ranks of its own color.
-//   2. The new group's name is the parent's name, the parent's next object index (Note [Group-agreed
-//      ids]: only the parent's members call split_group, so a count kept per process or the world's
-//      new_group counter would differ between ranks) and the color. Ranks of other colors build
-//      nothing for it, so groups of different colors are built concurrently without meeting.
+//   2. The new group's name is the parent's name, the parent's next object index and the color:
+//      only the parent's members call split_group, so a count kept per process, or the world's
+//      new_group counter, would differ between ranks (Note [Group-agreed ids]). Ranks of other
+//      colors build nothing for it, so groups of different colors are built without meeting.
 //   3. The members of a color build its backend under "pg/<name>" and wait for each other
 //      (Note [new_group barrier]).
 #include <algorithm>

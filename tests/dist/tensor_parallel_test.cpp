@@ -252,8 +252,13 @@ TEST(TensorParallel, MLPBlockSendsOneAllReduceForwardAndOneBackward) {
   EXPECT_EQ(after_forward - start, 1u);
   EXPECT_EQ(after_backward - after_forward, 1u);
   auto text = [](const std::vector<uint8_t>& b) { return std::string(b.begin(), b.end()); };
-  EXPECT_THAT(text(logged(start)), StartsWith("all_reduce(Double[4, 8]"));
-  EXPECT_THAT(text(logged(after_forward)), StartsWith("all_reduce(Double[4, 8]"));
+  // (Read only what was logged: a missing key would wait for the timeout.)
+  if (after_forward - start == 1) {
+    EXPECT_THAT(text(logged(start)), StartsWith("all_reduce(Double[4, 8]"));
+  }
+  if (after_backward - after_forward == 1) {
+    EXPECT_THAT(text(logged(after_forward)), StartsWith("all_reduce(Double[4, 8]"));
+  }
 }
 
 // dp x tp: the MLP sharded over "tp", DDP averaging over "dp", each dp row on its part of the batch;

@@ -85,10 +85,12 @@ int main(int argc, char** argv) {
   }
   try {
     dtrain::init_process_group();
-    auto mesh = dtrain::init_device_mesh({dtrain::world_size()}, {"tp"});
-    tp_models::MLP mlp(8, 16);
+    tp_models::MLP mlp(8, 16);  // w1, w2: dtrain::ParallelLinear
     fill(*mlp);
-    dtrain::parallelize_module(*mlp, mesh, tp_models::mlp_plan());
+    // doc:begin tp_mlp
+    auto mesh = dtrain::init_device_mesh({dtrain::world_size()}, {"tp"});
+    dtrain::parallelize_module(*mlp, mesh, {{"w1", dtrain::ColwiseParallel()}, {"w2", dtrain::RowwiseParallel()}});
+    // doc:end tp_mlp
     const std::string mlp_json = record(*mlp, [&](int step) {
       at::Tensor x = wave(5 * 8, 1.0, 0.1, 0.97 * step).view({5, 8});
       at::Tensor t = wave(5 * 8, 1.0, 0.05, 0.31 * step + 1.5).view({5, 8});
@@ -97,12 +99,20 @@ int main(int argc, char** argv) {
     });
     tp_models::LM lm(11, 6, 12);
     fill(*lm);
-    dtrain::parallelize_module(*lm, mesh, tp_models::lm_plan());
+    // doc:begin tp_lm
+    dtrain::parallelize_module(
+        *lm, mesh,
+        {{"emb", dtrain::RowwiseParallel().input_layouts(dtrain::Replicate())},  // vocabulary-parallel
+         {"head", dtrain::ColwiseParallel()}});                                  // logits sharded by class
+    // doc:end tp_lm
     const std::string lm_json = record(*lm, [&](int step) {
       at::Tensor tokens = at::arange(12, at::kLong).mul(7 + step).remainder(11);
       at::Tensor target = at::arange(12, at::kLong).mul(5 + step).add(1).remainder(12);
-      at::Tensor logits = lm(tokens);
-      return std::make_pair(logits, dtrain::parallel_cross_entropy(logits, target, mesh.get_group()));
+      // doc:begin tp_loss
+      at::Tensor logits = lm(tokens);  // [12, 12 / tp]: this rank's classes
+      at::Tensor loss = dtrain::parallel_cross_entropy(logits, target, mesh.get_group());
+      // doc:end tp_loss
+      return std::make_pair(logits, loss);
     });
     std::ofstream(argv[1]) << "{\"mlp\": " << mlp_json << ", \"lm\": " << lm_json << "}\n";
     dtrain::barrier();
