@@ -48,7 +48,10 @@ at::Tensor ParallelLinearImpl::forward(const at::Tensor& input) {
   if (a.input.kind == Layout::Kind::kReplicate)  // whole input: this rank's columns of it
     x = tp::enter_region(x, a.group).narrow(-1, a.start, a.length);
   at::Tensor y = rowwise_output(a, torch::nn::functional::linear(x, weight));
-  return bias.defined() ? y + bias : y;
+  if (!bias.defined()) return y;
+  // A row-sharded output adds the whole bias to this rank's rows only: its gradient is the sum of
+  // every rank's (enter_region's backward), as for a whole output it is each rank's alone.
+  return a.output.kind == Layout::Kind::kReplicate ? y + bias : y + tp::enter_region(bias, a.group);
 }
 
 at::Tensor ParallelEmbeddingImpl::forward(const at::Tensor& indices) {

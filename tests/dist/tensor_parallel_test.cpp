@@ -7,7 +7,7 @@
 //     steps, within 1e-10 relative;
 //   - shards have PyTorch's shapes; the MLP block sends one all-reduce forward and one backward,
 //     counted from DTRAIN_DEBUG=DETAIL's record of the group's collectives;
-//   - dp x tp on a 2-D mesh with DDP over dp equals one process on the whole batch;
+//   - dp x tp on a 2-D mesh with DDP, or fully_shard, over dp equals one process on the whole batch;
 //   - a TP model's gathered state dict loads into the unsharded model;
 //   - bad plans are one line.
 #include <gmock/gmock.h>
@@ -26,6 +26,7 @@
 #include "comm/state.h"  // the group's count of checked collectives (DTRAIN_DEBUG=DETAIL)
 #include "dist_main.h"
 #include "dtrain/ddp.h"
+#include "dtrain/fsdp.h"
 #include "dtrain/device_mesh.h"
 #include "dtrain/functional_collectives.h"
 #include "dtrain/tensor_parallel.h"
@@ -208,6 +209,28 @@ TEST(TensorParallel, VocabParallelEmbeddingAndCrossEntropyEqualOneProcess) {
   });
 }
 
+// Sequence parallelism's layouts: the MLP's input and output sharded by rows (dim 0), gathered
+// before w1 and reduce-scattered after w2; each rank's loss covers its rows, so their sum is the
+// one process's loss.
+TEST(TensorParallel, SequenceShardedMLPEqualsOneProcess) {
+  Group g = tp_group();
+  torch::manual_seed(7);
+  tp_models::MLP ref(8, 16), tp(8, 16);
+  ref->to(at::kDouble);
+  tp->to(at::kDouble);
+  copy_params(*tp, *ref);
+  parallelize_module(
+      *tp, g, {{"w1", ColwiseParallel().input_layouts(Shard(0))}, {"w2", RowwiseParallel().output_layouts(Shard(0))}});
+  at::Tensor x = at::randn({2 * g.size(), 8}, at::kDouble), target = at::randn({2 * g.size(), 8}, at::kDouble);
+  at::Tensor x_tp = x.chunk(g.size())[g.rank()].clone().requires_grad_(true), x_ref = x.clone().requires_grad_(true);
+  at::Tensor out = tp(x_tp), ref_out = ref(x_ref);
+  (out - target.chunk(g.size())[g.rank()]).pow(2).sum().div(target.numel()).backward();
+  (ref_out - target).pow(2).mean().backward();
+  EXPECT_LT(rel_diff(out, part_of(ref_out, out, g)), kTol) << "output rows";
+  EXPECT_LT(rel_diff(x_tp.grad(), part_of(x_ref.grad(), x_tp.grad(), g)), kTol) << "input grad rows";
+  expect_params_match(*tp, *ref, g, /*grads=*/true, "sequence-sharded");
+}
+
 TEST(TensorParallel, ShardsHavePyTorchsShapes) {
   Group g = tp_group();
   const int64_t n = g.size();
@@ -287,6 +310,35 @@ TEST(TensorParallel, TwoDimensionalWithDDPEqualsOneProcess) {
     ref_opt.step();
   }
   expect_params_match(*model, *ref, tp, /*grads=*/false, "after 10 Adam steps");
+}
+
+// TP inside FSDP: the MLP sharded over "tp", then its TP shards sharded again over "dp" by
+// fully_shard, each dp row on its part of the batch; against one process on the whole batch.
+TEST(TensorParallel, InsideFullyShardEqualsOneProcess) {
+  DeviceMesh mesh = init_device_mesh({world_size() / 2, 2}, {"dp", "tp"});
+  Group tp = mesh.get_group("tp"), dp = mesh.get_group("dp");
+  torch::manual_seed(6);
+  tp_models::MLP ref(8, 16), model(8, 16);
+  ref->to(at::kDouble);
+  model->to(at::kDouble);
+  copy_params(*model, *ref);
+  parallelize_module(*model, mesh["tp"], tp_models::mlp_plan());
+  auto fsdp = fully_shard(model, FullyShardOptions().process_group(dp));
+  at::Tensor x = at::randn({3 * dp.size(), 8}, at::kDouble), target = at::randn({3 * dp.size(), 8}, at::kDouble);
+  at::Tensor my_x = x.chunk(dp.size())[dp.rank()], my_target = target.chunk(dp.size())[dp.rank()];
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+  torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(1e-2));
+  for (int step = 0; step < 10; ++step) {
+    opt.zero_grad();
+    ref_opt.zero_grad();
+    (fsdp(my_x) - my_target).pow(2).mean().backward();
+    (ref(x) - target).pow(2).mean().backward();
+    opt.step();
+    ref_opt.step();
+  }
+  auto whole = ref->named_parameters();
+  for (const auto& [name, local] : fsdp.full_state_dict())  // whole over dp, this rank's TP shard
+    EXPECT_LT(rel_diff(local, part_of(whole[name], local, tp)), kTol) << name << " after 10 Adam steps";
 }
 
 // The gathered state dict, saved by torch::save as the unsharded model's checkpoint, loads into an
