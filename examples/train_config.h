@@ -35,6 +35,7 @@ struct Config {
   int64_t step_sleep_ms = 0;     // fault-injection tests: slow each step so an outside kill lands mid-epoch
   int64_t threads = 0;
   std::string dump_params;
+  std::string save_safetensors;
   int64_t eval_batch_size = 0;          // 0: batch_size
   bool amp = false;                     // autocast (bfloat16 on CPU, float16 on CUDA) + GradScaler
   std::string device = "cpu";           // "cuda": rank r trains on cuda:LOCAL_RANK with backend nccl
