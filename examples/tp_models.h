@@ -1,7 +1,7 @@
-// Models for the tensor-parallel tests: an MLP block, a transformer block (attention heads split
-// over the tp ranks, MLP column then row) and a language-model head over a vocab-parallel embedding,
-// each with its plan. Unparallelized they are the one-process reference (ParallelLinear without a
-// style is a Linear).
+// Models for tensor parallelism (examples/tp_train.cpp and the tests in tests/dist/): an MLP block,
+// a transformer block (attention heads split over the tp ranks, MLP column then row) and a
+// language-model head over a vocab-parallel embedding, each with its plan. Unparallelized they are the one-process
+// reference (ParallelLinear without a style is a Linear).
 #pragma once
 
 #include <torch/nn/functional/activation.h>
@@ -62,10 +62,11 @@ struct BlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-inline dtrain::ParallelizePlan block_plan() {
-  return {{"q", dtrain::ColwiseParallel()},      {"k", dtrain::ColwiseParallel()},
-          {"v", dtrain::ColwiseParallel()},      {"o", dtrain::RowwiseParallel()},
-          {"mlp.w1", dtrain::ColwiseParallel()}, {"mlp.w2", dtrain::RowwiseParallel()}};
+// prefix: the block's name inside a larger model ("blocks.*." for each block of a ModuleList).
+inline dtrain::ParallelizePlan block_plan(const std::string& prefix = "") {
+  return {{prefix + "q", dtrain::ColwiseParallel()},      {prefix + "k", dtrain::ColwiseParallel()},
+          {prefix + "v", dtrain::ColwiseParallel()},      {prefix + "o", dtrain::RowwiseParallel()},
+          {prefix + "mlp.w1", dtrain::ColwiseParallel()}, {prefix + "mlp.w2", dtrain::RowwiseParallel()}};
 }
 
 // Tokens -> vocab-parallel embedding -> tanh -> column-parallel head: logits sharded by class.
