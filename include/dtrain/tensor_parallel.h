@@ -114,8 +114,8 @@ std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Modul
 
 // Cross-entropy of logits whose last dimension (the classes) is sharded over `group` in group-rank
 // order, equal parts (a ColwiseParallel output), as PyTorch's loss_parallel(): never gathers the
-// logits. Two all-reduces of one value per sample (max, then the sum of exponentials with the
-// target's logit); the backward communicates nothing. target holds global class indices, whole on
+// logits. Two all-reduces: the max of each sample, then its sum of exponentials and its target's
+// logit together; the backward communicates nothing. target holds global class indices, whole on
 // every rank; ignore_index as torch's cross_entropy; reduction "mean", "sum" or "none".
 at::Tensor parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& target, const Group& group,
                                   int64_t ignore_index = -100, const std::string& reduction = "mean");
