@@ -39,6 +39,7 @@ USES = {
     "pipeline": {"ddp", "parallel", "comm", "compat", "common"},
     "checkpoint": {"amp", "data", "optim", "fsdp", "comm", "compat", "common"},
     "monitor": {"ddp", "comm", "compat", "common"},
+    "tp": {"comm", "compat", "common"},
 }
 
 # The directory behind each public header (include/dtrain/NAME.h or include/dtrain/NAME/...).
@@ -48,6 +49,7 @@ PUBLIC_OWNER = {
     "monitor": "monitor", "summary_writer": "monitor", "pipeline": "pipeline", "detail": "common", "sync_batchnorm": "nn", "zero": "optim", "sharded_optimizer": "optim",
     "fsdp": "fsdp",
     "join": "comm",
+    "device_mesh": "tp", "tensor_parallel": "tp", "functional_collectives": "tp",
 }
 
 # comm/ inside, one way: front end -> factory (backend.h) -> backends -> lowest layer.

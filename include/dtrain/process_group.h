@@ -106,7 +106,7 @@ class Group {
   bool uses_shared_memory() const;
   int group_rank(int global_rank) const;  // throws if not a member
   // The group's name, the same on every rank: "default" for the world, "group<N>" for the job's N-th
-  // new_group.
+  // new_group, "<parent>.split<I>.c<color>" for split_group's (I: the parent's object index).
   const std::string& name() const;
   // The number of the object the members are constructing together on this group (0, 1, ...; see
   // Note [Group-agreed ids]). Each member calls it once per such object; throws for non-members.
@@ -155,6 +155,14 @@ c10::intrusive_ptr<c10d::Store> default_store();
 // A subgroup of the given global ranks (sorted, unique, each < world_size). Every rank of the world
 // must call new_group with the same ranks in the same order, members or not. An empty list = world.
 Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+// Splits `parent` as MPI_Comm_split and c10d's ProcessGroup::split do: the members that pass the same
+// color form one new group; a negative color joins none (the result has is_member() false). Every
+// member of `parent` calls it, in the same order as the parent's collectives; ranks outside `parent`
+// do not. A group numbers its ranks by global rank, so `key` may only confirm that order: keys that
+// order a color's members otherwise are refused (pass the parent rank, or any increasing value).
+//   auto row = dtrain::split_group(/*color=*/dtrain::rank() / 2, /*key=*/dtrain::rank());  // {0,1} {2,3}
+Group split_group(int color, int key, const Group& parent = Group(),
+                  std::optional<std::chrono::milliseconds> timeout = std::nullopt);
 
 // --- debug level (PyTorch's TORCH_DISTRIBUTED_DEBUG as DTRAIN_DEBUG) ---------------------------------
 //   OFF     nothing extra.

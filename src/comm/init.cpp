@@ -194,6 +194,19 @@ std::shared_ptr<detail::GroupImpl> make_group(WorldState& st, const std::string&
   return g;
 }
 
+void await_members(WorldState& st, const detail::GroupImpl& g, std::chrono::milliseconds timeout,
+                   const std::string& remedy) {
+  // Note [new_group barrier]: a member that finishes connecting first could drop the group (and
+  // close its connections) while a peer is still completing its own handshake with it, which then
+  // fails with "Connection closed by peer". Members return only once all of them have connected,
+  // as PyTorch's store-based barrier after new_group.
+  if (g.rank < 0 || g.ranks.size() < 2) return;
+  const std::string key = "pg/" + g.name + "/connected";
+  st.store->add(key, 1);
+  wait_for_count(*st.store, key, static_cast<int64_t>(g.ranks.size()), timeout,
+                 detail::cat("rank ", st.rank, ": creating group '", g.name, "'"), remedy);
+}
+
 }  // namespace comm
 
 void init_process_group(const InitOptions& o) {
@@ -296,17 +309,7 @@ Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds>
   std::string name = "group" + std::to_string(st.next_group_id++);
   const auto group_timeout = util::capped(timeout.value_or(st.timeout));
   auto g = comm::make_group(st, name, std::move(ranks), group_timeout);
-  // Note [new_group barrier]: a member that finishes connecting first could drop the group (and
-  // close its connections) while a peer is still completing its own handshake with it, which then
-  // fails with "Connection closed by peer". Members return only once all of them have connected,
-  // as PyTorch's store-based barrier after new_group.
-  if (g->rank >= 0 && g->ranks.size() > 1) {
-    const std::string key = "pg/" + name + "/connected";
-    st.store->add(key, 1);
-    comm::wait_for_count(*st.store, key, static_cast<int64_t>(g->ranks.size()), group_timeout,
-                         detail::cat("rank ", st.rank, ": new_group '", name, "'"),
-                         "every rank must call new_group with the same ranks in the same order");
-  }
+  comm::await_members(st, *g, group_timeout, "every rank must call new_group with the same ranks in the same order");
   return detail::GroupAccess::make(std::move(g));
 }
 

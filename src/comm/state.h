@@ -95,4 +95,8 @@ namespace dtrain::comm {
 // Builds a group over `ranks` (global, sorted); members construct their backend.
 std::shared_ptr<detail::GroupImpl> make_group(WorldState& st, const std::string& name, std::vector<int> ranks,
                                               std::chrono::milliseconds timeout);
+// Returns once every member of g has built its backend (Note [new_group barrier]); `remedy` ends the
+// timeout's message.
+void await_members(WorldState& st, const detail::GroupImpl& g, std::chrono::milliseconds timeout,
+                   const std::string& remedy);
 }  // namespace dtrain::comm

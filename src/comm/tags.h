@@ -11,10 +11,15 @@ inline constexpr int kFirstReservedTag = 0x6F000000;
 // src/ddp/comm_hooks.cpp). One tag: every rank issues its sends and receives in the same order.
 inline constexpr int kSmallSumTag = 0x6F000000;
 
+// dtrain::functional::all_to_all: one message each way between each pair per call, so order alone
+// matches them (src/tp/functional.cpp).
+inline constexpr int kAllToAllTag = 0x6F000001;
+
 // Pipelines: two tags per pipeline on a group, kPipelineTagBase + 2 * (the group's object index),
 // up to INT_MAX (src/pipeline/pipeline.cpp).
 inline constexpr int kPipelineTagBase = 0x70000000;
 
-static_assert(kFirstReservedTag <= kSmallSumTag && kSmallSumTag < kPipelineTagBase, "tags overlap");
+static_assert(kFirstReservedTag <= kSmallSumTag && kSmallSumTag < kAllToAllTag && kAllToAllTag < kPipelineTagBase,
+              "tags overlap");
 
 }  // namespace dtrain::comm

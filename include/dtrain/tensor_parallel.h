@@ -1,0 +1,123 @@
+// Tensor parallelism: one layer's weights split over the ranks of a group, which compute its output
+// together (PyTorch's torch.distributed.tensor.parallel: parallelize_module, ColwiseParallel,
+// RowwiseParallel, loss_parallel; Megatron-LM's column- and row-parallel linears and vocab-parallel
+// embedding).
+//
+//   struct MLPImpl : torch::nn::Module {
+//     dtrain::ParallelLinear w1{register_module("w1", dtrain::ParallelLinear(512, 2048))};
+//     dtrain::ParallelLinear w2{register_module("w2", dtrain::ParallelLinear(2048, 512))};
+//     at::Tensor forward(const at::Tensor& x) { return w2(torch::relu(w1(x))); }
+//   };
+//   auto mesh = dtrain::init_device_mesh({2, 2}, {"dp", "tp"});
+//   MLP mlp;
+//   dtrain::parallelize_module(*mlp, mesh["tp"],
+//                              {{"w1", dtrain::ColwiseParallel()}, {"w2", dtrain::RowwiseParallel()}});
+//   at::Tensor y = mlp(x);  // x and y whole on every tp rank: one all-reduce forward, one backward
+//
+// Why ParallelLinear and ParallelEmbedding, not torch::nn::Linear: PyTorch changes a module's
+// forward with hooks; LibTorch modules have none, and their forward is not virtual. These two are
+// torch::nn::Linear and torch::nn::Embedding (derived: the same options, initialization, parameter
+// names and state dict) whose forward follows the style parallelize_module gives them; without one
+// they are the plain layers. parallelize_module refuses a torch::nn::Linear or Embedding, saying so.
+//
+// Sharding, exactly as PyTorch's (so state dicts of the shards interoperate):
+//                       Linear                               Embedding
+//   ColwiseParallel     weight, bias: dim 0 (out_features)   weight: dim 1 (embedding_dim)
+//   RowwiseParallel     weight: dim 1 (in_features);         weight: dim 0 (vocabulary), each rank
+//                       bias whole, added once after the sum    looking up the indices in its rows
+// Each rank keeps its contiguous part in group-rank order (torch.chunk). parallelize_module takes
+// the whole parameters from group rank 0 (PyTorch's src_data_rank=0), so ranks may start different.
+// Parameters keep their identity (their data is replaced), but build optimizers afterwards.
+// A Linear's sharded dimension must divide by the group size; an Embedding's vocabulary need not.
+//
+// Layouts of inputs and outputs, PyTorch's defaults:
+//   ColwiseParallel: input Replicate() (whole on every rank), output Shard(-1) (this rank's part of
+//     the last dimension); output Replicate() all-gathers it; input Shard(d) all-gathers along d.
+//   RowwiseParallel: input Shard(-1); output Replicate() (all-reduce), or Shard(d) (reduce-scatter
+//     along d, sequence parallelism). For an Embedding too the default input is Shard(-1), as
+//     PyTorch's: each rank's indices are all-gathered along it; pass input_layouts(Replicate()) when
+//     every rank holds all the indices (PyTorch's tutorial does the same).
+// Outputs are plain local tensors (PyTorch's use_local_output=True): there is no DTensor.
+// Replicated values count once: the gradient of a replicated output is not summed over ranks.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include "dtrain/detail/arg.h"
+#include "dtrain/device_mesh.h"
+#include "dtrain/process_group.h"
+
+namespace dtrain {
+
+// Where a tensor's data sits across a group's ranks (PyTorch's placements, without Partial).
+struct Layout {
+  enum class Kind { kReplicate, kShard };
+  Kind kind = Kind::kReplicate;
+  int64_t dim = 0;  // for kShard
+};
+inline Layout Replicate() { return Layout{}; }
+inline Layout Shard(int64_t dim) { return Layout{Layout::Kind::kShard, dim}; }
+std::string to_string(const Layout& layout);  // "Replicate()", "Shard(-1)"
+
+struct ColwiseParallel {
+  DTRAIN_ARG(Layout, input_layouts, Replicate())
+  DTRAIN_ARG(Layout, output_layouts, Shard(-1))
+};
+struct RowwiseParallel {
+  DTRAIN_ARG(Layout, input_layouts, Shard(-1))
+  DTRAIN_ARG(Layout, output_layouts, Replicate())
+};
+using ParallelStyle = std::variant<ColwiseParallel, RowwiseParallel>;
+// Submodule names (as named_modules() gives them; "*" matches one name between dots, e.g.
+// "layers.*.w1") and their styles, applied in order.
+using ParallelizePlan = std::vector<std::pair<std::string, ParallelStyle>>;
+
+namespace tp {
+struct Applied;  // a style bound to a group (src/tp/)
+}
+
+class ParallelLinearImpl : public torch::nn::LinearImpl {
+ public:
+  using torch::nn::LinearImpl::LinearImpl;
+  at::Tensor forward(const at::Tensor& input);
+  std::shared_ptr<tp::Applied> applied;  // set by parallelize_module; null: a plain Linear
+};
+TORCH_MODULE(ParallelLinear);
+
+class ParallelEmbeddingImpl : public torch::nn::EmbeddingImpl {
+ public:
+  using torch::nn::EmbeddingImpl::EmbeddingImpl;
+  at::Tensor forward(const at::Tensor& indices);
+  std::shared_ptr<tp::Applied> applied;
+};
+TORCH_MODULE(ParallelEmbedding);
+
+// Shards the plan's submodules of `module` over `group` (every rank of the group calls it, with the
+// same plan). A mesh must be 1-D (pass mesh["tp"]). Every plan entry must match a submodule.
+void parallelize_module(torch::nn::Module& module, const Group& group, const ParallelizePlan& plan);
+void parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh, const ParallelizePlan& plan);
+
+namespace tp {
+// Every parameter and buffer of `module` by name, whole: the tensor-parallel shards all-gathered
+// over their layers' groups (a copy; loads into the unsharded model, e.g. by name into its
+// named_parameters(), then torch::save). Every rank of those groups calls it.
+std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Module& module);
+}  // namespace tp
+
+// Cross-entropy of logits whose last dimension (the classes) is sharded over `group` in group-rank
+// order, equal parts (a ColwiseParallel output), as PyTorch's loss_parallel(): never gathers the
+// logits. Two all-reduces: the max of each sample, then its sum of exponentials and its target's
+// logit together; the backward communicates nothing. target holds global class indices, whole on
+// every rank; ignore_index as torch's cross_entropy; reduction "mean", "sum" or "none".
+at::Tensor parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& target, const Group& group,
+                                  int64_t ignore_index = -100, const std::string& reduction = "mean");
+
+}  // namespace dtrain

@@ -1,0 +1,18 @@
+// A parallel style as parallelize_module binds it to one layer: resolved layouts, the group, and the
+// part of the sharded dimension this rank holds.
+#pragma once
+
+#include <cstdint>
+
+#include "dtrain/tensor_parallel.h"
+
+namespace dtrain::tp {
+
+struct Applied {
+  bool colwise = true;  // else rowwise
+  Layout input, output;
+  Group group;
+  int64_t start = 0, length = 0;  // this rank's rows or columns of the sharded dimension
+};
+
+}  // namespace dtrain::tp

@@ -1,0 +1,188 @@
+// parallelize_module: match the plan's names to submodules, then shard each one's parameters.
+//
+// Per plan entry, in order, on every rank of the group:
+//   1. Find the submodules whose named_modules() name matches (a "*" stands for one name between
+//      dots); an entry that matches nothing is an error, as is a module that is not a
+//      ParallelLinear or ParallelEmbedding (with the remedy for torch::nn::Linear and Embedding).
+//   2. Check the layouts this layer and style accept, and that the sharded dimension divides.
+//   3. Broadcast each parameter whole from group rank 0 (PyTorch's src_data_rank=0), then keep this
+//      rank's part through set_data, so the parameter keeps its identity; a replicated bias is
+//      broadcast alone.
+#include <ATen/ATen.h>
+
+#include <map>
+
+#include "common/util.h"
+#include "dtrain/functional_collectives.h"
+#include "tp/applied.h"
+
+namespace dtrain {
+
+std::string to_string(const Layout& layout) {
+  return layout.kind == Layout::Kind::kReplicate ? "Replicate()" : detail::cat("Shard(", layout.dim, ")");
+}
+
+namespace {
+
+bool matches(const std::string& pattern, const std::string& name) {
+  const auto p = util::split(pattern, '.'), n = util::split(name, '.');
+  if (p.size() != n.size()) return false;
+  for (size_t i = 0; i < p.size(); ++i)
+    if (p[i] != "*" && p[i] != n[i]) return false;
+  return true;
+}
+
+constexpr int64_t kWhole = -1;  // shard()'s dim for a replicated parameter
+
+// Step 3 for one parameter: the whole tensor from group rank 0, then this rank's part along dim.
+void shard(at::Tensor& param, int64_t dim, const tp::Applied& a) {
+  at::NoGradGuard no_grad;
+  at::Tensor whole = param.detach().clone(at::MemoryFormat::Contiguous);
+  broadcast(whole, a.group.ranks()[0], a.group);
+  if (dim != kWhole) whole = whole.narrow(dim, a.start, a.length).clone(at::MemoryFormat::Contiguous);
+  param.set_data(whole);
+}
+
+// This rank's part of `size` rows or columns, as torch.chunk cuts them.
+void set_part(tp::Applied& a, int64_t size) {
+  const int64_t n = a.group.size(), chunk = (size + n - 1) / n;
+  a.start = std::min(size, a.group.rank() * chunk);
+  a.length = std::min(size, a.start + chunk) - a.start;
+}
+
+void check_divides(const std::string& name, const char* what, int64_t size, const Group& group) {
+  DTRAIN_CHECK(size % group.size() == 0, "parallelize_module: '", name, "' has ", what, " = ", size,
+               ", which does not divide over the group's ", group.size(), " ranks: pad it to a multiple");
+}
+
+tp::Applied bind(const std::string& name, const ParallelStyle& style, const Group& group, bool embedding) {
+  tp::Applied a;
+  a.group = group;
+  if (const auto* c = std::get_if<ColwiseParallel>(&style)) {
+    a.input = c->input_layouts();
+    a.output = c->output_layouts();
+    DTRAIN_CHECK(a.output.kind == Layout::Kind::kReplicate || a.output.dim == -1, "parallelize_module: '", name,
+                 "': ColwiseParallel output_layouts ", to_string(a.output),
+                 " is not supported: Shard(-1) (the default) or Replicate()");
+    DTRAIN_CHECK(!embedding || a.input.kind == Layout::Kind::kReplicate, "parallelize_module: '", name,
+                 "': an Embedding's indices are whole on every rank: input_layouts must be Replicate()");
+  } else {
+    const auto& r = std::get<RowwiseParallel>(style);
+    a.colwise = false;
+    a.input = r.input_layouts();
+    a.output = r.output_layouts();
+    DTRAIN_CHECK(a.input.kind == Layout::Kind::kReplicate || embedding || a.input.dim == -1, "parallelize_module: '",
+                 name, "': RowwiseParallel input_layouts ", to_string(a.input),
+                 " is not supported for a Linear: Shard(-1) (the default) or Replicate()");
+  }
+  return a;
+}
+
+void apply_linear(const std::string& name, ParallelLinearImpl& m, const ParallelStyle& style, const Group& group) {
+  tp::Applied a = bind(name, style, group, false);
+  const int64_t dim = a.colwise ? 0 : 1;
+  check_divides(name, a.colwise ? "out_features" : "in_features", m.weight.size(dim), group);
+  set_part(a, m.weight.size(dim));
+  shard(m.weight, dim, a);
+  if (m.bias.defined()) shard(m.bias, a.colwise ? 0 : kWhole, a);
+  m.applied = std::make_shared<tp::Applied>(a);
+}
+
+void apply_embedding(const std::string& name, ParallelEmbeddingImpl& m, const ParallelStyle& style,
+                     const Group& group) {
+  const auto& o = m.options;
+  DTRAIN_CHECK(!o.padding_idx() && !o.max_norm() && !o.sparse(), "parallelize_module: '", name,
+               "': an Embedding with padding_idx, max_norm or sparse gradients cannot be sharded yet: drop them");
+  tp::Applied a = bind(name, style, group, true);
+  const int64_t dim = a.colwise ? 1 : 0;
+  if (a.colwise) check_divides(name, "embedding_dim", m.weight.size(1), group);
+  set_part(a, m.weight.size(dim));
+  shard(m.weight, dim, a);
+  m.applied = std::make_shared<tp::Applied>(a);
+}
+
+std::string names_of(torch::nn::Module& module) {
+  std::vector<std::string> names;
+  for (const auto& item : module.named_modules("", /*include_self=*/false)) names.push_back("'" + item.key() + "'");
+  return util::join(names, ", ");
+}
+
+}  // namespace
+
+void parallelize_module(torch::nn::Module& module, const Group& group, const ParallelizePlan& plan) {
+  DTRAIN_CHECK(group.is_member(), "parallelize_module: rank ", rank(), " is not a member of group '", group.name(),
+               "': call it on the group's ranks only");
+  for (const auto& [pattern, style] : plan) {
+    int found = 0;
+    for (const auto& item : module.named_modules("", /*include_self=*/false)) {
+      if (!matches(pattern, item.key())) continue;
+      ++found;
+      const std::string& name = item.key();
+      torch::nn::Module* m = item.value().get();
+      if (auto* linear = dynamic_cast<ParallelLinearImpl*>(m)) {
+        apply_linear(name, *linear, style, group);
+      } else if (auto* embedding = dynamic_cast<ParallelEmbeddingImpl*>(m)) {
+        apply_embedding(name, *embedding, style, group);
+      } else {
+        const bool plain = dynamic_cast<torch::nn::LinearImpl*>(m) || dynamic_cast<torch::nn::EmbeddingImpl*>(m);
+        throw Error(detail::cat("parallelize_module: '", name, "' is a ", m->name(), ", which ",
+                                plain ? "LibTorch gives no hook to change the forward of: declare it as "
+                                        "dtrain::ParallelLinear or dtrain::ParallelEmbedding (the same options, "
+                                        "parameters and state dict)"
+                                      : "no parallel style supports: use a dtrain::ParallelLinear or "
+                                        "dtrain::ParallelEmbedding"));
+      }
+    }
+    DTRAIN_CHECK(found > 0, "parallelize_module: the plan's '", pattern, "' matches no submodule; the submodules are ",
+                 names_of(module));
+  }
+}
+
+namespace tp {
+
+namespace {
+// A shard's whole tensor: the parts of every rank (torch.chunk's, the last ones possibly shorter)
+// padded to one size, all-gathered, trimmed.
+at::Tensor gather_whole(const at::Tensor& part, int64_t dim, int64_t whole_size, const Applied& a) {
+  const int64_t n = a.group.size(), chunk = (whole_size + n - 1) / n;
+  at::NoGradGuard no_grad;
+  at::Tensor padded = at::constant_pad_nd(part.detach().movedim(dim, -1), {0, chunk - part.size(dim)});
+  at::Tensor whole = functional::all_gather(padded.contiguous(), -1, a.group);
+  return whole.narrow(-1, 0, whole_size).movedim(-1, dim).contiguous();
+}
+}  // namespace
+
+std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Module& module) {
+  std::map<std::string, at::Tensor> whole;  // by parameter name
+  for (const auto& item : module.named_modules()) {
+    const std::string prefix = item.key().empty() ? "" : item.key() + ".";
+    if (auto* l = dynamic_cast<ParallelLinearImpl*>(item.value().get()); l && l->applied) {
+      const int64_t dim = l->applied->colwise ? 0 : 1;
+      const int64_t size = l->applied->colwise ? l->options.out_features() : l->options.in_features();
+      whole[prefix + "weight"] = gather_whole(l->weight, dim, size, *l->applied);
+      if (l->bias.defined() && l->applied->colwise)
+        whole[prefix + "bias"] = gather_whole(l->bias, 0, size, *l->applied);
+    } else if (auto* e = dynamic_cast<ParallelEmbeddingImpl*>(item.value().get()); e && e->applied) {
+      const int64_t dim = e->applied->colwise ? 1 : 0;
+      const int64_t size = e->applied->colwise ? e->options.embedding_dim() : e->options.num_embeddings();
+      whole[prefix + "weight"] = gather_whole(e->weight, dim, size, *e->applied);
+    }
+  }
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& p : module.named_parameters()) {
+    auto it = whole.find(p.key());
+    out.emplace_back(p.key(), it != whole.end() ? it->second : p.value().detach().clone());
+  }
+  for (const auto& b : module.named_buffers()) out.emplace_back(b.key(), b.value().detach().clone());
+  return out;
+}
+
+}  // namespace tp
+
+void parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh, const ParallelizePlan& plan) {
+  DTRAIN_CHECK(mesh.ndim() == 1, "parallelize_module: the mesh has ", mesh.ndim(),
+               " dimensions: pass the tensor-parallel one, e.g. mesh[\"tp\"]");
+  parallelize_module(module, mesh.get_group(), plan);
+}
+
+}  // namespace dtrain
