@@ -5,11 +5,22 @@
 //
 // `shm_dist_test --loop_allreduce` (used by test_shm.py): init, print "ready", all_reduce until a
 // collective fails, print that error and exit 1.
+//
+// `shm_dist_test --all_reduce_mib M [--fill_pause DIR]` (used by test_small_shm.py, with a small
+// /dev/shm): init, all_reduce M MiB of floats and check the sums exactly. With DIR: write
+// DIR/ready.<rank>, wait for DIR/filled (the test has filled /dev/shm meanwhile), then send and
+// receive 4 MiB each way over the default group (its point-to-point rings' first use), make a new
+// group (a segment created on the full /dev/shm) and all_reduce on it, and on the default group
+// again. Each step prints one line naming whether the group uses shared memory; exit 0 when all
+// results are right, 1 (one error line) otherwise.
 #include <dirent.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
+#include <thread>
 #include <optional>
 #include <string>
 
@@ -322,7 +333,62 @@ TEST(Shm, SendRecvOfDifferentShapesFailsBothRanksWithOneLine) {
   EXPECT_THAT(later, HasSubstr("expected Float [5] but rank 0 sent Float [4]")) << later;
 }
 
+namespace {
+
+// Values whose sums over ranks are exact in float: (i % 251) * (rank + 1).
+at::Tensor pattern(int64_t numel) { return at::arange(numel, at::kLong).remainder(251).to(at::kFloat); }
+
+void check_all_reduce(const Group& g, int64_t numel, const std::string& what) {
+  const int n = g.size();
+  at::Tensor t = pattern(numel) * static_cast<float>(g.rank() + 1);
+  all_reduce(t, ReduceOp::SUM, g);
+  DTRAIN_CHECK(at::equal(t, pattern(numel) * static_cast<float>(n * (n + 1) / 2)), what, ": wrong sums");
+  std::cout << what << ": all_reduce of " << (numel * 4 >> 20) << " MiB over " << n
+            << " ranks right, shared memory: " << (g.uses_shared_memory() ? "yes" : "no") << std::endl;
+}
+
+void wait_for_file(const std::string& path) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (access(path.c_str(), F_OK) != 0) {
+    DTRAIN_CHECK(std::chrono::steady_clock::now() < deadline, "rank ", R(), ": ", path, " did not appear in 30 s");
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+int small_shm_mode(int64_t mib, const std::string& pause_dir) {
+  try {
+    init_process_group(InitOptions().timeout(std::chrono::seconds(60)));
+    check_all_reduce(Group(), mib << 18, "default group");
+    if (!pause_dir.empty()) {
+      std::ofstream(pause_dir + "/ready." + std::to_string(R())) << "ready\n";
+      wait_for_file(pause_dir + "/filled");
+      // Every rank sends to the next and receives from the one before, through rings never written yet.
+      const int64_t numel = int64_t{1} << 20;
+      at::Tensor out = pattern(numel) + R(), in = at::empty({numel});
+      const int next = (R() + 1) % N(), prev = (R() + N() - 1) % N();
+      Work sent = isend(out, next);
+      recv(in, prev);
+      sent.wait();
+      DTRAIN_CHECK(at::equal(in, pattern(numel) + prev), "rank ", R(), ": wrong bytes received from rank ", prev);
+      std::cout << "default group: send/recv of 4 MiB right, shared memory: "
+                << (Group().uses_shared_memory() ? "yes" : "no") << std::endl;
+      Group later = new_group({});
+      check_all_reduce(later, mib << 18, "later group");
+      check_all_reduce(Group(), mib << 18, "default group again");
+    }
+    destroy_process_group();
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "shm_dist_test: error: " << e.what() << std::endl;
+    return 1;
+  }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  if (argc > 2 && std::string(argv[1]) == "--all_reduce_mib")
+    return small_shm_mode(std::stoll(argv[2]), argc > 4 && std::string(argv[3]) == "--fill_pause" ? argv[4] : "");
   if (argc > 1 && std::string(argv[1]) == "--loop_allreduce") {
     try {
       init_process_group(InitOptions().timeout(std::chrono::seconds(60)));

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -36,6 +37,25 @@ size_t rings_offset(int nranks, size_t slot_bytes) {
 constexpr size_t kRingBudget = size_t{64} << 20;
 
 std::string errno_text(int e) { return std::strerror(e); }
+
+// `bytes` in MiB with one decimal, rounded up (a size needed) or down (a size available).
+std::string mib(uint64_t bytes, bool up) {
+  const uint64_t tenths = (bytes * 10 + (up ? (uint64_t{1} << 20) - 1 : 0)) >> 20;
+  return detail::cat(tenths / 10, ".", tenths % 10, " MiB");
+}
+
+// Why a reservation failed with ENOSPC, and the remedy: the file system's free space (read after the
+// failure, which gives back what it had reserved) and how a container gets a larger /dev/shm.
+std::string too_small(int fd, int nranks) {
+  std::string has;
+  struct statvfs fs {};
+  if (fstatvfs(fd, &fs) == 0)
+    has = detail::cat(" (", mib(uint64_t{fs.f_bavail} * fs.f_frsize, false), " free of ",
+                      mib(uint64_t{fs.f_blocks} * fs.f_frsize, false), ")");
+  return detail::cat("/dev/shm is too small", has, " for the segment of ", nranks,
+                     " ranks: enlarge it (Kubernetes: mount a Memory emptyDir at /dev/shm; Docker: --shm-size) "
+                     "or lower DTRAIN_SHM_SLOT_BYTES");
+}
 
 // Why the object behind `fd` is not one create() made for this user ("" when it is): a regular shm
 // object, owned by this process's user, owner-only (0600). Fills `st`.
@@ -90,15 +110,20 @@ Segment Segment::create(const std::string& name, int nranks, size_t slot_bytes) 
     throw Error(detail::cat("sizing the shared-memory segment ", name, " to ", total, " bytes failed: ", errno_text(e),
                             ": free space in /dev/shm or set DTRAIN_SHM=0"));
   }
-  if (int e = posix_fallocate(fd, 0, static_cast<off_t>(total)); e != 0) {
+  // Reserve every page now: a store into a page that a full tmpfs cannot back is SIGBUS, in
+  // whichever rank touches it first, collective or point-to-point ring alike (Note [Segment lifetime]).
+  int e = 0;
+  do e = posix_fallocate(fd, 0, static_cast<off_t>(total));
+  while (e == EINTR);
+  if (e != 0) {
+    const std::string why = e == ENOSPC ? too_small(fd, nranks) : errno_text(e);
     close(fd);
-    throw Error(detail::cat("reserving ", total, " bytes for the shared-memory segment ", name,
-                            " failed: ", errno_text(e),
-                            ": /dev/shm is too small (df -h /dev/shm); "
-                            "enlarge it or set DTRAIN_SHM=0"));
+    throw Error(detail::cat("reserving ", mib(total, true), " (", total,
+                            " bytes) of /dev/shm for the shared-memory segment ", name, " failed: ", why,
+                            "; set DTRAIN_SHM=0 to use Gloo only"));
   }
   void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  int e = errno;
+  e = errno;
   close(fd);
   DTRAIN_CHECK(p != MAP_FAILED, "mapping the shared-memory segment ", name, " failed: ", errno_text(e),
                ": set DTRAIN_SHM=0 to use Gloo only");
