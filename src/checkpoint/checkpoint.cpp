@@ -566,11 +566,11 @@ CheckpointManager::~CheckpointManager() {
 // optimizer gets copies instead (restage_optimizer_state), so one memcpy of the state stages all
 // of it. The copies come from a pool that keeps those of the last save once its write is done
 // (ckpt::StagingPool): from the second save on, staging page-faults nothing, at the cost of one
-// more copy of the state held between saves (double buffering). Serializing the archive (a zip with CRCs) and writing the file, the slow parts, run on a
-// thread of rank 0's. Only that thread touches the archive, and no collective runs on it: the
-// outcome is told at the next collective call of the manager (finish_async), where rank 0
-// broadcasts it. The file is written as save() writes it (temporary name, fsync, rename), so a crash
-// mid-write leaves the folder's older checkpoints as they were.
+// more copy of the state held between saves (double buffering). Serializing the archive (a zip with CRCs) and writing
+// the file, the slow parts, run on a thread of rank 0's. Only that thread touches the archive, and no collective runs
+// on it: the outcome is told at the next collective call of the manager (finish_async), where rank 0 broadcasts it. The
+// file is written as save() writes it (temporary name, fsync, rename), so a crash mid-write leaves the folder's older
+// checkpoints as they were.
 void CheckpointManager::finish_async() {
   if (!async_outstanding_) return;
   async_outstanding_ = false;
