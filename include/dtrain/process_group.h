@@ -37,6 +37,7 @@ namespace dtrain {
 namespace detail {
 struct GroupImpl;    // a group's backend, ranks and counters (the library's own)
 struct GroupAccess;  // the library's way to build a Group and to reach its GroupImpl
+struct WorkAccess;   // the library's way to attach a call's flight record to its Work
 }  // namespace detail
 
 // PyTorch's default process-group timeout: 30 minutes.
@@ -86,6 +87,7 @@ class Work {
   void then(std::function<void()> fn);
 
  private:
+  friend struct detail::WorkAccess;
   struct State;
   std::shared_ptr<State> state_;
 };

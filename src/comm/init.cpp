@@ -33,6 +33,7 @@
 #include "comm/store_adapter.h"
 #include "common/util.h"
 #include "compat/torchrun_store_compat.h"
+#include "comm/flight_recorder.h"
 #include "store/store.h"
 
 namespace dtrain {
@@ -185,6 +186,7 @@ std::shared_ptr<detail::GroupImpl> make_group(WorldState& st, const std::string&
                                 [&] { return make_backend(c); });
     g->pg = std::move(made.pg);
     g->caps = made.caps;
+    g->flight = make_flight_ring(name, st.backend, g->ranks, timeout.count());
   }
   return g;
 }
@@ -237,6 +239,7 @@ void init_process_group(const InitOptions& o) {
 
   std::vector<int> all(st->world_size);
   for (int i = 0; i < st->world_size; ++i) all[i] = i;
+  start_flight_recorder(st->rank, st->world_size);  // before the world's group: it gets a ring
   st->world = make_group(*st, "default", all, st->timeout);
   static_cast<std::unique_ptr<WorldState>&>(g_state) = std::move(st);
 }
@@ -247,6 +250,7 @@ void destroy_process_group() {
   using namespace comm;
   std::lock_guard<std::mutex> lock(g_mu);
   if (!g_state) return;
+  stop_flight_recorder();
   if (g_state->pytorch_peers) {  // Python ranks do not check out; their store needs no host after init
     g_state.reset();
     return;

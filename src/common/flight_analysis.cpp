@@ -299,7 +299,8 @@ std::string Analysis::whereabouts(int rank, const std::string& group) const {
   int64_t last = 0;
   for (const Call& c : rec.calls) {
     if (!c.done())
-      return "waits in group '" + c.group + "' at " + c.op + " #" + std::to_string(c.seq) + " (entered " +
+      return "waits in group '" + c.group + "' at " + c.op + " #" + std::to_string(c.seq) +
+             (c.p2p ? (c.op == "recv" ? " from rank " : " to rank ") + std::to_string(c.peer) : "") + " (entered " +
              secs(rec.dump_ns - c.created_ns) + " before its dump)";
     last = std::max({last, c.created_ns, c.completed_ns});
   }

@@ -3,6 +3,7 @@
 
 #include "common/util.h"
 #include "env.h"
+#include "flight.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -12,7 +13,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
@@ -89,6 +92,15 @@ void Supervisor::start_workers(int attempt) {
   for (auto& spec : make_worker_specs(opts_, master_port_, attempt)) {
     auto w = std::make_unique<Worker>();
     w->spec = std::move(spec);
+    // Where the worker writes its flight record: the user's DTRAIN_FLIGHT_DIR, else the attempt's.
+    auto dir = std::find_if(w->spec.env.begin(), w->spec.env.end(),
+                            [](const std::string& kv) { return kv.rfind("DTRAIN_FLIGHT_DIR=", 0) == 0; });
+    if (dir != w->spec.env.end()) {
+      flight_dir_ = dir->substr(std::strlen("DTRAIN_FLIGHT_DIR="));
+    } else {
+      if (flight_dir_.empty()) flight_dir_ = make_flight_dir(opts_, attempt);
+      w->spec.env.push_back("DTRAIN_FLIGHT_DIR=" + flight_dir_);
+    }
     int out_log = -1, err_log = -1;
     bool out_console = true, err_console = true;
     if (!opts_.log_dir.empty()) {
@@ -139,6 +151,7 @@ AttemptResult Supervisor::run_attempt(int attempt) {
   kill_groups(SIGKILL);  // 3.
   drain_pipes();
   console_.end_bar();
+  report_flight_records();
 
   AttemptResult r;
   if (forwarded_signal_) {
@@ -231,6 +244,7 @@ void Supervisor::reap() {
         } catch (const std::exception&) {
         }
       }
+      collect_flight_records();
       stop_all(SIGTERM);
     }
   }
@@ -265,6 +279,7 @@ void Supervisor::check_remote() {
     }
     if (auto f = rdzv_->remote_failure(attempt_, opts_.node_rank)) {
       remote_summary_ = "stopped this node's workers: " + *f;
+      collect_flight_records();
       stop_all(SIGTERM);
       return;
     }
@@ -312,6 +327,41 @@ std::string Supervisor::failure_summary(const Worker& w, int attempt, bool for_r
     s += "; no --log_dir: last lines shown above";
   }
   return s;
+}
+
+}  // namespace dtrain::run
+
+namespace dtrain::run {
+
+void Supervisor::collect_flight_records() {
+  if (flight_collected_ || flight_dir_.empty()) return;
+  flight_collected_ = true;
+  std::vector<std::pair<pid_t, int>> live;
+  std::vector<int> ranks;
+  for (auto& w : workers_) {
+    ranks.push_back(w->spec.rank);
+    if (w->alive) live.emplace_back(w->pid, w->spec.rank);
+  }
+  request_dumps(flight_dir_, live, [this] { poll_once(50); });
+  if (!rdzv_) return;
+  try {
+    share_dumps(rdzv_->client(), attempt_, flight_dir_, ranks);
+  } catch (const std::exception&) {
+    // The store is gone: node 0 analyses what it has.
+  }
+}
+
+void Supervisor::report_flight_records() {
+  if (!flight_collected_ || (rdzv_ && opts_.node_rank != 0)) return;
+  const int world = opts_.nnodes * opts_.nproc_per_node;
+  try {
+    if (rdzv_) gather_dumps(rdzv_->client(), attempt_, flight_dir_, world);
+    for (const auto& line : analysis_report(flight_dir_, world, /*only_findings=*/true))
+      std::fprintf(stderr, "dtrain-run: %s\n", line.c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dtrain-run: the flight records in %s could not be analysed: %s\n", flight_dir_.c_str(),
+                 e.what());
+  }
 }
 
 }  // namespace dtrain::run
