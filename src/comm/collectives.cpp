@@ -260,7 +260,7 @@ void all_reduce_divided(std::vector<at::Tensor>& tensors, int64_t divisor, const
   int64_t total = 0;
   for (const auto& t : tensors) total += t.numel();
   // Recorded as the all_reduce of the flat tensor it is on every path (the DETAIL check's too).
-  FlightRecord rec = comm::record_call(g, FlightCall("all_reduce", "all_reduce").flat_in(total, like.scalar_type()));
+  FlightRecord rec = comm::record_call(g, FlightCall("all_reduce", "all_reduce").flat(total, like.scalar_type()));
   // DTRAIN_DEBUG=DETAIL compares every rank's call by its flat tensor, which the way below has.
   if (!comm::detail_checks_on()) {
     bool ran = false;

@@ -122,9 +122,11 @@ FlightCall& FlightCall::out(const std::vector<at::Tensor>& ts) {
   for (const auto& t : ts) out(t);
   return *this;
 }
-FlightCall& FlightCall::flat_in(int64_t numel, at::ScalarType dtype) {
+FlightCall& FlightCall::flat(int64_t numel, at::ScalarType dtype) {
   in_sizes.push_back({numel});
   in_dtypes.push_back(dtype);
+  out_sizes.push_back({numel});
+  out_dtypes.push_back(dtype);
   return *this;
 }
 
