@@ -2,10 +2,11 @@
 // flight recorder's tests (tests/dist/test_flight_recorder.py). Each step: forward, backward (DDP's
 // gradient all_reduce), an all_reduce of the loss, the optimizer's step.
 //
-//   flight_program --fault skip|stop|other_op|size|p2p|none [--bad_rank 1] [--at_step 5] [--steps 20]
+//   flight_program --fault skip|stop|compute|other_op|size|p2p|none [--bad_rank 1] [--at_step 5] [--steps 20]
 //
 //   skip      the bad rank skips the loss's all_reduce at the step
 //   stop      the bad rank stops itself (SIGSTOP) at the step, as a debugger or an operator would
+//   compute   the bad rank computes (sleeps) for 60 s at the step, outside any collective
 //   other_op  the bad rank broadcasts the loss where the others all_reduce it
 //   size      the bad rank all_reduces 5 values where the others all_reduce 4
 //   p2p       no DDP: a pipeline of stages (rank r receives activations from r-1 and sends to r+1);
@@ -13,8 +14,10 @@
 // Prints "flight_program: done" on rank 0 when the loop ends; errors exit 1 with the message.
 #include <signal.h>
 
+#include <chrono>
 #include <cstdio>
 #include <string>
+#include <thread>
 
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
@@ -45,6 +48,7 @@ void train(const Args& a, int rank) {
   for (int step = 0; step < a.steps; ++step) {
     const bool bad = rank == a.bad_rank && step == a.at_step;
     if (bad && a.fault == "stop") raise(SIGSTOP);
+    if (bad && a.fault == "compute") std::this_thread::sleep_for(std::chrono::seconds(60));
     opt.zero_grad();
     at::Tensor loss = torch::nn::functional::cross_entropy(ddp(x), y);
     loss.backward();
@@ -76,7 +80,8 @@ void pipeline(const Args& a, int rank, int world) {
 int main(int argc, char** argv) {
   CLI::App app{"flight_program"};
   Args a;
-  app.add_option("--fault", a.fault)->check(CLI::IsMember({"skip", "stop", "other_op", "size", "p2p", "none"}));
+  app.add_option("--fault", a.fault)
+      ->check(CLI::IsMember({"skip", "stop", "compute", "other_op", "size", "p2p", "none"}));
   app.add_option("--bad_rank", a.bad_rank);
   app.add_option("--at_step", a.at_step);
   app.add_option("--steps", a.steps);

@@ -67,6 +67,14 @@ class OneHost(DistTestCase):
         self.assertRegex(self.analysis(r)[0], r"^hang in group 'default' at all_reduce #\d+: ranks 0, 2 entered it "
                                               r"[\d.]+ s ago; rank 1 left no record \(stopped")
 
+    def test_a_rank_computing_outside_dtrain_while_the_others_wait(self):
+        # Its record comes from dtrain-run's request (SIGUSR1): it is in no call that could fail.
+        lines = self.analysis(self.run_job("compute"))
+        self.assertRegex(lines[0], r"^hang in group 'default' at all_reduce #(\d+): ranks 0, 2 entered it [\d.]+ s "
+                                   r"ago; rank 1 completed #\d+ and has not entered #\1$")
+        self.assertRegex(lines[1], r"^rank 1 has made no call for [\d.]+ s while the others wait: it is computing or "
+                                   r"stuck outside dtrain$")
+
     def test_a_rank_that_calls_another_operation(self):
         r = self.run_job("other_op")
         self.assertRegex(self.analysis(r)[0],
