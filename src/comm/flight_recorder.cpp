@@ -69,12 +69,12 @@ class FlightRing {
   const int64_t timeout_ms;
 };
 
-namespace {
-
-int64_t wall_ns() {
+static int64_t wall_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
+
+namespace {
 
 // The process-wide state; never destroyed (Note [Flight watchdog]).
 struct Recorder {
@@ -84,6 +84,7 @@ struct Recorder {
   std::atomic<int64_t> last_change_ns{0};
   std::atomic<int> rank{-1}, world_size{0};
   std::atomic<bool> watching{false};
+  std::atomic<bool> enabled{true};  // set_flight_recorder_enabled
   std::atomic<double> stall_s{0};
   std::mutex rings_mu;  // the registry; never held by a call
   std::vector<std::weak_ptr<FlightRing>> rings;
@@ -143,7 +144,7 @@ std::shared_ptr<FlightRing> make_flight_ring(const std::string& group_name, cons
 }
 
 FlightRecord record_call(const detail::GroupImpl& g, FlightCall call) {
-  if (!g.flight || t_parts_depth > 0) return {};
+  if (!g.flight || t_parts_depth > 0 || !rec().enabled.load(std::memory_order_relaxed)) return {};
   FlightRing& ring = *g.flight;
   const uint64_t id = rec().next_id.fetch_add(1, std::memory_order_relaxed);
   const int64_t now = wall_ns();
@@ -447,3 +448,10 @@ void start_flight_recorder(int rank, int world_size) {
 void stop_flight_recorder() { rec().watching = false; }
 
 }  // namespace dtrain::comm
+
+namespace dtrain {
+
+std::string dump_flight_record(const std::string& reason) { return comm::dump_flight_record(reason); }
+void set_flight_recorder_enabled(bool on) { comm::rec().enabled = on; }
+
+}  // namespace dtrain
