@@ -38,8 +38,8 @@ struct FlightCall {
   FlightCall& out(const at::Tensor& t);
   FlightCall& out(const std::vector<at::Tensor>& ts);
   FlightCall& flat(int64_t numel, at::ScalarType dtype);  // one tensor of numel elements, in and out
-  const char* op;                                            // dtrain's name: "all_gather_into_tensor"
-  const char* trace;                                         // PyTorch's profiling name: "_all_gather_base"
+  const char* op;                                         // dtrain's name: "all_gather_into_tensor"
+  const char* trace;                                      // PyTorch's profiling name: "_all_gather_base"
   std::vector<std::vector<int64_t>> in_sizes, out_sizes;
   std::vector<at::ScalarType> in_dtypes, out_dtypes;
   int root = -1;  // group rank of a rooted collective's root

@@ -205,6 +205,7 @@ void init_process_group(const InitOptions& o) {
   LaunchEnv le = read_launch_env(env::process(), o.rank(), o.world_size());
   st->rank = le.rank;
   st->world_size = le.world_size;
+  start_flight_recorder(st->rank, st->world_size);  // a bad knob fails here; before any group: each gets a ring
   st->launcher = le.launcher;
   st->restart_count = le.restart_count;
   st->pytorch_peers = pytorch_peers_requested(o.pytorch_peers());
@@ -239,7 +240,6 @@ void init_process_group(const InitOptions& o) {
 
   std::vector<int> all(st->world_size);
   for (int i = 0; i < st->world_size; ++i) all[i] = i;
-  start_flight_recorder(st->rank, st->world_size);  // before the world's group: it gets a ring
   st->world = make_group(*st, "default", all, st->timeout);
   static_cast<std::unique_ptr<WorldState>&>(g_state) = std::move(st);
 }

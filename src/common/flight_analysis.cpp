@@ -211,7 +211,8 @@ bool Analysis::mismatch(const std::string& group, std::vector<std::string>& out)
           continue;
         }
       }
-      const std::string them = others ? "the others" : rank_list(major->second);
+      // "the others" when they all agree and are several; with two ranks, the other one by name.
+      const std::string them = others && major->second.size() > 1 ? "the others" : rank_list(major->second);
       if (c.op != m.op)
         out.push_back("ranks disagree" + where + ": " + rank_list(ranks) + (ranks.size() == 1 ? " calls " : " call ") +
                       c.op + ", " + them + " " + m.op);

@@ -131,6 +131,18 @@ class OneHost(DistTestCase):
         self.assertEqual(bad.rc, 1, str(bad))
         self.assertRegex(bad.err, r"^dtrain-run: cannot read the folder '.*nowhere' of flight records: pass the folder")
 
+    def test_a_bad_knob_is_one_line_naming_the_value_and_the_remedy(self):
+        for var, value, allowed in [("DTRAIN_FLIGHT_ENTRIES", "-1", "an integer from 0 to 1000000: use 0 to turn "
+                                     "the flight recorder off"),
+                                    ("DTRAIN_FLIGHT_STALL_S", "0", "a positive number of seconds: leave it unset")]:
+            r = self.run_one([launcher(), "--nproc_per_node", 1, "--master_port", free_port(), program()],
+                             clean_env(**{var: value}))
+            self.assertNotEqual(r.rc, 0, str(r))
+            # One line (which dtrain-run repeats in its tail of the rank's stderr).
+            lines = sorted({l for l in r.err.splitlines() if "flight_program: error:" in l})
+            self.assertEqual(len(lines), 1, str(r))
+            self.assertIn(f"{var}='{value}' is not {allowed}", lines[0])
+
     @staticmethod
     def worker_pids(launcher_pid):
         out = subprocess.run(["pgrep", "-P", str(launcher_pid)], stdout=subprocess.PIPE, text=True).stdout
@@ -179,7 +191,7 @@ class TwoHosts(DistTestCase):
         err0 = outs[0][1]
         self.assertLess(elapsed, BOUND_S + 5, err0)  # + node 1's records through the store
         self.assertRegex(err0, r"dtrain-run:   sizes differ at #\d+ of group 'default' \(all_reduce\): rank 1 passes "
-                               r"\[5\], the others \[4\]")
+                               r"\[5\], rank 0 \[4\]")
 
 
 if __name__ == "__main__":
