@@ -147,23 +147,37 @@ Work composed(FlightRecord rec, std::string what, std::function<void()> done, st
       std::move(parts_done));
 }
 
-// Runs a call that finishes before it returns (an inline fast path, monitored_barrier) under `rec`.
+// Runs parts of a call that finish before it returns under `rec` (the call's own record).
 template <typename Run>
-auto run_recorded(FlightRecord& rec, Run&& run) -> decltype(run()) {
+void run_recorded(FlightRecord& rec, Run&& run) {
   rec.started();
   try {
-    if constexpr (std::is_void_v<decltype(run())>) {
-      run();
-      rec.completed();
-    } else {
-      auto r = run();
-      rec.completed();
-      return r;
-    }
+    run();
   } catch (const std::exception& e) {
     rec.failed(brief(e));
     throw;
   }
+  rec.completed();
+}
+
+// A backend's inline all_reduce (Note [Inline blocking collectives]) under `rec`: true and completed
+// if it ran; a failure is marked and rethrown as dtrain::Error; false leaves the general path to run.
+template <typename Here>
+bool run_inline(FlightRecord& rec, const detail::GroupImpl& g, Here&& here) {
+  rec.started();
+  bool ran = false;
+  try {
+    ran = here();
+  } catch (const Error& e) {
+    rec.failed(e.what());
+    throw;
+  } catch (const std::exception& e) {
+    Error err = comm::collective_failure(what(g, "all_reduce"), e);
+    rec.failed(err.what());
+    throw err;
+  }
+  if (ran) rec.completed();
+  return ran;
 }
 
 void check_tensor(const at::Tensor& t, const char* op) {
@@ -220,21 +234,8 @@ Work all_reduce(at::Tensor& tensor, ReduceOp op, const Group& group, bool async_
   }
   if (!async_op) {
     // Note [Inline blocking collectives]: no Work at all where the backend runs it here.
-    bool ran = false;
-    rec.started();
-    try {
-      ran = g.caps->all_reduce_here(tensor, opts.reduceOp);
-    } catch (const Error& e) {
-      rec.failed(e.what());
-      throw;
-    } catch (const std::exception& e) {
-      Error err = comm::collective_failure(what(g, "all_reduce"), e);
-      rec.failed(err.what());
-      throw err;
-    }
-    if (ran) {
+    if (run_inline(rec, g, [&] { return g.caps->all_reduce_here(tensor, opts.reduceOp); })) {
       if (done) done();
-      rec.completed();
       return Work();
     }
   }
@@ -262,24 +263,9 @@ void all_reduce_divided(std::vector<at::Tensor>& tensors, int64_t divisor, const
   // Recorded as the all_reduce of the flat tensor it is on every path (the DETAIL check's too).
   FlightRecord rec = comm::record_call(g, FlightCall("all_reduce", "all_reduce").flat(total, like.scalar_type()));
   // DTRAIN_DEBUG=DETAIL compares every rank's call by its flat tensor, which the way below has.
-  if (!comm::detail_checks_on()) {
-    bool ran = false;
-    rec.started();
-    try {
-      ran = g.caps->all_reduce_divided_here(tensors, divisor);
-    } catch (const Error& e) {
-      rec.failed(e.what());
-      throw;
-    } catch (const std::exception& e) {
-      Error err = comm::collective_failure(what(g, "all_reduce"), e);
-      rec.failed(err.what());
-      throw err;
-    }
-    if (ran) {
-      rec.completed();
-      return;
-    }
-  }
+  if (!comm::detail_checks_on() &&
+      run_inline(rec, g, [&] { return g.caps->all_reduce_divided_here(tensors, divisor); }))
+    return;
   at::NoGradGuard no_grad;
   const bool fits = scratch.defined() && scratch.is_contiguous() && scratch.numel() >= total &&
                     scratch.scalar_type() == like.scalar_type() && scratch.device() == like.device();
