@@ -30,11 +30,13 @@ struct Config {
   std::string data_dir = FashionMNIST::kDefaultRoot;
   double grad_clip = 0;
   std::string checkpoint_dir;
-  int64_t checkpoint_every = 0;  // steps between checkpoints (0: only at the end of each epoch)
-  int64_t test_subset = 0;       // evaluate on the first N test samples only (0: all 10000)
-  int64_t step_sleep_ms = 0;     // fault-injection tests: slow each step so an outside kill lands mid-epoch
+  int64_t checkpoint_every = 0;   // steps between checkpoints (0: only at the end of each epoch)
+  bool async_checkpoint = false;  // CheckpointManager::save_async
+  int64_t test_subset = 0;        // evaluate on the first N test samples only (0: all 10000)
+  int64_t step_sleep_ms = 0;      // fault-injection tests: slow each step so an outside kill lands mid-epoch
   int64_t threads = 0;
   std::string dump_params;
+  std::string save_safetensors;
   int64_t eval_batch_size = 0;          // 0: batch_size
   bool amp = false;                     // autocast (bfloat16 on CPU, float16 on CUDA) + GradScaler
   std::string device = "cpu";           // "cuda": rank r trains on cuda:LOCAL_RANK with backend nccl

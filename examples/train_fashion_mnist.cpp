@@ -89,11 +89,16 @@ struct Parallel {
     return ddp ? torch::nn::utils::clip_grad_norm_(ddp->parameters(), max_norm)
                : dtrain::clip_grad_norm_(fsdp->parameters(), max_norm);
   }
-  // The whole parameters in registration order, on every rank (fully_shard's: gathered).
+  // The whole parameters by name, in registration order, on every rank (fully_shard's: gathered).
+  std::vector<std::pair<std::string, at::Tensor>> whole_named() {
+    if (fsdp) return fsdp->full_state_dict();
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (const auto& kv : ddp->module()->named_parameters()) out.emplace_back(kv.key(), kv.value());
+    return out;
+  }
   std::vector<at::Tensor> whole_parameters() {
-    if (ddp) return ddp->parameters();
     std::vector<at::Tensor> out;
-    for (auto& kv : fsdp->full_state_dict()) out.push_back(kv.second);
+    for (auto& kv : whole_named()) out.push_back(kv.second);
     return out;
   }
 };
@@ -364,7 +369,10 @@ EpochSums Training::train_epoch(Loader& loader, int64_t epoch, bool resumed) {
     state.sampler_position = std::min<int64_t>(step * cfg.batch_size, static_cast<int64_t>(sampler.epoch_size()));
     state.values = {
         {"loss_sum", loss_sum}, {"correct", static_cast<double>(correct)}, {"seen", static_cast<double>(seen)}};
-    checkpoints->save(state);
+    if (cfg.async_checkpoint)
+      checkpoints->save_async(state);  // written by a thread while the next steps train
+    else
+      checkpoints->save(state);
   };
   // doc:end save-checkpoint
   // doc:begin uneven
@@ -493,7 +501,10 @@ void report(const Config& cfg, const Place& place, Parallel& par, std::optional<
   // doc:begin ranks-agree
   // DDP keeps every rank's parameters identical: check it (each rank's hash, compared on rank 0).
   // fully_shard's whole parameters are gathered from the shards, so they agree unless a shard is lost.
-  const std::string bytes = train::parameter_bytes(par.whole_parameters());
+  const auto whole = par.whole_named();
+  std::vector<at::Tensor> tensors;
+  for (const auto& kv : whole) tensors.push_back(kv.second);
+  const std::string bytes = train::parameter_bytes(tensors);
   const std::string sha = train::sha256_hex(bytes);
   const std::vector<std::string> all = dtrain::all_gather_bytes(sha);
   int first_disagreeing = -1;
@@ -503,6 +514,12 @@ void report(const Config& cfg, const Place& place, Parallel& par, std::optional<
   if (!place.main_rank) return;
   const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!cfg.dump_params.empty()) train::write_file(cfg.dump_params, bytes);
+  // doc:begin save-safetensors
+  if (!cfg.save_safetensors.empty())  // what Python's safetensors.torch.load_file reads
+    dtrain::save_safetensors(
+        whole, cfg.save_safetensors,
+        {{"epochs", std::to_string(cfg.epochs)}, {"test_accuracy", std::to_string(last.test_accuracy)}});
+  // doc:end save-safetensors
   if (first_disagreeing >= 0)
     std::fprintf(stderr, "train_fashion_mnist: warning: rank %d's final parameters differ from rank 0's\n",
                  first_disagreeing);
@@ -606,6 +623,7 @@ int run(const Config& cfg) {
   // doc:begin monitor-close
   monitor.close();  // every rank: the last metrics window, the merged trace, the plot
   // doc:end monitor-close
+  if (checkpoints) checkpoints->wait();  // --async_checkpoint: the last write done, or its error on every rank
   report(cfg, place, par, powersgd, last, t0);
   dtrain::destroy_process_group();
   return 0;

@@ -41,6 +41,10 @@ std::optional<int> parse_flags(int argc, char** argv, Config& cfg) {
       "good one there");
   numbers.add("--checkpoint_every", cfg.checkpoint_every, Allowed::kNonNegativeInteger,
               "steps between checkpoints (0: at the end of each epoch only)");
+  app.add_flag("--async_checkpoint", cfg.async_checkpoint,
+               "write checkpoints in the background (CheckpointManager::save_async): a step waits only for the "
+               "state's copy in memory")
+      ->needs(checkpoint_dir);
   numbers.add("--test_subset", cfg.test_subset, Allowed::kNonNegativeInteger,
               "evaluate on the first N test samples only (0: all 10000)");
   numbers.add("--step_sleep_ms", cfg.step_sleep_ms, Allowed::kNonNegativeInteger,
@@ -89,6 +93,9 @@ std::optional<int> parse_flags(int argc, char** argv, Config& cfg) {
   numbers.add("--uneven", cfg.uneven, Allowed::kNonNegativeNumber,
               "uneven inputs under dtrain::Join: rank r trains on only (1 - F * r / (ranks - 1)) of its batches per "
               "epoch, F in [0, 1) (0: even; not with --checkpoint_dir; the per-step monitor is off)");
+  app.add_option("--save_safetensors", cfg.save_safetensors,
+                 "rank 0 writes the trained model here as a .safetensors file (Python: "
+                 "safetensors.torch.load_file; examples/eval_safetensors.py evaluates it)");
   app.add_option("--dump_params", cfg.dump_params,
                  "rank 0 writes the final parameters' raw float32 bytes here (what params_sha256 hashes)");
   // Note [eval batch size]: evaluating with batches larger than the training batch was up to 10x

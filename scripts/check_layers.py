@@ -44,7 +44,7 @@ USES = {
 # The directory behind each public header (include/dtrain/NAME.h or include/dtrain/NAME/...).
 PUBLIC_OWNER = {
     "errors": "common", "system": "common", "process_group": "comm", "amp": "amp", "ddp": "ddp", "comm_hooks": "ddp",
-    "data_parallel": "parallel", "sampler": "data", "datasets": "data", "checkpoint": "checkpoint",
+    "data_parallel": "parallel", "sampler": "data", "datasets": "data", "checkpoint": "checkpoint", "dcp": "checkpoint", "safetensors": "checkpoint",
     "monitor": "monitor", "summary_writer": "monitor", "pipeline": "pipeline", "detail": "common", "sync_batchnorm": "nn", "zero": "optim", "sharded_optimizer": "optim",
     "fsdp": "fsdp",
     "join": "comm",

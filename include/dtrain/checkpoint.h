@@ -103,6 +103,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -118,6 +119,9 @@ class Optimizer;
 
 namespace dtrain {
 
+namespace ckpt {
+class BackgroundWrite;
+}
 class GradScaler;
 class DistributedSampler;
 
@@ -161,6 +165,23 @@ class CheckpointManager {
 
   // Collective. Returns the path written. Throws dtrain::Error on every rank if rank 0 fails.
   std::string save(const TrainingState& state);
+  // Collective. The same checkpoint as save(), written in the background (Note [Asynchronous saves]):
+  // returns once rank 0 has copied the state in host memory, and training goes on while its thread
+  // serializes and writes the file. The next save(), save_async(), wait() or load_latest() first
+  // waits for it; if it failed, that call throws on every rank, naming the file and the reason. A
+  // crash or kill during the write leaves the previous checkpoints as they were, the latest for
+  // load_latest. Staged: the model's parameters and buffers (as Module::save writes them) and the
+  // state of LibTorch's Adam, AdamW, SGD, Adagrad and RMSprop (or a ZeroRedundancyOptimizer's);
+  // another optimizer's archive is serialized before returning, and a fully_shard'ed model's
+  // checkpoint (each rank's shard file) is saved as save() does.
+  std::string save_async(const TrainingState& state);
+  // Collective: waits for the last save_async(); throws on every rank if it failed.
+  void wait();
+  // Waits for a save_async() still writing; a failure is then a warning (a destructor cannot throw,
+  // nor run a collective).
+  ~CheckpointManager();
+  CheckpointManager(const CheckpointManager&) = delete;
+  CheckpointManager& operator=(const CheckpointManager&) = delete;
   // Collective. The path restored, or std::nullopt when the folder holds no checkpoint.
   std::optional<std::string> load_latest(TrainingState& state);
   // This process's view of the folder: checkpoint paths, oldest write first (the last is the latest).
@@ -170,8 +191,14 @@ class CheckpointManager {
   const CheckpointOptions& options() const { return options_; }
 
  private:
+  std::string save_impl(const TrainingState& state, bool background);
+  void stage_and_write(const std::string& path, const TrainingState& state, const std::vector<std::string>& packs);
+  void finish_async();  // collective when a save_async() is outstanding
+
   std::string dir_;
   CheckpointOptions options_;
+  bool async_outstanding_ = false;                 // every rank: a save_async() whose outcome is not told yet
+  std::unique_ptr<ckpt::BackgroundWrite> writer_;  // rank 0
 };
 
 // Single-process building blocks (no collectives; the RNG states and values are this process's).

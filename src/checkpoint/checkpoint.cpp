@@ -17,6 +17,7 @@
 #include <tuple>
 
 #include "checkpoint/file_io.h"
+#include "checkpoint/staging.h"
 #include "checkpoint/rank_state.h"
 #include "checkpoint/rollback.h"
 #include "checkpoint/sharded.h"
@@ -107,10 +108,11 @@ int version_of(const std::vector<std::string>& shard_records) {
 
 // The payload (a torch archive) of `state`, with the per-rank packs of every rank; for a sharded model,
 // the records of the shard files every rank wrote (Note [Sharded checkpoints]).
-std::string encode(const TrainingState& st, const std::vector<std::string>& rank_packs,
-                   const std::vector<std::string>& shard_records = {}) {
+// `staged`: the model's tensors are copies (Note [Asynchronous saves]).
+void fill_archive(torch::serialize::OutputArchive& a, const TrainingState& st,
+                  const std::vector<std::string>& rank_packs, const std::vector<std::string>& shard_records,
+                  bool staged) {
   const bool sharded = !shard_records.empty();
-  torch::serialize::OutputArchive a;
   a.write("version", c10::IValue(static_cast<int64_t>(version_of(shard_records))));
   a.write("step", c10::IValue(st.step));
   a.write("epoch", c10::IValue(st.epoch));
@@ -120,7 +122,10 @@ std::string encode(const TrainingState& st, const std::vector<std::string>& rank
       ckpt::encode_sharded_model(a, st, shard_records);
     } else {
       torch::serialize::OutputArchive m;
-      st.model->save(m);
+      if (staged)
+        ckpt::save_module_staged(*st.model, m);
+      else
+        st.model->save(m);
       a.write("model", m);
     }
     a.write("model_manifest", c10::IValue(manifest_text(*st.model)));
@@ -152,9 +157,19 @@ std::string encode(const TrainingState& st, const std::vector<std::string>& rank
   }
   for (size_t r = 0; r < rank_packs.size(); ++r)
     a.write("rank_state_" + std::to_string(r), bytes_tensor(rank_packs[r]), /*is_buffer=*/true);
+}
+
+std::string serialize(torch::serialize::OutputArchive& a) {
   std::ostringstream os;
   a.save_to(os);
   return os.str();
+}
+
+std::string encode(const TrainingState& st, const std::vector<std::string>& rank_packs,
+                   const std::vector<std::string>& shard_records = {}) {
+  torch::serialize::OutputArchive a;
+  fill_archive(a, st, rank_packs, shard_records, /*staged=*/false);
+  return serialize(a);
 }
 
 // Parses the payload into `a` and checks its version; throws with the reason (no file name).
@@ -362,18 +377,16 @@ std::vector<std::string> gather_packs(const std::string& mine) {
 
 // Step 2 of save() on rank 0, after the folder exists: write, then rotate (Note [Write order]).
 void write_and_rotate(const std::string& dir, const CheckpointOptions& options, const std::string& path,
-                      const TrainingState& state, const std::vector<std::string>& packs,
-                      const std::vector<std::string>& shard_records) {
+                      const std::string& payload, int64_t step, int version) {
   // Every rank's shard is written by now, so no write of this folder's checkpoints is under way:
   // what a save killed mid-write left goes.
   ckpt::sweep_temp_files(dir, options.prefix() + "_");
   const std::vector<Found> before = scan(dir, options.prefix());
-  ckpt::write_atomic(
-      path, ckpt::frame(encode(state, packs, shard_records), next_write_stamp(before), version_of(shard_records)));
-  if (const Found* later = later_step(before, path, state.step))
+  ckpt::write_atomic(path, ckpt::frame(payload, next_write_stamp(before), version));
+  if (const Found* later = later_step(before, path, step))
     warn_once("checkpoint-later-step",
               detail::cat("checkpoint folder ", dir, " holds ", later->path, " from the later step ", later->step,
-                          ", written before this save of step ", state.step,
+                          ", written before this save of step ", step,
                           " (a restarted run, or a step counter that went back?): the latest checkpoint is now this "
                           "one, the most recent write, which load_latest resumes from, and rotation (keep=",
                           options.keep(), ") removes the oldest writes first, whatever their steps"));
@@ -539,7 +552,51 @@ std::vector<std::string> write_shards(const std::string& dir, const std::string&
 
 }  // namespace
 
+CheckpointManager::~CheckpointManager() {
+  if (!writer_) return;
+  const std::string what = writer_->what();
+  const std::string error = writer_->finish();
+  if (!error.empty()) warn("the asynchronous save of " + what + " failed: " + error);
+}
+
+// Note [Asynchronous saves]: save_async() runs the collective part of a save (the ranks' packs
+// gathered on rank 0, a ZeroRedundancyOptimizer's state consolidated there) on the caller's thread,
+// as save() does; then rank 0 builds the archive from copies: the model's tensors are written as
+// copies (save_module_staged), and the optimizer's state is written as it is while the live
+// optimizer gets copies instead (restage_optimizer_state), so one memcpy of the state stages all
+// of it. Serializing the archive (a zip with CRCs) and writing the file, the slow parts, run on a
+// thread of rank 0's. Only that thread touches the archive, and no collective runs on it: the
+// outcome is told at the next collective call of the manager (finish_async), where rank 0
+// broadcasts it. The file is written as save() writes it (temporary name, fsync, rename), so a crash
+// mid-write leaves the folder's older checkpoints as they were.
+void CheckpointManager::finish_async() {
+  if (!async_outstanding_) return;
+  async_outstanding_ = false;
+  std::string error, what;
+  if (writer_) {
+    what = writer_->what();
+    error = writer_->finish();
+  }
+  error = broadcast_string(error.empty() ? "" : what + "\n" + error);
+  if (error.empty()) return;
+  const size_t nl = error.find('\n');
+  throw Error((distributed() && rank() != 0 ? "rank 0's asynchronous save of " : "the asynchronous save of ") +
+              error.substr(0, nl) + " failed: " + error.substr(nl + 1));
+}
+
+void CheckpointManager::wait() { finish_async(); }
+
 std::string CheckpointManager::save(const TrainingState& state) {
+  finish_async();
+  return save_impl(state, /*background=*/false);
+}
+
+std::string CheckpointManager::save_async(const TrainingState& state) {
+  finish_async();
+  return save_impl(state, /*background=*/true);
+}
+
+std::string CheckpointManager::save_impl(const TrainingState& state, bool background) {
   DTRAIN_CHECK(state.step >= 0 && state.step <= 9999999999LL,
                "CheckpointManager::save: step must be in [0, 9999999999], got ", state.step);
   char name[32];
@@ -562,14 +619,20 @@ std::string CheckpointManager::save(const TrainingState& state) {
       fs::create_directories(dir_, ec);
       DTRAIN_CHECK(fs::is_directory(dir_), "cannot create the checkpoint folder ", dir_, ": ",
                    ec ? ec.message() : "a file of that name is in the way", ": choose another folder");
-      write_and_rotate(dir_, options_, path, state, packs, shard_records);
+      if (background && !sharded) {
+        stage_and_write(path, state, packs);
+      } else {
+        write_and_rotate(dir_, options_, path, encode(state, packs, shard_records), state.step,
+                         version_of(shard_records));
+      }
     } catch (const c10::Error& e) {
       error = util::one_line(e.what_without_backtrace());
     } catch (const std::exception& e) {
       error = util::one_line(e.what());
     }
   }
-  error = broadcast_string(error);  // 3.
+  error = broadcast_string(error);                                         // 3.
+  if (background && !sharded && error.empty()) async_outstanding_ = true;  // every rank: told at the next call
   if (!error.empty()) {
     std::error_code ec;
     if (sharded) fs::remove(ckpt::shard_path(path, my_rank(), my_world()), ec);
@@ -583,7 +646,28 @@ std::string CheckpointManager::save(const TrainingState& state) {
   return path;
 }
 
+void CheckpointManager::stage_and_write(const std::string& path, const TrainingState& state,
+                                        const std::vector<std::string>& packs) {
+  auto archive = std::make_shared<torch::serialize::OutputArchive>();
+  fill_archive(*archive, state, packs, {}, /*staged=*/true);
+  std::string payload;  // serialized here when the optimizer's state cannot be staged
+  if (state.optimizer && !dynamic_cast<ShardedOptimizerState*>(state.optimizer) &&
+      !ckpt::restage_optimizer_state(*state.optimizer)) {
+    warn_once("checkpoint-async-optimizer",
+              "save_async: this optimizer's state cannot be staged (not Adam, AdamW, SGD, Adagrad or RMSprop): "
+              "its checkpoints are serialized before save_async returns, and only written in the background");
+    payload = serialize(*archive);
+    archive.reset();
+  }
+  if (!writer_) writer_ = std::make_unique<ckpt::BackgroundWrite>();
+  writer_->run(path, [dir = dir_, options = options_, path, archive, payload, step = state.step]() mutable {
+    if (archive) payload = serialize(*archive);
+    write_and_rotate(dir, options, path, payload, step, 1);
+  });
+}
+
 std::optional<std::string> CheckpointManager::load_latest(TrainingState& state) {
+  finish_async();
   // 1. Rank 0 picks the newest usable file. Its outcome line: "" (none), "ok <path>" or "error <msg>".
   std::string outcome, framed;
   if (!is_initialized() || rank() == 0) outcome = pick_latest(dir_, options_, framed);

@@ -124,8 +124,13 @@ c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const Launch
   // dtrain-run gives its workers the job's secret; a job started otherwise may set it itself.
   const std::optional<std::string> given = env::text(store::kSecretEnv);
   const std::string secret = given && !given->empty() ? store::check_job_secret(*given, store::kSecretEnv) : "";
-  if (!le.dtrain_agent_store && st.rank == 0)
+  if (!le.dtrain_agent_store && st.rank == 0) {
+    // Rank 0 binds its own name, which may not resolve yet (a pod's DNS record): it waits as the
+    // others' clients do (Note [Names that resolve late] in src/store/resolve.cpp).
+    store::resolve_waiting(ep.host, ep.port, st.timeout, "MASTER_ADDR",
+                           [](const std::string& line) { warn_once("rank0-late-name", line); });
     st.server = std::make_unique<store::StoreServer>(ep.host, ep.port, secret);
+  }
   auto client = c10::make_intrusive<ClientStore>(ep.host, ep.port, st.timeout, secret);
   st.bind_address = client->local_address();
   return client;

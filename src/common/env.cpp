@@ -29,6 +29,10 @@ Knob choice_row(const char* name, Reader r, std::vector<std::string> choices, co
 Knob rank_row(const char* name, Reader r, const char* remedy, const char* meaning) {
   return {name, r, Type::kInteger, "", "a non-negative integer", remedy, meaning, {}, 0, 1 << 24, 1};
 }
+// torchrun's PET_<FLAG>: the flag's default, checked as the flag is (its error names the variable).
+Knob pet_row(const char* name, const char* flag) {
+  return {name, Reader::kLauncher, Type::kText, "", "what the flag takes", "", flag, {}};
+}
 Knob row(const char* name, Reader r, Type t, const char* fallback, const char* allowed, const char* remedy,
          const char* meaning) {
   return {name, r, t, fallback, allowed, remedy, meaning, {}};
@@ -168,6 +172,33 @@ std::vector<Knob> make_table() {
       row("SLURM_STEP_TASKS_PER_NODE", R::kLauncher, Type::kText, "", "Slurm's task counts, e.g. `2(x3),1`", "",
           "Tasks of the step on each node: with `SLURM_LOCALID`, the workers' `LOCAL_RANK` across the tasks "
           "that share a host."),
+      // torchrun's flags from the environment (Note [torchrun's command line] in tools/dtrain-run/cluster.h).
+      pet_row("PET_NNODES", "The default of `--nnodes`, as torchrun reads it; the flag wins."),
+      pet_row("PET_NPROC_PER_NODE", "The default of `--nproc_per_node`, as torchrun reads it; the flag wins."),
+      pet_row("PET_NODE_RANK", "The default of `--node_rank`, as torchrun reads it; the flag wins."),
+      pet_row("PET_MASTER_ADDR", "The default of `--master_addr`, as torchrun reads it; the flag wins."),
+      pet_row("PET_MASTER_PORT", "The default of `--master_port`, as torchrun reads it; the flag wins."),
+      pet_row("PET_RDZV_BACKEND", "The default of `--rdzv_backend`, as torchrun reads it; the flag wins."),
+      pet_row("PET_RDZV_ENDPOINT", "The default of `--rdzv_endpoint`, as torchrun reads it; the flag wins."),
+      pet_row("PET_RDZV_ID", "The default of `--rdzv_id` (`--run_id`), as torchrun reads it; the flag wins."),
+      pet_row("PET_RDZV_CONF", "The default of `--rdzv_conf`, as torchrun reads it; the flag wins."),
+      pet_row("PET_STANDALONE",
+              "The default of `--standalone` (a non-zero integer: on), as torchrun reads it; the flag wins."),
+      pet_row("PET_MAX_RESTARTS", "The default of `--max_restarts`, as torchrun reads it; the flag wins."),
+      pet_row("PET_MONITOR_INTERVAL", "The default of `--monitor_interval`, as torchrun reads it; the flag wins."),
+      pet_row("PET_ROLE", "The default of `--role`, as torchrun reads it; the flag wins."),
+      pet_row("PET_LOCAL_ADDR", "The default of `--local_addr`, as torchrun reads it; the flag wins."),
+      pet_row("PET_LOG_DIR", "The default of `--log_dir`, as torchrun reads it; the flag wins."),
+      pet_row("PET_REDIRECTS", "The default of `--redirects`, as torchrun reads it; the flag wins."),
+      pet_row("PET_TEE", "The default of `--tee`, as torchrun reads it; the flag wins."),
+      pet_row("PET_LOCAL_RANKS_FILTER", "The default of `--local_ranks_filter`, as torchrun reads it; the flag wins."),
+      pet_row("PET_NO_PYTHON",
+              "The default of `--no_python` (a non-zero integer: on), as torchrun reads it; the flag wins."),
+      pet_row("PET_MODULE", "torchrun's `-m`: a non-zero integer is refused, as `-m` is."),
+      row("TMPDIR", R::kLauncher, Type::kText, "/tmp", "a folder", "",
+          "Where `--tee`/`--redirects` without `--log_dir` make the log folder, as torchrun does."),
+      row("CUDA_VISIBLE_DEVICES", R::kLauncher, Type::kText, "", "device numbers or UUIDs, comma-separated", "",
+          "The GPUs `--nproc_per_node gpu` and `auto` count (CUDA stops at the first entry that is not one)."),
       // Set by dtrain-run for the program; dtrain reads neither.
       row("DTRAIN_RUN_ID", R::kNobody, Type::kText, "", "any text", "", "`--run_id`, also as `TORCHELASTIC_RUN_ID`."),
       row("DTRAIN_MAX_RESTARTS", R::kNobody, Type::kText, "", "a non-negative integer", "",

@@ -1,7 +1,8 @@
 // StoreClient: one blocking connection to a StoreServer.
 //
 // Steps:
-//   1. Resolve host with getaddrinfo. A name that does not resolve fails at once, naming it.
+//   1. Resolve host (resolve_waiting): a name that does not resolve yet is asked again until
+//      connect_timeout, with one line on stderr (Note [Names that resolve late] in resolve.cpp).
 //   2. Try each address with a non-blocking connect bounded by the remaining time; a refused or
 //      unreachable peer (the server not up yet) is retried every kRetryInterval until
 //      connect_timeout, then "cannot reach the rendezvous at HOST:PORT within Ns: <strerror>".
@@ -27,6 +28,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <optional>
 #include <thread>
 
@@ -110,19 +112,14 @@ StoreClient::StoreClient(const std::string& host, uint16_t port, Millis connect_
   impl_->port = port;
   impl_->secret = secret.empty() ? secret : check_job_secret(secret, "the job secret");
   impl_->op_timeout = std::min(connect_timeout, kForever);
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV;
-  addrinfo* res = nullptr;
-  int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
-  if (rc != 0)
-    throw std::runtime_error("cannot resolve the rendezvous host '" + host + "': " + gai_strerror(rc) +
-                             " (check --master_addr)");
   const auto deadline = Clock::now() + impl_->op_timeout;
+  // A name that does not resolve yet (a pod's DNS record) is waited for within connect_timeout.
+  AddrInfoPtr res =
+      resolve_waiting(host, port, impl_->op_timeout, "MASTER_ADDR or --master_addr",
+                      [](const std::string& line) { std::fprintf(stderr, "dtrain: %s\n", line.c_str()); });
   int last_errno = ETIMEDOUT;
   for (;;) {
-    for (addrinfo* ai = res; ai && impl_->fd < 0; ai = ai->ai_next) {
+    for (addrinfo* ai = res.get(); ai && impl_->fd < 0; ai = ai->ai_next) {
       auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
       impl_->fd = try_connect(ai, std::max(left, Millis(1)));
       if (impl_->fd < 0) last_errno = errno;
@@ -131,7 +128,6 @@ StoreClient::StoreClient(const std::string& host, uint16_t port, Millis connect_
     auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
     std::this_thread::sleep_for(std::min(left, kRetryInterval));
   }
-  freeaddrinfo(res);
   if (impl_->fd < 0)
     throw std::runtime_error("cannot reach the rendezvous at " + impl_->where() + " within " +
                              seconds_text(connect_timeout) + ": " + std::strerror(last_errno));

@@ -27,10 +27,13 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+struct addrinfo;
 
 namespace dtrain::store {
 
@@ -51,6 +54,17 @@ std::string new_job_secret();
 // `secret` when it can be a job secret (at least kMinSecretBytes, one line); else throws one line
 // that names `from` (where it came from) and how to make one.
 std::string check_job_secret(const std::string& secret, const std::string& from);
+
+// The addresses of host:port (getaddrinfo's list). A name that does not resolve yet is asked again
+// until `timeout` (Note [Names that resolve late] in resolve.cpp): `waiting` gets one line the first
+// time. A name still unknown at the timeout, or one that fails otherwise, throws std::runtime_error
+// naming it and `source` (where the name came from, e.g. "--master_addr").
+struct AddrInfoDeleter {
+  void operator()(addrinfo* a) const;
+};
+using AddrInfoPtr = std::unique_ptr<addrinfo, AddrInfoDeleter>;
+AddrInfoPtr resolve_waiting(const std::string& host, uint16_t port, Millis timeout, const std::string& source,
+                            const std::function<void(const std::string&)>& waiting);
 
 // What the server allows in time and count; the defaults are the store's (tests lower them).
 struct ServerLimits {

@@ -26,6 +26,7 @@ import hashlib
 import math
 import os
 import re
+import subprocess
 import tempfile
 import unittest
 
@@ -80,7 +81,10 @@ class TrainFashionMNIST(DistTestCase):
         # Measured here: 0.8124 after 2 epochs of 6000 samples (seed 0, deterministic); a broken gradient
         # average, sampler or optimizer stays far below.
         with tempfile.TemporaryDirectory() as ckpt:
-            res, m = self.launch(2, "--subset", 6000, "--epochs", 2, "--checkpoint_dir", ckpt)
+            weights = os.path.join(ckpt, "model.safetensors")
+            # The checkpoints written in the background (save_async); the fault tests write theirs in place.
+            res, m = self.launch(2, "--subset", 6000, "--epochs", 2, "--checkpoint_dir", ckpt,
+                                 "--save_safetensors", weights, "--async_checkpoint")
             self.assertEqual(int(m.group(1)), 2)
             accuracy, loss = float(m.group(2)), float(m.group(3))
             self.assertGreaterEqual(accuracy, 0.75, str(res))
@@ -91,11 +95,25 @@ class TrainFashionMNIST(DistTestCase):
             self.assertNotIn("[rank 1] Epoch", res.out, "only rank 0 prints")
             # One checkpoint per epoch (94 steps each), named by the step, no temporary files left behind.
             # The monitor's files sit next to the checkpoints (dtrain/monitor.h).
-            monitor_files = {"metrics.jsonl", "trace.json", "plot.svg"}
+            monitor_files = {"metrics.jsonl", "trace.json", "plot.svg", "model.safetensors"}
             self.assertEqual(sorted(set(os.listdir(ckpt)) - monitor_files),
                              ["checkpoint_0000000094.pt", "checkpoint_0000000188.pt"])
             self.check_monitor_files(ckpt, steps=188, epochs=2)
             self.check_checkpoint_loads(os.path.join(ckpt, "checkpoint_0000000188.pt"))
+            self.check_python_evaluates(weights, accuracy)
+
+    def check_python_evaluates(self, weights, accuracy):
+        # The trained model in Python (README's main job): its .safetensors file loaded by name into
+        # the same network in torch.nn scores the trainer's test accuracy on the same 10 000 images.
+        venv = os.environ.get("VENV_PYTHON", "")
+        if not venv or not os.access(venv, os.X_OK):
+            self.skipTest(f".venv's python is missing ({venv!r}): run scripts/setup.sh")
+        script = os.path.join(ROOT, "examples", "eval_safetensors.py")
+        out = subprocess.run([venv, script, weights], capture_output=True, text=True, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        m = re.match(r"test accuracy (\d\.\d+) \((\d+) of 10000\)", out.stdout)
+        self.assertIsNotNone(m, out.stdout)
+        self.assertLess(abs(float(m.group(1)) - accuracy), 0.002, out.stdout)
 
     def check_monitor_files(self, folder, steps, epochs):
         import json

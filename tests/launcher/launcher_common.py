@@ -116,6 +116,14 @@ class MarkedTestCase(unittest.TestCase):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def run_folder(log_dir, run_id="none"):
+    """The one folder a run made under --log_dir: torchrun's <log_dir>/<run_id>_<random>."""
+    import glob
+    found = glob.glob(os.path.join(glob.escape(log_dir), glob.escape(run_id) + "_*"))
+    assert len(found) == 1, f"expected one {run_id}_* folder in {log_dir}, found {found}"
+    return found[0]
+
+
 def listeners(port):
     """Local addresses (hex, as in /proc/net/tcp) listening on `port`."""
     out = []

@@ -201,6 +201,55 @@ class ElasticTest(MarkedTestCase):
         self.assertEqual(again, [(0, 0, 2, 2, nodes[0].pid), (1, 1, 2, 2, last[0])])
         self.assertEqual(pids_with_marker(self.marker), [])
 
+    def test_torchrun_c10d_form_a_node_killed_and_another_joining(self):
+        # torchrun's form, as TorchX and Kubeflow's elastic policy write it: --rdzv_backend c10d with an
+        # endpoint and --nnodes 1:3, no --node_rank: the launcher on the endpoint's host hosts, group
+        # ranks come from the rendezvous, are stable within a round and are formed anew at each restart.
+        args = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{self.hosts.addr[0]}:{self.port}", "--rdzv_id", "el1",
+                "--nnodes", "1:3", "--nproc_per_node", 1, "--rdzv_conf", "join_timeout=20,last_call_timeout=1",
+                "--max_restarts", 3, "--monitor_interval", "0.1", "--grace_period", 1] + self.worker(1000, 0.05)
+
+        def rounds():
+            """The workers' start lines by attempt, read while the log grows (a line being written is left out)."""
+            by = {}
+            try:
+                with open(os.path.join(self.tmp, "log")) as f:
+                    found = [m for line in f if (m := START_RE.match(line.strip()))]
+            except OSError:
+                return by
+            keys = ("rank", "world", "group", "groups", "restart", "step", "pid", "launcher")
+            for m in found:
+                s = dict(zip(keys, map(int, m.groups())))
+                by.setdefault(s["restart"], []).append(s)
+            return by
+
+        def a_round(n, launcher=None):
+            """The newest attempt whose group has n nodes (and `launcher` among them), or None."""
+            for restart, group in sorted(rounds().items(), reverse=True):
+                if len(group) == n and all(s["groups"] == n for s in group) and \
+                        (launcher is None or launcher in [s["launcher"] for s in group]):
+                    return restart, sorted((s["group"], s["rank"], s["world"], s["launcher"]) for s in group)
+            return None
+
+        with running_nodes([self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(2)]) as nodes:
+            self.assertTrue(wait_until(lambda: a_round(2) is not None, 20), "the two nodes did not form a group")
+            first, group = a_round(2)
+            self.assertEqual(group, [(0, 0, 2, nodes[0].pid), (1, 1, 2, nodes[1].pid)])
+            victim = [s["pid"] for s in rounds()[first] if s["group"] == 1][0]
+            nodes[1].kill()
+            os.kill(victim, signal.SIGKILL)
+            self.assertTrue(wait_until(lambda: (a_round(1) or (-1,))[0] > first, 20), "node 0 did not go on alone")
+            nodes.append(self.hosts.launch(2, [DTRAIN_RUN] + args, clean_env()))
+            self.assertTrue(wait_until(lambda: a_round(2, nodes[2].pid) is not None, 20), "the new node was not admitted")
+            _, group = a_round(2, nodes[2].pid)
+            self.assertEqual(group, [(0, 0, 2, nodes[0].pid), (1, 1, 2, nodes[2].pid)])
+            self.end_training()
+            results = finish(nodes[0], nodes[2], timeout=20)
+        for rc, _, err in results:
+            self.assertEqual(rc, 0, err)
+        self.assertRegex(results[0][2], r"dtrain-run: node 1 \(.*\) left; world size 2 -> 1")
+        self.assertEqual(pids_with_marker(self.marker), [])
+
     def test_a_lost_node_ends_the_job_when_no_restart_is_left(self):
         args = elastic_args(self.port, self.hosts.addr[0], "2:3", last_call=1, max_restarts=0) + self.worker(400, 0.05)
         with running_nodes([self.hosts.launch(i, [DTRAIN_RUN] + args, clean_env()) for i in range(3)]) as nodes:

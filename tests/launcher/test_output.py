@@ -5,7 +5,7 @@ import shutil
 import tempfile
 import unittest
 
-from launcher_common import PY, require_launcher, run
+from launcher_common import PY, clean_env, require_launcher, run, run_folder
 
 LINE_RE = re.compile(r"^\[rank (\d+)\] (.*)$")
 
@@ -67,7 +67,7 @@ class OutputTest(unittest.TestCase):
         return ["sh", "-c", 'echo "out $RANK"; echo "err $RANK" >&2']
 
     def logs(self, rank, run_id="none"):
-        d = os.path.join(self.tmp, run_id, "attempt_0", str(rank))
+        d = os.path.join(run_folder(self.tmp, run_id), "attempt_0", str(rank))
         with open(os.path.join(d, "stdout.log")) as f, open(os.path.join(d, "stderr.log")) as g:
             return f.read(), g.read()
 
@@ -79,31 +79,44 @@ class OutputTest(unittest.TestCase):
         self.assertIn("[rank 1] out 1", r.stdout)
         self.assertIn("[rank 1] err 1", r.stderr)
 
-    def test_planted_log_links_are_not_followed(self):
-        # A link where a log file goes is replaced, never written through; a link where one of the
-        # folders below --log_dir goes is refused in one line.
-        victim = os.path.join(self.tmp, "victim")
-        with open(victim, "w") as f:
-            f.write("precious")
-        d = os.path.join(self.tmp, "logs", "j2", "attempt_0", "0")
-        os.makedirs(d)
-        os.symlink(victim, os.path.join(d, "stdout.log"))
-        r = run(["--nproc_per_node", "1", "--standalone", "--log_dir", os.path.join(self.tmp, "logs"), "--run_id", "j2",
-                 "--redirects", "3"] + self.write_both())
-        self.assertEqual(r.returncode, 0, r.stderr)
-        with open(victim) as f:
-            self.assertEqual(f.read(), "precious")
-        self.assertFalse(os.path.islink(os.path.join(d, "stdout.log")))
-        with open(os.path.join(d, "stdout.log")) as f:
-            self.assertEqual(f.read(), "out 0\n")
+    def test_each_run_writes_to_a_fresh_folder_of_its_own(self):
+        # torchrun's layout, <log_dir>/<run_id>_<random>/attempt_<k>/<local_rank>/: a link planted
+        # where an earlier layout put the run's folder is never written through, and two runs with one
+        # --run_id never mix their files.
+        logs = os.path.join(self.tmp, "logs")
         elsewhere = os.path.join(self.tmp, "elsewhere")
+        os.makedirs(logs)
         os.makedirs(elsewhere)
-        os.symlink(elsewhere, os.path.join(self.tmp, "logs", "j3"))
-        r = run(["--nproc_per_node", "1", "--standalone", "--log_dir", os.path.join(self.tmp, "logs"), "--run_id", "j3",
-                 "--redirects", "3"] + self.write_both())
-        self.assertNotEqual(r.returncode, 0)
-        self.assertIn("log directory '" + os.path.join(self.tmp, "logs", "j3") + "' is a symbolic link", r.stderr)
+        os.symlink(elsewhere, os.path.join(logs, "j2"))
+        for _ in range(2):
+            r = run(["--nproc_per_node", "1", "--standalone", "--log_dir", logs, "--run_id", "j2", "--redirects", "3"]
+                    + self.write_both())
+            self.assertEqual(r.returncode, 0, r.stderr)
         self.assertEqual(os.listdir(elsewhere), [])
+        runs = sorted(d for d in os.listdir(logs) if d.startswith("j2_"))
+        self.assertEqual(len(runs), 2, os.listdir(logs))
+        for d in runs:
+            folder = os.path.join(logs, d)
+            self.assertFalse(os.path.islink(folder))
+            self.assertEqual(os.stat(folder).st_mode & 0o777, 0o700)
+            with open(os.path.join(folder, "attempt_0", "0", "stdout.log")) as f:
+                self.assertEqual(f.read(), "out 0\n")
+
+    def test_tee_without_log_dir_writes_to_a_temporary_folder(self):
+        # As torchrun: --tee needs no --log_dir; the files go to a new folder under TMPDIR, named once.
+        r = run(["--nproc_per_node", "2", "--tee", "3", "--local_ranks_filter", "1"] + self.write_both(),
+                env=clean_env(TMPDIR=self.tmp))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout, "[rank 1] out 1\n")  # --local_ranks_filter: the console shows local rank 1 only
+        said = [l for l in r.stderr.splitlines() if "no --log_dir was given" in l]
+        self.assertEqual(len(said), 1, r.stderr)
+        top = [d for d in os.listdir(self.tmp) if d.startswith("dtrain-run_")]
+        self.assertEqual(len(top), 1, os.listdir(self.tmp))
+        self.assertIn(os.path.join(self.tmp, top[0]), said[0])
+        for rank in (0, 1):
+            d = os.path.join(run_folder(os.path.join(self.tmp, top[0])), "attempt_0", str(rank))
+            with open(os.path.join(d, "stdout.log")) as f:
+                self.assertEqual(f.read(), f"out {rank}\n")
 
     def test_redirects_both_silences_console(self):
         r = run(["--nproc_per_node", "2", "--standalone", "--log_dir", self.tmp, "--redirects", "3"] + self.write_both())
@@ -133,7 +146,7 @@ class OutputTest(unittest.TestCase):
         self.assertEqual(r.returncode, 1)
         last = r.stderr.strip().splitlines()[-1]
         self.assertRegex(last, r"^dtrain-run: rank \d \(local rank \d, pid \d+\) failed first: it exited with code [45]")
-        self.assertIn(os.path.join(self.tmp, "none", "attempt_0"), last)
+        self.assertIn(os.path.join(run_folder(self.tmp), "attempt_0"), last)
         self.assertIn("stderr.log", last)
 
 

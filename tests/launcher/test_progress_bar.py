@@ -14,7 +14,7 @@ import sys
 import tempfile
 import unittest
 
-from launcher_common import PY, DTRAIN_RUN, clean_env, require_launcher, run
+from launcher_common import PY, DTRAIN_RUN, clean_env, require_launcher, run, run_folder
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
 from pty_screen import Screen, run_on_pty  # noqa: E402
@@ -94,7 +94,7 @@ class ProgressBarTest(unittest.TestCase):
         # --tee 1: the terminal has the bar, rank 0's stdout.log the plain lines, no '\r' at all.
         raw, screen = self.run_pty("--log_dir", self.tmp, "--tee", 1)
         self.assertEqual(len([l for l in screen if "BAR" in l]), 1, "\n".join(screen))
-        with open(os.path.join(self.tmp, "none", "attempt_0", "0", "stdout.log"), "rb") as f:
+        with open(os.path.join(run_folder(self.tmp), "attempt_0", "0", "stdout.log"), "rb") as f:
             log = f.read()
         self.assertNotIn(b"\r", log)
         self.assertNotIn(b"\v", log)
@@ -113,7 +113,7 @@ class ProgressBarTest(unittest.TestCase):
         # --redirects 1: rank 0's stdout goes to the log file only, so there is no bar to draw.
         raw, screen = self.run_pty("--log_dir", self.tmp, "--redirects", 1)
         self.assertNotIn(b"BAR", raw)
-        with open(os.path.join(self.tmp, "none", "attempt_0", "0", "stdout.log"), "rb") as f:
+        with open(os.path.join(run_folder(self.tmp), "attempt_0", "0", "stdout.log"), "rb") as f:
             log = f.read()
         self.assertIn(b"start 0 tty=0", log)
         self.assertNotIn(b"\r", log)

@@ -7,7 +7,7 @@ import signal
 import time
 import unittest
 
-from launcher_common import MarkedTestCase, PY, pids_with_marker, run, start, wait_until
+from launcher_common import MarkedTestCase, PY, pids_with_marker, run, run_folder, start, wait_until
 
 
 class RestartTest(MarkedTestCase):
@@ -30,7 +30,7 @@ class RestartTest(MarkedTestCase):
             seen = sorted(f.read().split("\n")[:-1])
         self.assertEqual(seen, ["0 0 0", "0 1 1", "0 2 2", "1 0 0", "1 1 1", "1 2 2"])
         for attempt in range(3):  # log folders per attempt
-            self.assertTrue(os.path.isdir(f"{self.tmp}/logs/none/attempt_{attempt}/0"), attempt)
+            self.assertTrue(os.path.isdir(f"{run_folder(self.tmp + '/logs')}/attempt_{attempt}/0"), attempt)
         self.assertEqual(pids_with_marker(self.marker), [])
 
     def test_gives_up_after_max_restarts_with_the_last_summary(self):

@@ -5,16 +5,16 @@ import tempfile
 import time
 import unittest
 
-from launcher_common import PY, free_port, listeners, require_launcher, run, start, wait_until
+from launcher_common import PY, clean_env, free_port, listeners, require_launcher, run, start, wait_until
 
 
 class UsageTest(unittest.TestCase):
     def setUp(self):
         require_launcher(self)
 
-    def bad(self, args, *fragments, code=2):
+    def bad(self, args, *fragments, code=2, env=None):
         t0 = time.monotonic()
-        r = run(args, timeout=10)
+        r = run(args, timeout=10, env=env)
         took = time.monotonic() - t0
         self.assertEqual(r.returncode, code, f"{args}: {r.stderr}")
         lines = r.stderr.strip().splitlines()
@@ -28,7 +28,7 @@ class UsageTest(unittest.TestCase):
 
     def test_bad_values(self):
         self.assertEqual(self.bad(["--nproc_per_node", "0", "true"]),
-                         "dtrain-run: --nproc_per_node must be a positive integer or 'auto', got '0'")
+                         "dtrain-run: --nproc_per_node must be a positive integer, auto, cpu or gpu, got '0'")
         self.bad(["--nproc_per_node", "two", "true"], "'two'")
         self.bad(["--nproc_per_node", "-1", "true"], "'-1'")
         self.bad(["--nnodes", "0", "true"], "--nnodes", "'0'")
@@ -47,10 +47,51 @@ class UsageTest(unittest.TestCase):
         self.bad(["--monitor_interval", "3601", "true"], "--monitor_interval", "'3601'")
         self.bad(["-t", "7", "--log_dir", "/tmp", "true"], "--tee", "'7'")
         self.bad(["--redirects", "4", "--log_dir", "/tmp", "true"], "--redirects", "'4'")
-        self.bad(["--tee", "1", "true"], "--tee", "--log_dir")
         self.bad(["--standalone", "--nnodes", "2", "true"], "--standalone", "--nnodes")
         for addr in ("0.0.0.0", "::", "[::]", "0"):
             self.bad(["--master_addr", addr, "true"], f"--master_addr {addr} is the wildcard address", "127.0.0.1")
+
+    def test_torchrun_flags_dtrain_run_does_not_take(self):
+        # -m: dtrain-run starts programs; the line says why and what to write instead.
+        for m in ("-m", "--module"):
+            self.assertEqual(self.bad([m, "pkg.train"]),
+                             f"dtrain-run: {m} is torchrun's and dtrain-run does not take it: it runs a Python module "
+                             "(python -m) and dtrain-run starts programs, not modules: give the program instead, "
+                             "e.g. dtrain-run [OPTIONS] python3 -m MODULE ARGS")
+        self.bad(["true"], "--module", env=clean_env(PET_MODULE="1"))
+        # Any other torchrun flag, in either spelling, named with what to use instead.
+        self.bad(["--start-method", "spawn", "true"], "--start-method is torchrun's", "drop it")
+        self.bad(["--shutdown_timeout", "5", "true"], "--shutdown_timeout is torchrun's", "--grace_period")
+        self.bad(["--log-line-prefix-template", "x", "true"], "--log-line-prefix-template", "[rank N]")
+
+    def test_bad_torchrun_values(self):
+        self.bad(["--nproc_per_node", "tpu", "true"], "--nproc_per_node", "auto, cpu or gpu", "'tpu'")
+        self.bad(["--nproc_per_node", "gpu", "true"], "--nproc_per_node gpu", "give a number, cpu or auto",
+                 env=clean_env(CUDA_VISIBLE_DEVICES=""))
+        self.bad(["--rdzv_backend", "etcd", "true"], "--rdzv_backend must be static or c10d, got 'etcd'")
+        self.bad(["--rdzv_conf", "join_timeout=soon", "true"], "--rdzv_conf join_timeout=soon",
+                 "a number of seconds > 0")
+        self.bad(["--rdzv_conf", "is_host=maybe", "true"], "--rdzv_conf is_host=maybe", "1")
+        self.bad(["--rdzv_conf", "keep_alive=5", "true"], "'keep_alive'", "join_timeout")
+        self.bad(["--rdzv_conf", "join_timeout=5", "--rdzv_timeout", "5", "true"], "give one of them")
+        self.bad(["--rdzv_endpoint", "host:http", "true"], "--rdzv_endpoint 'host:http'", "0..65535")
+        self.bad(["--rdzv_backend", "c10d", "--rdzv_endpoint", "node0:0", "--nnodes", "2", "true"],
+                 "port 0", "one node only")
+        self.bad(["--local_ranks_filter", "0,x", "true"], "--local_ranks_filter", "'0,x'")
+        self.bad(["--rdzv_backend", "c10d", "--rdzv_endpoint", "0.0.0.0:29400", "--nnodes", "2", "true"],
+                 "--rdzv_endpoint 0.0.0.0:29400 is the wildcard address")
+        # A PET_ variable's bad value is the flag's error, saying where it came from.
+        self.assertEqual(self.bad(["true"], env=clean_env(PET_NNODES="two")),
+                         "dtrain-run: --nnodes must be a positive integer or MIN:MAX, got 'two' (from the environment: "
+                         "PET_NNODES=two)")
+        self.bad(["true"], "PET_STANDALONE='yes'", "integer", env=clean_env(PET_STANDALONE="yes"))
+
+    def test_torchrun_spellings_are_accepted(self):
+        r = run(["--standalone", "--no-python", "--no_python", "--nproc-per-node", "1", "--rdzv-backend", "static", "--role", "",
+                 "--local-addr", "me", "--local-ranks-filter", "0", "--rdzv-conf", "close_timeout=5,read_timeout=9",
+                 "sh", "-c", 'echo "role=[$ROLE_NAME]"'])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout, "[rank 0] role=[]\n")
 
     def test_unknown_flag_before_program(self):
         self.bad(["--nproc_per_node", "2", "--bogus_flag", "true"], "'--bogus_flag'")

@@ -19,7 +19,7 @@ std::vector<WorkerSpec> make_worker_specs(const LaunchOptions& o, uint16_t maste
   base["LOCAL_WORLD_SIZE"] = std::to_string(local_world);
   base["GROUP_RANK"] = base["NODE_RANK"] = std::to_string(o.node_rank);
   base["GROUP_WORLD_SIZE"] = std::to_string(o.nnodes);
-  base["ROLE_NAME"] = "default";
+  base["ROLE_NAME"] = o.role;
   base["ROLE_WORLD_SIZE"] = std::to_string(world);
   base["MASTER_ADDR"] = o.master_addr;
   base["MASTER_PORT"] = std::to_string(master_port);

@@ -3,7 +3,7 @@
 // Each worker gets (global rank = node_rank * nproc_per_node + local_rank):
 //   RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK and NODE_RANK (= node_rank),
 //   GROUP_WORLD_SIZE (= nnodes), ROLE_RANK (= RANK), ROLE_WORLD_SIZE (= WORLD_SIZE),
-//   ROLE_NAME=default, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID and DTRAIN_RUN_ID,
+//   ROLE_NAME (= --role, default "default"), MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID and DTRAIN_RUN_ID,
 //   TORCHELASTIC_RESTART_COUNT and DTRAIN_RESTART_COUNT (= attempt), TORCHELASTIC_MAX_RESTARTS and
 //   DTRAIN_MAX_RESTARTS, DTRAIN_AGENT_STORE=1 (the launcher hosts the store at
 //   MASTER_ADDR:MASTER_PORT: workers connect as clients, rank 0 must NOT serve its own), and

@@ -16,6 +16,7 @@
 //      waits (bounded) for every node to finish before its store goes away. Exit 0, 1 or 128+signo.
 // With --nnodes MIN:MAX (elastic.h) steps 3-5 follow node 0's elastic rendezvous instead
 // (run_elastic: who hosts, one transition line per attempt, node 0's decision after each).
+#include "common/env.h"
 #include "common/util.h"
 #include "elastic.h"
 #include "flight.h"
@@ -28,8 +29,10 @@
 
 #include <signal.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -95,7 +98,50 @@ bool job_wide_outcome(NodeRendezvous& rdzv, const LaunchOptions& o, int attempt,
   return true;
 }
 
+// The name other nodes are told this node by: --local_addr, else the host name.
+std::string node_name(const LaunchOptions& o) {
+  return o.local_addr.empty() ? dtrain::util::host_name() : o.local_addr;
+}
+
+// Note [Names that resolve late] (src/store/resolve.cpp): before node 0 binds the master's name and the
+// others connect to it, a name that does not resolve yet (a pod's DNS record) is waited for, within
+// --rdzv_timeout, with one line. Signals are not blocked yet, so Ctrl-C ends the wait.
+void wait_for_master_name(const LaunchOptions& o) {
+  dtrain::store::resolve_waiting(o.master_addr, uint16_t(o.master_port),
+                                 dtrain::util::millis_of_seconds(o.rdzv_timeout),
+                                 o.c10d ? "--rdzv_endpoint" : "--master_addr", say);
+}
+
+// A folder made with mkdtemp from `pattern` (ending in XXXXXX).
+std::string make_temp_folder(const std::string& pattern) {
+  std::string path = pattern;
+  if (!mkdtemp(path.data()))
+    throw std::runtime_error("cannot create the log folder '" + pattern + "': " + std::strerror(errno) +
+                             " (choose another --log_dir)");
+  return path;
+}
+
+// torchrun's log layout: every attempt's files under <log_dir>/<run_id>_<random>/ (a fresh folder, so
+// two runs with one --run_id never mix); --tee or --redirects without --log_dir write to a new folder
+// under TMPDIR, as torchrun does, and say where.
+void prepare_log_dir(LaunchOptions& o) {
+  if (o.log_dir.empty() && !o.tee && !o.redirects) return;
+  if (o.log_dir.empty()) {
+    o.log_dir = make_temp_folder(dtrain::env::text("TMPDIR").value_or("/tmp") + "/dtrain-run_XXXXXX");
+    say("the log files of --tee/--redirects go to " + o.log_dir + " (no --log_dir was given)");
+  }
+  for (size_t pos = 1; pos <= o.log_dir.size(); ++pos) {  // mkdir -p
+    if (pos != o.log_dir.size() && o.log_dir[pos] != '/') continue;
+    const std::string part = o.log_dir.substr(0, pos);
+    if (mkdir(part.c_str(), 0755) != 0 && errno != EEXIST)
+      throw std::runtime_error("cannot create log directory '" + part + "': " + std::strerror(errno) +
+                               " (choose another --log_dir)");
+  }
+  o.run_log_dir = make_temp_folder(o.log_dir + "/" + o.run_id + "_XXXXXX");
+}
+
 int run(const LaunchOptions& o) {
+  if (o.nnodes > 1) wait_for_master_name(o);
   // 2.
   signal(SIGPIPE, SIG_IGN);
   sigset_t all = handled_signals(true), terminating = handled_signals(false);
@@ -112,7 +158,7 @@ int run(const LaunchOptions& o) {
     const auto timeout = dtrain::util::millis_of_seconds(o.rdzv_timeout);
     if (o.secret.empty()) say(open_store_warning(o));
     rdzv.emplace(o.master_addr, port, timeout, o.secret);
-    rdzv->join(NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, o.max_restarts, dtrain::util::host_name()}, say);
+    rdzv->join(NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, o.max_restarts, node_name(o)}, say);
     if (!server) rdzv->watch_host(silent_host_after(dtrain::util::millis_of_seconds(o.monitor_interval)));
     pthread_sigmask(SIG_BLOCK, &terminating, nullptr);
   }
@@ -168,6 +214,7 @@ int run(const LaunchOptions& o) {
 // --nnodes MIN:MAX (elastic.h; protocol steps E1-E8 in rendezvous.h). Every attempt runs the group
 // node 0 formed; after it, node 0's decision says: done, restart with a new group, or stop.
 int run_elastic(const LaunchOptions& given) {
+  wait_for_master_name(given);
   signal(SIGPIPE, SIG_IGN);
   sigset_t all = handled_signals(true), terminating = handled_signals(false);
   sigprocmask(SIG_BLOCK, &all, nullptr);
@@ -197,7 +244,7 @@ int run_elastic(const LaunchOptions& given) {
   if (given.secret.empty() && !warned) say(open_store_warning(given));
   const auto timeout = dtrain::util::millis_of_seconds(given.rdzv_timeout);
   NodeRendezvous rdzv(given.master_addr, port, timeout, given.secret);
-  const std::string hostname = dtrain::util::host_name();
+  const std::string hostname = node_name(given);
   rdzv.set_hostname(hostname);
   ElasticOptions eo;
   eo.min_nodes = given.min_nodes;
@@ -269,10 +316,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   // A terminal that shows rank 0's stdout gets its progress bar drawn in place (Note [Launcher bar]).
-  options.progress_bar =
-      isatty(STDOUT_FILENO) && (options.log_dir.empty() || !(options.redirects & kStdOut) || (options.tee & kStdOut));
+  options.progress_bar = isatty(STDOUT_FILENO) && (!(options.redirects & kStdOut) || (options.tee & kStdOut));
   if (!options.slurm_note.empty() && options.node_rank == 0) say(options.slurm_note);
+  if (!options.launch_note.empty() && options.node_rank == 0) say(options.launch_note);
   try {
+    prepare_log_dir(options);
     return options.elastic ? run_elastic(options) : run(options);
   } catch (const std::exception& e) {
     say(e.what());

@@ -14,6 +14,7 @@
 #include <map>
 
 #include "common/env.h"
+#include "cluster.h"
 #include "common/util.h"
 #include "secret.h"
 #include "slurm_step.h"
@@ -163,15 +164,6 @@ class NumericValues {
   std::map<std::string, std::string> values_;
 };
 
-// --nproc_per_node: a count or 'auto' (the online cores).
-int parse_nproc(const std::string& nproc) {
-  long long v = 0;
-  if (nproc == "auto") return online_cores();
-  if (!parse_int(nproc, &v) || v < 1 || v > 4096)
-    throw UsageError("--nproc_per_node must be a positive integer or 'auto', got '" + nproc + "'");
-  return static_cast<int>(v);
-}
-
 // --nnodes: N, or torchrun's MIN:MAX for an elastic job (nnodes is then MAX until the rendezvous).
 void parse_nnodes(const std::string& nnodes, LaunchOptions& o) {
   long long v = 0;
@@ -201,14 +193,21 @@ namespace {
 
 // The values CLI11 fills in: text flags go straight into LaunchOptions, the others are checked after.
 struct Given {
-  std::string nproc = "1", nnodes = "1", run_id, rdzv_conf;
+  std::string nproc = "1", nnodes = "1", run_id, rdzv_conf, rdzv_backend = "static", rdzv_endpoint, ranks_filter;
+  bool no_python = false;  // accepted: dtrain-run starts programs, never `python` in front of them
   NumericValues numbers;
+  std::vector<const CLI::Option*> on_command_line;  // the options given before the program
+  std::vector<std::string> from_environment;        // "PET_NNODES=2": defaults torchrun's way (cluster.h)
 };
 
 // Every flag, in --help's order.
 void add_flags(CLI::App& app, LaunchOptions& o, Given& g) {
-  app.footer("Usage: dtrain-run [OPTIONS] PROGRAM [ARGS...]   (everything after PROGRAM goes to it)");
-  app.add_option("--nproc_per_node,--nproc-per-node", g.nproc, "workers per node: a number or 'auto' (= CPU cores)");
+  app.footer(
+      "Usage: dtrain-run [OPTIONS] PROGRAM [ARGS...]   (everything after PROGRAM goes to it)\n"
+      "Each of torchrun's flags takes its default from PET_<FLAG> (e.g. PET_NNODES, PET_NPROC_PER_NODE), as torchrun "
+      "does; the flag wins.");
+  app.add_option("--nproc_per_node,--nproc-per-node", g.nproc,
+                 "workers per node: a number, cpu (the CPUs), gpu (the GPUs) or auto (GPUs if any, else CPUs)");
   app.add_option("--nnodes", g.nnodes, "number of nodes N, or MIN:MAX for an elastic job (default 1)");
   g.numbers.add(app, kNodeRank);
   app.add_option("--master_addr,--master-addr", o.master_addr,
@@ -217,19 +216,33 @@ void add_flags(CLI::App& app, LaunchOptions& o, Given& g) {
   app.add_flag("--standalone", o.standalone, "single node on 127.0.0.1 with a free port");
   for (const NumericFlag& f : kTimings) g.numbers.add(app, f);
   app.add_option("--log_dir,--log-dir", o.log_dir,
-                 "write <log_dir>/<run_id>/attempt_<restart>/<rank>/{stdout,stderr}.log");
+                 "write <log_dir>/<run_id>_<random>/attempt_<restart>/<local_rank>/{stdout,stderr}.log "
+                 "(--tee/--redirects without it: a new folder under TMPDIR)");
   for (const NumericFlag& f : kStreams) g.numbers.add(app, f);
   app.add_flag("--use_local_rank_arg,--use-local-rank-arg", o.use_local_rank_arg,
                "pass --local_rank=N as the program's first argument");
   app.add_option("--run_id,--run-id,--rdzv_id,--rdzv-id", g.run_id,
                  "job id exported as TORCHELASTIC_RUN_ID (default none)");
   app.add_option("--rdzv_conf,--rdzv-conf", g.rdzv_conf,
-                 "KEY=VALUE,...: secret_file=PATH, the job secret every node's launcher shares (a mode-0600 file)");
+                 "KEY=VALUE,...: join_timeout, last_call_timeout, close_timeout, read_timeout (seconds), is_host "
+                 "(0/1), secret_file=PATH (the job secret every node's launcher shares, a mode-0600 file)");
+  app.add_option("--rdzv_backend,--rdzv-backend", g.rdzv_backend,
+                 "static (default: --node_rank says who is who) or c10d (node ranks assigned in the rendezvous)");
+  app.add_option("--rdzv_endpoint,--rdzv-endpoint", g.rdzv_endpoint,
+                 "HOST[:PORT] of the rendezvous store (c10d: port 29400 unless given; static: instead of "
+                 "--master_addr/--master_port)");
+  app.add_option("--role", o.role, "the workers' ROLE_NAME (default 'default')");
+  app.add_option("--local_addr,--local-addr", o.local_addr,
+                 "the name this node gives the others in messages (default: its host name)");
+  app.add_option("--local_ranks_filter,--local-ranks-filter", g.ranks_filter,
+                 "LOCAL,...: only these local ranks' output on the console (the log files keep all)");
+  app.add_flag("--no_python,--no-python", g.no_python,
+               "accepted for torchrun's command lines: programs always run as given");
 }
 
 // Step 1: the launcher's arguments (a flag and its value), up to the program; the program and its
 // arguments go into `o`.
-std::vector<std::string> split_at_program(const CLI::App& app, int argc, char** argv, LaunchOptions& o) {
+std::vector<std::string> split_at_program(const CLI::App& app, int argc, char** argv, LaunchOptions& o, Given& g) {
   std::vector<std::string> launcher_args;
   int i = 1;
   for (; i < argc; ++i) {
@@ -243,10 +256,13 @@ std::vector<std::string> split_at_program(const CLI::App& app, int argc, char** 
     if (a.size() < 2 || a[0] != '-') break;  // the program
     std::string name = a.substr(0, a.find('='));
     const CLI::Option* opt = app.get_option_no_throw(name);
-    if (!opt)
+    if (!opt) {
+      refuse_torchrun_only_flag(name);  // a torchrun flag: its own line, saying what to use
       throw UsageError("unknown option '" + name +
                        "' before the program (see dtrain-run --help; options after the program go to it)");
+    }
     launcher_args.push_back(a);
+    g.on_command_line.push_back(opt);
     if (a.find('=') == std::string::npos && opt->get_items_expected_max() > 0) {  // takes a value
       if (i + 1 >= argc) throw UsageError(name + " needs a value");
       launcher_args.push_back(argv[++i]);
@@ -268,9 +284,17 @@ void check_values(Given& g, LaunchOptions& o) {
   g.numbers.check(kMasterPort, o);
   for (const NumericFlag& f : kTimings) g.numbers.check(f, o);
   for (const NumericFlag& f : kStreams) g.numbers.check(f, o);
-  if ((o.redirects || o.tee) && o.log_dir.empty())
-    throw UsageError(std::string(o.redirects ? "--redirects" : "--tee") +
-                     " needs --log_dir DIR to write the log files to");
+  if (g.rdzv_backend != "static" && g.rdzv_backend != "c10d")
+    throw UsageError("--rdzv_backend must be static or c10d, got '" + g.rdzv_backend +
+                     "' (etcd and etcd-v2 need an etcd server: use c10d, whose store dtrain-run hosts)");
+  o.c10d = g.rdzv_backend == "c10d";
+  for (const std::string& item :
+       g.ranks_filter.empty() ? std::vector<std::string>{} : util::split(g.ranks_filter, ',')) {
+    if (!util::is_digits(item) || item.size() > 6)
+      throw UsageError("--local_ranks_filter must be local ranks separated by commas (e.g. 0,1), got '" +
+                       g.ranks_filter + "'");
+    o.local_ranks_filter.push_back(std::stoi(item));
+  }
   if (o.master_addr.empty()) throw UsageError("--master_addr must not be empty (e.g. --master_addr 127.0.0.1)");
   if (util::is_wildcard_address(o.master_addr))
     throw UsageError("--master_addr " + o.master_addr +
@@ -282,17 +306,58 @@ void check_values(Given& g, LaunchOptions& o) {
     throw UsageError("--run_id must not contain '/', got '" + o.run_id + "'");
 }
 
+// --rdzv_endpoint, --rdzv_conf's timeouts (Note [torchrun's command line] in cluster.h).
+void apply_rendezvous_form(const CLI::App& app, Given& g, LaunchOptions& o) {
+  if (!g.rdzv_endpoint.empty() || o.c10d) {
+    parse_endpoint(g.rdzv_endpoint, o.c10d ? 29400 : o.master_port, &o.master_addr, &o.master_port);
+    if (util::is_wildcard_address(o.master_addr))
+      throw UsageError("--rdzv_endpoint " + g.rdzv_endpoint +
+                       " is the wildcard address, not the rendezvous host's: give that host's name or address");
+  }
+  if (o.join_timeout > 0) {
+    if (app.count("--rdzv_timeout") > 0)
+      throw UsageError("--rdzv_timeout and --rdzv_conf join_timeout say the same thing: give one of them");
+    o.rdzv_timeout = o.join_timeout;
+  } else if (o.c10d && app.count("--rdzv_timeout") == 0) {
+    o.rdzv_timeout = 600;  // torchrun's join_timeout
+  }
+  if (o.last_call_timeout >= 0) {
+    if (app.count("--rdzv_last_call") > 0)
+      throw UsageError("--rdzv_last_call and --rdzv_conf last_call_timeout say the same thing: give one of them");
+    o.rdzv_last_call = o.last_call_timeout;
+  }
+}
+
+// --rdzv_backend c10d on several nodes: the elastic form, MIN = MAX for --nnodes N; no --node_rank
+// (torchrun ignores it there), but is_host=1 hosts and is_host=0 never does.
+void as_c10d_rendezvous(Given& g, LaunchOptions& o) {
+  if (o.master_port == 0)
+    throw UsageError("--rdzv_endpoint " + g.rdzv_endpoint +
+                     ": port 0 (a free port) works on one node only; give the port every node can reach");
+  if (!o.elastic) o.min_nodes = o.max_nodes = o.nnodes;
+  o.elastic = true;
+  o.node_rank_given = o.is_host >= 0;
+  o.node_rank = o.is_host == 0 ? 1 : 0;
+}
+
 // Step 4, before --standalone's own settings (in a step of several tasks it is an error), then the
 // checks of the node count against the node rank and --standalone.
 void apply_placement(const CLI::App& app, Given& g, LaunchOptions& o) {
+  apply_rendezvous_form(app, g, o);
   GivenFlags given;
   given.nnodes = app.count("--nnodes") > 0;
   given.node_rank = app.count("--node_rank") > 0;
   given.standalone = o.standalone;
   given.master_addr = app.count("--master_addr") > 0;
   given.master_port = app.count("--master_port") > 0;
-  o.node_rank_given = given.node_rank;
+  o.node_rank_given = given.node_rank && !o.c10d;
   apply_slurm_step(o, given, env::process());
+  if (o.slurm_note.empty()) {
+    const bool placed = given.nnodes || given.node_rank || given.standalone || given.master_addr || given.master_port ||
+                        app.count("--rdzv_endpoint") > 0 || app.count("--rdzv_backend") > 0;
+    o.launch_note = apply_pod_environment(o, !placed, env::process());
+  }
+  if (o.c10d && !o.standalone && (o.elastic || o.nnodes > 1)) as_c10d_rendezvous(g, o);
   const std::string& nnodes = g.nnodes;
   if (o.elastic && !o.slurm_note.empty())
     throw UsageError("--nnodes " + nnodes +
@@ -304,6 +369,7 @@ void apply_placement(const CLI::App& app, Given& g, LaunchOptions& o) {
     throw UsageError("--node_rank " + g.numbers.given(kNodeRank) + " is out of range for --nnodes " + nnodes +
                      ": node ranks go from 0 to " + std::to_string(o.nnodes - 1));
   if (o.standalone) {
+    o.c10d = false;
     if (o.nnodes != 1)
       throw UsageError("--standalone runs one node, but --nnodes is " + nnodes + " (drop one of them)");
     o.master_addr = "127.0.0.1";
@@ -321,7 +387,9 @@ LaunchOptions parse_options(int argc, char** argv) {
       "(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...).",
       "dtrain-run"};
   add_flags(app, o, g);
-  std::vector<std::string> launcher_args = split_at_program(app, argc, argv, o);
+  std::vector<std::string> launcher_args = split_at_program(app, argc, argv, o, g);
+  for (std::string& a : pet_defaults(app, g.on_command_line, env::process(), &g.from_environment))
+    launcher_args.push_back(std::move(a));
   // 2. CLI11 parses the launcher part (it expects the arguments in reverse order).
   std::vector<std::string> reversed(launcher_args.rbegin(), launcher_args.rend());
   try {
@@ -329,9 +397,14 @@ LaunchOptions parse_options(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     throw UsageError(e.what());
   }
-  check_values(g, o);
-  apply_placement(app, g, o);
-  resolve_job_secret(o);  // once the node count is known
+  try {
+    check_values(g, o);
+    apply_placement(app, g, o);
+    resolve_job_secret(o);  // once the node count is known
+  } catch (const UsageError& e) {
+    if (g.from_environment.empty()) throw;
+    throw UsageError(std::string(e.what()) + " (from the environment: " + util::join(g.from_environment, " ") + ")");
+  }
   // 3. The program must exist now, not after the rendezvous.
   o.program_path = resolve_program(o.program);
   return o;

@@ -4,13 +4,17 @@
 //   1. Split argv at the program: the first argument that is not a launcher flag or a flag's value
 //      (or the one after `--`). Everything from the program on is passed to it untouched, so
 //      `dtrain-run --nproc_per_node 2 prog --lr 0.1 --nproc_per_node 7` gives prog the last four.
-//      An unknown flag before the program is a usage error naming it.
-//   2. CLI11 parses the launcher's part; values are then checked: each numeric flag against its row
+//      An unknown flag before the program is a usage error naming it (a torchrun-only one with what
+//      to use instead, cluster.h).
+//   2. Each torchrun flag not on the command line takes its PET_<FLAG> value when set (cluster.h).
+//      CLI11 parses the launcher's part; values are then checked: each numeric flag against its row
 //      of options.cpp's flag table (its range and the rule its error states), then the ones that
 //      depend on each other (node_rank < nnodes, redirects/tee needing --log_dir, ...).
 //   3. The program is looked up in PATH here, so a missing program fails before anything starts.
-//   4. Inside an srun step of several tasks, the step decides --nnodes, --node_rank and the master
-//      (slurm_step.h); a flag that contradicts it is a usage error.
+//   4. --rdzv_endpoint and --rdzv_conf's timeouts; inside an srun step of several tasks, the step
+//      decides --nnodes, --node_rank and the master (slurm_step.h), a flag that contradicts it being a
+//      usage error; else in a Kubeflow PyTorchJob pod its WORLD_SIZE/RANK/MASTER_* when nothing else
+//      placed the job; then --rdzv_backend c10d on several nodes becomes the elastic form (cluster.h).
 // Every problem is a UsageError with one line: the flag, the value given, the remedy.
 #pragma once
 
@@ -55,6 +59,16 @@ struct LaunchOptions {
   int tee = kStdNone;             // streams sent to the log files and the console
   bool use_local_rank_arg = false;
   std::string run_id = "none";  // torchrun's default rdzv id
+  // torchrun's rendezvous form (cluster.h, Note [torchrun's command line]).
+  bool c10d = false;                    // --rdzv_backend c10d: node ranks come from the rendezvous
+  std::string role = "default";         // --role, the workers' ROLE_NAME
+  std::string local_addr;               // --local_addr: the name this node gives the others (default: host name)
+  std::vector<int> local_ranks_filter;  // --local_ranks_filter: the local ranks shown on the console (empty: all)
+  // --rdzv_conf's join_timeout and last_call_timeout in seconds (< 0: not given), is_host (-1 not given, 0, 1).
+  double join_timeout = -1, last_call_timeout = -1;
+  int is_host = -1;
+  std::string run_log_dir;  // <log_dir>/<run_id>_<random>, made when the job starts (main.cpp)
+  std::string launch_note;  // node 0's line when the environment placed the job (cluster.h)
   // --rdzv_conf secret_file=PATH, and the job secret (secret.h): "" when the job runs open.
   std::string secret_file;
   std::string secret;

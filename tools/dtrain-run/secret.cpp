@@ -59,23 +59,6 @@ std::string read_secret_file(const std::string& path) {
 
 }  // namespace
 
-void parse_rdzv_conf(const std::string& conf, LaunchOptions& o) {
-  size_t from = 0;
-  while (from <= conf.size()) {
-    const size_t comma = std::min(conf.find(',', from), conf.size());
-    const std::string item = conf.substr(from, comma - from);
-    from = comma + 1;
-    if (item.empty()) continue;
-    const size_t eq = item.find('=');
-    const std::string key = item.substr(0, eq);
-    if (eq == std::string::npos || eq + 1 == item.size())
-      throw UsageError("--rdzv_conf " + item + ": give KEY=VALUE (e.g. --rdzv_conf secret_file=PATH)");
-    if (key != "secret_file")
-      throw UsageError("--rdzv_conf key '" + key + "' is not one dtrain-run takes (it takes secret_file=PATH)");
-    o.secret_file = item.substr(eq + 1);
-  }
-}
-
 void resolve_job_secret(LaunchOptions& o) {
   if (!o.secret_file.empty()) {
     o.secret = read_secret_file(o.secret_file);

@@ -19,10 +19,6 @@
 
 namespace dtrain::run {
 
-// Reads --rdzv_conf's KEY=VALUE,... list into `o` (o.secret_file); a key it does not know is a
-// usage error naming it.
-void parse_rdzv_conf(const std::string& conf, LaunchOptions& o);
-
 // Sets o.secret by the rules above, after the node count is known. Throws UsageError.
 void resolve_job_secret(LaunchOptions& o);
 

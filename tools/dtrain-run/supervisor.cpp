@@ -84,8 +84,8 @@ Supervisor::~Supervisor() {
   }
 }
 
-std::string Supervisor::log_path(int attempt, int rank) const {
-  return opts_.log_dir + "/" + opts_.run_id + "/attempt_" + std::to_string(attempt) + "/" + std::to_string(rank);
+std::string Supervisor::log_path(int attempt, int local_rank) const {
+  return opts_.run_log_dir + "/attempt_" + std::to_string(attempt) + "/" + std::to_string(local_rank);
 }
 
 void Supervisor::start_workers(int attempt) {
@@ -104,13 +104,16 @@ void Supervisor::start_workers(int attempt) {
     int out_log = -1, err_log = -1;
     bool out_console = true, err_console = true;
     if (!opts_.log_dir.empty()) {
-      const std::string dir = log_path(attempt, w->spec.rank);
+      const std::string dir = log_path(attempt, w->spec.local_rank);
       make_log_folders(opts_.log_dir, dir);
       out_log = open_log(dir + "/stdout.log");
       err_log = open_log(dir + "/stderr.log");
       out_console = !(opts_.redirects & kStdOut) || (opts_.tee & kStdOut);
       err_console = !(opts_.redirects & kStdErr) || (opts_.tee & kStdErr);
     }
+    const auto& shown = opts_.local_ranks_filter;  // --local_ranks_filter: the console only
+    if (!shown.empty() && std::find(shown.begin(), shown.end(), w->spec.local_rank) == shown.end())
+      out_console = err_console = false;
     w->out = std::make_unique<OutputStream>(w->spec.rank, out_console ? STDOUT_FILENO : -1, out_log, false, &console_,
                                             opts_.progress_bar && w->spec.rank == 0);
     w->err = std::make_unique<OutputStream>(w->spec.rank, err_console ? STDERR_FILENO : -1, err_log, true, &console_);
@@ -316,7 +319,7 @@ std::string Supervisor::failure_summary(const Worker& w, int attempt, bool for_r
   std::string s = "rank " + std::to_string(w.spec.rank) + " (local rank " + std::to_string(w.spec.local_rank) +
                   ", pid " + std::to_string(w.pid) + ") failed first: it " + describe_status(w.status);
   if (!opts_.log_dir.empty()) {
-    const std::string dir = log_path(attempt, w.spec.rank);
+    const std::string dir = log_path(attempt, w.spec.local_rank);
     s += "; logs" + std::string(for_remote ? " on that node" : "") + ": " + dir + "/stderr.log and " + dir +
          "/stdout.log";
   } else if (for_remote) {

@@ -69,7 +69,7 @@ class Supervisor {
   void collect_flight_records();  // flight.h, steps 1-3
   void report_flight_records();   // flight.h, step 4
   void drain_pipes();
-  std::string log_path(int attempt, int rank) const;
+  std::string log_path(int attempt, int local_rank) const;
   std::string failure_summary(const Worker& w, int attempt, bool for_remote = false) const;
 
   const LaunchOptions& opts_;

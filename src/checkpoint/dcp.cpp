@@ -1,0 +1,345 @@
+// dcp::save and dcp::load (dtrain/dcp.h): the folder layout of PyTorch's FileSystemWriter, its
+// metadata through dcp_metadata.h, each item a torch.save archive (LibTorch's pickle_save writes
+// the zip format torch.load reads, and pickle_load reads torch.save's).
+#include "dtrain/dcp.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include "checkpoint/dcp_metadata.h"
+#include "checkpoint/dcp_plan.h"
+#include "checkpoint/file_io.h"
+#include "dtrain/errors.h"
+
+namespace dtrain::dcp {
+
+using detail::Item;
+using detail::Metadata;
+using detail::PlanItem;
+using detail::Shape;
+using detail::StorageInfo;
+
+namespace {
+
+constexpr const char* kMetadataFile = ".metadata";
+
+std::string data_file(int rank) { return "__" + std::to_string(rank) + "_0.distcp"; }
+
+// Runs f; its failure becomes a line for the others instead of an exception, so that every rank
+// reaches the next collective.
+template <class F>
+std::string attempt(F&& f) {
+  try {
+    f();
+    return "";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+// The first failure of any member, thrown on every member alike.
+void throw_if_any(const std::string& mine, const Group& group, const std::string& what) {
+  const auto all = all_gather_bytes(mine, group);
+  for (size_t r = 0; r < all.size(); ++r)
+    if (!all[r].empty()) throw Error("dcp::" + what + ": rank " + std::to_string(group.ranks()[r]) + ": " + all[r]);
+}
+
+std::string random_id() {
+  std::random_device rd;
+  std::ostringstream s;
+  s << std::hex << rd() << rd() << rd() << rd();
+  return s.str();
+}
+
+// A tensor as its own torch.save archive: contiguous, on the CPU, and no more storage than it shows
+// (pickle_save writes a view's whole storage).
+std::vector<char> archive_of(const at::Tensor& t) {
+  at::Tensor c = t.detach().to(at::kCPU).contiguous();
+  if (c.storage_offset() != 0 || c.storage().nbytes() != static_cast<size_t>(c.numel() * c.element_size()))
+    c = c.clone();
+  return torch::jit::pickle_save(c);
+}
+
+// This rank's file: the items it was given, back to back; where each went.
+std::vector<std::pair<size_t, StorageInfo>> write_items(const StateDict& sd, const std::vector<PlanItem>& plan,
+                                                        const std::vector<size_t>& mine, const std::string& dir,
+                                                        int rank) {
+  std::vector<std::pair<size_t, StorageInfo>> where;
+  if (mine.empty()) return where;
+  std::string bytes;
+  for (size_t k : mine) {
+    const Entry& e = sd[static_cast<size_t>(plan[k].entry)];
+    const std::vector<char> a = e.is_tensor() ? archive_of(e.tensor) : torch::jit::pickle_save(e.value);
+    where.push_back(
+        {k, StorageInfo{data_file(rank), static_cast<int64_t>(bytes.size()), static_cast<int64_t>(a.size())}});
+    bytes.append(a.data(), a.size());
+  }
+  ckpt::write_atomic(dir + "/" + data_file(rank), bytes);
+  return where;
+}
+
+std::string encode_written(const std::vector<std::pair<size_t, StorageInfo>>& w) {
+  std::string out;
+  for (const auto& [k, info] : w)
+    out += std::to_string(k) + " " + std::to_string(info.offset) + " " + std::to_string(info.length) + "\n";
+  return out;
+}
+
+std::vector<std::pair<size_t, StorageInfo>> decode_written(const std::string& text, int rank) {
+  std::vector<std::pair<size_t, StorageInfo>> w;
+  std::istringstream in(text);
+  size_t k;
+  int64_t offset, length;
+  while (in >> k >> offset >> length) w.push_back({k, StorageInfo{data_file(rank), offset, length}});
+  return w;
+}
+
+}  // namespace
+
+void save(const StateDict& state_dict, const std::string& dir, const Group& group) {
+  const int me = group.rank();
+  // 1.
+  throw_if_any(me == 0 ? attempt([&] {
+                 std::filesystem::create_directories(dir);
+                 std::filesystem::remove(dir + "/" + kMetadataFile);
+               })
+                       : "",
+               group, "save: preparing " + dir);
+  // 2.
+  std::vector<PlanItem> plan;
+  throw_if_any(attempt([&] { plan = detail::plan_of(state_dict); }), group, "save");
+  std::vector<std::vector<PlanItem>> plans;
+  for (const std::string& p : all_gather_bytes(detail::encode_plan(plan), group))
+    plans.push_back(detail::decode_plan(p));
+  const auto writes = detail::assign_writers(plans);  // the same answer, or the same error, everywhere
+  // 3.
+  std::vector<std::pair<size_t, StorageInfo>> written;
+  throw_if_any(attempt([&] { written = write_items(state_dict, plan, writes[static_cast<size_t>(me)], dir, me); }),
+               group, "save");
+  const auto all_written = gather_bytes(encode_written(written), group.ranks()[0], group);
+  std::string failure;
+  if (me == 0) {
+    failure = attempt([&] {
+      std::vector<std::vector<std::pair<size_t, StorageInfo>>> w;
+      for (size_t r = 0; r < all_written.size(); ++r) w.push_back(decode_written(all_written[r], static_cast<int>(r)));
+      Metadata m = detail::metadata_of(plans, w);
+      m.checkpoint_id = dir;
+      m.save_id = random_id();
+      ckpt::write_atomic(dir + "/" + kMetadataFile, detail::encode(m));
+    });
+  }
+  // 4.
+  throw_if_any(failure, group, "save");
+}
+
+namespace {
+
+// The stored items a load reads: one open file per name, each item's bytes checked against the file.
+class Reader {
+ public:
+  explicit Reader(std::string dir) : dir_(std::move(dir)) {}
+  ~Reader() {
+    for (auto& [name, fd] : fds_) close(fd);
+  }
+  std::vector<char> bytes(const Item& item) {
+    const std::string& name = item.storage.relative_path;
+    DTRAIN_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..", "the item '",
+                 item.fqn, "' is stored in '", name, "', not a file of the checkpoint's folder");
+    const std::string path = dir_ + "/" + name;
+    auto it = fds_.find(name);
+    if (it == fds_.end()) {
+      const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      DTRAIN_CHECK(fd >= 0, "cannot open ", path, " (it holds '", item.fqn, "'): ", std::strerror(errno));
+      it = fds_.emplace(name, fd).first;
+    }
+    struct stat st {};
+    fstat(it->second, &st);
+    DTRAIN_CHECK(item.storage.offset + item.storage.length <= st.st_size, path, " is truncated: '", item.fqn,
+                 "' is stored at bytes ", item.storage.offset, "-", item.storage.offset + item.storage.length,
+                 " but the file has ", st.st_size);
+    std::vector<char> out(static_cast<size_t>(item.storage.length));
+    size_t got = 0;
+    while (got < out.size()) {
+      const ssize_t n =
+          pread(it->second, out.data() + got, out.size() - got, item.storage.offset + static_cast<off_t>(got));
+      DTRAIN_CHECK(n > 0, "cannot read ", path, ": ", n < 0 ? std::strerror(errno) : "end of file");
+      got += static_cast<size_t>(n);
+    }
+    return out;
+  }
+  c10::IValue ivalue(const Item& item) {
+    try {
+      return torch::jit::pickle_load(bytes(item));
+    } catch (const c10::Error& e) {
+      throw Error("the item '" + item.fqn + "' in " + dir_ + "/" + item.storage.relative_path + " at byte " +
+                  std::to_string(item.storage.offset) + " is not a torch.save archive: " + e.what_without_backtrace());
+    }
+  }
+
+ private:
+  std::string dir_;
+  std::map<std::string, int> fds_;
+};
+
+std::string shape_text(const Shape& s) {
+  std::string out = "[";
+  for (size_t d = 0; d < s.size(); ++d) out += (d ? ", " : "") + std::to_string(s[d]);
+  return out + "]";
+}
+
+Metadata read_metadata(const std::string& dir) {
+  const std::string path = dir + "/" + kMetadataFile;
+  std::ifstream f(path, std::ios::binary);
+  DTRAIN_CHECK(f, "no checkpoint at ", dir, ": ", path, " is missing (a save that did not finish, or another folder)");
+  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  try {
+    return detail::decode(bytes);
+  } catch (const Error& e) {
+    throw Error(path + ": " + e.what());
+  }
+}
+
+// One copy a load makes: `from`'s overlap into `to`'s, both views.
+struct Copy {
+  at::Tensor to, from;
+};
+
+// The copies that fill one tensor entry from the stored chunks overlapping it.
+void plan_copies(const Entry& e, const detail::TensorMeta& t,
+                 const std::map<std::pair<std::string, Shape>, const Item*>& index, Reader& reader,
+                 std::vector<Copy>& copies) {
+  const std::string key = e.key();
+  const Shape sizes = e.tensor.sizes().vec();
+  const Shape offsets = e.global_shape.empty() ? Shape(sizes.size(), 0) : e.offsets;
+  int64_t covered = 0;
+  for (const auto& c : t.chunks) {
+    Shape lo(sizes.size()), hi(sizes.size());
+    bool empty = false;
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      lo[d] = std::max(offsets[d], c.offsets[d]);
+      hi[d] = std::min(offsets[d] + sizes[d], c.offsets[d] + c.sizes[d]);
+      empty |= hi[d] <= lo[d];
+    }
+    if (empty && !sizes.empty()) continue;
+    auto it = index.find({key, c.offsets});
+    DTRAIN_CHECK(it != index.end(), "the chunk of '", key, "' at ", shape_text(c.offsets), " has no stored item");
+    const c10::IValue v = reader.ivalue(*it->second);
+    DTRAIN_CHECK(v.isTensor() && v.toTensor().sizes().vec() == c.sizes, "the stored chunk of '", key, "' at ",
+                 shape_text(c.offsets), " is not a tensor of sizes ", shape_text(c.sizes));
+    at::Tensor from = v.toTensor(), to = e.tensor;
+    int64_t volume = 1;
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      from = from.narrow(static_cast<int64_t>(d), lo[d] - c.offsets[d], hi[d] - lo[d]);
+      to = to.narrow(static_cast<int64_t>(d), lo[d] - offsets[d], hi[d] - lo[d]);
+      volume *= hi[d] - lo[d];
+    }
+    covered += volume;
+    copies.push_back({to, from});
+  }
+  DTRAIN_CHECK(covered == e.tensor.numel(), "the stored chunks of '", key, "' cover ", covered, " of the ",
+               e.tensor.numel(), " elements this rank loads");
+}
+
+// What a load changes, read in full before any of it is applied.
+struct Prepared {
+  std::vector<Copy> copies;
+  std::vector<std::pair<Entry*, c10::IValue>> values;
+};
+
+Prepared prepare_load(StateDict& sd, const std::string& dir) {
+  const Metadata m = read_metadata(dir);
+  // Every key first: present, of the same kind and whole shape, before anything changes.
+  for (const Entry& e : sd) {
+    const std::string key = e.key();
+    if (!e.is_tensor()) {
+      DTRAIN_CHECK(std::find(m.values.begin(), m.values.end(), key) != m.values.end(), "'", key,
+                   "' is not a value in the checkpoint at ", dir,
+                   m.tensors.count(key) ? " (it is a tensor there)" : " (no such key there)");
+      continue;
+    }
+    auto t = m.tensors.find(key);
+    DTRAIN_CHECK(t != m.tensors.end(), "'", key, "' is not a tensor in the checkpoint at ", dir, " (", m.tensors.size(),
+                 " tensors there", m.tensors.empty() ? "" : ", e.g. '" + m.tensors.begin()->first + "'", ")");
+    const Shape whole = e.global_shape.empty() ? e.tensor.sizes().vec() : e.global_shape;
+    DTRAIN_CHECK(whole == t->second.size, "'", key, "' is ", shape_text(t->second.size), " in the checkpoint at ", dir,
+                 " but ", shape_text(whole), " here");
+  }
+  std::map<std::pair<std::string, Shape>, const Item*> chunk_index;
+  std::map<std::string, const Item*> value_index;
+  for (const Item& item : m.items) {
+    if (item.offsets)
+      chunk_index[{item.fqn, *item.offsets}] = &item;
+    else
+      value_index[item.fqn] = &item;
+  }
+  // Then every piece read; load() copies them once every rank has read its own.
+  Reader reader(dir);
+  Prepared p;
+  for (Entry& e : sd) {
+    const std::string key = e.key();
+    if (e.is_tensor()) {
+      plan_copies(e, m.tensors.at(key), chunk_index, reader, p.copies);
+    } else {
+      auto it = value_index.find(key);
+      DTRAIN_CHECK(it != value_index.end(), "the value '", key, "' has no stored item in ", dir);
+      p.values.push_back({&e, reader.ivalue(*it->second)});
+    }
+  }
+  return p;
+}
+
+}  // namespace
+
+void load(StateDict& state_dict, const std::string& dir, const Group& group) {
+  // All or nothing on every rank: a failure anywhere leaves every rank's state dict as it was.
+  Prepared p;
+  throw_if_any(attempt([&] { p = prepare_load(state_dict, dir); }), group, "load");
+  at::NoGradGuard no_grad;
+  for (Copy& c : p.copies) c.to.copy_(c.from);
+  for (auto& [e, v] : p.values) e->value = std::move(v);
+}
+
+std::string flat_key(const Path& path) {
+  std::string s;
+  for (const auto& e : path)
+    s += (s.empty() ? "" : ".") +
+         (std::holds_alternative<int64_t>(e) ? std::to_string(std::get<int64_t>(e)) : std::get<std::string>(e));
+  return s;
+}
+
+Entry Entry::whole(Path path, at::Tensor tensor) {
+  Entry e;
+  e.path = std::move(path);
+  e.tensor = std::move(tensor);
+  return e;
+}
+
+Entry Entry::chunk(Path path, at::Tensor tensor, std::vector<int64_t> global_shape, std::vector<int64_t> offsets) {
+  Entry e = whole(std::move(path), std::move(tensor));
+  e.global_shape = std::move(global_shape);
+  e.offsets = std::move(offsets);
+  return e;
+}
+
+Entry Entry::of_value(Path path, c10::IValue value) {
+  Entry e;
+  e.path = std::move(path);
+  e.value = std::move(value);
+  return e;
+}
+
+}  // namespace dtrain::dcp

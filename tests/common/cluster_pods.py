@@ -1,0 +1,54 @@
+"""Pods for the cluster tests: network namespaces (netns_hosts.Hosts) whose processes run in a mount
+namespace of their own, with their own /etc/hosts and resolv.conf, which the test edits while they run,
+as a cluster's DNS learns the rank-0 pod's name late. Python 3 stdlib; needs root.
+
+torchx_command() writes TorchX's dist.ddp command line (meta-pytorch/torchx, torchx/components/dist.py)."""
+import os
+import shlex
+import subprocess
+
+
+def torchx_command(torchrun, script, app_id, nnodes, nproc, *script_args, rdzv_port=29500):
+    """The bash command line TorchX's dist.ddp component writes: the endpoint unquoted so that bash
+    expands $TORCHX_RANK0_HOST (or localhost:0 for one node), every other argument shlex-quoted,
+    `--role ''` included."""
+    # One node: a free port on localhost; several: the rank-0 host the scheduler names.
+    single = str(nnodes).split(":")[-1] == "1"
+    endpoint = "localhost:0" if single else f"${{TORCHX_RANK0_HOST:=localhost}}:{rdzv_port}"
+    args = [torchrun, "--rdzv_backend", "c10d", "--rdzv_endpoint", None, "--rdzv_id", app_id, "--nnodes", str(nnodes),
+            "--nproc_per_node", str(nproc), "--tee", "3", "--role", "", script, *[str(a) for a in script_args]]
+    return " ".join(endpoint if a is None else shlex.quote(a) for a in args)
+
+
+class PodNames:
+    """Pod i's /etc/hosts and resolv.conf in `folder` (a resolver that answers nothing, at once)."""
+
+    def __init__(self, folder, n):
+        self.files = []
+        for i in range(n):
+            hosts, resolv = os.path.join(folder, f"hosts{i}"), os.path.join(folder, f"resolv{i}")
+            with open(hosts, "w") as f:
+                f.write("127.0.0.1 localhost\n")
+            with open(resolv, "w") as f:
+                f.write("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+            self.files.append((hosts, resolv))
+
+    def argv(self, i, command):
+        """argv running the shell `command` (bash) with pod i's name files."""
+        hosts, resolv = self.files[i]
+        return ["unshare", "--mount", "sh", "-c",
+                f"mount --bind {hosts} /etc/hosts && mount --bind {resolv} /etc/resolv.conf && exec bash -c "
+                + shlex.quote(command)]
+
+    def publish(self, addr, name):
+        """The DNS record appears in every pod: appended in place, as the bind mounts see the files."""
+        for hosts, _ in self.files:
+            with open(hosts, "a") as f:
+                f.write(f"{addr} {name}\n")
+
+
+def launch_pod(ns, argv, env):
+    """Popen of argv in network namespace `ns`, in a session of its own (so that a pod still running at a
+    timeout dies whole: proc_util.kill_session)."""
+    return subprocess.Popen(["ip", "netns", "exec", ns, *[str(a) for a in argv]], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -1,0 +1,142 @@
+"""PyTorch's distributed checkpoint format both ways, against .venv's PyTorch 2.x (CPU, Gloo):
+dtrain::dcp on 3 ranks (DDP, DDP with a ZeroRedundancyOptimizer, fully_shard; Adam, float64) saves,
+and Python's dcp.load on 1 and on 2 ranks reads the very parameters dtrain had (bit for bit) and
+trains on to within 1e-10 of dtrain's own continued training; Python's dcp.save on 2 ranks loads into
+dtrain on 3 the same way. Bad folders (truncated, corrupt, missing metadata) fail in one line.
+
+Env: $DCP_INTEROP (the C++ program, dcp_interop.cpp), $VENV_PYTHON (set by tests/dist/CMakeLists.txt).
+"""
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import unittest
+
+from harness import DistTestCase, binary, free_port, rank_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VENV_PYTHON = os.environ.get("VENV_PYTHON", "")
+
+
+class DcpAgainstPytorch(DistTestCase):
+    def setUp(self):
+        if not VENV_PYTHON or not os.access(VENV_PYTHON, os.X_OK):
+            raise unittest.SkipTest(f".venv's python is missing ({VENV_PYTHON!r}): run scripts/setup.sh")
+        self.cxx = binary("DCP_INTEROP", "dcp_interop")
+        self.tmp = tempfile.mkdtemp(prefix="dtrain_dcp_")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+
+    def ranks(self, argv, world, out, expect_ok=True):
+        """argv on `world` ranks (env://); rank 0's JSON, or the failing ranks' stderr."""
+        port = free_port()
+        procs = [self.spawn(argv + [out], rank_env(r, world, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=world,
+                                                     PYTHONPATH=None, DTRAIN_TIMEOUT_S=60))
+                 for r in range(world)]
+        results = [p.finish(180) for p in procs]
+        if not expect_ok:
+            return results
+        for r, res in enumerate(results):
+            self.assertEqual(res.rc, 0, f"rank {r} of {argv}:\n{res}")
+        with open(out) as f:
+            return json.load(f)
+
+    def dtrain(self, mode, kinds, folder, world=3, **kw):
+        return self.ranks([self.cxx, mode, ",".join(kinds), folder], world,
+                          os.path.join(self.tmp, f"cxx_{mode}_{os.path.basename(folder)}.json"), **kw)
+
+    def python(self, mode, folders, world):
+        out = os.path.join(self.tmp, f"py_{mode}_{world}.json")
+        return self.ranks([VENV_PYTHON, os.path.join(HERE, "dcp_interop.py"), mode, ",".join(folders)], world, out)
+
+    def assert_close(self, mine, ref, what, tol=1e-10):
+        self.assertEqual(sorted(mine), sorted(ref), what)
+        for name, values in ref.items():
+            scale = max(max(abs(v) for v in values), 1e-6)
+            worst = max(abs(a - b) for a, b in zip(mine[name], values)) / scale
+            self.assertLess(worst, tol, f"{what} {name}: relative difference {worst:.3g}")
+
+    def metadata(self, folder):
+        code = ("import pickle, sys, json; m = pickle.load(open(sys.argv[1] + '/.metadata', 'rb'));"
+                "print(json.dumps({'chunks': {k: [list(c.offsets) for c in v.chunks] for k, v in "
+                "m.state_dict_metadata.items() if hasattr(v, 'chunks')}, 'items': [[i.fqn, s.relative_path, "
+                "s.offset, s.length] for i, s in m.storage_data.items()]}))")
+        return json.loads(subprocess.check_output([VENV_PYTHON, "-c", code, folder], text=True))
+
+    def check_layout(self, folder, kind):
+        meta = self.metadata(folder)
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".distcp"))
+        # Each rank wrote its own file (3 ranks share the replicated items), and the files hold exactly
+        # the items: nothing written twice, nothing stray.
+        self.assertEqual(files, ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"], kind)
+        for name in files:
+            spans = sorted((off, length) for _, path, off, length in meta["items"] if path == name)
+            end = 0
+            for off, length in spans:
+                self.assertEqual(off, end, f"{kind} {name}: a gap or an overlap at byte {off}")
+                end = off + length
+            self.assertEqual(os.path.getsize(os.path.join(folder, name)), end, f"{kind} {name}")
+        self.assertEqual(len({(fqn, path, off) for fqn, path, off, _ in meta["items"]}), len(meta["items"]))
+        # fully_shard: each weight in the rows of its 3 ranks (13 rows: 5, 5, 3), as FSDP2's chunks.
+        expected = [[0, 0], [5, 0], [10, 0]] if kind == "fsdp" else [[0, 0]]
+        self.assertEqual(sorted(meta["chunks"]["model.0.weight"]), expected, kind)
+        self.assertEqual(sorted(meta["chunks"]["optim.state.0.weight.exp_avg"]), expected, kind)
+
+    def test_dtrain_saves_and_python_loads_on_1_and_2_ranks(self):
+        kinds = ("ddp", "zero", "fsdp")
+        cxx = self.dtrain("save", kinds, self.tmp)
+        folders = [os.path.join(self.tmp, kind) for kind in kinds]
+        for kind, folder in zip(kinds, folders):
+            self.check_layout(folder, kind)
+        for world in (1, 2):
+            py = self.python("load", folders, world)
+            for kind, folder in zip(kinds, folders):
+                self.assertEqual(py[folder]["at_checkpoint"], cxx[kind]["at_checkpoint"], f"{kind}: loaded on {world}")
+                self.assert_close(py[folder]["after"], cxx[kind]["after"], f"{kind}: trained on after loading on {world}")
+
+    def test_python_saves_on_2_ranks_and_dtrain_loads_on_3(self):
+        folder = os.path.join(self.tmp, "from_python")
+        py = self.python("save", [folder], 2)[folder]
+        cxx = self.dtrain("load", ("ddp", "zero", "fsdp"), folder)
+        for kind, mine in cxx.items():
+            self.assertEqual(mine["at_checkpoint"], py["at_checkpoint"], kind)
+            self.assert_close(mine["after"], py["after"], f"{kind}: trained on after loading")
+
+    def test_a_damaged_folder_fails_in_one_line_on_every_rank(self):
+        self.dtrain("save", ["ddp"], self.tmp)
+        folder = os.path.join(self.tmp, "ddp")
+
+        def damaged(name, change):
+            bad = os.path.join(self.tmp, name)
+            shutil.copytree(folder, bad)
+            change(bad)
+            return bad
+
+        def truncate(path):
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+
+        def scribble(path):
+            with open(path, "r+b") as f:
+                f.seek(40)
+                f.write(b"\xff" * 16)
+
+        cases = {
+            "truncated": (lambda d: truncate(os.path.join(d, "__1_0.distcp")), "is truncated"),
+            "no_metadata": (lambda d: os.remove(os.path.join(d, ".metadata")), "is missing"),
+            "bad_metadata": (lambda d: scribble(os.path.join(d, ".metadata")), ".metadata: "),
+            "short_metadata": (lambda d: truncate(os.path.join(d, ".metadata")), "truncated pickle"),
+        }
+        for name, (change, words) in cases.items():
+            with self.subTest(case=name):
+                results = self.dtrain("load", ["ddp"], damaged(name, change), expect_ok=False)
+                for r, res in enumerate(results):
+                    self.assertEqual(res.rc, 1, f"rank {r}: {res}")
+                    lines = [l for l in res.err.splitlines() if "dcp_interop: error:" in l]
+                    self.assertEqual(len(lines), 1, res.err)
+                    self.assertIn("dcp::load: rank", lines[0])
+                    self.assertIn(words, lines[0])
+
+
+if __name__ == "__main__":
+    unittest.main()
