@@ -36,7 +36,7 @@
 
 #include "common/env.h"
 #include "common/flight_analysis.h"
-#include "common/pickle.h"
+#include "common/flight_pickle.h"
 #include "common/util.h"
 #include "comm/state.h"
 
@@ -373,7 +373,7 @@ std::string dump_flight_record(const std::string& reason) {
       const json dump = build_dump(reason);
       if (dump.is_null()) return "";
       path = dir + "/" + flight::kDumpPrefix + std::to_string(rank);
-      if (!write_whole(path, pickle::dumps(dump), err)) path.clear();
+      if (!write_whole(path, flight::pickle::dumps(dump), err)) path.clear();
     }
   } catch (const std::exception& e) {
     err = e.what();
@@ -407,7 +407,10 @@ void watch() {
         dump_flight_record(detail::cat("no call changed state for ", stall, " s while one is pending"));
       }
     } catch (const std::exception& e) {
-      warn_once("flight-watchdog", std::string("dtrain: the flight recorder's watchdog failed: ") + e.what());
+      try {  // nothing may leave this thread, not even a failure to warn
+        warn_once("flight-watchdog", std::string("dtrain: the flight recorder's watchdog failed: ") + e.what());
+      } catch (...) {
+      }
     } catch (...) {
     }
   }

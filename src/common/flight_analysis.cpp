@@ -9,7 +9,7 @@
 #include <set>
 #include <stdexcept>
 
-#include "common/pickle.h"
+#include "common/flight_pickle.h"
 #include "common/util.h"
 
 namespace dtrain::flight {

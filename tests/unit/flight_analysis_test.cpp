@@ -4,7 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "common/flight_analysis.h"
-#include "common/pickle.h"
+#include "common/flight_pickle.h"
 
 namespace {
 
@@ -24,7 +24,7 @@ TEST(Pickle, RoundTripKeepsEveryType) {
             {"x", 1.25},
             {"list", json::array({json::array({4, 2}), json::array()})},
             {"dict", json::object()}};
-  EXPECT_EQ(dtrain::pickle::loads(dtrain::pickle::dumps(v)), v);
+  EXPECT_EQ(dtrain::flight::pickle::loads(dtrain::flight::pickle::dumps(v)), v);
 }
 
 TEST(Pickle, ReadsWhatPythonWrites) {
@@ -49,13 +49,13 @@ TEST(Pickle, ReadsWhatPythonWrites) {
                    {"p", {{"0", {{"r", "[0, 1]"}}}}},
                    {"k", 200},
                    {"m", 70000}};
-  EXPECT_EQ(dtrain::pickle::loads(b), expected);
+  EXPECT_EQ(dtrain::flight::pickle::loads(b), expected);
 }
 
 TEST(Pickle, RejectsWhatItCannotRead) {
-  EXPECT_THROW(dtrain::pickle::loads(std::string("\x80\x02]", 3)), std::runtime_error);  // cut short
+  EXPECT_THROW(dtrain::flight::pickle::loads(std::string("\x80\x02]", 3)), std::runtime_error);  // cut short
   try {
-    dtrain::pickle::loads(std::string("\x80\x02\x63os\nsystem\n.", 14));  // GLOBAL: a class
+    dtrain::flight::pickle::loads(std::string("\x80\x02\x63os\nsystem\n.", 14));  // GLOBAL: a class
     FAIL() << "no exception";
   } catch (const std::runtime_error& e) {
     EXPECT_THAT(e.what(), HasSubstr("opcode 0x63"));

@@ -1,7 +1,7 @@
 // The pickle subset (see pickle.h). Opcodes and their encodings are those of CPython's
 // Lib/pickletools.py; the writer uses protocol 2 without a memo (nothing is shared), which every
 // Python 3 reads.
-#include "common/pickle.h"
+#include "common/flight_pickle.h"
 
 #include <cstdint>
 #include <cstdio>
@@ -10,7 +10,7 @@
 #include <stdexcept>
 #include <vector>
 
-namespace dtrain::pickle {
+namespace dtrain::flight::pickle {
 namespace {
 
 using json = nlohmann::json;
@@ -302,4 +302,4 @@ std::string dumps(const json& value) {
 
 json loads(const std::string& bytes) { return Reader(bytes).run(); }
 
-}  // namespace dtrain::pickle
+}  // namespace dtrain::flight::pickle
