@@ -120,6 +120,18 @@ int worker_main(int argc, char** argv) {
       dtrain::set_flight_recorder_enabled(true);
       return l;
     };
+    // The recorder's cost per call, without a model around it: 200 all_reduces of 4 floats.
+    at::Tensor tiny = at::zeros({4});
+    auto calls = [&] {
+      for (int i = 0; i < 200; ++i) dtrain::all_reduce(tiny);
+      return 0.0;
+    };
+    auto calls_unrecorded = [&] {
+      dtrain::set_flight_recorder_enabled(false);
+      calls();
+      dtrain::set_flight_recorder_enabled(true);
+      return 0.0;
+    };
     auto detail = [&] {
       dtrain::set_debug_level(dtrain::DebugLevel::DETAIL);
       const double l = plain();
@@ -127,23 +139,29 @@ int worker_main(int argc, char** argv) {
       return l;
     };
 
-    for (int i = 0; i < warmup; ++i) plain(), detail(), mlp(), mlp_unrecorded();
+    for (int i = 0; i < warmup; ++i) plain(), detail(), mlp(), mlp_unrecorded(), calls(), calls_unrecorded();
     std::map<std::string, double> total_s;
     std::map<std::string, std::vector<double>> block_s;  // per block: paired with "off" of the same block
     for (int b = 0; b < blocks; ++b) {
-      for (const char* v : {"off", "on", "detail", "mlp", "mlp_unrecorded"}) {
+      // The MLP pair swaps places every block: the first of two neighbours runs on colder caches.
+      const bool swap = b % 2 == 1;
+      for (const char* v : {"off", "on", "detail", swap ? "mlp_unrecorded" : "mlp", swap ? "mlp" : "mlp_unrecorded",
+                            swap ? "calls_unrecorded" : "calls", swap ? "calls" : "calls_unrecorded"}) {
         const std::string variant = v;
         if (variant == "detail" && world < 2) continue;  // one rank: no check to make
         dtrain::barrier();
         if (variant == "on") mon.begin_step();
-        const int n = variant.rfind("mlp", 0) == 0 ? 10 * steps : steps;  // short steps: more of them
+        const bool short_steps = variant.rfind("mlp", 0) == 0 || variant.rfind("calls", 0) == 0;
+        const int n = short_steps ? 10 * steps : steps;  // short steps: more of them
         const auto t0 = Clock::now();
         for (int s = 0; s < n; ++s)
-          variant == "off"      ? plain()
-          : variant == "on"     ? monitored()
-          : variant == "detail" ? detail()
-          : variant == "mlp"    ? mlp()
-                                : mlp_unrecorded();
+          variant == "off"                ? plain()
+          : variant == "on"               ? monitored()
+          : variant == "detail"           ? detail()
+          : variant == "mlp"              ? mlp()
+          : variant == "calls"            ? calls()
+          : variant == "calls_unrecorded" ? calls_unrecorded()
+                                          : mlp_unrecorded();
         const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
         total_s[variant] += dt;
         block_s[variant].push_back(dt);
@@ -165,6 +183,10 @@ int worker_main(int argc, char** argv) {
       std::printf("off_ms=%.3f on_ms=%.3f on_ratio=%.4f", 1e3 * total_s["off"] / n, 1e3 * total_s["on"] / n,
                   ratio("on"));
       if (world > 1) std::printf(" detail_ms=%.3f detail_ratio=%.4f", 1e3 * total_s["detail"] / n, ratio("detail"));
+      // calls: `blocks` blocks of 10 * steps loops of 200 calls each; the recorder's cost per call is
+      // the paired-block ratio's excess times a paused call's time (robust to drift, unlike totals).
+      const double paused_us = 1e6 * total_s["calls_unrecorded"] / (10 * n * 200);
+      std::printf(" flight_call_us=%.3f call_us=%.3f", (ratio("calls", "calls_unrecorded") - 1) * paused_us, paused_us);
       std::printf(" mlp_ms=%.3f mlp_unrecorded_ms=%.3f flight_ratio=%.4f", 1e3 * total_s["mlp"] / (10 * n),
                   1e3 * total_s["mlp_unrecorded"] / (10 * n), ratio("mlp", "mlp_unrecorded"));
       std::printf("\n");
@@ -197,6 +219,8 @@ int driver_main(int argc, char** argv) {
       for (const char* v : {"off", "on", "detail", "mlp", "mlp_unrecorded", "flight"}) {
         const double x = bench::parse_value(out, std::string(v) + "_ms");
         if (x == x) ms[std::to_string(world) + "/" + v].push_back(x);
+        const double us = bench::parse_value(out, std::string(v) + "_call_us");
+        if (us == us) ms[std::to_string(world) + "/" + v + "_call"].push_back(us);
         const double q = bench::parse_value(out, std::string(v) + "_ratio");
         if (q == q) ratio[std::to_string(world) + "/" + v].push_back(q);
       }
@@ -223,6 +247,9 @@ int driver_main(int argc, char** argv) {
       std::printf("\n");
     }
   for (int world : {1, 2}) {
+    std::printf("%d rank(s): the recorder's cost per all_reduce (us), per run:", world);
+    for (double x : ms[std::to_string(world) + "/flight_call"]) std::printf(" %.3f", x);
+    std::printf("\n");
     std::printf("%d rank(s): MLP step with the flight recorder / paused, paired blocks, per run:", world);
     for (double x : ratio[std::to_string(world) + "/flight"]) std::printf(" %.3f", x);
     std::printf("\n");
@@ -230,8 +257,9 @@ int driver_main(int argc, char** argv) {
   // The overheads: median over repetitions of each run's median paired-block ratio, minus 1.
   std::printf(
       "RESULT monitor_overhead_1rank=%.4f monitor_overhead_2rank=%.4f detail_overhead=%.4f flight_overhead_1rank=%.4f "
-      "flight_overhead_2rank=%.4f\n",
-      medr("1/on") - 1, medr("2/on") - 1, medr("2/detail") - 1, medr("1/flight") - 1, medr("2/flight") - 1);
+      "flight_overhead_2rank=%.4f flight_call_us_2rank=%.3f\n",
+      medr("1/on") - 1, medr("2/on") - 1, medr("2/detail") - 1, medr("1/flight") - 1, medr("2/flight") - 1,
+      med("2/flight_call"));
   return 0;
 }
 
