@@ -70,7 +70,7 @@ std::vector<Knob> make_table() {
           "while one is pending (from 10^9 s on, never)."),
       row("DTRAIN_FLIGHT_DIR", R::kLibrary, Type::kText, "", "a folder this user can write", "",
           "Where each rank writes its flight record `dtrain_trace_rank_<rank>` (set by dtrain-run: "
-          "`<log_dir>/<run_id>/attempt_<k>/flight`, or a temporary folder without `--log_dir`). Unset: "
+          "`attempt_<k>/flight` in the run's log folder, or in a temporary folder without `--log_dir`). Unset: "
           "`/tmp/dtrain-flight-<uid>`."),
       choice_row("DTRAIN_SHM", R::kLibrary, {"auto", "0", "1"}, "auto",
                  "0 (Gloo only), 1 (require shared memory) or leave it unset (shared memory where ranks "

@@ -7,6 +7,7 @@ timeout + 10 s. Timeouts are 5 s (DTRAIN_TIMEOUT_S) to keep the file short.
   DTRAIN_RUN      the launcher
   VENV_PYTHON     a Python with PyTorch 2.x, whose flight-recorder analyzer must read dtrain's records
 """
+import glob
 import os
 import pickle
 import shutil
@@ -56,7 +57,9 @@ class OneHost(DistTestCase):
         self.fail(f"dtrain-run printed no analysis:\n{r}")
 
     def flight_dir(self):
-        return os.path.join(self.tmp, "job", "attempt_0", "flight")
+        """attempt_0/flight in the run's log folder (<log_dir>/job_<random>, made when the job starts)."""
+        runs = glob.glob(os.path.join(self.tmp, "job_*"))
+        return os.path.join(runs[0] if runs else os.path.join(self.tmp, "job_"), "attempt_0", "flight")
 
     def test_a_rank_that_skips_one_all_reduce_of_a_ddp_loop(self):
         r = self.run_job("skip")
@@ -94,9 +97,10 @@ class OneHost(DistTestCase):
         argv = [launcher(), "--nproc_per_node", 3, "--log_dir", self.tmp, "--run_id", "job",
                 "--master_port", free_port(), program(), "--fault", "stop"]
         job = self.spawn(argv, clean_env(DTRAIN_TIMEOUT_S=120, DTRAIN_FLIGHT_STALL_S=2))
-        paths = [os.path.join(self.flight_dir(), f"dtrain_trace_rank_{r}") for r in (0, 2)]
         deadline = time.monotonic() + 30
-        while not all(os.path.exists(p) for p in paths):
+        paths = []
+        while not paths or not all(os.path.exists(p) for p in paths):
+            paths = [os.path.join(self.flight_dir(), f"dtrain_trace_rank_{r}") for r in (0, 2)]
             if time.monotonic() > deadline:
                 self.fail(f"no stall dumps:\n{job.finish(0)}")
             time.sleep(0.2)

@@ -61,21 +61,15 @@ void mkdirs(const std::string& path) {
 
 }  // namespace
 
-std::string make_flight_dir(const LaunchOptions& o, int attempt) {
+std::string make_temp_flight_dir(int attempt) {
   static std::string temp;  // one per launcher
-  std::string base;
-  if (!o.log_dir.empty()) {
-    base = o.log_dir + "/" + o.run_id;
-  } else {
-    if (temp.empty()) {
-      char tmpl[] = "/tmp/dtrain-run-flight-XXXXXX";
-      if (!mkdtemp(tmpl))
-        throw std::runtime_error(std::string("cannot create a temporary folder: ") + std::strerror(errno));
-      temp = tmpl;
-    }
-    base = temp;
+  if (temp.empty()) {
+    char tmpl[] = "/tmp/dtrain-run-flight-XXXXXX";
+    if (!mkdtemp(tmpl))
+      throw std::runtime_error(std::string("cannot create a temporary folder: ") + std::strerror(errno));
+    temp = tmpl;
   }
-  const std::string dir = base + "/attempt_" + std::to_string(attempt) + "/flight";
+  const std::string dir = temp + "/attempt_" + std::to_string(attempt) + "/flight";
   mkdirs(dir);
   return dir;
 }

@@ -20,17 +20,16 @@
 #include <utility>
 #include <vector>
 
-#include "options.h"
-
 namespace dtrain::store {
 class StoreClient;
 }
 
 namespace dtrain::run {
 
-// The attempt's flight folder: <log_dir>/<run_id>/attempt_<k>/flight, or below a temporary folder
-// made once per launcher (kept after the run: the lines name it). Created; throws on failure.
-std::string make_flight_dir(const LaunchOptions& o, int attempt);
+// Without --log_dir, the attempt's flight folder (with it: <run's log folder>/attempt_<k>/flight,
+// made by the supervisor as its logs are): attempt_<k>/flight below a temporary folder made once per
+// launcher (mkdtemp; kept after the run: the analysis names it). Created; throws on failure.
+std::string make_temp_flight_dir(int attempt);
 
 // Step 1-2: (pid, rank) of the live workers; `pump` runs every 50 ms meanwhile (the output pipes).
 void request_dumps(const std::string& dir, const std::vector<std::pair<pid_t, int>>& workers,

@@ -98,7 +98,12 @@ void Supervisor::start_workers(int attempt) {
     if (dir != w->spec.env.end()) {
       flight_dir_ = dir->substr(std::strlen("DTRAIN_FLIGHT_DIR="));
     } else {
-      if (flight_dir_.empty()) flight_dir_ = make_flight_dir(opts_, attempt);
+      if (flight_dir_.empty() && !opts_.log_dir.empty()) {  // beside the logs, made as safely as they are
+        flight_dir_ = opts_.run_log_dir + "/attempt_" + std::to_string(attempt) + "/flight";
+        make_log_folders(opts_.log_dir, flight_dir_);
+      } else if (flight_dir_.empty()) {
+        flight_dir_ = make_temp_flight_dir(attempt);
+      }
       w->spec.env.push_back("DTRAIN_FLIGHT_DIR=" + flight_dir_);
     }
     int out_log = -1, err_log = -1;
