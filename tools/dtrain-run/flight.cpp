@@ -1,6 +1,7 @@
 // Collecting flight records and printing their analysis (steps in flight.h).
 #include "flight.h"
 
+#include <dirent.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -123,6 +124,16 @@ void gather_dumps(store::StoreClient& store, int attempt, const std::string& dir
       // A node's rank left no record within the bound: the analysis names it.
     }
   }
+}
+
+bool has_records(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (!d) return false;
+  bool found = false;
+  while (dirent* e = readdir(d))
+    if (std::string(e->d_name).rfind(flight::kDumpPrefix, 0) == 0) found = true;
+  closedir(d);
+  return found;
 }
 
 std::vector<std::string> analysis_report(const std::string& dir, int world_size, bool only_findings) {

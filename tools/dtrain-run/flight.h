@@ -40,6 +40,9 @@ void share_dumps(dtrain::store::StoreClient& store, int attempt, const std::stri
                  const std::vector<int>& local_ranks);
 void gather_dumps(dtrain::store::StoreClient& store, int attempt, const std::string& dir, int world_size);
 
+// Whether `dir` holds any rank's record.
+bool has_records(const std::string& dir);
+
 // Step 4: "flight records of N ranks in DIR:" and the analysis lines (empty when there are no
 // records, or with only_findings when the analysis found nothing wrong).
 std::vector<std::string> analysis_report(const std::string& dir, int world_size, bool only_findings);

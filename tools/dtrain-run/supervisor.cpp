@@ -353,6 +353,8 @@ void Supervisor::collect_flight_records() {
   request_dumps(flight_dir_, live, [this] { poll_once(50); });
   if (!rdzv_) return;
   try {
+    // A node 0 that stopped answering must not hold this node's stop for a whole request deadline.
+    dtrain::store::ScopedTimeout quick(rdzv_->client(), std::chrono::seconds(3));
     share_dumps(rdzv_->client(), attempt_, flight_dir_, ranks);
   } catch (const std::exception&) {
     // The store is gone: node 0 analyses what it has.
@@ -363,7 +365,13 @@ void Supervisor::report_flight_records() {
   if (!flight_collected_ || (rdzv_ && opts_.node_rank != 0)) return;
   const int world = opts_.nnodes * opts_.nproc_per_node;
   try {
-    if (rdzv_) gather_dumps(rdzv_->client(), attempt_, flight_dir_, world);
+    // Workers without dtrain leave no records: then nothing is gathered (a stopped node's would be
+    // waited for in vain) and nothing is printed.
+    if (!has_records(flight_dir_)) return;
+    if (rdzv_) {
+      dtrain::store::ScopedTimeout quick(rdzv_->client(), std::chrono::seconds(3));
+      gather_dumps(rdzv_->client(), attempt_, flight_dir_, world);
+    }
     for (const auto& line : analysis_report(flight_dir_, world, /*only_findings=*/true))
       std::fprintf(stderr, "dtrain-run: %s\n", line.c_str());
   } catch (const std::exception& e) {
