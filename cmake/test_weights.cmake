@@ -16,7 +16,9 @@ set(DTRAIN_WAITING_TESTS
   # stores, rendezvous and launchers refusing bad clients and waiting out their deadlines
   dist_py_security dist_py_init_methods
   # a rank's timeout breaks the group: the others wait for it
-  dist_broken_group_test_2 dist_broken_group_test_3)
+  dist_broken_group_test_2 dist_broken_group_test_3
+  # ranks wait out 5-s collective timeouts and stall watchdogs (36 s wall, 12.5 s CPU, measured)
+  dist_py_flight_recorder)
 
 # Sets PROCESSORS on every test the calling folder's CMakeLists.txt registered, as above; each folder
 # that registers multi-process tests calls it at its end (CMake 3.25 sets test properties only from

@@ -37,6 +37,7 @@ namespace dtrain {
 namespace detail {
 struct GroupImpl;    // a group's backend, ranks and counters (the library's own)
 struct GroupAccess;  // the library's way to build a Group and to reach its GroupImpl
+struct WorkAccess;   // the library's way to attach a call's flight record to its Work
 }  // namespace detail
 
 // PyTorch's default process-group timeout: 30 minutes.
@@ -86,6 +87,7 @@ class Work {
   void then(std::function<void()> fn);
 
  private:
+  friend struct detail::WorkAccess;
   struct State;
   std::shared_ptr<State> state_;
 };
@@ -179,6 +181,17 @@ void set_debug_level(DebugLevel level);
 // Re-reads $DTRAIN_DEBUG (unset or empty: OFF); throws dtrain::Error naming a bad value.
 void set_debug_level_from_env();
 std::string to_string(DebugLevel level);
+
+// --- flight recorder (PyTorch's NCCL flight recorder, for every backend) ------------------------------
+// Every rank keeps its last $DTRAIN_FLIGHT_ENTRIES (2000) calls per group and writes them to
+// $DTRAIN_FLIGHT_DIR/dtrain_trace_rank_<rank> when a call fails or times out, when nothing moved for
+// $DTRAIN_FLIGHT_STALL_S while a call waits, on SIGUSR1 and when dtrain-run asks; `dtrain-run --analyze
+// DIR` and PyTorch's `python -m torch.distributed.flight_recorder.fr_trace DIR` read the files.
+//   std::string path = dtrain::dump_flight_record("before checkpoint");  // "" when it is off
+// dump_flight_record writes this rank's record now and returns its path; set_flight_recorder_enabled
+// pauses and resumes recording (for measuring its cost; calls made while paused are not in the record).
+std::string dump_flight_record(const std::string& reason = "requested");
+void set_flight_recorder_enabled(bool on);
 
 // --- collectives (src/dst are global ranks) ------------------------------------------------------
 Work all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::SUM, const Group& group = Group(), bool async_op = false);

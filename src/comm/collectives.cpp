@@ -21,12 +21,15 @@
 
 #include "comm/debug_check.h"
 #include "comm/capabilities.h"
+#include "comm/flight_recorder.h"
 #include "comm/state.h"
 #include "common/util.h"
 
 namespace dtrain {
 namespace {
 
+using comm::FlightCall;
+using comm::FlightRecord;
 using comm::resolve;
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
@@ -119,6 +122,64 @@ Work finish(Work w, bool async_op) {
   return w;
 }
 
+// Hands the call to the backend (`start` returns its c10d::Work) and wraps it in a Work that
+// carries the call's flight record: started once the backend has it, completed or failed by wait().
+template <typename Start>
+Work launch(FlightRecord rec, Start&& start, std::string what, std::function<void()> done = {},
+            std::function<bool()> parts_done = {}) {
+  c10::intrusive_ptr<c10d::Work> w;
+  try {
+    w = start();
+  } catch (const std::exception& e) {
+    rec.failed(brief(e));
+    throw;
+  }
+  rec.started();
+  Work out(std::move(w), std::move(what), std::move(done), std::move(parts_done));
+  comm::attach_flight_record(out, std::move(rec));
+  return out;
+}
+
+// A call made of others (composed on Gloo): `rec` covers the whole, its parts are not recorded.
+Work composed(FlightRecord rec, std::string what, std::function<void()> done, std::function<bool()> parts_done) {
+  return launch(
+      std::move(rec), [] { return c10::intrusive_ptr<c10d::Work>(); }, std::move(what), std::move(done),
+      std::move(parts_done));
+}
+
+// Runs parts of a call that finish before it returns under `rec` (the call's own record).
+template <typename Run>
+void run_recorded(FlightRecord& rec, Run&& run) {
+  rec.started();
+  try {
+    run();
+  } catch (const std::exception& e) {
+    rec.failed(brief(e));
+    throw;
+  }
+  rec.completed();
+}
+
+// A backend's inline all_reduce (Note [Inline blocking collectives]) under `rec`: true and completed
+// if it ran; a failure is marked and rethrown as dtrain::Error; false leaves the general path to run.
+template <typename Here>
+bool run_inline(FlightRecord& rec, const detail::GroupImpl& g, Here&& here) {
+  rec.started();
+  bool ran = false;
+  try {
+    ran = here();
+  } catch (const Error& e) {
+    rec.failed(e.what());
+    throw;
+  } catch (const std::exception& e) {
+    Error err = comm::collective_failure(what(g, "all_reduce"), e);
+    rec.failed(err.what());
+    throw err;
+  }
+  if (ran) rec.completed();
+  return ran;
+}
+
 void check_tensor(const at::Tensor& t, const char* op) {
   DTRAIN_CHECK(t.defined(), op, ": the tensor is undefined: pass an allocated tensor");
   DTRAIN_CHECK(t.is_contiguous(), op, ": the tensor (shape ", t.sizes(),
@@ -161,6 +222,7 @@ Work all_reduce(at::Tensor& tensor, ReduceOp op, const Group& group, bool async_
   check_avg(op, tensor, "all_reduce");
   check_supported(g, "all_reduce", c10d::OpType::ALLREDUCE, tensor, op);
   check_call(g, "all_reduce", comm::describe(tensor), "op=" + to_string(op));
+  FlightRecord rec = comm::record_call(g, FlightCall("all_reduce", "all_reduce").in(tensor).out(tensor));
   std::vector<at::Tensor> ts{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
@@ -172,21 +234,15 @@ Work all_reduce(at::Tensor& tensor, ReduceOp op, const Group& group, bool async_
   }
   if (!async_op) {
     // Note [Inline blocking collectives]: no Work at all where the backend runs it here.
-    bool ran = false;
-    try {
-      ran = g.caps->all_reduce_here(tensor, opts.reduceOp);
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw comm::collective_failure(what(g, "all_reduce"), e);
-    }
-    if (ran) {
+    if (run_inline(rec, g, [&] { return g.caps->all_reduce_here(tensor, opts.reduceOp); })) {
       if (done) done();
       return Work();
     }
   }
   comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
-  return finish(Work(g.pg->allreduce(ts, opts), what(g, "all_reduce"), std::move(done)), async_op);
+  return finish(launch(
+                    std::move(rec), [&] { return g.pg->allreduce(ts, opts); }, what(g, "all_reduce"), std::move(done)),
+                async_op);
 }
 
 void all_reduce_divided(std::vector<at::Tensor>& tensors, int64_t divisor, const Group& group,
@@ -202,21 +258,15 @@ void all_reduce_divided(std::vector<at::Tensor>& tensors, int64_t divisor, const
                  "all_reduce_divided: a tensor of ", t.scalar_type(), " on ", t.device(), " beside one of ",
                  like.scalar_type(), " on ", like.device(), ": pass tensors of one floating-point dtype on one device");
   }
-  // DTRAIN_DEBUG=DETAIL compares every rank's call by its flat tensor, which the way below has.
-  if (!comm::detail_checks_on()) {
-    bool ran = false;
-    try {
-      ran = g.caps->all_reduce_divided_here(tensors, divisor);
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw comm::collective_failure(what(g, "all_reduce"), e);
-    }
-    if (ran) return;
-  }
-  at::NoGradGuard no_grad;
   int64_t total = 0;
   for (const auto& t : tensors) total += t.numel();
+  // Recorded as the all_reduce of the flat tensor it is on every path (the DETAIL check's too).
+  FlightRecord rec = comm::record_call(g, FlightCall("all_reduce", "all_reduce").flat(total, like.scalar_type()));
+  // DTRAIN_DEBUG=DETAIL compares every rank's call by its flat tensor, which the way below has.
+  if (!comm::detail_checks_on() &&
+      run_inline(rec, g, [&] { return g.caps->all_reduce_divided_here(tensors, divisor); }))
+    return;
+  at::NoGradGuard no_grad;
   const bool fits = scratch.defined() && scratch.is_contiguous() && scratch.numel() >= total &&
                     scratch.scalar_type() == like.scalar_type() && scratch.device() == like.device();
   at::Tensor flat = fits ? scratch.view({-1}).narrow(0, 0, total) : at::empty({total}, like.options());
@@ -228,7 +278,10 @@ void all_reduce_divided(std::vector<at::Tensor>& tensors, int64_t divisor, const
     at::div_out(slot, t, d);
     offset += t.numel();
   }
-  all_reduce(flat, ReduceOp::SUM, group);
+  run_recorded(rec, [&] {
+    comm::FlightPartsScope part;
+    all_reduce(flat, ReduceOp::SUM, group);
+  });
   offset = 0;
   for (auto& t : tensors) {
     t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
@@ -245,8 +298,13 @@ Work broadcast(at::Tensor& tensor, int src, const Group& group, bool async_op) {
   c10d::BroadcastOptions opts;
   opts.rootRank = group_rank(g, src, "src", "broadcast");
   opts.timeout = g.timeout;
+  FlightCall call("broadcast", "broadcast");
+  call.in(tensor).out(tensor).root = opts.rootRank;
+  FlightRecord rec = comm::record_call(g, std::move(call));
   comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
-  return finish(Work(g.pg->broadcast(ts, opts), what(g, "broadcast")), async_op);
+  return finish(launch(
+                    std::move(rec), [&] { return g.pg->broadcast(ts, opts); }, what(g, "broadcast")),
+                async_op);
 }
 
 Work reduce(at::Tensor& tensor, int dst, ReduceOp op, const Group& group, bool async_op) {
@@ -265,8 +323,13 @@ Work reduce(at::Tensor& tensor, int dst, ReduceOp op, const Group& group, bool a
     int64_t n = static_cast<int64_t>(g.ranks.size());
     done = [tensor, n]() mutable { tensor.div_(n); };
   }
+  FlightCall call("reduce", "reduce");
+  call.in(tensor).out(tensor).root = opts.rootRank;
+  FlightRecord rec = comm::record_call(g, std::move(call));
   comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
-  return finish(Work(g.pg->reduce(ts, opts), what(g, "reduce"), std::move(done)), async_op);
+  return finish(launch(
+                    std::move(rec), [&] { return g.pg->reduce(ts, opts); }, what(g, "reduce"), std::move(done)),
+                async_op);
 }
 
 Work all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input, const Group& group, bool async_op) {
@@ -279,8 +342,11 @@ Work all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input, const
   std::vector<at::Tensor> in{input};
   c10d::AllgatherOptions opts;
   opts.timeout = g.timeout;
+  FlightRecord rec = comm::record_call(g, FlightCall("all_gather", "all_gather").in(input).out(outputs));
   comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
-  return finish(Work(g.pg->allgather(out, in, opts), what(g, "all_gather")), async_op);
+  return finish(launch(
+                    std::move(rec), [&] { return g.pg->allgather(out, in, opts); }, what(g, "all_gather")),
+                async_op);
 }
 
 Work reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op, const Group& group,
@@ -292,12 +358,16 @@ Work reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceO
   check_supported(g, "reduce_scatter", c10d::OpType::ALLREDUCE, output, op);  // Note [reduce_scatter on Gloo]
   check_call(g, "reduce_scatter", "output=" + comm::describe(output), "inputs=" + list_desc(inputs),
              "op=" + to_string(op));
+  FlightRecord rec = comm::record_call(g, FlightCall("reduce_scatter", "reduce_scatter").in(inputs).out(output));
   // Note [reduce_scatter on Gloo].
   at::Tensor stacked = at::stack(inputs);
-  Work w = all_reduce(stacked, op, group, /*async_op=*/true);
+  Work w = [&] {
+    comm::FlightPartsScope part;
+    return all_reduce(stacked, op, group, /*async_op=*/true);
+  }();
   int me = g.rank;
-  return finish(Work(
-                    c10::intrusive_ptr<c10d::Work>(), what(g, "reduce_scatter"),
+  return finish(composed(
+                    std::move(rec), what(g, "reduce_scatter"),
                     [w, stacked, output, me]() mutable {
                       w.wait();
                       output.copy_(stacked[me]);
@@ -341,17 +411,22 @@ Work all_gather_into_tensor(at::Tensor& output, const at::Tensor& input, const G
   check_call(g, op, "output=" + comm::describe(output), "input=" + comm::describe(input));
   c10d::AllgatherOptions opts;
   opts.timeout = g.timeout;
+  FlightRecord rec = comm::record_call(g, FlightCall(op, "_all_gather_base").in(input).out(output));
   comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
   if (g.caps->takes_base_collective(c10d::OpType::_ALLGATHER_BASE, input, c10d::ReduceOp::SUM)) {
     at::Tensor in = input;
-    return finish(Work(g.pg->_allgather_base(output, in, opts), what(g, op)), async_op);
+    return finish(launch(
+                      std::move(rec), [&] { return g.pg->_allgather_base(output, in, opts); }, what(g, op)),
+                  async_op);
   }
   // Note [Tensor collectives on Gloo]: one all_gather into the output's slices.
   std::vector<int64_t> stacked{n};
   for (int64_t d : input.sizes()) stacked.push_back(d);
   std::vector<std::vector<at::Tensor>> out{output.view(stacked).unbind(0)};
   std::vector<at::Tensor> in{input};
-  return finish(Work(g.pg->allgather(out, in, opts), what(g, op)), async_op);
+  return finish(launch(
+                    std::move(rec), [&] { return g.pg->allgather(out, in, opts); }, what(g, op)),
+                async_op);
 }
 
 Work reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp op, const Group& group,
@@ -363,6 +438,7 @@ Work reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp
   check_avg(op, output, name);
   check_supported(g, name, c10d::OpType::ALLREDUCE, input, op);  // Note [Tensor collectives on Gloo]
   check_call(g, name, "output=" + comm::describe(output), "input=" + comm::describe(input), "op=" + to_string(op));
+  FlightRecord rec = comm::record_call(g, FlightCall(name, "_reduce_scatter_base").in(input).out(output));
   if (g.caps->takes_base_collective(c10d::OpType::_REDUCE_SCATTER_BASE, input, to_c10d(op))) {
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = to_c10d(op);
@@ -371,14 +447,20 @@ Work reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp
     if (op == ReduceOp::AVG) done = [output, n]() mutable { output.div_(n); };  // Note [AVG on Gloo]
     at::Tensor in = input;
     comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
-    return finish(Work(g.pg->_reduce_scatter_base(output, in, opts), what(g, name), std::move(done)), async_op);
+    return finish(launch(
+                      std::move(rec), [&] { return g.pg->_reduce_scatter_base(output, in, opts); }, what(g, name),
+                      std::move(done)),
+                  async_op);
   }
   // Note [Tensor collectives on Gloo]: the fallback, an all_reduce of a copy and this rank's slice.
   at::Tensor whole = input.clone();
-  Work w = all_reduce(whole, op, group, /*async_op=*/true);
+  Work w = [&] {
+    comm::FlightPartsScope part;
+    return all_reduce(whole, op, group, /*async_op=*/true);
+  }();
   const int me = g.rank;
-  return finish(Work(
-                    c10::intrusive_ptr<c10d::Work>(), what(g, name),
+  return finish(composed(
+                    std::move(rec), what(g, name),
                     [w, whole, output, me, n]() mutable {
                       w.wait();
                       output.copy_(whole.view({n, output.numel()})[me].view_as(output));
@@ -418,8 +500,13 @@ Work gather(const at::Tensor& input, std::vector<at::Tensor>& gather_list, int d
   opts.timeout = g.timeout;
   auto out = root_only_list(g, opts.rootRank, gather_list, input, "gather", "gather_list", "destination", "dst", dst);
   std::vector<at::Tensor> in{input};
+  FlightCall call("gather", "gather");  // what every rank passes alike: the input
+  call.in(input).root = opts.rootRank;
+  FlightRecord rec = comm::record_call(g, std::move(call));
   comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
-  return finish(Work(g.pg->gather(out, in, opts), what(g, "gather")), async_op);
+  return finish(launch(
+                    std::move(rec), [&] { return g.pg->gather(out, in, opts); }, what(g, "gather")),
+                async_op);
 }
 
 Work scatter(at::Tensor& output, std::vector<at::Tensor>& scatter_list, int src, const Group& group, bool async_op) {
@@ -432,8 +519,13 @@ Work scatter(at::Tensor& output, std::vector<at::Tensor>& scatter_list, int src,
   opts.timeout = g.timeout;
   auto in = root_only_list(g, opts.rootRank, scatter_list, output, "scatter", "scatter_list", "source", "src", src);
   std::vector<at::Tensor> out{output};
+  FlightCall call("scatter", "scatter");  // what every rank passes alike: the output
+  call.in(output).root = opts.rootRank;
+  FlightRecord rec = comm::record_call(g, std::move(call));
   comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
-  return finish(Work(g.pg->scatter(out, in, opts), what(g, "scatter")), async_op);
+  return finish(launch(
+                    std::move(rec), [&] { return g.pg->scatter(out, in, opts); }, what(g, "scatter")),
+                async_op);
 }
 
 Work barrier(const Group& group, bool async_op) {
@@ -441,8 +533,11 @@ Work barrier(const Group& group, bool async_op) {
   check_call(g, "barrier");
   c10d::BarrierOptions opts;
   opts.timeout = g.timeout;
+  FlightRecord rec = comm::record_call(g, FlightCall("barrier", "barrier"));
   comm::BlockingCallScope blocking(!async_op);  // Note [Inline blocking collectives]
-  return finish(Work(g.pg->barrier(opts), what(g, "barrier")), async_op);
+  return finish(launch(
+                    std::move(rec), [&] { return g.pg->barrier(opts); }, what(g, "barrier")),
+                async_op);
 }
 
 void monitored_barrier(const Group& group, std::optional<std::chrono::milliseconds> timeout, bool wait_all_ranks) {
@@ -452,14 +547,33 @@ void monitored_barrier(const Group& group, std::optional<std::chrono::millisecon
   // No DETAIL check here: monitored_barrier exists to report absent ranks within its own timeout.
   c10d::BarrierOptions opts;
   opts.timeout = util::capped(timeout.value_or(g.timeout));
+  FlightRecord rec = comm::record_call(g, FlightCall("monitored_barrier", "barrier"));
+  rec.started();
   try {
     g.pg->monitoredBarrier(opts, wait_all_ranks);
+    rec.completed();
   } catch (const std::exception& e) {
     std::string msg = e.what();
     auto nl = msg.find("\nException raised from");
-    throw Error(what(g, "monitored_barrier") + " failed: " + msg.substr(0, nl));
+    Error err(what(g, "monitored_barrier") + " failed: " + msg.substr(0, nl));
+    rec.failed(err.what());
+    throw err;
   }
 }
+
+namespace {
+
+// send's or recv's record: peer is the group rank of the other end (-1: any source).
+FlightCall p2p_call(const char* op, const at::Tensor& t, int peer, int tag) {
+  FlightCall c(op, op);
+  c.in(t);
+  c.peer = peer;
+  c.tag = tag;
+  (op[0] == 's' ? c.is_send : c.is_recv) = true;
+  return c;
+}
+
+}  // namespace
 
 void send(const at::Tensor& tensor, int dst, const Group& group, int tag) { isend(tensor, dst, group, tag).wait(); }
 
@@ -468,11 +582,18 @@ int recv(at::Tensor& tensor, int src, const Group& group, int tag) {
   check_tensor(tensor, "recv");
   std::vector<at::Tensor> ts{tensor};
   if (src >= 0) {
-    Work(g.pg->recv(ts, group_rank(g, src, "src", "recv"), tag), what(g, "recv")).wait();
+    const int from = group_rank(g, src, "src", "recv");
+    launch(
+        comm::record_call(g, p2p_call("recv", tensor, from, tag)), [&] { return g.pg->recv(ts, from, tag); },
+        what(g, "recv"))
+        .wait();
     return src;
   }
-  auto work = g.pg->recvAnysource(ts, tag);
-  Work(work, what(g, "recv")).wait();
+  c10::intrusive_ptr<c10d::Work> work;
+  launch(
+      comm::record_call(g, p2p_call("recv", tensor, -1, tag)), [&] { return work = g.pg->recvAnysource(ts, tag); },
+      what(g, "recv"))
+      .wait();
   return g.ranks.at(work->sourceRank());
 }
 
@@ -480,7 +601,10 @@ Work isend(const at::Tensor& tensor, int dst, const Group& group, int tag) {
   const auto& g = member_group(group, "send");
   check_tensor(tensor, "send");
   std::vector<at::Tensor> ts{tensor};
-  return Work(g.pg->send(ts, group_rank(g, dst, "dst", "send"), tag), what(g, "send"));
+  const int to = group_rank(g, dst, "dst", "send");
+  return launch(
+      comm::record_call(g, p2p_call("send", tensor, to, tag)), [&] { return g.pg->send(ts, to, tag); },
+      what(g, "send"));
 }
 
 Work irecv(at::Tensor& tensor, int src, const Group& group, int tag) {
@@ -488,7 +612,10 @@ Work irecv(at::Tensor& tensor, int src, const Group& group, int tag) {
   check_tensor(tensor, "recv");
   DTRAIN_CHECK(src >= 0, "irecv: src must be a rank (>= 0), got ", src, ": use recv() for any source");
   std::vector<at::Tensor> ts{tensor};
-  return Work(g.pg->recv(ts, group_rank(g, src, "src", "recv"), tag), what(g, "recv"));
+  const int from = group_rank(g, src, "src", "recv");
+  return launch(
+      comm::record_call(g, p2p_call("recv", tensor, from, tag)), [&] { return g.pg->recv(ts, from, tag); },
+      what(g, "recv"));
 }
 
 }  // namespace dtrain

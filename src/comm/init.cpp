@@ -33,6 +33,7 @@
 #include "comm/store_adapter.h"
 #include "common/util.h"
 #include "compat/torchrun_store_compat.h"
+#include "comm/flight_recorder.h"
 #include "store/store.h"
 
 namespace dtrain {
@@ -190,6 +191,7 @@ std::shared_ptr<detail::GroupImpl> make_group(WorldState& st, const std::string&
                                 [&] { return make_backend(c); });
     g->pg = std::move(made.pg);
     g->caps = made.caps;
+    g->flight = make_flight_ring(name, st.backend, g->ranks, timeout.count());
   }
   return g;
 }
@@ -221,6 +223,7 @@ void init_process_group(const InitOptions& o) {
   LaunchEnv le = read_launch_env(env::process(), o.rank(), o.world_size());
   st->rank = le.rank;
   st->world_size = le.world_size;
+  start_flight_recorder(st->rank, st->world_size);  // a bad knob fails here; before any group: each gets a ring
   st->launcher = le.launcher;
   st->restart_count = le.restart_count;
   st->pytorch_peers = pytorch_peers_requested(o.pytorch_peers());
@@ -265,6 +268,7 @@ void destroy_process_group() {
   using namespace comm;
   std::lock_guard<std::mutex> lock(g_mu);
   if (!g_state) return;
+  stop_flight_recorder();
   if (g_state->pytorch_peers) {  // Python ranks do not check out; their store needs no host after init
     g_state.reset();
     return;

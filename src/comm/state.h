@@ -17,7 +17,8 @@ class StoreServer;
 }
 namespace dtrain::comm {
 class Capabilities;
-}
+class FlightRing;
+}  // namespace dtrain::comm
 
 namespace dtrain {
 
@@ -35,6 +36,8 @@ struct detail::GroupImpl {
   mutable std::atomic<uint64_t> debug_seq{0};
   // Objects built on this group so far (Note [Group-agreed ids]).
   mutable std::atomic<int64_t> objects{0};
+  // The flight recorder's calls on this group (comm/flight_recorder.h); null for non-members or when off.
+  std::shared_ptr<comm::FlightRing> flight;
 };
 
 // The library's only way to build a Group or to reach what it points to (the handle keeps both

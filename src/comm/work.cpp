@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include "comm/capabilities.h"
+#include "comm/flight_recorder.h"
 #include "comm/state.h"
 
 namespace dtrain {
@@ -41,7 +42,16 @@ struct Work::State {
   std::mutex then_mu;
   bool waited = false;
   std::vector<std::function<void()>> then_fns;
+  comm::FlightRecord flight;  // the call's entry in the flight recorder (empty: none)
 };
+
+struct detail::WorkAccess {
+  static void attach(Work& w, comm::FlightRecord rec) {
+    if (w.state_) w.state_->flight = std::move(rec);
+  }
+};
+
+void comm::attach_flight_record(Work& w, FlightRecord rec) { detail::WorkAccess::attach(w, std::move(rec)); }
 
 Work::Work(c10::intrusive_ptr<c10d::Work> work, std::string what, std::function<void()> on_done,
            std::function<bool()> parts_done)
@@ -58,10 +68,14 @@ void Work::wait() {
     try {
       if (s->work) s->work->wait();
       if (s->on_done) s->on_done();
+      s->flight.completed();
     } catch (const Error& e) {
       s->error = std::make_exception_ptr(e);
+      s->flight.failed(e.what());
     } catch (const std::exception& e) {
-      s->error = std::make_exception_ptr(comm::collective_failure(s->what, e));
+      const Error err = comm::collective_failure(s->what, e);
+      s->error = std::make_exception_ptr(err);
+      s->flight.failed(err.what());
     }
     std::vector<std::function<void()>> fns;
     {

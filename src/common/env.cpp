@@ -52,6 +52,26 @@ std::vector<Knob> make_table() {
       choice_row("DTRAIN_DEBUG", R::kLibrary, {"OFF", "INFO", "DETAIL"}, "OFF", "OFF, INFO or DETAIL",
                  "Debug level, as PyTorch's `TORCH_DISTRIBUTED_DEBUG`: `INFO` logs DDP's setup and buckets, "
                  "`DETAIL` compares every collective's call across ranks."),
+      {"DTRAIN_FLIGHT_ENTRIES",
+       R::kLibrary,
+       Type::kInteger,
+       "2000",
+       "an integer from 0 to 1000000",
+       "use 0 to turn the flight recorder off, or leave it unset for 2000",
+       "Calls the flight recorder keeps per group (the last ones; `0` turns it off). Dumped on a failed or "
+       "timed-out call, a stall, SIGUSR1 and dtrain-run's request (docs/troubleshooting.md, \"My job hangs\").",
+       {},
+       0,
+       1000000,
+       1},
+      row("DTRAIN_FLIGHT_STALL_S", R::kLibrary, Type::kSeconds, "300", "a positive number of seconds",
+          "leave it unset for 300, or give 1e9 to never dump on a stall",
+          "The flight recorder's watchdog dumps the record when no call of any group changed state for this long "
+          "while one is pending (from 10^9 s on, never)."),
+      row("DTRAIN_FLIGHT_DIR", R::kLibrary, Type::kText, "", "a folder this user can write", "",
+          "Where each rank writes its flight record `dtrain_trace_rank_<rank>` (set by dtrain-run: "
+          "`attempt_<k>/flight` in the run's log folder, or in a temporary folder without `--log_dir`). Unset: "
+          "`/tmp/dtrain-flight-<uid>`."),
       choice_row("DTRAIN_SHM", R::kLibrary, {"auto", "0", "1"}, "auto",
                  "0 (Gloo only), 1 (require shared memory) or leave it unset (shared memory where ranks "
                  "share a host)",

@@ -19,6 +19,7 @@
 #include "common/env.h"
 #include "common/util.h"
 #include "elastic.h"
+#include "flight.h"
 #include "options.h"
 #include "output.h"
 #include "rendezvous.h"
@@ -302,6 +303,8 @@ int run_elastic(const LaunchOptions& given) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // `dtrain-run --analyze DIR`: the flight records' analysis alone (flight.h), no job.
+  if (argc >= 2 && std::string(argv[1]).rfind("--analyze", 0) == 0) return run_analyze(argc, argv);
   LaunchOptions options;
   try {  // 1.
     options = parse_options(argc, argv);

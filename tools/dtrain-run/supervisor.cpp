@@ -3,6 +3,7 @@
 
 #include "common/util.h"
 #include "env.h"
+#include "flight.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
@@ -90,6 +92,20 @@ void Supervisor::start_workers(int attempt) {
   for (auto& spec : make_worker_specs(opts_, master_port_, attempt)) {
     auto w = std::make_unique<Worker>();
     w->spec = std::move(spec);
+    // Where the worker writes its flight record: the user's DTRAIN_FLIGHT_DIR, else the attempt's.
+    auto dir = std::find_if(w->spec.env.begin(), w->spec.env.end(),
+                            [](const std::string& kv) { return kv.rfind("DTRAIN_FLIGHT_DIR=", 0) == 0; });
+    if (dir != w->spec.env.end()) {
+      flight_dir_ = dir->substr(std::strlen("DTRAIN_FLIGHT_DIR="));
+    } else {
+      if (flight_dir_.empty() && !opts_.log_dir.empty()) {  // beside the logs, made as safely as they are
+        flight_dir_ = opts_.run_log_dir + "/attempt_" + std::to_string(attempt) + "/flight";
+        make_log_folders(opts_.log_dir, flight_dir_);
+      } else if (flight_dir_.empty()) {
+        flight_dir_ = make_temp_flight_dir(attempt);
+      }
+      w->spec.env.push_back("DTRAIN_FLIGHT_DIR=" + flight_dir_);
+    }
     int out_log = -1, err_log = -1;
     bool out_console = true, err_console = true;
     if (!opts_.log_dir.empty()) {
@@ -143,6 +159,7 @@ AttemptResult Supervisor::run_attempt(int attempt) {
   kill_groups(SIGKILL);  // 3.
   drain_pipes();
   console_.end_bar();
+  report_flight_records();
 
   AttemptResult r;
   if (forwarded_signal_) {
@@ -235,6 +252,7 @@ void Supervisor::reap() {
         } catch (const std::exception&) {
         }
       }
+      collect_flight_records();
       stop_all(SIGTERM);
     }
   }
@@ -269,6 +287,7 @@ void Supervisor::check_remote() {
     }
     if (auto f = rdzv_->remote_failure(attempt_, opts_.node_rank)) {
       remote_summary_ = "stopped this node's workers: " + *f;
+      collect_flight_records();
       stop_all(SIGTERM);
       return;
     }
@@ -316,6 +335,49 @@ std::string Supervisor::failure_summary(const Worker& w, int attempt, bool for_r
     s += "; no --log_dir: last lines shown above";
   }
   return s;
+}
+
+}  // namespace dtrain::run
+
+namespace dtrain::run {
+
+void Supervisor::collect_flight_records() {
+  if (flight_collected_ || flight_dir_.empty()) return;
+  flight_collected_ = true;
+  std::vector<std::pair<pid_t, int>> live;
+  std::vector<int> ranks;
+  for (auto& w : workers_) {
+    ranks.push_back(w->spec.rank);
+    if (w->alive) live.emplace_back(w->pid, w->spec.rank);
+  }
+  request_dumps(flight_dir_, live, [this] { poll_once(50); });
+  if (!rdzv_) return;
+  try {
+    // A node 0 that stopped answering must not hold this node's stop for a whole request deadline.
+    dtrain::store::ScopedTimeout quick(rdzv_->client(), std::chrono::seconds(3));
+    share_dumps(rdzv_->client(), attempt_, flight_dir_, ranks);
+  } catch (const std::exception&) {
+    // The store is gone: node 0 analyses what it has.
+  }
+}
+
+void Supervisor::report_flight_records() {
+  if (!flight_collected_ || (rdzv_ && opts_.node_rank != 0)) return;
+  const int world = opts_.nnodes * opts_.nproc_per_node;
+  try {
+    // Workers without dtrain leave no records: then nothing is gathered (a stopped node's would be
+    // waited for in vain) and nothing is printed.
+    if (!has_records(flight_dir_)) return;
+    if (rdzv_) {
+      dtrain::store::ScopedTimeout quick(rdzv_->client(), std::chrono::seconds(3));
+      gather_dumps(rdzv_->client(), attempt_, flight_dir_, world);
+    }
+    for (const auto& line : analysis_report(flight_dir_, world, /*only_findings=*/true))
+      std::fprintf(stderr, "dtrain-run: %s\n", line.c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dtrain-run: the flight records in %s could not be analysed: %s\n", flight_dir_.c_str(),
+                 e.what());
+  }
 }
 
 }  // namespace dtrain::run

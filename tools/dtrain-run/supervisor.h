@@ -14,6 +14,7 @@
 //         a second such signal kills at once. The attempt ends with exit code 128+signo.
 //      d. Each --monitor_interval a multi-node job checks the store for another node's failure
 //         (and an elastic job for a membership change) and stops this node's workers the same way.
+//      e. Before b, c's failure or d stops the workers, their flight records are collected (flight.h).
 //   3. When every worker is reaped: SIGKILL each process group (grandchildren left behind by a
 //      worker die too: no orphans), drain the pipes (bounded), flush partial lines, and leave rank
 //      0's progress bar (if any) as an ordinary line.
@@ -65,6 +66,8 @@ class Supervisor {
   void stop_all(int signo);  // begin stopping: signo to every group, SIGKILL after the grace period
   void kill_groups(int signo);
   void check_remote();
+  void collect_flight_records();  // flight.h, steps 1-3
+  void report_flight_records();   // flight.h, step 4
   void drain_pipes();
   std::string log_path(int attempt, int local_rank) const;
   std::string failure_summary(const Worker& w, int attempt, bool for_remote = false) const;
@@ -85,6 +88,8 @@ class Supervisor {
   std::string remote_summary_;
   bool node0_done_seen_ = false;
   int attempt_ = 0;
+  std::string flight_dir_;  // the workers' DTRAIN_FLIGHT_DIR
+  bool flight_collected_ = false;
 };
 
 }  // namespace dtrain::run
