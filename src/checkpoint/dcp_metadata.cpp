@@ -189,12 +189,6 @@ std::string join(const Path& path) {
   return s;
 }
 
-const Item* Metadata::find(const std::string& fqn, const std::optional<Shape>& offsets) const {
-  for (const Item& item : items)
-    if (item.fqn == fqn && item.offsets == offsets) return &item;
-  return nullptr;
-}
-
 std::string encode(const Metadata& m) {
   Encoder e;
   Document& d = e.doc;

@@ -58,9 +58,6 @@ struct Metadata {
   std::vector<Item> items;
   std::string version = "1.0.0";
   std::string checkpoint_id, save_id;  // StorageMeta's (the folder; a random id per save)
-
-  // The item of `fqn` whose chunk starts at `offsets` (none: the value); null if absent.
-  const Item* find(const std::string& fqn, const std::optional<Shape>& offsets) const;
 };
 
 // The pickle of `m` (protocol 2), as torch.distributed.checkpoint's FileSystemWriter writes it.

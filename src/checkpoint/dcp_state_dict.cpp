@@ -44,7 +44,8 @@ Entry entry_at(Path path, const at::Tensor& t, const Placement& p) {
   return Entry::chunk(std::move(path), t, p.whole, p.offsets);
 }
 
-ModelNames add_model(StateDict& sd, torch::nn::Module& model) {
+// The model's names and placements; with `sd`, its entries too.
+ModelNames add_model(StateDict* sd, torch::nn::Module& model) {
   ModelNames names;
   const auto layouts = fsdp::shard_layouts(model);
   for (const auto& kv : model.named_parameters()) {
@@ -61,9 +62,10 @@ ModelNames add_model(StateDict& sd, torch::nn::Module& model) {
       place.empty = p.numel() == 0;
     }
     names.place[impl] = place;
-    if (!place.empty) sd.push_back(entry_at({"model", kv.key()}, p.detach(), place));
+    if (sd && !place.empty) sd->push_back(entry_at({"model", kv.key()}, p.detach(), place));
   }
-  for (const auto& kv : model.named_buffers()) sd.push_back(Entry::whole({"model", kv.key()}, kv.value().detach()));
+  if (sd)
+    for (const auto& kv : model.named_buffers()) sd->push_back(Entry::whole({"model", kv.key()}, kv.value().detach()));
   return names;
 }
 
@@ -250,15 +252,14 @@ void set_steps(torch::optim::Optimizer& holder, const Loaded& l, const ModelName
 
 StateDict get_state_dict(torch::nn::Module& model, torch::optim::Optimizer* optimizer) {
   StateDict sd;
-  const ModelNames names = add_model(sd, model);
+  const ModelNames names = add_model(&sd, model);
   if (optimizer) add_optimizer(sd, *optimizer, names);
   return sd;
 }
 
 void set_state_dict(torch::nn::Module& model, torch::optim::Optimizer* optimizer, const StateDict& state_dict) {
   if (!optimizer) return;  // the model's tensors were loaded in place
-  StateDict scratch;
-  const ModelNames names = add_model(scratch, model);
+  const ModelNames names = add_model(nullptr, model);
   const Loaded l(state_dict);
   for (size_t g = 0; g < optimizer->param_groups().size(); ++g) {
     auto& options = optimizer->param_groups()[g].options();

@@ -324,16 +324,17 @@ bool Machine::step_objects(uint8_t op) {
       if (op == 0x92 && !expect(pop(), Kind::kDict, "NEWOBJ_EX")->items.empty())
         fail("NEWOBJ_EX with keyword arguments");
       Value* args = expect(pop(), Kind::kTuple, "NEWOBJ");
-      Value* cls = expect(pop(), Kind::kGlobal, "NEWOBJ");
-      Value* o = doc_.object(cls, nullptr);
+      Value* o = doc_.make(Kind::kObject);
+      o->callable = expect(pop(), Kind::kGlobal, "NEWOBJ");
       o->args = args;
+      o->b = true;  // NEWOBJ
       stack_.push_back(o);
       return true;
     }
     case 'R': {  // REDUCE: callable, args
       Value* args = expect(pop(), Kind::kTuple, "REDUCE");
-      Value* callable = expect(pop(), Kind::kGlobal, "REDUCE");
-      Value* o = doc_.call(callable, {});
+      Value* o = doc_.make(Kind::kObject);
+      o->callable = expect(pop(), Kind::kGlobal, "REDUCE");
       o->args = args;
       stack_.push_back(o);
       return true;
