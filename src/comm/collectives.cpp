@@ -134,7 +134,7 @@ Work launch(FlightRecord rec, Start&& start, std::string what, std::function<voi
     rec.failed(brief(e));
     throw;
   }
-  rec.started();
+  rec.started(w);
   Work out(std::move(w), std::move(what), std::move(done), std::move(parts_done));
   comm::attach_flight_record(out, std::move(rec));
   return out;

@@ -15,6 +15,14 @@
 // only sets a flag: nothing else is safe in a handler) and when no call changed state for the stall
 // time while one is pending. It and the rings' registry are never destroyed, so a program that
 // exits without destroy_process_group leaves nothing running that touches freed memory.
+//
+// Note [Unwaited calls]: a call is marked completed by Work::wait, but an asynchronous call may be
+// dropped unwaited (its result unused) or waited long after it finished. Such an entry would stay
+// "started" and, once the program computes longer than the stall time, the watchdog would dump a
+// stall that is none. So a started entry keeps the backend's handle: before the watchdog calls a
+// stall, and before any dump, entries whose handle says completed are marked completed (the time
+// is when that was discovered, as PyTorch's watchdog records it). The handle is let go once the
+// entry finishes or its slot is reused; a failed handle is left for wait() to tell.
 #include "comm/flight_recorder.h"
 
 #include <fcntl.h>
@@ -50,6 +58,7 @@ struct FlightEntry {
   FlightCall call{"", ""};
   FlightState state = FlightState::kScheduled;
   int64_t created_ns = 0, started_ns = 0, completed_ns = 0;
+  c10::intrusive_ptr<c10d::Work> work;  // while started: the backend's handle (Note [Unwaited calls])
 };
 
 class FlightRing {
@@ -148,11 +157,13 @@ FlightRecord record_call(const detail::GroupImpl& g, FlightCall call) {
   FlightRing& ring = *g.flight;
   const uint64_t id = rec().next_id.fetch_add(1, std::memory_order_relaxed);
   const int64_t now = wall_ns();
+  c10::intrusive_ptr<c10d::Work> old_work;
   {
     std::lock_guard<std::mutex> lock(ring.mu);
     FlightEntry& e = ring.slots[id % ring.slots.size()];
     if (e.id != 0 && (e.state == FlightState::kScheduled || e.state == FlightState::kStarted))
       rec().pending.fetch_sub(1, std::memory_order_relaxed);  // overwritten while pending: never waited for
+    old_work = std::move(e.work);                             // let go outside the lock
     e.id = id;
     e.state = FlightState::kScheduled;
     e.created_ns = now;
@@ -175,8 +186,9 @@ FlightRecord record_call(const detail::GroupImpl& g, FlightCall call) {
 
 namespace {
 
-// Moves entry `id` to `to`; false if it was overwritten meanwhile or had already finished.
-bool advance(FlightRing& ring, uint64_t id, FlightState to) {
+// Moves entry `id` to `to` (a started one keeps `work`); false if it was overwritten meanwhile or had
+// already finished.
+bool advance(FlightRing& ring, uint64_t id, FlightState to, c10::intrusive_ptr<c10d::Work> work = {}) {
   const int64_t now = wall_ns();
   {
     std::lock_guard<std::mutex> lock(ring.mu);
@@ -184,9 +196,11 @@ bool advance(FlightRing& ring, uint64_t id, FlightState to) {
     if (e.id != id || e.state == FlightState::kCompleted || e.state == FlightState::kFailed) return false;
     if (to == FlightState::kStarted) {
       e.started_ns = now;
+      e.work = std::move(work);
     } else {
       if (e.started_ns == 0) e.started_ns = now;
       e.completed_ns = now;
+      work = std::move(e.work);  // let go outside the lock
     }
     e.state = to;
   }
@@ -195,10 +209,32 @@ bool advance(FlightRing& ring, uint64_t id, FlightState to) {
   return true;
 }
 
+// Note [Unwaited calls]: marks completed the started entries whose backend says so; true if any.
+bool discover_completions() {
+  std::vector<std::shared_ptr<FlightRing>> rings;
+  {
+    std::lock_guard<std::mutex> g(rec().rings_mu);
+    for (const auto& w : rec().rings)
+      if (auto r = w.lock()) rings.push_back(std::move(r));
+  }
+  bool any = false;
+  for (const auto& ring : rings) {
+    std::vector<uint64_t> done;
+    {
+      std::lock_guard<std::mutex> lock(ring->mu);
+      for (const auto& e : ring->slots)
+        if (e.id != 0 && e.state == FlightState::kStarted && e.work && e.work->isCompleted() && !e.work->exception())
+          done.push_back(e.id);
+    }
+    for (uint64_t id : done) any |= advance(*ring, id, FlightState::kCompleted);
+  }
+  return any;
+}
+
 }  // namespace
 
-void FlightRecord::started() {
-  if (ring_) advance(*ring_, id_, FlightState::kStarted);
+void FlightRecord::started(c10::intrusive_ptr<c10d::Work> work) {
+  if (ring_) advance(*ring_, id_, FlightState::kStarted, std::move(work));
 }
 void FlightRecord::completed() {
   if (ring_) advance(*ring_, id_, FlightState::kCompleted);
@@ -370,6 +406,7 @@ std::string dump_flight_record(const std::string& reason) {
     if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
       err = "cannot create " + dir + ": " + std::strerror(errno);
     } else {
+      discover_completions();
       const json dump = build_dump(reason);
       if (dump.is_null()) return "";
       path = dir + "/" + flight::kDumpPrefix + std::to_string(rank);
@@ -402,7 +439,8 @@ void watch() {
       }
       const double stall = rec().stall_s.load();
       const int64_t last = rec().last_change_ns.load();
-      if (stall > 0 && rec().pending.load() > 0 && last != stalled_at && wall_ns() - last >= stall * 1e9) {
+      if (stall > 0 && rec().pending.load() > 0 && last != stalled_at && wall_ns() - last >= stall * 1e9 &&
+          !discover_completions()) {
         stalled_at = last;
         dump_flight_record(detail::cat("no call changed state for ", stall, " s while one is pending"));
       }

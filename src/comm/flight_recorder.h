@@ -24,6 +24,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "compat/c10d_compat.h"
 #include "dtrain/process_group.h"
 
 namespace dtrain::comm {
@@ -53,7 +54,9 @@ class FlightRecord {
  public:
   FlightRecord() = default;
   FlightRecord(std::shared_ptr<FlightRing> ring, uint64_t id) : ring_(std::move(ring)), id_(id) {}
-  void started();
+  // The backend has the call; `work` (null for composed calls) lets the watchdog see it complete
+  // when nobody waits for it (Note [Unwaited calls]).
+  void started(c10::intrusive_ptr<c10d::Work> work = {});
   void completed();
   // Marks it failed and dumps the record (reason: the failure's message).
   void failed(const std::string& why);

@@ -2,7 +2,8 @@
 // flight recorder's tests (tests/dist/test_flight_recorder.py). Each step: forward, backward (DDP's
 // gradient all_reduce), an all_reduce of the loss, the optimizer's step.
 //
-//   flight_program --fault skip|stop|compute|other_op|size|p2p|none [--bad_rank 1] [--at_step 5] [--steps 20]
+//   flight_program --fault skip|stop|compute|other_op|size|p2p|unwaited|none [--bad_rank 1] [--at_step 5]
+//                  [--steps 20]
 //
 //   skip      the bad rank skips the loss's all_reduce at the step
 //   stop      the bad rank stops itself (SIGSTOP) at the step, as a debugger or an operator would
@@ -11,6 +12,8 @@
 //   size      the bad rank all_reduces 5 values where the others all_reduce 4
 //   p2p       no DDP: a pipeline of stages (rank r receives activations from r-1 and sends to r+1);
 //             the bad rank's stage runs `at_step` micro-batches where the others run `steps`
+//   unwaited  no fault: at the step every rank starts an asynchronous all_reduce, drops it unwaited and
+//             computes for 3 s (no stall: the call completed)
 // Prints "flight_program: done" on rank 0 when the loop ends; errors exit 1 with the message.
 #include <signal.h>
 
@@ -49,6 +52,11 @@ void train(const Args& a, int rank) {
     const bool bad = rank == a.bad_rank && step == a.at_step;
     if (bad && a.fault == "stop") raise(SIGSTOP);
     if (bad && a.fault == "compute") std::this_thread::sleep_for(std::chrono::seconds(60));
+    if (step == a.at_step && a.fault == "unwaited") {
+      at::Tensor unused = at::ones({4});
+      dtrain::all_reduce(unused, dtrain::ReduceOp::SUM, dtrain::Group(), /*async_op=*/true);
+      std::this_thread::sleep_for(std::chrono::seconds(3));
+    }
     opt.zero_grad();
     at::Tensor loss = torch::nn::functional::cross_entropy(ddp(x), y);
     loss.backward();
@@ -81,7 +89,7 @@ int main(int argc, char** argv) {
   CLI::App app{"flight_program"};
   Args a;
   app.add_option("--fault", a.fault)
-      ->check(CLI::IsMember({"skip", "stop", "compute", "other_op", "size", "p2p", "none"}));
+      ->check(CLI::IsMember({"skip", "stop", "compute", "other_op", "size", "p2p", "unwaited", "none"}));
   app.add_option("--bad_rank", a.bad_rank);
   app.add_option("--at_step", a.at_step);
   app.add_option("--steps", a.steps);

@@ -110,6 +110,17 @@ class OneHost(DistTestCase):
         self.assertRegex(got.out, r"hang in group 'default' at all_reduce #\d+: ranks 0, 2 entered it [\d.]+ s ago; "
                                   r"rank 1 left no record")
 
+    def test_an_unwaited_call_that_completed_is_no_stall(self):
+        # Every rank drops an asynchronous all_reduce unwaited and computes for 3 s: with a 1-s stall
+        # time, a recorder that only learns of completion from wait() would dump a stall here.
+        argv = [launcher(), "--nproc_per_node", 2, "--log_dir", self.tmp, "--run_id", "job",
+                "--master_port", free_port(), program(), "--fault", "unwaited", "--steps", 8]
+        r = self.run_one(argv, clean_env(DTRAIN_TIMEOUT_S=60, DTRAIN_FLIGHT_STALL_S=1), timeout=60)
+        self.assertEqual(r.rc, 0, str(r))
+        self.assertIn("flight_program: done", r.out)
+        self.assertNotIn("wrote its flight record", r.err)
+        self.assertEqual(glob.glob(os.path.join(self.flight_dir(), "dtrain_trace_rank_*")), [], str(r))
+
     def test_sigusr1_dumps_a_running_job_and_analyze_rejects_a_bad_folder(self):
         argv = [launcher(), "--nproc_per_node", 2, "--log_dir", self.tmp, "--run_id", "job",
                 "--master_port", free_port(), program(), "--fault", "none", "--steps", 1000000]
