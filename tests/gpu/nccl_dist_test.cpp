@@ -2,6 +2,8 @@
 // run_multi_gpu.sh, which reports the test skipped (exit 77) on a machine with fewer GPUs than ranks.
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -11,6 +13,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 
+#include "common/flight_pickle.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
 #include "dtrain/process_group.h"
@@ -34,6 +37,28 @@ TEST(Nccl, CollectivesOnCudaTensors) {
   for (int i = 0; i < n; ++i) parts.push_back(at::empty({3}, on_gpu()));
   dtrain::all_gather(parts, at::full({3}, static_cast<double>(10 * r), on_gpu()));
   for (int i = 0; i < n; ++i) EXPECT_TRUE(at::all(parts[i] == 10.0 * i).item<bool>()) << i;
+}
+
+// The flight recorder covers NCCL: a dump written after CUDA all_reduces names them "nccl:all_reduce",
+// completed, with their sizes and dtype (what PyTorch's analyzer and dtrain-run --analyze read).
+TEST(Nccl, FlightRecorderRecordsNcclCallsAsCompleted) {
+  at::Tensor t = at::ones({1000}, on_gpu());
+  for (int i = 0; i < 3; ++i) dtrain::all_reduce(t);
+  torch::cuda::synchronize();
+  const std::string path = dtrain::dump_flight_record("gpu test");
+  ASSERT_FALSE(path.empty()) << "the recorder is off or could not write";
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream bytes;
+  bytes << in.rdbuf();
+  const nlohmann::json dump = dtrain::flight::pickle::loads(bytes.str());
+  int found = 0;
+  for (const auto& e : dump.at("entries")) {
+    if (e.at("profiling_name") != "nccl:all_reduce" || e.at("input_sizes") != nlohmann::json({{1000}})) continue;
+    EXPECT_EQ(e.at("state"), "completed") << e.dump();
+    EXPECT_EQ(e.at("input_dtypes"), nlohmann::json({"Float"})) << e.dump();
+    ++found;
+  }
+  EXPECT_GE(found, 3) << dump.at("entries").dump();
 }
 
 // DDP's averaged gradients equal the mean of every rank's own gradients, computed here on one GPU
