@@ -3,7 +3,7 @@
 // writes, checking each field's type on the way.
 #include "checkpoint/dcp_metadata.h"
 
-#include "checkpoint/pickle.h"
+#include "common/pickle.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::dcp::detail {
@@ -222,7 +222,7 @@ std::string encode(const Metadata& m) {
                              {"storage_data", storage},
                              {"storage_meta", meta},
                              {"version", d.str(m.version)}});
-  return pickle::dump(d, root);
+  return pickle::dump(root);
 }
 
 Metadata decode(const std::string& bytes) {

@@ -1,7 +1,5 @@
-// The subset of Python's pickle format that flight-record dumps use, over nlohmann::json values.
-// Torch-free: libdtrain writes dumps with it and dtrain-run reads them back. (checkpoint/pickle.h,
-// written beside it for DCP's metadata, reads more of pickle into its own value type; the two could
-// become one in common/.)
+// Flight-record dumps as pickles of JSON values. Torch-free: libdtrain writes dumps with it and
+// dtrain-run reads them back, over the one pickle reader and writer (common/pickle.h).
 //
 // PyTorch's flight recorder writes its dumps as a pickled dict, and its analyzer
 // (`python -m torch.distributed.flight_recorder.fr_trace DIR`) reads them with pickle.load. dtrain
@@ -13,7 +11,8 @@
 //
 // dumps writes None, bool, int (64-bit), float, str, list and dict (string keys): what JSON holds.
 // loads reads protocols 2 to 5 as Python's pickle.dumps writes these types, tuples as lists, and
-// memo references; anything else (classes, bytes, sets) throws std::runtime_error naming the opcode.
+// memo references; anything else (a global or object, bytes, a set, non-text keys) throws
+// std::runtime_error ("pickle: ..." naming what it found, or the byte offset).
 #pragma once
 
 #include <string>

@@ -1,4 +1,4 @@
-// Fuzz target: the reader of a distributed checkpoint's `.metadata` pickle (src/checkpoint/pickle.h,
+// Fuzz target: the reader of a distributed checkpoint's `.metadata` pickle (src/common/pickle.h,
 // dcp_metadata.h), as a load reads a file written by anyone. A clean dtrain::Error is the expected
 // answer to bad bytes; a crash, a leak, undefined behaviour or a hang is a finding. What decode()
 // accepts, encode() writes and decode() reads back alike.
@@ -7,7 +7,7 @@
 #include <string>
 
 #include "checkpoint/dcp_metadata.h"
-#include "checkpoint/pickle.h"
+#include "common/pickle.h"
 #include "dtrain/errors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

@@ -58,7 +58,16 @@ TEST(Pickle, RejectsWhatItCannotRead) {
     dtrain::flight::pickle::loads(std::string("\x80\x02\x63os\nsystem\n.", 14));  // GLOBAL: a class
     FAIL() << "no exception";
   } catch (const std::runtime_error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("opcode 0x63"));
+    EXPECT_THAT(e.what(), HasSubstr("pickle: the global os.system is not plain data"));
+  }  // l = []; l.append(l); pickle.dumps(l, 2): a cycle stops at a depth limit, not in the stack.
+  try {
+    dtrain::flight::pickle::loads(
+        std::string("\x80\x02]q\x00h\x00"
+                    "a.",
+                    9));
+    FAIL() << "no exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("nested deeper than 100"));
   }
 }
 

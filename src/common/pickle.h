@@ -1,6 +1,7 @@
-// A small pickle reader and writer for the metadata of PyTorch's distributed checkpoints (DCP's
-// `.metadata` file is a pickle of its dataclasses). Torch-free, so that its fuzz target (tests/fuzz/)
-// builds without LibTorch.
+// The one small pickle reader and writer: for the metadata of PyTorch's distributed checkpoints
+// (DCP's `.metadata` file is a pickle of its dataclasses) and for flight-record dumps (JSON values
+// through common/flight_pickle.h). Torch-free, so that the launcher reads dumps with it and its fuzz
+// target (tests/fuzz/) builds without LibTorch.
 //
 // The reader runs the pickle machine over the opcodes Python's pickle writes for plain data and
 // dataclasses (protocols 2 to 5: strings, numbers, tuples, lists, dicts, globals, NEWOBJ, REDUCE,
@@ -18,7 +19,7 @@
 //   pickle::Document doc;
 //   pickle::Value* d = doc.dict();
 //   doc.set(d, doc.str("version"), doc.str("1.0.0"));
-//   std::string bytes = pickle::dump(doc, d);
+//   std::string bytes = pickle::dump(d);
 #pragma once
 
 #include <cstdint>
@@ -90,8 +91,8 @@ class Document {
 // Parses a pickle. Throws dtrain::Error "<what> at byte <offset>" for a truncated or malformed
 // pickle or an opcode outside the subset above; the caller names the file.
 Document parse(const std::string& bytes);
-// Serializes `root` (a value of `doc`) as a protocol-2 pickle. Values reachable twice are written
-// twice; a cycle is an error.
-std::string dump(const Document& doc, const Value* root);
+// Serializes `root` (a value of some Document) as a protocol-2 pickle. Values reachable twice are
+// written twice; a cycle is an error.
+std::string dump(const Value* root);
 
 }  // namespace dtrain::pickle

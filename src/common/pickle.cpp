@@ -10,7 +10,7 @@
 //   objects      GLOBAL STACK_GLOBAL NEWOBJ NEWOBJ_EX REDUCE BUILD
 //   the memo     MEMOIZE BINPUT LONG_BINPUT BINGET LONG_BINGET
 // Anything else (text protocol 0, persistent ids, extensions, sets, out-of-band buffers) is refused.
-#include "checkpoint/pickle.h"
+#include "common/pickle.h"
 
 #include <cstring>
 #include <unordered_map>
@@ -518,7 +518,7 @@ Document parse(const std::string& bytes) {
   return doc;
 }
 
-std::string dump(const Document& /*doc*/, const Value* root) {
+std::string dump(const Value* root) {
   Writer w;
   w.out = std::string("\x80\x02", 2);
   w.value(root, 0);
