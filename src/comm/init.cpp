@@ -178,7 +178,7 @@ std::shared_ptr<detail::GroupImpl> make_group(WorldState& st, const std::string&
     c.name = st.backend;
     c.pytorch_peers = st.pytorch_peers;
     if (st.pytorch_peers)
-      c.store = pytorch_default_group_store(st.python_store);
+      c.store = pytorch_group_store(st.python_store, name == "default" ? "0" : name);
     else
       c.store = c10::make_intrusive<c10d::PrefixStore>("pg/" + name, st.store);
     c.rank = g->rank;
@@ -299,9 +299,6 @@ c10::intrusive_ptr<c10d::Store> default_store() { return comm::world_state().sto
 
 Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds> timeout) {
   auto& st = comm::world_state();
-  DTRAIN_CHECK(!st.pytorch_peers, "rank ", st.rank,
-               ": new_group is not supported when the job has Python ranks "
-               "(Python names its groups from its own counters): use the default group");
   std::sort(ranks.begin(), ranks.end());
   DTRAIN_CHECK(std::adjacent_find(ranks.begin(), ranks.end()) == ranks.end(), "new_group: rank ",
                *std::adjacent_find(ranks.begin(), ranks.end()), " is listed twice: list each rank once");
@@ -310,8 +307,14 @@ Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds>
                  ": ranks go from 0 to ", st.world_size - 1);
   if (ranks.empty())
     for (int i = 0; i < st.world_size; ++i) ranks.push_back(i);
-  std::string name = "group" + std::to_string(st.next_group_id++);
   const auto group_timeout = util::capped(timeout.value_or(st.timeout));
+  if (st.pytorch_peers) {
+    // Note [PyTorch peers]: Python's name for the group, and no dtrain keys Python would never write
+    // (Gloo's own connection through the store is the members' meeting).
+    auto g = comm::make_group(st, std::to_string(st.next_group_id++), std::move(ranks), group_timeout);
+    return detail::GroupAccess::make(std::move(g));
+  }
+  std::string name = "group" + std::to_string(st.next_group_id++);
   auto g = comm::make_group(st, name, std::move(ranks), group_timeout);
   comm::await_members(st, *g, group_timeout, "every rank must call new_group with the same ranks in the same order");
   return detail::GroupAccess::make(std::move(g));

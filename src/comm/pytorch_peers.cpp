@@ -30,9 +30,13 @@ c10::intrusive_ptr<c10d::Store> connect_pytorch_store(const Endpoint& master, in
   return c10::make_intrusive<c10d::TCPStore>(master.host, o);
 }
 
-c10::intrusive_ptr<c10d::Store> pytorch_default_group_store(const c10::intrusive_ptr<c10d::Store>& base) {
+c10::intrusive_ptr<c10d::Store> pytorch_group_store(const c10::intrusive_ptr<c10d::Store>& base,
+                                                    const std::string& python_name) {
+  // init_process_group prefixes "default_pg"; each group prefixes its name onto the store it was
+  // given, and a new group is given the default group's prefixed store; then the device's prefix.
   c10::intrusive_ptr<c10d::Store> s = c10::make_intrusive<c10d::PrefixStore>("default_pg", base);
   s = c10::make_intrusive<c10d::PrefixStore>("0/", s);
+  if (python_name != "0") s = c10::make_intrusive<c10d::PrefixStore>(python_name + "/", s);
   return c10::make_intrusive<c10d::PrefixStore>("cpu/", s);
 }
 
@@ -47,7 +51,9 @@ c10::intrusive_ptr<c10d::Store> pytorch_default_group_store(const c10::intrusive
 c10::intrusive_ptr<c10d::Store> connect_pytorch_store(const Endpoint&, int, int, std::chrono::milliseconds, bool) {
   unsupported();
 }
-c10::intrusive_ptr<c10d::Store> pytorch_default_group_store(const c10::intrusive_ptr<c10d::Store>&) { unsupported(); }
+c10::intrusive_ptr<c10d::Store> pytorch_group_store(const c10::intrusive_ptr<c10d::Store>&, const std::string&) {
+  unsupported();
+}
 
 #endif
 

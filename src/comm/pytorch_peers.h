@@ -11,11 +11,16 @@
 //      which Python reads from the same environment.
 //   3. Nothing else touches the store: no dtrain rendezvous check, no shared memory, no
 //      DTRAIN_DEBUG=DETAIL (it compares calls through store keys Python ranks never write).
-// Collectives, barrier and send/recv then pair with Python's call for call. Subgroups are not
-// supported (Python names them from its own counters). LibTorch 2.x builds only.
+// Collectives, barrier and send/recv then pair with Python's call for call. Subgroups too: Python's
+// new_group names its groups from a counter every rank advances once per call, members or not ("1",
+// "2", ... after the default group's "0"), and hands Gloo the store under "default_pg" / "0/" /
+// "<name>/" / "cpu/"; dtrain's new_group counts and prefixes the same, so the same calls in the same
+// order on both sides make the same groups (Python's ranks sorted, as its new_group sorts them).
+// LibTorch 2.x builds only.
 #pragma once
 
 #include <chrono>
+#include <string>
 
 #include "comm/launch_env.h"
 #include "compat/c10d_compat.h"
@@ -30,7 +35,9 @@ bool pytorch_peers_requested(bool option);
 c10::intrusive_ptr<c10d::Store> connect_pytorch_store(const Endpoint& master, int rank, int world_size,
                                                       std::chrono::milliseconds timeout, bool agent_store);
 
-// Step 2: the store Python's default group hands to its Gloo process group.
-c10::intrusive_ptr<c10d::Store> pytorch_default_group_store(const c10::intrusive_ptr<c10d::Store>& base);
+// Step 2: the store Python's group `python_name` ("0": the default group; "1", "2", ...: new_group's)
+// hands to its Gloo process group.
+c10::intrusive_ptr<c10d::Store> pytorch_group_store(const c10::intrusive_ptr<c10d::Store>& base,
+                                                    const std::string& python_name);
 
 }  // namespace dtrain::comm

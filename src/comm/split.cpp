@@ -20,7 +20,7 @@ Group split_group(int color, int key, const Group& parent, std::optional<std::ch
   auto& st = comm::world_state();
   DTRAIN_CHECK(!st.pytorch_peers, "rank ", st.rank,
                ": split_group is not supported when the job has Python ranks "
-               "(Python names its groups from its own counters): use the default group");
+               "(Python names split groups by hashes of its own): use new_group, which makes Python's groups");
   const auto& p = comm::resolve(parent);
   DTRAIN_CHECK(p.rank >= 0, "rank ", st.rank, ": split_group: this rank is not a member of group '", p.name,
                "': only the parent's members call split_group");

@@ -1,6 +1,6 @@
 // One rank of a job shared with Python ranks (tests/dist/peer_rank.py is the Python side; both run
 // the same sequence, call for call): all_reduce, broadcast, all_gather, barrier, send/recv around a
-// ring, and this rank's DistributedSampler indices, which the test compares with Python's. Prints
+// ring, two subgroups, and this rank's DistributedSampler indices, which the test compares with Python's. Prints
 // one line per check and "peer_rank: ALL OK" at the end; any mismatch exits 1.
 #include <cstdio>
 #include <string>
@@ -53,6 +53,23 @@ int main() {
 
     dtrain::all_reduce(t, dtrain::ReduceOp::MAX);
     check(at::all(t == n * (n + 1) / 2.0).item<bool>(), "all_reduce MAX");
+
+    // Subgroups: ranks 0 and 1 (one of each language in every layout) all-reduce while a third rank
+    // does not; then a group of every rank, listed in reverse (new_group sorts them).
+    dtrain::Group g1 = dtrain::new_group({0, 1});
+    if (r < 2) {
+      at::Tensor s = at::full({2}, r + 1.0, f64());
+      dtrain::all_reduce(s, dtrain::ReduceOp::SUM, g1);
+      check(at::all(s == 3).item<bool>(), "subgroup [0, 1] all_reduce");
+    } else {
+      check(!g1.is_member(), "subgroup [0, 1]: not a member");
+    }
+    std::vector<int> every;
+    for (int i = n - 1; i >= 0; --i) every.push_back(i);
+    dtrain::Group g2 = dtrain::new_group(every);
+    at::Tensor s = at::full({2}, 10.0 * (r + 1), f64());
+    dtrain::all_reduce(s, dtrain::ReduceOp::SUM, g2);
+    check(at::all(s == 10.0 * n * (n + 1) / 2).item<bool>() && g2.rank() == r, "second subgroup all_reduce");
 
     dtrain::DistributedSampler sampler(101, dtrain::DistributedSamplerOptions().seed(7));
     sampler.set_epoch(3);

@@ -43,6 +43,20 @@ check(bool((inp == 100.0 + (r + n - 1) % n).all()), "send/recv ring")
 dist.all_reduce(t, op=dist.ReduceOp.MAX)
 check(bool((t == n * (n + 1) / 2).all()), "all_reduce MAX")
 
+# Subgroups: ranks 0 and 1 (one of each language in every layout) all-reduce while a third rank does
+# not; then a group of every rank, listed in reverse (new_group sorts them).
+g1 = dist.new_group([0, 1])
+if r < 2:
+    s = torch.full((2,), r + 1.0, **f64)
+    dist.all_reduce(s, group=g1)
+    check(bool((s == 3).all()), "subgroup [0, 1] all_reduce")
+else:
+    check(g1 == dist.GroupMember.NON_GROUP_MEMBER, "subgroup [0, 1]: not a member")
+g2 = dist.new_group(list(reversed(range(n))))
+s = torch.full((2,), 10.0 * (r + 1), **f64)
+dist.all_reduce(s, group=g2)
+check(bool((s == 10 * n * (n + 1) / 2).all()) and dist.get_rank(g2) == r, "second subgroup all_reduce")
+
 sampler = DistributedSampler(range(101), seed=7)
 sampler.set_epoch(3)
 print("sampler indices " + " ".join(str(i) for i in sampler), flush=True)

@@ -3,7 +3,8 @@
 Every layout runs tests/dist/peer_rank.py (PyTorch 2.x from .venv, torch.distributed with gloo) and
 the dtrain program peer_rank (built against the same LibTorch) side by side: 2 and 3 ranks, with a
 Python rank 0 (Python hosts the store) and with a C++ rank 0 (dtrain hosts PyTorch's TCPStore).
-Each rank checks all_reduce, broadcast, all_gather, barrier and send/recv against the others, and every
+Each rank checks all_reduce, broadcast, all_gather, barrier, send/recv and two subgroups (ranks 0 and 1,
+one of each language, while a third rank stays out; then every rank) against the others, and every
 rank's DistributedSampler indices must equal Python's DistributedSampler for that rank.
 A LibTorch 1.13 tree cannot join PyTorch 2.x ranks; there the mode must refuse with the remedy.
 
@@ -56,7 +57,7 @@ class PytorchPeers(DistTestCase):
             language = {"py": "Python", "cxx": "C++"}[kind]
             self.assertEqual([l for l in res.out.splitlines() if l.startswith("peer_rank: language ")],
                              [f"peer_rank: language {language}"], f"rank {r} is not the {kind} side:\n{res}")
-            self.assertEqual(res.out.count("\nok ") + res.out.startswith("ok "), 6, str(res))
+            self.assertEqual(res.out.count("\nok ") + res.out.startswith("ok "), 8, str(res))
             line = [l for l in res.out.splitlines() if l.startswith("sampler indices ")]
             self.assertEqual(line[0].split()[2:], python_indices(r, world),
                              f"rank {r} ({kind}): sampler indices differ from Python's DistributedSampler")
