@@ -21,8 +21,10 @@ struct BackendConfig {
   std::string bind_address = "127.0.0.1";
   // The group's global ranks (index = group rank), for error messages; empty = the same numbers.
   std::vector<int> global_ranks;
-  // Python ranks share the group (Note [PyTorch peers]): Gloo as Python configures it, nothing else.
+  // Python ranks share the group (Note [PyTorch peers]): Gloo as Python configures it, nothing else;
+  // python_group is Python's name for the group ("0": the default group).
   bool pytorch_peers = false;
+  std::string python_group = "0";
 };
 
 }  // namespace dtrain::comm

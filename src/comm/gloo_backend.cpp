@@ -6,6 +6,7 @@
 #include <torch/csrc/api/include/torch/version.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <ATen/ATen.h>
 
@@ -14,6 +15,11 @@
 #include "comm/gloo_backend.h"
 #include "common/env.h"
 #include "dtrain/errors.h"
+
+#if DTRAIN_PYTORCH_PEERS_SUPPORTED
+#include <torch/csrc/distributed/c10d/ProcessGroupWrapper.hpp>
+#include <torch/csrc/distributed/c10d/debug.h>
+#endif
 
 namespace dtrain::comm {
 
@@ -41,8 +47,22 @@ compat::BackendPtr make_pytorch_gloo_backend(const BackendConfig& c) {
   // host's address, TORCH_GLOO_LAZY_INIT, two threads per device), then its group name. Every rank
   // must have the same number of devices: each is a context Gloo connects through the store.
   auto opts = c10d::ProcessGroupGloo::Options::create_default(c.timeout);
-  opts->group_name = "0";
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(c.store, c.rank, c.size, opts);
+  opts->group_name = c.python_group;
+  c10::intrusive_ptr<c10d::Backend> pg = c10::make_intrusive<c10d::ProcessGroupGloo>(c.store, c.rank, c.size, opts);
+  // Note [PyTorch peers' DETAIL checks]: with TORCH_DISTRIBUTED_DEBUG=DETAIL Python wraps each group's
+  // backend in c10d's ProcessGroupWrapper, whose helper Gloo group (under "pg_wrapper:<name>" on the
+  // same store) runs a monitored barrier and compares every collective's fingerprint before it runs.
+  // The Python ranks then wait for those checks on every rank, so a dtrain rank wraps its group in the
+  // same LibTorch class: the checks match by construction, and a mismatch is reported on every rank.
+  static const bool detail = [] {
+    c10d::setDebugLevelFromEnvironment();  // what Python does on import
+    return c10d::debug_level() == c10d::DebugLevel::Detail;
+  }();
+  if (!detail) return pg;
+  auto helper_store = c10::make_intrusive<c10d::PrefixStore>("pg_wrapper:" + c.python_group, c.store);
+  auto helper = c10::make_intrusive<c10d::ProcessGroupGloo>(helper_store, c.rank, c.size,
+                                                            c10d::ProcessGroupGloo::Options::create_default(c.timeout));
+  return c10::make_intrusive<c10d::ProcessGroupWrapper>(pg, helper);
 #else
   (void)c;
   throw Error("joining Python ranks needs dtrain built against LibTorch 2.x");

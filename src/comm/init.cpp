@@ -177,10 +177,12 @@ std::shared_ptr<detail::GroupImpl> make_group(WorldState& st, const std::string&
     BackendConfig c;
     c.name = st.backend;
     c.pytorch_peers = st.pytorch_peers;
-    if (st.pytorch_peers)
-      c.store = pytorch_group_store(st.python_store, name == "default" ? "0" : name);
-    else
+    if (st.pytorch_peers) {
+      c.python_group = name == "default" ? "0" : name;
+      c.store = pytorch_group_store(st.python_store, c.python_group);
+    } else {
       c.store = c10::make_intrusive<c10d::PrefixStore>("pg/" + name, st.store);
+    }
     c.rank = g->rank;
     c.size = static_cast<int>(g->ranks.size());
     c.timeout = timeout;

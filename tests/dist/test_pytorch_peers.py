@@ -43,12 +43,12 @@ def python_indices(rank, world):
 
 
 class PytorchPeers(DistTestCase):
-    def run_layout(self, kinds):
+    def run_layout(self, kinds, **env):
         cxx = peer_rank()
         py = [needs(VENV_PYTHON, ".venv/bin/python"), os.path.join(HERE, "peer_rank.py")]
         port, world = free_port(), len(kinds)
         procs = [self.spawn(py if k == "py" else [cxx],
-                            rank_env(r, world, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=world, PYTHONPATH=None))
+                            rank_env(r, world, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=world, PYTHONPATH=None, **env))
                  for r, k in enumerate(kinds)]
         results = [p.finish(120) for p in procs]
         for r, (kind, res) in enumerate(zip(kinds, results)):
@@ -77,6 +77,12 @@ class PytorchPeers(DistTestCase):
     @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
     def test_three_ranks_cxx_first(self):
         self.run_layout(["cxx", "py", "cxx"])
+
+    @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
+    def test_python_debug_detail_checks_every_collective_on_every_rank(self):
+        # Python wraps each group in c10d's ProcessGroupWrapper: a monitored barrier and a fingerprint
+        # comparison through a helper group before every collective; the dtrain rank must take part.
+        self.run_layout(["py", "cxx", "py"], TORCH_DISTRIBUTED_DEBUG="DETAIL")
 
     @unittest.skipUnless(0 < TORCH_MAJOR < 2, "a LibTorch 2.x build joins Python ranks (tested above)")
     def test_libtorch_1_refuses_with_the_remedy(self):
