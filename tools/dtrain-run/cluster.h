@@ -21,6 +21,7 @@
 //     read_timeout (60 s) are checked and accepted only: node 0 keeps the store up for nodes still
 //     finishing within --rdzv_timeout, and dtrain-run's store requests carry deadlines of their own;
 //     is_host as above; secret_file (secret.h).
+//   - --redirects/--tee: a mask for every local rank, or torchrun's per-local-rank map (StdStreams).
 //   - torchrun flags that dtrain-run does not take are refused with one line naming the flag and what
 //     to do instead; -m/--module with the reason (dtrain-run starts programs, not Python modules).
 //
@@ -61,6 +62,10 @@ std::vector<std::string> pet_defaults(const CLI::App& app, const std::vector<con
 
 // --nproc_per_node: a count, or auto (the GPUs, else the CPUs this process may run on), cpu, gpu.
 int parse_nproc(const std::string& nproc);
+
+// --redirects / --tee ("3", or per local rank "0:3,1:2"), as torchrun's Std.from_str reads them;
+// `flag` names the option in the error line.
+StdStreams parse_std_streams(const std::string& flag, const std::string& value);
 
 // --rdzv_conf KEY=VALUE,... into `o` (the keys of Note [torchrun's command line]); an unknown key
 // or a bad value is a usage error naming it.

@@ -125,7 +125,7 @@ std::string make_temp_folder(const std::string& pattern) {
 // two runs with one --run_id never mix); --tee or --redirects without --log_dir write to a new folder
 // under TMPDIR, as torchrun does, and say where.
 void prepare_log_dir(LaunchOptions& o) {
-  if (o.log_dir.empty() && !o.tee && !o.redirects) return;
+  if (o.log_dir.empty() && !o.tee.any() && !o.redirects.any()) return;
   if (o.log_dir.empty()) {
     o.log_dir = make_temp_folder(dtrain::env::text("TMPDIR").value_or("/tmp") + "/dtrain-run_XXXXXX");
     say("the log files of --tee/--redirects go to " + o.log_dir + " (no --log_dir was given)");
@@ -316,7 +316,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   // A terminal that shows rank 0's stdout gets its progress bar drawn in place (Note [Launcher bar]).
-  options.progress_bar = isatty(STDOUT_FILENO) && (!(options.redirects & kStdOut) || (options.tee & kStdOut));
+  const int rank0 = options.local_rank_base;  // the local rank of rank 0 when this node has it
+  options.progress_bar =
+      isatty(STDOUT_FILENO) && (!(options.redirects.of(rank0) & kStdOut) || (options.tee.of(rank0) & kStdOut));
   if (!options.slurm_note.empty() && options.node_rank == 0) say(options.slurm_note);
   if (!options.launch_note.empty() && options.node_rank == 0) say(options.launch_note);
   try {
