@@ -222,8 +222,10 @@ void parse_rdzv_conf(const std::string& conf, LaunchOptions& o) {
       o.join_timeout = conf_seconds(key, value);
     } else if (key == "last_call_timeout") {
       o.last_call_timeout = conf_seconds(key, value);
-    } else if (key == "close_timeout" || key == "read_timeout") {
-      conf_seconds(key, value);     // checked and accepted only (Note [torchrun's command line])
+    } else if (key == "close_timeout") {
+      o.close_timeout = conf_seconds(key, value);
+    } else if (key == "read_timeout") {
+      o.read_timeout = conf_seconds(key, value);
     } else if (key == "is_host") {  // torchrun's get_as_bool
       std::string v = value;
       std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });

@@ -17,10 +17,10 @@
 //     node 0 is the host, the others take group ranks in the order they joined, stable for a round
 //     and formed anew at every restart, as torchrun's c10d rendezvous does.
 //   - --rdzv_conf: join_timeout (default 600 s with c10d) is --rdzv_timeout, last_call_timeout (30 s)
-//     is --rdzv_last_call, timeout is static's name for join_timeout; close_timeout (30 s) and
-//     read_timeout (60 s) are checked and accepted only: node 0 keeps the store up for nodes still
-//     finishing within --rdzv_timeout, and dtrain-run's store requests carry deadlines of their own;
-//     is_host as above; secret_file (secret.h).
+//     is --rdzv_last_call, timeout is static's name for join_timeout; close_timeout (30 s) bounds the
+//     closing of a failed job's rendezvous and read_timeout (60 s) is the deadline of every rendezvous
+//     store request (Note [Store deadlines and closing] in rendezvous.h), in both forms; is_host as
+//     above; secret_file (secret.h). Seconds may have a fraction (torchrun takes whole seconds).
 //   - --redirects/--tee: a mask for every local rank, or torchrun's per-local-rank map (StdStreams).
 //   - torchrun flags that dtrain-run does not take are refused with one line naming the flag and what
 //     to do instead; -m/--module with the reason (dtrain-run starts programs, not Python modules).

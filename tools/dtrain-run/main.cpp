@@ -32,6 +32,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -98,6 +99,16 @@ bool job_wide_outcome(NodeRendezvous& rdzv, const LaunchOptions& o, int attempt,
   return true;
 }
 
+std::chrono::milliseconds seconds(double s) { return dtrain::util::millis_of_seconds(s); }
+
+// How long node 0 keeps the store up for the other nodes once its job ended
+// (Note [Store deadlines and closing] in rendezvous.h): after a failure it closes the rendezvous
+// within close_timeout; after a success it waits for them as torchrun's exit barrier does. Never more
+// than --rdzv_timeout.
+std::chrono::milliseconds node0_linger(const LaunchOptions& o, int exit_code) {
+  return seconds(exit_code == 0 ? o.rdzv_timeout : std::min(o.close_timeout, o.rdzv_timeout));
+}
+
 // The name other nodes are told this node by: --local_addr, else the host name.
 std::string node_name(const LaunchOptions& o) {
   return o.local_addr.empty() ? dtrain::util::host_name() : o.local_addr;
@@ -157,7 +168,7 @@ int run(const LaunchOptions& o) {
     pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
     const auto timeout = dtrain::util::millis_of_seconds(o.rdzv_timeout);
     if (o.secret.empty()) say(open_store_warning(o));
-    rdzv.emplace(o.master_addr, port, timeout, o.secret);
+    rdzv.emplace(o.master_addr, port, timeout, o.secret, seconds(o.read_timeout));
     rdzv->join(NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, o.max_restarts, node_name(o)}, say);
     if (!server) rdzv->watch_host(silent_host_after(dtrain::util::millis_of_seconds(o.monitor_interval)));
     pthread_sigmask(SIG_BLOCK, &terminating, nullptr);
@@ -201,9 +212,9 @@ int run(const LaunchOptions& o) {
                                     " restart(s) of --max_restarts " + std::to_string(o.max_restarts) + ")"
                               : ""));
   if (rdzv && !rdzv->host_silent()) {
-    try {
-      rdzv->mark_done(o.node_rank, result.exit_code);
-      if (server) rdzv->wait_all_done(o.nnodes, dtrain::util::millis_of_seconds(o.rdzv_timeout));
+    try {  // Note [Store deadlines and closing] in rendezvous.h
+      rdzv->mark_done(o.node_rank, result.exit_code, seconds(o.close_timeout));
+      if (server) rdzv->wait_all_done(o.nnodes, node0_linger(o, result.exit_code));
     } catch (const std::exception&) {
       // The store is gone (node 0 finished first): nothing left to tell.
     }
@@ -211,19 +222,13 @@ int run(const LaunchOptions& o) {
   return result.exit_code;
 }
 
-// --nnodes MIN:MAX (elastic.h; protocol steps E1-E8 in rendezvous.h). Every attempt runs the group
-// node 0 formed; after it, node 0's decision says: done, restart with a new group, or stop.
-int run_elastic(const LaunchOptions& given) {
-  wait_for_master_name(given);
-  signal(SIGPIPE, SIG_IGN);
-  sigset_t all = handled_signals(true), terminating = handled_signals(false);
-  sigprocmask(SIG_BLOCK, &all, nullptr);
-  // Who hosts the rendezvous: --node_rank 0 does and any other --node_rank does not; without
-  // --node_rank the launcher that can bind master_addr:master_port does (torchrun's c10d rendezvous
-  // decides the same way), so identical command lines on every node work.
-  std::unique_ptr<dtrain::store::StoreServer> server;
+// Who hosts the elastic rendezvous: --node_rank 0 does and any other --node_rank does not; without
+// --node_rank the launcher that can bind master_addr:master_port does (torchrun's c10d rendezvous
+// decides the same way), so identical command lines on every node work. Null: this one joins.
+std::unique_ptr<dtrain::store::StoreServer> host_rendezvous(const LaunchOptions& given) {
   const uint16_t port = uint16_t(given.master_port);
   bool warned = false;
+  std::unique_ptr<dtrain::store::StoreServer> server;
   if (given.node_rank_given && given.node_rank == 0) {
     server = std::make_unique<dtrain::store::StoreServer>(given.master_addr, port, given.secret);
   } else if (!given.node_rank_given) {
@@ -242,21 +247,37 @@ int run_elastic(const LaunchOptions& given) {
     }
   }
   if (given.secret.empty() && !warned) say(open_store_warning(given));
-  const auto timeout = dtrain::util::millis_of_seconds(given.rdzv_timeout);
-  NodeRendezvous rdzv(given.master_addr, port, timeout, given.secret);
-  const std::string hostname = node_name(given);
-  rdzv.set_hostname(hostname);
+  return server;
+}
+
+ElasticOptions elastic_options(const LaunchOptions& given, bool host) {
   ElasticOptions eo;
   eo.min_nodes = given.min_nodes;
   eo.max_nodes = given.max_nodes;
   eo.nproc_per_node = given.nproc_per_node;
   eo.max_restarts = given.max_restarts;
-  eo.hostname = hostname;
-  eo.host = server != nullptr;
-  eo.beat_period = dtrain::util::millis_of_seconds(given.monitor_interval);
-  eo.rdzv_timeout = timeout;
-  eo.last_call = dtrain::util::millis_of_seconds(given.rdzv_last_call);
+  eo.hostname = node_name(given);
+  eo.host = host;
+  eo.beat_period = seconds(given.monitor_interval);
+  eo.rdzv_timeout = seconds(given.rdzv_timeout);
+  eo.last_call = seconds(given.rdzv_last_call);
   eo.secret = given.secret;
+  eo.close_timeout = seconds(given.close_timeout);
+  return eo;
+}
+
+// --nnodes MIN:MAX (elastic.h; protocol steps E1-E8 in rendezvous.h). Every attempt runs the group
+// node 0 formed; after it, node 0's decision says: done, restart with a new group, or stop.
+int run_elastic(const LaunchOptions& given) {
+  wait_for_master_name(given);
+  signal(SIGPIPE, SIG_IGN);
+  sigset_t all = handled_signals(true), terminating = handled_signals(false);
+  sigprocmask(SIG_BLOCK, &all, nullptr);
+  const std::unique_ptr<dtrain::store::StoreServer> server = host_rendezvous(given);
+  const uint16_t port = uint16_t(given.master_port);
+  NodeRendezvous rdzv(given.master_addr, port, seconds(given.rdzv_timeout), given.secret, seconds(given.read_timeout));
+  ElasticOptions eo = elastic_options(given, server != nullptr);
+  rdzv.set_hostname(eo.hostname);
   ElasticRendezvous elastic(rdzv, given.master_addr, port, eo);
   pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
   ElasticNext first = elastic.join(say);
@@ -296,7 +317,7 @@ int run_elastic(const LaunchOptions& given) {
     round = *next.round;
   }
   close(sfd);
-  elastic.finish_job();
+  elastic.finish_job(exit_code != 0);
   return exit_code;
 }
 

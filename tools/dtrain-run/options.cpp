@@ -223,8 +223,8 @@ void add_flags(CLI::App& app, LaunchOptions& o, Given& g) {
   app.add_option("--run_id,--run-id,--rdzv_id,--rdzv-id", g.run_id,
                  "job id exported as TORCHELASTIC_RUN_ID (default none)");
   app.add_option("--rdzv_conf,--rdzv-conf", g.rdzv_conf,
-                 "KEY=VALUE,...: join_timeout, last_call_timeout, close_timeout, read_timeout (seconds), is_host "
-                 "(0/1), secret_file=PATH (the job secret every node's launcher shares, a mode-0600 file)");
+                 "KEY=VALUE,...: join_timeout, last_call_timeout, close_timeout (30), read_timeout (60) in seconds, "
+                 "is_host (0/1), secret_file=PATH (the job secret every node's launcher shares, a mode-0600 file)");
   app.add_option("--rdzv_backend,--rdzv-backend", g.rdzv_backend,
                  "static (default: --node_rank says who is who) or c10d (node ranks assigned in the rendezvous)");
   app.add_option("--rdzv_endpoint,--rdzv-endpoint", g.rdzv_endpoint,

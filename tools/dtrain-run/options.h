@@ -87,6 +87,10 @@ struct LaunchOptions {
   // --rdzv_conf's join_timeout and last_call_timeout in seconds (< 0: not given), is_host (-1 not given, 0, 1).
   double join_timeout = -1, last_call_timeout = -1;
   int is_host = -1;
+  // --rdzv_conf close_timeout (torchrun's RendezvousTimeout.close, 30 s): how long closing the rendezvous
+  // may take once this node's job failed (Note [Store deadlines and closing] in rendezvous.h); read_timeout
+  // (the c10d backend's store timeout, 60 s): the deadline of each rendezvous store request.
+  double close_timeout = 30, read_timeout = 60;
   std::string run_log_dir;  // <log_dir>/<run_id>_<random>, made when the job starts (main.cpp)
   std::string launch_note;  // node 0's line when the environment placed the job (cluster.h)
   // --rdzv_conf secret_file=PATH, and the job secret (secret.h): "" when the job runs open.

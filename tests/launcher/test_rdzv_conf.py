@@ -1,0 +1,93 @@
+"""dtrain-run: torchrun's --rdzv_conf close_timeout and read_timeout, with their torchrun meanings
+(Note [Store deadlines and closing] in tools/dtrain-run/rendezvous.h).
+
+Every "node" is a launcher on this machine's loopback: the store's host is stopped with SIGSTOP (the
+kernel still accepts and holds its connections, so only deadlines can tell).
+"""
+import os
+import signal
+import time
+import unittest
+
+from launcher_common import (MarkedTestCase, PY, finish, free_port, pids_with_marker, port_open, start, wait_until,
+                             with_secret)
+
+
+def c10d_args(port, is_host, conf="", extra=()):
+    return ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--nnodes", 2, "--nproc_per_node", 1,
+            "--rdzv_conf", f"is_host={is_host},join_timeout=30,last_call_timeout=1{conf}", *extra]
+
+
+class StoreDeadlinesTest(MarkedTestCase):
+    tmp_prefix = "dtrain_rdzv_conf_"
+
+    def stopped(self, proc):
+        """SIGSTOPs proc now; it is killed (after a SIGCONT) when the test ends."""
+        os.kill(proc.pid, signal.SIGSTOP)
+
+        def release():
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+            finish(proc, timeout=10)
+        self.addCleanup(release)
+
+    def test_close_timeout_bounds_how_long_node0_keeps_a_failed_job_open(self):
+        # Node 0's worker fails; node 1's launcher is stopped and never says it is done. Node 0 closes the
+        # rendezvous within close_timeout 2 s, not after --rdzv_timeout 30 s.
+        port, go = free_port(), os.path.join(self.tmp, "go")
+        args = ["--nnodes", 2, "--nproc_per_node", 1, "--master_addr", "127.0.0.1", "--master_port", port,
+                "--rdzv_timeout", 30, "--rdzv_conf", "close_timeout=2", "--grace_period", 1]
+        n0 = start(["--node_rank", 0, *args, "sh", "-c", f"while [ ! -e {go} ]; do sleep 0.05; done; exit 5"],
+                   env=with_secret())
+        n1 = start(["--node_rank", 1, *args, PY, "-c", "import time; time.sleep(60)", self.marker], env=with_secret())
+        self.assertTrue(wait_until(lambda: pids_with_marker(self.marker), 20), "node 1's worker did not start")
+        self.stopped(n1)
+        t0 = time.monotonic()
+        open(go, "w").close()
+        ((rc0, _, err0),) = finish(n0, timeout=40)
+        took = time.monotonic() - t0
+        self.assertEqual(rc0, 1, err0)
+        self.assertRegex(err0.strip().splitlines()[-1], r"^dtrain-run: rank 0 \(local rank 0, pid \d+\) failed first")
+        self.assertGreater(took, 1.5, err0)
+        self.assertLess(took, 2 + 6, err0)
+
+    def test_read_timeout_ends_a_join_to_a_stopped_host(self):
+        # The host's launcher is stopped before the other node joins: its kernel accepts the connection,
+        # nothing answers the handshake. The joining node fails after read_timeout 2 s, naming the host and
+        # what it was doing, instead of waiting out join_timeout 30 s.
+        port = free_port()
+        host = start(c10d_args(port, 1) + [PY, "-c", "import time; time.sleep(60)", self.marker], env=with_secret())
+        self.assertTrue(wait_until(lambda: port_open(port), 20), "the host's store did not come up")
+        self.stopped(host)
+        self.ends_after_read_timeout(start(c10d_args(port, 0, ",read_timeout=2") + ["true"], env=with_secret()),
+                                     port, "connecting to it")
+
+    def test_read_timeout_ends_the_wait_for_node0s_decision(self):
+        # Node 1's worker is done and its launcher waits for node 0's decision on the attempt (the next
+        # round's rendezvous) when node 0's launcher stops: node 1 ends after read_timeout 2 s.
+        port, done = free_port(), os.path.join(self.tmp, "done")
+        host = start(c10d_args(port, 1) + [PY, "-c", "import time; time.sleep(60)", self.marker], env=with_secret())
+        other = start(c10d_args(port, 0, ",read_timeout=2") + ["sh", "-c", f"touch {done}"], env=with_secret())
+        self.assertTrue(wait_until(lambda: os.path.exists(done), 20), "node 1's worker did not run")
+        time.sleep(1)  # node 1 reaps it and asks for the decision
+        self.stopped(host)
+        self.ends_after_read_timeout(other, port, "waiting for node 0's decision after attempt 0")
+
+    def ends_after_read_timeout(self, node, port, doing):
+        """`node` (read_timeout=2) ends within a few seconds with one last line naming the stopped host."""
+        t0 = time.monotonic()
+        ((rc, _, err),) = finish(node, timeout=40)
+        took = time.monotonic() - t0
+        self.assertEqual(rc, 1, err)
+        self.assertLess(took, 2 + 8, err)  # and a heartbeat thread's own request (5 s) to end
+        self.assertEqual(err.strip().splitlines()[-1],
+                         f"dtrain-run: node 0's launcher (the rendezvous host at 127.0.0.1:{port}) did not answer "
+                         f"within read_timeout 2s while this node was {doing}: it is stopped or gone "
+                         "(--rdzv_conf read_timeout=SECONDS sets how long a store request may take)")
+
+
+if __name__ == "__main__":
+    unittest.main()
