@@ -1,16 +1,26 @@
-"""dtrain-run: torchrun's --rdzv_conf close_timeout and read_timeout, with their torchrun meanings
-(Note [Store deadlines and closing] in tools/dtrain-run/rendezvous.h).
+"""dtrain-run: torchrun's --rdzv_conf close_timeout and read_timeout, and --local_addr, with their
+torchrun meanings (Note [Store deadlines and closing] in tools/dtrain-run/rendezvous.h, Note
+[Workers' store] in tools/dtrain-run/main.cpp).
 
 Every "node" is a launcher on this machine's loopback: the store's host is stopped with SIGSTOP (the
-kernel still accepts and holds its connections, so only deadlines can tell).
+kernel still accepts and holds its connections, so only deadlines can tell), and 127.0.0.2 stands in
+for the address of another interface (Linux answers on all of 127/8).
 """
 import os
+import re
 import signal
 import time
 import unittest
 
 from launcher_common import (MarkedTestCase, PY, finish, free_port, pids_with_marker, port_open, start, wait_until,
                              with_secret)
+
+# A worker that reaches the store it was given and says where it is.
+REACH = """import os, socket
+s = socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=10)
+print("rank=%s master=%s port=%s peer=%s" % (os.environ["RANK"], os.environ["MASTER_ADDR"],
+                                             os.environ["MASTER_PORT"], s.getpeername()[0]), flush=True)
+"""
 
 
 def c10d_args(port, is_host, conf="", extra=()):
@@ -87,6 +97,37 @@ class StoreDeadlinesTest(MarkedTestCase):
                          f"dtrain-run: node 0's launcher (the rendezvous host at 127.0.0.1:{port}) did not answer "
                          f"within read_timeout 2s while this node was {doing}: it is stopped or gone "
                          "(--rdzv_conf read_timeout=SECONDS sets how long a store request may take)")
+
+
+class LocalAddrTest(MarkedTestCase):
+    tmp_prefix = "dtrain_local_addr_"
+
+    def test_node0s_local_addr_is_every_workers_master_addr(self):
+        # torchrun's RendezvousStoreInfo: the rank-0 node publishes --local_addr, and a store there, as
+        # every worker's MASTER_ADDR and MASTER_PORT. The endpoint is 127.0.0.1; node 0 says 127.0.0.2.
+        port = free_port()
+        host = start(c10d_args(port, 1, extra=["--local_addr", "127.0.0.2"]) + [PY, "-c", REACH], env=with_secret())
+        other = start(c10d_args(port, 0, extra=["--local_addr", "127.0.0.3"]) + [PY, "-c", REACH], env=with_secret())
+        lines = []
+        for rc, out, err in finish(host, other):
+            self.assertEqual(rc, 0, err)
+            self.assertIn("elastic job formed by node 0 (127.0.0.2), node 1 (127.0.0.3); world size 2", err)
+            lines += [l for l in out.splitlines() if l.startswith("[rank")]
+        found = sorted(re.sub(r" port=(\d+)", lambda m: " port=" + ("endpoint" if m[1] == str(port) else "P"), l)
+                       for l in lines)
+        self.assertEqual(found, ["[rank 0] rank=0 master=127.0.0.2 port=P peer=127.0.0.2",
+                                 "[rank 1] rank=1 master=127.0.0.2 port=P peer=127.0.0.2"])
+
+    def test_a_local_addr_node0_cannot_serve_is_one_line(self):
+        port = free_port()
+        ((rc, _, err),) = finish(start(c10d_args(port, 1, extra=["--local_addr", "192.0.2.1"]) + ["true"],
+                                       env=with_secret()), timeout=30)
+        self.assertEqual(rc, 1, err)
+        lines = err.strip().splitlines()
+        self.assertEqual(len(lines), 1, err)
+        self.assertRegex(lines[0], r"^dtrain-run: --local_addr 192\.0\.2\.1: node 0 serves the workers' store at its "
+                                   r"--local_addr, and cannot: .* \(give an address of this machine, or leave "
+                                   r"--local_addr out\)$")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@
 //     closing of a failed job's rendezvous and read_timeout (60 s) is the deadline of every rendezvous
 //     store request (Note [Store deadlines and closing] in rendezvous.h), in both forms; is_host as
 //     above; secret_file (secret.h). Seconds may have a fraction (torchrun takes whole seconds).
+//   - --local_addr: the address this node is known by in the launchers' lines; node 0's is every
+//     worker's MASTER_ADDR in the c10d form, with a store there (Note [Workers' store] in main.cpp).
 //   - --redirects/--tee: a mask for every local rank, or torchrun's per-local-rank map (StdStreams).
 //   - torchrun flags that dtrain-run does not take are refused with one line naming the flag and what
 //     to do instead; -m/--module with the reason (dtrain-run starts programs, not Python modules).

@@ -56,6 +56,7 @@ ElasticRendezvous::ElasticRendezvous(NodeRendezvous& base, const std::string& ma
   base_.answered("joining the rendezvous", [&] {
     id_ = store_.add(key("ids"), 1);
     store_.set(key("beat", id_), to_bytes("0"));
+    if (o_.host) store_.set(key("master"), to_bytes(std::to_string(o_.master_port) + " " + o_.master_addr));
   });
   // The thread must not take the launcher's signals (main.cpp reads them through a signalfd): it
   // starts with all of them blocked.
@@ -173,7 +174,19 @@ ElasticNext ElasticRendezvous::wait_for_admission(const NodeRendezvous::Say& say
   const int attempt = static_cast<int>(int_value(key("admit", id_), admit));
   ElasticRound r = parse_round(to_string(store_.get(key("round", attempt), Millis(10000))), attempt, id_);
   if (r.group_rank < 0) return {std::nullopt, 1, "node 0 admitted this node but left it out of attempt " + admit};
+  read_master();
   return {r, 0, ""};
+}
+
+void ElasticRendezvous::read_master() {
+  const std::string k = key("master"), v = to_string(store_.get(k, Millis(10000)));
+  const size_t space = v.find(' ');
+  const int64_t port = int_value(k, v.substr(0, space));
+  if (space == std::string::npos || port < 1 || port > 65535)
+    throw std::runtime_error("the rendezvous store's key '" + k + "' holds '" + v.substr(0, 64) +
+                             "', not node 0's PORT ADDRESS: another process wrote it");
+  o_.master_port = static_cast<uint16_t>(port);
+  o_.master_addr = v.substr(space + 1);
 }
 
 void ElasticRendezvous::absorb_waiters() {

@@ -47,6 +47,10 @@ struct ElasticOptions {
   std::chrono::milliseconds last_call{30000};
   std::string secret;                              // the job secret, or "" (secret.h)
   std::chrono::milliseconds close_timeout{30000};  // Note [Store deadlines and closing] in rendezvous.h
+  // Node 0: where the workers reach the store, which it publishes to every node
+  // (Note [Workers' store] in main.cpp): --local_addr and the port of a store there, else the endpoint.
+  std::string master_addr;
+  uint16_t master_port = 0;
 };
 
 // One attempt's membership, as this node sees it.
@@ -89,6 +93,10 @@ class ElasticRendezvous {
   // close_timeout when the job `failed` (Note [Store deadlines and closing]). Never throws.
   void finish_job(bool failed);
 
+  // The workers' MASTER_ADDR and MASTER_PORT, as node 0 published them (valid once join() gave a round).
+  const std::string& master_addr() const { return o_.master_addr; }
+  uint16_t master_port() const { return o_.master_port; }
+
  private:
   struct Member {
     int64_t id = 0;
@@ -99,6 +107,7 @@ class ElasticRendezvous {
     std::chrono::steady_clock::time_point changed;
   };
   void heartbeat_loop(std::string host, uint16_t port);
+  void read_master();  // a member: node 0's published master_addr and master_port
   std::optional<std::string> await_admission(const NodeRendezvous::Say& say);  // nothing: not in time
   ElasticNext wait_for_admission(const NodeRendezvous::Say& say);
   // Node 0 only.

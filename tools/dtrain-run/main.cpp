@@ -250,6 +250,30 @@ std::unique_ptr<dtrain::store::StoreServer> host_rendezvous(const LaunchOptions&
   return server;
 }
 
+// Note [Workers' store]: torchrun's rank-0 node publishes its address, --local_addr or else its FQDN, in
+// the rendezvous with the port of a store it serves there, and every worker gets them as MASTER_ADDR
+// and MASTER_PORT (RendezvousStoreInfo.build). Node 0 of an elastic job does the same with
+// --local_addr: it serves the workers a store of their own at that address (a free port; the
+// address must be this machine's). Without --local_addr it publishes the rendezvous endpoint, where
+// its store already is and which every node reached: an FQDN that other machines may not resolve
+// (a pod's) would make the job fail where torchrun's own default does.
+std::unique_ptr<dtrain::store::StoreServer> workers_store(const LaunchOptions& given, ElasticOptions& eo) {
+  eo.master_addr = given.master_addr;
+  eo.master_port = uint16_t(given.master_port);
+  if (given.local_addr.empty()) return nullptr;
+  std::unique_ptr<dtrain::store::StoreServer> store;
+  try {
+    store = std::make_unique<dtrain::store::StoreServer>(given.local_addr, 0, given.secret);
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error("--local_addr " + given.local_addr +
+                             ": node 0 serves the workers' store at its --local_addr, and cannot: " + e.what() +
+                             " (give an address of this machine, or leave --local_addr out)");
+  }
+  eo.master_addr = given.local_addr;
+  eo.master_port = store->port();
+  return store;
+}
+
 ElasticOptions elastic_options(const LaunchOptions& given, bool host) {
   ElasticOptions eo;
   eo.min_nodes = given.min_nodes;
@@ -278,6 +302,7 @@ int run_elastic(const LaunchOptions& given) {
   NodeRendezvous rdzv(given.master_addr, port, seconds(given.rdzv_timeout), given.secret, seconds(given.read_timeout));
   ElasticOptions eo = elastic_options(given, server != nullptr);
   rdzv.set_hostname(eo.hostname);
+  const std::unique_ptr<dtrain::store::StoreServer> for_workers = server ? workers_store(given, eo) : nullptr;
   ElasticRendezvous elastic(rdzv, given.master_addr, port, eo);
   pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
   ElasticNext first = elastic.join(say);
@@ -291,6 +316,7 @@ int run_elastic(const LaunchOptions& given) {
   int sfd = signalfd(-1, &all, SFD_CLOEXEC | SFD_NONBLOCK);
   if (sfd < 0) throw std::runtime_error(std::string("signalfd failed: ") + std::strerror(errno));
   LaunchOptions o = given;
+  o.master_addr = elastic.master_addr();  // the workers' (Note [Workers' store])
   int exit_code = 0;
   for (;;) {
     say(round.line);  // one line per transition
@@ -298,7 +324,7 @@ int run_elastic(const LaunchOptions& given) {
     o.node_rank = round.group_rank;
     AttemptResult result;
     {
-      Supervisor supervisor(o, port, sfd, &rdzv, [&] { return elastic.watch(round.attempt); });
+      Supervisor supervisor(o, elastic.master_port(), sfd, &rdzv, [&] { return elastic.watch(round.attempt); });
       result = supervisor.run_attempt(round.attempt);
     }
     if (result.worker_failed) {

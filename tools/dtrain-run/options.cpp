@@ -232,7 +232,8 @@ void add_flags(CLI::App& app, LaunchOptions& o, Given& g) {
                  "--master_addr/--master_port)");
   app.add_option("--role", o.role, "the workers' ROLE_NAME (default 'default')");
   app.add_option("--local_addr,--local-addr", o.local_addr,
-                 "the name this node gives the others in messages (default: its host name)");
+                 "this node's address in the rendezvous and its lines (default: its host name); c10d: node 0's "
+                 "is the workers' MASTER_ADDR, with a store there");
   app.add_option("--local_ranks_filter,--local-ranks-filter", g.ranks_filter,
                  "LOCAL,...: only these local ranks' output on the console (the log files keep all)");
   app.add_flag("--no_python,--no-python", g.no_python,

@@ -82,7 +82,7 @@ struct LaunchOptions {
   // torchrun's rendezvous form (cluster.h, Note [torchrun's command line]).
   bool c10d = false;                    // --rdzv_backend c10d: node ranks come from the rendezvous
   std::string role = "default";         // --role, the workers' ROLE_NAME
-  std::string local_addr;               // --local_addr: the name this node gives the others (default: host name)
+  std::string local_addr;               // --local_addr: this node's address (default: host name), cluster.h
   std::vector<int> local_ranks_filter;  // --local_ranks_filter: the local ranks shown on the console (empty: all)
   // --rdzv_conf's join_timeout and last_call_timeout in seconds (< 0: not given), is_host (-1 not given, 0, 1).
   double join_timeout = -1, last_call_timeout = -1;

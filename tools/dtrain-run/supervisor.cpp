@@ -300,8 +300,8 @@ void Supervisor::check_remote() {
     stop_all(SIGTERM);
   } catch (const std::exception& e) {
     if (node0_done_seen_) return;  // node 0 finished cleanly and took its store: keep going
-    remote_summary_ = "stopping this node's workers: lost the rendezvous at " + opts_.master_addr + ":" +
-                      std::to_string(master_port_) + " (did node 0's launcher die?): " + e.what();
+    remote_summary_ = "stopping this node's workers: lost the rendezvous at " + rdzv_->client().host() + ":" +
+                      std::to_string(rdzv_->client().port()) + " (did node 0's launcher die?): " + e.what();
     stop_all(SIGTERM);
   }
 }
