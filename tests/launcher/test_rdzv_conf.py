@@ -12,8 +12,8 @@ import signal
 import time
 import unittest
 
-from launcher_common import (MarkedTestCase, PY, finish, free_port, pids_with_marker, port_open, start, wait_until,
-                             with_secret)
+from launcher_common import (MarkedTestCase, PY, finish, free_port, pids_with_marker, port_open, run, start,
+                             wait_until, with_secret)
 
 # A worker that reaches the store it was given and says where it is.
 REACH = """import os, socket
@@ -117,6 +117,15 @@ class LocalAddrTest(MarkedTestCase):
                        for l in lines)
         self.assertEqual(found, ["[rank 0] rank=0 master=127.0.0.2 port=P peer=127.0.0.2",
                                  "[rank 1] rank=1 master=127.0.0.2 port=P peer=127.0.0.2"])
+
+    def test_local_addr_on_one_node_of_the_c10d_form(self):
+        # TorchX's dist.ddp -j 1x2 with --local_addr: torchrun's workers get it as MASTER_ADDR there too.
+        r = run(["--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0", "--nnodes", 1, "--nproc_per_node", 2,
+                 "--local_addr", "127.0.0.2", PY, "-c", REACH], env=with_secret())
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(re.sub(r" port=\d+", "", l) for l in r.stdout.splitlines()),
+                         ["[rank 0] rank=0 master=127.0.0.2 peer=127.0.0.2",
+                          "[rank 1] rank=1 master=127.0.0.2 peer=127.0.0.2"])
 
     def test_a_local_addr_node0_cannot_serve_is_one_line(self):
         port = free_port()

@@ -151,6 +151,31 @@ void prepare_log_dir(LaunchOptions& o) {
   o.run_log_dir = make_temp_folder(o.log_dir + "/" + o.run_id + "_XXXXXX");
 }
 
+// Note [Workers' store]: torchrun's rank-0 node publishes its address, --local_addr or else its FQDN, in
+// the rendezvous with the port of a store it serves there, and every worker gets them as MASTER_ADDR
+// and MASTER_PORT (RendezvousStoreInfo.build). Node 0 of a c10d job, elastic or on one node, does the
+// same with --local_addr: it serves the workers a store of their own at that address (a free port;
+// the address must be this machine's), into *addr and *port, which an elastic node 0 publishes to
+// the others. Without --local_addr the workers keep the rendezvous endpoint, where the launchers'
+// store already is and which every node reached: an FQDN that other machines may not resolve (a
+// pod's) would make the job fail where torchrun's own default does. The static form keeps torchrun's
+// meaning: --local_addr names the node, nothing more.
+std::unique_ptr<dtrain::store::StoreServer> workers_store(const LaunchOptions& given, std::string* addr,
+                                                          uint16_t* port) {
+  if (given.local_addr.empty()) return nullptr;
+  std::unique_ptr<dtrain::store::StoreServer> store;
+  try {
+    store = std::make_unique<dtrain::store::StoreServer>(given.local_addr, 0, given.secret);
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error("--local_addr " + given.local_addr +
+                             ": node 0 serves the workers' store at its --local_addr, and cannot: " + e.what() +
+                             " (give an address of this machine, or leave --local_addr out)");
+  }
+  *addr = given.local_addr;
+  *port = store->port();
+  return store;
+}
+
 int run(const LaunchOptions& o) {
   if (o.nnodes > 1) wait_for_master_name(o);
   // 2.
@@ -161,6 +186,11 @@ int run(const LaunchOptions& o) {
   if (o.node_rank == 0)
     server = std::make_unique<dtrain::store::StoreServer>(o.master_addr, uint16_t(o.master_port), o.secret);
   const uint16_t port = server ? server->port() : uint16_t(o.master_port);
+  // Note [Workers' store]: --rdzv_backend c10d on one node (several run as run_elastic).
+  LaunchOptions workers = o;
+  uint16_t workers_port = port;
+  std::unique_ptr<dtrain::store::StoreServer> for_workers;
+  if (o.c10d && server) for_workers = workers_store(o, &workers.master_addr, &workers_port);
 
   // 3.
   std::optional<NodeRendezvous> rdzv;
@@ -184,7 +214,7 @@ int run(const LaunchOptions& o) {
   int attempt = 0;
   for (;; ++attempt) {
     {
-      Supervisor supervisor(o, port, sfd, rdzv ? &*rdzv : nullptr);
+      Supervisor supervisor(workers, workers_port, sfd, rdzv ? &*rdzv : nullptr);
       result = supervisor.run_attempt(attempt);
     }
     if (rdzv && rdzv->host_silent()) {  // nobody to agree with: the job ends here
@@ -250,30 +280,6 @@ std::unique_ptr<dtrain::store::StoreServer> host_rendezvous(const LaunchOptions&
   return server;
 }
 
-// Note [Workers' store]: torchrun's rank-0 node publishes its address, --local_addr or else its FQDN, in
-// the rendezvous with the port of a store it serves there, and every worker gets them as MASTER_ADDR
-// and MASTER_PORT (RendezvousStoreInfo.build). Node 0 of an elastic job does the same with
-// --local_addr: it serves the workers a store of their own at that address (a free port; the
-// address must be this machine's). Without --local_addr it publishes the rendezvous endpoint, where
-// its store already is and which every node reached: an FQDN that other machines may not resolve
-// (a pod's) would make the job fail where torchrun's own default does.
-std::unique_ptr<dtrain::store::StoreServer> workers_store(const LaunchOptions& given, ElasticOptions& eo) {
-  eo.master_addr = given.master_addr;
-  eo.master_port = uint16_t(given.master_port);
-  if (given.local_addr.empty()) return nullptr;
-  std::unique_ptr<dtrain::store::StoreServer> store;
-  try {
-    store = std::make_unique<dtrain::store::StoreServer>(given.local_addr, 0, given.secret);
-  } catch (const std::runtime_error& e) {
-    throw std::runtime_error("--local_addr " + given.local_addr +
-                             ": node 0 serves the workers' store at its --local_addr, and cannot: " + e.what() +
-                             " (give an address of this machine, or leave --local_addr out)");
-  }
-  eo.master_addr = given.local_addr;
-  eo.master_port = store->port();
-  return store;
-}
-
 ElasticOptions elastic_options(const LaunchOptions& given, bool host) {
   ElasticOptions eo;
   eo.min_nodes = given.min_nodes;
@@ -302,7 +308,9 @@ int run_elastic(const LaunchOptions& given) {
   NodeRendezvous rdzv(given.master_addr, port, seconds(given.rdzv_timeout), given.secret, seconds(given.read_timeout));
   ElasticOptions eo = elastic_options(given, server != nullptr);
   rdzv.set_hostname(eo.hostname);
-  const std::unique_ptr<dtrain::store::StoreServer> for_workers = server ? workers_store(given, eo) : nullptr;
+  eo.master_addr = given.master_addr;
+  eo.master_port = port;
+  const auto for_workers = server ? workers_store(given, &eo.master_addr, &eo.master_port) : nullptr;
   ElasticRendezvous elastic(rdzv, given.master_addr, port, eo);
   pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
   ElasticNext first = elastic.join(say);
