@@ -135,7 +135,7 @@ std::optional<std::string> ElasticRendezvous::await_admission(const NodeRendezvo
               std::to_string(id_) + " " + std::to_string(o_.nproc_per_node) + " " + std::to_string(o_.max_restarts) +
                   " " + std::to_string(o_.min_nodes) + " " + std::to_string(o_.max_nodes) + " " + o_.hostname);
   for (;;) {
-    if (auto admit = poll_key(store_, key("admit", id_), kAdmitPoll)) return *admit;
+    if (store_.check({key("admit", id_)})) return to_string(store_.get(key("admit", id_), Millis(10000)));
     if (!host_beat_key && store_.check({key("full", id_)})) {
       const std::string note = to_string(store_.get(key("full", id_), Millis(1000)));
       const size_t nl = note.find('\n');
@@ -147,6 +147,7 @@ std::optional<std::string> ElasticRendezvous::await_admission(const NodeRendezvo
       if (beat != host_beat) host_beat = beat, deadline = Clock::now() + patience;
     }
     if (Clock::now() >= deadline) return std::nullopt;
+    sleep_for(kAdmitPoll);
   }
 }
 
