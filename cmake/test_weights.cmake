@@ -12,7 +12,7 @@ set(DTRAIN_WAITING_TESTS
   # shell and Python one-liners under the real launcher: its timeouts, restarts, heartbeats and
   # rendezvous deadlines are what these tests watch
   launcher_env launcher_output launcher_progress_bar launcher_failure launcher_usage launcher_multinode
-  launcher_restart launcher_slurm_step launcher_elastic launcher_cluster
+  launcher_restart launcher_slurm_step launcher_elastic launcher_cluster launcher_rdzv_conf
   # stores, rendezvous and launchers refusing bad clients and waiting out their deadlines
   dist_py_security dist_py_init_methods
   # a rank's timeout breaks the group: the others wait for it

@@ -106,7 +106,8 @@ struct StoreClient::Impl {
   std::vector<uint8_t> call_ok(const Writer& request, std::optional<Millis> wait = std::nullopt);
 };
 
-StoreClient::StoreClient(const std::string& host, uint16_t port, Millis connect_timeout, std::string secret)
+StoreClient::StoreClient(const std::string& host, uint16_t port, Millis connect_timeout, std::string secret,
+                         Millis reply_timeout)
     : impl_(std::make_unique<Impl>()) {
   impl_->host = host;
   impl_->port = port;
@@ -132,12 +133,14 @@ StoreClient::StoreClient(const std::string& host, uint16_t port, Millis connect_
     throw std::runtime_error("cannot reach the rendezvous at " + impl_->where() + " within " +
                              seconds_text(connect_timeout) + ": " + std::strerror(last_errno));
   try {
-    impl_->handshake(std::max(deadline, Clock::now() + kHandshakeBudget));
+    impl_->handshake(reply_timeout.count() > 0 ? Clock::now() + std::min(reply_timeout, kForever)
+                                               : std::max(deadline, Clock::now() + kHandshakeBudget));
   } catch (...) {
     if (impl_->fd >= 0) close(impl_->fd);
     impl_->fd = -1;
     throw;
   }
+  if (reply_timeout.count() > 0) set_timeout(reply_timeout);
 }
 
 StoreClient::~StoreClient() {

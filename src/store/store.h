@@ -106,7 +106,11 @@ class StoreClient {
   // Every later call has a deadline: connect_timeout for a request, a GET's or WAIT's own timeout
   // plus a few seconds for those; a store that does not answer by then (its host stopped, or gone
   // without a FIN, which TCP keepalive notices) is a TimeoutError, and the connection is closed.
-  StoreClient(const std::string& host, uint16_t port, Millis connect_timeout, std::string secret = "");
+  // A `reply_timeout` > 0 bounds the handshake instead (a store host that accepts the connection but
+  // is stopped answers nothing) and becomes the deadline of later requests (set_timeout): the
+  // launcher's rendezvous, whose connect waits for node 0 but whose requests must be answered soon.
+  StoreClient(const std::string& host, uint16_t port, Millis connect_timeout, std::string secret = "",
+              Millis reply_timeout = Millis(0));
   ~StoreClient();
   StoreClient(const StoreClient&) = delete;
   StoreClient& operator=(const StoreClient&) = delete;

@@ -7,6 +7,7 @@ Every process started here is bounded by a timeout.
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -122,6 +123,15 @@ def run_folder(log_dir, run_id="none"):
     found = glob.glob(os.path.join(glob.escape(log_dir), glob.escape(run_id) + "_*"))
     assert len(found) == 1, f"expected one {run_id}_* folder in {log_dir}, found {found}"
     return found[0]
+
+
+def port_open(port):
+    """Whether something accepts connections on 127.0.0.1:port (a launcher's store has come up)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def listeners(port):

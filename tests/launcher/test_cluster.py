@@ -182,20 +182,23 @@ class ClusterTest(MarkedTestCase):
         port = free_port()
         envs = [with_secret(MASTER_ADDR="127.0.0.1", MASTER_PORT=port + 1 if port < 65000 else port - 1,
                             WORLD_SIZE=2, RANK=i, PET_RDZV_BACKEND="c10d", PET_RDZV_ENDPOINT=f"127.0.0.1:{port}",
-                            PET_NNODES=2, PET_MAX_RESTARTS=1, PET_RDZV_ID="kf1", PET_LOCAL_ADDR=f"pod-{i}")
+                            PET_NNODES=2, PET_MAX_RESTARTS=1, PET_RDZV_ID="kf1", PET_LOCAL_ADDR=f"127.0.0.{2 + i}")
                 for i in (1, 0)]
         results = self.pods_on_loopback(envs, ["--nproc_per_node", 1],
                                         ["sh", "-c", 'echo "rank=$RANK world=$WORLD_SIZE id=$TORCHELASTIC_RUN_ID '
-                                                     'port=$MASTER_PORT"'])
+                                                     'master=$MASTER_ADDR"'])
         outs = []
         for rc, out, err in results:
             self.assertEqual(rc, 0, err)
             self.assertNotIn("taking --nnodes", err)
-            # --local_addr (PET_LOCAL_ADDR): the name the others know this node by.
-            self.assertRegex(err, r"elastic job formed by node 0 \(pod-[01]\), node 1 \(pod-[01]\); world size 2")
+            # --local_addr (PET_LOCAL_ADDR): the address the others know this node by, and node 0's is
+            # every worker's MASTER_ADDR (test_rdzv_conf.py).
+            formed = re.search(r"elastic job formed by node 0 \((127\.0\.0\.[23])\), node 1 \(127\.0\.0\.[23]\); "
+                               r"world size 2", err)
+            self.assertTrue(formed, err)
             outs += self.lines(out)
-        self.assertEqual(sorted(outs), [f"[rank 0] rank=0 world=2 id=kf1 port={port}",
-                                        f"[rank 1] rank=1 world=2 id=kf1 port={port}"])
+        self.assertEqual(sorted(outs), [f"[rank 0] rank=0 world=2 id=kf1 master={formed[1]}",
+                                        f"[rank 1] rank=1 world=2 id=kf1 master={formed[1]}"])
 
 
 class TorchrunTakesTheSameCommand(MarkedTestCase):

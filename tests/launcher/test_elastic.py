@@ -10,7 +10,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ import time
 import unittest
 
 from launcher_common import (DTRAIN_RUN, PY, MarkedTestCase, clean_env, finish, free_port, pids_with_marker,
-                             run, start, wait_until, with_secret)
+                             port_open, run, start, wait_until, with_secret)
 from netns_hosts import Hosts, netns_unavailable
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_worker.py")
@@ -30,14 +29,6 @@ def elastic_args(port, addr, nnodes, last_call=3, max_restarts=3):
             "--rdzv_timeout", 20, "--rdzv_last_call", last_call, "--max_restarts", max_restarts,
             "--monitor_interval", "0.1", "--grace_period", 1]
 
-
-
-def port_open(port):
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
 
 
 @contextlib.contextmanager

@@ -140,6 +140,27 @@ class OutputTest(unittest.TestCase):
         self.assertIn("[rank 0] err 0", r.stderr)
         self.assertEqual(self.logs(0), ("out 0\n", "err 0\n"))
 
+    def test_redirects_and_tee_per_local_rank(self):
+        # torchrun's Std.from_str/to_map: "LOCAL:MASK,..." sets the named local ranks only, the others get
+        # none. Local rank 0 is redirected whole, local rank 1 its stdout only and tees its stderr (a
+        # no-op beside nothing redirected), local rank 2 is not named: its console keeps both.
+        r = run(["--nproc_per_node", "3", "--standalone", "--log_dir", self.tmp, "--redirects", "0:3,1:1",
+                 "--tee", "1:2"] + self.write_both())
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(LINE_RE.match(l).group(0) for l in r.stdout.splitlines()), ["[rank 2] out 2"])
+        self.assertEqual(sorted(l for l in r.stderr.splitlines() if l.startswith("[rank")),
+                         ["[rank 1] err 1", "[rank 2] err 2"])
+        for rank in (0, 1, 2):  # the log files keep every rank's streams
+            self.assertEqual(self.logs(rank), (f"out {rank}\n", f"err {rank}\n"))
+
+    def test_tee_per_local_rank_over_redirects(self):
+        # --redirects 3 silences every local rank; --tee 1:1 brings back local rank 1's stdout only.
+        r = run(["--nproc_per_node", "2", "--standalone", "--log_dir", self.tmp, "--redirects", "3", "--tee", "1:1"]
+                + self.write_both())
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout, "[rank 1] out 1\n")
+        self.assertNotIn("[rank", r.stderr)
+
     def test_failure_summary_points_at_log_files(self):
         r = run(["--nproc_per_node", "2", "--standalone", "--log_dir", self.tmp, "sh", "-c",
                  'echo boom >&2; exit $((RANK + 4))'])

@@ -47,6 +47,14 @@ class UsageTest(unittest.TestCase):
         self.bad(["--monitor_interval", "3601", "true"], "--monitor_interval", "'3601'")
         self.bad(["-t", "7", "--log_dir", "/tmp", "true"], "--tee", "'7'")
         self.bad(["--redirects", "4", "--log_dir", "/tmp", "true"], "--redirects", "'4'")
+        # The per-local-rank form (torchrun's Std.from_str): each item LOCAL_RANK:0..3, each rank once.
+        self.assertEqual(self.bad(["--tee", "0:4", "true"]),
+                         "dtrain-run: --tee must be 0 (none), 1 (stdout), 2 (stderr), 3 (both), or LOCAL_RANK:MASK,... "
+                         "for some local ranks (e.g. --tee 0:3,1:2), got '0:4'")
+        for bad in ("0:1,", "a:1", "0:1,1", ":2", "0:1:2"):
+            self.bad(["--redirects", bad, "true"], "--redirects must be", f"'{bad}'")
+        self.assertEqual(self.bad(["--redirects", "0:1,0:2", "true"]),
+                         "dtrain-run: --redirects names local rank 0 twice in '0:1,0:2': give each local rank once")
         self.bad(["--standalone", "--nnodes", "2", "true"], "--standalone", "--nnodes")
         for addr in ("0.0.0.0", "::", "[::]", "0"):
             self.bad(["--master_addr", addr, "true"], f"--master_addr {addr} is the wildcard address", "127.0.0.1")

@@ -176,6 +176,34 @@ int parse_nproc(const std::string& nproc) {
   return static_cast<int>(v);
 }
 
+StdStreams parse_std_streams(const std::string& flag, const std::string& value) {
+  auto mask = [](const std::string& v) { return v.size() == 1 && v[0] >= '0' && v[0] <= '3' ? v[0] - '0' : -1; };
+  const std::string example = flag + " 0:3,1:2";
+  const auto bad = [&] {
+    return UsageError(flag + " must be 0 (none), 1 (stdout), 2 (stderr), 3 (both), or LOCAL_RANK:MASK,... for some " +
+                      "local ranks (e.g. " + example + "), got '" + value + "'");
+  };
+  StdStreams s;
+  if (value.find(':') == std::string::npos) {
+    s.all = mask(value);
+    if (s.all < 0) throw bad();
+    return s;
+  }
+  s.mapped = true;
+  // torchrun's "^(\d:[0-3],)*(\d:[0-3])$", any number of digits in a local rank; split() drops a
+  // last empty item, which the regex refuses.
+  if (value.back() == ',') throw bad();
+  for (const std::string& item : util::split(value, ',')) {
+    const size_t colon = item.find(':');
+    const std::string rank = item.substr(0, colon);
+    const int m = colon == std::string::npos ? -1 : mask(item.substr(colon + 1));
+    if (!util::is_digits(rank) || rank.size() > 6 || m < 0) throw bad();
+    if (!s.by_local.emplace(std::stoi(rank), m).second)
+      throw UsageError(flag + " names local rank " + rank + " twice in '" + value + "': give each local rank once");
+  }
+  return s;
+}
+
 void parse_rdzv_conf(const std::string& conf, LaunchOptions& o) {
   size_t from = 0;
   while (from <= conf.size()) {
@@ -194,8 +222,10 @@ void parse_rdzv_conf(const std::string& conf, LaunchOptions& o) {
       o.join_timeout = conf_seconds(key, value);
     } else if (key == "last_call_timeout") {
       o.last_call_timeout = conf_seconds(key, value);
-    } else if (key == "close_timeout" || key == "read_timeout") {
-      conf_seconds(key, value);     // checked and accepted only (Note [torchrun's command line])
+    } else if (key == "close_timeout") {
+      o.close_timeout = conf_seconds(key, value);
+    } else if (key == "read_timeout") {
+      o.read_timeout = conf_seconds(key, value);
     } else if (key == "is_host") {  // torchrun's get_as_bool
       std::string v = value;
       std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });

@@ -17,10 +17,13 @@
 //     node 0 is the host, the others take group ranks in the order they joined, stable for a round
 //     and formed anew at every restart, as torchrun's c10d rendezvous does.
 //   - --rdzv_conf: join_timeout (default 600 s with c10d) is --rdzv_timeout, last_call_timeout (30 s)
-//     is --rdzv_last_call, timeout is static's name for join_timeout; close_timeout (30 s) and
-//     read_timeout (60 s) are checked and accepted only: node 0 keeps the store up for nodes still
-//     finishing within --rdzv_timeout, and dtrain-run's store requests carry deadlines of their own;
-//     is_host as above; secret_file (secret.h).
+//     is --rdzv_last_call, timeout is static's name for join_timeout; close_timeout (30 s) bounds the
+//     closing of a failed job's rendezvous and read_timeout (60 s) is the deadline of every rendezvous
+//     store request (Note [Store deadlines and closing] in rendezvous.h), in both forms; is_host as
+//     above; secret_file (secret.h). Seconds may have a fraction (torchrun takes whole seconds).
+//   - --local_addr: the address this node is known by in the launchers' lines; node 0's is every
+//     worker's MASTER_ADDR in the c10d form, with a store there (Note [Workers' store] in main.cpp).
+//   - --redirects/--tee: a mask for every local rank, or torchrun's per-local-rank map (StdStreams).
 //   - torchrun flags that dtrain-run does not take are refused with one line naming the flag and what
 //     to do instead; -m/--module with the reason (dtrain-run starts programs, not Python modules).
 //
@@ -61,6 +64,10 @@ std::vector<std::string> pet_defaults(const CLI::App& app, const std::vector<con
 
 // --nproc_per_node: a count, or auto (the GPUs, else the CPUs this process may run on), cpu, gpu.
 int parse_nproc(const std::string& nproc);
+
+// --redirects / --tee ("3", or per local rank "0:3,1:2"), as torchrun's Std.from_str reads them;
+// `flag` names the option in the error line.
+StdStreams parse_std_streams(const std::string& flag, const std::string& value);
 
 // --rdzv_conf KEY=VALUE,... into `o` (the keys of Note [torchrun's command line]); an unknown key
 // or a bad value is a usage error naming it.

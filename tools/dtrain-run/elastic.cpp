@@ -53,8 +53,11 @@ ElasticRendezvous::ElasticRendezvous(NodeRendezvous& base, const std::string& ma
       host_(master_host),
       port_(port) {
   // E1.
-  id_ = store_.add(key("ids"), 1);
-  store_.set(key("beat", id_), to_bytes("0"));
+  base_.answered("joining the rendezvous", [&] {
+    id_ = store_.add(key("ids"), 1);
+    store_.set(key("beat", id_), to_bytes("0"));
+    if (o_.host) store_.set(key("master"), to_bytes(std::to_string(o_.master_port) + " " + o_.master_addr));
+  });
   // The thread must not take the launcher's signals (main.cpp reads them through a signalfd): it
   // starts with all of them blocked.
   sigset_t all, old;
@@ -64,13 +67,14 @@ ElasticRendezvous::ElasticRendezvous(NodeRendezvous& base, const std::string& ma
   pthread_sigmask(SIG_SETMASK, &old, nullptr);
 }
 
-void ElasticRendezvous::finish_job() {
+void ElasticRendezvous::finish_job(bool failed) {
   try {
     if (!o_.host) {
+      dtrain::store::ScopedTimeout closing(store_, std::min(o_.close_timeout, store_.timeout()));
       if (!host_silent_) store_.set(key("done", id_), to_bytes("1"));  // a silent store would hold it
       return;
     }
-    const auto deadline = Clock::now() + o_.rdzv_timeout;
+    const auto deadline = Clock::now() + (failed ? std::min(o_.close_timeout, o_.rdzv_timeout) : o_.rdzv_timeout);
     for (size_t g = 1; g < members_.size() && Clock::now() < deadline;) {
       if (store_.check({key("done", members_[g].id)}) || stale(members_[g]))
         ++g;
@@ -119,44 +123,51 @@ ElasticNext ElasticRendezvous::join(const NodeRendezvous::Say& say) {
   return first;
 }
 
-ElasticNext ElasticRendezvous::wait_for_admission(const NodeRendezvous::Say& say) {
-  // E2: queue up as a waiting node and wait for node 0's admission.
-  const std::string where = store_.host() + ":" + std::to_string(store_.port());
+std::optional<std::string> ElasticRendezvous::await_admission(const NodeRendezvous::Say& say) {
+  // E2: queue up as a waiting node and wait for node 0's admission. Every request here has the
+  // store's read_timeout: a TimeoutError is node 0 not answering, never a key that is not there yet.
   const Millis patience = o_.rdzv_timeout * 2 + Millis(5000);
   auto deadline = Clock::now() + patience;
   std::optional<std::string> host_beat_key;  // node 0's heartbeat, once it said that the job is full
-  std::string host_beat, admit;
-  try {
-    // One compare-and-set: node 0 never sees a node half queued, whenever this one dies.
-    append_line(store_, key("queue"),
-                std::to_string(id_) + " " + std::to_string(o_.nproc_per_node) + " " + std::to_string(o_.max_restarts) +
-                    " " + std::to_string(o_.min_nodes) + " " + std::to_string(o_.max_nodes) + " " + o_.hostname);
-    for (;;) {
-      try {
-        admit = to_string(store_.get(key("admit", id_), kAdmitPoll));
-        break;
-      } catch (const dtrain::store::TimeoutError&) {
-      }
-      if (!host_beat_key && store_.check({key("full", id_)})) {
-        const std::string note = to_string(store_.get(key("full", id_), Millis(1000)));
-        const size_t nl = note.find('\n');
-        host_beat_key = key("beat", int_value(key("full", id_), note.substr(0, nl)));
-        say(note.substr(nl + 1));
-      }
-      if (host_beat_key) {  // a full job may run for days: wait for a place as long as node 0 lives
-        const std::string beat = to_string(store_.get(*host_beat_key, Millis(1000)));
-        if (beat != host_beat) host_beat = beat, deadline = Clock::now() + patience;
-      }
-      if (Clock::now() >= deadline)
-        return {std::nullopt, 1,
-                "node 0 did not admit this node within " + seconds_text(patience) + " at " + where +
-                    " (is its launcher stuck? --rdzv_timeout sets how long a node waits)"};
+  std::string host_beat;
+  // One compare-and-set: node 0 never sees a node half queued, whenever this one dies.
+  append_line(store_, key("queue"),
+              std::to_string(id_) + " " + std::to_string(o_.nproc_per_node) + " " + std::to_string(o_.max_restarts) +
+                  " " + std::to_string(o_.min_nodes) + " " + std::to_string(o_.max_nodes) + " " + o_.hostname);
+  for (;;) {
+    if (store_.check({key("admit", id_)})) return to_string(store_.get(key("admit", id_), Millis(10000)));
+    if (!host_beat_key && store_.check({key("full", id_)})) {
+      const std::string note = to_string(store_.get(key("full", id_), Millis(1000)));
+      const size_t nl = note.find('\n');
+      host_beat_key = key("beat", int_value(key("full", id_), note.substr(0, nl)));
+      say(note.substr(nl + 1));
     }
+    if (host_beat_key) {  // a full job may run for days: wait for a place as long as node 0 lives
+      const std::string beat = to_string(store_.get(*host_beat_key, Millis(1000)));
+      if (beat != host_beat) host_beat = beat, deadline = Clock::now() + patience;
+    }
+    if (Clock::now() >= deadline) return std::nullopt;
+    sleep_for(kAdmitPoll);
+  }
+}
+
+ElasticNext ElasticRendezvous::wait_for_admission(const NodeRendezvous::Say& say) {
+  const std::string where = store_.host() + ":" + std::to_string(store_.port());
+  std::optional<std::string> given;
+  try {
+    given = await_admission(say);
+  } catch (const dtrain::store::TimeoutError&) {  // read_timeout (Note [Store deadlines and closing])
+    return {std::nullopt, 1, base_.no_answer_text("waiting to be admitted")};
   } catch (const std::exception& e) {
     return {
         std::nullopt, 1,
         "lost the rendezvous at " + where + " while waiting to be admitted (did node 0's launcher end?): " + e.what()};
   }
+  if (!given)
+    return {std::nullopt, 1,
+            "node 0 did not admit this node within " + seconds_text(o_.rdzv_timeout * 2 + Millis(5000)) + " at " +
+                where + " (is its launcher stuck? --rdzv_timeout sets how long a node waits)"};
+  const std::string& admit = *given;
   if (admit.rfind("error ", 0) == 0) return {std::nullopt, 1, admit.substr(6)};
   if (admit.rfind("end ", 0) == 0)  // "end <exit code> <line>": the job ended while this node waited
     return {std::nullopt, static_cast<int>(int_value(key("admit", id_), admit.substr(4, admit.find(' ', 4) - 4))),
@@ -164,7 +175,19 @@ ElasticNext ElasticRendezvous::wait_for_admission(const NodeRendezvous::Say& say
   const int attempt = static_cast<int>(int_value(key("admit", id_), admit));
   ElasticRound r = parse_round(to_string(store_.get(key("round", attempt), Millis(10000))), attempt, id_);
   if (r.group_rank < 0) return {std::nullopt, 1, "node 0 admitted this node but left it out of attempt " + admit};
+  read_master();
   return {r, 0, ""};
+}
+
+void ElasticRendezvous::read_master() {
+  const std::string k = key("master"), v = to_string(store_.get(k, Millis(10000)));
+  const size_t space = v.find(' ');
+  const int64_t port = int_value(k, v.substr(0, space));
+  if (space == std::string::npos || port < 1 || port > 65535)
+    throw std::runtime_error("the rendezvous store's key '" + k + "' holds '" + v.substr(0, 64) +
+                             "', not node 0's PORT ADDRESS: another process wrote it");
+  o_.master_port = static_cast<uint16_t>(port);
+  o_.master_addr = v.substr(space + 1);
 }
 
 void ElasticRendezvous::absorb_waiters() {
@@ -363,9 +386,12 @@ ElasticNext ElasticRendezvous::finish_attempt(int attempt, int exit_code, const 
   try {
     store_.set(key("outcome", attempt, id_), to_bytes(std::to_string(exit_code)));
     if (exit_code != 0 && exit_code != 1) return {std::nullopt, exit_code, ""};  // signalled: this node leaves
-    decision = to_string(store_.get(key("decision", attempt), o_.rdzv_timeout * 2 + Millis(10000)));
-  } catch (const dtrain::store::TimeoutError&) {
-    return {std::nullopt, 1, "node 0 gave no decision after attempt " + std::to_string(attempt)};
+    const auto given = poll_key(store_, key("decision", attempt), o_.rdzv_timeout * 2 + Millis(10000));
+    if (!given) return {std::nullopt, 1, "node 0 gave no decision after attempt " + std::to_string(attempt)};
+    decision = *given;
+  } catch (const dtrain::store::TimeoutError&) {  // read_timeout (Note [Store deadlines and closing])
+    return {std::nullopt, 1,
+            base_.no_answer_text("waiting for node 0's decision after attempt " + std::to_string(attempt))};
   } catch (const std::exception&) {
     return {std::nullopt, 1, lost};
   }

@@ -45,7 +45,12 @@ struct ElasticOptions {
   std::chrono::milliseconds beat_period{100};
   std::chrono::milliseconds rdzv_timeout{900000};
   std::chrono::milliseconds last_call{30000};
-  std::string secret;  // the job secret, or "" (secret.h)
+  std::string secret;                              // the job secret, or "" (secret.h)
+  std::chrono::milliseconds close_timeout{30000};  // Note [Store deadlines and closing] in rendezvous.h
+  // Node 0: where the workers reach the store, which it publishes to every node
+  // (Note [Workers' store] in main.cpp): --local_addr and the port of a store there, else the endpoint.
+  std::string master_addr;
+  uint16_t master_port = 0;
 };
 
 // One attempt's membership, as this node sees it.
@@ -84,8 +89,13 @@ class ElasticRendezvous {
   ElasticNext finish_attempt(int attempt, int exit_code, const NodeRendezvous::Say& say);
 
   // E8, once the job has ended for this node: the others say they are done; node 0 keeps the store up
-  // until every member of the last attempt is done or gone (bounded by --rdzv_timeout). Never throws.
-  void finish_job();
+  // until every member of the last attempt is done or gone, bounded by --rdzv_timeout, and by
+  // close_timeout when the job `failed` (Note [Store deadlines and closing]). Never throws.
+  void finish_job(bool failed);
+
+  // The workers' MASTER_ADDR and MASTER_PORT, as node 0 published them (valid once join() gave a round).
+  const std::string& master_addr() const { return o_.master_addr; }
+  uint16_t master_port() const { return o_.master_port; }
 
  private:
   struct Member {
@@ -97,6 +107,8 @@ class ElasticRendezvous {
     std::chrono::steady_clock::time_point changed;
   };
   void heartbeat_loop(std::string host, uint16_t port);
+  void read_master();  // a member: node 0's published master_addr and master_port
+  std::optional<std::string> await_admission(const NodeRendezvous::Say& say);  // nothing: not in time
   ElasticNext wait_for_admission(const NodeRendezvous::Say& say);
   // Node 0 only.
   void absorb_waiters();

@@ -32,6 +32,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -98,6 +99,16 @@ bool job_wide_outcome(NodeRendezvous& rdzv, const LaunchOptions& o, int attempt,
   return true;
 }
 
+std::chrono::milliseconds seconds(double s) { return dtrain::util::millis_of_seconds(s); }
+
+// How long node 0 keeps the store up for the other nodes once its job ended
+// (Note [Store deadlines and closing] in rendezvous.h): after a failure it closes the rendezvous
+// within close_timeout; after a success it waits for them as torchrun's exit barrier does. Never more
+// than --rdzv_timeout.
+std::chrono::milliseconds node0_linger(const LaunchOptions& o, int exit_code) {
+  return seconds(exit_code == 0 ? o.rdzv_timeout : std::min(o.close_timeout, o.rdzv_timeout));
+}
+
 // The name other nodes are told this node by: --local_addr, else the host name.
 std::string node_name(const LaunchOptions& o) {
   return o.local_addr.empty() ? dtrain::util::host_name() : o.local_addr;
@@ -125,7 +136,7 @@ std::string make_temp_folder(const std::string& pattern) {
 // two runs with one --run_id never mix); --tee or --redirects without --log_dir write to a new folder
 // under TMPDIR, as torchrun does, and say where.
 void prepare_log_dir(LaunchOptions& o) {
-  if (o.log_dir.empty() && !o.tee && !o.redirects) return;
+  if (o.log_dir.empty() && !o.tee.any() && !o.redirects.any()) return;
   if (o.log_dir.empty()) {
     o.log_dir = make_temp_folder(dtrain::env::text("TMPDIR").value_or("/tmp") + "/dtrain-run_XXXXXX");
     say("the log files of --tee/--redirects go to " + o.log_dir + " (no --log_dir was given)");
@@ -140,6 +151,31 @@ void prepare_log_dir(LaunchOptions& o) {
   o.run_log_dir = make_temp_folder(o.log_dir + "/" + o.run_id + "_XXXXXX");
 }
 
+// Note [Workers' store]: torchrun's rank-0 node publishes its address, --local_addr or else its FQDN, in
+// the rendezvous with the port of a store it serves there, and every worker gets them as MASTER_ADDR
+// and MASTER_PORT (RendezvousStoreInfo.build). Node 0 of a c10d job, elastic or on one node, does the
+// same with --local_addr: it serves the workers a store of their own at that address (a free port;
+// the address must be this machine's), into *addr and *port, which an elastic node 0 publishes to
+// the others. Without --local_addr the workers keep the rendezvous endpoint, where the launchers'
+// store already is and which every node reached: an FQDN that other machines may not resolve (a
+// pod's) would make the job fail where torchrun's own default does. The static form keeps torchrun's
+// meaning: --local_addr names the node, nothing more.
+std::unique_ptr<dtrain::store::StoreServer> workers_store(const LaunchOptions& given, std::string* addr,
+                                                          uint16_t* port) {
+  if (given.local_addr.empty()) return nullptr;
+  std::unique_ptr<dtrain::store::StoreServer> store;
+  try {
+    store = std::make_unique<dtrain::store::StoreServer>(given.local_addr, 0, given.secret);
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error("--local_addr " + given.local_addr +
+                             ": node 0 serves the workers' store at its --local_addr, and cannot: " + e.what() +
+                             " (give an address of this machine, or leave --local_addr out)");
+  }
+  *addr = given.local_addr;
+  *port = store->port();
+  return store;
+}
+
 int run(const LaunchOptions& o) {
   if (o.nnodes > 1) wait_for_master_name(o);
   // 2.
@@ -150,6 +186,11 @@ int run(const LaunchOptions& o) {
   if (o.node_rank == 0)
     server = std::make_unique<dtrain::store::StoreServer>(o.master_addr, uint16_t(o.master_port), o.secret);
   const uint16_t port = server ? server->port() : uint16_t(o.master_port);
+  // Note [Workers' store]: --rdzv_backend c10d on one node (several run as run_elastic).
+  LaunchOptions workers = o;
+  uint16_t workers_port = port;
+  std::unique_ptr<dtrain::store::StoreServer> for_workers;
+  if (o.c10d && server) for_workers = workers_store(o, &workers.master_addr, &workers_port);
 
   // 3.
   std::optional<NodeRendezvous> rdzv;
@@ -157,7 +198,7 @@ int run(const LaunchOptions& o) {
     pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
     const auto timeout = dtrain::util::millis_of_seconds(o.rdzv_timeout);
     if (o.secret.empty()) say(open_store_warning(o));
-    rdzv.emplace(o.master_addr, port, timeout, o.secret);
+    rdzv.emplace(o.master_addr, port, timeout, o.secret, seconds(o.read_timeout));
     rdzv->join(NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, o.max_restarts, node_name(o)}, say);
     if (!server) rdzv->watch_host(silent_host_after(dtrain::util::millis_of_seconds(o.monitor_interval)));
     pthread_sigmask(SIG_BLOCK, &terminating, nullptr);
@@ -173,7 +214,7 @@ int run(const LaunchOptions& o) {
   int attempt = 0;
   for (;; ++attempt) {
     {
-      Supervisor supervisor(o, port, sfd, rdzv ? &*rdzv : nullptr);
+      Supervisor supervisor(workers, workers_port, sfd, rdzv ? &*rdzv : nullptr);
       result = supervisor.run_attempt(attempt);
     }
     if (rdzv && rdzv->host_silent()) {  // nobody to agree with: the job ends here
@@ -201,9 +242,9 @@ int run(const LaunchOptions& o) {
                                     " restart(s) of --max_restarts " + std::to_string(o.max_restarts) + ")"
                               : ""));
   if (rdzv && !rdzv->host_silent()) {
-    try {
-      rdzv->mark_done(o.node_rank, result.exit_code);
-      if (server) rdzv->wait_all_done(o.nnodes, dtrain::util::millis_of_seconds(o.rdzv_timeout));
+    try {  // Note [Store deadlines and closing] in rendezvous.h
+      rdzv->mark_done(o.node_rank, result.exit_code, seconds(o.close_timeout));
+      if (server) rdzv->wait_all_done(o.nnodes, node0_linger(o, result.exit_code));
     } catch (const std::exception&) {
       // The store is gone (node 0 finished first): nothing left to tell.
     }
@@ -211,19 +252,13 @@ int run(const LaunchOptions& o) {
   return result.exit_code;
 }
 
-// --nnodes MIN:MAX (elastic.h; protocol steps E1-E8 in rendezvous.h). Every attempt runs the group
-// node 0 formed; after it, node 0's decision says: done, restart with a new group, or stop.
-int run_elastic(const LaunchOptions& given) {
-  wait_for_master_name(given);
-  signal(SIGPIPE, SIG_IGN);
-  sigset_t all = handled_signals(true), terminating = handled_signals(false);
-  sigprocmask(SIG_BLOCK, &all, nullptr);
-  // Who hosts the rendezvous: --node_rank 0 does and any other --node_rank does not; without
-  // --node_rank the launcher that can bind master_addr:master_port does (torchrun's c10d rendezvous
-  // decides the same way), so identical command lines on every node work.
-  std::unique_ptr<dtrain::store::StoreServer> server;
+// Who hosts the elastic rendezvous: --node_rank 0 does and any other --node_rank does not; without
+// --node_rank the launcher that can bind master_addr:master_port does (torchrun's c10d rendezvous
+// decides the same way), so identical command lines on every node work. Null: this one joins.
+std::unique_ptr<dtrain::store::StoreServer> host_rendezvous(const LaunchOptions& given) {
   const uint16_t port = uint16_t(given.master_port);
   bool warned = false;
+  std::unique_ptr<dtrain::store::StoreServer> server;
   if (given.node_rank_given && given.node_rank == 0) {
     server = std::make_unique<dtrain::store::StoreServer>(given.master_addr, port, given.secret);
   } else if (!given.node_rank_given) {
@@ -242,21 +277,40 @@ int run_elastic(const LaunchOptions& given) {
     }
   }
   if (given.secret.empty() && !warned) say(open_store_warning(given));
-  const auto timeout = dtrain::util::millis_of_seconds(given.rdzv_timeout);
-  NodeRendezvous rdzv(given.master_addr, port, timeout, given.secret);
-  const std::string hostname = node_name(given);
-  rdzv.set_hostname(hostname);
+  return server;
+}
+
+ElasticOptions elastic_options(const LaunchOptions& given, bool host) {
   ElasticOptions eo;
   eo.min_nodes = given.min_nodes;
   eo.max_nodes = given.max_nodes;
   eo.nproc_per_node = given.nproc_per_node;
   eo.max_restarts = given.max_restarts;
-  eo.hostname = hostname;
-  eo.host = server != nullptr;
-  eo.beat_period = dtrain::util::millis_of_seconds(given.monitor_interval);
-  eo.rdzv_timeout = timeout;
-  eo.last_call = dtrain::util::millis_of_seconds(given.rdzv_last_call);
+  eo.hostname = node_name(given);
+  eo.host = host;
+  eo.beat_period = seconds(given.monitor_interval);
+  eo.rdzv_timeout = seconds(given.rdzv_timeout);
+  eo.last_call = seconds(given.rdzv_last_call);
   eo.secret = given.secret;
+  eo.close_timeout = seconds(given.close_timeout);
+  return eo;
+}
+
+// --nnodes MIN:MAX (elastic.h; protocol steps E1-E8 in rendezvous.h). Every attempt runs the group
+// node 0 formed; after it, node 0's decision says: done, restart with a new group, or stop.
+int run_elastic(const LaunchOptions& given) {
+  wait_for_master_name(given);
+  signal(SIGPIPE, SIG_IGN);
+  sigset_t all = handled_signals(true), terminating = handled_signals(false);
+  sigprocmask(SIG_BLOCK, &all, nullptr);
+  const std::unique_ptr<dtrain::store::StoreServer> server = host_rendezvous(given);
+  const uint16_t port = uint16_t(given.master_port);
+  NodeRendezvous rdzv(given.master_addr, port, seconds(given.rdzv_timeout), given.secret, seconds(given.read_timeout));
+  ElasticOptions eo = elastic_options(given, server != nullptr);
+  rdzv.set_hostname(eo.hostname);
+  eo.master_addr = given.master_addr;
+  eo.master_port = port;
+  const auto for_workers = server ? workers_store(given, &eo.master_addr, &eo.master_port) : nullptr;
   ElasticRendezvous elastic(rdzv, given.master_addr, port, eo);
   pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
   ElasticNext first = elastic.join(say);
@@ -270,6 +324,7 @@ int run_elastic(const LaunchOptions& given) {
   int sfd = signalfd(-1, &all, SFD_CLOEXEC | SFD_NONBLOCK);
   if (sfd < 0) throw std::runtime_error(std::string("signalfd failed: ") + std::strerror(errno));
   LaunchOptions o = given;
+  o.master_addr = elastic.master_addr();  // the workers' (Note [Workers' store])
   int exit_code = 0;
   for (;;) {
     say(round.line);  // one line per transition
@@ -277,7 +332,7 @@ int run_elastic(const LaunchOptions& given) {
     o.node_rank = round.group_rank;
     AttemptResult result;
     {
-      Supervisor supervisor(o, port, sfd, &rdzv, [&] { return elastic.watch(round.attempt); });
+      Supervisor supervisor(o, elastic.master_port(), sfd, &rdzv, [&] { return elastic.watch(round.attempt); });
       result = supervisor.run_attempt(round.attempt);
     }
     if (result.worker_failed) {
@@ -296,7 +351,7 @@ int run_elastic(const LaunchOptions& given) {
     round = *next.round;
   }
   close(sfd);
-  elastic.finish_job();
+  elastic.finish_job(exit_code != 0);
   return exit_code;
 }
 
@@ -316,7 +371,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   // A terminal that shows rank 0's stdout gets its progress bar drawn in place (Note [Launcher bar]).
-  options.progress_bar = isatty(STDOUT_FILENO) && (!(options.redirects & kStdOut) || (options.tee & kStdOut));
+  const int rank0 = options.local_rank_base;  // the local rank of rank 0 when this node has it
+  options.progress_bar =
+      isatty(STDOUT_FILENO) && (!(options.redirects.of(rank0) & kStdOut) || (options.tee.of(rank0) & kStdOut));
   if (!options.slurm_note.empty() && options.node_rank == 0) say(options.slurm_note);
   if (!options.launch_note.empty() && options.node_rank == 0) say(options.launch_note);
   try {

@@ -90,7 +90,6 @@ struct NumericFlag {
 // forever (util::millis_of_seconds), so no value overflows a deadline.
 constexpr double kNoLimit = std::numeric_limits<double>::infinity();
 constexpr double kIntMax = 2147483647.0;
-constexpr const char* kStdMaskRule = "0 (none), 1 (stdout), 2 (stderr) or 3 (both)";
 
 // In --help's order among the other flags; validated in this order too.
 const NumericFlag kNodeRank{"--node_rank,--node-rank",
@@ -125,12 +124,6 @@ const NumericFlag kTimings[] = {
      &LaunchOptions::rdzv_last_call},
     {"--grace_period,--grace-period", "seconds between SIGTERM and SIGKILL (default 5)", "5",
      "a number of seconds >= 0 (inf: forever)", false, 0, kNoLimit, false, nullptr, &LaunchOptions::grace_period},
-};
-const NumericFlag kStreams[] = {
-    {"--redirects,-r", "streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both", "0", kStdMaskRule, true, 0, 3,
-     false, &LaunchOptions::redirects, nullptr},
-    {"--tee,-t", "streams to log files and console: 0 none, 1 stdout, 2 stderr, 3 both", "0", kStdMaskRule, true, 0, 3,
-     false, &LaunchOptions::tee, nullptr},
 };
 
 // The flag's first name: "--node_rank" of "--node_rank,--node-rank".
@@ -194,6 +187,7 @@ namespace {
 // The values CLI11 fills in: text flags go straight into LaunchOptions, the others are checked after.
 struct Given {
   std::string nproc = "1", nnodes = "1", run_id, rdzv_conf, rdzv_backend = "static", rdzv_endpoint, ranks_filter;
+  std::string redirects = "0", tee = "0";
   bool no_python = false;  // accepted: dtrain-run starts programs, never `python` in front of them
   NumericValues numbers;
   std::vector<const CLI::Option*> on_command_line;  // the options given before the program
@@ -218,14 +212,19 @@ void add_flags(CLI::App& app, LaunchOptions& o, Given& g) {
   app.add_option("--log_dir,--log-dir", o.log_dir,
                  "write <log_dir>/<run_id>_<random>/attempt_<restart>/<local_rank>/{stdout,stderr}.log "
                  "(--tee/--redirects without it: a new folder under TMPDIR)");
-  for (const NumericFlag& f : kStreams) g.numbers.add(app, f);
+  app.add_option("--redirects,-r", g.redirects,
+                 "streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both; or per local rank, e.g. 0:3,1:2 "
+                 "(local ranks not named: none)");
+  app.add_option("--tee,-t", g.tee,
+                 "streams to log files and console: 0 none, 1 stdout, 2 stderr, 3 both; or per local rank, e.g. "
+                 "0:3,1:2");
   app.add_flag("--use_local_rank_arg,--use-local-rank-arg", o.use_local_rank_arg,
                "pass --local_rank=N as the program's first argument");
   app.add_option("--run_id,--run-id,--rdzv_id,--rdzv-id", g.run_id,
                  "job id exported as TORCHELASTIC_RUN_ID (default none)");
   app.add_option("--rdzv_conf,--rdzv-conf", g.rdzv_conf,
-                 "KEY=VALUE,...: join_timeout, last_call_timeout, close_timeout, read_timeout (seconds), is_host "
-                 "(0/1), secret_file=PATH (the job secret every node's launcher shares, a mode-0600 file)");
+                 "KEY=VALUE,...: join_timeout, last_call_timeout, close_timeout (30), read_timeout (60) in seconds, "
+                 "is_host (0/1), secret_file=PATH (the job secret every node's launcher shares, a mode-0600 file)");
   app.add_option("--rdzv_backend,--rdzv-backend", g.rdzv_backend,
                  "static (default: --node_rank says who is who) or c10d (node ranks assigned in the rendezvous)");
   app.add_option("--rdzv_endpoint,--rdzv-endpoint", g.rdzv_endpoint,
@@ -233,7 +232,8 @@ void add_flags(CLI::App& app, LaunchOptions& o, Given& g) {
                  "--master_addr/--master_port)");
   app.add_option("--role", o.role, "the workers' ROLE_NAME (default 'default')");
   app.add_option("--local_addr,--local-addr", o.local_addr,
-                 "the name this node gives the others in messages (default: its host name)");
+                 "this node's address in the rendezvous and its lines (default: its host name); c10d: node 0's "
+                 "is the workers' MASTER_ADDR, with a store there");
   app.add_option("--local_ranks_filter,--local-ranks-filter", g.ranks_filter,
                  "LOCAL,...: only these local ranks' output on the console (the log files keep all)");
   app.add_flag("--no_python,--no-python", g.no_python,
@@ -283,7 +283,8 @@ void check_values(Given& g, LaunchOptions& o) {
   g.numbers.check(kNodeRank, o);
   g.numbers.check(kMasterPort, o);
   for (const NumericFlag& f : kTimings) g.numbers.check(f, o);
-  for (const NumericFlag& f : kStreams) g.numbers.check(f, o);
+  o.redirects = parse_std_streams("--redirects", g.redirects);
+  o.tee = parse_std_streams("--tee", g.tee);
   if (g.rdzv_backend != "static" && g.rdzv_backend != "c10d")
     throw UsageError("--rdzv_backend must be static or c10d, got '" + g.rdzv_backend +
                      "' (etcd and etcd-v2 need an etcd server: use c10d, whose store dtrain-run hosts)");

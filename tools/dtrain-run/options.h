@@ -9,7 +9,8 @@
 //   2. Each torchrun flag not on the command line takes its PET_<FLAG> value when set (cluster.h).
 //      CLI11 parses the launcher's part; values are then checked: each numeric flag against its row
 //      of options.cpp's flag table (its range and the rule its error states), then the ones that
-//      depend on each other (node_rank < nnodes, redirects/tee needing --log_dir, ...).
+//      depend on each other (node_rank < nnodes, ...). --redirects and --tee are a mask or a per-local-rank
+//      map (StdStreams).
 //   3. The program is looked up in PATH here, so a missing program fails before anything starts.
 //   4. --rdzv_endpoint and --rdzv_conf's timeouts; inside an srun step of several tasks, the step
 //      decides --nnodes, --node_rank and the master (slurm_step.h), a flag that contradicts it being a
@@ -18,6 +19,7 @@
 // Every problem is a UsageError with one line: the flag, the value given, the remedy.
 #pragma once
 
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -37,6 +39,24 @@ struct HelpRequested {
 // Bit mask for --redirects / --tee (torchrun's Std): 1 stdout, 2 stderr, 3 both.
 enum StdMask : int { kStdNone = 0, kStdOut = 1, kStdErr = 2, kStdBoth = 3 };
 
+// --redirects / --tee as torchrun's Std.from_str reads them: one mask for every local rank ("3"), or
+// a map "LOCAL_RANK:MASK,..." ("0:3,1:2") in which a local rank not named gets none (to_map).
+struct StdStreams {
+  int all = kStdNone;           // the mask of every local rank, when not `mapped`
+  bool mapped = false;          // given as a map: only its local ranks get a mask
+  std::map<int, int> by_local;  // local rank -> mask
+  int of(int local_rank) const {
+    if (!mapped) return all;
+    const auto it = by_local.find(local_rank);
+    return it == by_local.end() ? kStdNone : it->second;
+  }
+  bool any() const {
+    for (const auto& kv : by_local)
+      if (kv.second != kStdNone) return true;
+    return all != kStdNone;
+  }
+};
+
 struct LaunchOptions {
   int nproc_per_node = 1;
   int nnodes = 1;
@@ -55,18 +75,22 @@ struct LaunchOptions {
   double rdzv_timeout = 900;      // seconds
   double grace_period = 5;        // seconds between SIGTERM and SIGKILL
   std::string log_dir;            // empty: no log files
-  int redirects = kStdNone;       // streams sent to the log files only
-  int tee = kStdNone;             // streams sent to the log files and the console
+  StdStreams redirects;           // streams sent to the log files only
+  StdStreams tee;                 // streams sent to the log files and the console
   bool use_local_rank_arg = false;
   std::string run_id = "none";  // torchrun's default rdzv id
   // torchrun's rendezvous form (cluster.h, Note [torchrun's command line]).
   bool c10d = false;                    // --rdzv_backend c10d: node ranks come from the rendezvous
   std::string role = "default";         // --role, the workers' ROLE_NAME
-  std::string local_addr;               // --local_addr: the name this node gives the others (default: host name)
+  std::string local_addr;               // --local_addr: this node's address (default: host name), cluster.h
   std::vector<int> local_ranks_filter;  // --local_ranks_filter: the local ranks shown on the console (empty: all)
   // --rdzv_conf's join_timeout and last_call_timeout in seconds (< 0: not given), is_host (-1 not given, 0, 1).
   double join_timeout = -1, last_call_timeout = -1;
   int is_host = -1;
+  // --rdzv_conf close_timeout (torchrun's RendezvousTimeout.close, 30 s): how long closing the rendezvous
+  // may take once this node's job failed (Note [Store deadlines and closing] in rendezvous.h); read_timeout
+  // (the c10d backend's store timeout, 60 s): the deadline of each rendezvous store request.
+  double close_timeout = 30, read_timeout = 60;
   std::string run_log_dir;  // <log_dir>/<run_id>_<random>, made when the job starts (main.cpp)
   std::string launch_note;  // node 0's line when the environment placed the job (cluster.h)
   // --rdzv_conf secret_file=PATH, and the job secret (secret.h): "" when the job runs open.

@@ -69,10 +69,13 @@ NodeInfo parse_info(const std::string& s) {
 
 }  // namespace
 
-NodeRendezvous::NodeRendezvous(const std::string& host, uint16_t port, Millis timeout, const std::string& secret)
-    : timeout_(timeout), host_(host), port_(port) {
+NodeRendezvous::NodeRendezvous(const std::string& host, uint16_t port, Millis timeout, const std::string& secret,
+                               Millis read_timeout)
+    : timeout_(timeout), read_timeout_(read_timeout), host_(host), port_(port) {
   try {
-    client_ = std::make_unique<dtrain::store::StoreClient>(host, port, timeout, secret);
+    client_ = std::make_unique<dtrain::store::StoreClient>(host, port, timeout, secret, read_timeout);
+  } catch (const dtrain::store::TimeoutError&) {  // connected, but the handshake got no answer
+    throw std::runtime_error(no_answer_text("connecting to it"));
   } catch (const std::runtime_error& e) {
     const std::string what = e.what();
     if (what.rfind("cannot reach", 0) != 0) throw;  // reached, but refused: the line says why
@@ -82,8 +85,18 @@ NodeRendezvous::NodeRendezvous(const std::string& host, uint16_t port, Millis ti
   }
 }
 
+std::string NodeRendezvous::no_answer_text(const std::string& doing) const {
+  return "node 0's launcher (the rendezvous host at " + host_ + ":" + std::to_string(port_) +
+         ") did not answer within read_timeout " + seconds_text(read_timeout_) + " while this node was " + doing +
+         ": it is stopped or gone (--rdzv_conf read_timeout=SECONDS sets how long a store request may take)";
+}
+
 void NodeRendezvous::join(const NodeInfo& me, const Say& say) {
   hostname_ = me.hostname;
+  answered("joining the rendezvous", [&] { join_steps(me, say); });
+}
+
+void NodeRendezvous::join_steps(const NodeInfo& me, const Say& say) {
   // 2. Arrive.
   const int64_t arrival = client_->add(node_key("arrivals"), 1);
   client_->set(node_key("arrival", arrival),
@@ -92,13 +105,11 @@ void NodeRendezvous::join(const NodeInfo& me, const Say& say) {
   // 3. Node 0 judges.
   if (me.node_rank == 0) client_->set(node_key("verdict"), to_bytes(check_arrivals(me, say)));
   // 4. Everyone follows the verdict. Node 0 may take the whole timeout collecting nodes.
-  std::string verdict;
-  try {
-    verdict = to_string(client_->get(node_key("verdict"), timeout_ * 2 + Millis(5000)));
-  } catch (const dtrain::store::TimeoutError&) {
+  const std::optional<std::string> given = poll_key(*client_, node_key("verdict"), timeout_ * 2 + Millis(5000));
+  if (!given)
     throw std::runtime_error("node 0 gave no rendezvous verdict within " + seconds_text(timeout_ * 2) + " at " +
                              client_->host() + ":" + std::to_string(client_->port()));
-  }
+  const std::string& verdict = *given;
   client_->set(node_key("verdict_read", arrival), to_bytes("1"));
   if (verdict != "ok") {
     if (me.node_rank == 0) {  // keep the store up until the nodes that arrived have read it
@@ -228,6 +239,11 @@ std::optional<std::string> NodeRendezvous::remote_failure(int attempt, int my_no
 }
 
 std::vector<int> NodeRendezvous::attempt_outcomes(int attempt, int node_rank, int nnodes, int exit_code) {
+  return answered("agreeing with the other nodes on the end of attempt " + std::to_string(attempt),
+                  [&] { return outcomes_of(attempt, node_rank, nnodes, exit_code); });
+}
+
+std::vector<int> NodeRendezvous::outcomes_of(int attempt, int node_rank, int nnodes, int exit_code) {
   client_->set(node_key("outcome", attempt, node_rank), to_bytes(std::to_string(exit_code)));
   std::vector<int> codes(static_cast<size_t>(nnodes), -1);
   codes[static_cast<size_t>(node_rank)] = exit_code;
@@ -237,12 +253,11 @@ std::vector<int> NodeRendezvous::attempt_outcomes(int attempt, int node_rank, in
   for (int r = 0; r < nnodes; ++r) {
     if (r == node_rank) continue;
     const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
-    try {
-      codes[static_cast<size_t>(r)] =
-          std::stoi(to_string(client_->get(node_key("outcome", attempt, r), std::max(left, Millis(1)))));
-    } catch (const dtrain::store::TimeoutError&) {
+    const std::string k = node_key("outcome", attempt, r);
+    if (const auto code = poll_key(*client_, k, std::max(left, Millis(1))))
+      codes[static_cast<size_t>(r)] = static_cast<int>(int_value(k, *code));
+    else
       missing.push_back(r);
-    }
   }
   if (!missing.empty())
     throw std::runtime_error("node_rank " + comma_list(missing) + " did not report the end of attempt " +
@@ -251,7 +266,8 @@ std::vector<int> NodeRendezvous::attempt_outcomes(int attempt, int node_rank, in
   return codes;
 }
 
-void NodeRendezvous::mark_done(int node_rank, int exit_code) {
+void NodeRendezvous::mark_done(int node_rank, int exit_code, Millis close_timeout) {
+  dtrain::store::ScopedTimeout closing(*client_, std::min(close_timeout, client_->timeout()));
   client_->set(node_key("done", node_rank), to_bytes(std::to_string(exit_code)));
 }
 

@@ -72,6 +72,23 @@
 //       job ends (exit code 0 when the job succeeded, else 1); the others set "done/<id>", and node
 //       0 keeps the store up until each member of the last attempt is done or gone (bounded by
 //       --rdzv_timeout).
+//
+// Note [Store deadlines and closing] (--rdzv_conf read_timeout and close_timeout, torchrun's meanings):
+//   - read_timeout (the c10d backend's store timeout, 60 s): every launcher's connection to node 0's
+//     store has it as the deadline of each request, the handshake included, from the moment it is
+//     connected (reaching a node 0 that starts later still waits --rdzv_timeout). Long waits
+//     (node 0's verdict, the other nodes' outcomes, an elastic decision or admission) ask with short
+//     requests, so a store host that stops answering (SIGSTOP, a machine gone without a FIN) makes a
+//     joining or re-rendezvousing node fail after read_timeout with one line naming the host and what
+//     the node was doing (NodeRendezvous::answered), instead of waiting out --rdzv_timeout. While the
+//     workers run, Note [Silent host]'s shorter deadline applies.
+//   - close_timeout (torchrun's RendezvousTimeout.close, 30 s: the time within which the rendezvous is
+//     expected to close after shutdown()): when this node's job failed, its launcher closes the
+//     rendezvous within it. A node other than node 0 says it is done (step 7, E8) with requests of that
+//     deadline; node 0, which published the failure so that the others stop, keeps the store up for
+//     them to stop and leave for at most close_timeout (never more than --rdzv_timeout), then exits,
+//     taking the store with it. After a success node 0 waits for the others as torchrun's exit barrier
+//     does, up to --rdzv_timeout: their workers may still be using the store.
 #pragma once
 
 #include "store/store.h"
@@ -80,6 +97,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -107,8 +125,22 @@ struct NodeInfo {
 
 class NodeRendezvous {
  public:
-  // Connects to the store (step 1). Throws std::runtime_error naming host:port and the timeout.
-  NodeRendezvous(const std::string& host, uint16_t port, std::chrono::milliseconds timeout, const std::string& secret);
+  // Connects to the store (step 1) within `timeout`; each request then has `read_timeout`
+  // (Note [Store deadlines and closing]). Throws std::runtime_error naming host:port and the timeout.
+  NodeRendezvous(const std::string& host, uint16_t port, std::chrono::milliseconds timeout, const std::string& secret,
+                 std::chrono::milliseconds read_timeout);
+
+  // Runs f, turning a store that did not answer within read_timeout into one std::runtime_error line
+  // naming node 0's launcher, its address and `doing` ("joining the rendezvous").
+  template <class F>
+  auto answered(const std::string& doing, F f) -> decltype(f()) {
+    try {
+      return f();
+    } catch (const dtrain::store::TimeoutError&) {
+      throw std::runtime_error(no_answer_text(doing));
+    }
+  }
+  std::string no_answer_text(const std::string& doing) const;
 
   // Steps 2-4. Throws std::runtime_error with the verdict's line when the nodes disagree. Node 0 reports
   // its waiting through `say` (one line each, without the "dtrain-run: " prefix).
@@ -137,8 +169,8 @@ class NodeRendezvous {
   // signalled). Throws std::runtime_error naming the nodes that did not report within the timeout.
   std::vector<int> attempt_outcomes(int attempt, int node_rank, int nnodes, int exit_code);
 
-  // Step 7.
-  void mark_done(int node_rank, int exit_code);
+  // Step 7. mark_done's requests wait `close_timeout` at most (Note [Store deadlines and closing]).
+  void mark_done(int node_rank, int exit_code, std::chrono::milliseconds close_timeout);
   void wait_all_done(int nnodes, std::chrono::milliseconds timeout);  // node 0; never throws
 
   dtrain::store::StoreClient& client() { return *client_; }
@@ -146,9 +178,12 @@ class NodeRendezvous {
   void set_hostname(const std::string& hostname) { hostname_ = hostname; }
 
  private:
-  std::string check_arrivals(const NodeInfo& me, const Say& say);  // node 0's verdict
+  void join_steps(const NodeInfo& me, const Say& say);                                  // steps 2-4
+  std::vector<int> outcomes_of(int attempt, int node_rank, int nnodes, int exit_code);  // step 6
+  std::string check_arrivals(const NodeInfo& me, const Say& say);                       // node 0's verdict
   std::unique_ptr<dtrain::store::StoreClient> client_;
   std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds read_timeout_;
   std::string hostname_;  // this node's, from join(): named in the failures it publishes
   std::string host_;
   uint16_t port_ = 0;

@@ -4,10 +4,13 @@
 
 #include "store/store.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 
 namespace dtrain::run {
@@ -41,6 +44,23 @@ inline int64_t int_value(const std::string& key, const std::string& value) {
     throw std::runtime_error("the rendezvous store's key '" + key + "' holds '" + value.substr(0, 64) +
                              "', not an integer: another process wrote it (give the job a secret to keep others out)");
   return v;
+}
+
+// Waits up to `timeout` for `key` and returns its value (nothing at the timeout), asking with check()
+// every `every`: each request has the client's own deadline (--rdzv_conf read_timeout), so a store
+// that stops answering throws TimeoutError within that deadline instead of after `timeout`, and a
+// TimeoutError from here always means no answer, never a key that did not come. 5 requests a second
+// per waiting node (torchrun's c10d rendezvous syncs about once a second) keep node 0's store light
+// while every node of a large job waits for its verdict.
+inline std::optional<std::string> poll_key(dtrain::store::StoreClient& store, const std::string& key, Millis timeout,
+                                           Millis every = Millis(200)) {
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    if (store.check({key})) return to_string(store.get(key, Millis(10000)));
+    const auto now = Clock::now();
+    if (now >= deadline) return std::nullopt;
+    std::this_thread::sleep_for(std::min(every, std::chrono::ceil<Millis>(deadline - now)));
+  }
 }
 
 // Appends `line` and a newline to the list at `key` in one compare-and-set, retried while another

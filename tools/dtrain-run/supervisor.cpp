@@ -113,8 +113,10 @@ void Supervisor::start_workers(int attempt) {
       make_log_folders(opts_.log_dir, dir);
       out_log = open_log(dir + "/stdout.log");
       err_log = open_log(dir + "/stderr.log");
-      out_console = !(opts_.redirects & kStdOut) || (opts_.tee & kStdOut);
-      err_console = !(opts_.redirects & kStdErr) || (opts_.tee & kStdErr);
+      // torchrun's to_map: a per-local-rank --redirects/--tee gives the local ranks it does not name none.
+      const int redirects = opts_.redirects.of(w->spec.local_rank), tee = opts_.tee.of(w->spec.local_rank);
+      out_console = !(redirects & kStdOut) || (tee & kStdOut);
+      err_console = !(redirects & kStdErr) || (tee & kStdErr);
     }
     const auto& shown = opts_.local_ranks_filter;  // --local_ranks_filter: the console only
     if (!shown.empty() && std::find(shown.begin(), shown.end(), w->spec.local_rank) == shown.end())
@@ -298,8 +300,8 @@ void Supervisor::check_remote() {
     stop_all(SIGTERM);
   } catch (const std::exception& e) {
     if (node0_done_seen_) return;  // node 0 finished cleanly and took its store: keep going
-    remote_summary_ = "stopping this node's workers: lost the rendezvous at " + opts_.master_addr + ":" +
-                      std::to_string(master_port_) + " (did node 0's launcher die?): " + e.what();
+    remote_summary_ = "stopping this node's workers: lost the rendezvous at " + rdzv_->client().host() + ":" +
+                      std::to_string(rdzv_->client().port()) + " (did node 0's launcher die?): " + e.what();
     stop_all(SIGTERM);
   }
 }
