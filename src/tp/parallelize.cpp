@@ -50,9 +50,14 @@ void set_part(tp::Applied& a, int64_t size) {
   a.length = std::min(size, a.start + chunk) - a.start;
 }
 
+// Parts of unequal sizes (torch.chunk's, as PyTorch's uneven Shard) are fine wherever no collective
+// sees them: a Colwise output left sharded feeds the next Rowwise layer's matching part. Only a
+// Colwise output asked to be Replicate() all-gathers parts, which must then be equal.
 void check_divides(const std::string& name, const char* what, int64_t size, const Group& group) {
   DTRAIN_CHECK(size % group.size() == 0, "parallelize_module: '", name, "' has ", what, " = ", size,
-               ", which does not divide over the group's ", group.size(), " ranks: pad it to a multiple");
+               ", which does not divide over the group's ", group.size(),
+               " ranks, and its output_layouts Replicate() all-gathers equal parts: pad it to a multiple, "
+               "or leave the output sharded");
 }
 
 tp::Applied bind(const std::string& name, const ParallelStyle& style, const Group& group, bool embedding) {
@@ -81,7 +86,8 @@ tp::Applied bind(const std::string& name, const ParallelStyle& style, const Grou
 void apply_linear(const std::string& name, ParallelLinearImpl& m, const ParallelStyle& style, const Group& group) {
   tp::Applied a = bind(name, style, group, false);
   const int64_t dim = a.colwise ? 0 : 1;
-  check_divides(name, a.colwise ? "out_features" : "in_features", m.weight.size(dim), group);
+  if (a.colwise && a.output.kind == Layout::Kind::kReplicate)
+    check_divides(name, "out_features", m.weight.size(dim), group);
   set_part(a, m.weight.size(dim));
   shard(m.weight, dim, a);
   if (m.bias.defined()) shard(m.bias, a.colwise ? 0 : kWhole, a);
@@ -95,7 +101,8 @@ void apply_embedding(const std::string& name, ParallelEmbeddingImpl& m, const Pa
                "': an Embedding with padding_idx, max_norm or sparse gradients cannot be sharded yet: drop them");
   tp::Applied a = bind(name, style, group, true);
   const int64_t dim = a.colwise ? 1 : 0;
-  if (a.colwise) check_divides(name, "embedding_dim", m.weight.size(1), group);
+  if (a.colwise && a.output.kind == Layout::Kind::kReplicate)
+    check_divides(name, "embedding_dim", m.weight.size(1), group);
   set_part(a, m.weight.size(dim));
   shard(m.weight, dim, a);
   m.applied = std::make_shared<tp::Applied>(a);
