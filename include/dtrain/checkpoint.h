@@ -99,6 +99,15 @@
 // nodes the folder must be one they share. A missing or foreign shard fails the load on every rank
 // before anything changed. A checkpoint of the whole model does not load into a sharded one: load it
 // before fully_shard.
+//
+// A tensor-parallel model (parallelize_module, dtrain/tensor_parallel.h) is saved the same way: each
+// rank's shard file holds its part of every sharded parameter and its optimizer's state for them,
+// a part being a range of dim 0 (ColwiseParallel) or dim 1 (a RowwiseParallel Linear's weight)
+// as PyTorch's Shard(0)/Shard(1) cut it; the layout records the dimension ("<rank>/<size>@1"),
+// which makes the files format version 3. It loads back onto the same layout (the exact resume,
+// optimizer state as saved) or into the unsharded model (each rank reads every part and its
+// optimizer state is assembled from them); not onto a model sharded along other dimensions. A
+// parameter both tensor-parallel and fully_shard'ed (2-D) cannot be checkpointed yet.
 #pragma once
 
 #include <cstdint>
@@ -127,9 +136,10 @@ class GradScaler;
 class DistributedSampler;
 
 // The newest file format this dtrain reads and writes; it reads every older one too. A file carries
-// the lowest version that reads it: 2 only for a sharded checkpoint of a model sharded over subgroups
-// (whose shard files record their group's rows), 1 for every other.
-constexpr int kCheckpointFormatVersion = 2;
+// the lowest version that reads it: 3 for a sharded checkpoint with a parameter sharded along a
+// dimension other than 0 (tensor parallelism: a Rowwise Linear's weight), 2 for one of a model sharded
+// over subgroups (whose shard files record their group's rows), 1 for every other.
+constexpr int kCheckpointFormatVersion = 3;
 
 // What a checkpoint holds. Null pointers are neither saved nor restored.
 struct TrainingState {
