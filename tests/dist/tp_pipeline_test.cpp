@@ -3,10 +3,12 @@
 // over the "pp" group (matching tp ranks of adjacent stages: global ranks {0, 2} and {1, 3}). Every
 // schedule against one process training the whole model on the whole batch, in float64: the loss,
 // the last stage's output and every parameter gradient (this rank's part) at the first step, the
-// parameters after 3 Adam steps, within 1e-10 relative.
+// parameters after 3 Adam steps, within 1e-10 relative. Also a model that ends in a class head whose
+// logits stay sharded over tp on the last stage, with parallel_cross_entropy as the pipeline's loss.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 
 #include <vector>
@@ -25,15 +27,17 @@ using tp_compare::rel_diff;
 namespace {
 
 using tp_compare::kTol;
-constexpr int64_t kDim = 8, kHidden = 16, kBatch = 8, kChunks = 4;
+constexpr int64_t kDim = 8, kHidden = 16, kBatch = 8, kChunks = 4, kClasses = 6;
 constexpr int kSteps = 3;
 
-// One MLP block per global stage, the same weights on every rank (and for the reference).
-std::vector<torch::nn::Sequential> make_stages(int count) {
+// One MLP block per global stage, the same weights on every rank (and for the reference); with
+// `head`, the last stage ends in a class head (Linear to kClasses, Colwise: logits sharded by class).
+std::vector<torch::nn::Sequential> make_stages(int count, bool head) {
   torch::manual_seed(7);
   std::vector<torch::nn::Sequential> stages;
   for (int k = 0; k < count; ++k) {
     torch::nn::Sequential s(tp_models::MLP(kDim, kHidden));
+    if (head && k == count - 1) s->push_back(ParallelLinear(kDim, kClasses));
     s->to(at::kDouble);
     stages.push_back(s);
   }
@@ -41,6 +45,13 @@ std::vector<torch::nn::Sequential> make_stages(int count) {
 }
 
 at::Tensor mse(const at::Tensor& out, const at::Tensor& target) { return (out - target).pow(2).mean(); }
+
+// The plan of global stage k of `total`: its block column-then-row, and the head column-parallel.
+ParallelizePlan plan_of(int k, int total, bool head) {
+  ParallelizePlan plan = tp_models::mlp_plan("0.");
+  if (head && k == total - 1) plan.push_back({"1", ColwiseParallel()});
+  return plan;
+}
 
 // This rank's stages' parameters (or gradients) against their parts of the reference's stages.
 void expect_stages_match(const Pipeline& pipe, const std::vector<torch::nn::Sequential>& ref, const Group& tp,
@@ -57,15 +68,18 @@ void expect_stages_match(const Pipeline& pipe, const std::vector<torch::nn::Sequ
   }
 }
 
-void expect_equals_one_process(Schedule schedule) {
+// head: the model ends in a class head whose logits stay sharded on the last stage, and the loss is
+// parallel_cross_entropy over the tp group (Megatron's vocab-parallel output layer); else the MLP
+// blocks' output and a mean squared error.
+void expect_equals_one_process(Schedule schedule, bool head = false) {
   ASSERT_EQ(world_size(), 4) << "registered on 4 ranks";
   const int v = schedule == Schedule::kInterleaved1F1B ? 2 : 1, total = 2 * v;
-  std::vector<torch::nn::Sequential> stages = make_stages(total), ref = make_stages(total);
+  std::vector<torch::nn::Sequential> stages = make_stages(total, head), ref = make_stages(total, head);
   // doc:begin tp_pipeline
   auto mesh = dtrain::init_device_mesh({2, 2}, {"pp", "tp"});  // ranks {0, 1}: stage 0, {2, 3}: stage 1
   const int64_t pp = mesh.get_local_rank("pp");
   for (int c = 0; c < v; ++c)  // this rank's stages only (one, or v interleaved): sharded over its tp group
-    dtrain::parallelize_module(*stages[c * 2 + pp], mesh["tp"], tp_models::mlp_plan("0."));
+    dtrain::parallelize_module(*stages[c * 2 + pp], mesh["tp"], plan_of(c * 2 + pp, total, head));
   auto options = dtrain::PipelineOptions().chunks(kChunks).schedule(schedule).virtual_stages(v);
   dtrain::Pipeline pipe(stages, options.process_group(mesh.get_group("pp")));  // {0, 2} or {1, 3}
   // doc:end tp_pipeline
@@ -81,27 +95,32 @@ void expect_equals_one_process(Schedule schedule) {
   for (const auto& s : ref)
     for (const auto& p : s->parameters()) ref_params.push_back(p);
   torch::optim::Adam ref_opt(ref_params, torch::optim::AdamOptions(1e-2));
+  const Group tp = mesh.get_group("tp");
+  auto loss_fn = [&](const at::Tensor& out, const at::Tensor& y) {
+    return head ? parallel_cross_entropy(out, y, tp) : mse(out, y);
+  };
   torch::manual_seed(11);
   for (int step = 0; step < kSteps; ++step) {
-    at::Tensor x = at::randn({kBatch, kDim}, at::kDouble), y = at::randn({kBatch, kDim}, at::kDouble);
+    at::Tensor x = at::randn({kBatch, kDim}, at::kDouble);
+    at::Tensor y = head ? at::randint(kClasses, {kBatch}, at::kLong) : at::randn({kBatch, kDim}, at::kDouble);
     opt.zero_grad();
     ref_opt.zero_grad();
-    auto r = pipe.step(pipe.is_first() ? x : at::Tensor(), pipe.is_last() ? y : at::Tensor(), mse);
+    auto r = pipe.step(pipe.is_first() ? x : at::Tensor(), pipe.is_last() ? y : at::Tensor(), loss_fn);
     at::Tensor out = x;
     for (auto& s : ref) out = s->forward(out);
-    at::Tensor loss = mse(out, y);
+    at::Tensor loss = head ? torch::nn::functional::cross_entropy(out, y) : mse(out, y);
     loss.backward();
     if (step == 0) {
       EXPECT_LT(std::abs(r.loss - loss.item<double>()), kTol * loss.item<double>()) << "loss";
       if (pipe.is_last()) {
-        EXPECT_LT(rel_diff(r.output, out), kTol) << "output";
+        EXPECT_LT(rel_diff(r.output, part_of(out, r.output, tp)), kTol) << "output (this rank's classes)";
       }
-      expect_stages_match(pipe, ref, mesh.get_group("tp"), /*grads=*/true, "at step 0");
+      expect_stages_match(pipe, ref, tp, /*grads=*/true, "at step 0");
     }
     opt.step();
     ref_opt.step();
   }
-  expect_stages_match(pipe, ref, mesh.get_group("tp"), /*grads=*/false, "after 3 Adam steps");
+  expect_stages_match(pipe, ref, tp, /*grads=*/false, "after 3 Adam steps");
 }
 
 }  // namespace
@@ -110,5 +129,8 @@ TEST(TensorParallelPipeline, GPipeEqualsOneProcess) { expect_equals_one_process(
 TEST(TensorParallelPipeline, OneFOneBEqualsOneProcess) { expect_equals_one_process(Schedule::k1F1B); }
 TEST(TensorParallelPipeline, InterleavedEqualsOneProcess) { expect_equals_one_process(Schedule::kInterleaved1F1B); }
 TEST(TensorParallelPipeline, ZeroBubbleEqualsOneProcess) { expect_equals_one_process(Schedule::kZeroBubbleH1); }
+TEST(TensorParallelPipeline, ShardedLogitsAndParallelCrossEntropyEqualOneProcess) {
+  expect_equals_one_process(Schedule::k1F1B, /*head=*/true);
+}
 
 DTRAIN_DIST_TEST_MAIN()
