@@ -5,6 +5,7 @@
 //   - the same checkpoint loads into the unsharded model on every rank: its parameters and Adam's
 //     state are the parts put together (bit-identical), and one more Adam step of it equals the TP
 //     model's within 1e-10;
+//   - onto another tp size (2 saved, the world loading): each rank's part of the same whole;
 //   - dcp::save of the TP model writes each part as a chunk of the whole; dcp::load reads it back
 //     into the TP model and into the unsharded model, bit-identical.
 #include <gtest/gtest.h>
@@ -161,6 +162,26 @@ TEST(TensorParallelCheckpoint, LoadsIntoTheUnshardedModel) {
   auto w = whole->named_parameters();
   for (const auto& p : t.model->named_parameters())
     EXPECT_LT(rel_diff(p.value(), part_of(w[p.key()], p.value(), tp)), 1e-10) << p.key() << " after a step";
+  remove_dir(dir);
+}
+
+// Saved with tp = 2, loaded with tp over the whole world (4 ranks: each part is half a saved part,
+// resliced with its Adam state; 2 ranks: the same layout): the parts of what the unsharded model loads.
+TEST(TensorParallelCheckpoint, LoadsOntoAnotherTPSize) {
+  Trained t = trained_tp();
+  const std::string dir = fresh_dir("resize");
+  CheckpointManager ckpt(dir);
+  ckpt.save(state_of(t.model, *t.opt, 2));
+  tp_models::MLP whole = make_mlp(99), wide = make_mlp(98);
+  const Group world;
+  parallelize_module(*wide, world, tp_models::mlp_plan());
+  torch::optim::Adam whole_opt(whole->parameters(), torch::optim::AdamOptions(1e-2));
+  torch::optim::Adam wide_opt(wide->parameters(), torch::optim::AdamOptions(1e-2));
+  TrainingState a = state_of(whole, whole_opt, 0), b = state_of(wide, wide_opt, 0);
+  ASSERT_TRUE(ckpt.load_latest(a).has_value());
+  ASSERT_TRUE(ckpt.load_latest(b).has_value());
+  EXPECT_EQ(wide->w2->weight.size(1), kHidden / world_size());
+  expect_parts_of(wide, wide_opt, whole, whole_opt, world);
   remove_dir(dir);
 }
 
