@@ -105,9 +105,11 @@
 // a part being a range of dim 0 (ColwiseParallel) or dim 1 (a RowwiseParallel Linear's weight)
 // as PyTorch's Shard(0)/Shard(1) cut it; the layout records the dimension ("<rank>/<size>@1"),
 // which makes the files format version 3. It loads back onto the same layout (the exact resume,
-// optimizer state as saved) or into the unsharded model (each rank reads every part and its
-// optimizer state is assembled from them); not onto a model sharded along other dimensions. A
-// parameter both tensor-parallel and fully_shard'ed (2-D) cannot be checkpointed yet.
+// optimizer state as saved), onto another tp size along the same dimensions, or into the unsharded
+// model (each rank reads the parts it needs, its optimizer state resliced from them); not onto a
+// model sharded along other dimensions. A parameter both tensor-parallel and fully_shard'ed (2-D)
+// cannot be checkpointed yet. save_async saves a tensor-parallel model as save() does, as it does a
+// fully_shard'ed one.
 #pragma once
 
 #include <cstdint>
@@ -183,8 +185,8 @@ class CheckpointManager {
   // crash or kill during the write leaves the previous checkpoints as they were, the latest for
   // load_latest. Staged: the model's parameters and buffers (as Module::save writes them) and the
   // state of LibTorch's Adam, AdamW, SGD, Adagrad and RMSprop (or a ZeroRedundancyOptimizer's);
-  // another optimizer's archive is serialized before returning, and a fully_shard'ed model's
-  // checkpoint (each rank's shard file) is saved as save() does.
+  // another optimizer's archive is serialized before returning, and a fully_shard'ed or
+  // tensor-parallel model's checkpoint (each rank's shard file) is saved as save() does.
   std::string save_async(const TrainingState& state);
   // Collective: waits for the last save_async(); throws on every rank if it failed.
   void wait();

@@ -165,13 +165,15 @@ TEST(TensorParallelCheckpoint, LoadsIntoTheUnshardedModel) {
   remove_dir(dir);
 }
 
-// Saved with tp = 2, loaded with tp over the whole world (4 ranks: each part is half a saved part,
-// resliced with its Adam state; 2 ranks: the same layout): the parts of what the unsharded model loads.
+// Saved (by save_async) with tp = 2, loaded with tp over the whole world (4 ranks: each part is
+// half a saved part, resliced with its Adam state; 2 ranks: the same layout): the parts of what the
+// unsharded model loads.
 TEST(TensorParallelCheckpoint, LoadsOntoAnotherTPSize) {
   Trained t = trained_tp();
   const std::string dir = fresh_dir("resize");
   CheckpointManager ckpt(dir);
-  ckpt.save(state_of(t.model, *t.opt, 2));
+  ckpt.save_async(state_of(t.model, *t.opt, 2));  // for a sharded model, as save() does
+  ckpt.wait();
   tp_models::MLP whole = make_mlp(99), wide = make_mlp(98);
   const Group world;
   parallelize_module(*wide, world, tp_models::mlp_plan());
