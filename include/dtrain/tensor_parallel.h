@@ -29,8 +29,8 @@
 // the whole parameters from group rank 0 (PyTorch's src_data_rank=0), so ranks may start different.
 // Parameters keep their identity (their data is replaced), but build optimizers afterwards.
 // A sharded dimension need not divide by the group size: the parts are torch.chunk's (ceil(size / n)
-// each, the last ranks fewer or none), as PyTorch's uneven Shard. Only a ColwiseParallel layer with
-// output_layouts(Replicate()), whose parts are all-gathered, needs a size that divides.
+// each, the last ranks fewer or none), as PyTorch's uneven Shard; a ColwiseParallel output gathered
+// to Replicate() pads each part to ceil(size / n) for the all-gather and trims the padding.
 //
 // Layouts of inputs and outputs, PyTorch's defaults:
 //   ColwiseParallel: input Replicate() (whole on every rank), output Shard(-1) (this rank's part of

@@ -4,7 +4,7 @@
 //   1. Find the submodules whose named_modules() name matches (a "*" stands for one name between
 //      dots); an entry that matches nothing is an error, as is a module that is not a
 //      ParallelLinear or ParallelEmbedding (with the remedy for torch::nn::Linear and Embedding).
-//   2. Check the layouts this layer and style accept, and that the sharded dimension divides.
+//   2. Check the layouts this layer and style accept (any size: torch.chunk's parts, maybe unequal).
 //   3. Broadcast each parameter whole from group rank 0 (PyTorch's src_data_rank=0), then keep this
 //      rank's part through set_data, so the parameter keeps its identity; a replicated bias is
 //      broadcast alone.
@@ -47,18 +47,9 @@ void shard(at::Tensor& param, int64_t dim, const tp::Applied& a) {
 // This rank's part of `size` rows or columns, as torch.chunk cuts them.
 void set_part(tp::Applied& a, int64_t size) {
   const int64_t n = a.group.size(), chunk = (size + n - 1) / n;
+  a.size = size;
   a.start = std::min(size, a.group.rank() * chunk);
   a.length = std::min(size, a.start + chunk) - a.start;
-}
-
-// Parts of unequal sizes (torch.chunk's, as PyTorch's uneven Shard) are fine wherever no collective
-// sees them: a Colwise output left sharded feeds the next Rowwise layer's matching part. Only a
-// Colwise output asked to be Replicate() all-gathers parts, which must then be equal.
-void check_divides(const std::string& name, const char* what, int64_t size, const Group& group) {
-  DTRAIN_CHECK(size % group.size() == 0, "parallelize_module: '", name, "' has ", what, " = ", size,
-               ", which does not divide over the group's ", group.size(),
-               " ranks, and its output_layouts Replicate() all-gathers equal parts: pad it to a multiple, "
-               "or leave the output sharded");
 }
 
 tp::Applied bind(const std::string& name, const ParallelStyle& style, const Group& group, bool embedding) {
@@ -87,8 +78,6 @@ tp::Applied bind(const std::string& name, const ParallelStyle& style, const Grou
 void apply_linear(const std::string& name, ParallelLinearImpl& m, const ParallelStyle& style, const Group& group) {
   tp::Applied a = bind(name, style, group, false);
   const int64_t dim = a.colwise ? 0 : 1;
-  if (a.colwise && a.output.kind == Layout::Kind::kReplicate)
-    check_divides(name, "out_features", m.weight.size(dim), group);
   set_part(a, m.weight.size(dim));
   shard(m.weight, dim, a);
   if (m.bias.defined()) shard(m.bias, a.colwise ? 0 : kWhole, a);
@@ -102,8 +91,6 @@ void apply_embedding(const std::string& name, ParallelEmbeddingImpl& m, const Pa
                "': an Embedding with padding_idx, max_norm or sparse gradients cannot be sharded yet: drop them");
   tp::Applied a = bind(name, style, group, true);
   const int64_t dim = a.colwise ? 1 : 0;
-  if (a.colwise && a.output.kind == Layout::Kind::kReplicate)
-    check_divides(name, "embedding_dim", m.weight.size(1), group);
   set_part(a, m.weight.size(dim));
   shard(m.weight, dim, a);
   m.applied = std::make_shared<tp::Applied>(a);
