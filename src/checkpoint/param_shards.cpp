@@ -24,7 +24,7 @@ ParamShards param_shards(const torch::nn::Module& model) {
     if (it == tp_shards.end()) continue;
     DTRAIN_CHECK(!out.count(impl), "checkpoint: '", kv.key(),
                  "' is tensor-parallel and fully_shard'ed both: checkpoints of 2-D sharded parameters are not "
-                 "supported yet; save tp::full_state_dict() instead");
+                 "supported yet; checkpoint the model without fully_shard, or gather it whole and save that");
     const tp::ParamShard& s = it->second;
     out[impl] = ParamShard{kv.value(), s.full_shape, s.dim, s.start, s.group, false};
   }
