@@ -37,7 +37,7 @@ USES = {
     "fsdp": {"ddp", "comm", "compat", "common"},
     "data": {"comm", "compat", "common"},
     "pipeline": {"ddp", "parallel", "comm", "compat", "common"},
-    "checkpoint": {"amp", "data", "optim", "fsdp", "comm", "compat", "common"},
+    "checkpoint": {"amp", "data", "optim", "fsdp", "tp", "comm", "compat", "common"},
     "monitor": {"ddp", "comm", "compat", "common"},
     "tp": {"comm", "compat", "common"},
 }

@@ -99,6 +99,17 @@
 // nodes the folder must be one they share. A missing or foreign shard fails the load on every rank
 // before anything changed. A checkpoint of the whole model does not load into a sharded one: load it
 // before fully_shard.
+//
+// A tensor-parallel model (parallelize_module, dtrain/tensor_parallel.h) is saved the same way: each
+// rank's shard file holds its part of every sharded parameter and its optimizer's state for them,
+// a part being a range of dim 0 (ColwiseParallel) or dim 1 (a RowwiseParallel Linear's weight)
+// as PyTorch's Shard(0)/Shard(1) cut it; the layout records the dimension ("<rank>/<size>@1"),
+// which makes the files format version 3. It loads back onto the same layout (the exact resume,
+// optimizer state as saved), onto another tp size along the same dimensions, or into the unsharded
+// model (each rank reads the parts it needs, its optimizer state resliced from them); not onto a
+// model sharded along other dimensions. A parameter both tensor-parallel and fully_shard'ed (2-D)
+// cannot be checkpointed yet. save_async saves a tensor-parallel model as save() does, as it does a
+// fully_shard'ed one.
 #pragma once
 
 #include <cstdint>
@@ -127,9 +138,10 @@ class GradScaler;
 class DistributedSampler;
 
 // The newest file format this dtrain reads and writes; it reads every older one too. A file carries
-// the lowest version that reads it: 2 only for a sharded checkpoint of a model sharded over subgroups
-// (whose shard files record their group's rows), 1 for every other.
-constexpr int kCheckpointFormatVersion = 2;
+// the lowest version that reads it: 3 for a sharded checkpoint with a parameter sharded along a
+// dimension other than 0 (tensor parallelism: a Rowwise Linear's weight), 2 for one of a model sharded
+// over subgroups (whose shard files record their group's rows), 1 for every other.
+constexpr int kCheckpointFormatVersion = 3;
 
 // What a checkpoint holds. Null pointers are neither saved nor restored.
 struct TrainingState {
@@ -173,8 +185,8 @@ class CheckpointManager {
   // crash or kill during the write leaves the previous checkpoints as they were, the latest for
   // load_latest. Staged: the model's parameters and buffers (as Module::save writes them) and the
   // state of LibTorch's Adam, AdamW, SGD, Adagrad and RMSprop (or a ZeroRedundancyOptimizer's);
-  // another optimizer's archive is serialized before returning, and a fully_shard'ed model's
-  // checkpoint (each rank's shard file) is saved as save() does.
+  // another optimizer's archive is serialized before returning, and a fully_shard'ed or
+  // tensor-parallel model's checkpoint (each rank's shard file) is saved as save() does.
   std::string save_async(const TrainingState& state);
   // Collective: waits for the last save_async(); throws on every rank if it failed.
   void wait();

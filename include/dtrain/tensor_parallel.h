@@ -28,7 +28,9 @@
 // Each rank keeps its contiguous part in group-rank order (torch.chunk). parallelize_module takes
 // the whole parameters from group rank 0 (PyTorch's src_data_rank=0), so ranks may start different.
 // Parameters keep their identity (their data is replaced), but build optimizers afterwards.
-// A Linear's sharded dimension must divide by the group size; an Embedding's vocabulary need not.
+// A sharded dimension need not divide by the group size: the parts are torch.chunk's (ceil(size / n)
+// each, the last ranks fewer or none), as PyTorch's uneven Shard; a ColwiseParallel output gathered
+// to Replicate() pads each part to ceil(size / n) for the all-gather and trims the padding.
 //
 // Layouts of inputs and outputs, PyTorch's defaults:
 //   ColwiseParallel: input Replicate() (whole on every rank), output Shard(-1) (this rank's part of
@@ -113,10 +115,10 @@ std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Modul
 }  // namespace tp
 
 // Cross-entropy of logits whose last dimension (the classes) is sharded over `group` in group-rank
-// order, equal parts (a ColwiseParallel output), as PyTorch's loss_parallel(): never gathers the
-// logits. Two all-reduces: the max of each sample, then its sum of exponentials and its target's
-// logit together; the backward communicates nothing. target holds global class indices, whole on
-// every rank; ignore_index as torch's cross_entropy; reduction "mean", "sum" or "none".
+// order as torch.chunk cuts it (a ColwiseParallel output), as PyTorch's loss_parallel(): never
+// gathers the logits. Two all-reduces: the max of each sample (and the widest part), then its sum of
+// exponentials and its target's logit together; the backward communicates nothing. target holds global class indices,
+// whole on every rank; ignore_index as torch's cross_entropy; reduction "mean", "sum" or "none".
 at::Tensor parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& target, const Group& group,
                                   int64_t ignore_index = -100, const std::string& reduction = "mean");
 

@@ -231,8 +231,9 @@ void restore_all(torch::serialize::InputArchive& a, TrainingState& st, const std
     ckpt::load_sharded_model(a, st, file);  // the optimizer's state too
   } else if (st.model) {
     DTRAIN_CHECK(!ckpt::holds_shards(st.model), "checkpoint ", file,
-                 " holds a whole model, saved without fully_shard: load it into the model before fully_shard "
-                 "(whose shards then come from it), or resume from a checkpoint of the sharded model");
+                 " holds a whole model, saved without fully_shard or parallelize_module: load it into the model "
+                 "before sharding it (whose shards then come from it), or resume from a checkpoint of the sharded "
+                 "model");
     torch::serialize::InputArchive m;
     sub("model", m);
     load_in_place(*st.model, m);
@@ -446,7 +447,8 @@ std::string pick_latest(const std::string& dir, const CheckpointOptions& options
 
 void save_checkpoint(const std::string& path, const TrainingState& state) {
   DTRAIN_CHECK(!ckpt::holds_shards(state.model), "save_checkpoint(", path,
-               "): the model is fully_shard'ed, and this process holds only its shards: save it with "
+               "): the model is sharded (fully_shard or parallelize_module), and this process holds only its "
+               "shards: save it with "
                "CheckpointManager::save on every rank (each writes its own shard file)");
   // Note [Write order]: stamped after the folder's files of the same name pattern, if it has one.
   const fs::path p(path);
@@ -505,9 +507,9 @@ bool sharded_everywhere(const TrainingState& st) {
   const std::vector<std::string> all = all_gather_bytes(mine ? "1" : "0");
   for (size_t r = 1; r < all.size(); ++r)
     DTRAIN_CHECK(all[r] == all[0], "CheckpointManager::save: the model of rank ", r, " is ",
-                 all[r] == "1" ? "" : "not ", "fully_shard'ed, that of rank 0 is ", all[0] == "1" ? "" : "not ",
-                 "fully_shard'ed: fully_shard the model on every rank (over a group of one on a rank that trains "
-                 "alone) or on none");
+                 all[r] == "1" ? "" : "not ", "sharded, that of rank 0 is ", all[0] == "1" ? "" : "not ",
+                 "sharded (fully_shard or parallelize_module): shard the model on every rank (over a group of one "
+                 "on a rank that trains alone) or on none");
   return mine;
 }
 

@@ -17,17 +17,18 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include "checkpoint/param_shards.h"
 #include "compat/optim_compat.h"
 #include "dtrain/dcp.h"
 #include "dtrain/errors.h"
 #include "dtrain/zero.h"
-#include "fsdp/shard_layout.h"
 
 namespace dtrain::dcp {
 
 namespace {
 
-// Where a tensor of a parameter's shape sits in the whole: whole, or this rank's rows of it.
+// Where a tensor of a parameter's shape sits in the whole: whole, or this rank's part of it (fully_shard's
+// rows, or a tensor-parallel shard along dim 0 or 1: DTensor's Shard(0) / Shard(1) chunk).
 struct Placement {
   std::vector<int64_t> whole;  // empty: whole
   std::vector<int64_t> offsets;
@@ -47,7 +48,7 @@ Entry entry_at(Path path, const at::Tensor& t, const Placement& p) {
 // The model's names and placements; with `sd`, its entries too.
 ModelNames add_model(StateDict* sd, torch::nn::Module& model) {
   ModelNames names;
-  const auto layouts = fsdp::shard_layouts(model);
+  const auto layouts = ckpt::param_shards(model);
   for (const auto& kv : model.named_parameters()) {
     const at::Tensor& p = kv.value();
     const auto* impl = p.unsafeGetTensorImpl();
@@ -55,10 +56,10 @@ ModelNames add_model(StateDict* sd, torch::nn::Module& model) {
     Placement place;
     auto it = layouts.find(impl);
     if (it != layouts.end() && !it->second.whole && !it->second.full_shape.empty()) {
-      const fsdp::ShardLayout& l = it->second;
+      const ckpt::ParamShard& l = it->second;
       place.whole = l.full_shape;
       place.offsets.assign(l.full_shape.size(), 0);
-      place.offsets[0] = std::min(l.full_shape[0], l.group.rank() * l.chunk_rows);
+      place.offsets[static_cast<size_t>(l.dim)] = l.offset;
       place.empty = p.numel() == 0;
     }
     names.place[impl] = place;

@@ -27,7 +27,9 @@ std::string encode_layout(const FileLayout& layout) {
   for (size_t i = 0; i < layout.size();) {
     size_t j = i;
     while (j < layout.size() && layout[j] == layout[i]) ++j;
-    s << (i ? " " : "") << layout[i].rank << "/" << layout[i].size << "*" << j - i;
+    s << (i ? " " : "") << layout[i].rank << "/" << layout[i].size;
+    if (layout[i].dim != 0) s << "@" << layout[i].dim;
+    s << "*" << j - i;
     i = j;
   }
   return s.str();
@@ -41,11 +43,13 @@ FileLayout decode_layout(const std::string& text, const std::string& file) {
     long long count = 0;
     char slash = 0, star = 0;
     std::istringstream r(run);
-    const bool ok = static_cast<bool>(r >> g.rank >> slash >> g.size >> star >> count) && r.peek() == EOF &&
-                    slash == '/' && star == '*' && g.size >= 1 && g.rank >= 0 && g.rank < g.size && count >= 1;
+    bool ok = static_cast<bool>(r >> g.rank >> slash >> g.size) && slash == '/';
+    if (ok && r.peek() == '@') ok = static_cast<bool>(r.get() && r >> g.dim) && g.dim >= 0;
+    ok = ok && static_cast<bool>(r >> star >> count) && r.peek() == EOF && star == '*' && g.size >= 1 && g.rank >= 0 &&
+         g.rank < g.size && count >= 1;
     DTRAIN_CHECK(ok, "checkpoint ", file, " records the shard layout '", text,
-                 "', which is not \"<group rank>/<group size>*<parameters> ...\": it was damaged or written by "
-                 "another program");
+                 "', which is not \"<group rank>/<group size>[@<dim>]*<parameters> ...\": it was damaged or "
+                 "written by another program");
     out.insert(out.end(), static_cast<size_t>(count), g);
   }
   return out;
@@ -192,7 +196,10 @@ SavedShard& SavedShards::any_read() {
 
 std::vector<Piece> plan_pieces(const SavedShards& saved, size_t p, const Target& t, int64_t own) {
   if (t.lo >= t.hi) return {};
-  const int64_t rows = t.shape[0];
+  const int64_t rows = t.shape[static_cast<size_t>(t.group.dim)];
+  for (int64_t k = 0; k < saved.count(); ++k)
+    DTRAIN_CHECK(saved.group(k, p).dim == t.group.dim, "the shard files of the checkpoint hold '", t.name,
+                 "' sharded along different dimensions: it was damaged or written by another program");
   auto piece = [&](int64_t k, int64_t lo, int64_t hi) {
     const ShardGroup& g = saved.group(k, p);
     const auto [klo, khi] = rows_of(rows, g.rank, g.size);
@@ -227,17 +234,18 @@ at::Tensor assemble(SavedShards& saved, const Target& t, const std::vector<Piece
   for (const Piece& pc : pieces) {
     SavedShard& s = saved.at(pc.file);
     at::Tensor part = of(s);
-    const int64_t held = pc.file_hi - pc.file_lo;
-    DTRAIN_CHECK(part.dim() >= 1 && part.size(0) == held, "checkpoint shard ", s.file, " holds ",
-                 part.dim() ? part.size(0) : 0, " rows of '", t.name, "', not the ", held, " of its layout");
-    parts.push_back(part.narrow(0, pc.lo - pc.file_lo, pc.hi - pc.lo));
+    const int64_t held = pc.file_hi - pc.file_lo, dim = t.group.dim;
+    DTRAIN_CHECK(part.dim() > dim && part.size(dim) == held, "checkpoint shard ", s.file, " holds ",
+                 part.dim() > dim ? part.size(dim) : 0, " rows of '", t.name, "' along dim ", dim, ", not the ", held,
+                 " of its layout");
+    parts.push_back(part.narrow(dim, pc.lo - pc.file_lo, pc.hi - pc.lo));
   }
   if (parts.empty()) {
     std::vector<int64_t> shape = t.shape;
-    shape[0] = 0;
+    shape[static_cast<size_t>(t.group.dim)] = 0;
     return at::empty(shape, options);
   }
-  return parts.size() == 1 ? parts[0] : at::cat(parts);
+  return parts.size() == 1 ? parts[0] : at::cat(parts, t.group.dim);
 }
 
 }  // namespace dtrain::ckpt

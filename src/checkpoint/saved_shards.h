@@ -17,21 +17,23 @@
 
 namespace dtrain::ckpt {
 
-// Rows [lo, hi) of dim 0 that group rank g of n holds of a parameter of `rows` rows (FSDP2's layout:
-// chunks of ceil(rows / n); the ranks past the end hold none).
+// Rows [lo, hi) of the sharded dimension that group rank g of n holds of a parameter of `rows` rows
+// along it (FSDP2's and DTensor's layout: chunks of ceil(rows / n); the ranks past the end hold none).
+// "Rows" below are indices along the parameter's sharded dimension: dim 0 under fully_shard, dim 0 or
+// 1 under tensor parallelism.
 std::pair<int64_t, int64_t> rows_of(int64_t rows, int64_t g, int64_t n);
 
-// Which rows a shard holds: the rank inside the group its parameter is sharded over, and the group's
-// size (a model without fully_shard: rank 0 of 1, all rows).
+// Which rows a shard holds: the rank inside the group its parameter is sharded over, the group's
+// size and the sharded dimension (a model without shards: rank 0 of 1, all rows).
 struct ShardGroup {
-  int64_t rank = 0, size = 1;
-  bool operator==(const ShardGroup& o) const { return rank == o.rank && size == o.size; }
+  int64_t rank = 0, size = 1, dim = 0;
+  bool operator==(const ShardGroup& o) const { return rank == o.rank && size == o.size && dim == o.dim; }
   bool operator!=(const ShardGroup& o) const { return !(*this == o); }
 };
 // A shard file's group per sharded parameter, in the order of the save's sharded parameters.
 using FileLayout = std::vector<ShardGroup>;
-// Runs of parameters alike, "<rank>/<size>*<count>", space-separated: "0/2*9" (nine parameters,
-// each rank 0's rows of a group of 2).
+// Runs of parameters alike, "<rank>/<size>[@<dim>]*<count>", space-separated: "0/2*9" (nine
+// parameters, each rank 0's rows of a group of 2), "1/2@1*1" (rank 1's columns: dim 1; format 3).
 std::string encode_layout(const FileLayout& layout);
 // Throws naming `file` when `text` is not encode_layout's.
 FileLayout decode_layout(const std::string& text, const std::string& file);
@@ -80,12 +82,12 @@ class SavedShards {
   std::vector<std::unique_ptr<SavedShard>> cache_;
 };
 
-// This rank's target rows of a parameter: its own under fully_shard (over its own group), all of
-// them otherwise.
+// This rank's target rows of a parameter: its own under fully_shard or tensor parallelism (over its
+// own group), all of them otherwise (counted along the dimension the save sharded).
 struct Target {
   std::string name;
-  std::vector<int64_t> shape;  // whole, in rows (a 0-dim parameter as one row)
-  ShardGroup group;
+  std::vector<int64_t> shape;  // whole (a 0-dim parameter as one row)
+  ShardGroup group;            // group.dim: the dimension of the rows
   int64_t lo = 0, hi = 0;
 };
 

@@ -8,6 +8,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
@@ -18,12 +19,12 @@
 #include <unordered_map>
 
 #include "checkpoint/file_io.h"
+#include "checkpoint/param_shards.h"
 #include "checkpoint/saved_shards.h"
 #include "common/util.h"
 #include "compat/optim_compat.h"
 #include "dtrain/errors.h"
 #include "dtrain/process_group.h"
-#include "fsdp/shard_layout.h"
 #include "optim/state_device.h"
 
 // Note [Sharded checkpoints]: a fully_shard'ed model is on no rank whole, and gathering it to one
@@ -68,7 +69,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-using Layouts = std::unordered_map<const c10::TensorImpl*, fsdp::ShardLayout>;
+using Layouts = ParamShards;
 
 // The shape in rows: a 0-dim parameter is sharded as one row.
 std::vector<int64_t> row_shape(std::vector<int64_t> shape) { return shape.empty() ? std::vector<int64_t>{1} : shape; }
@@ -102,6 +103,19 @@ void check_sharded_now(const torch::nn::Module& model, const Layouts& layouts) {
   }
 }
 
+// The lowest format version that reads shard file `file` of `world` with this layout: 3 when a
+// parameter is sharded along a dimension other than 0 (tensor parallelism), which version 2 cannot
+// record; 2 when the file holds other rows than its world rank's of the world (a subgroup), which
+// dtrains before version 2 would take; else 1.
+int version_of_layout(const FileLayout& layout, int64_t file, int64_t world) {
+  int version = 1;
+  for (const ShardGroup& g : layout) {
+    if (g.dim != 0) return 3;
+    if (g != ShardGroup{file, world}) version = 2;
+  }
+  return version;
+}
+
 // A shard file's record as write_own_shard returns it.
 struct Record {
   std::string header, layout, digest;
@@ -125,17 +139,20 @@ std::vector<at::Tensor> optimizer_params(const torch::optim::Optimizer& opt) {
   return out;
 }
 
-Target target_of(const std::string& name, const at::Tensor& param, const Layouts& layouts) {
+// saved_dim: the dimension the save sharded the parameter along, the one a whole target's rows
+// are counted in.
+Target target_of(const std::string& name, const at::Tensor& param, const Layouts& layouts, int64_t saved_dim) {
   Target t;
   t.name = name;
   auto it = layouts.find(param.unsafeGetTensorImpl());
   if (it == layouts.end()) {
     t.shape = row_shape(param.sizes().vec());
-    t.hi = t.shape[0];
+    t.group.dim = std::min<int64_t>(saved_dim, static_cast<int64_t>(t.shape.size()) - 1);
+    t.hi = t.shape[static_cast<size_t>(t.group.dim)];
   } else {
     t.shape = row_shape(it->second.full_shape);
-    t.group = ShardGroup{it->second.group.rank(), it->second.group.size()};
-    std::tie(t.lo, t.hi) = rows_of(t.shape[0], t.group.rank, t.group.size);
+    t.group = ShardGroup{it->second.group.rank(), it->second.group.size(), it->second.dim};
+    std::tie(t.lo, t.hi) = rows_of(t.shape[static_cast<size_t>(t.group.dim)], t.group.rank, t.group.size);
   }
   return t;
 }
@@ -235,10 +252,10 @@ void on_every_rank(const std::function<void()>& fn) {
 
 }  // namespace
 
-bool holds_shards(const torch::nn::Module* model) { return model && !fsdp::shard_layouts(*model).empty(); }
+bool holds_shards(const torch::nn::Module* model) { return model && !param_shards(*model).empty(); }
 
 std::vector<std::pair<std::string, std::string>> whole_manifest(const torch::nn::Module& model) {
-  const Layouts layouts = fsdp::shard_layouts(model);
+  const Layouts layouts = param_shards(model);
   std::vector<std::pair<std::string, std::string>> out;
   for (const auto& p : model.named_parameters()) {
     auto it = layouts.find(p.value().unsafeGetTensorImpl());
@@ -257,7 +274,7 @@ std::string shard_path(const std::string& main_path, int rank, int world) {
 }
 
 std::string write_own_shard(const std::string& main_path, const TrainingState& st, int rank, int world) {
-  const Layouts layouts = fsdp::shard_layouts(*st.model);
+  const Layouts layouts = param_shards(*st.model);
   check_sharded_now(*st.model, layouts);
   torch::serialize::OutputArchive a;
   std::vector<std::string> names;
@@ -268,10 +285,9 @@ std::string write_own_shard(const std::string& main_path, const TrainingState& s
     // A copy: the shard is a view of its unit's flat storage, which serializing the view would write whole.
     a.write("shard_" + std::to_string(names.size()), it->second.shard.detach().clone(), /*is_buffer=*/true);
     names.push_back(kv.key());
-    layout.push_back(ShardGroup{it->second.group.rank(), it->second.group.size()});
+    layout.push_back(ShardGroup{it->second.group.rank(), it->second.group.size(), it->second.dim});
   }
-  // The lowest version that reads it: dtrains before subgroups read a world rank's rows of the world.
-  const int version = layout == FileLayout(layout.size(), ShardGroup{rank, world}) ? 1 : 2;
+  const int version = version_of_layout(layout, rank, world);
   a.write("version", c10::IValue(static_cast<int64_t>(version)));
   a.write("step", c10::IValue(st.step));
   a.write("rank", c10::IValue(static_cast<int64_t>(rank)));
@@ -311,15 +327,16 @@ void check_shard_records(const std::vector<std::string>& records) {
 int format_version(const std::vector<std::string>& records) {
   const std::vector<Record> all = parse_records(records);
   const auto world = static_cast<int64_t>(all.size());
+  int version = 1;
   for (int64_t r = 0; r < world; ++r)
-    for (const ShardGroup& g : decode_layout(all[static_cast<size_t>(r)].layout, "the save"))
-      if (g != ShardGroup{r, world}) return 2;
-  return 1;
+    version =
+        std::max(version, version_of_layout(decode_layout(all[static_cast<size_t>(r)].layout, "the save"), r, world));
+  return version;
 }
 
 void encode_sharded_model(torch::serialize::OutputArchive& a, const TrainingState& st,
                           const std::vector<std::string>& records) {
-  const Layouts layouts = fsdp::shard_layouts(*st.model);
+  const Layouts layouts = param_shards(*st.model);
   // What every rank holds alike: the parameters no unit holds, and the buffers.
   torch::serialize::OutputArchive rep;
   std::vector<std::string> names;
@@ -356,7 +373,7 @@ void load_sharded_model(torch::serialize::InputArchive& a, TrainingState& st, co
   // 1. Everything read and assembled; nothing changes until every rank has all of its part.
   on_every_rank([&] {
     saved.emplace(a, main_path);
-    const Layouts layouts = fsdp::shard_layouts(*st.model);
+    const Layouts layouts = param_shards(*st.model);
     check_sharded_now(*st.model, layouts);
     const int64_t own = is_initialized() ? rank() : 0;
     std::map<std::string, size_t> sharded;  // the save's sharded parameters, by name
@@ -367,12 +384,16 @@ void load_sharded_model(torch::serialize::InputArchive& a, TrainingState& st, co
     std::map<std::string, Target> targets;
     std::map<std::string, std::vector<Piece>> pieces;
     for (const auto& kv : st.model->named_parameters()) {
-      Target t = target_of(kv.key(), kv.value(), layouts);
       auto p = sharded.find(kv.key());
+      const int64_t saved_dim = p == sharded.end() ? 0 : saved->group(0, p->second).dim;
+      Target t = target_of(kv.key(), kv.value(), layouts, saved_dim);
       const bool here = layouts.count(kv.value().unsafeGetTensorImpl()) != 0;
       if (p == sharded.end()) {
         as_saved = as_saved && !here;
       } else {
+        DTRAIN_CHECK(t.group.dim == saved_dim, "checkpoint ", main_path, " holds '", kv.key(), "' sharded along dim ",
+                     saved_dim, " but this model shards it along dim ", t.group.dim,
+                     ": load it into the unsharded model, or one sharded as it was saved");
         as_saved = as_saved && here && saved->group(own, p->second) == t.group;
         std::vector<Piece> from = plan_pieces(*saved, p->second, t, own);
         at::Tensor rows =

@@ -12,7 +12,8 @@ struct Applied {
   bool colwise = true;  // else rowwise
   Layout input, output;
   Group group;
-  int64_t start = 0, length = 0;  // this rank's rows or columns of the sharded dimension
+  int64_t size = 0;               // the sharded dimension's whole size
+  int64_t start = 0, length = 0;  // this rank's rows or columns of it
 };
 
 }  // namespace dtrain::tp

@@ -2,6 +2,8 @@
 // region boundaries (src/tp/regions.h): forward under NoGradGuard through the public collectives,
 // backward a node from compat that holds the group.
 #include <ATen/ATen.h>
+
+#include <algorithm>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "compat/autograd_compat.h"
@@ -169,17 +171,19 @@ at::Tensor leave_region(const at::Tensor& x, const Group& group) {
   return with_backward(out, x, "dtrain::tp::leave_region", [](const at::Tensor& g) { return g; });
 }
 
-at::Tensor gather_last_dim(const at::Tensor& x, const Group& group) {
-  const int64_t dim = x.dim() - 1;
+at::Tensor gather_last_dim(const at::Tensor& x, int64_t whole, const Group& group) {
+  const int64_t dim = x.dim() - 1, n = group.size(), chunk = (whole + n - 1) / n;
+  const int64_t start = std::min(whole, group.rank() * chunk), length = x.size(dim);
   at::Tensor out;
   {
+    // torch.chunk's parts: full ones, then at most one shorter, then empty ones, so padding each to
+    // ceil(whole / n) puts every pad after the last real column: the gathered row trims to `whole`.
     at::NoGradGuard no_grad;
-    out = gather_forward(x, dim, group);
+    at::Tensor padded = length == chunk ? x : at::constant_pad_nd(x, {0, chunk - length});
+    out = gather_forward(padded, dim, group).narrow(dim, 0, whole);
   }
-  return with_backward(out, x, "dtrain::tp::gather_last_dim", [dim, group](const at::Tensor& g) {
-    const int64_t k = g.size(dim) / group.size();
-    return g.narrow(dim, group.rank() * k, k).contiguous();
-  });
+  return with_backward(out, x, "dtrain::tp::gather_last_dim",
+                       [dim, start, length](const at::Tensor& g) { return g.narrow(dim, start, length).contiguous(); });
 }
 
 at::Tensor reduce_scatter_dim(const at::Tensor& x, int64_t dim, const Group& group) {

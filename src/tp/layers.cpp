@@ -29,7 +29,7 @@ at::Tensor colwise_input(const tp::Applied& a, const at::Tensor& x) {
 
 // Out of a colwise layer: this rank's part of the last dimension, or all of it.
 at::Tensor colwise_output(const tp::Applied& a, const at::Tensor& y) {
-  return a.output.kind == Layout::Kind::kReplicate ? tp::gather_last_dim(y, a.group) : y;
+  return a.output.kind == Layout::Kind::kReplicate ? tp::gather_last_dim(y, a.size, a.group) : y;
 }
 
 // Out of a rowwise layer: the sum of the ranks' partial results, whole or reduce-scattered.

@@ -4,17 +4,18 @@
 //   1. Find the submodules whose named_modules() name matches (a "*" stands for one name between
 //      dots); an entry that matches nothing is an error, as is a module that is not a
 //      ParallelLinear or ParallelEmbedding (with the remedy for torch::nn::Linear and Embedding).
-//   2. Check the layouts this layer and style accept, and that the sharded dimension divides.
+//   2. Check the layouts this layer and style accept (any size: torch.chunk's parts, maybe unequal).
 //   3. Broadcast each parameter whole from group rank 0 (PyTorch's src_data_rank=0), then keep this
 //      rank's part through set_data, so the parameter keeps its identity; a replicated bias is
 //      broadcast alone.
 #include <ATen/ATen.h>
 
-#include <map>
+#include <unordered_map>
 
 #include "common/util.h"
 #include "dtrain/functional_collectives.h"
 #include "tp/applied.h"
+#include "tp/shards.h"
 
 namespace dtrain {
 
@@ -46,13 +47,9 @@ void shard(at::Tensor& param, int64_t dim, const tp::Applied& a) {
 // This rank's part of `size` rows or columns, as torch.chunk cuts them.
 void set_part(tp::Applied& a, int64_t size) {
   const int64_t n = a.group.size(), chunk = (size + n - 1) / n;
+  a.size = size;
   a.start = std::min(size, a.group.rank() * chunk);
   a.length = std::min(size, a.start + chunk) - a.start;
-}
-
-void check_divides(const std::string& name, const char* what, int64_t size, const Group& group) {
-  DTRAIN_CHECK(size % group.size() == 0, "parallelize_module: '", name, "' has ", what, " = ", size,
-               ", which does not divide over the group's ", group.size(), " ranks: pad it to a multiple");
 }
 
 tp::Applied bind(const std::string& name, const ParallelStyle& style, const Group& group, bool embedding) {
@@ -81,7 +78,6 @@ tp::Applied bind(const std::string& name, const ParallelStyle& style, const Grou
 void apply_linear(const std::string& name, ParallelLinearImpl& m, const ParallelStyle& style, const Group& group) {
   tp::Applied a = bind(name, style, group, false);
   const int64_t dim = a.colwise ? 0 : 1;
-  check_divides(name, a.colwise ? "out_features" : "in_features", m.weight.size(dim), group);
   set_part(a, m.weight.size(dim));
   shard(m.weight, dim, a);
   if (m.bias.defined()) shard(m.bias, a.colwise ? 0 : kWhole, a);
@@ -95,7 +91,6 @@ void apply_embedding(const std::string& name, ParallelEmbeddingImpl& m, const Pa
                "': an Embedding with padding_idx, max_norm or sparse gradients cannot be sharded yet: drop them");
   tp::Applied a = bind(name, style, group, true);
   const int64_t dim = a.colwise ? 1 : 0;
-  if (a.colwise) check_divides(name, "embedding_dim", m.weight.size(1), group);
   set_part(a, m.weight.size(dim));
   shard(m.weight, dim, a);
   m.applied = std::make_shared<tp::Applied>(a);
@@ -140,38 +135,45 @@ void parallelize_module(torch::nn::Module& module, const Group& group, const Par
 
 namespace tp {
 
+std::unordered_map<const c10::TensorImpl*, ParamShard> param_shards(const torch::nn::Module& module) {
+  std::unordered_map<const c10::TensorImpl*, ParamShard> out;
+  auto add = [&](const at::Tensor& param, int64_t dim, int64_t whole_size, const Applied& a) {
+    std::vector<int64_t> shape = param.sizes().vec();
+    shape[static_cast<size_t>(dim)] = whole_size;
+    out[param.unsafeGetTensorImpl()] = ParamShard{std::move(shape), dim, a.start, a.group};
+  };
+  for (const auto& item : module.named_modules()) {
+    if (const auto* l = dynamic_cast<const ParallelLinearImpl*>(item.value().get()); l && l->applied) {
+      const bool col = l->applied->colwise;
+      add(l->weight, col ? 0 : 1, col ? l->options.out_features() : l->options.in_features(), *l->applied);
+      if (l->bias.defined() && col) add(l->bias, 0, l->options.out_features(), *l->applied);
+    } else if (const auto* e = dynamic_cast<const ParallelEmbeddingImpl*>(item.value().get()); e && e->applied) {
+      const bool col = e->applied->colwise;
+      add(e->weight, col ? 1 : 0, col ? e->options.embedding_dim() : e->options.num_embeddings(), *e->applied);
+    }
+  }
+  return out;
+}
+
 namespace {
 // A shard's whole tensor: the parts of every rank (torch.chunk's, the last ones possibly shorter)
 // padded to one size, all-gathered, trimmed.
-at::Tensor gather_whole(const at::Tensor& part, int64_t dim, int64_t whole_size, const Applied& a) {
-  const int64_t n = a.group.size(), chunk = (whole_size + n - 1) / n;
+at::Tensor gather_whole(const at::Tensor& part, const ParamShard& s) {
+  const int64_t n = s.group.size(), dim = s.dim, whole_size = s.full_shape[static_cast<size_t>(dim)];
+  const int64_t chunk = (whole_size + n - 1) / n;
   at::NoGradGuard no_grad;
   at::Tensor padded = at::constant_pad_nd(part.detach().movedim(dim, -1), {0, chunk - part.size(dim)});
-  at::Tensor whole = functional::all_gather(padded.contiguous(), -1, a.group);
+  at::Tensor whole = functional::all_gather(padded.contiguous(), -1, s.group);
   return whole.narrow(-1, 0, whole_size).movedim(-1, dim).contiguous();
 }
 }  // namespace
 
 std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Module& module) {
-  std::map<std::string, at::Tensor> whole;  // by parameter name
-  for (const auto& item : module.named_modules()) {
-    const std::string prefix = item.key().empty() ? "" : item.key() + ".";
-    if (auto* l = dynamic_cast<ParallelLinearImpl*>(item.value().get()); l && l->applied) {
-      const int64_t dim = l->applied->colwise ? 0 : 1;
-      const int64_t size = l->applied->colwise ? l->options.out_features() : l->options.in_features();
-      whole[prefix + "weight"] = gather_whole(l->weight, dim, size, *l->applied);
-      if (l->bias.defined() && l->applied->colwise)
-        whole[prefix + "bias"] = gather_whole(l->bias, 0, size, *l->applied);
-    } else if (auto* e = dynamic_cast<ParallelEmbeddingImpl*>(item.value().get()); e && e->applied) {
-      const int64_t dim = e->applied->colwise ? 1 : 0;
-      const int64_t size = e->applied->colwise ? e->options.embedding_dim() : e->options.num_embeddings();
-      whole[prefix + "weight"] = gather_whole(e->weight, dim, size, *e->applied);
-    }
-  }
+  const auto shards = param_shards(module);
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& p : module.named_parameters()) {
-    auto it = whole.find(p.key());
-    out.emplace_back(p.key(), it != whole.end() ? it->second : p.value().detach().clone());
+    auto it = shards.find(p.value().unsafeGetTensorImpl());
+    out.emplace_back(p.key(), it != shards.end() ? gather_whole(p.value(), it->second) : p.value().detach().clone());
   }
   for (const auto& b : module.named_buffers()) out.emplace_back(b.key(), b.value().detach().clone());
   return out;

@@ -17,8 +17,9 @@ namespace dtrain::tp {
 at::Tensor enter_region(const at::Tensor& x, const Group& group);
 at::Tensor leave_region(const at::Tensor& x, const Group& group);
 // all-gather along the last dimension forward, this rank's part of the gradient backward (a
-// ColwiseParallel output asked to be replicated).
-at::Tensor gather_last_dim(const at::Tensor& x, const Group& group);
+// ColwiseParallel output asked to be replicated). x is this rank's part of `whole` columns as
+// torch.chunk cuts them (the parts may be unequal).
+at::Tensor gather_last_dim(const at::Tensor& x, int64_t whole, const Group& group);
 // reduce-scatter (SUM) along dim forward, all-gather backward (a RowwiseParallel output asked to be
 // sharded, as sequence parallelism does).
 at::Tensor reduce_scatter_dim(const at::Tensor& x, int64_t dim, const Group& group);

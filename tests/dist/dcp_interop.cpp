@@ -1,9 +1,11 @@
 // The C++ side of test_dcp.py: one model (three Linears, float64, deterministic weights and batches
-// both languages compute alike) trained with Adam under DDP, DDP with a ZeroRedundancyOptimizer, or
-// fully_shard, saved with dtrain::dcp, or loaded from what Python's dcp.save wrote (dcp_interop.py is
-// the Python side). Rank 0 writes what the test compares: the whole parameters when saved or loaded,
-// and after training on.
-//   dcp_interop save KINDS DIR OUT.json   per kind (ddp, zero, fsdp; comma-separated): train 3 steps,
+// both languages compute alike) trained with Adam under DDP, DDP with a ZeroRedundancyOptimizer,
+// fully_shard, or tensor parallelism (tp: the first Linear Colwise, the second Rowwise over the
+// world, its 13 hidden features in torch.chunk's uneven parts, every rank on the whole batch), saved
+// with dtrain::dcp, or loaded from what Python's dcp.save wrote (dcp_interop.py is the Python side).
+// Rank 0 writes what the test compares: the whole parameters when saved or loaded, and after
+// training on.
+//   dcp_interop save KINDS DIR OUT.json   per kind (ddp, zero, fsdp, tp; comma-separated): train 3 steps,
 //                                         save to DIR/<kind>, train 5 more
 //   dcp_interop load KINDS DIR OUT.json   per kind: load DIR, train 5 steps
 #include <torch/nn/modules/activation.h>
@@ -21,6 +23,7 @@
 #include "dtrain/ddp.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/process_group.h"
+#include "dtrain/tensor_parallel.h"
 #include "dtrain/zero.h"
 
 namespace {
@@ -31,9 +34,10 @@ at::Tensor wave(int64_t n, double scale, double freq, double phase) {
   return at::arange(n, at::kDouble).mul(freq).add(phase).sin().mul(scale);
 }
 
+// Linear: torch::nn::Linear, or dtrain::ParallelLinear for tensor parallelism (the same parameters).
+template <class Linear = torch::nn::Linear>
 torch::nn::Sequential make_model(double phase) {
-  torch::nn::Sequential m(torch::nn::Linear(8, 13), torch::nn::Tanh(), torch::nn::Linear(13, 5), torch::nn::Tanh(),
-                          torch::nn::Linear(5, 3));
+  torch::nn::Sequential m(Linear(8, 13), torch::nn::Tanh(), Linear(13, 5), torch::nn::Tanh(), Linear(5, 3));
   m->to(at::kDouble);
   torch::NoGradGuard no_grad;
   int k = 0;
@@ -63,8 +67,15 @@ struct Job {
   std::unique_ptr<torch::optim::Optimizer> opt;
   int step = 0;
 
-  Job(std::string k, double phase) : kind(std::move(k)), model(make_model(phase)) {
+  Job(std::string k, double phase)
+      : kind(std::move(k)), model(kind == "tp" ? make_model<dtrain::ParallelLinear>(phase) : make_model(phase)) {
     const torch::optim::AdamOptions adam(1e-2);
+    if (kind == "tp") {
+      dtrain::parallelize_module(*model, dtrain::Group(),
+                                 {{"0", dtrain::ColwiseParallel()}, {"2", dtrain::RowwiseParallel()}});
+      opt = std::make_unique<torch::optim::Adam>(model->parameters(), adam);
+      return;
+    }
     if (kind == "fsdp") {
       for (auto& layer : *model)
         if (!layer.ptr()->parameters().empty()) dtrain::fully_shard(layer);
@@ -79,20 +90,22 @@ struct Job {
     else
       opt = std::make_unique<torch::optim::Adam>(model->parameters(), adam);
   }
-  // One step on this rank's rows of the step's global batch (the mean over all rows, as DDP's average).
+  // One step on this rank's rows of the step's global batch (the mean over all rows, as DDP's
+  // average); under tensor parallelism every rank on the whole batch.
   void train(int steps) {
-    const int n = dtrain::world_size(), r = dtrain::rank();
+    const int n = kind == "tp" ? 1 : dtrain::world_size(), r = kind == "tp" ? 0 : dtrain::rank();
     for (int end = step + steps; step < end; ++step) {
       at::Tensor x = wave(kBatch * 8, 1.0, 0.1, 0.97 * step).view({kBatch, 8}).chunk(n)[r];
       at::Tensor y = wave(kBatch * 3, 1.0, 0.05, 0.31 * step + 1.5).view({kBatch, 3}).chunk(n)[r];
       opt->zero_grad();
-      at::Tensor out = fsdp ? (*fsdp)(x) : ddp->forward(x);
+      at::Tensor out = fsdp ? (*fsdp)(x) : ddp ? ddp->forward(x) : model->forward(x);
       (out - y).pow(2).mean().backward();
       opt->step();
     }
   }
   std::vector<std::pair<std::string, at::Tensor>> whole() {
     if (fsdp) return fsdp->full_state_dict();
+    if (kind == "tp") return dtrain::tp::full_state_dict(*model);
     std::vector<std::pair<std::string, at::Tensor>> out;
     for (const auto& kv : model->named_parameters()) out.emplace_back(kv.key(), kv.value().detach().clone());
     return out;

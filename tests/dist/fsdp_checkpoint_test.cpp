@@ -415,7 +415,7 @@ TEST(FsdpCheckpoint, RanksThatShardUnlikeFailTheSaveOnEveryRank) {
   {
     Net net = fsdp_models::make_net();
     if (!last) fsdp_models::shard(net, FullyShardOptions().process_group(a));
-    expect_refused(net, "is not fully_shard'ed");
+    expect_refused(net, "is not sharded");
   }
   {
     Net net = fsdp_models::make_net();

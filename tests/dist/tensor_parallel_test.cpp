@@ -4,7 +4,8 @@
 //   - an MLP block, a transformer block (heads split over the ranks) and a vocab-parallel embedding
 //     with a column-parallel head and the parallel cross-entropy give the one process's outputs,
 //     input gradients and parameter gradients (this rank's part), and its parameters after 10 Adam
-//     steps, within 1e-10 relative;
+//     steps, within 1e-10 relative; the MLP's hidden size and the classes also in sizes that do
+//     not divide by the ranks (torch.chunk's unequal parts);
 //   - shards have PyTorch's shapes; the MLP block sends one all-reduce forward and one backward,
 //     counted from DTRAIN_DEBUG=DETAIL's record of the group's collectives;
 //   - dp x tp on a 2-D mesh with DDP, or fully_shard, over dp equals one process on the whole batch;
@@ -31,6 +32,7 @@
 #include "dtrain/functional_collectives.h"
 #include "dtrain/tensor_parallel.h"
 #include "matchers.h"
+#include "tp_compare.h"
 #include "tp_models.h"
 
 using namespace dtrain;
@@ -39,70 +41,13 @@ using ::testing::StartsWith;
 
 namespace {
 
-constexpr double kTol = 1e-10;
+using tp_compare::kTol;
+using tp_compare::part_of;
+using tp_compare::rel_diff;
 
-// Relative to b's largest magnitude, at least 1e-6: a gradient that is zero but for rounding (the
-// keys' bias under softmax) is compared absolutely.
-double rel_diff(const at::Tensor& a, const at::Tensor& b) {
-  const double scale = std::max(b.abs().max().item<double>(), 1e-6);
-  return (a - b).abs().max().item<double>() / scale;
-}
-
-// This rank's part of `whole`, shaped like `local`: the whole where the shapes agree, else the
-// group-rank chunk along the one dimension that differs (torch.chunk's cut).
-at::Tensor part_of(const at::Tensor& whole, const at::Tensor& local, const Group& g) {
-  if (whole.sizes() == local.sizes()) return whole;
-  for (int64_t d = 0; d < whole.dim(); ++d)
-    if (whole.size(d) != local.size(d)) return whole.chunk(g.size(), d)[g.rank()];
-  ADD_FAILURE() << "shapes " << whole.sizes() << " and " << local.sizes();
-  return whole;
-}
-
-void copy_params(torch::nn::Module& dst, torch::nn::Module& src) {
-  at::NoGradGuard no_grad;
-  auto from = src.named_parameters();
-  for (auto& p : dst.named_parameters()) p.value().copy_(from[p.key()]);
-}
-
-// Every parameter (or its gradient) of the TP model against its part of the reference's.
-void expect_params_match(torch::nn::Module& tp, torch::nn::Module& ref, const Group& g, bool grads,
-                         const std::string& when) {
-  auto whole = ref.named_parameters();
-  for (const auto& p : tp.named_parameters()) {
-    const at::Tensor mine = grads ? p.value().grad() : p.value();
-    const at::Tensor theirs = grads ? whole[p.key()].grad() : whole[p.key()];
-    ASSERT_TRUE(mine.defined() && theirs.defined()) << p.key() << " " << when;
-    EXPECT_LT(rel_diff(mine, part_of(theirs, mine, g)), kTol) << p.key() << (grads ? " grad " : " ") << when;
-  }
-}
-
-// One model pair: `run(module, is_tp)` computes (output, loss). Checks outputs, input gradients
-// (`input` on both sides), parameter gradients, then parameters after 10 Adam steps.
-void expect_equivalent(torch::nn::Module& tp, torch::nn::Module& ref, const Group& g,
-                       const std::function<std::pair<at::Tensor, at::Tensor>(torch::nn::Module&, bool)>& run,
-                       const std::function<at::Tensor(bool)>& input_grad = nullptr) {
-  torch::optim::Adam opt(tp.parameters(), torch::optim::AdamOptions(1e-2));
-  torch::optim::Adam ref_opt(ref.parameters(), torch::optim::AdamOptions(1e-2));
-  for (int step = 0; step < 10; ++step) {
-    opt.zero_grad();
-    ref_opt.zero_grad();
-    auto [out, loss] = run(tp, true);
-    auto [ref_out, ref_loss] = run(ref, false);
-    loss.backward();
-    ref_loss.backward();
-    if (step == 0) {
-      EXPECT_LT(rel_diff(out, part_of(ref_out, out, g)), kTol) << "output";
-      EXPECT_LT(rel_diff(loss, ref_loss), kTol) << "loss";
-      if (input_grad) {
-        EXPECT_LT(rel_diff(input_grad(true), input_grad(false)), kTol) << "input grad";
-      }
-      expect_params_match(tp, ref, g, /*grads=*/true, "at step 0");
-    }
-    opt.step();
-    ref_opt.step();
-  }
-  expect_params_match(tp, ref, g, /*grads=*/false, "after 10 Adam steps");
-}
+using tp_compare::copy_params;
+using tp_compare::expect_equivalent;
+using tp_compare::expect_params_match;
 
 Group tp_group() { return init_device_mesh({world_size()}, {"tp"}).get_group(); }
 
@@ -149,14 +94,16 @@ TEST(FunctionalCollectives, GradcheckInFloat64) {
   EXPECT_THAT([&] { functional::all_reduce(x, ReduceOp::MAX); }, ThrowsDtrainError(HasSubstr("MAX has no gradient")));
 }
 
-TEST(TensorParallel, MLPBlockEqualsOneProcess) {
+// An MLP block of `hidden` features (w1 Colwise, w2 Rowwise, or `plan`) against one process.
+void expect_mlp_equals_one_process(int64_t hidden, int seed, const ParallelizePlan& plan = tp_models::mlp_plan()) {
   Group g = tp_group();
-  torch::manual_seed(1);
-  tp_models::MLP ref(8, 16), tp(8, 16);
+  torch::manual_seed(seed);
+  tp_models::MLP ref(8, hidden), tp(8, hidden);
   ref->to(at::kDouble);
   tp->to(at::kDouble);
   copy_params(*tp, *ref);
-  parallelize_module(*tp, g, tp_models::mlp_plan());
+  parallelize_module(*tp, g, plan);
+  EXPECT_EQ(tp->w1->weight.size(0), at::empty({hidden}).chunk(g.size())[g.rank()].size(0)) << "torch.chunk's part";
   at::Tensor x = at::randn({5, 8}, at::kDouble), target = at::randn({5, 8}, at::kDouble);
   at::Tensor x_tp = x.clone().requires_grad_(true), x_ref = x.clone().requires_grad_(true);
   expect_equivalent(
@@ -166,6 +113,20 @@ TEST(TensorParallel, MLPBlockEqualsOneProcess) {
         return std::make_pair(out, (out - target).pow(2).mean());
       },
       [&](bool is_tp) { return (is_tp ? x_tp : x_ref).grad(); });
+}
+
+TEST(TensorParallel, MLPBlockEqualsOneProcess) { expect_mlp_equals_one_process(16, 1); }
+
+// A hidden size that does not divide (PyTorch's uneven Shard): 11 on 2 ranks is 6 + 5, 21 on 4 is
+// 6 + 6 + 6 + 3 (torch.chunk's parts), Colwise rows then Rowwise columns of unequal parts.
+TEST(TensorParallel, UnevenMLPBlockEqualsOneProcess) { expect_mlp_equals_one_process(5 * world_size() + 1, 11); }
+
+// The same uneven hidden layer whole between the two (w1's output gathered: each part padded to
+// the widest for the all-gather, then trimmed; w2 takes its columns of it).
+TEST(TensorParallel, UnevenHiddenGatheredToReplicateEqualsOneProcess) {
+  expect_mlp_equals_one_process(
+      5 * world_size() + 1, 13,
+      {{"w1", ColwiseParallel().output_layouts(Replicate())}, {"w2", RowwiseParallel().input_layouts(Replicate())}});
 }
 
 TEST(TensorParallel, TransformerBlockEqualsOneProcess) {
@@ -189,10 +150,12 @@ TEST(TensorParallel, TransformerBlockEqualsOneProcess) {
       [&](bool is_tp) { return (is_tp ? x_tp : x_ref).grad(); });
 }
 
-TEST(TensorParallel, VocabParallelEmbeddingAndCrossEntropyEqualOneProcess) {
+// The language model over `classes` (its head Colwise, the loss on the sharded logits) against one
+// process; the vocabulary of 11 does not divide evenly.
+void expect_lm_equals_one_process(int64_t classes, int seed) {
   Group g = tp_group();
-  torch::manual_seed(3);
-  const int64_t vocab = 11, classes = 12;  // 11: the embedding's rows do not divide evenly
+  torch::manual_seed(seed);
+  const int64_t vocab = 11;
   tp_models::LM ref(vocab, 6, classes), tp(vocab, 6, classes);
   ref->to(at::kDouble);
   tp->to(at::kDouble);
@@ -200,13 +163,21 @@ TEST(TensorParallel, VocabParallelEmbeddingAndCrossEntropyEqualOneProcess) {
   parallelize_module(*tp, g, tp_models::lm_plan());
   at::Tensor tokens = at::randint(vocab, {4, 5}, at::kLong);
   at::Tensor target = at::randint(classes, {4, 5}, at::kLong);
-  target.index_put_({0, 0}, -100);  // ignored, as by torch's cross_entropy
+  target.index_put_({0, 0}, -100);         // ignored, as by torch's cross_entropy
+  target.index_put_({0, 1}, classes - 1);  // a class of the last rank, which may hold fewer
   expect_equivalent(*tp, *ref, g, [&](torch::nn::Module&, bool is_tp) {
     at::Tensor logits = is_tp ? tp(tokens) : ref(tokens);
     at::Tensor loss = is_tp ? parallel_cross_entropy(logits, target, g)
                             : torch::nn::functional::cross_entropy(logits.reshape({-1, classes}), target.reshape(-1));
     return std::make_pair(logits, loss);
   });
+}
+
+TEST(TensorParallel, VocabParallelEmbeddingAndCrossEntropyEqualOneProcess) { expect_lm_equals_one_process(12, 3); }
+
+// Classes that do not divide: 9 on 2 ranks is 5 + 4, 17 on 4 is 5 + 5 + 5 + 2 (torch.chunk's parts).
+TEST(TensorParallel, ParallelCrossEntropyOverUnevenClassesEqualsOneProcess) {
+  expect_lm_equals_one_process(4 * world_size() + 1, 12);
 }
 
 // Sequence parallelism's layouts: the MLP's input and output sharded by rows (dim 0), gathered
@@ -387,12 +358,6 @@ TEST(TensorParallel, BadPlansAreOneLine) {
         parallelize_module(*mlp, g, {{"w3", ColwiseParallel()}});
       },
       ThrowsDtrainError(HasSubstr("'w3' matches no submodule; the submodules are 'w1', 'w2'")));
-  tp_models::MLP odd(8, 5 * g.size() + 1);
-  EXPECT_THAT(
-      [&] {
-        parallelize_module(*odd, g, {{"w1", ColwiseParallel()}});
-      },
-      ThrowsDtrainError(HasSubstr("does not divide over the group's")));
   DeviceMesh mesh = init_device_mesh({1, world_size()}, {"dp", "tp"});
   EXPECT_THAT([&] { parallelize_module(*mlp, mesh, tp_models::mlp_plan()); },
               ThrowsDtrainError(HasSubstr("pass the tensor-parallel one, e.g. mesh[\"tp\"]")));

@@ -1,8 +1,9 @@
 """PyTorch's distributed checkpoint format both ways, against .venv's PyTorch 2.x (CPU, Gloo):
-dtrain::dcp on 3 ranks (DDP, DDP with a ZeroRedundancyOptimizer, fully_shard; Adam, float64) saves,
-and Python's dcp.load on 1 and on 2 ranks reads the very parameters dtrain had (bit for bit) and
-trains on to within 1e-10 of dtrain's own continued training; Python's dcp.save on 2 ranks loads into
-dtrain on 3 the same way. Bad folders (truncated, corrupt, missing metadata) fail in one line.
+dtrain::dcp on 3 ranks (DDP, DDP with a ZeroRedundancyOptimizer, fully_shard, tensor parallelism;
+Adam, float64) saves, and Python's dcp.load on 1 and on 2 ranks reads the very parameters dtrain had
+(bit for bit) and trains on to within 1e-10 of dtrain's own continued training; the tensor-parallel
+save loads back into dtrain's TP and unsharded (DDP) models alike; Python's dcp.save on 2 ranks loads
+into dtrain on 3 the same way. Bad folders (truncated, corrupt, missing metadata) fail in one line.
 
 Env: $DCP_INTEROP (the C++ program, dcp_interop.cpp), $VENV_PYTHON (set by tests/dist/CMakeLists.txt).
 """
@@ -77,13 +78,19 @@ class DcpAgainstPytorch(DistTestCase):
                 end = off + length
             self.assertEqual(os.path.getsize(os.path.join(folder, name)), end, f"{kind} {name}")
         self.assertEqual(len({(fqn, path, off) for fqn, path, off, _ in meta["items"]}), len(meta["items"]))
-        # fully_shard: each weight in the rows of its 3 ranks (13 rows: 5, 5, 3), as FSDP2's chunks.
-        expected = [[0, 0], [5, 0], [10, 0]] if kind == "fsdp" else [[0, 0]]
+        # fully_shard: each weight in the rows of its 3 ranks (13 rows: 5, 5, 3), as FSDP2's chunks;
+        # tensor parallelism: the Colwise weight likewise (DTensor's Shard(0)), the Rowwise one in
+        # columns (Shard(1)), its bias whole.
+        expected = [[0, 0], [5, 0], [10, 0]] if kind in ("fsdp", "tp") else [[0, 0]]
         self.assertEqual(sorted(meta["chunks"]["model.0.weight"]), expected, kind)
         self.assertEqual(sorted(meta["chunks"]["optim.state.0.weight.exp_avg"]), expected, kind)
+        if kind == "tp":
+            for key in ("model.2.weight", "optim.state.2.weight.exp_avg_sq"):
+                self.assertEqual(sorted(meta["chunks"][key]), [[0, 0], [0, 5], [0, 10]], key)
+            self.assertEqual(meta["chunks"]["model.2.bias"], [[0]], "replicated: one whole chunk")
 
     def test_dtrain_saves_and_python_loads_on_1_and_2_ranks(self):
-        kinds = ("ddp", "zero", "fsdp")
+        kinds = ("ddp", "zero", "fsdp", "tp")
         cxx = self.dtrain("save", kinds, self.tmp)
         folders = [os.path.join(self.tmp, kind) for kind in kinds]
         for kind, folder in zip(kinds, folders):
@@ -93,11 +100,16 @@ class DcpAgainstPytorch(DistTestCase):
             for kind, folder in zip(kinds, folders):
                 self.assertEqual(py[folder]["at_checkpoint"], cxx[kind]["at_checkpoint"], f"{kind}: loaded on {world}")
                 self.assert_close(py[folder]["after"], cxx[kind]["after"], f"{kind}: trained on after loading on {world}")
+        # dtrain reads its tensor-parallel save back, into the TP model and into the unsharded one.
+        back = self.dtrain("load", ("tp", "ddp"), os.path.join(self.tmp, "tp"))
+        for kind in ("tp", "ddp"):
+            self.assertEqual(back[kind]["at_checkpoint"], cxx["tp"]["at_checkpoint"], f"tp loaded into {kind}")
+            self.assert_close(back[kind]["after"], cxx["tp"]["after"], f"tp loaded into {kind}, trained on")
 
     def test_python_saves_on_2_ranks_and_dtrain_loads_on_3(self):
         folder = os.path.join(self.tmp, "from_python")
         py = self.python("save", [folder], 2)[folder]
-        cxx = self.dtrain("load", ("ddp", "zero", "fsdp"), folder)
+        cxx = self.dtrain("load", ("ddp", "zero", "fsdp", "tp"), folder)
         for kind, mine in cxx.items():
             self.assertEqual(mine["at_checkpoint"], py["at_checkpoint"], kind)
             self.assert_close(mine["after"], py["after"], f"{kind}: trained on after loading")
