@@ -9,6 +9,7 @@
 
 #include "ddp/buckets.h"
 #include "comm/param_claims.h"
+#include "comm/state.h"
 #include "ddp/model_sync.h"
 #include "ddp/reducer.h"
 #include "dtrain/ddp.h"
@@ -63,6 +64,12 @@ DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions options) 
   s.module = std::move(module);
   s.options = std::move(options);
   const Group& group = s.options.process_group();
+  // Python's DDP checks the parameters, broadcasts the states and fills its buckets with other calls
+  // than dtrain's: wrapping here would pair dtrain's calls with the wrong ones of Python's ranks.
+  DTRAIN_CHECK(!comm::world_state().pytorch_peers, "rank ", rank(),
+               ": DistributedDataParallel does not yet follow Python DDP's calls in a job with Python ranks "
+               "(DTRAIN_PYTORCH_PEERS): average the gradients after backward with all_reduce(AVG) on every "
+               "rank, Python's and dtrain's, instead of DDP");
   DTRAIN_CHECK(group.is_member(), "DistributedDataParallel: rank ", rank(),
                " is not a member of the given process_group: wrap the model only on the group's ranks");
   s.track_unused = s.options.find_unused_parameters() || s.options.static_graph();

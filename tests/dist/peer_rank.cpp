@@ -3,8 +3,12 @@
 // ring, two subgroups, and this rank's DistributedSampler indices, which the test compares with Python's. Prints
 // one line per check and "peer_rank: ALL OK" at the end; any mismatch exits 1.
 #include <cstdio>
+#include <cstring>
 #include <string>
 
+#include <torch/nn/modules/linear.h>
+
+#include "dtrain/ddp.h"
 #include "dtrain/process_group.h"
 #include "dtrain/sampler.h"
 
@@ -21,10 +25,14 @@ at::TensorOptions f64() { return at::TensorOptions().dtype(at::kDouble); }
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   try {
     dtrain::init_process_group(dtrain::InitOptions().pytorch_peers(true));
     const int r = dtrain::rank(), n = dtrain::world_size();
+    if (argc == 2 && std::strcmp(argv[1], "--ddp") == 0) {  // refused in this job: the error exits 1
+      dtrain::DistributedDataParallel ddp(torch::nn::Linear(4, 2));
+      return 0;
+    }
 
     at::Tensor t = at::full({5}, r + 1.0, f64());
     dtrain::all_reduce(t);

@@ -19,6 +19,16 @@ dist.init_process_group("gloo")
 r, n = dist.get_rank(), dist.get_world_size()
 f64 = dict(dtype=torch.float64)
 
+if sys.argv[1:] == ["--ddp"]:
+    # The dtrain ranks refuse DDP in this job: Python's DDP must fail, not wait for them.
+    try:
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    except Exception as e:  # noqa: BLE001: whichever error Gloo raises for a peer that left
+        print(f"peer_rank: DDP failed: {type(e).__name__}", flush=True)
+        sys.exit(3)
+    print("peer_rank: DDP was built", flush=True)
+    sys.exit(0)
+
 t = torch.full((5,), r + 1.0, **f64)
 dist.all_reduce(t)
 check(bool((t == n * (n + 1) / 2).all()), "all_reduce SUM")

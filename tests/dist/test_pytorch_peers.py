@@ -84,6 +84,21 @@ class PytorchPeers(DistTestCase):
         # comparison through a helper group before every collective; the dtrain rank must take part.
         self.run_layout(["py", "cxx", "py"], TORCH_DISTRIBUTED_DEBUG="DETAIL")
 
+    @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
+    def test_ddp_is_refused_on_the_dtrain_rank_and_python_gets_an_error(self):
+        cxx = peer_rank()
+        py = [needs(VENV_PYTHON, ".venv/bin/python"), os.path.join(HERE, "peer_rank.py"), "--ddp"]
+        port = free_port()
+        procs = [self.spawn(argv, rank_env(r, 2, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=2, PYTHONPATH=None))
+                 for r, argv in enumerate([py, [cxx, "--ddp"]])]
+        python, dtrain = [p.finish(60) for p in procs]
+        self.assertEqual(dtrain.rc, 1, str(dtrain))
+        self.assertIn("rank 1: DistributedDataParallel does not yet follow Python DDP's calls", dtrain.err)
+        self.assertEqual(len(dtrain.err.strip().splitlines()), 1, str(dtrain))
+        self.assertEqual(python.rc, 3, str(python))
+        self.assertIn("peer_rank: DDP failed", python.out, str(python))
+        self.assertLess(python.seconds, 30, f"the Python rank waited instead of failing:\n{python}")
+
     @unittest.skipUnless(0 < TORCH_MAJOR < 2, "a LibTorch 2.x build joins Python ranks (tested above)")
     def test_libtorch_1_refuses_with_the_remedy(self):
         cxx = peer_rank()
