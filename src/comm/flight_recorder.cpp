@@ -209,14 +209,20 @@ bool advance(FlightRing& ring, uint64_t id, FlightState to, c10::intrusive_ptr<c
   return true;
 }
 
-// Note [Unwaited calls]: marks completed the started entries whose backend says so; true if any.
-bool discover_completions() {
+// The groups' rings still alive, taken from the registry under its lock.
+std::vector<std::shared_ptr<FlightRing>> live_rings() {
   std::vector<std::shared_ptr<FlightRing>> rings;
   {
     std::lock_guard<std::mutex> g(rec().rings_mu);
     for (const auto& w : rec().rings)
       if (auto r = w.lock()) rings.push_back(std::move(r));
   }
+  return rings;
+}
+
+// Note [Unwaited calls]: marks completed the started entries whose backend says so; true if any.
+bool discover_completions() {
+  const auto rings = live_rings();
   bool any = false;
   for (const auto& ring : rings) {
     std::vector<uint64_t> done;
@@ -317,12 +323,7 @@ json entry_json(const FlightRing& ring, const FlightEntry& e, int pg_id, int me)
 // The whole dump: every live ring's entries (copied under its mutex), oldest first; null when no
 // group is alive (the program is exiting: its groups are gone, and an earlier dump says more).
 json build_dump(const std::string& reason) {
-  std::vector<std::shared_ptr<FlightRing>> rings;
-  {
-    std::lock_guard<std::mutex> g(rec().rings_mu);
-    for (const auto& w : rec().rings)
-      if (auto r = w.lock()) rings.push_back(std::move(r));
-  }
+  const auto rings = live_rings();
   if (rings.empty()) return nullptr;
   const int rank = rec().rank.load();
   json pg_config = json::object(), pg_status = json::object();
