@@ -11,6 +11,7 @@
 #include "comm/param_claims.h"
 #include "comm/state.h"
 #include "ddp/model_sync.h"
+#include "ddp/python_wire.h"
 #include "ddp/reducer.h"
 #include "dtrain/ddp.h"
 
@@ -40,6 +41,10 @@ struct DDPCore::Impl {
   std::vector<bool> static_unused;
   // From the Join this DDP is in (JoinOptions::divide_by_initial_world_size).
   bool join_divide_by_initial_world_size = true;
+  // Note [DDP with Python ranks]: this rank's calls are Python DDP's.
+  bool python_wire = false;
+  bool last_forward_synced = true;  // Python's require_forward_param_sync: the buffers go before the next
+  size_t first_cap = 0, cap = 0;    // bucket limits in bytes
 
   std::vector<bool> find_unused(const std::vector<at::Tensor>& outputs) const {
     std::unordered_set<torch::autograd::Node*> reached;
@@ -64,12 +69,7 @@ DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions options) 
   s.module = std::move(module);
   s.options = std::move(options);
   const Group& group = s.options.process_group();
-  // Python's DDP checks the parameters, broadcasts the states and fills its buckets with other calls
-  // than dtrain's: wrapping here would pair dtrain's calls with the wrong ones of Python's ranks.
-  DTRAIN_CHECK(!comm::world_state().pytorch_peers, "rank ", rank(),
-               ": DistributedDataParallel does not yet follow Python DDP's calls in a job with Python ranks "
-               "(DTRAIN_PYTORCH_PEERS): average the gradients after backward with all_reduce(AVG) on every "
-               "rank, Python's and dtrain's, instead of DDP");
+  s.python_wire = comm::world_state().pytorch_peers;
   DTRAIN_CHECK(group.is_member(), "DistributedDataParallel: rank ", rank(),
                " is not a member of the given process_group: wrap the model only on the group's ranks");
   s.track_unused = s.options.find_unused_parameters() || s.options.static_graph();
@@ -87,17 +87,27 @@ DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions options) 
                          "a model is either wrapped by DDP or fully_shard'ed, not both (fully_shard "
                          "already averages the gradients over its group)");
   s.claimed = true;
-  // Note [Group-agreed ids]: the keys through which the members explain a model mismatch.
-  verify_same_model(s.names, s.params, group,
-                    detail::cat("ddp/", group.name(), "/", group.next_object_index(), "/model/"));
-  std::vector<at::Tensor> state = s.params;
-  state.insert(state.end(), s.buffers.begin(), s.buffers.end());
-  broadcast_from_first_rank(state, group);
-
-  auto assignment = assign_buckets(s.params, static_cast<size_t>(s.options.first_bucket_cap_mb() * 1048576.0),
-                                   static_cast<size_t>(s.options.bucket_cap_mb() * 1048576.0));
+  s.first_cap = static_cast<size_t>(s.options.first_bucket_cap_mb() * 1048576.0);
+  s.cap = static_cast<size_t>(s.options.bucket_cap_mb() * 1048576.0);
+  std::vector<std::vector<int>> assignment;
+  if (s.python_wire) {
+    python_wire::verify_params(s.names, s.params, group);
+    std::vector<at::Tensor> state = s.module->parameters();
+    if (s.options.broadcast_buffers()) state.insert(state.end(), s.buffers.begin(), s.buffers.end());
+    python_wire::broadcast_coalesced(state, python_wire::kBroadcastBucketBytes, 0, group);
+    assignment = python_wire::initial_buckets(s.params, s.first_cap, s.cap, s.options.find_unused_parameters(),
+                                              s.options.static_graph());
+  } else {
+    // Note [Group-agreed ids]: the keys through which the members explain a model mismatch.
+    verify_same_model(s.names, s.params, group,
+                      detail::cat("ddp/", group.name(), "/", group.next_object_index(), "/model/"));
+    std::vector<at::Tensor> state = s.params;
+    state.insert(state.end(), s.buffers.begin(), s.buffers.end());
+    broadcast_from_first_rank(state, group);
+    assignment = assign_buckets(s.params, s.first_cap, s.cap);
+  }
   s.reducer = std::make_unique<Reducer>(s.params, s.names, assignment, group, s.options.gradient_as_bucket_view(),
-                                        s.track_unused);
+                                        s.track_unused, s.python_wire, s.options.static_graph());
   if (debug_info() && group.rank() == 0) {
     const auto& o = s.options;
     info(detail::cat("[dtrain DDP] ", s.params.size(), " parameters in ", assignment.size(), " buckets (first ",
@@ -119,9 +129,30 @@ DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions options) 
 
 DDPCore::~DDPCore() = default;
 
+namespace {
+
+// Python DDP's _pre_forward (Note [DDP with Python ranks], steps 5-6).
+void python_pre_forward(DDPCore::Impl& s) {
+  const Group& group = s.options.process_group();
+  if (at::GradMode::is_enabled()) {
+    const auto order = s.reducer->ready_order();
+    if (!order.empty()) {
+      s.reducer->set_buckets(python_wire::rebuilt_buckets(s.params, order, s.first_cap, s.cap, group));
+      s.reducer->stop_recording_order();
+    }
+  }
+  s.reducer->set_divisor(group.size());
+  if (!s.last_forward_synced || !s.options.broadcast_buffers()) return;
+  s.buffers = s.module->buffers();  // Python reads them anew: a module may have replaced one
+  if (!s.buffers.empty()) python_wire::broadcast_coalesced(s.buffers, python_wire::kBroadcastBucketBytes, 0, group);
+}
+
+}  // namespace
+
 void DDPCore::pre_forward(Joinable* self) {
   auto& s = *impl_;
   const Group& group = s.options.process_group();
+  if (s.python_wire) return python_pre_forward(s);
   const JoinIteration* it = self ? Join::notify_join_context(*self) : nullptr;
   if (!it) {
     s.reducer->set_divisor(group.size());
@@ -139,6 +170,11 @@ void DDPCore::pre_forward(Joinable* self) {
 
 void DDPCore::post_forward(const std::vector<at::Tensor>& outputs) {
   auto& s = *impl_;
+  s.last_forward_synced = s.sync && at::GradMode::is_enabled();
+  if (s.python_wire && s.options.static_graph() && s.last_forward_synced) {
+    s.reducer->prepare_for_backward({});  // Python's static_graph finds the unused set from the hooks
+    return;
+  }
   if (!s.sync || !at::GradMode::is_enabled()) {
     s.reducer->disarm();
     return;
@@ -173,7 +209,12 @@ std::vector<std::vector<int>> DDPCore::bucket_param_indices() const {
 
 std::vector<DDPEvent> DDPCore::last_backward_events() const { return impl_->reducer->events(); }
 void DDPCore::set_event_hook(DDPEventHook hook) { impl_->reducer->set_event_hook(std::move(hook)); }
-void DDPCore::register_comm_hook(CommHook hook) { impl_->reducer->set_comm_hook(std::move(hook)); }
+void DDPCore::register_comm_hook(CommHook hook) {
+  DTRAIN_CHECK(!impl_->python_wire, "rank ", rank(),
+               ": DistributedDataParallel::register_comm_hook is not available in a job with Python ranks "
+               "(DTRAIN_PYTORCH_PEERS): Python's hooks send other collectives; train without a communication hook");
+  impl_->reducer->set_comm_hook(std::move(hook));
+}
 
 // Note [DDP under Join]: per iteration an active rank's DDP issues, after Join's exchange of the
 // active set (its first collective, from pre_forward): (a) a SUM all-reduce of "I synchronize
@@ -214,6 +255,10 @@ class DDPJoinHook : public JoinHook {
 
 std::unique_ptr<JoinHook> DDPCore::join_hook(const JoinOptions& options, bool is_first_joinable) {
   if (!options.enable()) return std::make_unique<JoinHook>();
+  DTRAIN_CHECK(!impl_->python_wire, "rank ", rank(),
+               ": dtrain::Join around DistributedDataParallel is not available in a job with Python ranks "
+               "(DTRAIN_PYTORCH_PEERS): it does not follow Python's Join; give every rank the same number of "
+               "batches (DistributedSampler with drop_last)");
   DTRAIN_CHECK(is_first_joinable,
                "dtrain::Join: DistributedDataParallel must be the first joinable (its forward is the first "
                "collective of an iteration): list it first, e.g. Join({&ddp, &optimizer})");

@@ -25,15 +25,34 @@ at::Tensor slot(const at::Tensor& buffer, int64_t offset, const at::Tensor& para
 }  // namespace
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
-                 std::vector<std::vector<int>> assignment, Group group, bool gradient_as_bucket_view, bool track_unused)
+                 std::vector<std::vector<int>> assignment, Group group, bool gradient_as_bucket_view, bool track_unused,
+                 bool python_wire, bool static_graph)
     : params_(std::move(params)),
       names_(std::move(names)),
       group_(std::move(group)),
       group_size_(group_.size()),
       divisor_(0),
       as_view_(gradient_as_bucket_view),
-      track_unused_(track_unused) {
+      track_unused_(track_unused),
+      python_wire_(python_wire),
+      static_graph_(static_graph && python_wire) {
   const int n = static_cast<int>(params_.size());
+  set_buckets(std::move(assignment));
+  for (int i = 0; i < n; ++i) {
+    accumulators_.push_back(compat::grad_accumulator(params_[i]));
+    hook_keys_.push_back(compat::add_post_hook(accumulators_.back(), [this, i] { on_grad_ready(i); }));
+  }
+  if (python_wire_) {
+    local_used_ = at::zeros({n}, at::TensorOptions().dtype(at::kInt));
+    hook_counts_.assign(n, 0);
+    record_order_ = static_graph_ || !track_unused_;  // Python rebuilds only then
+  }
+  set_divisor(group_size_);
+}
+
+void Reducer::set_buckets(std::vector<std::vector<int>> assignment) {
+  const int n = static_cast<int>(params_.size());
+  buckets_.clear();
   bucket_of_.assign(n, -1);
   slot_of_.assign(n, -1);
   for (size_t b = 0; b < assignment.size(); ++b) {
@@ -51,17 +70,16 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       offset += p.numel();
       bucket_of_[i] = static_cast<int>(b);
       slot_of_[i] = static_cast<int>(k);
-      if (as_view_ && p.grad().defined()) bucket.views.back().copy_(p.grad());
-      if (as_view_) p.mutable_grad() = bucket.views.back();
+      if (as_view_ && p.grad().defined()) {
+        at::NoGradGuard ng;
+        bucket.views.back().copy_(p.grad());
+      }
+      // Python leaves an undefined gradient undefined (a parameter no rank uses keeps none).
+      if (as_view_ && (p.grad().defined() || !python_wire_)) p.mutable_grad() = bucket.views.back();
     }
     buckets_.push_back(std::move(bucket));
   }
-  for (int i = 0; i < n; ++i) {
-    DTRAIN_ASSERT(bucket_of_[i] >= 0, "parameter ", i, " is in no bucket");
-    accumulators_.push_back(compat::grad_accumulator(params_[i]));
-    hook_keys_.push_back(compat::add_post_hook(accumulators_.back(), [this, i] { on_grad_ready(i); }));
-  }
-  set_divisor(group_size_);
+  for (int i = 0; i < n; ++i) DTRAIN_ASSERT(bucket_of_[i] >= 0, "parameter ", i, " is in no bucket");
   reset_iteration();
 }
 
@@ -89,6 +107,7 @@ void Reducer::reset_iteration() {
 void Reducer::set_divisor(int divisor) {
   if (divisor == divisor_) return;
   divisor_ = divisor;
+  reciprocal_tensor_ = at::native::wrapped_scalar_tensor(at::Scalar(1.0 / divisor));
   // A wrapped number on the CPU, as div_(Scalar) makes it (also for CUDA buckets): the same type
   // promotion and the same bits as dividing by the integer.
   divisor_tensor_ = at::native::wrapped_scalar_tensor(at::Scalar(static_cast<int64_t>(divisor)));
@@ -114,6 +133,12 @@ void Reducer::prepare_for_backward(std::vector<bool> unused) {
   reset_iteration();
   unused_ = std::move(unused);
   unused_.resize(params_.size(), false);
+  if (python_wire_) {
+    ++iterations_;
+    order_.clear();
+    hooks_left_ = hook_counts_;
+    for (int i : static_unused_) unused_[i] = true;  // static_graph after its first backward
+  }
   rehook_replaced_parameters();
   armed_ = true;
 }
@@ -135,25 +160,34 @@ void Reducer::rehook_replaced_parameters() {
 
 void Reducer::on_grad_ready(int index) {
   std::lock_guard<std::mutex> g(mu_);
+  if (python_wire_ && python_before_hook(index)) return;
   if (!armed_) return;  // no_sync, or a backward that DDP's forward did not set up
-  if (!started_) {
-    // Step 2: the first gradient of this backward.
-    started_ = true;
-    ever_started_ = true;
-    events_.clear();
-    compat::queue_end_of_backward_callback([this] { finalize(); });
-    for (size_t i = 0; i < unused_.size(); ++i)
-      if (unused_[i]) {
-        at::NoGradGuard ng;
-        buckets_[bucket_of_[i]].views[slot_of_[i]].zero_();
-        mark_ready(static_cast<int>(i));
-      }
-  }
+  if (!started_) begin_backward();
+  if (python_wire_ && !python_counted_down(index)) return;
   if (ready_[index]) return;  // e.g. a parameter used twice still has one accumulator call per pass
+  if (record_order_) order_.push_back(index);
   // Step 3.
   record(DDPEvent::Kind::kGradReady, index);
   if (!defers_last_bucket() || bucket_of_[index] + 1 != static_cast<int>(buckets_.size())) fill_slot(index);
   mark_ready(index);
+}
+
+// Step 2: the first gradient of this backward.
+void Reducer::begin_backward() {
+  started_ = true;
+  ever_started_ = true;
+  events_.clear();
+  compat::queue_end_of_backward_callback([this] { finalize(); });
+  for (size_t i = 0; i < unused_.size(); ++i)
+    if (unused_[i]) {
+      at::NoGradGuard ng;
+      // Python's reducer reduces a gradient left from no_sync backwards too; dtrain's zeros.
+      if (python_wire_)
+        fill_slot(static_cast<int>(i));
+      else
+        buckets_[bucket_of_[i]].views[slot_of_[i]].zero_();
+      mark_ready(static_cast<int>(i));
+    }
 }
 
 void Reducer::fill_slot(int index) {
@@ -168,6 +202,8 @@ void Reducer::fill_slot(int index) {
     view.zero_();
   } else if (as_view_ && grad.data_ptr() == view.data_ptr()) {
     if (divide) view.div_(divisor_tensor_);
+  } else if (divide && python_wire_) {
+    at::mul_out(view, grad, reciprocal_tensor_);  // Python's reducer multiplies by 1/size
   } else if (divide) {
     at::div_out(view, grad, divisor_tensor_);
   } else {
@@ -183,7 +219,7 @@ void Reducer::fill_slot(int index) {
 // over memory that a small model's DDP step adds. Not with a communication hook (it gets the bucket),
 // gradient_as_bucket_view (the gradients are the slots already) or unused-parameter tracking (unused
 // parameters' slots are zeros, and their gradients must stay untouched).
-bool Reducer::defers_last_bucket() const { return !comm_hook_ && !as_view_ && !track_unused_; }
+bool Reducer::defers_last_bucket() const { return !comm_hook_ && !as_view_ && !track_unused_ && !python_wire_; }
 
 // Whether the last bucket's gradients can be averaged in place: every one defined, plain (no
 // graph of its own, as with create_graph) and of the bucket's dtype and device.
@@ -310,6 +346,9 @@ void Reducer::abandon_iteration() {
 void Reducer::finalize() {
   std::lock_guard<std::mutex> g(mu_);
   if (!started_) return;  // the iteration failed in a hook and was abandoned there
+  if (python_wire_ && static_graph_ && iterations_ == 1) python_launch_delayed();
+  if (record_order_ && static_graph_ && iterations_ > 1)
+    order_.insert(order_.end(), static_unused_.begin(), static_unused_.end());
   record(DDPEvent::Kind::kBackwardEnd, -1, waiting_since_ns_);
   // Step 4.
   if (next_to_launch_ < buckets_.size()) {
@@ -327,7 +366,9 @@ void Reducer::finalize() {
                     "and make sure every output that depends on them takes part in the loss"));
   }
   std::vector<int64_t> used_anywhere;
-  if (track_unused_) {
+  if (python_wire_) {
+    used_anywhere = python_used_anywhere();
+  } else if (track_unused_) {
     // 1 where this rank used the parameter; MAX over ranks tells which were used anywhere.
     std::vector<int64_t> used(params_.size());
     for (size_t i = 0; i < params_.size(); ++i) used[i] = unused_[i] ? 0 : 1;

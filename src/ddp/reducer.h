@@ -51,9 +51,10 @@ struct Bucket {
 
 class Reducer {
  public:
+  // python_wire: Note [DDP with Python ranks] (src/ddp/python_wire.h); static_graph matters only there.
   Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
-          std::vector<std::vector<int>> bucket_assignment, Group group, bool gradient_as_bucket_view,
-          bool track_unused);
+          std::vector<std::vector<int>> bucket_assignment, Group group, bool gradient_as_bucket_view, bool track_unused,
+          bool python_wire = false, bool static_graph = false);
   ~Reducer();
 
   // Step 1. unused: per parameter, true when this forward will give it no gradient.
@@ -69,6 +70,14 @@ class Reducer {
   // rank's gradients, the unused-parameter exchange, then the results become .grad() as in step 4,
   // so this rank ends with the active ranks' averaged gradients.
   void shadow_backward();
+
+  // The order in which the last synchronized backward made the gradients ready, parameters it did not
+  // use last (Python's rebuilt_params); empty until one backward recorded every parameter.
+  std::vector<int> ready_order() const;
+  // Stops recording the order (the buckets were rebuilt: Python rebuilds once).
+  void stop_recording_order() { record_order_ = false; }
+  // New buckets (between iterations): gradients that are bucket views move into their new slots.
+  void set_buckets(std::vector<std::vector<int>> assignment);
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
   std::vector<DDPEvent> events() const;
@@ -89,6 +98,12 @@ class Reducer {
   void reset_iteration();
   void abandon_iteration();  // waits for what was launched (ignoring failures), then resets
   void record(DDPEvent::Kind kind, int index, int64_t time_ns = 0);  // 0: now
+  // Python's wire (src/ddp/reducer_python.cpp).
+  bool python_before_hook(int index);   // true: this hook does nothing more
+  bool python_counted_down(int index);  // static_graph: this is the parameter's last hook of the backward
+  void python_launch_delayed();         // static_graph's first backward, at its end
+  std::vector<int64_t> python_used_anywhere();
+  void begin_backward();  // step 2
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
@@ -100,11 +115,25 @@ class Reducer {
   Group group_;
   int group_size_;
   int divisor_;
-  at::Tensor divisor_tensor_;  // divisor_ as a wrapped number: each slot is divided as it is filled
+  at::Tensor divisor_tensor_;     // divisor_ as a wrapped number: each slot is divided as it is filled
+  at::Tensor reciprocal_tensor_;  // 1.0 / divisor_ (double), as Python's reducer multiplies
   bool as_view_;
   bool track_unused_;
   CommHook comm_hook_;
   bool ever_started_ = false;  // a synchronized backward has begun (no hook may be registered after)
+
+  // Python's wire only.
+  bool python_wire_;
+  bool static_graph_;
+  int iterations_ = 0;     // synchronized forwards (Python's num_iterations_)
+  at::Tensor local_used_;  // int32: a gradient was produced since the last synchronized backward
+  Work used_work_;         // static_graph's first backward: the used map's all-reduce
+  bool used_in_flight_ = false;
+  std::vector<int> hook_counts_;  // static_graph: hooks per parameter in the first backward
+  std::vector<int> hooks_left_;   // ... left in this one
+  std::vector<int> static_unused_;
+  bool record_order_ = false;
+  std::vector<int> order_;
 
   // Per-iteration state (the autograd engine runs CPU hooks on the thread that called backward;
   // a mutex keeps it safe for device threads too).

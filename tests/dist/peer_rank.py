@@ -20,13 +20,17 @@ r, n = dist.get_rank(), dist.get_world_size()
 f64 = dict(dtype=torch.float64)
 
 if sys.argv[1:] == ["--ddp"]:
-    # The dtrain ranks refuse DDP in this job: Python's DDP must fail, not wait for them.
+    # The dtrain rank builds its DDP with this one, then refuses a communication hook and leaves:
+    # Python's DDP must fail in its first backward, not wait for it.
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    print("peer_rank: DDP was built", flush=True)
     try:
-        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        for _ in range(3):
+            ddp(torch.ones(2, 4)).sum().backward()
     except Exception as e:  # noqa: BLE001: whichever error Gloo raises for a peer that left
         print(f"peer_rank: DDP failed: {type(e).__name__}", flush=True)
         sys.exit(3)
-    print("peer_rank: DDP was built", flush=True)
+    print("peer_rank: DDP trained alone", flush=True)
     sys.exit(0)
 
 t = torch.full((5,), r + 1.0, **f64)

@@ -85,7 +85,7 @@ class PytorchPeers(DistTestCase):
         self.run_layout(["py", "cxx", "py"], TORCH_DISTRIBUTED_DEBUG="DETAIL")
 
     @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
-    def test_ddp_is_refused_on_the_dtrain_rank_and_python_gets_an_error(self):
+    def test_a_comm_hook_is_refused_on_the_dtrain_rank_and_python_gets_an_error(self):
         cxx = peer_rank()
         py = [needs(VENV_PYTHON, ".venv/bin/python"), os.path.join(HERE, "peer_rank.py"), "--ddp"]
         port = free_port()
@@ -93,9 +93,11 @@ class PytorchPeers(DistTestCase):
                  for r, argv in enumerate([py, [cxx, "--ddp"]])]
         python, dtrain = [p.finish(60) for p in procs]
         self.assertEqual(dtrain.rc, 1, str(dtrain))
-        self.assertIn("rank 1: DistributedDataParallel does not yet follow Python DDP's calls", dtrain.err)
+        self.assertIn("rank 1: DistributedDataParallel::register_comm_hook is not available in a job with Python ranks",
+                      dtrain.err)
         self.assertEqual(len(dtrain.err.strip().splitlines()), 1, str(dtrain))
         self.assertEqual(python.rc, 3, str(python))
+        self.assertIn("peer_rank: DDP was built", python.out, str(python))
         self.assertIn("peer_rank: DDP failed", python.out, str(python))
         self.assertLess(python.seconds, 30, f"the Python rank waited instead of failing:\n{python}")
 

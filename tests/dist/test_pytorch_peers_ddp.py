@@ -1,0 +1,179 @@
+"""Python and C++ ranks training one model with DistributedDataParallel (InitOptions().pytorch_peers).
+
+The Python ranks run tests/dist/ddp_peer_train.py (PyTorch 2.x from .venv: torch.nn.parallel's DDP,
+torch.optim.Adam), the C++ ranks the dtrain program ddp_peer_train (dtrain::DistributedDataParallel
+and an Adam that repeats PyTorch's op for op), in one process group of 3 ranks. Both run the same
+float64 steps, so a mixed job must compute what an all-Python job computes:
+- every rank exits 0 and ran the language its position asked for;
+- after every step, the parameters are the same bits on every rank of the job (each rank writes its
+  parameters and BatchNorm buffers after every step: ddp_peer_train.py describes the file);
+- every value, buffers included, equals the same rank's value in the all-Python job of that mode
+  (the reference, run once per mode): bit for bit, although 1e-12 would do. The buffers are
+  compared per rank, not across ranks:
+  after a forward each rank's running statistics hold its own batch until DDP broadcasts rank 0's
+  before the next forward.
+Modes: `unused` (find_unused_parameters; steps where every rank, one rank or none uses a branch,
+no_sync steps among them) with a Python and a C++ rank 0, 2 Python + 1 dtrain and 1 Python + 2 dtrain;
+`default` (the bucket rebuild after the first step), `bucketview` (gradient_as_bucket_view) and
+`static` (static_graph, a branch never used), `small` and `smallunused` (bucket_cap_mb=0.001:
+several buckets, rebuilt or not), one layout each; and `unused` with
+TORCH_DISTRIBUTED_DEBUG=DETAIL on every rank (the dtrain rank takes part in the checks that Python's
+ProcessGroupWrapper adds before every collective; ddp_peer_train.py leaves out the log of DDP's
+construction there, which segfaults in PyTorch 2.15 on a Gloo group DETAIL wrapped, with no dtrain
+rank in the job). Both languages read the group timeout from $DTRAIN_TIMEOUT_S, so ranks that
+disagree on a call fail within seconds instead of waiting for the job's deadline.
+
+Env: $DDP_PEER_TRAIN (the C++ program), $VENV_PYTHON, $DTRAIN_TORCH_MAJOR (set by tests/dist/CMakeLists.txt).
+"""
+import os
+import shutil
+import struct
+import tempfile
+import unittest
+
+from harness import DistTestCase, binary, free_port, rank_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TORCH_MAJOR = int(os.environ.get("DTRAIN_TORCH_MAJOR", "0"))
+VENV_PYTHON = os.environ.get("VENV_PYTHON", "")
+STEPS = 50
+# Values a rank writes after each step: fc1 (8*16 + 16), bn (16 + 16), fc2 and branch (16*4 + 4 each)
+# parameters, then bn's running_mean and running_var (16 + 16).
+PARAMS = 8 * 16 + 16 + 16 + 16 + 2 * (16 * 4 + 4)
+VALUES = PARAMS + 16 + 16
+# Within 1e-12 would do for a user; the jobs give the same bits, and the test holds them to that.
+TOLERANCE = 0.0
+# A job takes seconds. Ranks that disagree on a call wait in it: the group timeout (both languages
+# read $DTRAIN_TIMEOUT_S) makes every rank fail with its error well before the job's deadline, so
+# that 8 hanging mixed jobs stay within ctest's 600 s (whose kill would swallow every message).
+COLLECTIVE_TIMEOUT_S = 30
+JOB_TIMEOUT_S = 120
+LANGUAGE = {"py": "Python", "cxx": "C++"}
+
+
+def needs(path, what):
+    if not path or not os.access(path, os.X_OK):
+        raise unittest.SkipTest(f"{what} is missing ({path!r}): run scripts/setup.sh and build the tree")
+    return path
+
+
+def ddp_peer_train():
+    """The C++ side: a missing $DDP_PEER_TRAIN (set by CMake) fails the test, as every built program does."""
+    return needs(binary("DDP_PEER_TRAIN", "ddp_peer_train"), "ddp_peer_train")
+
+
+def read_steps(path):
+    """The file of one rank: a list of steps, each a list of VALUES floats (and its raw bytes per step)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    size = VALUES * 8
+    if len(data) != STEPS * size:
+        raise AssertionError(f"{path}: {len(data)} bytes, expected {STEPS} steps of {VALUES} float64")
+    raw = [data[s * size:(s + 1) * size] for s in range(STEPS)]
+    return [list(struct.unpack(f"<{VALUES}d", r)) for r in raw], raw
+
+
+@unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
+class PytorchPeersDDP(DistTestCase):
+    # The all-Python jobs, one per mode, run by the first test that needs them: {mode: [rank files]}.
+    references = {}
+
+    def run_job(self, kinds, mode, **env):
+        """Runs one job (a fresh folder); checks every rank's exit and language; returns its files."""
+        cxx = ddp_peer_train() if "cxx" in kinds else None
+        py = [needs(VENV_PYTHON, ".venv/bin/python"), os.path.join(HERE, "ddp_peer_train.py")]
+        out = tempfile.mkdtemp(prefix=f"ddp_peer_{mode}_")
+        self.addCleanup(shutil.rmtree, out, ignore_errors=True)
+        args = ["--mode", mode, "--steps", str(STEPS), "--out", out]
+        port, world = free_port(), len(kinds)
+        procs = [self.spawn((py if k == "py" else [cxx]) + args,
+                            rank_env(r, world, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=world, PYTHONPATH=None,
+                                     DTRAIN_TIMEOUT_S=COLLECTIVE_TIMEOUT_S, **env))
+                 for r, k in enumerate(kinds)]
+        results = [p.finish(JOB_TIMEOUT_S) for p in procs]
+        everything = "\n".join(f"=== rank {r} ({k})\n{res}" for r, (k, res) in enumerate(zip(kinds, results)))
+        for r, (kind, res) in enumerate(zip(kinds, results)):
+            self.assertEqual(res.rc, 0, f"rank {r} ({kind}) of {kinds}, mode {mode}, failed:\n{everything}")
+            self.assertIn("ddp_peer_train: ALL OK", res.out, f"rank {r} ({kind}):\n{everything}")
+            self.assertEqual([l for l in res.out.splitlines() if l.startswith("ddp_peer_train: language ")],
+                             [f"ddp_peer_train: language {LANGUAGE[kind]}"],
+                             f"rank {r} is not the {kind} side:\n{everything}")
+        return [read_steps(os.path.join(out, f"rank{r}.bin")) for r in range(world)], everything
+
+    def reference(self, mode):
+        if mode not in PytorchPeersDDP.references:
+            files, _ = self.run_job(["py", "py", "py"], mode)
+            PytorchPeersDDP.references[mode] = files
+        return PytorchPeersDDP.references[mode]
+
+    def check_layout(self, kinds, mode, **env):
+        ref = self.reference(mode)
+        files, everything = self.run_job(kinds, mode, **env)
+        what = f"{kinds}, mode {mode}" + "".join(f", {k}={v}" for k, v in env.items())
+        # Parameters: the same bits on every rank after every step (the first step that differs is named).
+        for r in range(1, len(kinds)):
+            for step in range(STEPS):
+                if files[r][1][step][:PARAMS * 8] != files[0][1][step][:PARAMS * 8]:
+                    diff = max(abs(a - b) for a, b in zip(files[r][0][step][:PARAMS], files[0][0][step][:PARAMS]))
+                    self.fail(f"{what}: after step {step} rank {r} ({kinds[r]}) holds other parameters than "
+                              f"rank 0 ({kinds[0]}), by up to {diff:.3g}\n{everything}")
+        # Every value against the all-Python job's same rank.
+        for r in range(len(kinds)):
+            for step in range(STEPS):
+                got, want = files[r][0][step], ref[r][0][step]
+                worst = max(range(VALUES), key=lambda i: abs(got[i] - want[i]))
+                if not abs(got[worst] - want[worst]) <= TOLERANCE:
+                    where = "parameter" if worst < PARAMS else "buffer"
+                    self.fail(f"{what}: after step {step} rank {r} ({kinds[r]}) differs from the all-Python job: "
+                              f"{where} value {worst} is {got[worst]!r}, Python's {want[worst]!r}\n{everything}")
+
+    # --- find_unused_parameters: the main mode ---------------------------------------------------
+    def test_unused_all_python_reference_is_deterministic(self):
+        # The reference itself: a second all-Python job gives the same bytes, and every rank holds
+        # the same parameters (else the comparisons below could not be exact).
+        ref = self.reference("unused")
+        files, everything = self.run_job(["py", "py", "py"], "unused")
+        for r in range(3):
+            self.assertEqual(files[r][1], ref[r][1], f"rank {r}: two all-Python jobs differ\n{everything}")
+            for step in range(STEPS):
+                self.assertEqual(files[r][1][step][:PARAMS * 8], files[0][1][step][:PARAMS * 8],
+                                 f"rank {r} step {step}: parameters differ across Python ranks")
+
+    def test_unused_two_python_one_cxx_python_rank_0(self):
+        self.check_layout(["py", "cxx", "py"], "unused")
+
+    def test_unused_two_python_one_cxx_cxx_rank_0(self):
+        self.check_layout(["cxx", "py", "py"], "unused")
+
+    def test_unused_one_python_two_cxx_python_rank_0(self):
+        self.check_layout(["py", "cxx", "cxx"], "unused")
+
+    def test_unused_one_python_two_cxx_cxx_rank_0(self):
+        self.check_layout(["cxx", "py", "cxx"], "unused")
+
+    def test_unused_with_torch_distributed_debug_detail(self):
+        # Python wraps the group in c10d's ProcessGroupWrapper (a fingerprint check before every
+        # collective) and DDP logs more; the dtrain rank must take part in every one.
+        self.check_layout(["py", "cxx", "py"], "unused", TORCH_DISTRIBUTED_DEBUG="DETAIL")
+
+    # --- the other options ------------------------------------------------------------------------
+    def test_default_buckets_rebuilt_after_the_first_step(self):
+        self.check_layout(["cxx", "py", "py"], "default")
+
+    def test_gradient_as_bucket_view(self):
+        self.check_layout(["py", "cxx", "py"], "bucketview")
+
+    def test_static_graph(self):
+        self.check_layout(["py", "cxx", "cxx"], "static")
+
+    def test_several_buckets_rebuilt(self):
+        # bucket_cap_mb=0.001: the buckets rebuilt after the first step are several, in rank 0's order.
+        self.check_layout(["cxx", "py", "cxx"], "small")
+
+    def test_several_buckets_with_unused_parameters(self):
+        # The initial assignment (1048-byte buckets, reversed) is the one used every step.
+        self.check_layout(["py", "cxx", "py"], "smallunused")
+
+
+if __name__ == "__main__":
+    unittest.main()
