@@ -20,7 +20,7 @@
 // - Every rank runs forward and backward the same number of times (uneven inputs: dtrain/join.h).
 // - In a job with Python ranks (InitOptions::pytorch_peers) every call is Python DDP's, so Python's
 //   DistributedDataParallel ranks and these train one model (Note [DDP with Python ranks]);
-//   register_comm_hook and Join are refused there.
+//   register_comm_hook is refused there, and a Join follows Python's.
 // The protocol: docs/design.md, "Data flow of a DDP step", and src/ddp/reducer.h.
 #pragma once
 

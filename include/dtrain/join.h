@@ -33,6 +33,15 @@
 // The active set tells every rank the same thing without extra collectives: who is left (DDP divides
 // by it with divide_by_initial_world_size(false)) and which rank is authoritative (the lowest active).
 //
+// In a job with Python ranks (InitOptions::pytorch_peers) Join follows Python's Join instead, so
+// that Python's and dtrain's ranks join together: step 1 is an all-reduce of 1 (plus one of
+// 0 to learn of an early termination, with throw_on_early_termination), step 2 an all-reduce of 0
+// whose sum is the number of active ranks, followed by a 1 and an error with
+// throw_on_early_termination; every rank learns only the count, and joinables agree on ranks with
+// collectives of their own (DDP: Python's). These tensors have the default dtype, as Python's
+// torch.ones(1) (float32, unless both sides set another: at::set_default_dtype). A joinable's own
+// round (step 1b) is refused there.
+//
 // Note [Authoritative rank under Join]: DDP takes buffers (each iteration) and the final model (at
 // the end) from one active rank. PyTorch picks the highest; dtrain the lowest, so that while rank 0
 // is active it is rank 0, as without Join: even inputs under Join then give the same model, buffers
@@ -69,7 +78,10 @@ struct JoinIteration {
   // Which call started this exchange: 0, the first joinable's (an iteration); k > 0, joinable #k's
   // own round (step 1b) inside iteration `index`.
   int joinable = 0;
-  int active_count() const { return static_cast<int>(active.size()); }
+  // In a job with Python ranks only the count of active ranks is exchanged (Python's protocol):
+  // `active` is then empty and this holds the count.
+  int python_active_count = -1;
+  int active_count() const { return python_active_count >= 0 ? python_active_count : static_cast<int>(active.size()); }
   // The global rank whose state counts in this iteration: the lowest active rank; the group's first
   // rank when nobody was active (Note [Authoritative rank under Join]).
   int authoritative_rank(const Group& group) const;

@@ -7,6 +7,10 @@
 #include <mutex>
 #include <sstream>
 
+#include <ATen/ATen.h>
+
+#include "comm/state.h"
+
 namespace dtrain {
 
 namespace detail {
@@ -104,6 +108,30 @@ JoinIteration exchange(detail::JoinContext& ctx, bool active, int position) {
                           "false to let the ranks that ran out shadow the others"));
 }
 
+// Python's Join (include/dtrain/join.h): one all-reduce of `value` in the default dtype (Python's
+// torch.ones(1) and torch.zeros(1): float32 unless the program set another default), its sum.
+double python_all_reduce(const detail::JoinContext& ctx, double value) {
+  at::Tensor t = at::full({1}, value, at::TensorOptions().dtype(at::get_default_dtype()));
+  try {
+    all_reduce(t, ReduceOp::SUM, ctx.group);
+  } catch (const std::exception& e) {
+    throw Error(detail::cat("rank ", rank(), ": dtrain::Join: the exchange of active ranks at iteration ",
+                            ctx.iterations, " failed: ", e.what()));
+  }
+  return t.item<double>();
+}
+
+JoinIteration python_iteration(detail::JoinContext& ctx, double active) {
+  JoinIteration it;
+  it.index = ctx.iterations++;
+  it.python_active_count = static_cast<int>(active);
+  ctx.current = it;
+  if (it.python_active_count > 0) ctx.last = it;
+  return it;
+}
+
+bool python_peers() { return comm::world_state().pytorch_peers; }
+
 }  // namespace
 
 int JoinIteration::authoritative_rank(const Group& group) const {
@@ -191,6 +219,22 @@ void Join::shadow_until_all_joined() {
     open_joins.erase(std::remove(open_joins.begin(), open_joins.end(), context_.get()), open_joins.end());
   }
   bool is_last_joiner = true;
+  if (python_peers()) {
+    for (;;) {  // Python's loop: the count of active ranks, then every main hook
+      const double active = python_all_reduce(ctx, 0.0);
+      if (active == 0) break;
+      if (options_.throw_on_early_termination()) {
+        python_all_reduce(ctx, 1.0);  // tells the active ranks to stop too
+        throw Error(detail::cat("rank ", rank(), ": dtrain::Join: this rank ran out of inputs first, at iteration ",
+                                ctx.iterations, ", and throw_on_early_termination is set, so every rank stops here"));
+      }
+      is_last_joiner = false;
+      const JoinIteration it = python_iteration(ctx, active);
+      for (auto& h : hooks_) h->main_hook(it);
+    }
+    for (auto& h : hooks_) h->post_hook(is_last_joiner, ctx.last);
+    return;
+  }
   for (int64_t shadowed = 0;;) {
     // Step 2.
     const JoinIteration it = exchange(ctx, /*active=*/false, /*position=*/0);
@@ -224,12 +268,26 @@ void Join::leave() {
 
 const JoinIteration* Join::notify_join_context(Joinable& joinable) {
   if (joinable.join_position() != 0) return nullptr;
-  return notify_own_round(joinable);
+  detail::JoinContext* ctx = joinable.context_.get();
+  if (!python_peers() || ctx->joined) return notify_own_round(joinable);
+  // Python's step 1: a 1 from every active rank, then (throw_on_early_termination) a 0 that a
+  // joined rank's 1 turns into the signal to stop.
+  const double active = python_all_reduce(*ctx, 1.0);
+  if (ctx->options.throw_on_early_termination() && python_all_reduce(*ctx, 0.0) != 0)
+    throw Error(detail::cat("rank ", rank(), ": dtrain::Join: a rank ran out of inputs at iteration ", ctx->iterations,
+                            " and throw_on_early_termination is set, so every rank stops here: give every rank the "
+                            "same number of batches, or leave throw_on_early_termination false"));
+  python_iteration(*ctx, active);
+  return &ctx->current;
 }
 
 const JoinIteration* Join::notify_own_round(Joinable& joinable) {
   detail::JoinContext* ctx = joinable.context_.get();
   if (joinable.join_position() < 0 || ctx->joined) return nullptr;
+  DTRAIN_CHECK(!python_peers() || joinable.join_position() == 0, "rank ", rank(), ": dtrain::Join: joinable #",
+               joinable.join_position(),
+               " starts rounds of its own, which Python's Join has no call for: in a job with Python ranks list "
+               "only DistributedDataParallel in the Join");
   // Step 1 (the first joinable) or 1b.
   exchange(*ctx, /*active=*/true, joinable.position_);
   const JoinIteration& it = ctx->current;

@@ -131,20 +131,44 @@ DDPCore::~DDPCore() = default;
 
 namespace {
 
-// Python DDP's _pre_forward (Note [DDP with Python ranks], steps 5-6).
-void python_pre_forward(DDPCore::Impl& s) {
+// Python DDP's _find_common_rank: the highest group rank that offers itself (-1: not this one).
+int python_common_rank(const Group& group, bool offer) {
+  const int64_t r = all_reduce_values(std::vector<int64_t>{offer ? group.rank() : -1}, ReduceOp::MAX, group)[0];
+  DTRAIN_CHECK(r >= 0, "rank ", rank(), ": DistributedDataParallel under Join: no rank of the group offered its model");
+  return static_cast<int>(r);
+}
+
+// Python DDP's rebuild at the start of an iteration (step 5), an active or a joined rank's.
+void python_maybe_rebuild(DDPCore::Impl& s) {
+  const auto order = s.reducer->ready_order();
+  if (order.empty()) return;
+  s.reducer->set_buckets(python_wire::rebuilt_buckets(s.params, order, s.first_cap, s.cap, s.options.process_group()));
+  s.reducer->stop_recording_order();
+}
+
+// Python's buffer broadcast (step 6): from rank 0, or under Join from the rank python_common_rank
+// picks (the highest active one).
+void python_sync_buffers(DDPCore::Impl& s, bool under_join, bool active) {
   const Group& group = s.options.process_group();
-  if (at::GradMode::is_enabled()) {
-    const auto order = s.reducer->ready_order();
-    if (!order.empty()) {
-      s.reducer->set_buckets(python_wire::rebuilt_buckets(s.params, order, s.first_cap, s.cap, group));
-      s.reducer->stop_recording_order();
-    }
-  }
-  s.reducer->set_divisor(group.size());
   if (!s.last_forward_synced || !s.options.broadcast_buffers()) return;
   s.buffers = s.module->buffers();  // Python reads them anew: a module may have replaced one
-  if (!s.buffers.empty()) python_wire::broadcast_coalesced(s.buffers, python_wire::kBroadcastBucketBytes, 0, group);
+  if (s.buffers.empty()) return;
+  const int src = under_join ? python_common_rank(group, active) : 0;
+  python_wire::broadcast_coalesced(s.buffers, python_wire::kBroadcastBucketBytes, src, group);
+}
+
+// Python DDP's _pre_forward (Note [DDP with Python ranks], steps 5-6); under Join (after its
+// notification) the buffers' root is agreed on, and whether this iteration synchronizes is told to
+// the joined ranks (an all-reduce in the default dtype, as Python's torch.ones(1)).
+void python_pre_forward(DDPCore::Impl& s, const JoinIteration* it) {
+  const Group& group = s.options.process_group();
+  if (at::GradMode::is_enabled()) python_maybe_rebuild(s);
+  python_sync_buffers(s, it != nullptr, /*active=*/true);
+  if (it) {
+    at::Tensor will_sync = at::full({1}, s.sync ? 1.0 : 0.0, at::TensorOptions().dtype(at::get_default_dtype()));
+    all_reduce(will_sync, ReduceOp::SUM, group);
+  }
+  s.reducer->set_divisor(it && !s.join_divide_by_initial_world_size ? it->active_count() : group.size());
 }
 
 }  // namespace
@@ -152,8 +176,8 @@ void python_pre_forward(DDPCore::Impl& s) {
 void DDPCore::pre_forward(Joinable* self) {
   auto& s = *impl_;
   const Group& group = s.options.process_group();
-  if (s.python_wire) return python_pre_forward(s);
   const JoinIteration* it = self ? Join::notify_join_context(*self) : nullptr;
+  if (s.python_wire) return python_pre_forward(s, it);
   if (!it) {
     s.reducer->set_divisor(group.size());
     if (s.options.broadcast_buffers() && !s.buffers.empty()) broadcast_from_first_rank(s.buffers, group);
@@ -251,18 +275,47 @@ class DDPJoinHook : public JoinHook {
   DDPCore::Impl& s_;
 };
 
+// Python DDP's _DDPJoinHook: a joined rank's iteration (rebuild, buffers from the highest active
+// rank, the "synchronize?" all-reduce, then zeros for every bucket and the used map), and
+// at the end the model of the highest rank that was active last.
+class DDPPythonJoinHook : public JoinHook {
+ public:
+  explicit DDPPythonJoinHook(DDPCore::Impl* impl) : s_(*impl) {}
+  void main_hook(const JoinIteration&) override {
+    const Group& group = s_.options.process_group();
+    python_maybe_rebuild(s_);
+    python_sync_buffers(s_, /*under_join=*/true, /*active=*/false);
+    at::Tensor will_sync = at::zeros({1}, at::TensorOptions().dtype(at::get_default_dtype()));
+    all_reduce(will_sync, ReduceOp::SUM, group);
+    s_.last_forward_synced = will_sync.item<double>() != 0;
+    if (!s_.last_forward_synced) return;
+    s_.reducer->python_shadow_backward(s_.options.find_unused_parameters());
+    s_.reducer->python_offer_registration_order();
+  }
+  void post_hook(bool is_last_joiner, const JoinIteration&) override {
+    const Group& group = s_.options.process_group();
+    const int src = python_common_rank(group, is_last_joiner);
+    std::vector<at::Tensor> state = s_.module->parameters();
+    if (s_.options.broadcast_buffers()) {
+      auto buffers = s_.module->buffers();
+      state.insert(state.end(), buffers.begin(), buffers.end());
+    }
+    python_wire::broadcast_coalesced(state, python_wire::kBroadcastBucketBytes, src, group);
+  }
+
+ private:
+  DDPCore::Impl& s_;
+};
+
 }  // namespace
 
 std::unique_ptr<JoinHook> DDPCore::join_hook(const JoinOptions& options, bool is_first_joinable) {
   if (!options.enable()) return std::make_unique<JoinHook>();
-  DTRAIN_CHECK(!impl_->python_wire, "rank ", rank(),
-               ": dtrain::Join around DistributedDataParallel is not available in a job with Python ranks "
-               "(DTRAIN_PYTORCH_PEERS): it does not follow Python's Join; give every rank the same number of "
-               "batches (DistributedSampler with drop_last)");
   DTRAIN_CHECK(is_first_joinable,
                "dtrain::Join: DistributedDataParallel must be the first joinable (its forward is the first "
                "collective of an iteration): list it first, e.g. Join({&ddp, &optimizer})");
   impl_->join_divide_by_initial_world_size = options.divide_by_initial_world_size();
+  if (impl_->python_wire) return std::make_unique<DDPPythonJoinHook>(impl_.get());
   return std::make_unique<DDPJoinHook>(impl_.get());
 }
 

@@ -25,8 +25,14 @@
 //                     (no_sync backwards count); parameters no rank used keep their .grad();
 //                     static_graph sends it once, before every bucket, in its first backward, which
 //                     launches all buckets at its end.
+//   under Join     Python's Join (include/dtrain/join.h) and its DDP hook: each iteration the
+//                  buffers come from the highest active rank (an int64 MAX all-reduce first) and a
+//                  "synchronize?" all-reduce follows; a joined rank sends zeros for every bucket and
+//                  the used map as it last reduced it; at the end the model of the highest rank
+//                  that was active last goes to all, as in 3.
 // What dtrain cannot match in this mode is refused in one line at construction or first use:
-// communication hooks, Join, and buckets rebuilt over parameters of several dtypes or devices
+// communication hooks, joinables after DDP in a Join, and buckets rebuilt over parameters of several
+// dtypes or devices
 // (Python's order then depends on its hash table).
 #pragma once
 

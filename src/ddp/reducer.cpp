@@ -44,6 +44,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   }
   if (python_wire_) {
     local_used_ = at::zeros({n}, at::TensorOptions().dtype(at::kInt));
+    local_used_dev_ = at::zeros({n}, at::TensorOptions().dtype(at::kInt));
     hook_counts_.assign(n, 0);
     record_order_ = static_graph_ || !track_unused_;  // Python rebuilds only then
   }

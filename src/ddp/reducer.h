@@ -76,6 +76,11 @@ class Reducer {
   std::vector<int> ready_order() const;
   // Stops recording the order (the buckets were rebuilt: Python rebuilds once).
   void stop_recording_order() { record_order_ = false; }
+  // A joined rank's backward under Python's Join: every bucket's all-reduce of zeros in bucket order,
+  // then (find_unused_parameters) the used map's; the results are dropped, as Python drops them.
+  void python_shadow_backward(bool find_unused_parameters);
+  // Python's _push_all_rebuilt_params: a joined rank offers the registration order for the rebuild.
+  void python_offer_registration_order();
   // New buckets (between iterations): gradients that are bucket views move into their new slots.
   void set_buckets(std::vector<std::vector<int>> assignment);
 
@@ -125,9 +130,10 @@ class Reducer {
   // Python's wire only.
   bool python_wire_;
   bool static_graph_;
-  int iterations_ = 0;     // synchronized forwards (Python's num_iterations_)
-  at::Tensor local_used_;  // int32: a gradient was produced since the last synchronized backward
-  Work used_work_;         // static_graph's first backward: the used map's all-reduce
+  int iterations_ = 0;         // synchronized forwards (Python's num_iterations_)
+  at::Tensor local_used_;      // int32: a gradient was produced since the last synchronized backward
+  at::Tensor local_used_dev_;  // the map as last all-reduced, in place (Python's local_used_map_dev_)
+  Work used_work_;             // static_graph's first backward: the used map's all-reduce
   bool used_in_flight_ = false;
   std::vector<int> hook_counts_;  // static_graph: hooks per parameter in the first backward
   std::vector<int> hooks_left_;   // ... left in this one

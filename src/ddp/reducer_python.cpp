@@ -31,10 +31,9 @@ bool Reducer::python_counted_down(int index) {
 
 // Python's delay_all_reduce: the used map's all-reduce first, then every bucket in order.
 void Reducer::python_launch_delayed() {
-  at::Tensor used = local_used_.clone();
-  used_work_ = all_reduce(used, ReduceOp::SUM, group_, /*async_op=*/true);
+  local_used_dev_.copy_(local_used_);
+  used_work_ = all_reduce(local_used_dev_, ReduceOp::SUM, group_, /*async_op=*/true);
   used_in_flight_ = true;
-  local_used_ = used;  // read once the work is done (python_used_anywhere)
   static_unused_.clear();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (hook_counts_[i] == 0) static_unused_.push_back(static_cast<int>(i));
@@ -48,20 +47,36 @@ void Reducer::python_launch_delayed() {
 std::vector<int64_t> Reducer::python_used_anywhere() {
   if (!track_unused_) return {};
   if (!static_graph_) {
-    at::Tensor used = local_used_.clone();
-    all_reduce(used, ReduceOp::SUM, group_);
+    local_used_dev_.copy_(local_used_);
+    all_reduce(local_used_dev_, ReduceOp::SUM, group_);
     local_used_.zero_();
-    std::vector<int64_t> out(params_.size());
-    for (size_t i = 0; i < out.size(); ++i) out[i] = used.data_ptr<int32_t>()[i] > 0 ? 1 : 0;
-    return out;
-  }
-  if (used_in_flight_) {
+  } else if (used_in_flight_) {
     used_work_.wait();
     used_in_flight_ = false;
   }
   std::vector<int64_t> out(params_.size());
-  for (size_t i = 0; i < out.size(); ++i) out[i] = local_used_.data_ptr<int32_t>()[i] > 0 ? 1 : 0;
+  for (size_t i = 0; i < out.size(); ++i) out[i] = local_used_dev_.data_ptr<int32_t>()[i] > 0 ? 1 : 0;
   return out;
+}
+
+void Reducer::python_shadow_backward(bool find_unused_parameters) {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<at::Tensor> zeros;
+  std::vector<Work> works;
+  for (const auto& b : buckets_) {
+    zeros.push_back(at::zeros_like(b.buffer));
+    works.push_back(all_reduce(zeros.back(), ReduceOp::SUM, group_, /*async_op=*/true));
+  }
+  for (auto& w : works) w.wait();
+  // Python sends the map as last all-reduced, and sums into it in place: a joined rank goes on
+  // offering the parameters of its last backward as used (and ever more so).
+  if (find_unused_parameters) all_reduce(local_used_dev_, ReduceOp::SUM, group_);
+}
+
+void Reducer::python_offer_registration_order() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (!record_order_ || !order_.empty()) return;
+  for (size_t i = 0; i < params_.size(); ++i) order_.push_back(static_cast<int>(i));
 }
 
 std::vector<int> Reducer::ready_order() const {

@@ -7,6 +7,8 @@
 //   ddp_peer_train --mode unused|default|bucketview|static|small|smallunused [--steps N] --out DIR
 //
 // small and smallunused are default and unused with Python's bucket_cap_mb=0.001 (several buckets).
+// join and joindefault are unused and default with uneven inputs under dtrain::Join: rank r runs 7 r
+// steps fewer, and writes one more record, the model after the Join.
 //
 // After every step it appends this rank's parameters (named_parameters order) and then the BatchNorm
 // buffers running_mean and running_var, as raw little-endian float64, to DIR/rank<r>.bin. Prints
@@ -16,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -26,6 +29,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "dtrain/ddp.h"
+#include "dtrain/join.h"
 #include "dtrain/process_group.h"
 
 namespace {
@@ -54,7 +58,7 @@ TORCH_MODULE(Net);
 
 bool use_branch(const std::string& mode, int step, int rank) {
   // unused: steps where every rank, only rank 1, or no rank uses the branch.
-  if (mode == "unused" || mode == "smallunused") return step % 6 == 0 || (step % 6 == 2 && rank == 1);
+  if (mode == "unused" || mode == "smallunused" || mode == "join") return step % 6 == 0 || (step % 6 == 2 && rank == 1);
   return mode != "static";  // static: the branch is never used
 }
 
@@ -127,9 +131,11 @@ Args parse(int argc, char** argv) {
       throw std::invalid_argument("unknown argument " + flag);
     }
   }
-  const std::vector<std::string> modes{"unused", "default", "bucketview", "static", "small", "smallunused"};
+  const std::vector<std::string> modes{"unused",      "default", "bucketview", "static",
+                                       "smallunused", "small",   "join",       "joindefault"};
   if (std::find(modes.begin(), modes.end(), a.mode) == modes.end())
-    throw std::invalid_argument("--mode must be unused, default, bucketview, static, small or smallunused");
+    throw std::invalid_argument(
+        "--mode must be unused, default, bucketview, static, small, smallunused, join or joindefault");
   if (a.out.empty()) throw std::invalid_argument("--out DIR is required");
   return a;
 }
@@ -160,19 +166,32 @@ void run(const Args& args) {
     // Python's bucket_cap_mb given explicitly is also its first bucket's size.
     const bool small = args.mode == "small" || args.mode == "smallunused";
     const double cap_mb = small ? 0.001 : dtrain::kDefaultBucketCapMB;
-    dtrain::DistributedDataParallel ddp(model,
-                                        dtrain::DDPOptions()
-                                            .find_unused_parameters(args.mode == "unused" || args.mode == "smallunused")
-                                            .gradient_as_bucket_view(args.mode == "bucketview")
-                                            .static_graph(args.mode == "static")
-                                            .bucket_cap_mb(cap_mb)
-                                            .first_bucket_cap_mb(small ? cap_mb : dtrain::kDefaultFirstBucketCapMB));
+    dtrain::DistributedDataParallel ddp(
+        model, dtrain::DDPOptions()
+                   .find_unused_parameters(args.mode == "unused" || args.mode == "smallunused" || args.mode == "join")
+                   .gradient_as_bucket_view(args.mode == "bucketview")
+                   .static_graph(args.mode == "static")
+                   .bucket_cap_mb(cap_mb)
+                   .first_bucket_cap_mb(small ? cap_mb : dtrain::kDefaultFirstBucketCapMB));
     PythonAdam opt(ddp.parameters(), 1e-2);
 
     const std::string path = args.out + "/rank" + std::to_string(rank) + ".bin";
     std::ofstream file(path, std::ios::binary);
     if (!file) throw std::runtime_error("cannot write " + path);
-    for (int step = 0; step < args.steps; ++step) {
+    auto write_record = [&] {
+      std::vector<at::Tensor> state;
+      for (const at::Tensor& p : model->parameters()) state.push_back(p.detach().reshape(-1));
+      state.push_back(model->bn->running_mean.reshape(-1));
+      state.push_back(model->bn->running_var.reshape(-1));
+      // x86 and arm64 are little-endian: the bytes as they lie in memory are the file's format.
+      at::Tensor all = at::cat(state).to(at::kDouble).contiguous();
+      file.write(reinterpret_cast<const char*>(all.data_ptr<double>()),
+                 static_cast<std::streamsize>(all.numel() * sizeof(double)));
+    };
+    const bool uneven = args.mode == "join" || args.mode == "joindefault";
+    std::optional<dtrain::Join> join;
+    if (uneven) join.emplace(std::vector<dtrain::Joinable*>{&ddp});
+    for (int step = 0; step < args.steps - (uneven ? 7 * rank : 0); ++step) {
       at::Tensor x = at::sin(at::arange(32 * 8, f64()).reshape({32, 8}) * 0.01 * (rank + 1) + step);
       at::Tensor y = at::cos(at::arange(32 * 4, f64()).reshape({32, 4}) * 0.02 * (rank + 1) + 0.5 * step);
       const bool branch = use_branch(args.mode, step, rank);
@@ -185,14 +204,11 @@ void run(const Args& args) {
         opt.step();
         opt.zero_grad();
       }
-      std::vector<at::Tensor> state;
-      for (const at::Tensor& p : model->parameters()) state.push_back(p.detach().reshape(-1));
-      state.push_back(model->bn->running_mean.reshape(-1));
-      state.push_back(model->bn->running_var.reshape(-1));
-      // x86 and arm64 are little-endian: the bytes as they lie in memory are the file's format.
-      at::Tensor all = at::cat(state).to(at::kDouble).contiguous();
-      file.write(reinterpret_cast<const char*>(all.data_ptr<double>()),
-                 static_cast<std::streamsize>(all.numel() * sizeof(double)));
+      write_record();
+    }
+    if (join) {
+      join->join();
+      write_record();  // the model every rank holds after the Join
     }
     file.close();
     if (!file) throw std::runtime_error("writing " + path + " failed");

@@ -6,6 +6,8 @@ and the same float64 arithmetic, so Python and C++ ranks can train one model in 
   ddp_peer_train.py --mode unused|default|bucketview|static|small|smallunused [--steps N] --out DIR
 
 small and smallunused are default and unused with bucket_cap_mb=0.001 (1048 bytes): several buckets.
+join and joindefault are unused and default with uneven inputs under Join: rank r runs 7 r steps
+fewer, and writes one more record, the model after the Join.
 
 After every step it appends this rank's parameters (named_parameters order) and then the BatchNorm
 buffers running_mean and running_var, as raw little-endian float64, to DIR/rank<r>.bin. Prints
@@ -13,6 +15,7 @@ buffers running_mean and running_var, as raw little-endian float64, to DIR/rank<
 The group timeout is $DTRAIN_TIMEOUT_S seconds (as on the C++ ranks; default 30 min).
 """
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -20,6 +23,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -41,7 +45,7 @@ class Net(torch.nn.Module):
 
 
 def use_branch(mode, step, rank):
-    if mode in ("unused", "smallunused"):
+    if mode in ("unused", "smallunused", "join"):
         # Steps where every rank, only rank 1, or no rank uses the branch.
         return step % 6 == 0 or (step % 6 == 2 and rank == 1)
     return mode != "static"  # static: the branch is never used
@@ -56,8 +60,8 @@ def batch(rank, step):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["unused", "default", "bucketview", "static", "small", "smallunused"],
-                        required=True)
+    parser.add_argument("--mode", choices=["unused", "default", "bucketview", "static", "small", "smallunused",
+                                           "join", "joindefault"], required=True)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -91,14 +95,20 @@ def main():
                 p.add_(1.0)
 
     small = args.mode in ("small", "smallunused")
-    ddp = DDP(model, find_unused_parameters=args.mode in ("unused", "smallunused"),
+    ddp = DDP(model, find_unused_parameters=args.mode in ("unused", "smallunused", "join"),
               gradient_as_bucket_view=args.mode == "bucketview", static_graph=args.mode == "static",
               bucket_cap_mb=0.001 if small else None)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-2, foreach=False)
 
+    def write_record(f):
+        state = [p.detach().reshape(-1) for p in model.parameters()]
+        state += [model.bn.running_mean.reshape(-1), model.bn.running_var.reshape(-1)]
+        f.write(torch.cat(state).to(torch.float64).numpy().astype("<f8").tobytes())
+
+    uneven = args.mode in ("join", "joindefault")
     path = os.path.join(args.out, f"rank{rank}.bin")
-    with open(path, "wb") as f:
-        for step in range(args.steps):
+    with open(path, "wb") as f, (Join([ddp]) if uneven else contextlib.nullcontext()):
+        for step in range(args.steps - (7 * rank if uneven else 0)):
             x, y = batch(rank, step)
             branch = use_branch(args.mode, step, rank)
             if step % 5 == 3:
@@ -109,9 +119,10 @@ def main():
                 F.mse_loss(ddp(x, branch), y).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            state = [p.detach().reshape(-1) for p in model.parameters()]
-            state += [model.bn.running_mean.reshape(-1), model.bn.running_var.reshape(-1)]
-            f.write(torch.cat(state).to(torch.float64).numpy().astype("<f8").tobytes())
+            write_record(f)
+    if uneven:  # the model every rank holds after the Join
+        with open(path, "ab") as f:
+            write_record(f)
 
     # Nothing that holds the group may outlive it (Gloo's threads join there): DDP's reducer sits in
     # reference cycles, which only the collector frees.

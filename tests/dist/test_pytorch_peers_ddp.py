@@ -16,7 +16,8 @@ Modes: `unused` (find_unused_parameters; steps where every rank, one rank or non
 no_sync steps among them) with a Python and a C++ rank 0, 2 Python + 1 dtrain and 1 Python + 2 dtrain;
 `default` (the bucket rebuild after the first step), `bucketview` (gradient_as_bucket_view) and
 `static` (static_graph, a branch never used), `small` and `smallunused` (bucket_cap_mb=0.001:
-several buckets, rebuilt or not), one layout each; and `unused` with
+several buckets, rebuilt or not), `join` and `joindefault` (unused and default with uneven inputs
+under Join: rank r runs 7 r steps fewer, then writes the model after the Join), one layout each; and `unused` with
 TORCH_DISTRIBUTED_DEBUG=DETAIL on every rank (the dtrain rank takes part in the checks that Python's
 ProcessGroupWrapper adds before every collective; ddp_peer_train.py leaves out the log of DDP's
 construction there, which segfaults in PyTorch 2.15 on a Gloo group DETAIL wrapped, with no dtrain
@@ -62,15 +63,21 @@ def ddp_peer_train():
     return needs(binary("DDP_PEER_TRAIN", "ddp_peer_train"), "ddp_peer_train")
 
 
-def read_steps(path):
+def read_steps(path, records=STEPS):
     """The file of one rank: a list of steps, each a list of VALUES floats (and its raw bytes per step)."""
     with open(path, "rb") as f:
         data = f.read()
     size = VALUES * 8
-    if len(data) != STEPS * size:
-        raise AssertionError(f"{path}: {len(data)} bytes, expected {STEPS} steps of {VALUES} float64")
-    raw = [data[s * size:(s + 1) * size] for s in range(STEPS)]
+    if len(data) != records * size:
+        raise AssertionError(f"{path}: {len(data)} bytes, expected {records} records of {VALUES} float64")
+    raw = [data[s * size:(s + 1) * size] for s in range(records)]
     return [list(struct.unpack(f"<{VALUES}d", r)) for r in raw], raw
+
+
+def records(mode, rank):
+    """Records a rank writes: one per step; under Join rank r runs 7 r steps fewer, then writes the
+    model the Join left it with."""
+    return STEPS - 7 * rank + 1 if mode.startswith("join") else STEPS
 
 
 @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
@@ -98,7 +105,7 @@ class PytorchPeersDDP(DistTestCase):
             self.assertEqual([l for l in res.out.splitlines() if l.startswith("ddp_peer_train: language ")],
                              [f"ddp_peer_train: language {LANGUAGE[kind]}"],
                              f"rank {r} is not the {kind} side:\n{everything}")
-        return [read_steps(os.path.join(out, f"rank{r}.bin")) for r in range(world)], everything
+        return [read_steps(os.path.join(out, f"rank{r}.bin"), records(mode, r)) for r in range(world)], everything
 
     def reference(self, mode):
         if mode not in PytorchPeersDDP.references:
@@ -110,16 +117,19 @@ class PytorchPeersDDP(DistTestCase):
         ref = self.reference(mode)
         files, everything = self.run_job(kinds, mode, **env)
         what = f"{kinds}, mode {mode}" + "".join(f", {k}={v}" for k, v in env.items())
-        # Parameters: the same bits on every rank after every step (the first step that differs is named).
+        # Parameters: the same bits on every rank after every step all of them ran, and (Join) in the
+        # final model (the first record that differs is named).
         for r in range(1, len(kinds)):
-            for step in range(STEPS):
-                if files[r][1][step][:PARAMS * 8] != files[0][1][step][:PARAMS * 8]:
-                    diff = max(abs(a - b) for a, b in zip(files[r][0][step][:PARAMS], files[0][0][step][:PARAMS]))
+            common = [(step, step) for step in range(min(len(files[r][1]), len(files[0][1])) - 1)]
+            common.append((len(files[r][1]) - 1, len(files[0][1]) - 1))
+            for step, step0 in common:
+                if files[r][1][step][:PARAMS * 8] != files[0][1][step0][:PARAMS * 8]:
+                    diff = max(abs(a - b) for a, b in zip(files[r][0][step][:PARAMS], files[0][0][step0][:PARAMS]))
                     self.fail(f"{what}: after step {step} rank {r} ({kinds[r]}) holds other parameters than "
                               f"rank 0 ({kinds[0]}), by up to {diff:.3g}\n{everything}")
         # Every value against the all-Python job's same rank.
         for r in range(len(kinds)):
-            for step in range(STEPS):
+            for step in range(records(mode, r)):
                 got, want = files[r][0][step], ref[r][0][step]
                 worst = max(range(VALUES), key=lambda i: abs(got[i] - want[i]))
                 if not abs(got[worst] - want[worst]) <= TOLERANCE:
@@ -165,6 +175,15 @@ class PytorchPeersDDP(DistTestCase):
 
     def test_static_graph(self):
         self.check_layout(["py", "cxx", "cxx"], "static")
+
+    def test_uneven_inputs_under_join(self):
+        # Python's Join and dtrain's: the joined ranks shadow the others (buffers from the highest
+        # active rank, zeros for every bucket, the used map as they last reduced it), and every rank
+        # ends with the model of the highest rank that ran last.
+        self.check_layout(["cxx", "py", "cxx"], "join")
+
+    def test_uneven_inputs_under_join_with_the_bucket_rebuild(self):
+        self.check_layout(["py", "cxx", "py"], "joindefault")
 
     def test_several_buckets_rebuilt(self):
         # bucket_cap_mb=0.001: the buckets rebuilt after the first step are several, in rank 0's order.
