@@ -51,7 +51,8 @@ struct DDPOptions {
   DTRAIN_ARG(double, bucket_cap_mb, kDefaultBucketCapMB)
   // Size of the first bucket (the last layers' gradients, ready first), in MiB (> 0).
   DTRAIN_ARG(double, first_bucket_cap_mb, kDefaultFirstBucketCapMB)
-  // Broadcast buffers (e.g. BatchNorm running stats) from rank 0 before each forward.
+  // Broadcast buffers (e.g. BatchNorm running stats) from rank 0 before each forward that follows a
+  // synchronized one (PyTorch's require_forward_param_sync: not after a no_sync or no-grad forward).
   DTRAIN_ARG(bool, broadcast_buffers, true)
   // Search the autograd graph after each forward for parameters that will get no gradient and mark
   // them ready; without it, an unused parameter is an error naming it.

@@ -180,7 +180,9 @@ void DDPCore::pre_forward(Joinable* self) {
   if (s.python_wire) return python_pre_forward(s, it);
   if (!it) {
     s.reducer->set_divisor(group.size());
-    if (s.options.broadcast_buffers() && !s.buffers.empty()) broadcast_from_first_rank(s.buffers, group);
+    // As PyTorch's require_forward_param_sync: not after a no_sync or no-grad forward.
+    if (s.options.broadcast_buffers() && !s.buffers.empty() && s.last_forward_synced)
+      broadcast_from_first_rank(s.buffers, group);
     return;
   }
   // Under Join (Note [DDP under Join]): whether this iteration synchronizes, then the buffers from
@@ -188,7 +190,7 @@ void DDPCore::pre_forward(Joinable* self) {
   s.reducer->set_divisor(s.join_divide_by_initial_world_size ? group.size() : it->active_count());
   const bool will_sync = s.sync && at::GradMode::is_enabled();
   all_reduce_values(std::vector<int64_t>{will_sync ? 1 : 0}, ReduceOp::SUM, group);
-  if (s.options.broadcast_buffers() && !s.buffers.empty())
+  if (s.options.broadcast_buffers() && !s.buffers.empty() && s.last_forward_synced)
     broadcast_from(s.buffers, it->authoritative_rank(group), group);
 }
 
@@ -243,15 +245,14 @@ void DDPCore::register_comm_hook(CommHook hook) {
 // Note [DDP under Join]: per iteration an active rank's DDP issues, after Join's exchange of the
 // active set (its first collective, from pre_forward): (a) a SUM all-reduce of "I synchronize
 // gradients this iteration" (no_sync and no-grad forwards say no), (b) the buffers' broadcast from
-// the lowest active rank when broadcast_buffers, (c) in backward, when synchronizing, every bucket's
-// all-reduce (or communication hook) in bucket order, the unused-parameter exchange when tracked.
-// The joined rank's main_hook issues the same: (a) with 0, whose sum tells it whether (c) follows,
-// (b), and (c) with zeros as its gradients, the results written to its .grad() as the active ranks'
-// are (ZeroRedundancyOptimizer's shadow step gets its share's gradients as they are at the active
-// ranks' step() instead: Note [ZeRO under Join]). post_hook broadcasts
-// parameters (and buffers when broadcast_buffers) from the lowest rank of the last iteration, so
-// every rank ends with the model of a rank that saw every iteration (PyTorch's _sync_final_model;
-// Note [Authoritative rank under Join] in dtrain/join.h).
+// the lowest active rank when broadcast_buffers and the previous iteration synchronized, (c) in backward, when
+// synchronizing, every bucket's all-reduce (or communication hook) in bucket order, the unused-parameter exchange when
+// tracked. The joined rank's main_hook issues the same: (a) with 0, whose sum tells it whether (c) follows, (b), and
+// (c) with zeros as its gradients, the results written to its .grad() as the active ranks' are
+// (ZeroRedundancyOptimizer's shadow step gets its share's gradients as they are at the active ranks' step() instead:
+// Note [ZeRO under Join]). post_hook broadcasts parameters (and buffers when broadcast_buffers) from the lowest rank of
+// the last iteration, so every rank ends with the model of a rank that saw every iteration (PyTorch's
+// _sync_final_model; Note [Authoritative rank under Join] in dtrain/join.h).
 namespace {
 
 class DDPJoinHook : public JoinHook {
@@ -260,9 +261,11 @@ class DDPJoinHook : public JoinHook {
   void main_hook(const JoinIteration& it) override {
     const Group& group = s_.options.process_group();
     const bool sync = all_reduce_values(std::vector<int64_t>{0}, ReduceOp::SUM, group)[0] > 0;  // (a)
-    if (s_.options.broadcast_buffers() && !s_.buffers.empty())
-      broadcast_from(s_.buffers, it.authoritative_rank(group), group);  // (b)
-    if (sync) s_.reducer->shadow_backward();                            // (c)
+    // (b) as the active ranks decide it: after an iteration that synchronized.
+    if (s_.options.broadcast_buffers() && !s_.buffers.empty() && s_.last_forward_synced)
+      broadcast_from(s_.buffers, it.authoritative_rank(group), group);
+    s_.last_forward_synced = sync;
+    if (sync) s_.reducer->shadow_backward();  // (c)
   }
   void post_hook(bool, const JoinIteration& last) override {
     const Group& group = s_.options.process_group();

@@ -42,8 +42,8 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     accumulators_.push_back(compat::grad_accumulator(params_[i]));
     hook_keys_.push_back(compat::add_post_hook(accumulators_.back(), [this, i] { on_grad_ready(i); }));
   }
+  local_used_ = at::zeros({n}, at::TensorOptions().dtype(at::kInt));
   if (python_wire_) {
-    local_used_ = at::zeros({n}, at::TensorOptions().dtype(at::kInt));
     local_used_dev_ = at::zeros({n}, at::TensorOptions().dtype(at::kInt));
     hook_counts_.assign(n, 0);
     record_order_ = static_graph_ || !track_unused_;  // Python rebuilds only then
@@ -161,7 +161,11 @@ void Reducer::rehook_replaced_parameters() {
 
 void Reducer::on_grad_ready(int index) {
   std::lock_guard<std::mutex> g(mu_);
-  if (python_wire_ && python_before_hook(index)) return;
+  if (python_wire_) {
+    if (python_before_hook(index)) return;
+  } else if (track_unused_ && params_[index].grad().defined()) {
+    local_used_.data_ptr<int32_t>()[index] = 1;  // as PyTorch: no_sync backwards count as use
+  }
   if (!armed_) return;  // no_sync, or a backward that DDP's forward did not set up
   if (!started_) begin_backward();
   if (python_wire_ && !python_counted_down(index)) return;
@@ -182,11 +186,8 @@ void Reducer::begin_backward() {
   for (size_t i = 0; i < unused_.size(); ++i)
     if (unused_[i]) {
       at::NoGradGuard ng;
-      // Python's reducer reduces a gradient left from no_sync backwards too; dtrain's zeros.
-      if (python_wire_)
-        fill_slot(static_cast<int>(i));
-      else
-        buckets_[bucket_of_[i]].views[slot_of_[i]].zero_();
+      // As PyTorch's reducer: a gradient left from no_sync backwards is reduced too (zeros if none).
+      fill_slot(static_cast<int>(i));
       mark_ready(static_cast<int>(i));
     }
 }
@@ -370,9 +371,11 @@ void Reducer::finalize() {
   if (python_wire_) {
     used_anywhere = python_used_anywhere();
   } else if (track_unused_) {
-    // 1 where this rank used the parameter; MAX over ranks tells which were used anywhere.
+    // 1 where this rank produced a gradient since the last synchronized backward (no_sync ones
+    // included, as PyTorch); MAX over ranks tells which were used anywhere.
     std::vector<int64_t> used(params_.size());
-    for (size_t i = 0; i < params_.size(); ++i) used[i] = unused_[i] ? 0 : 1;
+    for (size_t i = 0; i < params_.size(); ++i) used[i] = local_used_.data_ptr<int32_t>()[i];
+    local_used_.zero_();
     used_anywhere = all_reduce_values(used, ReduceOp::MAX, group_);
   }
   for (auto& b : buckets_) {

@@ -4,7 +4,8 @@
 //   1. prepare_for_backward(unused): called after a forward under sync. Records which parameters
 //      will get no gradient (find_unused_parameters / static_graph) and arms the hooks.
 //   2. The first hook to fire in backward marks the unused parameters ready (their bucket slots
-//      are zeroed) and queues finalize() to run at the end of this backward.
+//      hold what their .grad() kept from no_sync backwards, or zeros, as PyTorch's) and queues
+//      finalize() to run at the end of this backward.
 //   3. Each parameter's hook (after AccumulateGrad) writes .grad() divided by the group size into
 //      its bucket slot, one pass for the copy and the division (divided in place when the gradient
 //      already is the slot: gradient_as_bucket_view), and counts the bucket down. A bucket at zero
@@ -16,10 +17,11 @@
 //   4. finalize(): every bucket must have been launched — otherwise the parameters that got no
 //      gradient are named in the error (PyTorch's message, with the find_unused_parameters
 //      remedy). With unused-parameter tracking, a small MAX all-reduce tells which parameters were
-//      used on some rank. Then all works (or hook futures, in bucket order: Note [Comm hook futures])
-//      are waited for bucket by bucket, a hook's result copied into its bucket and the bucket's averaged
-//      values written back (.grad() = the slot view with gradient_as_bucket_view, else copied into .grad()).
-//      Parameters unused on every rank keep their .grad() untouched, as in PyTorch.
+//      used on some rank (got a gradient since the last synchronized backward, as PyTorch counts). Then all works (or
+//      hook futures, in bucket order: Note [Comm hook futures]) are waited for bucket by bucket, a hook's result copied
+//      into its bucket and the bucket's averaged values written back (.grad() = the slot view with
+//      gradient_as_bucket_view, else copied into .grad()). Parameters unused on every rank keep their .grad()
+//      untouched, as in PyTorch.
 #pragma once
 
 #include <atomic>

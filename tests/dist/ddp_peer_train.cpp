@@ -5,6 +5,7 @@
 // (tests/dist/test_pytorch_peers_ddp.py).
 //
 //   ddp_peer_train --mode unused|default|bucketview|static|small|smallunused [--steps N] --out DIR
+//                  [--dtrain-only]   (every rank dtrain's: its own calls, PyTorch's semantics)
 //
 // small and smallunused are default and unused with Python's bucket_cap_mb=0.001 (several buckets).
 // join and joindefault are unused and default with uneven inputs under dtrain::Join: rank r runs 7 r
@@ -113,12 +114,17 @@ class PythonAdam {
 struct Args {
   std::string mode, out;
   int steps = 50;
+  bool dtrain_only = false;  // a job of dtrain ranks alone: dtrain's own protocol, PyTorch's semantics
 };
 
 Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
+    if (flag == "--dtrain-only") {
+      a.dtrain_only = true;
+      continue;
+    }
     if (i + 1 >= argc) throw std::invalid_argument("missing the value of " + flag);
     const std::string value = argv[++i];
     if (flag == "--mode") {
@@ -143,7 +149,7 @@ Args parse(int argc, char** argv) {
 void run(const Args& args) {
   // One intra-op thread, as the Python side: no result may depend on how a kernel splits its work.
   at::set_num_threads(1);
-  dtrain::init_process_group(dtrain::InitOptions().pytorch_peers(true));
+  dtrain::init_process_group(dtrain::InitOptions().pytorch_peers(!args.dtrain_only));
   const int rank = dtrain::rank();
   {
     // float64 by default, as Python's set_default_dtype: Module::to(kDouble) would also turn

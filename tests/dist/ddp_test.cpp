@@ -177,23 +177,32 @@ TEST(DDP, BatchNormModelMatchesAndBuffersFollowRankZero) {
     double d = equivalence(model, ref, {3, 8, 8}, opt, DDPOptions(), plain, true);
     EXPECT_LT(d, kTol) << opt;
   }
-  // broadcast_buffers: before each forward every rank takes rank 0's running stats. The ranks first
-  // see different data (their stats drift apart), then the same input: equal stats afterwards prove
-  // the broadcast happened before that forward.
+  // broadcast_buffers: before a forward that follows a synchronized one, every rank takes rank 0's
+  // running stats. The ranks first see different data (their stats drift apart), then the same
+  // input: equal stats afterwards prove the broadcast happened before that forward.
   BnNet m;
   DistributedDataParallel ddp(m);
-  for (int s = 0; s < 3; ++s) {
-    at::NoGradGuard ng;
-    ddp(at::randn({4, 3, 8, 8}) + rank());
-  }
+  for (int s = 0; s < 3; ++s) ddp(at::randn({4, 3, 8, 8}) + rank());  // synchronized forwards
   {
     at::NoGradGuard ng;
     ddp(at::ones({2, 3, 8, 8}));
   }
-  std::vector<at::Tensor> all;
-  for (int i = 0; i < world_size(); ++i) all.push_back(at::empty_like(m->bn->running_mean));
-  all_gather(all, m->bn->running_mean);
+  auto gather_stats = [&] {
+    std::vector<at::Tensor> all;
+    for (int i = 0; i < world_size(); ++i) all.push_back(at::empty_like(m->bn->running_mean));
+    all_gather(all, m->bn->running_mean);
+    return all;
+  };
+  auto all = gather_stats();
   for (auto& t : all) EXPECT_TRUE(at::equal(t, all[0]));
+  // PyTorch's rule: that forward was a no-grad one, so the next takes no broadcast, and the ranks'
+  // stats drift apart again on different data.
+  {
+    at::NoGradGuard ng;
+    ddp(at::randn({4, 3, 8, 8}) + rank());
+  }
+  all = gather_stats();
+  for (size_t r = 1; r < all.size(); ++r) EXPECT_FALSE(at::equal(all[r], all[0])) << "rank " << r;
 }
 
 TEST(DDP, UnusedBranchWithFindUnusedParameters) {

@@ -138,9 +138,11 @@ Net reference(const std::vector<int>& counts, bool divide_by_initial_world_size,
     authority = active.front();
     std::vector<std::vector<at::Tensor>> local(counts.size());  // per rank, accumulated over micro-batches
     for (int m = 0; m < recipe.micro; ++m) {
+      // As PyTorch: the authority's buffers before a forward that follows a synchronized one (the
+      // first micro-batch); after a no_sync micro-batch each rank goes on from its own.
       const at::Tensor start = buffer[authority].clone();
       for (int r : active) {
-        net->running.copy_(start);
+        net->running.copy_(m == 0 ? start : buffer[r]);
         net->zero_grad();
         auto [x, y] = batch(r, i, m, recipe.dtype());
         at::Tensor loss = loss_of(net->forward(x), y);

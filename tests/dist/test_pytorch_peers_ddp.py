@@ -44,6 +44,8 @@ PARAMS = 8 * 16 + 16 + 16 + 16 + 2 * (16 * 4 + 4)
 VALUES = PARAMS + 16 + 16
 # Within 1e-12 would do for a user; the jobs give the same bits, and the test holds them to that.
 TOLERANCE = 0.0
+# dtrain's own calls divide after summing and sum in another order: 50 Adam steps stay within this.
+ROUNDING = 1e-8
 # A job takes seconds. Ranks that disagree on a call wait in it: the group timeout (both languages
 # read $DTRAIN_TIMEOUT_S) makes every rank fail with its error well before the job's deadline, so
 # that 8 hanging mixed jobs stay within ctest's 600 s (whose kill would swallow every message).
@@ -85,13 +87,13 @@ class PytorchPeersDDP(DistTestCase):
     # The all-Python jobs, one per mode, run by the first test that needs them: {mode: [rank files]}.
     references = {}
 
-    def run_job(self, kinds, mode, **env):
+    def run_job(self, kinds, mode, extra=(), **env):
         """Runs one job (a fresh folder); checks every rank's exit and language; returns its files."""
         cxx = ddp_peer_train() if "cxx" in kinds else None
         py = [needs(VENV_PYTHON, ".venv/bin/python"), os.path.join(HERE, "ddp_peer_train.py")]
         out = tempfile.mkdtemp(prefix=f"ddp_peer_{mode}_")
         self.addCleanup(shutil.rmtree, out, ignore_errors=True)
-        args = ["--mode", mode, "--steps", str(STEPS), "--out", out]
+        args = ["--mode", mode, "--steps", str(STEPS), "--out", out, *extra]
         port, world = free_port(), len(kinds)
         procs = [self.spawn((py if k == "py" else [cxx]) + args,
                             rank_env(r, world, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=world, PYTHONPATH=None,
@@ -184,6 +186,22 @@ class PytorchPeersDDP(DistTestCase):
 
     def test_uneven_inputs_under_join_with_the_bucket_rebuild(self):
         self.check_layout(["py", "cxx", "py"], "joindefault")
+
+    def test_dtrain_alone_keeps_pytorchs_semantics(self):
+        # Three dtrain ranks with dtrain's own calls (shared memory, its buckets, division after the
+        # sum) compute what Python's DDP computes up to rounding: buffers broadcast only before a
+        # forward that follows a synchronized one, and a parameter used only under no_sync counts as
+        # used at the next synchronized step (before either, the buffers differed from step 4 and the
+        # branch by 7.7e-3 from step 9).
+        ref = self.reference("unused")
+        files, everything = self.run_job(["cxx", "cxx", "cxx"], "unused", extra=["--dtrain-only"])
+        for r in range(3):
+            for step in range(STEPS):
+                got, want = files[r][0][step], ref[r][0][step]
+                worst = max(range(VALUES), key=lambda i: abs(got[i] - want[i]))
+                self.assertLessEqual(abs(got[worst] - want[worst]), ROUNDING,
+                                     f"rank {r} after step {step}: value {worst} is {got[worst]!r}, Python's "
+                                     f"{want[worst]!r}\n{everything}")
 
     def test_several_buckets_rebuilt(self):
         # bucket_cap_mb=0.001: the buckets rebuilt after the first step are several, in rank 0's order.
