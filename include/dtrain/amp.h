@@ -19,9 +19,12 @@
 // and which stay in float32 is exactly PyTorch's list for this LibTorch version.
 //
 // With DistributedDataParallel every rank holds the same averaged gradients, so an overflow on any
-// rank is an overflow on all and every rank makes the same skip decision. For gradients that are
-// not averaged (e.g. model parallel), GradScalerOptions().process_group(group) MAX-reduces the
-// overflow flag over the group.
+// rank is an overflow on all and every rank makes the same skip decision. Gradients sharded by
+// fully_shard or parallelize_module (or both, on a mesh) need nothing either: unscale_ MAX-reduces
+// the overflow flag over every group the optimizer's parameters are sharded over, so an inf in one
+// rank's rows makes every rank skip and back off, as PyTorch's GradScaler does on DTensor gradients.
+// For gradients that differ per rank in other ways (e.g. model parallel by hand),
+// GradScalerOptions().process_group(group) MAX-reduces the overflow flag over that group too.
 #pragma once
 
 #include <map>
@@ -29,6 +32,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
@@ -117,6 +121,7 @@ class GradScaler {
     at::Tensor found_inf;  // (1,) float, 1 when a gradient was inf/NaN
   };
   void lazy_init(const at::Tensor& like);
+  std::vector<Group> overflow_groups(const std::vector<at::Tensor>& params) const;
 
   GradScalerOptions options_;
   at::Tensor scale_;           // (1,) float32 on the loss's device, created by the first scale()

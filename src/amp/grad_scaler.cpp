@@ -5,11 +5,22 @@
 //   step(opt)        unscale_ if still READY; opt.step() unless found_inf; stage -> STEPPED.
 //   update()         S *= backoff on any found_inf, S *= growth after growth_interval clean
 //                    steps; every optimizer's stage back to READY.
+//
+// Note [Overflow across shards]: under fully_shard or tensor parallelism a rank unscales only its own
+// part of a sharded gradient, so an inf in rank 0's rows would make rank 0 skip and back off while
+// rank 1 steps; from then on the ranks scale their losses differently and every reduction averages
+// gradients of different scales. PyTorch reduces found_inf with MAX over the mesh of a DTensor
+// gradient (DTensor's handler of _amp_foreach_non_finite_check_and_unscale_); here fully_shard and
+// parallelize_module record each parameter's groups (comm/shard_groups.h) and unscale_ reduces over
+// them by default, with nothing for the user to pass.
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
 #include "compat/amp_compat.h"
+#include "comm/shard_groups.h"
 #include "dtrain/amp.h"
 #include "dtrain/errors.h"
 #include "dtrain/join.h"
@@ -34,6 +45,30 @@ void GradScaler::lazy_init(const at::Tensor& like) {
   growth_tracker_ = at::zeros({1}, opts.dtype(at::kInt));
 }
 
+// The groups the overflow flag is MAX-reduced over, so that every rank makes the same skip decision
+// (Note [Overflow across shards]): each group a parameter's gradient is sharded over, then
+// process_group when set. The same list on every rank that holds the optimizer's parameters in the
+// same order; empty for whole gradients (DistributedDataParallel averages them: every rank sees the
+// same inf).
+std::vector<Group> GradScaler::overflow_groups(const std::vector<at::Tensor>& params) const {
+  // No joinable announces these all-reduces, so a rank that has joined would never post them.
+  DTRAIN_CHECK(!options_.process_group() || !Join::could_strand(*options_.process_group()),
+               "GradScaler: process_group on rank ", rank(),
+               " inside a dtrain::Join: a rank that has joined cannot take part in the overflow flag's all-reduce, so "
+               "the others would wait for it: leave process_group unset (under DDP every rank holds the same averaged "
+               "gradients and skips alike)");
+  std::vector<Group> groups = comm::shard_groups(params);
+  for (const Group& g : groups)
+    DTRAIN_CHECK(!Join::could_strand(g), "GradScaler: sharded gradients on rank ", rank(),
+                 " inside a dtrain::Join: the overflow flag is all-reduced over their group '", g.name(),
+                 "', where a rank that has joined cannot take part, so the others would wait for it: train "
+                 "fully_shard'ed or tensor-parallel models without a Join");
+  const auto same = [&](const Group& g) { return g.name() == options_.process_group()->name(); };
+  if (options_.process_group() && std::none_of(groups.begin(), groups.end(), same))
+    groups.push_back(*options_.process_group());
+  return groups;
+}
+
 at::Tensor GradScaler::scale(const at::Tensor& outputs) {
   if (!options_.enabled()) return outputs;
   lazy_init(outputs);
@@ -48,18 +83,13 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   DTRAIN_CHECK(state.stage != Stage::kUnscaled,
                "GradScaler: unscale_() has already been called on this optimizer since the last update()");
   DTRAIN_CHECK(state.stage != Stage::kStepped, "GradScaler: unscale_() is being called after step()");
-  // No joinable announces process_group's all-reduce below, so a rank that has joined would never post it.
-  DTRAIN_CHECK(!options_.process_group() || !Join::could_strand(*options_.process_group()),
-               "GradScaler: process_group on rank ", rank(),
-               " inside a dtrain::Join: a rank that has joined cannot take part in the overflow flag's all-reduce, so "
-               "the others would wait for it: leave process_group unset (under DDP every rank holds the same averaged "
-               "gradients and skips alike)");
   // Computed in double, then stored as float, as PyTorch.
   at::Tensor inv_scale = at::reciprocal(scale_.to(at::kDouble)).to(at::kFloat);
   state.found_inf = at::zeros({1}, scale_.options());
-  std::vector<at::Tensor> grads;
+  std::vector<at::Tensor> grads, params;
   for (auto& group : optimizer.param_groups())
     for (auto& p : group.params()) {
+      params.push_back(p);
       if (!p.grad().defined()) continue;
       DTRAIN_CHECK(p.grad().scalar_type() != at::kHalf,
                    "GradScaler: attempting to unscale float16 gradients: keep the parameters in float32 "
@@ -67,7 +97,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
       grads.push_back(p.mutable_grad());
     }
   compat::amp_unscale_(grads, state.found_inf, inv_scale);
-  if (options_.process_group()) all_reduce(state.found_inf, ReduceOp::MAX, *options_.process_group());
+  for (const Group& g : overflow_groups(params)) all_reduce(state.found_inf, ReduceOp::MAX, g);
   state.stage = Stage::kUnscaled;
 }
 

@@ -42,6 +42,7 @@
 
 #include "dtrain/errors.h"
 #include "comm/capabilities.h"
+#include "comm/shard_groups.h"
 #include "comm/state.h"
 #include "fsdp/buffer_pool.h"
 #include "fsdp/root.h"
@@ -107,6 +108,7 @@ std::vector<ShardedParam> shard_parameters(std::vector<std::pair<std::string, at
     p.shard = flat_shard.narrow(0, p.offset, p.local_numel()).view(shape);
     p.param.set_data(p.shard);
     p.param.mutable_grad() = at::Tensor();
+    comm::add_shard_group(p.param, group);  // GradScaler's overflow flag spans the group
   }
   return out;
 }

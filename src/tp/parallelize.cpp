@@ -12,6 +12,7 @@
 
 #include <unordered_map>
 
+#include "comm/shard_groups.h"
 #include "common/util.h"
 #include "dtrain/functional_collectives.h"
 #include "tp/applied.h"
@@ -42,6 +43,7 @@ void shard(at::Tensor& param, int64_t dim, const tp::Applied& a) {
   broadcast(whole, a.group.ranks()[0], a.group);
   if (dim != kWhole) whole = whole.narrow(dim, a.start, a.length).clone(at::MemoryFormat::Contiguous);
   param.set_data(whole);
+  if (dim != kWhole) comm::add_shard_group(param, a.group);  // GradScaler's overflow flag spans the group
 }
 
 // This rank's part of `size` rows or columns, as torch.chunk cuts them.
