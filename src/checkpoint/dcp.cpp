@@ -23,6 +23,7 @@
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/dcp_plan.h"
 #include "checkpoint/file_io.h"
+#include "checkpoint/zip_crc.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::dcp {
@@ -182,11 +183,20 @@ class Reader {
     return out;
   }
   c10::IValue ivalue(const Item& item) {
+    const std::string where = "the item '" + item.fqn + "' in " + dir_ + "/" + item.storage.relative_path +
+                              " at byte " + std::to_string(item.storage.offset);
+    const std::vector<char> b = bytes(item);
+    // LibTorch's zip reader skips the CRC-32s (a flipped byte would load as a wrong number).
     try {
-      return torch::jit::pickle_load(bytes(item));
+      ckpt::check_zip_crcs(b.data(), b.size());
+    } catch (const Error& e) {
+      throw Error(where + " is damaged (" + e.what() +
+                  "): the file changed after it was written; load another checkpoint or restore this one from a copy");
+    }
+    try {
+      return torch::jit::pickle_load(b);
     } catch (const c10::Error& e) {
-      throw Error("the item '" + item.fqn + "' in " + dir_ + "/" + item.storage.relative_path + " at byte " +
-                  std::to_string(item.storage.offset) + " is not a torch.save archive: " + e.what_without_backtrace());
+      throw Error(where + " is not a torch.save archive: " + e.what_without_backtrace());
     }
   }
 

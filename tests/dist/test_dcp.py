@@ -3,13 +3,15 @@ dtrain::dcp on 3 ranks (DDP, DDP with a ZeroRedundancyOptimizer, fully_shard, te
 Adam, float64) saves, and Python's dcp.load on 1 and on 2 ranks reads the very parameters dtrain had
 (bit for bit) and trains on to within 1e-10 of dtrain's own continued training; the tensor-parallel
 save loads back into dtrain's TP and unsharded (DDP) models alike; Python's dcp.save on 2 ranks loads
-into dtrain on 3 the same way. Bad folders (truncated, corrupt, missing metadata) fail in one line.
+into dtrain on 3 the same way. Bad folders (a flipped byte of a tensor, truncated, corrupt, missing
+metadata) fail in one line.
 
 Env: $DCP_INTEROP (the C++ program, dcp_interop.cpp), $VENV_PYTHON (set by tests/dist/CMakeLists.txt).
 """
 import json
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
 import unittest
@@ -133,7 +135,28 @@ class DcpAgainstPytorch(DistTestCase):
                 f.seek(40)
                 f.write(b"\xff" * 16)
 
+        def flip_tensor_byte(path):
+            """One bit of a tensor's data: the first byte of the first record named .../data/N of an
+            item. torch.save writes sizes after the data (a data descriptor), so the record's data
+            runs from its local header to the next header less the 16-byte descriptor."""
+            with open(path, "r+b") as f:
+                blob = f.read()
+                at = blob.index(b"PK\x03\x04")
+                while True:
+                    name_len, extra_len = struct.unpack_from("<HH", blob, at + 26)
+                    name = blob[at + 30:at + 30 + name_len]
+                    data = at + 30 + name_len + extra_len
+                    following = blob.index(b"PK", data)
+                    if b"/data/" in name and following - 16 > data:
+                        f.seek(data)
+                        f.write(bytes([blob[data] ^ 0x40]))
+                        return
+                    at = blob.index(b"PK\x03\x04", at + 4)
+
         cases = {
+            # A byte of a tensor's data changed: LibTorch's zip reader does not check the CRC-32, so
+            # without dtrain's own check this loads a wrong number silently (PyTorch's dcp.load does).
+            "flipped": (lambda d: flip_tensor_byte(os.path.join(d, "__1_0.distcp")), "is damaged (the zip entry"),
             "truncated": (lambda d: truncate(os.path.join(d, "__1_0.distcp")), "is truncated"),
             "no_metadata": (lambda d: os.remove(os.path.join(d, ".metadata")), "is missing"),
             "bad_metadata": (lambda d: scribble(os.path.join(d, ".metadata")), ".metadata: "),
@@ -148,6 +171,35 @@ class DcpAgainstPytorch(DistTestCase):
                     self.assertEqual(len(lines), 1, res.err)
                     self.assertIn("dcp::load: rank", lines[0])
                     self.assertIn(words, lines[0])
+
+    def test_a_rank_that_cannot_write_fails_the_save_on_every_rank_and_leaves_no_metadata(self):
+        """dcp.h's promises for a failed save: rank 0 removes the old .metadata first, .metadata is
+        written last (so never beside a missing item), and any rank's failure throws on every rank."""
+        self.dtrain("save", ["ddp"], self.tmp)
+        folder = os.path.join(self.tmp, "ddp")
+        self.assertTrue(os.path.exists(os.path.join(folder, ".metadata")), os.listdir(folder))
+        # Rank 1's file cannot be replaced: a folder stands at its name (root ignores file modes).
+        os.remove(os.path.join(folder, "__1_0.distcp"))
+        os.mkdir(os.path.join(folder, "__1_0.distcp"))
+        results = self.dtrain("save", ["ddp"], self.tmp, expect_ok=False)
+        lines = []
+        for r, res in enumerate(results):
+            self.assertEqual(res.rc, 1, f"rank {r}: {res}")
+            mine = [l for l in res.err.splitlines() if "dcp_interop: error:" in l]
+            self.assertEqual(len(mine), 1, res.err)
+            lines.append(mine[0])
+        self.assertIn("rank 1", lines[0])
+        self.assertIn("__1_0.distcp", lines[0])
+        self.assertEqual(len(set(lines)), 1, f"the ranks threw different lines: {lines}")
+        self.assertFalse(os.path.exists(os.path.join(folder, ".metadata")),
+                         f"a failed save left .metadata: {os.listdir(folder)}")
+        # PyTorch's reader refuses the folder too (no .metadata: nothing claims it is a checkpoint);
+        # its CheckpointException is a BaseException.
+        probe = ("import sys, torch, torch.distributed.checkpoint as dcp\n"
+                 "try:\n    dcp.load({'x': torch.zeros(1)}, checkpoint_id=sys.argv[1])\n"
+                 "except BaseException as e:\n    print(type(e).__name__); sys.exit(3)\n")
+        py = subprocess.run([VENV_PYTHON, "-c", probe, folder], capture_output=True, text=True, timeout=120)
+        self.assertEqual(py.returncode, 3, f"Python's dcp.load accepted the folder:\n{py.stdout}{py.stderr}")
 
 
 if __name__ == "__main__":
