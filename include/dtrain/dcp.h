@@ -32,7 +32,12 @@
 // whole shape; a missing key or a shape that differs throws before anything changed, naming both),
 // then fills each tensor in place from the stored chunks that overlap it (any world size, any
 // chunking) and replaces each value. Keys in the checkpoint that `state_dict` lacks are ignored, as
-// DCP's planner does.
+// DCP's planner does. What a load detects, each as one dtrain::Error naming the file: a missing or
+// malformed `.metadata`; an item file that is missing or shorter than `.metadata` says; an item
+// whose bytes changed after the save (every zip entry's CRC-32 is checked, which LibTorch's reader
+// and Python's dcp.load skip); an item that is not a torch.save archive or not a tensor of the
+// recorded sizes. A change that keeps the archive's CRC-32s consistent (a file rewritten on purpose)
+// is not detected: load only folders you trust.
 //
 // Keys (get_state_dict) are PyTorch's: "model.<parameter or buffer name>", and for the optimizer
 // "optim.state.<parameter name>.<state name>" (Adam's exp_avg, exp_avg_sq, step, max_exp_avg_sq;
