@@ -1,8 +1,8 @@
 // fully_shard on 2, 3 and 4 real processes, against one process training the whole batch in float64:
 // shards laid out as FSDP2's, parameters within 1e-10 after 20 steps (SGD with momentum and Adam,
-// ZeRO-3 and ZeRO-2), gradient accumulation without sync against the large batch, clip_grad_norm_
-// over shards against torch's on the whole model, bf16 and fp16 param dtypes against one process
-// computing in them, sharding over a subgroup, parameters
+// ZeRO-3 and ZeRO-2; what each mode gathers and keeps whole), gradient accumulation without sync against the large
+// batch, clip_grad_norm_ over shards against torch's on the whole model, bf16 and fp16 param dtypes against one process
+// computing in them, a bf16 reduce_dtype told apart from a float32 one, sharding over a subgroup, parameters
 // whole only while their unit runs, and the bad inputs named in one line on every rank.
 #include <torch/nn/modules/linear.h>  // (clip_grad.h needs what it includes)
 #include <torch/nn/utils/clip_grad.h>
@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -209,6 +210,60 @@ TEST(FullyShard, ParametersAreWholeOnlyWhileTheirUnitRuns) {
   }
 }
 
+// What each unit's collectives move, from FSDP2's padded layout (ceil(rows / n) rows per rank): an
+// all-gather and a reduce-scatter each receive (n - 1) padded shards. FSDP2's default (unset) keeps
+// the root whole after forward and gathers every unit below it again in backward; true reshards the
+// root too, so backward gathers it as well; false (ZeRO-2) keeps every unit whole from its forward to
+// its backward, so each unit gathers once a step. A mode that silently behaved as another would
+// change both the bytes and the shapes seen between forward and backward.
+TEST(FullyShard, ReshardAfterForwardSetsWhatIsGatheredAndWhatStaysWhole) {
+  const int64_t n = world_size();
+  const auto padded = [&](std::vector<std::vector<int64_t>> shapes) {
+    int64_t numel = 0;
+    for (const auto& s : shapes) {
+      const int64_t rows = s[0], row_numel = s.size() > 1 ? s[1] : 1;
+      numel += (rows + n - 1) / n * row_numel;
+    }
+    return numel;
+  };
+  // The units of fsdp_models::Net and the shapes of the parameters each holds.
+  const int64_t root = padded({{13, 8}, {13}, {3, 11}, {3}});
+  const int64_t below =
+      padded({{5, 13}, {5}}) + padded({{7, 5}, {7}}) + padded({{11, 9}, {11}}) + padded({{9, 7}, {9}, {5, 2}});
+  const int64_t shard_bytes = (n - 1) * static_cast<int64_t>(sizeof(double));
+  const auto rows = [&](int64_t whole, bool sharded) {  // this rank's rows: the last ranks may hold fewer
+    const int64_t chunk = (whole + n - 1) / n;
+    return sharded ? std::max<int64_t>(0, std::min(chunk, whole - rank() * chunk)) : whole;
+  };
+  for (std::optional<bool> option : {std::optional<bool>(), std::optional<bool>(true), std::optional<bool>(false)}) {
+    const std::string mode = !option ? "default" : *option ? "true" : "false";
+    const bool root_resharded = option.value_or(false), below_resharded = option.value_or(true);
+    Net net = fsdp_models::make_net();
+    FullyShardOptions o;
+    if (option) o.reshard_after_forward(*option);
+    auto fsdp = fsdp_models::shard(net, o);
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.01));
+    for (int s = 0; s < 2; ++s) {
+      auto [x, y] = fsdp_models::batch(s);
+      fsdp_models::keep_this_ranks_part(x, y);
+      const int64_t start = fsdp.received_bytes();
+      opt.zero_grad();
+      at::Tensor loss = (fsdp(x) - y).pow(2).mean();
+      EXPECT_EQ(fsdp.received_bytes() - start, (root + below) * shard_bytes) << mode << ": forward gathers every unit";
+      // Between forward and backward.
+      EXPECT_EQ(net->inner.module()->a->weight.size(0), rows(9, below_resharded)) << mode;
+      EXPECT_EQ(net->inner.module()->b.get()->weight.size(0), rows(11, below_resharded)) << mode;
+      EXPECT_EQ(net->inp->weight.size(0), rows(13, root_resharded)) << mode << ": the root";
+      const int64_t before_backward = fsdp.received_bytes();
+      loss.backward();
+      const int64_t gathers = (below_resharded ? below : 0) + (root_resharded ? root : 0);
+      EXPECT_EQ(fsdp.received_bytes() - before_backward, (gathers + root + below) * shard_bytes)
+          << mode << ": backward gathers what forward resharded and reduce-scatters every unit";
+      opt.step();
+    }
+  }
+}
+
 TEST(FullyShard, GradientAccumulationWithoutSyncEqualsTheLargeBatch) {
   Pair pair("sgd");
   for (int s = 0; s < 4; ++s) {
@@ -291,6 +346,64 @@ static void expect_low_param_dtype_equals_one_process(at::ScalarType low_dtype) 
     }
     const double diff = (whole[i].second - r).abs().max().item<double>() / moved;
     EXPECT_LT(diff, 0.05) << whole[i].first << ": moved " << moved << "; the low dtype sums over other batch splits";
+  }
+}
+
+// reduce_dtype is the dtype gradients travel and are averaged in. A bf16 reduce hands each shard an
+// average that is a bfloat16 number (8 bits of mantissa) converted back to float32: every element of
+// the gradient survives a round trip through bfloat16 unchanged, and lies within a few bf16 steps of
+// float32's average; a float32 reduce gives float32's average (every rank's gradient on its part of
+// the batch, computed here in one process) to float32 rounding, most of whose elements bfloat16
+// cannot hold. A tolerance alone could not tell the two apart.
+TEST(FullyShard, ReduceDtypeIsTheDtypeGradientsAreAveragedIn) {
+  const int64_t n = world_size(), r = rank();
+  auto [x, y] = fsdp_models::batch(0);
+  x = x.to(at::kFloat);
+  y = y.to(at::kFloat);
+  Net ref = fsdp_models::make_net();
+  ref->to(at::kFloat);
+  const auto params = ref->parameters();
+  std::vector<at::Tensor> average(params.size());
+  std::vector<double> scale(params.size(), 1e-30);  // the largest magnitude any rank's gradient has
+  for (int64_t q = 0; q < n; ++q) {                 // rank q's gradient, on its rows of the batch
+    ref->zero_grad();
+    (ref->forward(x.chunk(n)[q]) - y.chunk(n)[q]).pow(2).mean().backward();
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor g = params[i].grad().defined() ? params[i].grad() : at::zeros_like(params[i]);
+      average[i] = q ? average[i] + g / n : g / n;
+      scale[i] = std::max(scale[i], g.abs().max().item<double>());
+    }
+  }
+  for (at::ScalarType reduce : {at::kFloat, at::kBFloat16}) {
+    const char* what = reduce == at::kFloat ? "float32 reduce" : "bfloat16 reduce";
+    Net net = fsdp_models::make_net();
+    net->to(at::kFloat);
+    auto fsdp = fsdp_models::shard(net, FullyShardOptions().mp_policy(MixedPrecisionPolicy().reduce_dtype(reduce)));
+    at::Tensor xr = x.clone(), yr = y.clone();
+    fsdp_models::keep_this_ranks_part(xr, yr);
+    (fsdp(xr) - yr).pow(2).mean().backward();
+    int64_t elements = 0, bf16_exact = 0;
+    double worst = 0;  // from float32's average, in bf16 steps at the tensor's largest gradient
+    const auto shards = net->parameters();
+    for (size_t i = 0; i < shards.size(); ++i) {
+      if (!shards[i].grad().defined() || shards[i].numel() == 0) continue;
+      const at::Tensor& got = shards[i].grad();
+      EXPECT_EQ(got.scalar_type(), at::kFloat) << what << ": the shard's gradient is back in its dtype";
+      const int64_t rows = params[i].size(0), chunk = (rows + n - 1) / n;
+      at::Tensor want = average[i].narrow(0, std::min(rows, r * chunk), shards[i].size(0));
+      elements += got.numel();
+      bf16_exact += got.to(at::kBFloat16).to(at::kFloat).eq(got).sum().item<int64_t>();
+      const double step = scale[i] * std::ldexp(1.0, -7);  // bf16's spacing there, within 2x
+      worst = std::max(worst, (got - want).abs().max().item<double>() / step);
+    }
+    ASSERT_GT(elements, 0);
+    if (reduce == at::kBFloat16) {
+      EXPECT_EQ(bf16_exact, elements) << what << ": every averaged element is a bfloat16 number";
+      EXPECT_LT(worst, 4.0) << what << ": within a few bf16 steps of float32's average";
+    } else {
+      EXPECT_LT(bf16_exact, elements / 2) << what << ": most elements need float32's mantissa";
+      EXPECT_LT(worst, 1e-3) << what << ": float32's average (1e-3 bf16 steps is 2^-17 relative)";
+    }
   }
 }
 
