@@ -217,10 +217,21 @@ TEST(TensorParallel, ShardsHavePyTorchsShapes) {
   EXPECT_EQ(lm->emb->weight.size(0), std::max<int64_t>(0, std::min(chunk, 11 - g.rank() * chunk)));
   EXPECT_EQ(lm->emb->weight.size(1), 6);
   // PyTorch's default RowwiseParallel input is Shard(-1), for an Embedding too: the indices of
-  // every rank are gathered.
+  // every rank are gathered, and every rank gets the whole lookup of all of them (rank order), as
+  // one process looks up the concatenated indices in the whole table.
+  torch::manual_seed(21);
   tp_models::LM gathered(11, 6, 12);
+  torch::manual_seed(21);
+  tp_models::LM whole(11, 6, 12);
   parallelize_module(*gathered, g, {{"emb", RowwiseParallel()}});
-  EXPECT_EQ(gathered->emb(at::zeros({3}, at::kLong)).size(0), 3 * n);
+  const auto indices_of = [](int64_t r) { return at::arange(3, at::kLong).add(4 * r + 1).remainder(11); };
+  at::Tensor out = gathered->emb(indices_of(g.rank()));
+  EXPECT_EQ(out.size(0), 3 * n);
+  std::vector<at::Tensor> all;
+  for (int64_t r = 0; r < n; ++r) all.push_back(indices_of(r));
+  at::NoGradGuard no_grad;
+  // Each row comes from one rank, zeros from the others: the sum is exact.
+  EXPECT_TRUE(at::equal(out, whole->emb(at::cat(all)))) << "the gathered lookup on rank " << g.rank();
 }
 
 // Counted from the group's record of checked collectives (DTRAIN_DEBUG=DETAIL numbers each one and

@@ -5,7 +5,8 @@
 //   - the same checkpoint loads into the unsharded model on every rank: its parameters and Adam's
 //     state are the parts put together (bit-identical), and one more Adam step of it equals the TP
 //     model's within 1e-10;
-//   - onto another tp size (2 saved, the world loading): each rank's part of the same whole;
+//   - onto another tp size (2 saved, the world loading, and the world saved, 2 and the unsharded
+//     model loading): each rank's part of the same whole;
 //   - TP inside fully_shard is refused, in one line, by both;
 //   - dcp::save of the TP model writes each part as a chunk of the whole; dcp::load reads it back
 //     into the TP model and into the unsharded model, bit-identical.
@@ -187,6 +188,36 @@ TEST(TensorParallelCheckpoint, LoadsOntoAnotherTPSize) {
   ASSERT_TRUE(ckpt.load_latest(b).has_value());
   EXPECT_EQ(wide->w2->weight.size(1), kHidden / world_size());
   expect_parts_of(wide, wide_opt, whole, whole_opt, world);
+  remove_dir(dir);
+}
+
+// The other way: saved with tp over the whole world (4 ranks: 4 parts), loaded with tp = 2 (each part
+// two saved parts put together, Adam's state too) and into the unsharded model (all of them).
+TEST(TensorParallelCheckpoint, LoadsOntoASmallerTPSizeAndUnsharded) {
+  const Group world;
+  tp_models::MLP wide = make_mlp(3);
+  parallelize_module(*wide, world, tp_models::mlp_plan());
+  torch::optim::Adam wide_opt(wide->parameters(), torch::optim::AdamOptions(1e-2));
+  train(wide, wide_opt, 2, 10);
+  const std::string dir = fresh_dir("shrink");
+  CheckpointManager ckpt(dir);
+  ckpt.save(state_of(wide, wide_opt, 2));
+
+  tp_models::MLP whole = make_mlp(99);
+  torch::optim::Adam whole_opt(whole->parameters(), torch::optim::AdamOptions(1e-2));
+  TrainingState a = state_of(whole, whole_opt, 0);
+  ASSERT_TRUE(ckpt.load_latest(a).has_value());
+  EXPECT_EQ(whole->w2->weight.sizes(), (std::vector<int64_t>{kDim, kHidden}));
+  expect_parts_of(wide, wide_opt, whole, whole_opt, world);  // the saved parts, each where it belongs
+
+  DeviceMesh mesh = init_device_mesh({world_size() / 2, 2}, {"dp", "tp"});
+  tp_models::MLP narrow = make_mlp(98);
+  parallelize_module(*narrow, mesh["tp"], tp_models::mlp_plan());
+  torch::optim::Adam narrow_opt(narrow->parameters(), torch::optim::AdamOptions(1e-2));
+  TrainingState b = state_of(narrow, narrow_opt, 0);
+  ASSERT_TRUE(ckpt.load_latest(b).has_value());
+  EXPECT_EQ(narrow->w2->weight.size(1), kHidden / 2);
+  expect_parts_of(narrow, narrow_opt, whole, whole_opt, mesh.get_group("tp"));
   remove_dir(dir);
 }
 
