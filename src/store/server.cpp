@@ -139,6 +139,7 @@ StoreServer::~StoreServer() {
 uint16_t StoreServer::port() const { return impl_->port; }
 const std::string& StoreServer::host() const { return impl_->host; }
 uint64_t StoreServer::rejected_connections() const { return impl_->rejected.load(); }
+size_t StoreServer::throttled_connections() const { return impl_->throttled.load(); }
 size_t StoreServer::connections() const { return impl_->open_connections.load(); }
 
 void StoreServer::Impl::report(const std::string& what) {
@@ -179,14 +180,17 @@ bool StoreServer::Impl::poll_once() {
   fds.push_back({wake_pipe[0], POLLIN, 0});
   const auto now = Clock::now();
   fds.push_back({now >= listen_paused_until ? listen_fd : -1, POLLIN, 0});
+  size_t backed_up = 0;
   for (auto& kv : conns) {
     const Connection& c = kv.second;
+    backed_up += c.out.size() >= kOutputHighWater ? 1 : 0;
     // Parked, refused or backed up: read no further, but still notice a peer that leaves.
     const bool reading = !c.waiting && !c.closing && c.out.size() < kOutputHighWater;
     short ev = reading ? POLLIN : POLLRDHUP;
     if (!c.out.empty()) ev |= POLLOUT;
     fds.push_back({kv.first, ev, 0});
   }
+  throttled.store(backed_up);
   const int n = poll(fds.data(), fds.size(), poll_timeout(now));
   if (n < 0 && errno != EINTR) {
     report(std::string("stopped: poll failed: ") + std::strerror(errno));

@@ -88,6 +88,7 @@ struct StoreServer::Impl {
   std::thread thread;
   std::atomic<uint64_t> rejected{0};
   std::atomic<size_t> open_connections{0};
+  std::atomic<size_t> throttled{0};  // backed-up connections at the last poll round
 
   // Owned by the server thread only.
   std::map<std::string, Bytes, std::less<>> data;

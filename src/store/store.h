@@ -89,6 +89,9 @@ class StoreServer {
   uint64_t rejected_connections() const;
   // Connections open now (test and diagnostics).
   size_t connections() const;
+  // Connections whose unsent replies passed the high-water mark at the last poll round, so that
+  // their requests are read no further until they drain (test and diagnostics).
+  size_t throttled_connections() const;
 
  private:
   struct Impl;

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "matchers.h"
+#include "store/auth.h"
 #include "store/protocol.h"
 #include "store/store.h"
 
@@ -66,6 +67,37 @@ struct Raw {
     if (fd >= 0) close(fd);
   }
   void send_bytes(const std::vector<uint8_t>& b) const { (void)!send(fd, b.data(), b.size(), MSG_NOSIGNAL); }
+  // The next whole frame's payload (empty when the server closed or sent nothing within 5 s).
+  std::vector<uint8_t> read_frame() const {
+    std::vector<uint8_t> got;
+    auto read_n = [&](size_t n) {
+      const auto end = std::chrono::steady_clock::now() + 5s;
+      std::vector<uint8_t> out(n);
+      size_t have = 0;
+      while (have < n && std::chrono::steady_clock::now() < end) {
+        pollfd p{fd, POLLIN, 0};
+        if (poll(&p, 1, 20) <= 0) continue;
+        const ssize_t r = recv(fd, out.data() + have, n - have, 0);
+        if (r <= 0) break;
+        have += static_cast<size_t>(r);
+      }
+      out.resize(have);
+      return out;
+    };
+    const auto len = read_n(4);
+    if (len.size() < 4) return got;
+    got = read_n(detail::decode_u32(len.data()));
+    return got;
+  }
+  // The server nonce of the HELLO every connection opens with.
+  std::vector<uint8_t> hello_nonce() const {
+    const auto hello = read_frame();
+    detail::Reader r(hello.data(), hello.size());
+    r.head();
+    r.str();   // magic
+    r.view();  // whether a secret is required
+    return r.blob();
+  }
   // Whether the server closed the connection within `within` (reading and dropping what it sent).
   bool closed_within(Millis within) const {
     const auto end = std::chrono::steady_clock::now() + within;
@@ -241,6 +273,34 @@ TEST(StoreSecret, AStoreThatAnswersAWrongProofIsRefused) {
   EXPECT_THAT(msg, HasSubstr("did not prove it knows this job's secret")) << msg;
 }
 
+// A proof recorded on one connection is worth nothing on another: each HELLO carries a fresh nonce,
+// and the proof covers it, so an eavesdropper that replays a job member's AUTH is refused.
+TEST(StoreSecret, AReplayedProofIsRefused) {
+  StoreServer server("127.0.0.1", 0, kSecret);
+  StoreClient job("127.0.0.1", server.port(), kConnect, kSecret);
+  const std::vector<uint8_t> client_nonce(32, 5);
+  Raw first(server.port());
+  const auto nonce1 = first.hello_nonce();
+  ASSERT_EQ(nonce1.size(), 32u);
+  const auto recorded =
+      auth_frame(client_nonce, detail::handshake_mac(kSecret, detail::kClientRole, nonce1, client_nonce));
+  first.send_bytes(recorded);
+  const auto answer = first.read_frame();
+  ASSERT_FALSE(answer.empty());
+  EXPECT_EQ(answer[0], uint8_t(Status::kOk)) << "the proof is good on the connection it was made for";
+  first.send_bytes(Writer(uint8_t(Op::kSet)).str("first").blob(to_bytes("1")).frame());
+  EXPECT_EQ(to_string(job.get("first", 2000ms)), "1");
+
+  Raw second(server.port());
+  const auto nonce2 = second.hello_nonce();
+  EXPECT_NE(nonce1, nonce2) << "every connection gets its own nonce";
+  second.send_bytes(recorded);
+  second.send_bytes(Writer(uint8_t(Op::kSet)).str("replayed").blob(to_bytes("x")).frame());
+  EXPECT_TRUE(second.closed_within(2000ms));
+  EXPECT_EQ(server.rejected_connections(), 1u);
+  EXPECT_FALSE(job.check({"replayed"}));
+}
+
 TEST(StoreSecret, AShortSecretIsRefusedInOneLine) {
   const std::string msg = error_of([] { StoreServer("127.0.0.1", 0, "short"); });
   EXPECT_THAT(msg, HasSubstr("holds 5 bytes: a job secret has at least 32")) << msg;
@@ -295,7 +355,12 @@ TEST(StoreLimits, RepliesThatDoNotDrainStopTheReadingNotTheServer) {
     gets.insert(gets.end(), f.begin(), f.end());
   }
   greedy.send_bytes(gets);
-  std::this_thread::sleep_for(500ms);
+  // Measured once the server says it stopped reading the client (a server that has not read the
+  // requests yet would hold nothing either): a server without the limit never says so.
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (server.throttled_connections() == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(10ms);
+  ASSERT_EQ(server.throttled_connections(), 1u) << "the server never stopped reading the client that does not read";
   const double grown = rss_mib() - before;
   EXPECT_LT(grown, 100.0 + kQuarantineMiB)
       << "the server holds " << grown << " MiB more for one client that does not read";
