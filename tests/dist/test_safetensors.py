@@ -87,14 +87,19 @@ class SafetensorsAgainstPython(unittest.TestCase):
         with open(self.python_file, "rb") as f:
             good = f.read()
         n = int.from_bytes(good[:8], "little")
-        cases = {
-            "short": (good[:5], "at byte 0"),
-            "length_past_end": ((len(good) * 2).to_bytes(8, "little") + good[8:], "at byte 0"),
-            "bad_json": (good[:8] + b"{\"a\": [1," + good[17:], "does not parse"),
-            "truncated_data": (good[:-7], "spans data bytes"),
-            "not_brace": (good[:8] + b"[" + good[9:], "at byte 8"),
+        header = good[8:8 + n]
+        # The entry whose data ends last: cutting the file's tail leaves it short, and the error points
+        # at its key in the header.
+        last = max(json.loads(header).items(), key=lambda kv: kv[1]["data_offsets"][1] if "data_offsets" in kv[1] else -1)[0]
+        garbled = b"{\"a\": [1,"  # the JSON parser stops at the character after the comma
+        cases = {  # the damaged bytes, words of the line, and the byte it must name
+            "short": (good[:5], "less than its 8-byte header length", 0),
+            "length_past_end": ((len(good) * 2).to_bytes(8, "little") + good[8:], "runs past the file's", 0),
+            "bad_json": (good[:8] + garbled + good[8 + len(garbled):], "does not parse", 8 + len(garbled)),
+            "truncated_data": (good[:-7], f"'{last}' spans data bytes", 8 + header.index(f'"{last}"'.encode())),
+            "not_brace": (good[:8] + b"[" + good[9:], "does not start with '{'", 8),
         }
-        for name, (data, words) in cases.items():
+        for name, (data, words, byte) in cases.items():
             with self.subTest(case=name):
                 path = os.path.join(self.tmp, name + ".safetensors")
                 with open(path, "wb") as f:
@@ -104,7 +109,7 @@ class SafetensorsAgainstPython(unittest.TestCase):
                 lines = res.stderr.strip().splitlines()
                 self.assertEqual(len(lines), 1, res.stderr)
                 self.assertIn(path, lines[0])
-                self.assertRegex(lines[0], r"at byte \d+")
+                self.assertIn(f" at byte {byte} ", lines[0])
                 self.assertIn(words, lines[0])
         self.assertLess(8 + n, len(good))
 
