@@ -9,7 +9,8 @@
 //     model loading): each rank's part of the same whole;
 //   - TP inside fully_shard is refused, in one line, by both;
 //   - dcp::save of the TP model writes each part as a chunk of the whole; dcp::load reads it back
-//     into the TP model and into the unsharded model, bit-identical.
+//     into the TP model and into the unsharded model, bit-identical; over a subgroup (each tp group
+//     its own folder), each replica gets its own back.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -219,6 +220,35 @@ TEST(TensorParallelCheckpoint, LoadsOntoASmallerTPSizeAndUnsharded) {
   EXPECT_EQ(narrow->w2->weight.size(1), kHidden / 2);
   expect_parts_of(narrow, narrow_opt, whole, whole_opt, mesh.get_group("tp"));
   remove_dir(dir);
+}
+
+// dcp over a subgroup: each tp group (a dp replica of the mesh: {0, 1} and {2, 3} on 4 ranks) saves
+// its own model, made different from the other replica's, to its own folder over its own group, and
+// loads it back over that group alone: each gets its own bits, and the other replica's folder is
+// never touched (a save or load that reached outside its group would mix or hang).
+TEST(TensorParallelCheckpoint, DcpOverASubgroupSavesAndLoadsEachReplicasOwn) {
+  Trained t = trained_tp();
+  const Group tp = t.mesh.get_group("tp");
+  const int64_t replica = t.mesh.get_local_rank("dp");
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : t.model->parameters()) p.add_(static_cast<double>(replica));
+  }
+  const std::string dir = fresh_dir("dcp_subgroup") + "/replica" + std::to_string(replica);
+  dcp::StateDict sd = dcp::get_state_dict(*t.model, t.opt.get());
+  dcp::save(sd, dir, tp);
+  EXPECT_TRUE(fs::exists(dir + "/.metadata"));
+  EXPECT_TRUE(fs::exists(dir + "/__" + std::to_string(tp.rank()) + "_0.distcp"))
+      << "files are named by the rank in the group";
+
+  tp_models::MLP loaded = make_mlp(99);
+  parallelize_module(*loaded, t.mesh["tp"], tp_models::mlp_plan());
+  torch::optim::Adam opt(loaded->parameters(), torch::optim::AdamOptions(1e-2));
+  dcp::StateDict back = dcp::get_state_dict(*loaded, &opt);
+  dcp::load(back, dir, tp);
+  dcp::set_state_dict(*loaded, &opt, back);
+  expect_parts_of(loaded, opt, t.model, *t.opt, Group());  // same shapes: compared whole
+  remove_dir(dir.substr(0, dir.rfind('/')));
 }
 
 TEST(TensorParallelCheckpoint, DcpChunksLoadIntoTheTPAndTheUnshardedModel) {
