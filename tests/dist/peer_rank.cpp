@@ -2,16 +2,26 @@
 // the same sequence, call for call): all_reduce, broadcast, all_gather, barrier, send/recv around a
 // ring, two subgroups, and this rank's DistributedSampler indices, which the test compares with Python's. Prints
 // one line per check and "peer_rank: ALL OK" at the end; any mismatch exits 1.
+//   peer_rank --ddp CASE   a DistributedDataParallel that dtrain must refuse in one line (exit 1), beside
+//                          Python's (peer_rank.py --ddp CASE), which must then fail promptly:
+//                          hook (a communication hook), deeper (one layer more than Python's),
+//                          wider (a layer of another shape), dtypes (parameters of two dtypes and the
+//                          bucket rebuild), zero_join (a ZeroRedundancyOptimizer listed in a Join)
 #include <cstdio>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
 
 #include "dtrain/comm_hooks.h"
 #include "dtrain/ddp.h"
+#include "dtrain/join.h"
 #include "dtrain/process_group.h"
 #include "dtrain/sampler.h"
+#include "dtrain/zero.h"
 
 namespace {
 
@@ -24,19 +34,53 @@ void check(bool ok, const std::string& what) {
 
 at::TensorOptions f64() { return at::TensorOptions().dtype(at::kDouble); }
 
+// A float32 and a float64 Linear side by side (peer_rank.py's TwoDtypes).
+struct TwoDtypesImpl : torch::nn::Module {
+  torch::nn::Linear f{nullptr}, d{nullptr};
+  TwoDtypesImpl() {
+    f = register_module("f", torch::nn::Linear(4, 2));
+    d = register_module("d", torch::nn::Linear(4, 2));
+    d->to(at::kDouble);
+  }
+  at::Tensor forward(const at::Tensor& x) { return f(x).sum() + d(x.to(at::kDouble)).sum().to(at::kFloat); }
+};
+TORCH_MODULE(TwoDtypes);
+
+// The refusals (see the header): each throws its one line before its first call Python's DDP could
+// pair with another.
+void refused_ddp(const std::string& kind) {
+  if (kind == "hook") {
+    // DDP pairs with Python's; a communication hook cannot (Python's hooks send other calls).
+    dtrain::DistributedDataParallel ddp(torch::nn::Linear(4, 2));
+    ddp.register_comm_hook(dtrain::Group(), dtrain::allreduce_hook);
+  } else if (kind == "deeper") {
+    dtrain::DistributedDataParallel ddp(torch::nn::Sequential(torch::nn::Linear(4, 2), torch::nn::Linear(2, 2)));
+  } else if (kind == "wider") {
+    dtrain::DistributedDataParallel ddp(torch::nn::Linear(4, 3));
+  } else if (kind == "dtypes") {
+    TwoDtypes model;
+    dtrain::DistributedDataParallel ddp(model);
+    for (int step = 0; step < 3; ++step) ddp(at::ones({2, 4})).backward();  // the rebuild refuses
+  } else if (kind == "zero_join") {
+    dtrain::DistributedDataParallel ddp(torch::nn::Linear(4, 2));
+    dtrain::ZeroRedundancyOptimizer zero(ddp.parameters(),
+                                         dtrain::optimizer_factory<torch::optim::SGD>(torch::optim::SGDOptions(0.1)));
+    dtrain::Join join({&ddp, &zero});
+    ddp(at::ones({2, 4})).sum().backward();  // DDP's rounds pair with Python's Join and DDP
+    zero.step();                             // ZeRO's first round of its own: refused
+  } else {
+    throw std::runtime_error("--ddp takes hook, deeper, wider, dtypes or zero_join, got '" + kind + "'");
+  }
+  throw std::runtime_error("--ddp " + kind + ": dtrain accepted what it must refuse");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     dtrain::init_process_group(dtrain::InitOptions().pytorch_peers(true));
     const int r = dtrain::rank(), n = dtrain::world_size();
-    if (argc == 2 && std::strcmp(argv[1], "--ddp") == 0) {
-      // DDP pairs with Python's; a communication hook cannot (Python's hooks send other calls): the
-      // refusal's line exits 1.
-      dtrain::DistributedDataParallel ddp(torch::nn::Linear(4, 2));
-      ddp.register_comm_hook(dtrain::Group(), dtrain::allreduce_hook);
-      return 0;
-    }
+    if (argc == 3 && std::strcmp(argv[1], "--ddp") == 0) refused_ddp(argv[2]);  // throws
 
     at::Tensor t = at::full({5}, r + 1.0, f64());
     dtrain::all_reduce(t);

@@ -19,16 +19,38 @@ dist.init_process_group("gloo")
 r, n = dist.get_rank(), dist.get_world_size()
 f64 = dict(dtype=torch.float64)
 
-if sys.argv[1:] == ["--ddp"]:
-    # The dtrain rank builds its DDP with this one, then refuses a communication hook and leaves:
-    # Python's DDP must fail in its first backward, not wait for it.
-    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
-    print("peer_rank: DDP was built", flush=True)
+
+
+class TwoDtypes(torch.nn.Module):
+    """A float32 and a float64 Linear side by side (peer_rank.cpp's TwoDtypes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = torch.nn.Linear(4, 2)
+        self.d = torch.nn.Linear(4, 2).double()
+
+    def forward(self, x):
+        return self.f(x).sum() + self.d(x.double()).sum().float()
+
+
+if sys.argv[1:2] == ["--ddp"]:
+    # The dtrain rank refuses its DDP in one line (peer_rank.cpp's cases) and leaves: Python's DDP
+    # must fail promptly, not wait for it.
+    kind = sys.argv[2]
     try:
-        for _ in range(3):
-            ddp(torch.ones(2, 4)).sum().backward()
-    except Exception as e:  # noqa: BLE001: whichever error Gloo raises for a peer that left
-        print(f"peer_rank: DDP failed: {type(e).__name__}", flush=True)
+        model = TwoDtypes() if kind == "dtypes" else torch.nn.Linear(4, 2)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        print("peer_rank: DDP was built", flush=True)
+        if kind == "zero_join":
+            from torch.distributed.algorithms.join import Join
+            with Join([ddp]):
+                for _ in range(3):
+                    ddp(torch.ones(2, 4)).sum().backward()
+        else:
+            for _ in range(3):
+                ddp(torch.ones(2, 4)).sum().backward()
+    except Exception as e:  # noqa: BLE001: whichever error Gloo or DDP raises for a peer that left
+        print(f"peer_rank: DDP failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
         sys.exit(3)
     print("peer_rank: DDP trained alone", flush=True)
     sys.exit(0)

@@ -85,21 +85,42 @@ class PytorchPeers(DistTestCase):
         self.run_layout(["py", "cxx", "py"], TORCH_DISTRIBUTED_DEBUG="DETAIL")
 
     @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
-    def test_a_comm_hook_is_refused_on_the_dtrain_rank_and_python_gets_an_error(self):
+    def refused(self, kind, line, built=True):
+        """peer_rank --ddp KIND on rank 1 beside Python's DDP on rank 0: the dtrain rank exits 1 with
+        one line containing `line`; the Python rank fails within seconds instead of waiting."""
         cxx = peer_rank()
-        py = [needs(VENV_PYTHON, ".venv/bin/python"), os.path.join(HERE, "peer_rank.py"), "--ddp"]
+        py = [needs(VENV_PYTHON, ".venv/bin/python"), os.path.join(HERE, "peer_rank.py"), "--ddp", kind]
         port = free_port()
         procs = [self.spawn(argv, rank_env(r, 2, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=2, PYTHONPATH=None))
-                 for r, argv in enumerate([py, [cxx, "--ddp"]])]
+                 for r, argv in enumerate([py, [cxx, "--ddp", kind]])]
         python, dtrain = [p.finish(60) for p in procs]
         self.assertEqual(dtrain.rc, 1, str(dtrain))
-        self.assertIn("rank 1: DistributedDataParallel::register_comm_hook is not available in a job with Python ranks",
-                      dtrain.err)
+        self.assertIn(line, dtrain.err)
         self.assertEqual(len(dtrain.err.strip().splitlines()), 1, str(dtrain))
         self.assertEqual(python.rc, 3, str(python))
-        self.assertIn("peer_rank: DDP was built", python.out, str(python))
+        if built:
+            self.assertIn("peer_rank: DDP was built", python.out, str(python))
         self.assertIn("peer_rank: DDP failed", python.out, str(python))
         self.assertLess(python.seconds, 30, f"the Python rank waited instead of failing:\n{python}")
+        return python
+
+    def test_a_comm_hook_is_refused_on_the_dtrain_rank_and_python_gets_an_error(self):
+        self.refused("hook", "rank 1: DistributedDataParallel::register_comm_hook is not available in a job with "
+                             "Python ranks")
+
+    def test_a_model_with_another_layer_count_is_refused_on_both_sides(self):
+        python = self.refused("deeper", "rank 1: DistributedDataParallel: this rank has 4 parameters that require "
+                                        "grad, rank 0 has 2", built=False)
+        self.assertIn("RuntimeError", python.out, str(python))  # Python's own model check
+
+    def test_a_model_with_another_shape_is_refused_on_the_dtrain_rank(self):
+        self.refused("wider", "rank 1: DistributedDataParallel: parameter #0 'weight' has sizes [3, 4]", built=False)
+
+    def test_parameters_of_two_dtypes_are_refused_at_the_bucket_rebuild(self):
+        self.refused("dtypes", "the parameters have 2 (dtype, device) kinds")
+
+    def test_a_zero_optimizer_in_a_join_is_refused(self):
+        self.refused("zero_join", "dtrain::Join: joinable #1 starts rounds of its own")
 
     @unittest.skipUnless(0 < TORCH_MAJOR < 2, "a LibTorch 2.x build joins Python ranks (tested above)")
     def test_libtorch_1_refuses_with_the_remedy(self):
