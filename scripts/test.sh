@@ -21,7 +21,8 @@
 # `ctest -j3`: a test that computes counts 2 of the 3 and a test that mostly waits counts 1
 # (cmake/test_weights.cmake), so a waiting test runs beside a computing one and two computing tests
 # never share the 2 cores. Each test's time is in ctest's lines, and the 15 slowest follow
-# (scripts/slowest_tests.py).
+# (scripts/slowest_tests.py). Before a tree's full run, scripts/check_required.py fails it when the tree
+# registers no test for a name tests/tests_required.txt requires there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -71,6 +72,9 @@ for tree in $trees; do
   cmake --build "$tree" -j"$(nproc)"
   echo "=== $tree: built in $((SECONDS - start)) s"
   if (($# == 0)); then
+    # A full run must contain every test tests/tests_required.txt names for this tree: a test CMake
+    # did not register would otherwise be absent from a run that still reports 100%.
+    ./scripts/check_required.py "$tree"
     if [ -n "$skip" ]; then
       run_ctest "$tree" -j2 -L '^unit$' -LE '^once$'
     else
