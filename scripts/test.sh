@@ -17,6 +17,7 @@
 #   ./scripts/test.sh              everything
 #   ./scripts/test.sh -R dist_     extra arguments go to ctest in both trees; the sanitizer run is skipped
 #   DTRAIN_TREES=build ./scripts/test.sh   only the trees named (build, build-torch2)
+#   DTRAIN_TIME_BUDGET_S=1800 DTRAIN_TIME_BUDGET_STRICT=1 ./scripts/test.sh   fail past a time budget
 # In each tree the single-process tests (label `unit`) run two at a time, then the others under
 # `ctest -j3`: a test that computes counts 2 of the 3 and a test that mostly waits counts 1
 # (cmake/test_weights.cmake), so a waiting test runs beside a computing one and two computing tests
@@ -32,6 +33,7 @@ export CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1
 trees=${DTRAIN_TREES:-build build-torch2}
 total_start=$SECONDS
 first=1
+phases=()  # "name seconds" per part, for the budget line at the end
 # ctest in <tree> on the tests selected by the arguments, then a failure for any skip that
 # tests/skips_allowed.txt does not expect (ctest counts a skipped test as passed), then the slowest.
 run_ctest() {  # <tree> <ctest arguments>...
@@ -91,10 +93,25 @@ for tree in $trees; do
   fi
   first=0
   echo "=== $tree: done in $((SECONDS - start)) s"
+  phases+=("$tree $((SECONDS - start))")
 done
 if (($# == 0)); then
   start=$SECONDS
   ./scripts/sanitize.sh
   echo "=== sanitizer trees: done in $((SECONDS - start)) s"
+  phases+=("sanitizers $((SECONDS - start))")
 fi
-echo "=== scripts/test.sh: done in $((SECONDS - total_start)) s"
+total=$((SECONDS - total_start))
+echo "=== scripts/test.sh: done in $total s"
+# The time budget of a full run (CI stops a run at 90 minutes and lands nothing): the parts and the
+# total against DTRAIN_TIME_BUDGET_S (default 2400 s, the 40 minutes a run from nothing may take).
+# Past it the run says so in one line; DTRAIN_TIME_BUDGET_STRICT=1 makes that a failure (a quiet
+# machine's timing run), while CI's runs on a busy machine still land.
+if (($# == 0)); then
+  budget=${DTRAIN_TIME_BUDGET_S:-2400}
+  echo "=== time budget: $total s of $budget s (${phases[*]})"
+  if ((total > budget)); then
+    echo "scripts/test.sh: the run took $total s, over its budget of $budget s: see the slowest tests above" >&2
+    [ "${DTRAIN_TIME_BUDGET_STRICT:-0}" = 1 ] && exit 1
+  fi
+fi
