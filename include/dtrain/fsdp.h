@@ -20,6 +20,8 @@
 //   group (asynchronously; every one has landed in .grad() when backward() returns). .grad()
 //   accumulates over backward passes, as torch's; optimizer.zero_grad() clears it at any time, also
 //   between forward and backward while a unit is kept whole (Note [zero_grad while whole]).
+// - GradScaler needs nothing more: its unscale_ MAX-reduces the overflow flag over the group of
+//   every sharded parameter (each rank sees only its rows' infs), so every rank skips together.
 // - CheckpointManager saves a sharded model with each rank writing its own shards, sharded over the
 //   world or over subgroups (replica groups too), and loads it on any world and group size
 //   (dtrain/checkpoint.h).
