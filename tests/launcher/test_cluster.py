@@ -179,8 +179,8 @@ class ClusterTest(MarkedTestCase):
     def test_kubeflow_pytorchjob_with_an_elastic_policy(self):
         # An elasticPolicy adds PET_RDZV_BACKEND=c10d, PET_RDZV_ENDPOINT (the first worker's service)
         # and PET_NNODES, and no node rank: the rendezvous assigns them, the pod's RANK notwithstanding.
-        port = free_port()
-        envs = [with_secret(MASTER_ADDR="127.0.0.1", MASTER_PORT=port + 1 if port < 65000 else port - 1,
+        port = free_port()  # port + 1 is this process's too (proc_util.free_port)
+        envs = [with_secret(MASTER_ADDR="127.0.0.1", MASTER_PORT=port + 1,
                             WORLD_SIZE=2, RANK=i, PET_RDZV_BACKEND="c10d", PET_RDZV_ENDPOINT=f"127.0.0.1:{port}",
                             PET_NNODES=2, PET_MAX_RESTARTS=1, PET_RDZV_ID="kf1", PET_LOCAL_ADDR=f"127.0.0.{2 + i}")
                 for i in (1, 0)]
