@@ -211,6 +211,41 @@ def children(pid):
     return sorted(out)
 
 
+# Outputs of failed tests. ctest -j keeps a test's output only in its log, which the next run
+# overwrites, and a test's own message may hold only the tail: when a test fails, the whole stdout and
+# stderr of each process it started are copied into a folder that outlives the run.
+def failed_output_root():
+    """$DTRAIN_FAILED_OUTPUT_DIR; else <build tree>/Testing/failed-output (the tree of $DTRAIN_BUILD_DIR,
+    or of the program $DTRAIN_RUN names); else <temporary folder>/dtrain-failed-output."""
+    given = os.environ.get("DTRAIN_FAILED_OUTPUT_DIR")
+    if given:
+        return given
+    run = os.environ.get("DTRAIN_RUN", "")
+    for tree in filter(None, [os.environ.get("DTRAIN_BUILD_DIR", ""), os.path.dirname(os.path.dirname(run))]):
+        if os.path.isfile(os.path.join(tree, "CMakeCache.txt")):
+            return os.path.join(tree, "Testing", "failed-output")
+    import tempfile
+    return os.path.join(tempfile.gettempdir(), "dtrain-failed-output")
+
+
+def keep_outputs(test_id, procs):
+    """Writes, for each (argv, rc, stdout, stderr) of `procs`, <n>-<program>.stdout and .stderr into a
+    new folder <failed_output_root()>/<test_id>.<time>.<pid>, with commands.txt listing each command
+    and its exit status. Returns the folder."""
+    import re
+    folder = os.path.join(failed_output_root(),
+                          f"{test_id}.{time.strftime('%Y%m%d-%H%M%S')}.{os.getpid()}")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "commands.txt"), "w") as index:
+        for n, (argv, rc, out, err) in enumerate(procs):
+            name = f"{n:02d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', os.path.basename(str(argv[0])))}"
+            for ext, text in (("stdout", out), ("stderr", err)):
+                with open(os.path.join(folder, f"{name}.{ext}"), "w") as f:
+                    f.write(text)
+            index.write(f"{name}: exit {rc}: {' '.join(map(str, argv))}\n")
+    return folder
+
+
 # One kill rule for both suites: every process a test starts runs in its own session, and a process
 # past its timeout is SIGKILLed with that whole session (a launcher's workers too, marked or not), and
 # its output says so.

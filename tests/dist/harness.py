@@ -26,7 +26,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
 # Re-exported to the dist tests.
 from proc_util import (alive, children, clean_env, free_port, free_slurm_job_id,  # noqa: E402
-                       kill_session, slurm_job_port, timeout_note, wait_until)
+                       keep_outputs, kill_session, slurm_job_port, timeout_note, wait_until)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -108,6 +108,8 @@ class Proc:
         self.kill()
         if self.p.stdin:
             self.p.stdin.close()
+        # What it wrote, for DistTestCase to keep if the test failed (the files go away here).
+        self.kept = (self.argv, self.p.returncode, self.read(self._out), self.read(self._err))
         self._out.close()
         self._err.close()
 
@@ -137,9 +139,33 @@ class DistTestCase(unittest.TestCase):
 
     maxDiff = None
 
+    def run(self, result=None):
+        """Runs the test; if it failed, keeps the whole output of every process it spawned
+        (proc_util.keep_outputs) and prints where."""
+        if result is None:
+            result = self.defaultTestResult()
+        self._procs = []
+
+        def failed():
+            return len(result.failures) + len(result.errors) + len(getattr(result, "unexpectedSuccesses", ()))
+        before = failed()
+        try:
+            return super().run(result)
+        finally:
+            kept = [p.kept for p in self._procs if hasattr(p, "kept")]
+            if failed() > before and kept:
+                try:
+                    folder = keep_outputs(self.id(), kept)
+                    print(f"\n[harness] {self.id()} failed: the output of its {len(kept)} process(es) is in {folder}",
+                          file=sys.stderr, flush=True)
+                except OSError as e:
+                    print(f"\n[harness] could not keep the failed test's outputs: {e}", file=sys.stderr, flush=True)
+
     def spawn(self, argv, env=None, **kw):
         proc = Proc(argv, env, **kw)
         self.addCleanup(proc.close)
+        if hasattr(self, "_procs"):
+            self._procs.append(proc)
         return proc
 
     def run_ranks(self, argv, envs, timeout=PROC_TIMEOUT_S, stagger_s=0.0):
