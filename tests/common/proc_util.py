@@ -156,6 +156,67 @@ def free_slurm_job_id(count=1):
     raise AssertionError(f"no run of {count} free ports in 15000-24999 on this machine")
 
 
+# Time bounds. A bound on how long something takes (a failure noticed within 10 s) is a claim about
+# the normal build: under AddressSanitizer or ThreadSanitizer the same code runs several times slower,
+# and scripts/sanitize.sh runs tests side by side, so such bounds multiply by time_scale() there, as
+# the C++ tests' test_util::kTimeScale does (tests/common/test_util.h). Waits for an event (a deadline
+# that only stops a hang) never need it.
+SANITIZER_TIME_SCALE = 10.0
+
+
+def _sanitized_tree(build_dir):
+    """True/False: whether the CMake tree `build_dir` builds with DTRAIN_SANITIZE on; None: no tree."""
+    try:
+        with open(os.path.join(build_dir, "CMakeCache.txt")) as f:
+            for line in f:
+                if line.startswith("DTRAIN_SANITIZE:"):
+                    return line.split("=", 1)[1].strip().upper() not in ("", "OFF", "0", "FALSE", "NO")
+    except OSError:
+        return None
+    return False
+
+
+def _sanitized_program(path):
+    """Whether the program at `path` carries a sanitizer's runtime (its initializer's name)."""
+    import mmap
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return any(m.find(name) >= 0 for name in (b"__asan_init", b"__tsan_init"))
+    except (OSError, ValueError):
+        return False
+
+
+_time_scale = None
+
+
+def time_scale():
+    """The factor time bounds multiply by: $DTRAIN_TEST_TIME_SCALE if set, else SANITIZER_TIME_SCALE
+    when the programs under test are built with a sanitizer (the tree of $DTRAIN_BUILD_DIR, or of the
+    program $DTRAIN_RUN names), else 1."""
+    global _time_scale
+    if _time_scale is None:
+        given = os.environ.get("DTRAIN_TEST_TIME_SCALE")
+        if given:
+            _time_scale = float(given)
+        else:
+            sanitized = None
+            run = os.environ.get("DTRAIN_RUN", "")
+            trees = [os.environ.get("DTRAIN_BUILD_DIR", "")] + ([os.path.dirname(os.path.dirname(run))] if run else [])
+            for tree in filter(None, trees):
+                sanitized = _sanitized_tree(tree)
+                if sanitized is not None:
+                    break
+            if sanitized is None and run:
+                sanitized = _sanitized_program(run)
+            _time_scale = SANITIZER_TIME_SCALE if sanitized else 1.0
+    return _time_scale
+
+
+def scaled(seconds):
+    """A bound of `seconds` on the normal build, times time_scale()."""
+    return seconds * time_scale()
+
+
 def wait_until(pred, timeout=10.0, step=0.05):
     """Polls pred() every `step` seconds until it is true (returns True) or `timeout` seconds passed
     (returns pred()'s last value)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
 # Re-exported to the dist tests.
 from proc_util import (alive, children, clean_env, free_port, free_slurm_job_id,  # noqa: E402
-                       keep_outputs, kill_session, slurm_job_port, timeout_note, wait_until)
+                       keep_outputs, kill_session, scaled, slurm_job_port, time_scale, timeout_note, wait_until)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
