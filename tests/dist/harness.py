@@ -75,6 +75,12 @@ def rank_env(rank, world, port, addr="127.0.0.1", **extra):
     return clean_env(RANK=rank, WORLD_SIZE=world, MASTER_ADDR=addr, MASTER_PORT=port, **extra)
 
 
+def port_was_taken(result):
+    """Whether a rank failed because its store's port was in use (dtrain's or PyTorch's TCPStore): the
+    port free_port() gave is reserved among test processes, but any other program may bind it first."""
+    return result.rc != 0 and ("EADDRINUSE" in result.err or "already in use" in result.err.lower())
+
+
 @dataclass
 class Result:
     argv: list
@@ -180,6 +186,22 @@ class DistTestCase(unittest.TestCase):
         for proc in procs:
             results.append(proc.finish(deadline - time.monotonic()))
         return results
+
+    @staticmethod
+    def finish_all(procs, timeout=PROC_TIMEOUT_S, give_up=None):
+        """Waits for every Proc of `procs` up to `timeout` s in all; returns their [Result]. Once one
+        has ended with a Result for which give_up(result) is true, the others are killed at once (a
+        peer of a rank that could not start may wait for it until its own timeout)."""
+        deadline = time.monotonic() + timeout
+        while give_up and time.monotonic() < deadline:
+            ended = [proc for proc in procs if proc.p.poll() is not None]
+            if len(ended) == len(procs):
+                break
+            if any(give_up(proc.finish(0)) for proc in ended):
+                deadline = time.monotonic()  # the rest: killed now
+                break
+            time.sleep(0.05)
+        return [proc.finish(deadline - time.monotonic()) for proc in procs]
 
     def run_one(self, argv, env, timeout=PROC_TIMEOUT_S, **kw):
         return self.spawn(argv, env, **kw).finish(timeout)
