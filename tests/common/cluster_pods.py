@@ -47,8 +47,8 @@ class PodNames:
                 f.write(f"{addr} {name}\n")
 
 
-def launch_pod(ns, argv, env):
+def launch_pod(ns, argv, env, stderr=subprocess.PIPE):
     """Popen of argv in network namespace `ns`, in a session of its own (so that a pod still running at a
-    timeout dies whole: proc_util.kill_session)."""
+    timeout dies whole: proc_util.kill_session); stdout a pipe, stderr a pipe or the file given."""
     return subprocess.Popen(["ip", "netns", "exec", ns, *[str(a) for a in argv]], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=stderr, text=True, start_new_session=True)

@@ -1,9 +1,11 @@
 """Helpers that the Python test suites in tests/dist and tests/launcher share (stdlib only)."""
+import errno
 import fcntl
 import os
 import random
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import time
@@ -33,12 +35,99 @@ def clean_env(omp_threads="1", **extra):
     return env
 
 
+# Ports. A port found free by binding port 0 and closing comes from the kernel's ephemeral range, where
+# any process's next outgoing connection (another test's Gloo pairs, a client of its store) may take it
+# before the rank that was given it binds it; and two test processes (ctest -j) may be handed the same
+# one. So the ports handed out here lie outside the ephemeral range, and each is claimed with an
+# exclusive flock(2) on a file named after it in _PORT_LOCK_DIR, held until this process exits: no two
+# live test processes hold one port, whatever they bind. The kernel drops the locks of a process that
+# dies, so nothing needs cleaning up. A claimed port must also bind now (nothing else uses it).
+_PORT_LOCK_DIR = f"/tmp/dtrain-test-ports-{os.getuid()}"
+_SLURM_PORTS = range(15000, 25000)  # slurm_job_port's range, left to free_slurm_job_id
+_claimed = {}  # port -> the open lock file that holds it (for the life of this process)
+
+
+def _lock_dir():
+    try:
+        os.mkdir(_PORT_LOCK_DIR, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(_PORT_LOCK_DIR)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise AssertionError(f"{_PORT_LOCK_DIR} is not a folder of this user's: remove it")
+    return _PORT_LOCK_DIR
+
+
+def _bindable(port):
+    """Whether `port` can be bound now on every IPv4 address (and IPv6 where there is any)."""
+    families = [(socket.AF_INET, "0.0.0.0")]
+    if socket.has_ipv6:
+        families.append((socket.AF_INET6, "::"))
+    for family, any_addr in families:
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no such protocol here
+        with s:
+            try:
+                s.bind((any_addr, port))
+            except OSError as e:
+                if family == socket.AF_INET6 and e.errno == errno.EADDRNOTAVAIL:
+                    continue  # IPv6 is off: nothing can hold the port there
+                return False
+    return True
+
+
+def _claim(ports):
+    """Locks every port of `ports` for this process and returns True, or locks none and returns False
+    (one is held by another test process or by this one, or cannot be bound now)."""
+    if any(p in _claimed for p in ports):
+        return False
+    held = {}
+    try:
+        for p in ports:
+            fd = os.open(os.path.join(_lock_dir(), str(p)), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                return False
+            held[p] = fd
+        if not all(_bindable(p) for p in ports):
+            return False
+        _claimed.update(held)
+        held = {}
+        return True
+    finally:
+        for fd in held.values():
+            os.close(fd)  # releases the lock
+
+
+def _free_port_ranges():
+    """Ranges of ports outside the kernel's ephemeral range and slurm_job_port's."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999  # Linux's default
+    ranges = [r for r in (range(max(_SLURM_PORTS.stop, 10000), lo), range(hi + 1, 65535),
+                          range(10000, min(lo, _SLURM_PORTS.start)))
+              if len(r) >= 2]
+    return ranges or [range(_SLURM_PORTS.stop, 65535)]  # an ephemeral range over everything: no better choice
+
+
 def free_port():
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind port 0, read it, close; a tiny race,
-    acceptable in tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on this machine that no other live test process was given and that binds now; it and
+    the port after it are this process's until it exits (a test may use port + 1 as well). Not from
+    the ephemeral range, so no process's outgoing connection takes it in the meantime."""
+    ports = [p for r in _free_port_ranges() for p in r if p % 2 == 0 and p + 1 in r]
+    start = (os.getpid() * 7919) % len(ports)  # concurrent test processes start apart
+    for i in range(len(ports)):
+        port = ports[(start + i) % len(ports)]
+        if _claim([port, port + 1]):
+            return port
+    raise AssertionError(f"no free pair of ports outside the ephemeral range (locks in {_PORT_LOCK_DIR})")
 
 
 def port_is_free(port, host="127.0.0.1"):
@@ -57,14 +146,75 @@ def slurm_job_port(job_id):
 
 
 def free_slurm_job_id(count=1):
-    """A random job id such that the ports derived from it and the next count-1 ids are free, so that a
-    test whose job meets at the derived port does not meet another program (or a second copy of the
-    suite) there."""
+    """A random job id such that the ports derived from it and the next count-1 ids are free and are
+    this process's (claimed as free_port claims its ports), so that a test whose job meets at the
+    derived port does not meet another program (or another test process) there."""
     for _ in range(200):
         first = random.randrange(100000, 900000)
-        if all(port_is_free(slurm_job_port(first + i)) for i in range(count)):
+        if _claim(sorted({slurm_job_port(first + i) for i in range(count)})):
             return first
-    raise AssertionError(f"no run of {count} free ports in 15000-24999 on 127.0.0.1")
+    raise AssertionError(f"no run of {count} free ports in 15000-24999 on this machine")
+
+
+# Time bounds. A bound on how long something takes (a failure noticed within 10 s) is a claim about
+# the normal build: under AddressSanitizer or ThreadSanitizer the same code runs several times slower,
+# and scripts/sanitize.sh runs tests side by side, so such bounds multiply by time_scale() there, as
+# the C++ tests' test_util::kTimeScale does (tests/common/test_util.h). Waits for an event (a deadline
+# that only stops a hang) never need it.
+SANITIZER_TIME_SCALE = 10.0
+
+
+def _sanitized_tree(build_dir):
+    """True/False: whether the CMake tree `build_dir` builds with DTRAIN_SANITIZE on; None: no tree."""
+    try:
+        with open(os.path.join(build_dir, "CMakeCache.txt")) as f:
+            for line in f:
+                if line.startswith("DTRAIN_SANITIZE:"):
+                    return line.split("=", 1)[1].strip().upper() not in ("", "OFF", "0", "FALSE", "NO")
+    except OSError:
+        return None
+    return False
+
+
+def _sanitized_program(path):
+    """Whether the program at `path` carries a sanitizer's runtime (its initializer's name)."""
+    import mmap
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return any(m.find(name) >= 0 for name in (b"__asan_init", b"__tsan_init"))
+    except (OSError, ValueError):
+        return False
+
+
+_time_scale = None
+
+
+def time_scale():
+    """The factor time bounds multiply by: $DTRAIN_TEST_TIME_SCALE if set, else SANITIZER_TIME_SCALE
+    when the programs under test are built with a sanitizer (the tree of $DTRAIN_BUILD_DIR, or of the
+    program $DTRAIN_RUN names), else 1."""
+    global _time_scale
+    if _time_scale is None:
+        given = os.environ.get("DTRAIN_TEST_TIME_SCALE")
+        if given:
+            _time_scale = float(given)
+        else:
+            sanitized = None
+            run = os.environ.get("DTRAIN_RUN", "")
+            trees = [os.environ.get("DTRAIN_BUILD_DIR", "")] + ([os.path.dirname(os.path.dirname(run))] if run else [])
+            for tree in filter(None, trees):
+                sanitized = _sanitized_tree(tree)
+                if sanitized is not None:
+                    break
+            if sanitized is None and run:
+                sanitized = _sanitized_program(run)
+            _time_scale = SANITIZER_TIME_SCALE if sanitized else 1.0
+    return _time_scale
+
+
+def scaled(seconds):
+    """A bound of `seconds` on the normal build, times time_scale()."""
+    return seconds * time_scale()
 
 
 def wait_until(pred, timeout=10.0, step=0.05):
@@ -120,6 +270,41 @@ def children(pid):
             if st and st[1] == pid and st[0] != "Z":
                 out.append(int(d))
     return sorted(out)
+
+
+# Outputs of failed tests. ctest -j keeps a test's output only in its log, which the next run
+# overwrites, and a test's own message may hold only the tail: when a test fails, the whole stdout and
+# stderr of each process it started are copied into a folder that outlives the run.
+def failed_output_root():
+    """$DTRAIN_FAILED_OUTPUT_DIR; else <build tree>/Testing/failed-output (the tree of $DTRAIN_BUILD_DIR,
+    or of the program $DTRAIN_RUN names); else <temporary folder>/dtrain-failed-output."""
+    given = os.environ.get("DTRAIN_FAILED_OUTPUT_DIR")
+    if given:
+        return given
+    run = os.environ.get("DTRAIN_RUN", "")
+    for tree in filter(None, [os.environ.get("DTRAIN_BUILD_DIR", ""), os.path.dirname(os.path.dirname(run))]):
+        if os.path.isfile(os.path.join(tree, "CMakeCache.txt")):
+            return os.path.join(tree, "Testing", "failed-output")
+    import tempfile
+    return os.path.join(tempfile.gettempdir(), "dtrain-failed-output")
+
+
+def keep_outputs(test_id, procs):
+    """Writes, for each (argv, rc, stdout, stderr) of `procs`, <n>-<program>.stdout and .stderr into a
+    new folder <failed_output_root()>/<test_id>.<time>.<pid>, with commands.txt listing each command
+    and its exit status. Returns the folder."""
+    import re
+    folder = os.path.join(failed_output_root(),
+                          f"{test_id}.{time.strftime('%Y%m%d-%H%M%S')}.{os.getpid()}")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "commands.txt"), "w") as index:
+        for n, (argv, rc, out, err) in enumerate(procs):
+            name = f"{n:02d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', os.path.basename(str(argv[0])))}"
+            for ext, text in (("stdout", out), ("stderr", err)):
+                with open(os.path.join(folder, f"{name}.{ext}"), "w") as f:
+                    f.write(text)
+            index.write(f"{name}: exit {rc}: {' '.join(map(str, argv))}\n")
+    return folder
 
 
 # One kill rule for both suites: every process a test starts runs in its own session, and a process

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
 # Re-exported to the dist tests.
 from proc_util import (alive, children, clean_env, free_port, free_slurm_job_id,  # noqa: E402
-                       kill_session, slurm_job_port, timeout_note, wait_until)
+                       keep_outputs, kill_session, scaled, slurm_job_port, time_scale, timeout_note, wait_until)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -75,6 +75,12 @@ def rank_env(rank, world, port, addr="127.0.0.1", **extra):
     return clean_env(RANK=rank, WORLD_SIZE=world, MASTER_ADDR=addr, MASTER_PORT=port, **extra)
 
 
+def port_was_taken(result):
+    """Whether a rank failed because its store's port was in use (dtrain's or PyTorch's TCPStore): the
+    port free_port() gave is reserved among test processes, but any other program may bind it first."""
+    return result.rc != 0 and ("EADDRINUSE" in result.err or "already in use" in result.err.lower())
+
+
 @dataclass
 class Result:
     argv: list
@@ -108,6 +114,8 @@ class Proc:
         self.kill()
         if self.p.stdin:
             self.p.stdin.close()
+        # What it wrote, for DistTestCase to keep if the test failed (the files go away here).
+        self.kept = (self.argv, self.p.returncode, self.read(self._out), self.read(self._err))
         self._out.close()
         self._err.close()
 
@@ -137,9 +145,33 @@ class DistTestCase(unittest.TestCase):
 
     maxDiff = None
 
+    def run(self, result=None):
+        """Runs the test; if it failed, keeps the whole output of every process it spawned
+        (proc_util.keep_outputs) and prints where."""
+        if result is None:
+            result = self.defaultTestResult()
+        self._procs = []
+
+        def failed():
+            return len(result.failures) + len(result.errors) + len(getattr(result, "unexpectedSuccesses", ()))
+        before = failed()
+        try:
+            return super().run(result)
+        finally:
+            kept = [p.kept for p in self._procs if hasattr(p, "kept")]
+            if failed() > before and kept:
+                try:
+                    folder = keep_outputs(self.id(), kept)
+                    print(f"\n[harness] {self.id()} failed: the output of its {len(kept)} process(es) is in {folder}",
+                          file=sys.stderr, flush=True)
+                except OSError as e:
+                    print(f"\n[harness] could not keep the failed test's outputs: {e}", file=sys.stderr, flush=True)
+
     def spawn(self, argv, env=None, **kw):
         proc = Proc(argv, env, **kw)
         self.addCleanup(proc.close)
+        if hasattr(self, "_procs"):
+            self._procs.append(proc)
         return proc
 
     def run_ranks(self, argv, envs, timeout=PROC_TIMEOUT_S, stagger_s=0.0):
@@ -154,6 +186,22 @@ class DistTestCase(unittest.TestCase):
         for proc in procs:
             results.append(proc.finish(deadline - time.monotonic()))
         return results
+
+    @staticmethod
+    def finish_all(procs, timeout=PROC_TIMEOUT_S, give_up=None):
+        """Waits for every Proc of `procs` up to `timeout` s in all; returns their [Result]. Once one
+        has ended with a Result for which give_up(result) is true, the others are killed at once (a
+        peer of a rank that could not start may wait for it until its own timeout)."""
+        deadline = time.monotonic() + timeout
+        while give_up and time.monotonic() < deadline:
+            ended = [proc for proc in procs if proc.p.poll() is not None]
+            if len(ended) == len(procs):
+                break
+            if any(give_up(proc.finish(0)) for proc in ended):
+                deadline = time.monotonic()  # the rest: killed now
+                break
+            time.sleep(0.05)
+        return [proc.finish(deadline - time.monotonic()) for proc in procs]
 
     def run_one(self, argv, env, timeout=PROC_TIMEOUT_S, **kw):
         return self.spawn(argv, env, **kw).finish(timeout)

@@ -11,19 +11,66 @@ import glob
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import unittest
 
-from harness import DistTestCase, binary, clean_env, free_port, launcher
+from harness import DistTestCase, binary, clean_env, free_port, launcher, scaled
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
 from netns_hosts import Hosts, netns_unavailable  # noqa: E402
 
 TIMEOUT_S = 5
-BOUND_S = TIMEOUT_S + 10  # the issue's bound: caught within the timeout + 10 s
+BOUND_S = TIMEOUT_S + scaled(10)  # the issue's bound: caught within the timeout + 10 s
+
+# flight_program's calls in group 'default', numbered as the records number them (from 1; the same on
+# every rank): DDP's construction makes two, #1 (its model check's all_gather) and #2 (the parameters'
+# broadcast); then step k (from 0) makes two more, the gradients' all_reduce (one bucket of 2762
+# values) and the loss's all_reduce ([4]).
+BEFORE_LOOP, PER_STEP = 2, 2
+AT_STEP = 5  # flight_program's --at_step
+
+
+def grads_call(step):
+    return BEFORE_LOOP + PER_STEP * step + 1
+
+
+def loss_call(step):
+    return BEFORE_LOOP + PER_STEP * step + 2
+
+
+def call_kind(n):
+    """(profiling name, input sizes) of flight_program's call #n."""
+    if n == 1:
+        return "gloo:all_gather", [[1]]
+    if n == 2:
+        return "gloo:broadcast", [[2762]]
+    return "gloo:all_reduce", [[2762]] if (n - BEFORE_LOOP) % PER_STEP == 1 else [[4]]
+
+
+def catches_sigusr1(pid):
+    """Whether process `pid` has a SIGUSR1 handler (SigCgt in /proc/<pid>/status), as dtrain-run checks
+    before it asks a worker for its record: dtrain installs it in init_process_group."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool((int(line.split()[1], 16) >> (signal.SIGUSR1 - 1)) & 1)
+    except OSError:
+        pass
+    return False
+
+
+def read_dumps(folder):
+    """{rank: the pickled record} of every dtrain_trace_rank_<rank> in `folder`."""
+    dumps = {}
+    for path in glob.glob(os.path.join(folder, "dtrain_trace_rank_*")):
+        with open(path, "rb") as f:
+            dumps[int(path.rsplit("_", 1)[1])] = pickle.load(f)
+    return dumps
 
 
 def program():
@@ -33,19 +80,31 @@ def program():
     return path
 
 
-class OneHost(DistTestCase):
+class FlightTestCase(DistTestCase):
+    def assertCaughtWithin(self, bound_s, folder, ended_ns, what):
+        """The job ended within bound_s of its first recorded call: the clock starts when the ranks
+        train (wall time in their records), not when the launcher started loading LibTorch."""
+        firsts = [min(e["time_created_ns"] for e in d["entries"]) for d in read_dumps(folder).values() if d["entries"]]
+        self.assertTrue(firsts, f"no records in {folder}:\n{what}")
+        took = (ended_ns - min(firsts)) / 1e9
+        self.assertLess(took, bound_s, f"caught {took:.1f} s after the first call, not within {bound_s:.0f} s:\n{what}")
+
+
+class OneHost(FlightTestCase):
     """Three ranks on this host (shared memory), one dtrain-run."""
 
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="dtrain_flight_")
         self.addCleanup(shutil.rmtree, self.tmp, True)
 
-    def run_job(self, fault, nproc=3, **env):
+    def run_job(self, fault, nproc=3, at_step=AT_STEP, bound=True, **env):
         argv = [launcher(), "--nproc_per_node", nproc, "--log_dir", self.tmp, "--run_id", "job",
-                "--master_port", free_port(), program(), "--fault", fault]
+                "--master_port", free_port(), program(), "--fault", fault, "--at_step", at_step]
         r = self.run_one(argv, clean_env(DTRAIN_TIMEOUT_S=TIMEOUT_S, **env), timeout=60)
+        ended_ns = time.time_ns()
         self.assertNotEqual(r.rc, 0, f"the job should fail:\n{r}")
-        self.assertLess(r.seconds, BOUND_S, f"not caught within the timeout + 10 s:\n{r}")
+        if bound:
+            self.assertCaughtWithin(BOUND_S, self.flight_dir(), ended_ns, r)
         return r
 
     def analysis(self, r):
@@ -63,25 +122,60 @@ class OneHost(DistTestCase):
 
     def test_a_rank_that_skips_one_all_reduce_of_a_ddp_loop(self):
         r = self.run_job("skip")
-        self.assertRegex(self.analysis(r)[0], r"^rank 1 skipped all_reduce #\d+ of group 'default' \(\[4\] Float\)")
+        self.assertRegex(self.analysis(r)[0], rf"^rank 1 skipped all_reduce #{loss_call(AT_STEP)} of group 'default' "
+                                              r"\(\[4\] Float\)")
 
     def test_a_rank_stopped_during_training(self):
         r = self.run_job("stop")
-        self.assertRegex(self.analysis(r)[0], r"^hang in group 'default' at all_reduce #\d+: ranks 0, 2 entered it "
-                                              r"[\d.]+ s ago; rank 1 left no record \(stopped")
+        self.assertRegex(self.analysis(r)[0], rf"^hang in group 'default' at all_reduce #{grads_call(AT_STEP)}: ranks 0, 2 "
+                                              r"entered it [\d.]+ s ago; rank 1 left no record \(stopped")
 
     def test_a_rank_computing_outside_dtrain_while_the_others_wait(self):
         # Its record comes from dtrain-run's request (SIGUSR1): it is in no call that could fail.
         lines = self.analysis(self.run_job("compute"))
-        self.assertRegex(lines[0], r"^hang in group 'default' at all_reduce #(\d+): ranks 0, 2 entered it [\d.]+ s "
-                                   r"ago; rank 1 completed #\d+ and has not entered #\1$")
+        self.assertRegex(lines[0], rf"^hang in group 'default' at all_reduce #{grads_call(AT_STEP)}: ranks 0, 2 entered "
+                                   rf"it [\d.]+ s ago; rank 1 completed #{loss_call(AT_STEP - 1)} and has not entered "
+                                   rf"#{grads_call(AT_STEP)}$")
         self.assertRegex(lines[1], r"^rank 1 has made no call for [\d.]+ s while the others wait: it is computing or "
                                    r"stuck outside dtrain$")
 
+    def test_records_of_a_few_entries_keep_each_ranks_last_calls(self):
+        # DTRAIN_FLIGHT_ENTRIES=4: each rank keeps its last 4 calls, so rank 1 (computing after #12)
+        # and the others (waiting in #13) keep different windows, and the numbers go on past the ring.
+        lines = self.analysis(self.run_job("compute", DTRAIN_FLIGHT_ENTRIES=4))
+        at = grads_call(AT_STEP)
+        self.assertRegex(lines[0], rf"^hang in group 'default' at all_reduce #{at}: ranks 0, 2 entered it [\d.]+ s "
+                                   rf"ago; rank 1 completed #{at - 1} and has not entered #{at}$")
+        # A call still waiting when its rank wrote the record is "started", one that timed out (or
+        # failed with the group) "failed": which one a rank wrote depends on who was first.
+        waiting = {"started": "waiting", "failed": "waiting"}
+        windows = {rank: [(e["collective_seq_id"], e["profiling_name"], e["input_sizes"],
+                           waiting.get(e["state"], e["state"])) for e in d["entries"]]
+                   for rank, d in read_dumps(self.flight_dir()).items()}
+
+        def window(last, state_of_last):
+            return [(n, *call_kind(n), "completed") for n in range(last - 3, last)] + \
+                [(last, *call_kind(last), state_of_last)]
+        self.assertEqual(windows, {0: window(at, "waiting"), 1: window(at - 1, "completed"),
+                                   2: window(at, "waiting")})
+
+    def test_no_records_with_flight_entries_0(self):
+        # docs/environment.md: DTRAIN_FLIGHT_ENTRIES=0 turns the flight recorder off. So a hang writes
+        # nothing where it would write records: not on the timed-out calls of ranks 0 and 2, not at a
+        # stall (1 s here), not at dtrain-run's request to rank 1, which computes (and which dtrain-run
+        # does not ask: no handler), and dtrain-run has nothing to analyse.
+        r = self.run_job("compute", bound=False, DTRAIN_FLIGHT_ENTRIES=0, DTRAIN_FLIGHT_STALL_S=1)
+        self.assertLess(r.seconds, 60, str(r))
+        self.assertIn("timed out after 5000 ms", r.err, str(r))
+        self.assertNotIn("flight record", r.err, str(r))
+        self.assertNotIn("dtrain-run: flight records of", r.err, str(r))
+        self.assertEqual(os.listdir(self.flight_dir()) if os.path.isdir(self.flight_dir()) else [], [], str(r))
+
     def test_a_rank_that_calls_another_operation(self):
-        r = self.run_job("other_op")
+        r = self.run_job("other_op", at_step=8)  # another step: the numbers follow the steps
         self.assertRegex(self.analysis(r)[0],
-                         r"^ranks disagree at #(\d+) of group 'default': rank 1 calls broadcast, the others all_reduce$")
+                         rf"^ranks disagree at #{loss_call(8)} of group 'default': rank 1 calls broadcast, the others "
+                         r"all_reduce$")
         # The same analysis from the folder alone, as for records collected elsewhere.
         again = self.run_one([launcher(), "--analyze", self.flight_dir()], clean_env())
         self.assertEqual(again.rc, 0, str(again))
@@ -107,8 +201,8 @@ class OneHost(DistTestCase):
         with open(paths[0], "rb") as f:
             self.assertIn("no call changed state for 2 s", pickle.load(f)["dtrain"]["reason"])
         got = self.run_one([launcher(), "--analyze", self.flight_dir(), "--world_size", 3], clean_env())
-        self.assertRegex(got.out, r"hang in group 'default' at all_reduce #\d+: ranks 0, 2 entered it [\d.]+ s ago; "
-                                  r"rank 1 left no record")
+        self.assertRegex(got.out, rf"hang in group 'default' at all_reduce #{grads_call(AT_STEP)}: ranks 0, 2 entered "
+                                  r"it [\d.]+ s ago; rank 1 left no record")
 
     def test_an_unwaited_call_that_completed_is_no_stall(self):
         # Every rank drops an asynchronous all_reduce unwaited and computes for 3 s: with a 1-s stall
@@ -125,22 +219,32 @@ class OneHost(DistTestCase):
         argv = [launcher(), "--nproc_per_node", 2, "--log_dir", self.tmp, "--run_id", "job",
                 "--master_port", free_port(), program(), "--fault", "none", "--steps", 1000000]
         job = self.spawn(argv, clean_env())
-        deadline = time.monotonic() + 30
-        while len(self.worker_pids(job.pid)) < 2:
-            self.assertLess(time.monotonic(), deadline, "the workers did not start")
-            time.sleep(0.1)
-        time.sleep(2)  # past init_process_group, training
-        for pid in self.worker_pids(job.pid):
-            os.kill(pid, 10)  # SIGUSR1
+        deadline = time.monotonic() + 60
+        # SIGUSR1 kills a process that has no handler: send it only once both workers have dtrain's,
+        # installed in init_process_group (dtrain-run checks the same before it asks for records).
+        while not (len(self.worker_pids(job.pid)) == 2 and all(map(catches_sigusr1, self.worker_pids(job.pid)))):
+            if time.monotonic() > deadline or job.p.poll() is not None:
+                self.fail(f"the workers did not get to init_process_group:\n{job.finish(0)}")
+            time.sleep(0.05)
         path = os.path.join(self.flight_dir(), "dtrain_trace_rank_1")
-        while not os.path.exists(path):
-            if time.monotonic() > deadline:
-                self.fail(f"no dump on SIGUSR1:\n{job.finish(0)}")
-            time.sleep(0.1)
-        with open(path, "rb") as f:
-            d = pickle.load(f)
+        # The first dump may come before the loop made many calls: ask again until one shows training.
+        d, asked = None, 0
+        while d is None or len(d["entries"]) <= 10:
+            for pid in self.worker_pids(job.pid):
+                os.kill(pid, signal.SIGUSR1)
+            asked += 1
+            since = d["dtrain"]["dump_time_ns"] if d else 0
+            while d is None or d["dtrain"]["dump_time_ns"] == since:
+                if time.monotonic() > deadline or job.p.poll() is not None:
+                    self.fail(f"no dump after SIGUSR1 number {asked}:\n{job.finish(0)}")
+                time.sleep(0.05)
+                d = read_dumps(self.flight_dir()).get(1) if os.path.exists(path) else None
+        self.assertIsNone(job.p.poll(), "SIGUSR1 ended the job")
         self.assertEqual(d["dtrain"]["reason"], "SIGUSR1")
-        self.assertGreater(len(d["entries"]), 10)
+        # The running loop's last calls, numbered as flight_program makes them, the latest started.
+        got = [(e["collective_seq_id"], e["profiling_name"], e["input_sizes"]) for e in d["entries"]]
+        first = got[0][0]
+        self.assertEqual(got, [(n, *call_kind(n)) for n in range(first, first + len(got))])
         self.assertEqual(d["entries"][-1]["profiling_name"], "gloo:all_reduce")
         bad = self.run_one([launcher(), "--analyze", os.path.join(self.tmp, "nowhere")], clean_env())
         self.assertEqual(bad.rc, 1, str(bad))
@@ -175,7 +279,7 @@ class OneHost(DistTestCase):
                                      r"type: 'all_reduce' does not match found collective type: 'broadcast'")
 
 
-class TwoHosts(DistTestCase):
+class TwoHosts(FlightTestCase):
     """One rank on each of two network-namespace hosts: Gloo's TCP, no shared-memory checks."""
 
     def test_a_size_mismatch_over_gloo_between_hosts(self):
@@ -187,7 +291,6 @@ class TwoHosts(DistTestCase):
         tmp = tempfile.mkdtemp(prefix="dtrain_flight_hosts_")
         self.addCleanup(shutil.rmtree, tmp, True)
         port = free_port()
-        start = time.monotonic()
         nodes = []
         for i in range(2):
             argv = [launcher(), "--nnodes", 2, "--node_rank", i, "--nproc_per_node", 1, "--master_addr",
@@ -202,11 +305,14 @@ class TwoHosts(DistTestCase):
                 for q in nodes:
                     q.kill()
                 self.fail("a launcher hung")
-        elapsed = time.monotonic() - start
+        ended_ns = time.time_ns()
         err0 = outs[0][1]
-        self.assertLess(elapsed, BOUND_S + 5, err0)  # + node 1's records through the store
-        self.assertRegex(err0, r"dtrain-run:   sizes differ at #\d+ of group 'default' \(all_reduce\): rank 1 passes "
-                               r"\[5\], rank 0 \[4\]")
+        # Node 0's folder holds node 1's records too (through the store): + 5 s for that.
+        runs = glob.glob(os.path.join(tmp, "node0", "job_*"))
+        self.assertCaughtWithin(BOUND_S + scaled(5), os.path.join(runs[0] if runs else tmp, "attempt_0", "flight"),
+                                ended_ns, err0)
+        self.assertRegex(err0, rf"dtrain-run:   sizes differ at #{loss_call(AT_STEP)} of group 'default' \(all_reduce\): "
+                               r"rank 1 passes \[5\], rank 0 \[4\]")
 
 
 if __name__ == "__main__":

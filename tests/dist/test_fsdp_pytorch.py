@@ -10,7 +10,7 @@ import os
 import tempfile
 import unittest
 
-from harness import DistTestCase, binary, free_port, rank_env
+from harness import DistTestCase, binary, free_port, port_was_taken, rank_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VENV_PYTHON = os.environ.get("VENV_PYTHON", "")
@@ -19,13 +19,16 @@ WORLD = 2
 
 class FsdpAgainstPytorch(DistTestCase):
     def run_side(self, argv, folder, tag):
-        port = free_port()
         outs = [os.path.join(folder, f"{tag}{r}.json") for r in range(WORLD)]
-        procs = [self.spawn(argv + [outs[r]],
-                            rank_env(r, WORLD, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=WORLD, PYTHONPATH=None))
-                 for r in range(WORLD)]
-        for r, p in enumerate(procs):
-            res = p.finish(240)
+        for attempt in range(3):  # again on another port if a program outside the tests took this one
+            port = free_port()
+            procs = [self.spawn(argv + [outs[r]],
+                                rank_env(r, WORLD, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=WORLD, PYTHONPATH=None))
+                     for r in range(WORLD)]
+            results = self.finish_all(procs, 240, give_up=port_was_taken)
+            if not any(map(port_was_taken, results)):
+                break
+        for r, res in enumerate(results):
             self.assertEqual(res.rc, 0, f"{tag} rank {r}:\n{res}")
         results = []
         for path in outs:

@@ -54,10 +54,12 @@ def run(args, env=None, timeout=TIMEOUT, **kw):
 
 
 def start(args, env=None, **kw):
-    """Starts dtrain-run in the background, in its own session (caller must finish or kill it)."""
+    """Starts dtrain-run in the background, in its own session (caller must finish or kill it); its
+    stdout and stderr are pipes unless `kw` gives them."""
     kw.setdefault("start_new_session", True)
-    return subprocess.Popen([DTRAIN_RUN] + [str(a) for a in args], env=env or clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    kw.setdefault("stdout", subprocess.PIPE)
+    kw.setdefault("stderr", subprocess.PIPE)
+    return subprocess.Popen([DTRAIN_RUN] + [str(a) for a in args], env=env or clean_env(), text=True, **kw)
 
 
 def finish(*procs, timeout=40):
@@ -70,7 +72,7 @@ def finish(*procs, timeout=40):
         except subprocess.TimeoutExpired:
             proc_util.kill_session(p)
             out, err = p.communicate()
-            err += proc_util.timeout_note(timeout)
+            err = (err or "") + proc_util.timeout_note(timeout)  # None: stderr went to a file
         results.append((p.returncode, out, err))
     return results
 

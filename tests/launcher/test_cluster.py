@@ -13,7 +13,8 @@ import subprocess
 import time
 import unittest
 
-from launcher_common import (DTRAIN_RUN, PY, MarkedTestCase, clean_env, finish, free_port, start, with_secret)
+from launcher_common import (DTRAIN_RUN, PY, MarkedTestCase, clean_env, finish, free_port, start, wait_until,
+                             with_secret)
 from cluster_pods import PodNames, launch_pod, torchx_command
 from netns_hosts import Hosts, netns_unavailable
 
@@ -27,6 +28,7 @@ print("rank=%s group=%s world=%s local=%s role=[%s] master=%s args=%s" % (
     os.environ.get("ROLE_NAME"), os.environ["MASTER_ADDR"], " ".join(sys.argv[1:])), flush=True)
 """
 WAITING = "waiting for the rendezvous host name"
+OPEN_STORE = "dtrain-run: no job secret was given"  # a launcher's line once it knows who hosts the store
 
 
 class ClusterTest(MarkedTestCase):
@@ -44,27 +46,35 @@ class ClusterTest(MarkedTestCase):
         return sorted(line for line in out.splitlines() if line.startswith("[rank"))
 
     def late_pods(self, commands, envs, source):
-        """Runs commands[i] (bash) in pod i with envs[i] while self.name does not resolve, then 2 s on
-        publishes it as pod 0's address. Every pod must wait for it in one line naming `source`, and
-        end with 0. Returns the pods' stdouts."""
+        """Runs commands[i] (bash) in pod i with envs[i] while self.name does not resolve, then, once
+        every pod has said that it waits for the name, publishes it as pod 0's address. Every pod must
+        wait for it in one line naming `source`, and end with 0. Returns the pods' stdouts."""
         why = netns_unavailable()
         if why:
             self.skipTest(why)
         hosts = Hosts(2)
         self.addCleanup(hosts.close)
         names = PodNames(self.tmp, 2)
-        pods = [launch_pod(hosts.ns[i], names.argv(i, commands[i]), envs[i]) for i in range(2)]
-        time.sleep(2)
+        err_paths = [os.path.join(self.tmp, f"pod{i}.stderr") for i in range(2)]
+        pods = []
+        for i in range(2):
+            with open(err_paths[i], "w") as err:
+                pods.append(launch_pod(hosts.ns[i], names.argv(i, commands[i]), envs[i], stderr=err))
+
+        def said(i):
+            with open(err_paths[i]) as f:
+                return f.read()
+        wait_until(lambda: all(WAITING in said(i) for i in range(2)) or any(p.poll() is not None for p in pods), 30)
         alive_while_unresolved = [p.poll() is None for p in pods]
         names.publish(hosts.addr[0], self.name)
         results = finish(*pods, timeout=40)
-        errs = "".join(err for _, _, err in results)
-        self.assertEqual([rc for rc, _, _ in results], [0, 0], errs)
-        self.assertEqual(alive_while_unresolved, [True, True], errs)
-        for _, _, err in results:
-            said = [l for l in err.splitlines() if WAITING in l]
-            self.assertEqual(len(said), 1, err)
-            self.assertIn(f"'{self.name}' ({source}) to resolve", said[0])
+        errs = [said(i) for i in range(2)]
+        self.assertEqual([rc for rc, _, _ in results], [0, 0], "".join(errs))
+        self.assertEqual(alive_while_unresolved, [True, True], "".join(errs))
+        for err in errs:
+            waits = [l for l in err.splitlines() if WAITING in l]
+            self.assertEqual(len(waits), 1, err)
+            self.assertIn(f"'{self.name}' ({source}) to resolve", waits[0])
         return [out for _, out, _ in results]
 
     def test_torchx_command_in_two_pods_whose_rank0_name_resolves_late(self):
@@ -136,20 +146,31 @@ class ClusterTest(MarkedTestCase):
 
     def test_is_host_says_who_hosts_the_c10d_store(self):
         # Both launchers could bind the endpoint (one machine): the one started first would host, but
-        # it says is_host=0, and the other is_host=1. The host is node 0.
+        # it says is_host=0, and the other is_host=1. The host is node 0. The is_host=1 launcher starts
+        # only once the is_host=0 one has decided not to host: without a job secret, a launcher that
+        # does not host says, right before it reaches for the store, that the store is open.
         port = free_port()
 
-        def node(host):
+        def node(host, **kw):
             return start(["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--nnodes", 2,
                           "--rdzv_conf", f"is_host={host},join_timeout=20", "sh", "-c",
-                          f'echo "host={host} group=$GROUP_RANK"'], env=with_secret())
-        first = node(0)
-        time.sleep(0.5)
+                          f'echo "host={host} group=$GROUP_RANK"'], env=clean_env(), **kw)
+        err0_path = os.path.join(self.tmp, "is_host_0.stderr")
+        with open(err0_path, "w") as err0_file:
+            first = node(0, stderr=err0_file)
+
+        def err0():
+            with open(err0_path) as f:
+                return f.read()
+        if not wait_until(lambda: OPEN_STORE in err0() or first.poll() is not None, 20):
+            finish(first, timeout=0.1)
+        self.assertIn(OPEN_STORE, err0(), "the is_host=0 launcher did not get to reach for the store")
         second = node(1)
-        (rc0, out0, err0), (rc1, out1, err1) = finish(first, second, timeout=30)
-        self.assertEqual((rc0, rc1), (0, 0), err0 + err1)
+        (rc0, out0, _), (rc1, out1, err1) = finish(first, second, timeout=30)
+        self.assertEqual((rc0, rc1), (0, 0), err0() + err1)
         self.assertEqual(self.lines(out1), ["[rank 0] host=1 group=0"])
         self.assertEqual(self.lines(out0), ["[rank 1] host=0 group=1"])
+        self.assertNotIn("could not host", err0())  # is_host=0 never tried
 
     def test_a_flag_wins_over_its_pet_variable(self):
         r = subprocess.run([DTRAIN_RUN, "--nproc_per_node", "1", "sh", "-c", 'echo "world=$WORLD_SIZE"'],
@@ -179,8 +200,8 @@ class ClusterTest(MarkedTestCase):
     def test_kubeflow_pytorchjob_with_an_elastic_policy(self):
         # An elasticPolicy adds PET_RDZV_BACKEND=c10d, PET_RDZV_ENDPOINT (the first worker's service)
         # and PET_NNODES, and no node rank: the rendezvous assigns them, the pod's RANK notwithstanding.
-        port = free_port()
-        envs = [with_secret(MASTER_ADDR="127.0.0.1", MASTER_PORT=port + 1 if port < 65000 else port - 1,
+        port = free_port()  # port + 1 is this process's too (proc_util.free_port)
+        envs = [with_secret(MASTER_ADDR="127.0.0.1", MASTER_PORT=port + 1,
                             WORLD_SIZE=2, RANK=i, PET_RDZV_BACKEND="c10d", PET_RDZV_ENDPOINT=f"127.0.0.1:{port}",
                             PET_NNODES=2, PET_MAX_RESTARTS=1, PET_RDZV_ID="kf1", PET_LOCAL_ADDR=f"127.0.0.{2 + i}")
                 for i in (1, 0)]
