@@ -131,7 +131,7 @@ Unit::Unit(const std::shared_ptr<torch::nn::Module>& module, std::vector<Sharded
   // What the unit holds at once from the pool (Note [Buffer pool]): the cast shard and the whole
   // (padded) parameters, the reduce-scatter's padded inputs and its output.
   const size_t n = static_cast<size_t>(group_.size()), per_rank = static_cast<size_t>(per_rank_);
-  const size_t param_bytes = c10::elementSize(param_dtype()), reduce_bytes = c10::elementSize(reduce_dtype());
+  const size_t param_bytes = c10::elementSize(param_dtype()), reduce_bytes = c10::elementSize(wire_dtype());
   reserve_pool_for((n + 1) * per_rank * (param_bytes + reduce_bytes));
 }
 
@@ -160,6 +160,27 @@ at::ScalarType Unit::param_dtype() const {
   return mp_.param_dtype().value_or(flat_shard_.defined() ? flat_shard_.scalar_type() : at::kFloat);
 }
 at::ScalarType Unit::reduce_dtype() const { return mp_.reduce_dtype().value_or(param_dtype()); }
+
+// Note [A reduce dtype the backend lacks]: Gloo in LibTorch 1.13 has no bfloat16 (nor float16 on
+// some builds) collectives, so between hosts a reduce_dtype of bf16 could not be reduce-scattered at
+// all. There the gradients, rounded to the reduce dtype as FSDP2 casts them, travel as float32, and
+// the average is rounded to the reduce dtype once on arrival: the same numbers a bf16 sum rounded
+// once gives (the shared-memory backend combines 16-bit floats the same way), at twice the bytes.
+at::TensorOptions Unit::device_options() const {
+  return at::TensorOptions().device(flat_shard_.defined() ? flat_shard_.device() : at::Device(at::kCPU));
+}
+
+at::ScalarType Unit::wire_dtype() {
+  if (!wire_dtype_) {
+    const at::ScalarType r = reduce_dtype();
+    const bool lacks =
+        !comm::capabilities(group_)
+             .unsupported(c10d::OpType::REDUCE_SCATTER, at::empty({0}, device_options().dtype(r)), c10d::ReduceOp::SUM)
+             .empty();
+    wire_dtype_ = lacks && at::isFloatingType(r) && c10::elementSize(r) < 4 ? at::kFloat : r;
+  }
+  return *wire_dtype_;
+}
 
 // The whole parameter's storage of n chunks, refilled (its bytes from the pool).
 void Unit::fill_storage(ShardedParam& p, const at::TensorOptions& options) {
@@ -329,7 +350,7 @@ void Unit::launch_reduce_scatter() {
   // Chunk r of each parameter's gradient goes to rank r (Note [Collectives per parameter]): one
   // reduce-scatter per parameter into its chunk of the unit's output, or one for the unit whose
   // part r holds chunk r of every parameter.
-  const at::TensorOptions options = flat_shard_.options().dtype(reduce_dtype());
+  const at::TensorOptions options = flat_shard_.options().dtype(wire_dtype());
   scatter_out_ = pooled_empty({per_rank_}, options);
   at::Tensor parts;
   if (!per_param_) parts = pooled_empty({n, per_rank_}, options);
@@ -363,7 +384,8 @@ void Unit::launch_reduce_scatter() {
 // rank (every rank calls the same collectives, whatever its backward reached).
 at::Tensor Unit::padded_gradient(const ShardedParam& p, const at::Tensor& g, const at::TensorOptions& options) const {
   const int64_t padded = group_.size() * p.chunk_numel();
-  if (g.defined() && g.is_contiguous() && g.numel() == padded) return g.view({-1});
+  if (g.defined() && g.is_contiguous() && g.numel() == padded && g.scalar_type() == options.dtype().toScalarType())
+    return g.view({-1});
   at::Tensor in = pooled_empty({padded}, options);
   const int64_t filled = g.defined() ? g.numel() : 0;
   if (filled > 0) in.narrow(0, 0, filled).copy_(g.reshape({-1}));
@@ -384,7 +406,11 @@ void Unit::finish_gradients() {
       if (old.defined()) p.param.mutable_grad() = old;
       continue;
     }
-    at::Tensor g = scatter_out_.narrow(0, p.offset, p.local_numel()).view(p.shard.sizes()).to(p.shard.scalar_type());
+    // Rounded to the reduce dtype first where it travelled as float32 (a no-op otherwise).
+    at::Tensor g = scatter_out_.narrow(0, p.offset, p.local_numel())
+                       .view(p.shard.sizes())
+                       .to(reduce_dtype())
+                       .to(p.shard.scalar_type());
     if (old.defined()) {
       old.add_(g);
       p.param.mutable_grad() = old;

@@ -100,6 +100,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   at::Tensor padded_gradient(const ShardedParam& p, const at::Tensor& g, const at::TensorOptions& options) const;
   at::ScalarType param_dtype() const;
   at::ScalarType reduce_dtype() const;
+  at::ScalarType wire_dtype();  // Note [A reduce dtype the backend lacks]
+  at::TensorOptions device_options() const;
 
   std::string label_;
   const torch::nn::Module* module_;
@@ -121,7 +123,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::vector<Work> scatters_;  // launched, not yet waited for
   std::vector<at::Tensor> scatter_inputs_;
   at::Tensor scatter_out_;
-  std::vector<uintptr_t> hook_keys_;  // per parameter, on its accumulator (0: none yet)
+  std::optional<at::ScalarType> wire_dtype_;  // known from the first reduce-scatter on
+  std::vector<uintptr_t> hook_keys_;          // per parameter, on its accumulator (0: none yet)
   void hook_accumulators();
 };
 
