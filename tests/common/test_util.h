@@ -8,17 +8,9 @@
 #include <string>
 
 #include "dtrain/errors.h"
+#include "time_scale.h"
 
 namespace dtrain::test_util {
-
-// A bound on elapsed time in a test is a claim about dtrain's normal build. Under a sanitizer the
-// same code runs several times slower (and scripts/sanitize.sh runs two tests at once), so such
-// bounds multiply by this factor there; waits for an event never need it.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-inline constexpr double kTimeScale = 10;
-#else
-inline constexpr double kTimeScale = 1;
-#endif
 
 // The message of the E that f() throws, or `none` when it throws nothing. Another exception goes on,
 // so the test fails naming it.

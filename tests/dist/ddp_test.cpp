@@ -332,7 +332,7 @@ TEST(DDP, DifferentModelsAcrossRanksFailOnEveryRank) {
   EXPECT_THAT(err, HasSubstr("ranks disagree on the model")) << err;
   EXPECT_THAT(err, HasSubstr("'b.weight' [5, 32]")) << err;
   EXPECT_THAT(err, HasSubstr("rank " + std::to_string(world_size() - 1))) << err;
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, dtrain::test_util::scaled(std::chrono::seconds(10)));
 }
 
 TEST(DDP, SubgroupAndModuleAccess) {

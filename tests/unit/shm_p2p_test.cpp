@@ -20,6 +20,7 @@
 #include "dtrain/errors.h"
 #include "shm_fork.h"
 #include "matchers.h"
+#include "time_scale.h"
 
 using namespace dtrain::shm;
 using shm_fork::expect_ok;
@@ -222,7 +223,7 @@ TEST(ShmP2p, ADeadSenderIsNoticedWithoutWaitingForTheTimeout) {
       std::chrono::seconds(60));
   EXPECT_THAT(errors[1], HasSubstr("rank 1: recv from rank 0 (tag 0) over shared memory: rank 0 (pid ")) << errors[1];
   EXPECT_THAT(errors[1], HasSubstr("exited before completing it")) << errors[1];
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, dtrain::test_util::scaled(std::chrono::seconds(5)));
 }
 
 TEST(ShmP2p, AMissingMessageTimesOutNamingTheTag) {

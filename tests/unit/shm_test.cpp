@@ -326,11 +326,14 @@ TEST(ShmComm, AllGatherAndBarrier) {
 
 TEST(ShmComm, MismatchedShapesFailEveryRankWithBothCalls) {
   auto start = std::chrono::steady_clock::now();
-  auto errors = run_ranks(2, [](Comm& c, int r) {
-    std::vector<float> data(r == 0 ? 10 : 20, 1.f);
-    c.all_reduce(data.data(), data.size(), DType::F32, RedOp::SUM);
-  });
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  auto errors = run_ranks(
+      2,
+      [](Comm& c, int r) {
+        std::vector<float> data(r == 0 ? 10 : 20, 1.f);
+        c.all_reduce(data.data(), data.size(), DType::F32, RedOp::SUM);
+      },
+      std::chrono::duration_cast<std::chrono::milliseconds>(dtrain::test_util::scaled(std::chrono::seconds(10))));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, dtrain::test_util::scaled(std::chrono::seconds(5)));
   for (const auto& e : errors) {
     EXPECT_THAT(e, HasSubstr("mismatched collectives")) << e;
     EXPECT_THAT(e, HasSubstr("all_reduce of 10 float32 (SUM)")) << e;
@@ -375,8 +378,8 @@ TEST(ShmComm, ADeadRankIsNoticedWithoutWaitingForTheTimeout) {
         if (r == 1) _exit(3);
         c.all_reduce(&x, 1, DType::F32, RedOp::SUM);
       },
-      std::chrono::seconds(30));
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+      std::chrono::duration_cast<std::chrono::milliseconds>(dtrain::test_util::scaled(std::chrono::seconds(30))));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, dtrain::test_util::scaled(std::chrono::seconds(5)));
   EXPECT_THAT(errors[0], HasSubstr("rank 1 (pid")) << errors[0];
   EXPECT_THAT(errors[0], HasSubstr("exited")) << errors[0];
 }

@@ -19,6 +19,7 @@
 #include <sstream>
 #include <thread>
 #include "matchers.h"
+#include "time_scale.h"
 
 using namespace dtrain::store;
 using namespace std::chrono_literals;
@@ -106,7 +107,7 @@ TEST(Store, WaitersHaveTheirOwnTimeouts) {
   } catch (const TimeoutError& e) {
     EXPECT_THAT(std::string(e.what()), HasSubstr("'never'")) << e.what();
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, dtrain::test_util::scaled(3s));
   EXPECT_FALSE(long_done.load());
   c.set("k1", to_bytes("1"));
   EXPECT_FALSE(c.check({"k1", "k2"}));
@@ -189,7 +190,7 @@ TEST(Store, ConnectTimeoutToClosedPort) {
   }
   auto took = std::chrono::steady_clock::now() - t0;
   EXPECT_GE(took, 450ms);
-  EXPECT_LT(took, 5s);
+  EXPECT_LT(took, dtrain::test_util::scaled(5s));
 }
 
 TEST(Store, ClientRetriesUntilServerComesUp) {
@@ -221,7 +222,7 @@ TEST(Store, UnresolvableHostFailsAtTheConnectTimeoutNamingIt) {
   EXPECT_THAT(said, HasSubstr("dtrain: waiting for the rendezvous host name 'no-such-host.invalid'"));
   EXPECT_EQ(std::count(said.begin(), said.end(), '\n'), 1) << said;  // one line, however long the wait
   EXPECT_GE(std::chrono::steady_clock::now() - t0, 1200ms);
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 8s);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, dtrain::test_util::scaled(8s));
 }
 
 // In a child with a mount namespace of its own (root only): /etc/hosts lacks `name` until a thread
@@ -326,6 +327,6 @@ TEST(Store, ServerStopsPromptlyWithBlockedClients) {
   std::this_thread::sleep_for(100ms);
   auto t0 = std::chrono::steady_clock::now();
   server.reset();
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, dtrain::test_util::scaled(1s));
   t.join();
 }
