@@ -153,6 +153,12 @@ class DcpAgainstPytorch(DistTestCase):
                         return
                     at = blob.index(b"PK\x03\x04", at + 4)
 
+        def edit_metadata(folder, code):
+            """Runs `code` on the folder's metadata `m` (Python's dataclasses), then writes it back."""
+            prog = ("import pickle, sys, torch\nm = pickle.load(open(sys.argv[1], 'rb'))\n" + code +
+                    "\npickle.dump(m, open(sys.argv[1], 'wb'))\n")
+            subprocess.run([VENV_PYTHON, "-c", prog, os.path.join(folder, ".metadata")], check=True, timeout=120)
+
         cases = {
             # A byte of a tensor's data changed: LibTorch's zip reader does not check the CRC-32, so
             # without dtrain's own check this loads a wrong number silently (PyTorch's dcp.load does).
@@ -161,6 +167,11 @@ class DcpAgainstPytorch(DistTestCase):
             "no_metadata": (lambda d: os.remove(os.path.join(d, ".metadata")), "is missing"),
             "bad_metadata": (lambda d: scribble(os.path.join(d, ".metadata")), ".metadata: "),
             "short_metadata": (lambda d: truncate(os.path.join(d, ".metadata")), "truncated pickle"),
+            # A chunk of fewer dimensions than its tensor: the planner read offsets that are not
+            # there (a segfault).
+            "rankless_chunk": (lambda d: edit_metadata(d, "m.state_dict_metadata['model.0.weight'].chunks[0].offsets"
+                                                          " = torch.Size(())"),
+                               "state_dict_metadata['model.0.weight'].chunks[0] has offsets [] and sizes [13, 8]"),
         }
         for name, (change, words) in cases.items():
             with self.subTest(case=name):

@@ -1,0 +1,48 @@
+"""Writes the hostile seeds of the fuzz target dcp_metadata (corpus/dcp_metadata/) with PyTorch's own
+metadata classes, pickled as PyTorch pickles them (protocol 2, to keep them small): each one a file
+that once crashed dcp::load or took memory or time out of proportion to its size.
+
+    .venv/bin/python tests/fuzz/dcp_metadata_seeds.py tests/fuzz/corpus/dcp_metadata
+"""
+import os
+import pickle
+import sys
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+
+BIG = 2**63 - 1
+
+
+def tensor(size, chunks):
+    return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size),
+                                 [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks])
+
+
+def metadata(tensors, items):
+    """tensors: {key: TensorStorageMetadata}; items: [(key, offsets, file offset, length)]."""
+    return Metadata(state_dict_metadata=tensors, planner_data={k: (k,) for k in tensors},
+                    storage_data={MetadataIndex(k, torch.Size(o), 0): _StorageInfo("__0_0.distcp", off, n)
+                                  for k, o, off, n in items})
+
+
+def seeds():
+    yield "geometry_rankless_chunk", metadata({"w": tensor([4, 6], [((), (4, 6))])}, [("w", (), 0, 100)])
+    yield "geometry_chunk_past_end", metadata({"w": tensor([4], [((3,), (2,))])}, [("w", (3,), 0, 100)])
+    yield "geometry_chunk_overflow", metadata({"w": tensor([4], [((BIG,), (BIG,))])}, [("w", (BIG,), 0, 100)])
+    yield "geometry_storage_overflow", metadata({"w": tensor([4], [((0,), (4,))])}, [("w", (0,), BIG - 1, 2)])
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))
+    t = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4]), [chunk] * 64)
+    yield "geometry_repeated_chunk", metadata({"w": t}, [("w", (0,), 0, 100)])
+    yield "geometry_overlapping_items", metadata({"w": tensor([4], [((0,), (2,)), ((2,), (2,))])},
+                                                 [("w", (0,), 0, 100), ("w", (2,), 50, 100)])
+
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    for name, m in seeds():
+        with open(os.path.join(out, name), "wb") as f:
+            pickle.dump(m, f, protocol=2)
+        print(name, os.path.getsize(os.path.join(out, name)))
