@@ -206,12 +206,6 @@ class Reader {
   std::map<std::string, int> fds_;
 };
 
-std::string shape_text(const Shape& s) {
-  std::string out = "[";
-  for (size_t d = 0; d < s.size(); ++d) out += (d ? ", " : "") + std::to_string(s[d]);
-  return out + "]";
-}
-
 Metadata read_metadata(const std::string& dir) {
   const std::string path = dir + "/" + kMetadataFile;
   std::ifstream f(path, std::ios::binary);
@@ -247,12 +241,14 @@ void plan_copies(const Entry& e, const detail::TensorMeta& t,
     // Chunks that overlap would be read beyond what this entry holds; stop before reading more.
     covered += volume;
     DTRAIN_CHECK(covered <= e.tensor.numel(), "the stored chunks of '", key, "' overlap: those up to the one at ",
-                 shape_text(c.offsets), " cover ", covered, " of the ", e.tensor.numel(), " elements this rank loads");
+                 detail::dims_text(c.offsets), " cover ", covered, " of the ", e.tensor.numel(),
+                 " elements this rank loads");
     auto it = index.find({key, c.offsets});
-    DTRAIN_CHECK(it != index.end(), "the chunk of '", key, "' at ", shape_text(c.offsets), " has no stored item");
+    DTRAIN_CHECK(it != index.end(), "the chunk of '", key, "' at ", detail::dims_text(c.offsets),
+                 " has no stored item");
     const c10::IValue v = reader.ivalue(*it->second);
     DTRAIN_CHECK(v.isTensor() && v.toTensor().sizes().vec() == c.sizes, "the stored chunk of '", key, "' at ",
-                 shape_text(c.offsets), " is not a tensor of sizes ", shape_text(c.sizes));
+                 detail::dims_text(c.offsets), " is not a tensor of sizes ", detail::dims_text(c.sizes));
     at::Tensor from = v.toTensor(), to = e.tensor;
     for (size_t d = 0; d < sizes.size(); ++d) {
       from = from.narrow(static_cast<int64_t>(d), lo[d] - c.offsets[d], hi[d] - lo[d]);
@@ -285,15 +281,15 @@ Prepared prepare_load(StateDict& sd, const std::string& dir) {
     DTRAIN_CHECK(t != m.tensors.end(), "'", key, "' is not a tensor in the checkpoint at ", dir, " (", m.tensors.size(),
                  " tensors there", m.tensors.empty() ? "" : ", e.g. '" + m.tensors.begin()->first + "'", ")");
     const Shape whole = e.global_shape.empty() ? e.tensor.sizes().vec() : e.global_shape;
-    DTRAIN_CHECK(whole == t->second.size, "'", key, "' is ", shape_text(t->second.size), " in the checkpoint at ", dir,
-                 " but ", shape_text(whole), " here");
+    DTRAIN_CHECK(whole == t->second.size, "'", key, "' is ", detail::dims_text(t->second.size),
+                 " in the checkpoint at ", dir, " but ", detail::dims_text(whole), " here");
     if (!e.global_shape.empty()) {  // a chunk (Entry::chunk): inside its whole, as a stored chunk is
       const Shape sizes = e.tensor.sizes().vec();
       bool fits = e.offsets.size() == whole.size() && sizes.size() == whole.size();
       for (size_t d = 0; fits && d < whole.size(); ++d)
         fits = e.offsets[d] >= 0 && e.offsets[d] <= whole[d] && sizes[d] <= whole[d] - e.offsets[d];
-      DTRAIN_CHECK(fits, "the entry '", key, "' is a chunk of sizes ", shape_text(sizes), " at offsets ",
-                   shape_text(e.offsets), " of ", shape_text(whole),
+      DTRAIN_CHECK(fits, "the entry '", key, "' is a chunk of sizes ", detail::dims_text(sizes), " at offsets ",
+                   detail::dims_text(e.offsets), " of ", detail::dims_text(whole),
                    ", which does not fit: give one offset per dimension, with offset + size <= the dimension");
     }
   }

@@ -104,12 +104,6 @@ Shape size_of(const Value* v, const std::string& where) {
   return s;
 }
 
-std::string bracketed(const Shape& s) {
-  std::string out = "[";
-  for (size_t d = 0; d < s.size(); ++d) out += (d ? ", " : "") + std::to_string(s[d]);
-  return out + "]";
-}
-
 [[noreturn]] void inconsistent(const std::string& what) {
   throw Error(what + " (a damaged or hand-made file: load another checkpoint or restore this one from a copy)");
 }
@@ -118,7 +112,7 @@ std::string bracketed(const Shape& s) {
 // dimensions and adds offset and size, and a load reads each chunk it lists.
 void check_chunks(const TensorMeta& m, const std::string& where) {
   for (int64_t d : m.size)
-    if (d < 0) inconsistent(where + ".size is " + bracketed(m.size) + ", a negative size");
+    if (d < 0) inconsistent(where + ".size is " + dims_text(m.size) + ", a negative size");
   std::set<Shape> seen;
   for (size_t k = 0; k < m.chunks.size(); ++k) {
     const Chunk& c = m.chunks[k];
@@ -128,11 +122,11 @@ void check_chunks(const TensorMeta& m, const std::string& where) {
       fits =
           c.offsets[d] >= 0 && c.sizes[d] >= 0 && c.offsets[d] <= m.size[d] && c.sizes[d] <= m.size[d] - c.offsets[d];
     if (!fits)
-      inconsistent(at + " has offsets " + bracketed(c.offsets) + " and sizes " + bracketed(c.sizes) +
-                   " for a tensor of size " + bracketed(m.size) +
+      inconsistent(at + " has offsets " + dims_text(c.offsets) + " and sizes " + dims_text(c.sizes) +
+                   " for a tensor of size " + dims_text(m.size) +
                    ": a chunk needs one offset and one size per dimension, with 0 <= offset and offset + size <= "
                    "the dimension");
-    if (!seen.insert(c.offsets).second) inconsistent(at + " repeats the chunk at offsets " + bracketed(c.offsets));
+    if (!seen.insert(c.offsets).second) inconsistent(at + " repeats the chunk at offsets " + dims_text(c.offsets));
   }
 }
 
@@ -252,6 +246,14 @@ void read_items(const Value& root, Metadata& m) {
 }
 
 }  // namespace
+
+std::string dims_text(const Shape& s) {
+  constexpr size_t kShown = 8;
+  std::string out = "[";
+  for (size_t d = 0; d < s.size() && d < kShown; ++d) out += (d ? ", " : "") + std::to_string(s[d]);
+  if (s.size() > kShown) out += ", ... (" + std::to_string(s.size()) + " dimensions)";
+  return out + "]";
+}
 
 std::string join(const Path& path) {
   std::string s;

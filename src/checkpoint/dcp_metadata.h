@@ -29,6 +29,10 @@ using Path = std::vector<PathElem>;
 // The flattened key: the elements joined by '.' ("optim.param_groups.0.lr"), as DCP flattens.
 std::string join(const Path& path);
 
+// "[4, 6]", for a message: at most 8 sizes, then "... (450 dimensions)", so that a file's shape of any
+// rank stays a short line.
+std::string dims_text(const Shape& s);
+
 struct Chunk {
   Shape offsets, sizes;
 };
