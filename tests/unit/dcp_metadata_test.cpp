@@ -1,12 +1,17 @@
 // A distributed checkpoint's `.metadata` read as a load reads a file written by anyone
 // (checkpoint/dcp_metadata.h): every chunk fits its tensor and every stored item its file's
-// offsets, checked before the planner computes with them, so a hostile file is one clean error.
+// offsets, checked before the planner computes with them, and the pickle beneath may not expand,
+// through values it shares, past a budget proportional to its size (common/pickle.h,
+// Note [Pickle budget]), so a hostile file is one clean error. The hostile files are
+// fuzz_dcp_metadata's seeds.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <limits>
 
 #include "checkpoint/dcp_metadata.h"
+#include "common/pickle.h"
+#include "common/util.h"
 #include "matchers.h"
 
 namespace {
@@ -110,6 +115,46 @@ TEST(DcpMetadata, RefusesItemsThatOverlapInTheirFile) {
   m.items.back().storage.relative_path = "__1_0.distcp";  // another file: fine
   m.items.back().storage.offset = 0;
   EXPECT_EQ(decode(encode(m)).items.size(), 2u);
+}
+
+std::string seed(const std::string& name) {
+  return dtrain::util::read_file(std::string(DTRAIN_SOURCE_DIR) + "/tests/fuzz/corpus/dcp_metadata/" + name, "seed");
+}
+
+// Each level a pair of the level below and a reference to it (memo), 40 times over: 206 bytes that
+// stand for 2^40 values (Python's pickler writes `a = (a, a)` in a loop so).
+std::string doubling(int levels) {
+  std::string p("\x80\x02]q\x00", 5);
+  for (int k = 1; k <= levels; ++k)
+    p += std::string{'h', static_cast<char>(k - 1), static_cast<char>(0x86), 'q', static_cast<char>(k)};
+  return p + ".";
+}
+
+TEST(PickleBudget, RefusesAPickleWhoseSharedValuesExpandPastItsSize) {
+  EXPECT_THAT(
+      [] { dtrain::pickle::parse(doubling(40)); },
+      ThrowsDtrainError(AllOf(HasSubstr("pickle of 206 bytes shares values past its budget"),
+                              HasSubstr("more than " + std::to_string(dtrain::pickle::budget_for(206)) + " values"))));
+  EXPECT_NO_THROW(dtrain::pickle::parse(doubling(10)));  // 2^11 values: within the slack
+}
+
+// The budget is far above what PyTorch's own files use: a factor of 4 to spare, at the least.
+TEST(PickleBudget, RealMetadataUsesAFractionOfIt) {
+  const std::string bytes = seed("python_2ranks_adam");
+  const auto doc = dtrain::pickle::parse(bytes);
+  const auto e = dtrain::pickle::expansion(doc.root(), UINT64_MAX / 2, UINT64_MAX / 2);
+  EXPECT_LT(e.values * 4, dtrain::pickle::kBudgetPerByte * bytes.size()) << e.values;
+  EXPECT_LT(e.text_bytes * 4, dtrain::pickle::kBudgetPerByte * bytes.size()) << e.text_bytes;
+  EXPECT_EQ(decode(bytes).tensors.size(), 16u);
+}
+
+// Copied wherever they were shared, these took 71, 253 and 1,606 MiB (3, 5.4 and 9.8 KB: n keys
+// sharing one tensor of n chunks sharing one torch.Size of n dimensions) and 500 MB of text (10 KB:
+// 500 paths of one tuple of 500 references to one str of 2,000 bytes).
+TEST(DcpMetadata, RefusesAFileWhoseSharedValuesExpandPastItsBudget) {
+  for (const char* name : {"budget_shared_tensor_130", "budget_shared_tensor_250", "budget_shared_tensor_450",
+                           "budget_shared_paths", "budget_doubling"})
+    EXPECT_THAT([&] { decode(seed(name)); }, ThrowsDtrainError(HasSubstr("shares values past its budget"))) << name;
 }
 
 }  // namespace
