@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <random>
 #include <sstream>
@@ -162,11 +161,7 @@ class Reader {
                  item.fqn, "' is stored in '", name, "', not a file of the checkpoint's folder");
     const std::string path = dir_ + "/" + name;
     auto it = fds_.find(name);
-    if (it == fds_.end()) {
-      const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-      DTRAIN_CHECK(fd >= 0, "cannot open ", path, " (it holds '", item.fqn, "'): ", std::strerror(errno));
-      it = fds_.emplace(name, fd).first;
-    }
+    if (it == fds_.end()) it = fds_.emplace(name, ckpt::open_regular(path, "it holds '" + item.fqn + "'")).first;
     struct stat st {};
     fstat(it->second, &st);
     // decode() keeps offset + length from overflowing.
@@ -208,9 +203,22 @@ class Reader {
 
 Metadata read_metadata(const std::string& dir) {
   const std::string path = dir + "/" + kMetadataFile;
-  std::ifstream f(path, std::ios::binary);
-  DTRAIN_CHECK(f, "no checkpoint at ", dir, ": ", path, " is missing (a save that did not finish, or another folder)");
-  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  struct stat st {};
+  DTRAIN_CHECK(lstat(path.c_str(), &st) == 0 || errno != ENOENT, "no checkpoint at ", dir, ": ", path,
+               " is missing (a save that did not finish, or another folder)");
+  const int fd = ckpt::open_regular(path, "the checkpoint's metadata");
+  std::string bytes;
+  char buf[1 << 16];
+  for (ssize_t n; (n = read(fd, buf, sizeof buf)) != 0;) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      close(fd);
+      throw Error("cannot read " + path + ": " + std::strerror(err));
+    }
+    bytes.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
   try {
     return detail::decode(bytes);
   } catch (const Error& e) {
