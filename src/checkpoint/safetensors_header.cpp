@@ -153,6 +153,8 @@ SafetensorsHeader parse_safetensors_header(const std::string& path, const std::s
     j = nlohmann::json::parse(header);
   } catch (const nlohmann::json::parse_error& e) {
     corrupt(path, 8 + (e.byte > 0 ? e.byte - 1 : 0), "its JSON header does not parse (" + excerpt(e.what(), 200) + ")");
+  } catch (const nlohmann::json::exception& e) {  // a number out of range ("1e999"): no byte, the header's
+    corrupt(path, 8, "its JSON header does not parse (" + excerpt(e.what(), 200) + ")");
   }
   SafetensorsHeader h;
   h.data_start = 8 + n;

@@ -1,6 +1,6 @@
 """Writes the seeds of the fuzz target safetensors_header (corpus/safetensors_header/): a file Python's
 `safetensors` writes, and small forms of the hostile headers test_safetensors.py refuses (a nested
-shape element, a nested header, a shape whose byte count wraps around to 0, a key with a newline).
+shape element, a nested header, a shape whose byte count wraps around to 0, a number out of any double's range, a key with a newline).
 
     .venv/bin/python tests/fuzz/safetensors_header_seeds.py tests/fuzz/corpus/safetensors_header
 """
@@ -24,6 +24,7 @@ def seeds():
                                   b"]}}")
     yield "nested_header", file_of(b'{"w": ' + b"[" * 70 + b"]" * 70 + b"}")
     yield "numel_wraps", file_of({"w": {"dtype": "F32", "shape": [2**31, 2**31], "data_offsets": [0, 0]}})
+    yield "number_overflow", file_of(b'{"w": {"dtype": "F32", "shape": [2e47483648], "data_offsets": [0, 0]}}')
     yield "key_with_newline", file_of({"evil\n" + "k" * 100: {"dtype": "Q9", "shape": [], "data_offsets": [0, 0]}})
 
 
