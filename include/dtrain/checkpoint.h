@@ -34,7 +34,9 @@
 // in <dir>, although <file> has the later step 300 ..."). Writes are ordered by a stamp in each
 // header line (nanoseconds since the epoch, above every stamp already in the folder), not by mtime,
 // which is whole seconds on some file systems; files of older dtrains (no stamp) come before any
-// stamped one, by step.
+// stamped one, by step. A file stamped more than a week ahead of this host's clock is unusable
+// ("... (its write stamp <n> is more than a week ahead of this host's clock ...); ignored"): no
+// writer made it, and it would stay the latest for good.
 //   2. Rank 0 broadcasts the chosen file's bytes, so every rank restores the same checkpoint, also on
 //      nodes that do not share the folder. No file: std::nullopt everywhere; files but none usable:
 //      an error naming them.

@@ -313,7 +313,14 @@ bool distributed() { return is_initialized() && world_size() > 1; }
 // less (set back, or another host's), so stamps order writes even where mtime (whole seconds on some
 // file systems) or clocks would not. Files from before stamps (0) are older than any stamped one,
 // ordered by step among themselves; a file whose header cannot be read has no known age and comes
-// first (oldest): load_latest never picks it, and rotation removes it before any readable file.
+// first (oldest): load_latest never picks it, and rotation removes it before any readable file. So
+// does a file stamped more than kMaxStampLead ahead of this host's clock: no writer made it (a
+// writer's stamp passes its clock only by the folder's newest stamp, and clocks are not a week
+// apart), and taken as it is, it would stay the newest write for good (INT64_MAX: forever, and
+// stamp + 1 overflowed), so that rotation deleted the real checkpoints and load_latest resumed from
+// it. Every stamp a scan keeps is therefore below now + a week, far from overflowing.
+constexpr std::chrono::hours kMaxStampLead{24 * 7};
+
 struct Found {
   std::string path;
   int64_t step = 0;
@@ -321,9 +328,15 @@ struct Found {
   std::string why;
 };
 
+int64_t clock_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
 // `dir`'s <prefix>_<10 digits>.pt files, oldest write first.
 std::vector<Found> scan(const std::string& dir, const std::string& prefix) {
   std::vector<Found> found;
+  const int64_t latest_stamp = clock_ns() + std::chrono::nanoseconds(kMaxStampLead).count();
   std::error_code ec;
   const std::string head = prefix + "_";
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
@@ -340,6 +353,12 @@ std::vector<Found> scan(const std::string& dir, const std::string& prefix) {
     f.path = it->path().string();
     f.step = std::stoll(digits);
     f.stamp = ckpt::read_write_stamp(f.path, &f.why);
+    if (f.stamp && *f.stamp > latest_stamp) {
+      f.why = detail::cat("its write stamp ", *f.stamp, " is more than a week ahead of this host's clock (",
+                          latest_stamp - std::chrono::nanoseconds(kMaxStampLead).count(),
+                          " ns since the epoch): planted, or written under a wrong clock");
+      f.stamp.reset();
+    }
     found.push_back(std::move(f));
   }
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
@@ -351,11 +370,9 @@ std::vector<Found> scan(const std::string& dir, const std::string& prefix) {
 
 // Note [Write order]: the stamp of a write into a folder that holds `found`.
 int64_t next_write_stamp(const std::vector<Found>& found) {
-  const auto now =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-  int64_t stamp = std::max<int64_t>(now, 1);
+  int64_t stamp = std::max<int64_t>(clock_ns(), 1);
   for (const Found& f : found)
-    if (f.stamp) stamp = std::max(stamp, *f.stamp + 1);
+    if (f.stamp) stamp = std::max(stamp, *f.stamp + 1);  // scan() kept it below now + a week: no overflow
   return stamp;
 }
 

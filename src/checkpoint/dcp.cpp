@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <random>
 #include <sstream>
@@ -162,13 +161,10 @@ class Reader {
                  item.fqn, "' is stored in '", name, "', not a file of the checkpoint's folder");
     const std::string path = dir_ + "/" + name;
     auto it = fds_.find(name);
-    if (it == fds_.end()) {
-      const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-      DTRAIN_CHECK(fd >= 0, "cannot open ", path, " (it holds '", item.fqn, "'): ", std::strerror(errno));
-      it = fds_.emplace(name, fd).first;
-    }
+    if (it == fds_.end()) it = fds_.emplace(name, ckpt::open_regular(path, "it holds '" + item.fqn + "'")).first;
     struct stat st {};
     fstat(it->second, &st);
+    // decode() keeps offset + length from overflowing.
     DTRAIN_CHECK(item.storage.offset + item.storage.length <= st.st_size, path, " is truncated: '", item.fqn,
                  "' is stored at bytes ", item.storage.offset, "-", item.storage.offset + item.storage.length,
                  " but the file has ", st.st_size);
@@ -205,17 +201,24 @@ class Reader {
   std::map<std::string, int> fds_;
 };
 
-std::string shape_text(const Shape& s) {
-  std::string out = "[";
-  for (size_t d = 0; d < s.size(); ++d) out += (d ? ", " : "") + std::to_string(s[d]);
-  return out + "]";
-}
-
 Metadata read_metadata(const std::string& dir) {
   const std::string path = dir + "/" + kMetadataFile;
-  std::ifstream f(path, std::ios::binary);
-  DTRAIN_CHECK(f, "no checkpoint at ", dir, ": ", path, " is missing (a save that did not finish, or another folder)");
-  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  struct stat st {};
+  DTRAIN_CHECK(lstat(path.c_str(), &st) == 0 || errno != ENOENT, "no checkpoint at ", dir, ": ", path,
+               " is missing (a save that did not finish, or another folder)");
+  const int fd = ckpt::open_regular(path, "the checkpoint's metadata");
+  std::string bytes;
+  char buf[1 << 16];
+  for (ssize_t n; (n = read(fd, buf, sizeof buf)) != 0;) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      close(fd);
+      throw Error("cannot read " + path + ": " + std::strerror(err));
+    }
+    bytes.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
   try {
     return detail::decode(bytes);
   } catch (const Error& e) {
@@ -237,27 +240,28 @@ void plan_copies(const Entry& e, const detail::TensorMeta& t,
   const Shape offsets = e.global_shape.empty() ? Shape(sizes.size(), 0) : e.offsets;
   int64_t covered = 0;
   for (const auto& c : t.chunks) {
-    Shape lo(sizes.size()), hi(sizes.size());
-    bool empty = false;
-    for (size_t d = 0; d < sizes.size(); ++d) {
-      lo[d] = std::max(offsets[d], c.offsets[d]);
-      hi[d] = std::min(offsets[d] + sizes[d], c.offsets[d] + c.sizes[d]);
-      empty |= hi[d] <= lo[d];
-    }
-    if (empty && !sizes.empty()) continue;
+    // The chunk fits the tensor (decode checked it), and so does this entry (prepare_load).
+    const auto part = detail::overlap(c, offsets, sizes);
+    if (!part) continue;
+    const auto& [lo, hi] = *part;
+    int64_t volume = 1;
+    for (size_t d = 0; d < sizes.size(); ++d) volume *= hi[d] - lo[d];
+    // Chunks that overlap would be read beyond what this entry holds; stop before reading more.
+    covered += volume;
+    DTRAIN_CHECK(covered <= e.tensor.numel(), "the stored chunks of '", key, "' overlap: those up to the one at ",
+                 detail::dims_text(c.offsets), " cover ", covered, " of the ", e.tensor.numel(),
+                 " elements this rank loads");
     auto it = index.find({key, c.offsets});
-    DTRAIN_CHECK(it != index.end(), "the chunk of '", key, "' at ", shape_text(c.offsets), " has no stored item");
+    DTRAIN_CHECK(it != index.end(), "the chunk of '", key, "' at ", detail::dims_text(c.offsets),
+                 " has no stored item");
     const c10::IValue v = reader.ivalue(*it->second);
     DTRAIN_CHECK(v.isTensor() && v.toTensor().sizes().vec() == c.sizes, "the stored chunk of '", key, "' at ",
-                 shape_text(c.offsets), " is not a tensor of sizes ", shape_text(c.sizes));
+                 detail::dims_text(c.offsets), " is not a tensor of sizes ", detail::dims_text(c.sizes));
     at::Tensor from = v.toTensor(), to = e.tensor;
-    int64_t volume = 1;
     for (size_t d = 0; d < sizes.size(); ++d) {
       from = from.narrow(static_cast<int64_t>(d), lo[d] - c.offsets[d], hi[d] - lo[d]);
       to = to.narrow(static_cast<int64_t>(d), lo[d] - offsets[d], hi[d] - lo[d]);
-      volume *= hi[d] - lo[d];
     }
-    covered += volume;
     copies.push_back({to, from});
   }
   DTRAIN_CHECK(covered == e.tensor.numel(), "the stored chunks of '", key, "' cover ", covered, " of the ",
@@ -285,8 +289,17 @@ Prepared prepare_load(StateDict& sd, const std::string& dir) {
     DTRAIN_CHECK(t != m.tensors.end(), "'", key, "' is not a tensor in the checkpoint at ", dir, " (", m.tensors.size(),
                  " tensors there", m.tensors.empty() ? "" : ", e.g. '" + m.tensors.begin()->first + "'", ")");
     const Shape whole = e.global_shape.empty() ? e.tensor.sizes().vec() : e.global_shape;
-    DTRAIN_CHECK(whole == t->second.size, "'", key, "' is ", shape_text(t->second.size), " in the checkpoint at ", dir,
-                 " but ", shape_text(whole), " here");
+    DTRAIN_CHECK(whole == t->second.size, "'", key, "' is ", detail::dims_text(t->second.size),
+                 " in the checkpoint at ", dir, " but ", detail::dims_text(whole), " here");
+    if (!e.global_shape.empty()) {  // a chunk (Entry::chunk): inside its whole, as a stored chunk is
+      const Shape sizes = e.tensor.sizes().vec();
+      bool fits = e.offsets.size() == whole.size() && sizes.size() == whole.size();
+      for (size_t d = 0; fits && d < whole.size(); ++d)
+        fits = e.offsets[d] >= 0 && e.offsets[d] <= whole[d] && sizes[d] <= whole[d] - e.offsets[d];
+      DTRAIN_CHECK(fits, "the entry '", key, "' is a chunk of sizes ", detail::dims_text(sizes), " at offsets ",
+                   detail::dims_text(e.offsets), " of ", detail::dims_text(whole),
+                   ", which does not fit: give one offset per dimension, with offset + size <= the dimension");
+    }
   }
   std::map<std::pair<std::string, Shape>, const Item*> chunk_index;
   std::map<std::string, const Item*> value_index;

@@ -3,6 +3,11 @@
 // writes, checking each field's type on the way.
 #include "checkpoint/dcp_metadata.h"
 
+#include <algorithm>
+#include <limits>
+#include <set>
+#include <tuple>
+
 #include "common/pickle.h"
 #include "dtrain/errors.h"
 
@@ -99,6 +104,66 @@ Shape size_of(const Value* v, const std::string& where) {
   return s;
 }
 
+[[noreturn]] void inconsistent(const std::string& what) {
+  throw Error(what + " (a damaged or hand-made file: load another checkpoint or restore this one from a copy)");
+}
+
+// Every chunk inside its tensor, once: the planner indexes a chunk's offsets by the tensor's
+// dimensions and adds offset and size, and a load reads each chunk it lists.
+void check_chunks(const TensorMeta& m, const std::string& where) {
+  for (int64_t d : m.size)
+    if (d < 0) inconsistent(where + ".size is " + dims_text(m.size) + ", a negative size");
+  std::set<Shape> seen;
+  for (size_t k = 0; k < m.chunks.size(); ++k) {
+    const Chunk& c = m.chunks[k];
+    const std::string at = where + ".chunks[" + std::to_string(k) + "]";
+    bool fits = c.offsets.size() == m.size.size() && c.sizes.size() == m.size.size();
+    for (size_t d = 0; fits && d < m.size.size(); ++d)  // overflow-free: 0 <= o <= dim, 0 <= s <= dim - o
+      fits =
+          c.offsets[d] >= 0 && c.sizes[d] >= 0 && c.offsets[d] <= m.size[d] && c.sizes[d] <= m.size[d] - c.offsets[d];
+    if (!fits)
+      inconsistent(at + " has offsets " + dims_text(c.offsets) + " and sizes " + dims_text(c.sizes) +
+                   " for a tensor of size " + dims_text(m.size) +
+                   ": a chunk needs one offset and one size per dimension, with 0 <= offset and offset + size <= "
+                   "the dimension");
+    if (!seen.insert(c.offsets).second) inconsistent(at + " repeats the chunk at offsets " + dims_text(c.offsets));
+  }
+}
+
+// Every stored item within what a file can hold, and none in another's bytes (a writer puts them
+// back to back; a load would read shared bytes once per item).
+void check_storage(const std::vector<Item>& items) {
+  constexpr int64_t kMaxOffset = std::numeric_limits<int64_t>::max();
+  std::vector<const Item*> by_place;
+  for (const Item& item : items) {
+    const StorageInfo& s = item.storage;
+    if (s.offset < 0 || s.length < 0) inconsistent("the item '" + item.fqn + "' has a negative offset or length");
+    if (s.length > kMaxOffset - s.offset)
+      inconsistent("the item '" + item.fqn + "' is stored at bytes " + std::to_string(s.offset) + " + " +
+                   std::to_string(s.length) + ", past the largest offset a file can have");
+    if (s.length > 0) by_place.push_back(&item);
+  }
+  std::sort(by_place.begin(), by_place.end(), [](const Item* a, const Item* b) {
+    return std::tie(a->storage.relative_path, a->storage.offset) <
+           std::tie(b->storage.relative_path, b->storage.offset);
+  });
+  const Item* reach = nullptr;  // of the items so far in this file, the one that ends last
+  for (const Item* item : by_place) {
+    const StorageInfo& s = item->storage;
+    if (reach && reach->storage.relative_path == s.relative_path &&
+        s.offset < reach->storage.offset + reach->storage.length) {
+      const auto span = [](const StorageInfo& i) {
+        return "bytes " + std::to_string(i.offset) + "-" + std::to_string(i.offset + i.length);
+      };
+      inconsistent("the items '" + reach->fqn + "' and '" + item->fqn + "' overlap in " + s.relative_path + " (" +
+                   span(reach->storage) + " and " + span(s) + "): each item has bytes of its own");
+    }
+    if (!reach || reach->storage.relative_path != s.relative_path ||
+        s.offset + s.length > reach->storage.offset + reach->storage.length)
+      reach = item;
+  }
+}
+
 TensorMeta tensor_of(const Value& t, const std::string& where) {
   TensorMeta m;
   const Value& props = object_of(field(t, "properties", where), kModule, "TensorProperties", where + ".properties");
@@ -116,6 +181,7 @@ TensorMeta tensor_of(const Value& t, const std::string& where) {
     m.chunks.push_back({size_of(field(chunk, "offsets", where), where + ".chunks[].offsets"),
                         size_of(field(chunk, "sizes", where), where + ".chunks[].sizes")});
   }
+  check_chunks(m, where);
   return m;
 }
 
@@ -175,18 +241,35 @@ void read_items(const Value& root, Metadata& m) {
     if (transforms && transforms->kind != Kind::kNone && !transforms->items.empty())
       throw Error("the item '" + item.fqn + "' is stored through transforms (" + transforms->items[0]->describe() +
                   "...), which dtrain does not read: save without them");
-    if (item.storage.offset < 0 || item.storage.length < 0)
-      throw Error("the item '" + item.fqn + "' has a negative offset or length");
     m.items.push_back(item);
   }
 }
 
 }  // namespace
 
+std::string dims_text(const Shape& s) {
+  constexpr size_t kShown = 8;
+  std::string out = "[";
+  for (size_t d = 0; d < s.size() && d < kShown; ++d) out += (d ? ", " : "") + std::to_string(s[d]);
+  if (s.size() > kShown) out += ", ... (" + std::to_string(s.size()) + " dimensions)";
+  return out + "]";
+}
+
 std::string join(const Path& path) {
   std::string s;
   for (const PathElem& e : path) s += (s.empty() ? "" : ".") + (e.is_int ? std::to_string(e.i) : e.s);
   return s;
+}
+
+std::optional<std::pair<Shape, Shape>> overlap(const Chunk& c, const Shape& offsets, const Shape& sizes) {
+  DTRAIN_ASSERT(c.offsets.size() == sizes.size() && c.sizes.size() == sizes.size() && offsets.size() == sizes.size());
+  Shape lo(sizes.size()), hi(sizes.size());
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    lo[d] = std::max(offsets[d], c.offsets[d]);
+    hi[d] = std::min(offsets[d] + sizes[d], c.offsets[d] + c.sizes[d]);
+    if (hi[d] <= lo[d]) return std::nullopt;
+  }
+  return std::make_pair(std::move(lo), std::move(hi));
 }
 
 std::string encode(const Metadata& m) {
@@ -232,6 +315,7 @@ Metadata decode(const std::string& bytes) {
   read_entries(root, m);
   read_paths(root, m);
   read_items(root, m);
+  check_storage(m.items);
   if (const Value* v = field(root, "version", "Metadata"); v && v->kind == Kind::kStr) m.version = v->s;
   for (const Item& item : m.items) {
     if (!item.offsets) continue;

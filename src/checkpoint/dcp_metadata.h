@@ -12,6 +12,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dtrain::dcp::detail {
@@ -27,6 +28,10 @@ struct PathElem {
 using Path = std::vector<PathElem>;
 // The flattened key: the elements joined by '.' ("optim.param_groups.0.lr"), as DCP flattens.
 std::string join(const Path& path);
+
+// "[4, 6]", for a message: at most 8 sizes, then "... (450 dimensions)", so that a file's shape of any
+// rank stays a short line.
+std::string dims_text(const Shape& s);
 
 struct Chunk {
   Shape offsets, sizes;
@@ -60,11 +65,19 @@ struct Metadata {
   std::string checkpoint_id, save_id;  // StorageMeta's (the folder; a random id per save)
 };
 
+// The part of the chunk `c` inside the box of `sizes` at `offsets` (a tensor entry a load fills):
+// [first, second) per dimension, or nullopt when it holds none of the box's elements (a
+// 0-dimensional chunk and box share their one element). Both must have the rank of the tensor and
+// lie inside it (decode() checks every chunk of a file so), which keeps the sums from overflowing.
+std::optional<std::pair<Shape, Shape>> overlap(const Chunk& c, const Shape& offsets, const Shape& sizes);
+
 // The pickle of `m` (protocol 2), as torch.distributed.checkpoint's FileSystemWriter writes it.
 std::string encode(const Metadata& m);
 // Reads a `.metadata` pickle. Throws dtrain::Error with the reason (the caller names the file): not
 // a pickle, or a pickle that is not DCP's metadata ("state_dict_metadata['fc.weight'] is a list,
-// not TensorStorageMetadata").
+// not TensorStorageMetadata"), or geometry no writer makes: a chunk of another rank than its tensor
+// or outside it, a chunk listed twice, a stored item whose end is past the largest file offset, or
+// two items in the same bytes of a file: a load computes with what it returns as it is.
 Metadata decode(const std::string& bytes);
 
 }  // namespace dtrain::dcp::detail

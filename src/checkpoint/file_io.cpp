@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -50,6 +51,34 @@ std::optional<int64_t> read_write_stamp(const std::string& path, std::string* wh
     *why = e.what();
     return std::nullopt;
   }
+}
+
+int open_regular(const std::string& path, const std::string& what) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0 && errno == ELOOP)
+    throw Error(
+        detail::cat(path, " is a symbolic link (", what,
+                    "): a load reads only the folder's own regular files; copy the file itself into the folder"));
+  DTRAIN_CHECK(fd >= 0, "cannot open ", path, " (", what, "): ", std::strerror(errno));
+  const auto give_up = [&](const std::string& why) {
+    ::close(fd);
+    throw Error(detail::cat(path, why));
+  };
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) give_up(detail::cat(": cannot read it (", what, "): ", std::strerror(errno)));
+  if (!S_ISREG(st.st_mode)) {
+    const char* kind = S_ISFIFO(st.st_mode)   ? "a FIFO"
+                       : S_ISDIR(st.st_mode)  ? "a folder"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "a device";
+    give_up(
+        detail::cat(" is ", kind, " (", what,
+                    "), not a regular file: a checkpoint's files are regular files; restore the folder from a copy"));
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0)
+    give_up(detail::cat(": cannot read it (", what, "): ", std::strerror(errno)));
+  return fd;
 }
 
 namespace {

@@ -15,6 +15,12 @@ namespace dtrain::ckpt {
 // with the reason in *why (the unframe() reasons, or the file's).
 std::optional<int64_t> read_write_stamp(const std::string& path, std::string* why);
 
+// Opens `path`, one of a checkpoint's own files, for reading: never through a symbolic link
+// (O_NOFOLLOW), never waiting for a FIFO's writer (O_NONBLOCK, cleared once the file is known to be
+// regular), and a regular file only. Throws dtrain::Error naming the file, what it is and `what` it
+// holds ("... is a FIFO (it holds 'fc.weight'), not a regular file: ..."). The caller closes it.
+int open_regular(const std::string& path, const std::string& what);
+
 // Writes `bytes` to `path` atomically: a fresh temporary file beside it (a random name, created with
 // O_EXCL | O_NOFOLLOW, so nothing planted there is written through), write, fsync, rename, fsync of
 // the folder (a failure of that last one is a warning: the data is in place). On failure the

@@ -12,8 +12,10 @@
 // Anything else (text protocol 0, persistent ids, extensions, sets, out-of-band buffers) is refused.
 #include "common/pickle.h"
 
+#include <algorithm>
 #include <cstring>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "dtrain/errors.h"
 
@@ -512,9 +514,66 @@ Value* Document::call(Value* callable, std::vector<Value*> args) {
   return v;
 }
 
+Expansion expansion(const Value& root, uint64_t max_values, uint64_t max_text_bytes) {
+  // Depth first without recursion, each value's expansion computed once and added wherever it is
+  // referenced, saturating just past the caps: time and memory in proportion to the values.
+  struct Frame {
+    const Value* v;
+    size_t next;  // the next child: items, then callable, args, state
+    Expansion sum;
+  };
+  const auto add = [&](Expansion& to, const Expansion& e) {
+    to.values = std::min(to.values + e.values, max_values + 1);
+    to.text_bytes = std::min(to.text_bytes + e.text_bytes, max_text_bytes + 1);
+  };
+  const auto own = [](const Value* v) { return Expansion{1, v->s.size() + v->name.size()}; };
+  std::unordered_map<const Value*, Expansion> done;
+  std::unordered_set<const Value*> open{&root};
+  std::vector<Frame> stack{{&root, 0, own(&root)}};
+  while (!stack.empty()) {
+    Frame& f = stack.back();
+    const Value* child = nullptr;
+    const size_t n = f.v->items.size();
+    for (; !child && f.next < n + 3; ++f.next)
+      child = f.next < n ? f.v->items[f.next] : f.next == n ? f.v->callable : f.next == n + 1 ? f.v->args : f.v->state;
+    if (child) {
+      if (auto it = done.find(child); it != done.end())
+        add(f.sum, it->second);
+      else if (open.count(child))
+        add(f.sum, {1, 0});  // a cycle closes here
+      else {
+        open.insert(child);
+        stack.push_back({child, 0, own(child)});
+      }
+      continue;
+    }
+    const Frame finished = f;
+    stack.pop_back();
+    open.erase(finished.v);
+    done.emplace(finished.v, finished.sum);
+    if (finished.sum.values > max_values || finished.sum.text_bytes > max_text_bytes) return finished.sum;
+    if (!stack.empty()) add(stack.back().sum, finished.sum);
+  }
+  return done.at(&root);
+}
+
 Document parse(const std::string& bytes) {
   Document doc;
   doc.root_ = Machine(bytes, doc).run();
+  // Note [Pickle budget]: the memo lets a few bytes stand for a value of any size, used anywhere
+  // (a list of two references to the list before it doubles with every 6 bytes), and the decoders
+  // over this reader copy values where they are used. What a pickle may expand to is therefore
+  // bounded by its size: a multiple of its bytes, in values and in bytes of text, far above what
+  // real files reach (DCP's metadata as PyTorch pickles it, shared names and sizes included: about
+  // 0.25 values and 2 bytes of text per byte), so that a decoder's work is linear in the file
+  // whatever the file shares.
+  const uint64_t budget = budget_for(bytes.size());
+  const Expansion e = expansion(*doc.root_, budget, budget);
+  if (e.values > budget || e.text_bytes > budget)
+    throw Error("pickle of " + std::to_string(bytes.size()) + " bytes shares values past its budget: copied where " +
+                "they are used they would be more than " + std::to_string(budget) +
+                (e.values > budget ? " values" : " bytes of text") + " (" + std::to_string(kBudgetPerByte) +
+                " per byte of the pickle): a hostile or damaged file");
   return doc;
 }
 

@@ -88,8 +88,23 @@ class Document {
   Value* root_ = nullptr;
 };
 
+// What a full copy of a value makes when every shared reference (the memo's, DUP's) is copied
+// where it is used, as a decoder that turns values into its own structures does: values, and bytes
+// of text (str, bytes, globals' names). A cycle counts as one value where it closes (a decoder that
+// follows cycles stops at its own depth limit). Counting stops once either passes its cap.
+struct Expansion {
+  uint64_t values = 0, text_bytes = 0;
+};
+Expansion expansion(const Value& root, uint64_t max_values, uint64_t max_text_bytes);
+
+// Note [Pickle budget]: what parse() lets a pickle of n bytes expand to.
+constexpr uint64_t kBudgetPerByte = 16;
+constexpr uint64_t kBudgetSlack = 1 << 16;
+inline uint64_t budget_for(size_t bytes) { return kBudgetPerByte * bytes + kBudgetSlack; }
+
 // Parses a pickle. Throws dtrain::Error "<what> at byte <offset>" for a truncated or malformed
-// pickle or an opcode outside the subset above; the caller names the file.
+// pickle or an opcode outside the subset above, and a plain reason for a pickle whose expansion
+// passes its budget (budget_for: values and text alike); the caller names the file.
 Document parse(const std::string& bytes);
 // Serializes `root` (a value of some Document) as a protocol-2 pickle. Values reachable twice are
 // written twice; a cycle is an error.

@@ -4,7 +4,7 @@ Adam, float64) saves, and Python's dcp.load on 1 and on 2 ranks reads the very p
 (bit for bit) and trains on to within 1e-10 of dtrain's own continued training; the tensor-parallel
 save loads back into dtrain's TP and unsharded (DDP) models alike; Python's dcp.save on 2 ranks loads
 into dtrain on 3 the same way. Bad folders (a flipped byte of a tensor, truncated, corrupt, missing
-metadata) fail in one line.
+metadata, a chunk of the wrong rank, a FIFO or a link in place of a file) fail in one line.
 
 Env: $DCP_INTEROP (the C++ program, dcp_interop.cpp), $VENV_PYTHON (set by tests/dist/CMakeLists.txt).
 """
@@ -153,6 +153,22 @@ class DcpAgainstPytorch(DistTestCase):
                         return
                     at = blob.index(b"PK\x03\x04", at + 4)
 
+        def edit_metadata(folder, code):
+            """Runs `code` on the folder's metadata `m` (Python's dataclasses), then writes it back."""
+            prog = ("import pickle, sys, torch\nm = pickle.load(open(sys.argv[1], 'rb'))\n" + code +
+                    "\npickle.dump(m, open(sys.argv[1], 'wb'))\n")
+            subprocess.run([VENV_PYTHON, "-c", prog, os.path.join(folder, ".metadata")], check=True, timeout=120)
+
+        def replace_with_fifo(path):
+            os.remove(path)
+            os.mkfifo(path)
+
+        def replace_with_link(path):
+            """A link to a good copy outside the folder: a load reads only the folder's own files."""
+            outside = os.path.join(self.tmp, "outside_" + os.path.basename(path))
+            shutil.move(path, outside)
+            os.symlink(outside, path)
+
         cases = {
             # A byte of a tensor's data changed: LibTorch's zip reader does not check the CRC-32, so
             # without dtrain's own check this loads a wrong number silently (PyTorch's dcp.load does).
@@ -161,6 +177,16 @@ class DcpAgainstPytorch(DistTestCase):
             "no_metadata": (lambda d: os.remove(os.path.join(d, ".metadata")), "is missing"),
             "bad_metadata": (lambda d: scribble(os.path.join(d, ".metadata")), ".metadata: "),
             "short_metadata": (lambda d: truncate(os.path.join(d, ".metadata")), "truncated pickle"),
+            # A chunk of fewer dimensions than its tensor: the planner read offsets that are not
+            # there (a segfault).
+            "rankless_chunk": (lambda d: edit_metadata(d, "m.state_dict_metadata['model.0.weight'].chunks[0].offsets"
+                                                          " = torch.Size(())"),
+                               "state_dict_metadata['model.0.weight'].chunks[0] has offsets [] and sizes [13, 8]"),
+            # A FIFO in place of a file: open() waited for a writer that never came (the load hung).
+            "fifo": (lambda d: replace_with_fifo(os.path.join(d, "__1_0.distcp")), "__1_0.distcp is a FIFO"),
+            "fifo_metadata": (lambda d: replace_with_fifo(os.path.join(d, ".metadata")), ".metadata is a FIFO"),
+            "link": (lambda d: replace_with_link(os.path.join(d, "__1_0.distcp")), "__1_0.distcp is a symbolic link"),
+            "link_metadata": (lambda d: replace_with_link(os.path.join(d, ".metadata")), ".metadata is a symbolic link"),
         }
         for name, (change, words) in cases.items():
             with self.subTest(case=name):

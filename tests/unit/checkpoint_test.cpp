@@ -446,6 +446,57 @@ TEST_F(Checkpoint, FilesWithoutAWriteStampAreOlderThanAnyStampedWrite) {
   EXPECT_EQ(loaded.step, 100);
 }
 
+// A file whose header claims a write stamp no writer could have made (INT64_MAX, or a month ahead
+// of this host's clock) is unusable: `stamp + 1` overflowed, the planted file stayed the newest write,
+// rotation deleted the real checkpoints around it, and load_latest resumed from it.
+TEST_F(Checkpoint, AStampFromTheFarFutureIsIgnoredNotTheLatest) {
+  Net net;
+  dtrain::TrainingState st;
+  st.model = net.ptr().get();
+  dtrain::CheckpointManager mgr(dir, dtrain::CheckpointOptions().keep(2));
+  st.step = 1;
+  mgr.save(st);
+  st.step = 2;
+  const std::string good = mgr.save(st);
+  // A copy of a real checkpoint (its CRC-32 still right) with another stamp in its header line.
+  const std::string original = read(good);
+  const auto plant = [&](int64_t step, const std::string& stamp) {
+    std::string bytes = original;
+    const size_t eol = bytes.find('\n');
+    const size_t last_space = bytes.rfind(' ', eol);
+    bytes.replace(last_space + 1, eol - last_space - 1, stamp);
+    const std::string path = dir + "/" + ckpt_name(step);
+    write(path, bytes);
+    return path;
+  };
+  const auto now_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  for (const std::string& stamp :
+       {std::to_string(INT64_MAX), std::to_string(now_ns + int64_t{30} * 24 * 3600 * 1000000000)}) {
+    SCOPED_TRACE(stamp);
+    const std::string planted = plant(50, stamp);
+    st.step = 3;
+    ::testing::internal::CaptureStderr();
+    const std::string fresh = mgr.save(st);
+    ::testing::internal::GetCapturedStderr();
+    // The two newest real writes stay; the planted file is the oldest (unusable), and goes.
+    EXPECT_EQ(names_in(dir), (std::vector<std::string>{ckpt_name(2), ckpt_name(3)}));
+    // Planted again beside them: load_latest resumes from the newest real write, and says why not it.
+    plant(50, stamp);
+    Net back;
+    dtrain::TrainingState loaded;
+    loaded.model = back.ptr().get();
+    ::testing::internal::CaptureStderr();
+    EXPECT_EQ(mgr.load_latest(loaded), fresh);
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(loaded.step, 3);
+    EXPECT_THAT(err, HasSubstr("checkpoint " + planted + " is unusable (its write stamp " + stamp)) << err;
+    EXPECT_THAT(err, HasSubstr("ahead of this host's clock")) << err;
+    fs::remove(planted);
+    fs::remove(fresh);
+  }
+}
+
 TEST_F(Checkpoint, BadOptionsAreClearErrors) {
   EXPECT_THAT(error_of([] { dtrain::CheckpointManager("/tmp/x", dtrain::CheckpointOptions().keep(0)); }),
               HasSubstr("keep must be >= 1, got 0"));

@@ -71,6 +71,20 @@ TEST(Pickle, RejectsWhatItCannotRead) {
   }
 }
 
+// Each level a pair of the level below and a reference to it (memo): 206 bytes that, turned into
+// JSON, would be 2^40 values; the reader refuses them by its budget before anything is copied.
+TEST(Pickle, RefusesSharedValuesPastItsBudget) {
+  std::string p("\x80\x02]q\x00", 5);
+  for (int k = 1; k <= 40; ++k)
+    p += std::string{'h', static_cast<char>(k - 1), static_cast<char>(0x86), 'q', static_cast<char>(k)};
+  try {
+    dtrain::flight::pickle::loads(p + ".");
+    FAIL() << "no exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("pickle of 206 bytes shares values past its budget")) << e.what();
+  }
+}
+
 // A rank's dump in the shape src/comm/flight_recorder.cpp writes (times in seconds for brevity).
 struct Dump {
   Dump(int r, int w) : rank(r), world(w) {}
