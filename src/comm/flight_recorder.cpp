@@ -105,10 +105,18 @@ Recorder& rec() {
   static Recorder* r = new Recorder();
   return *r;
 }
-volatile sig_atomic_t g_dump_requested = 0;
+// Set by the SIGUSR1 handler on whichever thread takes the signal, taken by the watchdog thread: an
+// atomic, not a volatile sig_atomic_t (which is safe against a handler on the same thread only; a
+// second thread reading it races, as ThreadSanitizer reports). Lock-free, so safe in a handler.
+std::atomic<bool> g_dump_requested{false};
+static_assert(std::atomic<bool>::is_always_lock_free, "the SIGUSR1 handler may only touch a lock-free atomic");
 thread_local int t_parts_depth = 0;
 
-void on_sigusr1(int) { g_dump_requested = 1; }
+void on_sigusr1(int) {
+  const int saved = errno;  // a handler leaves errno as the interrupted code had it
+  g_dump_requested.store(true);
+  errno = saved;
+}
 
 std::vector<int64_t> sizes_of(const at::Tensor& t) { return t.defined() ? t.sizes().vec() : std::vector<int64_t>{}; }
 
@@ -434,10 +442,7 @@ void watch() {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     try {
       if (!rec().watching.load()) continue;
-      if (g_dump_requested) {
-        g_dump_requested = 0;
-        dump_flight_record("SIGUSR1");
-      }
+      if (g_dump_requested.exchange(false)) dump_flight_record("SIGUSR1");
       const double stall = rec().stall_s.load();
       const int64_t last = rec().last_change_ns.load();
       if (stall > 0 && rec().pending.load() > 0 && last != stalled_at && wall_ns() - last >= stall * 1e9 &&
