@@ -16,6 +16,7 @@ Run one file by hand:  cd tests/dist && HELLO=../../build/bin/hello_distributed 
 """
 import glob
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -140,6 +141,13 @@ class Proc:
         return Result(self.argv, self.p.returncode, out, err, time.monotonic() - self.start)
 
 
+# A sanitizer's report in a process's stderr (scripts/sanitize.sh runs some of these tests on
+# instrumented programs): ThreadSanitizer, AddressSanitizer, LeakSanitizer, and UBSan's
+# "file.cpp:line:col: runtime error:". Such a report fails the test even where the process's exit
+# status was not checked (a rank the test killed, or one expected to fail).
+SANITIZER_REPORT = re.compile(r"WARNING: ThreadSanitizer:|ERROR: (?:Address|Leak)Sanitizer:|\.(?:cpp|h):\d+:\d+: runtime error:")
+
+
 class DistTestCase(unittest.TestCase):
     """Starts processes, always kills them at the end of the test, and checks their results."""
 
@@ -159,6 +167,13 @@ class DistTestCase(unittest.TestCase):
             return super().run(result)
         finally:
             kept = [p.kept for p in self._procs if hasattr(p, "kept")]
+            reports = [f"$ {' '.join(argv)}: {line}" for argv, _, _, err in kept for line in err.splitlines()
+                       if SANITIZER_REPORT.search(line)]
+            if reports:
+                try:
+                    raise AssertionError("a sanitizer reported in the test's processes:\n" + "\n".join(reports[:10]))
+                except AssertionError:
+                    result.addFailure(self, sys.exc_info())
             if failed() > before and kept:
                 try:
                     folder = keep_outputs(self.id(), kept)
