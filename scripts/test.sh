@@ -112,6 +112,6 @@ if (($# == 0)); then
   echo "=== time budget: $total s of $budget s (${phases[*]})"
   if ((total > budget)); then
     echo "scripts/test.sh: the run took $total s, over its budget of $budget s: see the slowest tests above" >&2
-    [ "${DTRAIN_TIME_BUDGET_STRICT:-0}" = 1 ] && exit 1
+    if [ "${DTRAIN_TIME_BUDGET_STRICT:-0}" = 1 ]; then exit 1; fi
   fi
 fi
