@@ -6,6 +6,7 @@ size gives the same numbers. Rank 0 writes the whole parameters at the checkpoin
   dcp_interop.py load DIR[,DIR...] OUT.json   per folder: dcp.load what dtrain saved, train 5 steps
 Env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 """
+import gc
 import json
 import math
 import sys
@@ -72,6 +73,7 @@ def main():
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    gc.collect()  # nothing that holds the group may outlive it (Gloo's threads join there)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -3,6 +3,7 @@ and optimizers of fsdp_reference.cpp, writing the same JSON (local shard shapes 
 whole parameters after 20 steps).
   python fsdp_reference.py OUT.json   (every rank; env:// as torchrun sets it)
 """
+import gc
 import json
 import sys
 
@@ -53,9 +54,12 @@ def main():
     out = {"sgd": train("sgd"), "adam": train("adam")}
     with open(sys.argv[1], "w") as f:
         json.dump(out, f)
-    # Both ranks past their last exchange before either closes its Gloo pairs: a rank that destroyed
-    # its group while the other still read from it once aborted the other ("terminate called
-    # without an active exception", exit -6, in CI's second tree).
+    # Nothing that holds the group may outlive it: fully_shard's modules sit in reference cycles
+    # (hooks that hold their module), so the collector frees them here, not at interpreter exit, where
+    # Gloo's threads once joined too late and aborted the rank ("terminate called without an active
+    # exception", exit -6, in CI's second tree). Both ranks are past their last exchange before either
+    # closes its Gloo pairs.
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -4,6 +4,7 @@ each rank's local shard shapes, its local outputs and gradients at the first ste
 parameters after 5 Adam steps.
   python tp_reference.py OUT.json   (every rank; env:// as torchrun sets it)
 """
+import gc
 import json
 import sys
 
@@ -100,6 +101,10 @@ def main():
     out = {"mlp": record(mlp, run_mlp), "lm": record(lm, run_lm)}
     with open(sys.argv[1], "w") as f:
         json.dump(out, f)
+    # The parallelized modules sit in reference cycles through their hooks; nothing that holds the
+    # group may outlive it (Gloo's threads join there).
+    del mlp, lm, run_mlp, run_lm
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
