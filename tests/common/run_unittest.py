@@ -14,6 +14,7 @@ reads those lines from ctest's log to fail CI when a test skipped that must run 
 """
 import os
 import sys
+import time
 import unittest
 
 SKIP_RETURN_CODE = 77  # tests/dist and tests/launcher's CMakeLists.txt set SKIP_RETURN_CODE to this
@@ -26,6 +27,18 @@ def skipped_id(test):
     return test.id() if isinstance(test, unittest.TestCase) else str(test)
 
 
+class TimedResult(unittest.TextTestResult):
+    """Records each test's wall time, so that a slow file says which of its tests to look at."""
+
+    def startTest(self, test):
+        self._started = time.monotonic()
+        super().startTest(test)
+
+    def stopTest(self, test):
+        super().stopTest(test)
+        self.durations.append((time.monotonic() - self._started, test.id()))
+
+
 def main(names):
     if not names:
         print(f"usage: {sys.argv[0]} MODULE [MODULE ...]", file=sys.stderr)
@@ -33,7 +46,8 @@ def main(names):
     sys.path.insert(0, os.getcwd())  # the test modules live in ctest's WORKING_DIRECTORY
     suite = unittest.defaultTestLoader.loadTestsFromNames(names)
     collected = suite.countTestCases()
-    result = unittest.TextTestRunner(verbosity=2).run(suite)
+    TimedResult.durations = []
+    result = unittest.TextTestRunner(verbosity=2, resultclass=TimedResult).run(suite)
     sys.stderr.flush()
 
     # Tests skipped one by one still count in testsRun; those under a skipped class or module never
@@ -42,6 +56,9 @@ def main(names):
     ran = result.testsRun - skipped_tests
     for test, reason in result.skipped:
         print(f"{MARKER} skipped {skipped_id(test)}: {reason}")
+    for seconds, test_id in sorted(TimedResult.durations, reverse=True)[:5]:
+        if seconds >= 1.0:
+            print(f"{MARKER} took {seconds:.1f} s: {test_id}")
     if collected == 0:
         print(f"{MARKER} FAILED: no test found in {' '.join(names)}")
         return 1
