@@ -4,20 +4,24 @@
 // arithmetic, so that every rank of a mixed job ends every step with the same bits
 // (tests/dist/test_pytorch_peers_ddp.py).
 //
-//   ddp_peer_train --mode unused|default|bucketview|static|small|smallunused [--steps N] --out DIR
+//   ddp_peer_train --mode MODE[,MODE...] [--steps N] --out DIR
 //                  [--dtrain-only]   (every rank dtrain's: its own calls, PyTorch's semantics)
+//   MODE: unused, default, bucketview, static, small, smallunused, join or joindefault
 //
 // small and smallunused are default and unused with Python's bucket_cap_mb=0.001 (several buckets).
 // join and joindefault are unused and default with uneven inputs under dtrain::Join: rank r runs 7 r
 // steps fewer, and writes one more record, the model after the Join.
 //
-// After every step it appends this rank's parameters (named_parameters order) and then the BatchNorm
-// buffers running_mean and running_var, as raw little-endian float64, to DIR/rank<r>.bin. Prints
+// The modes run one after another in the one process group, each with a fresh model, DDP and
+// optimizer, as the Python side does. After every step it appends this rank's parameters
+// (named_parameters order) and then the BatchNorm buffers running_mean and running_var, as raw
+// little-endian float64, to DIR/MODE/rank<r>.bin. Prints
 // "ddp_peer_train: ALL OK" and the language at the end; any error: one line on stderr, exit 1.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <stdexcept>
@@ -112,7 +116,8 @@ class PythonAdam {
 };
 
 struct Args {
-  std::string mode, out;
+  std::vector<std::string> modes;
+  std::string out;
   int steps = 50;
   bool dtrain_only = false;  // a job of dtrain ranks alone: dtrain's own protocol, PyTorch's semantics
 };
@@ -128,7 +133,11 @@ Args parse(int argc, char** argv) {
     if (i + 1 >= argc) throw std::invalid_argument("missing the value of " + flag);
     const std::string value = argv[++i];
     if (flag == "--mode") {
-      a.mode = value;
+      for (size_t begin = 0; begin <= value.size();) {
+        const size_t comma = std::min(value.find(',', begin), value.size());
+        a.modes.push_back(value.substr(begin, comma - begin));
+        begin = comma + 1;
+      }
     } else if (flag == "--steps") {
       a.steps = std::stoi(value);
     } else if (flag == "--out") {
@@ -139,86 +148,95 @@ Args parse(int argc, char** argv) {
   }
   const std::vector<std::string> modes{"unused",      "default", "bucketview", "static",
                                        "smallunused", "small",   "join",       "joindefault"};
-  if (std::find(modes.begin(), modes.end(), a.mode) == modes.end())
-    throw std::invalid_argument(
-        "--mode must be unused, default, bucketview, static, small, smallunused, join or joindefault");
+  if (a.modes.empty()) throw std::invalid_argument("--mode MODE[,MODE...] is required");
+  for (const std::string& mode : a.modes)
+    if (std::find(modes.begin(), modes.end(), mode) == modes.end())
+      throw std::invalid_argument("--mode '" + mode +
+                                  "' is not unused, default, bucketview, static, small, smallunused, join or "
+                                  "joindefault");
   if (a.out.empty()) throw std::invalid_argument("--out DIR is required");
   return a;
+}
+
+// One mode: a fresh model, DDP and optimizer; writes OUT/MODE/rank<r>.bin. The DDP (its buckets and
+// hooks) is gone when it returns, before the next mode's or the group's end.
+void train(const std::string& mode, int steps, const std::string& out) {
+  const int rank = dtrain::rank();
+  Net model;
+  {
+    at::NoGradGuard no_grad;
+    // Deterministic and independent of any RNG, so that Python builds the same numbers.
+    int k = 0;
+    for (at::Tensor& p : model->parameters()) {
+      p.copy_((at::sin(at::arange(p.numel(), f64()) * 0.37 + k) * 0.3).reshape(p.sizes()));
+      ++k;
+    }
+    // DDP must broadcast rank 0's parameters: without it these ranks would train other numbers.
+    if (rank != 0)
+      for (at::Tensor& p : model->parameters()) p.add_(1.0);
+  }
+
+  // Python's bucket_cap_mb given explicitly is also its first bucket's size.
+  const bool small = mode == "small" || mode == "smallunused";
+  const double cap_mb = small ? 0.001 : dtrain::kDefaultBucketCapMB;
+  dtrain::DistributedDataParallel ddp(
+      model, dtrain::DDPOptions()
+                 .find_unused_parameters(mode == "unused" || mode == "smallunused" || mode == "join")
+                 .gradient_as_bucket_view(mode == "bucketview")
+                 .static_graph(mode == "static")
+                 .bucket_cap_mb(cap_mb)
+                 .first_bucket_cap_mb(small ? cap_mb : dtrain::kDefaultFirstBucketCapMB));
+  PythonAdam opt(ddp.parameters(), 1e-2);
+
+  std::error_code made;
+  std::filesystem::create_directories(out + "/" + mode, made);  // every rank: one of them makes it
+  const std::string path = out + "/" + mode + "/rank" + std::to_string(rank) + ".bin";
+  std::ofstream file(path, std::ios::binary);
+  if (!file) throw std::runtime_error("cannot write " + path);
+  auto write_record = [&] {
+    std::vector<at::Tensor> state;
+    for (const at::Tensor& p : model->parameters()) state.push_back(p.detach().reshape(-1));
+    state.push_back(model->bn->running_mean.reshape(-1));
+    state.push_back(model->bn->running_var.reshape(-1));
+    // x86 and arm64 are little-endian: the bytes as they lie in memory are the file's format.
+    at::Tensor all = at::cat(state).to(at::kDouble).contiguous();
+    file.write(reinterpret_cast<const char*>(all.data_ptr<double>()),
+               static_cast<std::streamsize>(all.numel() * sizeof(double)));
+  };
+  const bool uneven = mode == "join" || mode == "joindefault";
+  std::optional<dtrain::Join> join;
+  if (uneven) join.emplace(std::vector<dtrain::Joinable*>{&ddp});
+  for (int step = 0; step < steps - (uneven ? 7 * rank : 0); ++step) {
+    at::Tensor x = at::sin(at::arange(32 * 8, f64()).reshape({32, 8}) * 0.01 * (rank + 1) + step);
+    at::Tensor y = at::cos(at::arange(32 * 4, f64()).reshape({32, 4}) * 0.02 * (rank + 1) + 0.5 * step);
+    const bool branch = use_branch(mode, step, rank);
+    if (step % 5 == 3) {
+      // Accumulate locally: no optimizer step, the next step's gradients add to these.
+      auto guard = ddp.no_sync();
+      torch::nn::functional::mse_loss(ddp(x, branch), y).backward();
+    } else {
+      torch::nn::functional::mse_loss(ddp(x, branch), y).backward();
+      opt.step();
+      opt.zero_grad();
+    }
+    write_record();
+  }
+  if (join) {
+    join->join();
+    write_record();  // the model every rank holds after the Join
+  }
+  file.close();
+  if (!file) throw std::runtime_error("writing " + path + " failed");
 }
 
 void run(const Args& args) {
   // One intra-op thread, as the Python side: no result may depend on how a kernel splits its work.
   at::set_num_threads(1);
   dtrain::init_process_group(dtrain::InitOptions().pytorch_peers(!args.dtrain_only));
-  const int rank = dtrain::rank();
-  {
-    // float64 by default, as Python's set_default_dtype: Module::to(kDouble) would also turn
-    // BatchNorm's integer num_batches_tracked into a double, which Python DDP broadcasts as int64.
-    at::set_default_dtype(caffe2::TypeMeta::Make<double>());
-    Net model;
-    {
-      at::NoGradGuard no_grad;
-      // Deterministic and independent of any RNG, so that Python builds the same numbers.
-      int k = 0;
-      for (at::Tensor& p : model->parameters()) {
-        p.copy_((at::sin(at::arange(p.numel(), f64()) * 0.37 + k) * 0.3).reshape(p.sizes()));
-        ++k;
-      }
-      // DDP must broadcast rank 0's parameters: without it these ranks would train other numbers.
-      if (rank != 0)
-        for (at::Tensor& p : model->parameters()) p.add_(1.0);
-    }
-
-    // Python's bucket_cap_mb given explicitly is also its first bucket's size.
-    const bool small = args.mode == "small" || args.mode == "smallunused";
-    const double cap_mb = small ? 0.001 : dtrain::kDefaultBucketCapMB;
-    dtrain::DistributedDataParallel ddp(
-        model, dtrain::DDPOptions()
-                   .find_unused_parameters(args.mode == "unused" || args.mode == "smallunused" || args.mode == "join")
-                   .gradient_as_bucket_view(args.mode == "bucketview")
-                   .static_graph(args.mode == "static")
-                   .bucket_cap_mb(cap_mb)
-                   .first_bucket_cap_mb(small ? cap_mb : dtrain::kDefaultFirstBucketCapMB));
-    PythonAdam opt(ddp.parameters(), 1e-2);
-
-    const std::string path = args.out + "/rank" + std::to_string(rank) + ".bin";
-    std::ofstream file(path, std::ios::binary);
-    if (!file) throw std::runtime_error("cannot write " + path);
-    auto write_record = [&] {
-      std::vector<at::Tensor> state;
-      for (const at::Tensor& p : model->parameters()) state.push_back(p.detach().reshape(-1));
-      state.push_back(model->bn->running_mean.reshape(-1));
-      state.push_back(model->bn->running_var.reshape(-1));
-      // x86 and arm64 are little-endian: the bytes as they lie in memory are the file's format.
-      at::Tensor all = at::cat(state).to(at::kDouble).contiguous();
-      file.write(reinterpret_cast<const char*>(all.data_ptr<double>()),
-                 static_cast<std::streamsize>(all.numel() * sizeof(double)));
-    };
-    const bool uneven = args.mode == "join" || args.mode == "joindefault";
-    std::optional<dtrain::Join> join;
-    if (uneven) join.emplace(std::vector<dtrain::Joinable*>{&ddp});
-    for (int step = 0; step < args.steps - (uneven ? 7 * rank : 0); ++step) {
-      at::Tensor x = at::sin(at::arange(32 * 8, f64()).reshape({32, 8}) * 0.01 * (rank + 1) + step);
-      at::Tensor y = at::cos(at::arange(32 * 4, f64()).reshape({32, 4}) * 0.02 * (rank + 1) + 0.5 * step);
-      const bool branch = use_branch(args.mode, step, rank);
-      if (step % 5 == 3) {
-        // Accumulate locally: no optimizer step, the next step's gradients add to these.
-        auto guard = ddp.no_sync();
-        torch::nn::functional::mse_loss(ddp(x, branch), y).backward();
-      } else {
-        torch::nn::functional::mse_loss(ddp(x, branch), y).backward();
-        opt.step();
-        opt.zero_grad();
-      }
-      write_record();
-    }
-    if (join) {
-      join->join();
-      write_record();  // the model every rank holds after the Join
-    }
-    file.close();
-    if (!file) throw std::runtime_error("writing " + path + " failed");
-  }  // the DDP (its buckets and hooks) goes before the group
+  // float64 by default, as Python's set_default_dtype: Module::to(kDouble) would also turn
+  // BatchNorm's integer num_batches_tracked into a double, which Python DDP broadcasts as int64.
+  at::set_default_dtype(caffe2::TypeMeta::Make<double>());
+  for (const std::string& mode : args.modes) train(mode, args.steps, args.out);
   dtrain::destroy_process_group();
 }
 

@@ -3,16 +3,19 @@
 and the same float64 arithmetic, so Python and C++ ranks can train one model in one job
 (tests/dist/test_pytorch_peers_ddp.py).
 
-  ddp_peer_train.py --mode unused|default|bucketview|static|small|smallunused [--steps N] --out DIR
+  ddp_peer_train.py --mode MODE[,MODE...] [--steps N] --out DIR
+  MODE: unused, default, bucketview, static, small, smallunused, join or joindefault
 
 small and smallunused are default and unused with bucket_cap_mb=0.001 (1048 bytes): several buckets.
 join and joindefault are unused and default with uneven inputs under Join: rank r runs 7 r steps
 fewer, and writes one more record, the model after the Join.
 
-After every step it appends this rank's parameters (named_parameters order) and then the BatchNorm
-buffers running_mean and running_var, as raw little-endian float64, to DIR/rank<r>.bin. Prints
-"ddp_peer_train: ALL OK" and the language at the end; any error: one line on stderr, exit 1.
-The group timeout is $DTRAIN_TIMEOUT_S seconds (as on the C++ ranks; default 30 min).
+The modes run one after another in the one process group, each with a fresh model, DDP and
+optimizer (a job of several modes starts its processes once: their start is most of a short job's
+time). After every step it appends this rank's parameters (named_parameters order) and then the
+BatchNorm buffers running_mean and running_var, as raw little-endian float64, to
+DIR/MODE/rank<r>.bin. Prints "ddp_peer_train: ALL OK" and the language at the end; any error: one
+line on stderr, exit 1. The group timeout is $DTRAIN_TIMEOUT_S seconds (as on the C++ ranks; default 30 min).
 """
 import argparse
 import contextlib
@@ -58,32 +61,20 @@ def batch(rank, step):
     return x, y
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["unused", "default", "bucketview", "static", "small", "smallunused",
-                                           "join", "joindefault"], required=True)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+MODES = ("unused", "default", "bucketview", "static", "small", "smallunused", "join", "joindefault")
 
-    torch.set_default_dtype(torch.float64)
-    # One intra-op thread, as the C++ side: no result may depend on how a kernel splits its work.
-    torch.set_num_threads(1)
-    # $DTRAIN_TIMEOUT_S is the C++ ranks' group timeout: the test sets both, so that a job whose
-    # ranks disagree on a call fails within it on every rank instead of waiting 30 min.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("DTRAIN_TIMEOUT_S", "1800"))))
+
+def parse_modes(text):
+    modes = text.split(",")
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"--mode {mode!r} is not one of {', '.join(MODES)}")
+    return modes
+
+
+def train(mode, steps, out):
+    """One mode: a fresh model, DDP and optimizer; writes OUT/MODE/rank<r>.bin."""
     rank = dist.get_rank()
-    if dist.get_debug_level() == dist.DebugLevel.DETAIL:
-        # PyTorch's DDP segfaults when it logs its construction on a Gloo group that DETAIL wrapped in
-        # a ProcessGroupWrapper (c10d::Logger::set_env_variables takes the wrapper for the Gloo group,
-        # even with 1 rank and no dtrain rank). That log line only informs: skip it, keep the
-        # wrapper's checks before every collective, which are what a DETAIL job tests.
-        class ConstructionNotLogged(dist.Logger):
-            def set_construction_data_and_log(self, *args, **kwargs):
-                pass
-
-        dist.Logger = ConstructionNotLogged
-
     model = Net()
     with torch.no_grad():
         # Deterministic and independent of any RNG, so that C++ builds the same numbers.
@@ -94,9 +85,9 @@ def main():
             for p in model.parameters():
                 p.add_(1.0)
 
-    small = args.mode in ("small", "smallunused")
-    ddp = DDP(model, find_unused_parameters=args.mode in ("unused", "smallunused", "join"),
-              gradient_as_bucket_view=args.mode == "bucketview", static_graph=args.mode == "static",
+    small = mode in ("small", "smallunused")
+    ddp = DDP(model, find_unused_parameters=mode in ("unused", "smallunused", "join"),
+              gradient_as_bucket_view=mode == "bucketview", static_graph=mode == "static",
               bucket_cap_mb=0.001 if small else None)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-2, foreach=False)
 
@@ -105,12 +96,13 @@ def main():
         state += [model.bn.running_mean.reshape(-1), model.bn.running_var.reshape(-1)]
         f.write(torch.cat(state).to(torch.float64).numpy().astype("<f8").tobytes())
 
-    uneven = args.mode in ("join", "joindefault")
-    path = os.path.join(args.out, f"rank{rank}.bin")
+    uneven = mode in ("join", "joindefault")
+    os.makedirs(os.path.join(out, mode), exist_ok=True)
+    path = os.path.join(out, mode, f"rank{rank}.bin")
     with open(path, "wb") as f, (Join([ddp]) if uneven else contextlib.nullcontext()):
-        for step in range(args.steps - (7 * rank if uneven else 0)):
+        for step in range(steps - (7 * rank if uneven else 0)):
             x, y = batch(rank, step)
-            branch = use_branch(args.mode, step, rank)
+            branch = use_branch(mode, step, rank)
             if step % 5 == 3:
                 # Accumulate locally: no optimizer step, the next step's gradients add to these.
                 with ddp.no_sync():
@@ -124,10 +116,36 @@ def main():
         with open(path, "ab") as f:
             write_record(f)
 
-    # Nothing that holds the group may outlive it (Gloo's threads join there): DDP's reducer sits in
-    # reference cycles, which only the collector frees.
-    del opt, ddp
-    gc.collect()
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", type=parse_modes, required=True)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    torch.set_default_dtype(torch.float64)
+    # One intra-op thread, as the C++ side: no result may depend on how a kernel splits its work.
+    torch.set_num_threads(1)
+    # $DTRAIN_TIMEOUT_S is the C++ ranks' group timeout: the test sets both, so that a job whose
+    # ranks disagree on a call fails within it on every rank instead of waiting 30 min.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("DTRAIN_TIMEOUT_S", "1800"))))
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL:
+        # PyTorch's DDP segfaults when it logs its construction on a Gloo group that DETAIL wrapped in
+        # a ProcessGroupWrapper (c10d::Logger::set_env_variables takes the wrapper for the Gloo group,
+        # even with 1 rank and no dtrain rank). That log line only informs: skip it, keep the
+        # wrapper's checks before every collective, which are what a DETAIL job tests.
+        class ConstructionNotLogged(dist.Logger):
+            def set_construction_data_and_log(self, *args, **kwargs):
+                pass
+
+        dist.Logger = ConstructionNotLogged
+
+    for mode in args.mode:
+        train(mode, args.steps, args.out)
+        # Nothing that holds the group may outlive it (Gloo's threads join there), and no mode's
+        # DDP the next one: DDP's reducer sits in reference cycles, which only the collector frees.
+        gc.collect()
     dist.destroy_process_group()
     print("ddp_peer_train: ALL OK", flush=True)
     print("ddp_peer_train: language Python", flush=True)

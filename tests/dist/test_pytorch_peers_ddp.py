@@ -17,7 +17,9 @@ no_sync steps among them) with a Python and a C++ rank 0, 2 Python + 1 dtrain an
 `default` (the bucket rebuild after the first step), `bucketview` (gradient_as_bucket_view) and
 `static` (static_graph, a branch never used), `small` and `smallunused` (bucket_cap_mb=0.001:
 several buckets, rebuilt or not), `join` and `joindefault` (unused and default with uneven inputs
-under Join: rank r runs 7 r steps fewer, then writes the model after the Join), one layout each; and `unused` with
+under Join: rank r runs 7 r steps fewer, then writes the model after the Join), one layout each. A
+job runs its layout's modes one after another in one process group (fresh models, DDPs and
+optimizers), so a mode also starts from whatever the modes before it left in the group. And `unused` with
 TORCH_DISTRIBUTED_DEBUG=DETAIL on every rank (the dtrain rank takes part in the checks that Python's
 ProcessGroupWrapper adds before every collective; ddp_peer_train.py leaves out the log of DDP's
 construction there, which segfaults in PyTorch 2.15 on a Gloo group DETAIL wrapped, with no dtrain
@@ -76,6 +78,12 @@ def read_steps(path, records=STEPS):
     return [list(struct.unpack(f"<{VALUES}d", r)) for r in raw], raw
 
 
+# Every mode, and the modes each layout of a mixed job runs (one job per layout: a job's processes
+# start once, and their start is most of a short job's time). Each mode runs in at least one layout
+# with a Python and one with a C++ rank 0 where it matters (`unused` in all four).
+MODES = ("unused", "default", "bucketview", "static", "small", "smallunused", "join", "joindefault")
+
+
 def records(mode, rank):
     """Records a rank writes: one per step; under Join rank r runs 7 r steps fewer, then writes the
     model the Join left it with."""
@@ -84,16 +92,17 @@ def records(mode, rank):
 
 @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
 class PytorchPeersDDP(DistTestCase):
-    # The all-Python jobs, one per mode, run by the first test that needs them: {mode: [rank files]}.
+    # The all-Python job of every mode, run by the first test that needs it: {mode: [rank files]}.
     references = {}
 
-    def run_job(self, kinds, mode, extra=(), **env):
-        """Runs one job (a fresh folder); checks every rank's exit and language; returns its files."""
+    def run_job(self, kinds, modes, extra=(), **env):
+        """Runs one job of the modes in order (a fresh folder); checks every rank's exit and language;
+        returns {mode: its files} and every rank's output."""
         cxx = ddp_peer_train() if "cxx" in kinds else None
         py = [needs(VENV_PYTHON, ".venv/bin/python"), os.path.join(HERE, "ddp_peer_train.py")]
-        out = tempfile.mkdtemp(prefix=f"ddp_peer_{mode}_")
+        out = tempfile.mkdtemp(prefix="ddp_peer_")
         self.addCleanup(shutil.rmtree, out, ignore_errors=True)
-        args = ["--mode", mode, "--steps", str(STEPS), "--out", out, *extra]
+        args = ["--mode", ",".join(modes), "--steps", str(STEPS), "--out", out, *extra]
         port, world = free_port(), len(kinds)
         procs = [self.spawn((py if k == "py" else [cxx]) + args,
                             rank_env(r, world, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=world, PYTHONPATH=None,
@@ -102,22 +111,27 @@ class PytorchPeersDDP(DistTestCase):
         results = [p.finish(JOB_TIMEOUT_S) for p in procs]
         everything = "\n".join(f"=== rank {r} ({k})\n{res}" for r, (k, res) in enumerate(zip(kinds, results)))
         for r, (kind, res) in enumerate(zip(kinds, results)):
-            self.assertEqual(res.rc, 0, f"rank {r} ({kind}) of {kinds}, mode {mode}, failed:\n{everything}")
+            self.assertEqual(res.rc, 0, f"rank {r} ({kind}) of {kinds}, modes {modes}, failed:\n{everything}")
             self.assertIn("ddp_peer_train: ALL OK", res.out, f"rank {r} ({kind}):\n{everything}")
             self.assertEqual([l for l in res.out.splitlines() if l.startswith("ddp_peer_train: language ")],
                              [f"ddp_peer_train: language {LANGUAGE[kind]}"],
                              f"rank {r} is not the {kind} side:\n{everything}")
-        return [read_steps(os.path.join(out, f"rank{r}.bin"), records(mode, r)) for r in range(world)], everything
+        files = {mode: [read_steps(os.path.join(out, mode, f"rank{r}.bin"), records(mode, r)) for r in range(world)]
+                 for mode in modes}
+        return files, everything
 
     def reference(self, mode):
-        if mode not in PytorchPeersDDP.references:
-            files, _ = self.run_job(["py", "py", "py"], mode)
-            PytorchPeersDDP.references[mode] = files
+        if not PytorchPeersDDP.references:
+            PytorchPeersDDP.references, _ = self.run_job(["py", "py", "py"], MODES)
         return PytorchPeersDDP.references[mode]
 
-    def check_layout(self, kinds, mode, **env):
+    def check_layout(self, kinds, modes, **env):
+        jobs, everything = self.run_job(kinds, modes, **env)
+        for mode in modes:
+            self.check_mode(kinds, mode, jobs[mode], everything, env)
+
+    def check_mode(self, kinds, mode, files, everything, env):
         ref = self.reference(mode)
-        files, everything = self.run_job(kinds, mode, **env)
         what = f"{kinds}, mode {mode}" + "".join(f", {k}={v}" for k, v in env.items())
         # Parameters: the same bits on every rank after every step all of them ran, and (Join) in the
         # final model (the first record that differs is named).
@@ -139,53 +153,45 @@ class PytorchPeersDDP(DistTestCase):
                     self.fail(f"{what}: after step {step} rank {r} ({kinds[r]}) differs from the all-Python job: "
                               f"{where} value {worst} is {got[worst]!r}, Python's {want[worst]!r}\n{everything}")
 
-    # --- find_unused_parameters: the main mode ---------------------------------------------------
-    def test_unused_all_python_reference_is_deterministic(self):
-        # The reference itself: a second all-Python job gives the same bytes, and every rank holds
-        # the same parameters (else the comparisons below could not be exact).
-        ref = self.reference("unused")
-        files, everything = self.run_job(["py", "py", "py"], "unused")
-        for r in range(3):
-            self.assertEqual(files[r][1], ref[r][1], f"rank {r}: two all-Python jobs differ\n{everything}")
-            for step in range(STEPS):
-                self.assertEqual(files[r][1][step][:PARAMS * 8], files[0][1][step][:PARAMS * 8],
-                                 f"rank {r} step {step}: parameters differ across Python ranks")
+    def test_all_python_reference_is_deterministic(self):
+        # The reference itself: a second all-Python job gives the same bytes in every mode, and every
+        # rank holds the same parameters (else the comparisons below could not be exact).
+        again, everything = self.run_job(["py", "py", "py"], MODES)
+        for mode in MODES:
+            ref = self.reference(mode)
+            for r in range(3):
+                self.assertEqual(again[mode][r][1], ref[r][1], f"{mode}, rank {r}: two all-Python jobs differ")
+            if mode.startswith("join"):
+                continue  # ranks run different step counts; check_mode compares their final models
+            for r in range(3):
+                for step in range(STEPS):
+                    self.assertEqual(again[mode][r][1][step][:PARAMS * 8], again[mode][0][1][step][:PARAMS * 8],
+                                     f"{mode}, rank {r} step {step}: parameters differ across Python ranks")
 
-    def test_unused_two_python_one_cxx_python_rank_0(self):
-        self.check_layout(["py", "cxx", "py"], "unused")
+    # --- each layout of 2 + 1 and 1 + 2 ranks, with a Python and a C++ rank 0 ---------------------
+    def test_two_python_one_cxx_python_rank_0(self):
+        # gradient_as_bucket_view; Join with the bucket rebuild; several buckets with unused parameters
+        # (the initial assignment, 1048-byte buckets reversed, used every step).
+        self.check_layout(["py", "cxx", "py"], ["unused", "bucketview", "joindefault", "smallunused"])
 
-    def test_unused_two_python_one_cxx_cxx_rank_0(self):
-        self.check_layout(["cxx", "py", "py"], "unused")
+    def test_two_python_one_cxx_cxx_rank_0(self):
+        # The default options: the bucket rebuild after the first step, in rank 0's order.
+        self.check_layout(["cxx", "py", "py"], ["unused", "default"])
 
-    def test_unused_one_python_two_cxx_python_rank_0(self):
-        self.check_layout(["py", "cxx", "cxx"], "unused")
+    def test_one_python_two_cxx_python_rank_0(self):
+        self.check_layout(["py", "cxx", "cxx"], ["unused", "static"])
 
-    def test_unused_one_python_two_cxx_cxx_rank_0(self):
-        self.check_layout(["cxx", "py", "cxx"], "unused")
+    def test_one_python_two_cxx_cxx_rank_0(self):
+        # Python's Join and dtrain's: the joined ranks shadow the others (buffers from the highest
+        # active rank, zeros for every bucket, the used map as they last reduced it), and every rank
+        # ends with the model of the highest rank that ran last. bucket_cap_mb=0.001: the buckets
+        # rebuilt after the first step are several, in rank 0's order.
+        self.check_layout(["cxx", "py", "cxx"], ["unused", "join", "small"])
 
     def test_unused_with_torch_distributed_debug_detail(self):
         # Python wraps the group in c10d's ProcessGroupWrapper (a fingerprint check before every
         # collective) and DDP logs more; the dtrain rank must take part in every one.
-        self.check_layout(["py", "cxx", "py"], "unused", TORCH_DISTRIBUTED_DEBUG="DETAIL")
-
-    # --- the other options ------------------------------------------------------------------------
-    def test_default_buckets_rebuilt_after_the_first_step(self):
-        self.check_layout(["cxx", "py", "py"], "default")
-
-    def test_gradient_as_bucket_view(self):
-        self.check_layout(["py", "cxx", "py"], "bucketview")
-
-    def test_static_graph(self):
-        self.check_layout(["py", "cxx", "cxx"], "static")
-
-    def test_uneven_inputs_under_join(self):
-        # Python's Join and dtrain's: the joined ranks shadow the others (buffers from the highest
-        # active rank, zeros for every bucket, the used map as they last reduced it), and every rank
-        # ends with the model of the highest rank that ran last.
-        self.check_layout(["cxx", "py", "cxx"], "join")
-
-    def test_uneven_inputs_under_join_with_the_bucket_rebuild(self):
-        self.check_layout(["py", "cxx", "py"], "joindefault")
+        self.check_layout(["py", "cxx", "py"], ["unused", "join"], TORCH_DISTRIBUTED_DEBUG="DETAIL")
 
     def test_dtrain_alone_keeps_pytorchs_semantics(self):
         # Three dtrain ranks with dtrain's own calls (shared memory, its buckets, division after the
@@ -193,8 +199,8 @@ class PytorchPeersDDP(DistTestCase):
         # forward that follows a synchronized one, and a parameter used only under no_sync counts as
         # used at the next synchronized step (before either, the buffers differed from step 4 and the
         # branch by 7.7e-3 from step 9).
-        ref = self.reference("unused")
-        files, everything = self.run_job(["cxx", "cxx", "cxx"], "unused", extra=["--dtrain-only"])
+        jobs, everything = self.run_job(["cxx", "cxx", "cxx"], ["unused"], extra=["--dtrain-only"])
+        ref, files = self.reference("unused"), jobs["unused"]
         for r in range(3):
             for step in range(STEPS):
                 got, want = files[r][0][step], ref[r][0][step]
@@ -202,14 +208,6 @@ class PytorchPeersDDP(DistTestCase):
                 self.assertLessEqual(abs(got[worst] - want[worst]), ROUNDING,
                                      f"rank {r} after step {step}: value {worst} is {got[worst]!r}, Python's "
                                      f"{want[worst]!r}\n{everything}")
-
-    def test_several_buckets_rebuilt(self):
-        # bucket_cap_mb=0.001: the buckets rebuilt after the first step are several, in rank 0's order.
-        self.check_layout(["cxx", "py", "cxx"], "small")
-
-    def test_several_buckets_with_unused_parameters(self):
-        # The initial assignment (1048-byte buckets, reversed) is the one used every step.
-        self.check_layout(["py", "cxx", "py"], "smallunused")
 
 
 if __name__ == "__main__":
