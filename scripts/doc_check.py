@@ -26,6 +26,10 @@
    every `dtrain::name` the page shows, must exist. Other wordings of "missing" ("not there",
    "unsupported") are refused, so that no claim escapes the check.
 
+6. The front door: README.md stays within README_LINES lines (the details live in docs/ and
+   SECURITY.md, which it links), and its first two commands are `./scripts/demo.sh` (the main job)
+   and `./scripts/test.sh` (every test).
+
 Exit status 1 with one line per problem, naming the file and what to do.
 """
 import pathlib
@@ -519,15 +523,34 @@ def check_pytorch_page():
     return problems
 
 
+README_LINES = 300
+
+
+def check_readme():
+    text = (ROOT / "README.md").read_text()
+    problems = []
+    lines = text.count("\n")
+    if lines > README_LINES:
+        problems.append(f"README.md has {lines} lines, over its budget of {README_LINES}: move the detail to docs/ "
+                        "(features.md, benchmarks.md, the tutorial) and link it")
+    commands = re.findall(r"^(\./scripts/\S+)", text, re.M)[:2]
+    if commands != ["./scripts/demo.sh", "./scripts/test.sh"]:
+        problems.append(f"README.md's first two commands are {commands}, not ['./scripts/demo.sh', "
+                        "'./scripts/test.sh']: keep the main job and every test first")
+    if "(SECURITY.md)" not in text:
+        problems.append("README.md does not link SECURITY.md (the trust model): keep a few lines and the link")
+    return problems
+
+
 def main():
     update = "--update" in sys.argv[1:]
     problems = (check_snippets(update) + check_api() + check_troubleshooting() + check_design_notes() +
-                check_pytorch_page())
+                check_pytorch_page() + check_readme())
     for p in problems:
         print("doc_check: " + p)
     if not problems:
         print("doc_check: snippets, API names, troubleshooting messages, design notes and the PyTorch page's "
-              "not-supported claims are in step with the code")
+              "not-supported claims are in step with the code; README is within its budget")
     return 1 if problems else 0
 
 

@@ -101,7 +101,7 @@ std::vector<Knob> make_table() {
       row("DTRAIN_JOB_SECRET", R::kLibrary, Type::kText, "", "at least 32 bytes, one line", "",
           "The job secret (set by dtrain-run for its workers; read by dtrain-run itself when no "
           "`--rdzv_conf secret_file` is given): the store serves only processes that prove they know it, "
-          "and they talk only to a store that proves it too. Unset: the store is open (README, Trust model)."),
+          "and they talk only to a store that proves it too. Unset: the store is open (SECURITY.md)."),
       flag_row("DTRAIN_PROGRESS_TTY", R::kLibrary, "0", "1 or 0",
                "`1` (set by dtrain-run for rank 0 when the launcher's stdout is a terminal): `Progress` on "
                "stdout sends its bar to the launcher, which draws it in place; `0`: plain lines."),

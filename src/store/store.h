@@ -5,7 +5,7 @@
 //
 // Note [Why our own store]: LibTorch 1.13's c10d::TCPStore listens on all interfaces and has no
 // option against it. dtrain's rendezvous listens only on the master address (loopback for
-// single-node runs), see README "Trust model".
+// single-node runs), see SECURITY.md.
 //
 // Semantics follow c10d::Store: get() and wait() block until the keys exist or the timeout passes;
 // add() creates the key at 0; compare_set() sets `desired` when the current value equals

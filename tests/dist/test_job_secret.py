@@ -1,4 +1,4 @@
-"""The job secret (README, "Trust model"): a one-node dtrain-run job makes one and gives it to its
+"""The job secret (SECURITY.md): a one-node dtrain-run job makes one and gives it to its
 workers alone, so a local process without it can neither read nor write a key, join as a node,
 nor join as a rank, and the job goes on; the job's side says no more than how many it refused."""
 import os

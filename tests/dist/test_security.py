@@ -1,6 +1,6 @@
 """Nothing a job opens listens beyond the master address: the store that rank 0 hosts listens on
 MASTER_ADDR only, never 0.0.0.0, and Gloo's sockets are bound to the address of the interface that
-routes to the master (README, "Trust model"), or to GLOO_SOCKET_IFNAME's interface when it is set.
+routes to the master (SECURITY.md), or to GLOO_SOCKET_IFNAME's interface when it is set.
 
 Sockets are read from /proc/net/tcp{,6} and matched to a process through /proc/<pid>/fd inodes."""
 import os
