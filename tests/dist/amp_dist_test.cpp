@@ -11,10 +11,12 @@
 #include <functional>
 
 #include "dist_main.h"
+#include "matchers.h"
 #include "dtrain/amp.h"
 #include "dtrain/ddp.h"
 #include "dtrain/device_mesh.h"
 #include "dtrain/fsdp.h"
+#include "dtrain/join.h"
 #include "dtrain/tensor_parallel.h"
 #include "tp_models.h"
 #include "tutorial_models.h"
@@ -156,6 +158,25 @@ TEST(AmpDist, TensorParallelInsideFullyShardInfInOneRanksPartSkipsEverywhere) {
   auto stepped = train_with_one_ranks_inf(
       *mlp, mlp->w2->weight, [&](const at::Tensor& x) { return root(x); }, world_size() - 1, scaler);
   expect_every_rank_skipped_step_2(stepped, scaler);
+}
+
+// The overflow flag of sharded gradients is all-reduced over their group, which no joinable
+// shadows: inside a Join whose ranks share that group a rank that has joined would leave the others
+// waiting, so unscale_ refuses in one line on every rank instead (the Join itself still closes).
+TEST(AmpDist, ShardedGradientsInsideAJoinAreRefusedInOneLine) {
+  torch::manual_seed(3);
+  tp_models::MLP mlp(8, 4 * world_size());
+  auto root = fully_shard(mlp);
+  torch::nn::Linear other(4, 2);
+  DistributedDataParallel ddp(other);  // the Join's joinable, over the world
+  torch::optim::SGD opt(mlp->parameters(), 0.1);
+  GradScaler scaler(small_scale());
+  scaler.scale(root(at::ones({6, 8})).pow(2).mean()).backward();
+  Join join({&ddp});
+  EXPECT_THAT([&] { scaler.unscale_(opt); },
+              ThrowsDtrainError(HasSubstr("GradScaler: sharded gradients on rank " + std::to_string(rank()) +
+                                          " inside a dtrain::Join")));
+  join.join();
 }
 
 DTRAIN_DIST_TEST_MAIN()
