@@ -261,6 +261,7 @@ struct Start {
   int64_t epoch = 1;
   int64_t global_step = 0;
   bool resharded = false;  // resumed from a checkpoint of another world size
+  bool resumed = false;    // from a checkpoint: its epoch's running sums go on
 };
 
 // Loads the newest good checkpoint of --checkpoint_dir into `state`, if there is one.
@@ -271,6 +272,7 @@ Start resume(const Config& cfg, const Place& place, std::optional<dtrain::Checkp
   // doc:begin load-checkpoint
   const std::optional<std::string> path = checkpoints->load_latest(state);
   if (!path) return start;
+  start.resumed = true;
   start.epoch = state.epoch;
   start.global_step = state.step;
   // Saved by another world size: the sampler continues with the rest of the epoch split over this
@@ -616,7 +618,9 @@ int run(const Config& cfg) {
     // doc:begin set-epoch
     sampler.set_epoch(epoch - 1);  // a new shuffle every epoch, the same on every rank
     // doc:end set-epoch
-    const bool resumed = epoch == start.epoch && (state.sampler_position > 0 || start.resharded);
+    // Every checkpoint holds its epoch's running sums, even one written where none of the epoch was
+    // left (resumed on another world at its end: the sampler's position is 0 there).
+    const bool resumed = epoch == start.epoch && start.resumed;
     const EpochSums sums = training.train_epoch(loader, epoch, resumed);
     last = end_epoch(cfg, place, model, par, test, monitor, epoch, sums);
   }

@@ -74,7 +74,7 @@ class TrainFsdp(DistTestCase):
             _, straight = self.launch(2, *COMMON, "--epochs", 2, "--fsdp")
             ckpt = os.path.join(tmp, "ckpt")
             saved = os.path.join(tmp, "saved.bin")
-            self.launch(2, *COMMON, "--epochs", 1, "--fsdp", "--checkpoint_dir", ckpt, "--dump_params", saved)
+            first, _ = self.launch(2, *COMMON, "--epochs", 1, "--fsdp", "--checkpoint_dir", ckpt, "--dump_params", saved)
             main = sorted(p for p in glob.glob(os.path.join(ckpt, "checkpoint_*.pt"))
                           if re.fullmatch(r"checkpoint_\d{10}\.pt", os.path.basename(p)))
             self.assertEqual(len(main), 1, os.listdir(ckpt))
@@ -96,6 +96,15 @@ class TrainFsdp(DistTestCase):
             self.assertEqual(len(a), len(b))
             differ = sum(1 for x, y in zip(a, b) if x != y)
             self.assertEqual(differ, 0, f"3 ranks resumed {differ} parameters other than the 2 ranks saved")
+            # The epoch's line counts every step of the 2 ranks once (their running sums, gathered),
+            # and so does a second resume of the checkpoint the 3 ranks wrote at the epoch's end, where
+            # none of the epoch is left (it once printed Loss=-nan: 0 samples seen).
+            epoch_line = re.compile(r"Epoch 1/1: (Loss=\S+, Acc=\S+, Test Acc=\S+)")
+            want = epoch_line.search(first.out).group(1)
+            self.assertEqual(epoch_line.search(res.out).group(1), want, res.out)
+            res, _ = self.launch(3, *COMMON, "--epochs", 1, "--fsdp", "--checkpoint_dir", other)
+            self.assertIn("resumed from", res.out)
+            self.assertEqual(epoch_line.search(res.out).group(1), want, res.out)
             # Training on from the 2-rank checkpoint (a fresh copy: the run above saved again).
             again = os.path.join(tmp, "again")
             shutil.copytree(ckpt, again)
