@@ -15,6 +15,7 @@ the test look under build*/bin and skip when nothing is there (a run by hand bef
 Run one file by hand:  cd tests/dist && HELLO=../../build/bin/hello_distributed python3 -m unittest -v test_init_methods
 """
 import glob
+import json
 import os
 import re
 import subprocess
@@ -217,6 +218,30 @@ class DistTestCase(unittest.TestCase):
                 break
             time.sleep(0.05)
         return [proc.finish(deadline - time.monotonic()) for proc in procs]
+
+    def run_ranks_json(self, argv, world, outs, timeout=240, expect_ok=True, **env):
+        """The "against PyTorch" harnesses' job: `argv + [out]` on `world` ranks (env://, a free port,
+        PYTHONPATH unset, `env` added), again on another port if a program outside the tests took it.
+        `outs` is one JSON path per rank, or one path every rank is given (rank 0 writes it). Returns
+        the JSON of each path (one value for one path); with expect_ok=False the ranks' [Result]."""
+        paths = outs if isinstance(outs, list) else [outs] * world
+        for _ in range(3):
+            port = free_port()
+            procs = [self.spawn(argv + [paths[r]], rank_env(r, world, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=world,
+                                                            PYTHONPATH=None, **env))
+                     for r in range(world)]
+            results = self.finish_all(procs, timeout, give_up=port_was_taken)
+            if not any(map(port_was_taken, results)):
+                break
+        if not expect_ok:
+            return results
+        for r, res in enumerate(results):
+            self.assertEqual(res.rc, 0, f"rank {r} of {world}:\n{res}")
+        loaded = []
+        for path in (outs if isinstance(outs, list) else [outs]):
+            with open(path) as f:
+                loaded.append(json.load(f))
+        return loaded if isinstance(outs, list) else loaded[0]
 
     def run_one(self, argv, env, timeout=PROC_TIMEOUT_S, **kw):
         return self.spawn(argv, env, **kw).finish(timeout)

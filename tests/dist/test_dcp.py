@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 import unittest
 
-from harness import DistTestCase, binary, free_port, rank_env
+from harness import DistTestCase, binary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VENV_PYTHON = os.environ.get("VENV_PYTHON", "")
@@ -31,18 +31,8 @@ class DcpAgainstPytorch(DistTestCase):
         self.addCleanup(shutil.rmtree, self.tmp, True)
 
     def ranks(self, argv, world, out, expect_ok=True):
-        """argv on `world` ranks (env://); rank 0's JSON, or the failing ranks' stderr."""
-        port = free_port()
-        procs = [self.spawn(argv + [out], rank_env(r, world, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=world,
-                                                     PYTHONPATH=None, DTRAIN_TIMEOUT_S=60))
-                 for r in range(world)]
-        results = [p.finish(180) for p in procs]
-        if not expect_ok:
-            return results
-        for r, res in enumerate(results):
-            self.assertEqual(res.rc, 0, f"rank {r} of {argv}:\n{res}")
-        with open(out) as f:
-            return json.load(f)
+        """argv on `world` ranks (env://); rank 0's JSON, or the ranks' results when they may fail."""
+        return self.run_ranks_json(argv, world, out, timeout=180, expect_ok=expect_ok, DTRAIN_TIMEOUT_S=60)
 
     def dtrain(self, mode, kinds, folder, world=3, **kw):
         return self.ranks([self.cxx, mode, ",".join(kinds), folder], world,

@@ -5,12 +5,11 @@ steps of SGD with momentum and of Adam.
 
 Env: $FSDP_REFERENCE (the C++ program), $VENV_PYTHON (set by tests/dist/CMakeLists.txt).
 """
-import json
 import os
 import tempfile
 import unittest
 
-from harness import DistTestCase, binary, free_port, port_was_taken, rank_env
+from harness import DistTestCase, binary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VENV_PYTHON = os.environ.get("VENV_PYTHON", "")
@@ -19,22 +18,7 @@ WORLD = 2
 
 class FsdpAgainstPytorch(DistTestCase):
     def run_side(self, argv, folder, tag):
-        outs = [os.path.join(folder, f"{tag}{r}.json") for r in range(WORLD)]
-        for attempt in range(3):  # again on another port if a program outside the tests took this one
-            port = free_port()
-            procs = [self.spawn(argv + [outs[r]],
-                                rank_env(r, WORLD, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=WORLD, PYTHONPATH=None))
-                     for r in range(WORLD)]
-            results = self.finish_all(procs, 240, give_up=port_was_taken)
-            if not any(map(port_was_taken, results)):
-                break
-        for r, res in enumerate(results):
-            self.assertEqual(res.rc, 0, f"{tag} rank {r}:\n{res}")
-        results = []
-        for path in outs:
-            with open(path) as f:
-                results.append(json.load(f))
-        return results
+        return self.run_ranks_json(argv, WORLD, [os.path.join(folder, f"{tag}{r}.json") for r in range(WORLD)])
 
     def test_shards_and_parameters_equal_pytorchs_fully_shard(self):
         if not VENV_PYTHON or not os.access(VENV_PYTHON, os.X_OK):

@@ -6,12 +6,11 @@ block (Colwise -> Rowwise) and a vocab-parallel embedding with a column-parallel
 
 Env: $TP_REFERENCE (the C++ program), $VENV_PYTHON (set by tests/dist/CMakeLists.txt).
 """
-import json
 import os
 import tempfile
 import unittest
 
-from harness import DistTestCase, binary, free_port, rank_env
+from harness import DistTestCase, binary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VENV_PYTHON = os.environ.get("VENV_PYTHON", "")
@@ -44,19 +43,7 @@ def worst_relative(mine, ref):
 
 class TensorParallelAgainstPytorch(DistTestCase):
     def run_side(self, argv, folder, tag):
-        port = free_port()
-        outs = [os.path.join(folder, f"{tag}{r}.json") for r in range(WORLD)]
-        procs = [self.spawn(argv + [outs[r]],
-                            rank_env(r, WORLD, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=WORLD, PYTHONPATH=None))
-                 for r in range(WORLD)]
-        for r, p in enumerate(procs):
-            res = p.finish(240)
-            self.assertEqual(res.rc, 0, f"{tag} rank {r}:\n{res}")
-        results = []
-        for path in outs:
-            with open(path) as f:
-                results.append(json.load(f))
-        return results
+        return self.run_ranks_json(argv, WORLD, [os.path.join(folder, f"{tag}{r}.json") for r in range(WORLD)])
 
     def test_shards_outputs_and_gradients_equal_pytorchs_parallelize_module(self):
         if not VENV_PYTHON or not os.access(VENV_PYTHON, os.X_OK):
