@@ -13,7 +13,11 @@ order inside (COMM_RULES). Two more rules outside src/:
     of the layers A uses, not of layers above it;
   - tools/ (dtrain-run, which starts in milliseconds) never includes LibTorch (<torch/...>, <ATen/...>,
     <c10/...>) nor dtrain's library, only store/, common/ (util, env, slurm) and its own files.
-Exit status 0 clean, 1 with one line per offending include.
+A layer's internal headers are its own: another layer may include only those EXPORTS lists (each
+with what it is for), as a library exports some of its headers. And CONTRIBUTING.md stays true to
+this file: its code map names every folder of src/, and its table of layer rules is USES.
+  scripts/check_layers.py --update   rewrites CONTRIBUTING.md's table from USES
+Exit status 0 clean, 1 with one line per problem.
 """
 import fnmatch
 import os
@@ -34,12 +38,44 @@ USES = {
     "parallel": {"comm", "compat", "common"},
     "nn": {"comm", "compat", "common"},
     "optim": {"comm", "compat", "common"},
-    "fsdp": {"ddp", "comm", "compat", "common"},
+    "fsdp": {"comm", "compat", "common"},
     "data": {"comm", "compat", "common"},
     "pipeline": {"ddp", "parallel", "comm", "compat", "common"},
     "checkpoint": {"amp", "data", "optim", "fsdp", "tp", "comm", "compat", "common"},
     "monitor": {"ddp", "comm", "compat", "common"},
     "tp": {"comm", "compat", "common"},
+}
+
+# The internal headers of each layer that other layers may include, and what for. Any other header of
+# a layer is its own business: moving or changing it touches no other layer.
+EXPORTS = {
+    "store": {"store/store.h": "the store's client and server (comm's adapter, the launcher)"},
+    "common": {
+        "common/util.h": "strings, files and numbers every layer formats and parses alike",
+        "common/env.h": "the typed readers of the environment table",
+        "common/slurm.h": "Slurm's variables (the launch environment)",
+        "common/pickle.h": "the bounded pickle reader (DCP metadata)",
+        "common/flight_pickle.h": "the flight recorder's records in PyTorch's dump format",
+        "common/flight_analysis.h": "what a job's flight records say went wrong",
+    },
+    "compat": {
+        "compat/amp_compat.h": "autocast state and the AMP kernels",
+        "compat/autograd_compat.h": "accumulator hooks and the end-of-backward callback",
+        "compat/c10d_compat.h": "c10d's ProcessGroup/Backend and Work API",
+        "compat/optim_compat.h": "optimizer state across LibTorch versions",
+        "compat/torchrun_store_compat.h": "torchrun 2.x's store handshake",
+    },
+    "comm": {
+        "comm/capabilities.h": "what the group's backend can do, for the wrappers that pick collectives",
+        "comm/state.h": "the process's groups and its rank facts",
+        "comm/tags.h": "the table of reserved point-to-point tags",
+        "comm/param_claims.h": "which wrapper owns a parameter (no parameter in two)",
+        "comm/shard_groups.h": "the groups a gradient is sharded over (GradScaler's overflow flag)",
+        "comm/model_sync.h": "the model check and state broadcast that DDP and fully_shard share",
+    },
+    "fsdp": {"fsdp/shard_layout.h": "fully_shard's rows of a parameter, for checkpoints"},
+    "optim": {"optim/state_device.h": "where an optimizer's state lives, for checkpoints"},
+    "tp": {"tp/shards.h": "tensor parallelism's parts of a parameter, for checkpoints"},
 }
 
 # The directory behind each public header (include/dtrain/NAME.h or include/dtrain/NAME/...).
@@ -127,8 +163,60 @@ def matches(path, patterns):
     return any(fnmatch.fnmatch(path, p) for p in patterns)
 
 
+def check_exports(errors):
+    """Every include of another layer's internal header is in EXPORTS; every export still exists."""
+    for rel, n, inc, _ in each_include(SRC, (".h", ".cpp", ".cu"), INCLUDE):
+        layer, to = rel.split("/")[1], inc.split("/", 1)[0]
+        if to in USES and to != layer and to in USES.get(layer, set()) and inc not in EXPORTS.get(to, {}):
+            errors.append(f"{rel}:{n}: includes \"{inc}\", which {to}/ does not export: use {to}/'s exported "
+                          f"headers ({', '.join(sorted(EXPORTS.get(to, {}))) or 'none'}) or add it to EXPORTS "
+                          "with what it is for")
+    for to, headers in EXPORTS.items():
+        for header in headers:
+            if not os.path.isfile(os.path.join(SRC, header)):
+                errors.append(f"scripts/check_layers.py: EXPORTS names {header}, which src/ no longer has")
+
+
+def layer_table():
+    rows = ["| folder | may use, besides itself |", "|---|---|"]
+    for layer in sorted(USES):
+        uses = ", ".join(f"`{u}/`" for u in sorted(USES[layer])) or "nothing"
+        rows.append(f"| `{layer}/` | {uses} |")
+    return "\n".join(rows) + "\n"
+
+
+TABLE = re.compile(r"(<!-- layers:begin -->\n)(.*?)(<!-- layers:end -->)", re.S)
+
+
+def check_contributing(errors, update):
+    path = os.path.join(ROOT, "CONTRIBUTING.md")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    folders = sorted(d for d in os.listdir(SRC) if os.path.isdir(os.path.join(SRC, d)))
+    for d in folders:
+        if d not in USES:
+            errors.append(f"src/{d}/ has no row in USES: say which layers it may use (docs/design.md's arrows)")
+        if f"- `src/{d}/`" not in text:
+            errors.append(f"CONTRIBUTING.md: the code map has no line \"- `src/{d}/` — ...\": say what the folder holds")
+    for d in USES:
+        if d not in folders:
+            errors.append(f"scripts/check_layers.py: USES has a row for src/{d}/, which does not exist")
+    m = TABLE.search(text)
+    if not m:
+        errors.append("CONTRIBUTING.md: no <!-- layers:begin --> ... <!-- layers:end --> table of layer rules")
+    elif m.group(2) != layer_table():
+        if update:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text[:m.start(2)] + layer_table() + text[m.end(2):])
+        else:
+            errors.append("CONTRIBUTING.md: the table of layer rules differs from USES: run scripts/check_layers.py "
+                          "--update")
+
+
 def main():
     errors = []
+    check_exports(errors)
+    check_contributing(errors, "--update" in sys.argv[1:])
     for dirpath, _, files in os.walk(SRC):
         for f in sorted(files):
             if not f.endswith((".h", ".cpp", ".cu")):
@@ -161,8 +249,8 @@ def main():
     for e in errors:
         print(f"check_layers: {e}")
     if errors:
-        print(f"check_layers: {len(errors)} include(s) against docs/design.md's layers; move the code or the "
-              "include so each arrow points down")
+        print(f"check_layers: {len(errors)} problem(s) against docs/design.md's layers and CONTRIBUTING.md's "
+              "rules: move the code or the include so each arrow points down")
     return 1 if errors else 0
 
 

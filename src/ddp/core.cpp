@@ -10,13 +10,14 @@
 #include "ddp/buckets.h"
 #include "comm/param_claims.h"
 #include "comm/state.h"
-#include "ddp/model_sync.h"
+#include "comm/model_sync.h"
 #include "ddp/python_wire.h"
 #include "ddp/reducer.h"
 #include "dtrain/ddp.h"
 
 namespace dtrain::detail {
-using namespace ddp;  // Reducer, the model checks
+using namespace ddp;   // Reducer
+using namespace comm;  // the model checks and state broadcasts
 namespace {
 
 bool debug_info() { return get_debug_level() != DebugLevel::OFF; }  // INFO or DETAIL

@@ -9,7 +9,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "comm/param_claims.h"
-#include "ddp/model_sync.h"
+#include "comm/model_sync.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "fsdp/root.h"
@@ -137,9 +137,9 @@ std::shared_ptr<Unit> make_unit(const std::shared_ptr<torch::nn::Module>& module
     names.push_back(n);
     params.push_back(t);
   }
-  ddp::verify_same_model(names, params, group,
-                         detail::cat("fsdp/", group.name(), "/", group.next_object_index(), "/model/"),
-                         detail::cat("fully_shard(", describe(*module), ")"));
+  comm::verify_same_model(names, params, group,
+                          detail::cat("fsdp/", group.name(), "/", group.next_object_index(), "/model/"),
+                          detail::cat("fully_shard(", describe(*module), ")"));
   comm::claim_parameters(names, params, detail::cat("fully_shard unit ", describe(*module)),
                          "a model is either fully_shard'ed or wrapped by DistributedDataParallel, not both: "
                          "build the DDP-free model and call fully_shard on it");

@@ -1,4 +1,5 @@
-// Construction-time agreement and state broadcast for DistributedDataParallel.
+// Construction-time agreement and state broadcast for the wrappers that replicate or shard a model
+// (DistributedDataParallel, fully_shard), as PyTorch keeps them in torch/distributed/utils.py.
 //
 // verify_same_model:
 //   1. Each rank describes its parameters ("name shape dtype" per line) and hashes the text.
@@ -16,7 +17,7 @@
 
 #include "dtrain/process_group.h"
 
-namespace dtrain::ddp {
+namespace dtrain::comm {
 
 // who: what the error line starts with (the caller, as the user named it).
 void verify_same_model(const std::vector<std::string>& names, const std::vector<at::Tensor>& params, const Group& group,
@@ -26,4 +27,4 @@ void broadcast_from_first_rank(const std::vector<at::Tensor>& tensors, const Gro
 // The same from any member (src: a global rank).
 void broadcast_from(const std::vector<at::Tensor>& tensors, int src, const Group& group);
 
-}  // namespace dtrain::ddp
+}  // namespace dtrain::comm

@@ -1,4 +1,4 @@
-#include "ddp/model_sync.h"
+#include "comm/model_sync.h"
 
 #include <algorithm>
 #include <functional>
@@ -10,7 +10,7 @@
 
 #include "common/util.h"
 
-namespace dtrain::ddp {
+namespace dtrain::comm {
 namespace {
 
 std::vector<std::string> describe(const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
@@ -87,4 +87,4 @@ void broadcast_from(const std::vector<at::Tensor>& tensors, int src, const Group
   }
 }
 
-}  // namespace dtrain::ddp
+}  // namespace dtrain::comm
