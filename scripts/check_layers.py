@@ -85,7 +85,7 @@ PUBLIC_OWNER = {
     "monitor": "monitor", "summary_writer": "monitor", "pipeline": "pipeline", "detail": "common", "sync_batchnorm": "nn", "zero": "optim", "sharded_optimizer": "optim",
     "fsdp": "fsdp",
     "join": "comm",
-    "device_mesh": "tp", "tensor_parallel": "tp", "functional_collectives": "tp",
+    "device_mesh": "comm", "tensor_parallel": "tp", "functional_collectives": "tp",
 }
 
 # comm/ inside, one way: front end -> factory (backend.h) -> backends -> lowest layer.

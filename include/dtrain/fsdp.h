@@ -51,6 +51,7 @@
 
 #include "dtrain/detail/arg.h"
 #include "dtrain/detail/collect_tensors.h"
+#include "dtrain/device_mesh.h"
 #include "dtrain/process_group.h"
 
 namespace dtrain {
@@ -64,8 +65,11 @@ struct MixedPrecisionPolicy {
 };
 
 struct FullyShardOptions {
-  // The group the parameters are sharded over (FSDP2's mesh; default: the world).
+  // The group the parameters are sharded over (default: the world).
   DTRAIN_ARG(Group, process_group, Group())
+  // Or FSDP2's mesh: a 1-D (sub-)mesh to shard over, as fully_shard(module, mesh=mesh["dp"]); its
+  // group takes process_group's place (set one of the two).
+  DTRAIN_ARG(DeviceMesh, mesh, DeviceMesh())
   // Free the gathered parameters after the unit's forward and gather them again in backward (true,
   // ZeRO-3), or keep them until the unit's backward (false, ZeRO-2 for the parameters). Unset, as
   // FSDP2: true, except for the root, whose parameters backward needs first.

@@ -10,6 +10,7 @@
 
 #include "comm/param_claims.h"
 #include "comm/model_sync.h"
+#include "common/util.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "fsdp/root.h"
@@ -107,9 +108,30 @@ std::shared_ptr<Unit> find_unit(const torch::nn::Module* module) {
   return it->second.unit;
 }
 
-std::shared_ptr<Unit> make_unit(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options) {
+namespace {
+
+// The group a unit shards over: the mesh's, when one is given, else process_group.
+FullyShardOptions resolve_group(const torch::nn::Module& module, FullyShardOptions options) {
+  const DeviceMesh& mesh = options.mesh();
+  if (mesh.ndim() == 0) return options;
+  DTRAIN_CHECK(mesh.ndim() == 1, "fully_shard(", describe(module), "): mesh has ", mesh.ndim(), " dimensions (",
+               util::join(mesh.dim_names(), ", "),
+               "); it shards over a 1-D mesh: pass the data-parallel dimension's sub-mesh, as mesh[\"",
+               mesh.dim_names().front(), "\"]");
+  const Group group = mesh.get_group();
+  DTRAIN_CHECK(options.process_group().name() == Group().name() || options.process_group().name() == group.name(),
+               "fully_shard(", describe(module), "): both mesh (group '", group.name(), "') and process_group ('",
+               options.process_group().name(), "') are set: set one of the two");
+  options.process_group(group);
+  return options;
+}
+
+}  // namespace
+
+std::shared_ptr<Unit> make_unit(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& given) {
   DTRAIN_CHECK(module, "fully_shard: the module is null: pass a constructed model");
   DTRAIN_CHECK(is_initialized(), "fully_shard needs a process group: call dtrain::init_process_group() first");
+  const FullyShardOptions options = resolve_group(*module, given);
   const Group& group = options.process_group();
   DTRAIN_CHECK(group.is_member(), "fully_shard(", describe(*module), "): rank ", rank(),
                " is not a member of the given process_group: shard the model only on the group's ranks");

@@ -153,7 +153,7 @@ TEST(AmpDist, TensorParallelInsideFullyShardInfInOneRanksPartSkipsEverywhere) {
   torch::manual_seed(3);
   tp_models::MLP mlp(8, 4 * world_size());
   parallelize_module(*mlp, mesh["tp"], tp_models::mlp_plan());
-  auto root = fully_shard(mlp, FullyShardOptions().process_group(mesh.get_group("dp")));
+  auto root = fully_shard(mlp, FullyShardOptions().mesh(mesh["dp"]));
   GradScaler scaler(small_scale());
   auto stepped = train_with_one_ranks_inf(
       *mlp, mlp->w2->weight, [&](const at::Tensor& x) { return root(x); }, world_size() - 1, scaler);

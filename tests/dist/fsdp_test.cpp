@@ -453,6 +453,23 @@ TEST(FullyShard, OnASubgroupEqualsOneProcess) {
   EXPECT_LT(max_rel_diff(fsdp.full_state_dict(), *ref), 1e-10) << "a subgroup of " << mine.size() << " ranks";
 }
 
+// FSDP2's mesh argument: a 1-D sub-mesh shards over its group, as process_group(that group) does.
+TEST(FullyShard, AOneDimensionalSubMeshShardsOverItsGroup) {
+  const int64_t rep = world_size() % 2 == 0 ? 2 : 1;
+  DeviceMesh mesh = init_device_mesh({rep, world_size() / rep}, {"rep", "dp"});
+  const Group dp = mesh.get_group("dp");
+  Net net = fsdp_models::make_net(), ref = fsdp_models::make_net();
+  std::map<std::string, at::Tensor> whole;
+  for (const auto& kv : net->named_parameters()) whole[kv.key()] = kv.value().detach().clone();
+  auto fsdp = fsdp_models::shard(net, FullyShardOptions().mesh(mesh["dp"]));
+  for (const auto& kv : net->named_parameters()) {
+    auto chunks = whole.at(kv.key()).chunk(dp.size(), 0);
+    const int64_t rows = dp.rank() < static_cast<int>(chunks.size()) ? chunks[dp.rank()].size(0) : 0;
+    EXPECT_EQ(kv.value().size(0), rows) << kv.key() << ": sharded over mesh[\"dp\"] of " << dp.size();
+  }
+  EXPECT_LT(max_rel_diff(fsdp.full_state_dict(), *ref), 1e-12) << "the whole model back from the dp shards";
+}
+
 TEST(FullyShard, BadInputIsNamedInOneLine) {
   auto expect_error = [](const std::function<void()>& fn, const std::string& part) {
     try {
@@ -467,6 +484,17 @@ TEST(FullyShard, BadInputIsNamedInOneLine) {
     Net net = fsdp_models::make_net();
     dtrain::fully_shard(net->inner.module()->b);
     expect_error([&] { dtrain::fully_shard(net->inner.module()->b); }, "already a unit");
+  }
+  {
+    // A 2-D mesh, and a mesh beside another group.
+    DeviceMesh mesh = init_device_mesh({1, world_size()}, {"rep", "dp"});
+    auto lin = std::make_shared<torch::nn::LinearImpl>(4, 4);
+    expect_error([&] { dtrain::fully_shard(lin, FullyShardOptions().mesh(mesh)); },
+                 "mesh has 2 dimensions (rep, dp); it shards over a 1-D mesh: pass the data-parallel dimension's "
+                 "sub-mesh, as mesh[\"rep\"]");
+    const Group one = new_group({rank()});  // every rank its own: a group other than mesh["dp"]'s
+    expect_error([&] { dtrain::fully_shard(lin, FullyShardOptions().mesh(mesh["dp"]).process_group(one)); },
+                 "and process_group ('");
   }
   {
     auto tied = std::make_shared<torch::nn::Module>("Tied");
