@@ -251,8 +251,12 @@ TEST(StoreLimits, AReplyNobodyReadsHasADeadline) {
   }
   greedy.send_bytes(gets);
   const auto deadline = Clock::now() + 5s;
+  while (server.held_bytes() < (size_t{8} << 20) && Clock::now() < deadline) std::this_thread::sleep_for(1ms);
+  ASSERT_GE(server.held_bytes(), size_t{8} << 20) << "the replies were never queued";
+  const auto queued = Clock::now();
   while (server.connections() > 1 && Clock::now() < deadline) std::this_thread::sleep_for(10ms);
   EXPECT_EQ(server.connections(), 1u) << "the connection that reads no reply is still open";
+  EXPECT_GE(Clock::now() - queued, 250ms) << "dropped before its deadline";
   good.num_keys();  // one more round: held_bytes is that of the round after the drop
   EXPECT_LT(server.held_bytes(), size_t{5} << 20) << "the store still holds the unread replies";
 }
