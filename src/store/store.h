@@ -20,9 +20,11 @@
 //   StoreClient client("127.0.0.1", server.port(), std::chrono::seconds(30), secret);
 //   client.set("k", to_bytes("v"));
 //
-// Limits (protocol.h): keys of 8 KiB, values of 64 MiB, 2^20 keys; a connection that sends a
-// frame slower than 60 s, or no handshake within 10 s, is closed; a connection whose replies do
-// not drain is read no further until they do.
+// Limits (protocol.h, ServerLimits): keys of 8 KiB, values of 64 MiB, 2^20 keys; a connection that
+// sends a frame slower than 60 s, no handshake within 5 s, or reads none of its replies for 60 s is
+// closed; a connection whose replies do not drain is read no further until they do; connections in
+// the handshake have a budget of their own, and everything the store holds shares one memory budget
+// (see Note [Store budgets] in server_guard.cpp).
 #pragma once
 
 #include <chrono>
