@@ -67,7 +67,8 @@ bool StoreServer::Impl::room_for_one() {
     const auto [seq, fd] = *unauthed.begin();
     Connection& c = conns.at(fd);
     if (!settles(c)) continue;
-    if (Clock::now() - c.opened < kEvictAfter) {  // a burst of clients: no churn, the rest wait in the backlog
+    if (!c.closing &&
+        Clock::now() - c.opened < kEvictAfter) {  // a burst of clients: no churn, the rest wait in the backlog
       accept_after = c.opened + kEvictAfter;
       return false;
     }
