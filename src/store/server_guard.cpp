@@ -67,8 +67,8 @@ bool StoreServer::Impl::room_for_one() {
     const auto [seq, fd] = *unauthed.begin();
     Connection& c = conns.at(fd);
     if (!settles(c)) continue;
-    if (!c.closing &&
-        Clock::now() - c.opened < kEvictAfter) {  // a burst of clients: no churn, the rest wait in the backlog
+    // Young, in a burst of clients: no churn, the newcomers wait in the listen backlog.
+    if (!c.closing && Clock::now() - c.opened < kEvictAfter) {
       accept_after = c.opened + kEvictAfter;
       return false;
     }
