@@ -353,6 +353,7 @@ void StoreServer::Impl::reply(Connection& c, const Writer& w) {
   if (c.out.empty()) c.out_since = Clock::now();
   w.append_frame_to(c.out);
   flush(c);
+  recharge(c);  // flush charges only what it sent
   shed();
 }
 

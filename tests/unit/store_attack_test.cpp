@@ -223,8 +223,11 @@ TEST(StoreLimits, TheMemoryBudgetHoldsAcrossConnections) {
   EXPECT_LE(peak_held, limits.memory_budget) << "the store held " << (peak_held >> 20) << " MiB";
   // The accounted bytes are the budget; the process also keeps what the allocator has not given
   // back and a reply's copy while it is made: 3 times the budget, where the same attack without one
-  // grows by 240 MiB and more.
+  // grows by 240 MiB and more. ThreadSanitizer's shadow pages (several hundred MiB whatever the
+  // store holds) leave resident memory nothing to say there: the accounted bytes do.
+#if !defined(__SANITIZE_THREAD__)
   EXPECT_LT(peak_rss, 3 * 48 + kQuarantineMiB) << "the store grew by " << peak_rss << " MiB";
+#endif
   EXPECT_THAT(err, HasSubstr("past its memory budget of 48 MiB")) << err;
   EXPECT_THAT(err, HasSubstr("dropped the connection from 127.0.0.1:")) << err;
   EXPECT_EQ(to_string(good.get("big", 1000ms)).size(), size_t{8} << 20);
@@ -249,14 +252,14 @@ TEST(StoreLimits, AReplyNobodyReadsHasADeadline) {
     const auto f = Writer(uint8_t(Op::kGet)).str("big").i64(0).frame();
     gets.insert(gets.end(), f.begin(), f.end());
   }
+  const auto sent = Clock::now();
   greedy.send_bytes(gets);
   const auto deadline = Clock::now() + 5s;
   while (server.held_bytes() < (size_t{8} << 20) && Clock::now() < deadline) std::this_thread::sleep_for(1ms);
   ASSERT_GE(server.held_bytes(), size_t{8} << 20) << "the replies were never queued";
-  const auto queued = Clock::now();
   while (server.connections() > 1 && Clock::now() < deadline) std::this_thread::sleep_for(10ms);
   EXPECT_EQ(server.connections(), 1u) << "the connection that reads no reply is still open";
-  EXPECT_GE(Clock::now() - queued, 250ms) << "dropped before its deadline";
+  EXPECT_GE(Clock::now() - sent, 300ms) << "dropped before its deadline";
   good.num_keys();  // one more round: held_bytes is that of the round after the drop
   EXPECT_LT(server.held_bytes(), size_t{5} << 20) << "the store still holds the unread replies";
 }
