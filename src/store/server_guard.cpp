@@ -115,6 +115,9 @@ void StoreServer::Impl::evict(Connection& c, const char* scope) {
 }
 
 bool StoreServer::Impl::read_auth(Connection& c) {
+  // Refused, its answer not sent yet, and now the peer hangs up (it is polled for nothing else):
+  // never a second handshake on a refused connection.
+  if (c.closing) return false;
   uint8_t buf[4 + kMaxAuthFrameBytes];
   for (;;) {
     // Never past the one frame: nothing a peer sends behind it is read before it proved the secret.
