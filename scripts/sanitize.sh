@@ -107,6 +107,7 @@ if [[ " $runs " == *" tsan "* ]]; then
   start=$SECONDS
   T=build-tsan
   configure_and_build "$T" thread shm_test shm_p2p_test tensorboard_test checkpoint_async_test store_guard_test \
+                      store_attack_test \
                       shm_dist_test ddp_test ddp_overlap_test pipeline_test fsdp_test flight_program
   # Reports exit 66 at the end of the process; second_deadlock_stack: both stacks of a lock-order
   # inversion.
@@ -132,6 +133,8 @@ if [[ " $runs " == *" tsan "* ]]; then
   # the child of a process with ThreadSanitizer's runtime thread hangs in it.
   GTEST_FILTER='-StoreLimits.AChainOfWaitersIsAnsweredWithoutRecursion:StoreLimits.OutOfMemoryDropsOneConnectionAndTheStoreGoesOn:StoreDeadline.AStoppedServerIsATimeoutNotAHang:StoreLimits.OutOfDescriptorsTheServerDoesNotSpin' \
     run_ctest "$T" -R '^store_guard_test$'
+  # The attacks on the store by peers without the secret: every case is in-process.
+  run_ctest "$T" -R '^store_attack_test$'
   # With them, the launcher's own threads (the elastic agent's heartbeat): its tests run the
   # instrumented dtrain-run, and mostly wait, so they run beside the others (-j3: scripts/test.sh).
   run_ctest "$T" -j3 -R "$(dist_regex shm_dist_test_2 ddp_test_2 ddp_overlap_test_2 ddp_overlap_test_gloo_2 \

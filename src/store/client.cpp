@@ -7,7 +7,10 @@
 //      unreachable peer (the server not up yet) is retried every kRetryInterval until
 //      connect_timeout, then "cannot reach the rendezvous at HOST:PORT within Ns: <strerror>".
 //   3. The handshake (Note [Store handshake] in server.cpp): HELLO read, AUTH sent, the server's
-//      proof checked. The socket keeps TCP keepalive on (protocol.h).
+//      proof checked. The socket keeps TCP keepalive on (protocol.h). A store that closes the
+//      connection in the handshake, or refuses it for now (its answer ends with a 1: too many
+//      connections), is tried again as a refused connect is, until connect_timeout.
+//      See Note [Store budgets] in server_guard.cpp.
 //   4. Each call sends one request frame (protocol.h, MSG_NOSIGNAL) and waits for its response
 //      until a deadline: connect_timeout, or a GET's/WAIT's own timeout plus kReplyGrace (the
 //      server answers TIMEOUT at the timeout itself, so the stream never holds a stale reply when
@@ -43,6 +46,22 @@ constexpr Millis kRetryInterval{75};
 constexpr Millis kReplyGrace{5000};
 constexpr Millis kHandshakeBudget{10000};             // at least, after the connect
 constexpr Millis kForever{Millis(int64_t{1} << 40)};  // about 35 years: no deadline
+
+// The store closed the connection, or refused it for now: in the handshake, worth another try.
+struct RefusedForNow : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// An ERROR answer's message, and whether the store asks the client to try again later.
+std::string refusal(Reader& r, bool* again) {
+  std::string why = r.str();
+  *again = false;
+  try {
+    *again = !r.done() && r.i64() == 1;
+  } catch (const std::runtime_error&) {
+  }
+  return why;
+}
 
 std::string seconds_text(Millis ms) {
   char buf[32];
@@ -89,6 +108,7 @@ struct StoreClient::Impl {
   std::string host;
   uint16_t port = 0;
   int fd = -1;
+  bool shaking = false;  // in the handshake: a closed connection is a RefusedForNow
   std::string secret;
   Millis op_timeout{0};
   bool lost = false;  // closed after a deadline passed: no reply can be trusted on this stream
@@ -118,28 +138,35 @@ StoreClient::StoreClient(const std::string& host, uint16_t port, Millis connect_
   AddrInfoPtr res =
       resolve_waiting(host, port, impl_->op_timeout, "MASTER_ADDR or --master_addr",
                       [](const std::string& line) { std::fprintf(stderr, "dtrain: %s\n", line.c_str()); });
-  int last_errno = ETIMEDOUT;
+  std::string last_reason = std::strerror(ETIMEDOUT);
   for (;;) {
     for (addrinfo* ai = res.get(); ai && impl_->fd < 0; ai = ai->ai_next) {
       auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
       impl_->fd = try_connect(ai, std::max(left, Millis(1)));
-      if (impl_->fd < 0) last_errno = errno;
+      if (impl_->fd < 0) last_reason = std::strerror(errno);
     }
-    if (impl_->fd >= 0 || Clock::now() >= deadline) break;
+    if (impl_->fd >= 0) {
+      try {
+        impl_->handshake(reply_timeout.count() > 0 ? Clock::now() + std::min(reply_timeout, kForever)
+                                                   : std::max(deadline, Clock::now() + kHandshakeBudget));
+        break;
+      } catch (const RefusedForNow& e) {
+        last_reason = e.what();  // closed or refused for now: tried again, as a refused connect
+      } catch (...) {
+        if (impl_->fd >= 0) close(impl_->fd);
+        impl_->fd = -1;
+        throw;
+      }
+      if (impl_->fd >= 0) close(impl_->fd);
+      impl_->fd = -1;
+    }
+    if (Clock::now() >= deadline) break;
     auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
     std::this_thread::sleep_for(std::min(left, kRetryInterval));
   }
   if (impl_->fd < 0)
     throw std::runtime_error("cannot reach the rendezvous at " + impl_->where() + " within " +
-                             seconds_text(connect_timeout) + ": " + std::strerror(last_errno));
-  try {
-    impl_->handshake(reply_timeout.count() > 0 ? Clock::now() + std::min(reply_timeout, kForever)
-                                               : std::max(deadline, Clock::now() + kHandshakeBudget));
-  } catch (...) {
-    if (impl_->fd >= 0) close(impl_->fd);
-    impl_->fd = -1;
-    throw;
-  }
+                             seconds_text(connect_timeout) + ": " + last_reason);
   if (reply_timeout.count() > 0) set_timeout(reply_timeout);
 }
 
@@ -172,6 +199,8 @@ void StoreClient::Impl::send_all(const std::vector<uint8_t>& frame, Clock::time_
       await(POLLOUT, deadline);
       continue;
     }
+    if (n <= 0 && shaking)
+      throw RefusedForNow(std::string("the store closed the connection in the handshake: ") + std::strerror(errno));
     if (n <= 0)
       throw std::runtime_error("lost the connection to the rendezvous at " + where() + ": " + std::strerror(errno));
     sent += static_cast<size_t>(n);
@@ -186,7 +215,10 @@ void StoreClient::Impl::recv_all(uint8_t* p, size_t n, Clock::time_point deadlin
       await(POLLIN, deadline);
       continue;
     }
+    if (r == 0 && shaking) throw RefusedForNow("the store closed the connection in the handshake");
     if (r == 0) throw std::runtime_error("the rendezvous at " + where() + " closed the connection");
+    if (r < 0 && shaking)
+      throw RefusedForNow(std::string("the store reset the connection in the handshake: ") + std::strerror(errno));
     if (r < 0)
       throw std::runtime_error("lost the connection to the rendezvous at " + where() + ": " + std::strerror(errno));
     p += r;
@@ -206,10 +238,20 @@ std::vector<uint8_t> StoreClient::Impl::read_frame(Clock::time_point deadline) {
 }
 
 void StoreClient::Impl::handshake(Clock::time_point deadline) {
+  shaking = true;
+  struct Done {
+    bool& flag;
+    ~Done() { flag = false; }
+  } done{shaking};
   const std::vector<uint8_t> hello = read_frame(deadline);
   Reader r(hello.data(), hello.size());
   const auto status = static_cast<Status>(r.head());
-  if (status == Status::kError) throw std::runtime_error(r.str());  // it names the store and why
+  if (status == Status::kError) {  // it names the store and why
+    bool again = false;
+    const std::string why = refusal(r, &again);
+    if (again) throw RefusedForNow(why);
+    throw std::runtime_error(why);
+  }
   std::string magic;
   int64_t auth = 0;
   Bytes server_nonce;
@@ -245,9 +287,13 @@ void StoreClient::Impl::handshake(Clock::time_point deadline) {
   send_all(w.frame(), deadline);
   const std::vector<uint8_t> answer = read_frame(deadline);
   Reader a(answer.data(), answer.size());
-  if (static_cast<Status>(a.head()) != Status::kOk)
-    throw std::runtime_error("the rendezvous at " + where() + " " + a.str() +
+  if (static_cast<Status>(a.head()) != Status::kOk) {
+    bool again = false;
+    const std::string why = refusal(a, &again);
+    if (again) throw RefusedForNow("the store at " + where() + " " + why);
+    throw std::runtime_error("the rendezvous at " + where() + " " + why +
                              (auth ? " (check that every launcher of the job has the same secret)" : ""));
+  }
   const Bytes proof = a.blob();
   if (auth && !same_digest(proof, handshake_mac(secret, kServerRole, server_nonce, client_nonce)))
     throw std::runtime_error("the rendezvous at " + where() +

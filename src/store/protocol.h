@@ -81,6 +81,13 @@ class Writer {
     std::memcpy(out.data() + 4, buf_.data(), buf_.size());  // buf_ always holds the head byte
     return out;
   }
+  // The complete frame, appended to `out` without a copy of its own (a reply of a large value).
+  void append_frame_to(std::vector<uint8_t>& out) const {
+    uint8_t le[4];
+    encode_u32(static_cast<uint32_t>(buf_.size()), le);
+    out.insert(out.end(), le, le + 4);
+    out.insert(out.end(), buf_.begin(), buf_.end());
+  }
   static void encode_u32(uint32_t v, uint8_t* out) {
     for (int i = 0; i < 4; ++i) out[i] = static_cast<uint8_t>(v >> (8 * i));
   }

@@ -7,15 +7,19 @@
 //      std::runtime_error.
 //   2. The thread poll()s the listening socket, a self-pipe (the destructor writes a byte to stop
 //      it promptly) and every client socket (non-blocking, TCP_NODELAY, keepalive).
-//   3. Each connection opens with the handshake (Note [Store handshake]); then complete request
-//      frames (protocol.h) are handled in order, one at a time per connection. GET/WAIT on missing
+//   3. Each connection opens with the handshake (Note [Store handshake]), read as one frame alone
+//      and within budgets of its own (Note [Store budgets], server_guard.cpp); then complete request
+//      frames (protocol.h) are handled in order, one at a time per connection, at most
+//      kFramesPerRound per connection in one poll round. GET/WAIT on missing
 //      keys park the connection as a waiter with its own deadline; a mutation marks the store
 //      changed, and settle() then answers the waiters whose keys all exist and reads the requests
 //      they had pipelined, in a loop (no recursion, however many connections wait on each other).
 //   4. Responses are queued per connection and flushed with MSG_NOSIGNAL as the socket allows; a
-//      connection whose queue passes kOutputHighWater is read no further until it drains.
+//      connection whose queue passes kOutputHighWater is read no further until it drains, and
+//      every buffer counts toward the store's memory budget.
 //   5. Time limits (ServerLimits): a handshake within handshake_timeout, a frame within
-//      frame_timeout of its first byte; the poll timeout is the nearest of these and of the waiters' deadlines.
+//      frame_timeout of its first byte, a reply read within unread_reply_timeout; the poll timeout
+//      is the nearest of these and of the waiters' deadlines.
 //   6. Nothing escapes the thread: an exception while serving one connection drops that connection
 //      and is reported on stderr (the first few); the store goes on serving the others.
 //
@@ -25,9 +29,9 @@
 // constant time and answers HMAC-SHA256(secret, "dtrain-store server" | both nonces), which the
 // client checks in turn: each side proves it knows the secret, for this connection only, and the
 // secret never crosses the wire. A connection that sends anything else first, a wrong digest, or
-// nothing within the handshake timeout is refused and counted (rejected_connections()), with no line
-// on the server's side: the job goes on. An open store (no secret) still sends HELLO and reads
-// AUTH, so that a client with a secret knows it reached a store that cannot prove one.
+// nothing within the handshake timeout is refused and counted (rejected_connections()), with one
+// line per kind of refusal every 10 s at most on the server's side: the job goes on. An open store (no secret) still
+// sends HELLO and reads AUTH, so that a client with a secret knows it reached a store that cannot prove one.
 #include <fcntl.h>
 #include <netdb.h>
 #include <poll.h>
@@ -38,6 +42,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <new>
+#include <utility>
 
 #include "store/auth.h"
 #include "store/server_impl.h"
@@ -50,12 +55,14 @@ namespace {
 
 void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
-// Connections the process can hold: a few descriptors stay for everything else it opens.
-size_t connection_cap() {
+// Authenticated connections the process can hold: a few descriptors stay for everything else it
+// opens, and `unauthenticated` for the connections still in the handshake.
+size_t connection_cap(size_t unauthenticated) {
   rlimit r{};
   if (getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur == RLIM_INFINITY) return kMaxConnections;
   const auto room = static_cast<size_t>(r.rlim_cur);
-  return std::clamp<size_t>(room > 64 ? room - 64 : 16, 16, kMaxConnections);
+  const size_t reserved = 64 + unauthenticated;
+  return std::clamp<size_t>(room > reserved + 16 ? room - reserved : 16, 16, kMaxConnections);
 }
 
 }  // namespace
@@ -115,7 +122,10 @@ StoreServer::StoreServer(const std::string& host, uint16_t port, std::string sec
   impl_->host = host;
   impl_->secret = secret.empty() ? secret : check_job_secret(secret, "the store's job secret");
   impl_->limits = limits;
-  if (limits.max_connections == 0) impl_->limits.max_connections = connection_cap();
+  if (limits.max_connections == 0) impl_->limits.max_connections = connection_cap(limits.max_unauthenticated);
+  if (limits.memory_budget == 0) impl_->limits.memory_budget = kMemoryBudget;
+  impl_->limits.max_unauthenticated = std::max<size_t>(limits.max_unauthenticated, 1);
+  impl_->limits.max_unauthenticated_per_peer = std::max<size_t>(limits.max_unauthenticated_per_peer, 1);
   impl_->bind_and_listen(port);
   if (pipe2(impl_->wake_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
     close(impl_->listen_fd);
@@ -141,6 +151,7 @@ const std::string& StoreServer::host() const { return impl_->host; }
 uint64_t StoreServer::rejected_connections() const { return impl_->rejected.load(); }
 size_t StoreServer::throttled_connections() const { return impl_->throttled.load(); }
 size_t StoreServer::connections() const { return impl_->open_connections.load(); }
+size_t StoreServer::held_bytes() const { return impl_->held.load(); }
 
 void StoreServer::Impl::report(const std::string& what) {
   if (++reports <= 5) std::fprintf(stderr, "dtrain: the store at %s %s\n", where().c_str(), what.c_str());
@@ -162,13 +173,16 @@ int StoreServer::Impl::poll_timeout(Clock::time_point now) const {
   Clock::time_point nearest = Clock::time_point::max();
   for (const auto& w : waiters)
     if (w.has_deadline) nearest = std::min(nearest, w.deadline);
+  if (!backlog.empty()) return 0;
   for (const auto& kv : conns) {
     const Connection& c = kv.second;
     if (!c.authed) nearest = std::min(nearest, c.opened + limits.handshake_timeout);
     if (!c.waiting && complete_frame(c.in, kMaxFrameBytes) == 0 && !c.in.empty())
       nearest = std::min(nearest, c.frame_from + limits.frame_timeout);
+    if (!c.out.empty()) nearest = std::min(nearest, c.out_since + limits.unread_reply_timeout);
   }
   if (listen_paused_until > now) nearest = std::min(nearest, listen_paused_until);
+  if (accept_after > now) nearest = std::min(nearest, accept_after);
   if (nearest == Clock::time_point::max()) return -1;
   const auto ms = std::chrono::ceil<std::chrono::milliseconds>(nearest - now).count();
   return static_cast<int>(std::clamp<int64_t>(ms, 0, 1 << 30));
@@ -179,13 +193,14 @@ bool StoreServer::Impl::poll_once() {
   fds.clear();
   fds.push_back({wake_pipe[0], POLLIN, 0});
   const auto now = Clock::now();
-  fds.push_back({now >= listen_paused_until ? listen_fd : -1, POLLIN, 0});
+  fds.push_back({now >= listen_paused_until && now >= accept_after ? listen_fd : -1, POLLIN, 0});
   size_t backed_up = 0;
   for (auto& kv : conns) {
     const Connection& c = kv.second;
     backed_up += c.out.size() >= kOutputHighWater ? 1 : 0;
-    // Parked, refused or backed up: read no further, but still notice a peer that leaves.
-    const bool reading = !c.waiting && !c.closing && c.out.size() < kOutputHighWater;
+    // Parked, refused, backed up or done for this round: read no further, but still notice a peer
+    // that leaves.
+    const bool reading = !c.waiting && !c.closing && !c.backlog && c.out.size() < kOutputHighWater;
     short ev = reading ? POLLIN : POLLRDHUP;
     if (!c.out.empty()) ev |= POLLOUT;
     fds.push_back({kv.first, ev, 0});
@@ -200,7 +215,7 @@ bool StoreServer::Impl::poll_once() {
   if (fds[1].revents & POLLIN) accept_all();
   for (size_t i = 2; i < fds.size(); ++i) {
     const int fd = fds[i].fd;
-    if (!fds[i].revents || !conns.count(fd)) continue;
+    if (!fds[i].revents || !conns.count(fd) || conns.at(fd).doomed) continue;
     try {
       if (fds[i].revents & (POLLERR | POLLNVAL)) {
         drop(fd);
@@ -222,13 +237,26 @@ bool StoreServer::Impl::poll_once() {
     }
   }
   expire(Clock::now());
+  // The connections whose requests were left over last round are read now, after every other
+  // connection had its turn. See Note [Store budgets].
+  for (int fd : std::exchange(backlog, {})) {
+    auto it = conns.find(fd);
+    if (it == conns.end()) continue;
+    it->second.backlog = false;
+    ready.push_back(fd);
+  }
   settle();
+  reap();
+  held.store(stored_bytes + buffered);
   return true;
 }
 
 void StoreServer::Impl::accept_all() {
   for (;;) {
-    const int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (!room_for_one()) return;
+    sockaddr_storage from{};
+    socklen_t from_len = sizeof(from);
+    const int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&from), &from_len, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) {
       if (errno == EMFILE || errno == ENFILE) {
         // Out of descriptors: the pending connection would make poll() report the listening
@@ -246,71 +274,66 @@ void StoreServer::Impl::accept_all() {
       }
       return;  // EAGAIN, or a transient error: try again on the next POLLIN
     }
-    if (conns.size() >= limits.max_connections) {
-      refuse(fd, "serves " + std::to_string(conns.size()) + " connections, its limit");
-      continue;
-    }
+    // Room among the connections in the handshake first, by closing the oldest: a peer that holds
+    // idle connections without the secret never keeps the job's out. See Note [Store budgets].
+    const std::string address = peer_name(from, false);
+    room_for(address);
     set_keepalive(fd);
     Connection& c = conns[fd];
     open_connections = conns.size();
     c.fd = fd;
     c.opened = Clock::now();
+    c.seq = ++accepted;
+    c.peer = peer_name(from, true);
+    c.peer_address = address;
+    unauthed.emplace(c.seq, fd);
     if (!secret.empty()) c.nonce = random_bytes(kNonceBytes);
     reply(c, Writer(uint8_t(Status::kOk)).str(kMagic).i64(secret.empty() ? 0 : 1).blob(c.nonce));
   }
 }
 
-void StoreServer::Impl::refuse(int fd, const std::string& why) {
-  const auto f = Writer(uint8_t(Status::kError)).str("the store at " + where() + " " + why).frame();
-  (void)!send(fd, f.data(), f.size(), MSG_NOSIGNAL);  // a fresh socket's buffer takes it whole
-  close(fd);
-}
-
 bool StoreServer::Impl::on_readable(Connection& c) {
+  if (!c.authed) return read_auth(c);
   uint8_t buf[65536];
-  const uint32_t cap = c.authed ? kMaxFrameBytes : kMaxAuthFrameBytes;
   for (;;) {
-    const int64_t whole = complete_frame(c.in, cap);
-    if (whole < 0) {
-      if (!c.authed) ++rejected;
-      return false;
-    }
+    const int64_t whole = complete_frame(c.in, kMaxFrameBytes);
+    if (whole < 0) return false;
     // Read ahead of the requests being handled by a bounded amount only.
     if (whole > 0 && c.in.size() >= kInputBuffered) break;
     const ssize_t n = recv(c.fd, buf, sizeof(buf), 0);
     if (n > 0) {
       if (c.in.empty()) c.frame_from = Clock::now();
       c.in.insert(c.in.end(), buf, buf + n);
+      recharge(c);
+      shed();
+      if (c.doomed) return false;
       continue;
     }
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
     if (n < 0 && errno == EINTR) continue;
-    // EOF or error: the peer is gone (maybe mid-request); one that left without proving the secret
-    // (a client that has none gives up at the greeting) is a refusal too.
-    if (!c.authed && !c.closing && !secret.empty()) ++rejected;
-    return false;
+    return false;  // EOF or error: the peer is gone (maybe mid-request)
   }
   return read_frames(c);
 }
 
 bool StoreServer::Impl::read_frames(Connection& c) {
+  if (!c.authed) return true;  // read_auth's: the handshake is one frame, read alone
   size_t pos = 0;
+  int handled = 0;
   while (!c.waiting && !c.closing && c.out.size() < kOutputHighWater) {
-    const uint32_t cap = c.authed ? kMaxFrameBytes : kMaxAuthFrameBytes;
     if (c.in.size() - pos < 4) break;
     const uint32_t len = decode_u32(c.in.data() + pos);
-    if (len == 0 || len > cap) {
-      if (!c.authed) ++rejected;
-      return false;
-    }
+    if (len == 0 || len > kMaxFrameBytes) return false;
     if (c.in.size() - pos - 4 < len) break;
+    if (handled++ == kFramesPerRound) {  // the others' turn: the rest waits for the next round
+      c.backlog = true;
+      backlog.push_back(c.fd);
+      break;
+    }
     Reader r(c.in.data() + pos + 4, len);
     pos += 4 + len;
     try {
-      if (c.authed)
-        handle(c, r);
-      else
-        handshake(c, r);
+      handle(c, r);
     } catch (const std::bad_alloc&) {
       throw;  // the connection goes: poll_once reports it
     } catch (const std::exception& e) {
@@ -319,40 +342,19 @@ bool StoreServer::Impl::read_frames(Connection& c) {
   }
   c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(pos));
   if (pos > 0 && !c.in.empty()) c.frame_from = Clock::now();
-  if (c.closing && c.out.empty()) return false;
+  if (c.in.empty() && c.in.capacity() > kKeptBuffer) std::vector<uint8_t>().swap(c.in);
+  recharge(c);
+  if (c.doomed || (c.closing && c.out.empty())) return false;
   return true;
 }
 
-void StoreServer::Impl::handshake(Connection& c, Reader& r) {
-  if (static_cast<Op>(r.head()) != Op::kAuth) {
-    ++rejected;
-    c.closing = true;
-    reply(c, Writer(uint8_t(Status::kError)).str("the store at " + where() + " takes the handshake first"));
-    return;
-  }
-  const Bytes client_nonce = r.blob(), mac = r.blob();
-  if (secret.empty()) {
-    c.authed = true;
-    reply(c, Writer(uint8_t(Status::kOk)).blob({}));
-    return;
-  }
-  if (client_nonce.size() != kNonceBytes ||
-      !same_digest(mac, handshake_mac(secret, kClientRole, c.nonce, client_nonce))) {
-    ++rejected;
-    c.closing = true;
-    reply(c, Writer(uint8_t(Status::kError))
-                 .str(mac.empty() ? "requires the job's secret, which this process was not given"
-                                  : "refused this process: its job secret is not the job's"));
-    return;
-  }
-  c.authed = true;
-  reply(c, Writer(uint8_t(Status::kOk)).blob(handshake_mac(secret, kServerRole, c.nonce, client_nonce)));
-}
-
 void StoreServer::Impl::reply(Connection& c, const Writer& w) {
-  auto f = w.frame();
-  c.out.insert(c.out.end(), f.begin(), f.end());
+  if (c.doomed) return;
+  if (c.out.empty()) c.out_since = Clock::now();
+  w.append_frame_to(c.out);
   flush(c);
+  recharge(c);  // flush charges only what it sent
+  shed();
 }
 
 void StoreServer::Impl::flush(Connection& c) {
@@ -366,7 +368,11 @@ void StoreServer::Impl::flush(Connection& c) {
     if (n < 0 && errno == EINTR) continue;
     break;  // EAGAIN: wait for POLLOUT; EPIPE/ECONNRESET: POLLHUP/EOF drops it
   }
+  if (sent == 0) return;
+  c.out_since = Clock::now();  // the client reads: its deadline starts again
   c.out.erase(c.out.begin(), c.out.begin() + static_cast<std::ptrdiff_t>(sent));
+  if (c.out.empty() && c.out.capacity() > kKeptBuffer) std::vector<uint8_t>().swap(c.out);
+  recharge(c);
 }
 
 // Answers the waiters a mutation made ready and reads what they and drained connections had
@@ -393,7 +399,13 @@ void StoreServer::Impl::settle() {
         drop(fd);
       }
     }
+    reap();
   }
+}
+
+void StoreServer::Impl::reap() {
+  for (int fd : std::exchange(doomed, {}))
+    if (conns.count(fd)) drop(fd);
 }
 
 void StoreServer::Impl::expire(Clock::time_point now) {
@@ -414,11 +426,20 @@ void StoreServer::Impl::expire(Clock::time_point now) {
   for (const auto& kv : conns) {
     const Connection& c = kv.second;
     if (!c.authed && now - c.opened >= limits.handshake_timeout) {
-      if (!c.closing) ++rejected;  // a refused one was counted when refused
+      if (!c.closing) {  // a refused one was counted when refused
+        ++rejected;
+        notice(Refusal::kHandshake, "closed the connection from " + c.peer + ": no handshake within " +
+                                        std::to_string(limits.handshake_timeout.count()) + " ms");
+      }
       late.push_back(kv.first);
     } else if (!c.in.empty() && !c.waiting && now - c.frame_from >= limits.frame_timeout &&
                complete_frame(c.in, kMaxFrameBytes) == 0) {
       late.push_back(kv.first);  // a frame begun and never finished: a stuck or hostile peer
+    } else if (!c.out.empty() && now - c.out_since >= limits.unread_reply_timeout) {
+      notice(Refusal::kUnread, "dropped the connection from " + c.peer + ": it read none of its " +
+                                   std::to_string(c.out.size()) + " bytes of replies for " +
+                                   std::to_string(limits.unread_reply_timeout.count()) + " ms");
+      late.push_back(kv.first);
     }
   }
   for (int fd : late) drop(fd);
@@ -427,7 +448,17 @@ void StoreServer::Impl::expire(Clock::time_point now) {
 void StoreServer::Impl::drop(int fd) {
   waiters.erase(std::remove_if(waiters.begin(), waiters.end(), [fd](const Waiter& w) { return w.fd == fd; }),
                 waiters.end());
-  conns.erase(fd);
+  auto it = conns.find(fd);
+  if (it != conns.end()) {
+    if (it->second.authed) {
+      --authed_count;
+    } else {
+      unauthed.erase(it->second.seq);
+      accept_after = {};  // room in the handshake budget
+    }
+    buffered -= it->second.charged;
+    conns.erase(it);
+  }
   open_connections = conns.size();
   close(fd);
 }

@@ -1,9 +1,11 @@
-// StoreServer's state, shared by server.cpp (the event loop, sockets, the handshake, limits in
-// time) and server_requests.cpp (the operations, limits in size). Internal header.
+// StoreServer's state, shared by server.cpp (the event loop, sockets, limits in time),
+// server_guard.cpp (the handshake, the budgets against peers without the secret) and
+// server_requests.cpp (the operations, limits in size). Internal header.
 #pragma once
 
 #include <poll.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -26,6 +28,14 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kOutputHighWater = 8 << 20;  // replies not yet sent: no request is read beyond
 constexpr size_t kInputBuffered = 1 << 20;    // requests read ahead of the one being handled
 constexpr size_t kMaxConnections = 16384;
+constexpr int kFramesPerRound = 64;                // requests one connection has handled per poll round
+constexpr size_t kKeptBuffer = 64 << 10;           // a drained buffer larger than this gives its memory back
+constexpr size_t kMemoryBudget = size_t{3} << 30;  // ServerLimits::memory_budget's default
+constexpr Millis kEvictAfter{50};                  // a connection in the handshake is evicted only from this age on
+constexpr Millis kNoticeEvery{10000};              // one line per kind of refusal at most this often
+
+// What node 0 says while it refuses connections (one line per kind, rate-limited: notice()).
+enum class Refusal { kHandshake, kEvicted, kFull, kMemory, kUnread, kCount };
 
 // The keys of one CHECK or WAIT, packed: a list of many short keys costs about its bytes on the
 // wire, not a std::string (32 bytes and more) each.
@@ -51,6 +61,13 @@ struct Connection {
   bool authed = false;           // the handshake is done: requests are served
   bool waiting = false;          // a GET/WAIT is parked: no further request is read yet
   bool closing = false;          // refused: closed once `out` is sent
+  bool doomed = false;           // over the memory budget: closed at once, `out` unsent
+  bool backlog = false;          // used its frames of this round: read again in the next one
+  uint64_t seq = 0;              // accept order: the oldest unauthenticated one is evicted first
+  std::string peer;              // "address:port", for the lines that name it
+  std::string peer_address;      // the address alone: the unit of the per-peer budget
+  size_t charged = 0;            // what `in` and `out` hold, as counted in Impl::buffered
+  Clock::time_point out_since;   // when `out` last became non-empty or was last sent from
   std::vector<uint8_t> nonce;    // the server's challenge in the handshake
   Clock::time_point opened;      // for the handshake's timeout
   Clock::time_point frame_from;  // when the frame now arriving began
@@ -74,6 +91,9 @@ inline int64_t complete_frame(const std::vector<uint8_t>& in, uint32_t cap) {
   return in.size() - 4 >= len ? 4 + int64_t{len} : 0;
 }
 
+// "address:port" of a peer (with_port), or its address alone: the unit of the per-peer budget.
+std::string peer_name(const sockaddr_storage& from, bool with_port);
+
 }  // namespace detail
 
 struct StoreServer::Impl {
@@ -89,16 +109,26 @@ struct StoreServer::Impl {
   std::atomic<uint64_t> rejected{0};
   std::atomic<size_t> open_connections{0};
   std::atomic<size_t> throttled{0};  // backed-up connections at the last poll round
+  std::atomic<size_t> held{0};       // stored_bytes + buffered at the end of the last poll round
 
   // Owned by the server thread only.
   std::map<std::string, Bytes, std::less<>> data;
   size_t stored_bytes = 0;  // keys and values
   std::unordered_map<int, detail::Connection> conns;
+  std::map<uint64_t, int> unauthed;  // connections still in the handshake, by accept order
+  size_t authed_count = 0;
+  uint64_t accepted = 0;
+  size_t buffered = 0;       // bytes every connection's `in` and `out` hold (their capacity)
+  std::vector<int> doomed;   // connections over the memory budget, dropped once nothing uses them
+  std::vector<int> backlog;  // connections with requests left over from this round
+  std::array<Clock::time_point, size_t(detail::Refusal::kCount)> noticed{};
+  std::array<uint64_t, size_t(detail::Refusal::kCount)> unsaid{};  // refusals since the last line
   std::vector<detail::Waiter> waiters;
   bool changed = false;    // a key was set since the waiters were last looked at
   std::vector<int> ready;  // connections with requests to read again (resumed, drained)
   Clock::time_point listen_paused_until{};
-  std::vector<pollfd> pollfds;  // poll_once's, kept: no allocation per wake-up
+  Clock::time_point accept_after{};  // the handshake budget is full of young connections until then
+  std::vector<pollfd> pollfds;       // poll_once's, kept: no allocation per wake-up
   int reports = 0;
 
   // server.cpp
@@ -107,16 +137,28 @@ struct StoreServer::Impl {
   bool poll_once();  // false: stop
   int poll_timeout(Clock::time_point now) const;
   void accept_all();
-  void refuse(int fd, const std::string& why);
   bool on_readable(detail::Connection& c);  // false: drop it
   bool read_frames(detail::Connection& c);  // false: drop it
-  void handshake(detail::Connection& c, detail::Reader& r);
+  void reap();                              // drops the doomed connections
+  void settle();
   void reply(detail::Connection& c, const detail::Writer& w);
   void flush(detail::Connection& c);
-  void settle();
   void expire(Clock::time_point now);
   void drop(int fd);
   void report(const std::string& what);
+
+  // server_guard.cpp: what a peer without the secret can make the server do. See Note [Store budgets].
+  bool room_for_one();                        // false: accept no more now (accept_after)
+  void room_for(const std::string& address);  // within the per-peer budget, once accepted
+  bool settles(detail::Connection& c);        // reads its handshake; false: it left (dropped)
+  void evict(detail::Connection& c, const char* scope);
+  bool read_auth(detail::Connection& c);                                    // false: drop it
+  bool handshake(detail::Connection& c, const uint8_t* frame, size_t len);  // false: drop it, silently
+  void recharge(detail::Connection& c);
+  bool over_budget() const { return stored_bytes + buffered > limits.memory_budget; }
+  void doom(detail::Connection& c);
+  void shed();  // past the memory budget: drops the connections that hold the most
+  void notice(detail::Refusal kind, const std::string& line);
   std::string where() const { return detail::host_port(host, port); }
 
   // server_requests.cpp

@@ -62,6 +62,10 @@ void StoreServer::Impl::put(const std::string& key, Bytes value) {
   if (after > kMaxStoredBytes)
     throw std::runtime_error("key " + shown(key) + " would make the store hold " + std::to_string(after) +
                              " bytes, over its limit of " + std::to_string(kMaxStoredBytes));
+  if (after + buffered > limits.memory_budget)
+    throw std::runtime_error("key " + shown(key) + " would take the store past its memory budget of " +
+                             std::to_string(limits.memory_budget >> 20) + " MiB (what it stores and what its " +
+                             "connections hold): delete keys the job no longer needs");
   stored_bytes = after;
   if (it == data.end())
     data.emplace(key, std::move(value));

@@ -20,9 +20,11 @@
 //   StoreClient client("127.0.0.1", server.port(), std::chrono::seconds(30), secret);
 //   client.set("k", to_bytes("v"));
 //
-// Limits (protocol.h): keys of 8 KiB, values of 64 MiB, 2^20 keys; a connection that sends a
-// frame slower than 60 s, or no handshake within 10 s, is closed; a connection whose replies do
-// not drain is read no further until they do.
+// Limits (protocol.h, ServerLimits): keys of 8 KiB, values of 64 MiB, 2^20 keys; a connection that
+// sends a frame slower than 60 s, no handshake within 5 s, or reads none of its replies for 60 s is
+// closed; a connection whose replies do not drain is read no further until they do; connections in
+// the handshake have a budget of their own, and everything the store holds shares one memory budget
+// (see Note [Store budgets] in server_guard.cpp).
 #pragma once
 
 #include <chrono>
@@ -67,10 +69,15 @@ AddrInfoPtr resolve_waiting(const std::string& host, uint16_t port, Millis timeo
                             const std::function<void(const std::string&)>& waiting);
 
 // What the server allows in time and count; the defaults are the store's (tests lower them).
+// How a peer without the secret is kept from using them: see Note [Store budgets] in server_guard.cpp.
 struct ServerLimits {
-  Millis handshake_timeout{10000};  // from accept to a proven secret (or, open, to the client's AUTH)
-  Millis frame_timeout{60000};      // from a frame's first byte to its last
-  size_t max_connections = 0;       // 0: what RLIMIT_NOFILE leaves room for, at most 16384
+  Millis handshake_timeout{5000};            // from accept to a proven secret (or, open, to the client's AUTH)
+  Millis frame_timeout{60000};               // from a frame's first byte to its last
+  Millis unread_reply_timeout{60000};        // replies queued for a client that reads none of them
+  size_t max_connections = 0;                // authenticated ones; 0: what RLIMIT_NOFILE leaves room for, at most 16384
+  size_t max_unauthenticated = 64;           // connections in the handshake: past it, the oldest is closed
+  size_t max_unauthenticated_per_peer = 16;  // of them from one address: past it, that address's oldest
+  size_t memory_budget = 0;                  // bytes stored, queued and half-received, together; 0: 3 GiB
   size_t max_keys = size_t{1} << 20;
 };
 
@@ -89,6 +96,9 @@ class StoreServer {
   uint64_t rejected_connections() const;
   // Connections open now (test and diagnostics).
   size_t connections() const;
+  // Bytes the store holds for its keys and its connections' buffers, as its memory budget counts
+  // them, at the end of the last poll round (test and diagnostics).
+  size_t held_bytes() const;
   // Connections whose unsent replies passed the high-water mark at the last poll round, so that
   // their requests are read no further until they drain (test and diagnostics).
   size_t throttled_connections() const;

@@ -5,10 +5,11 @@ routes to the master (SECURITY.md), or to GLOO_SOCKET_IFNAME's interface when it
 Sockets are read from /proc/net/tcp{,6} and matched to a process through /proc/<pid>/fd inodes."""
 import os
 import socket
+import subprocess
 import time
 import unittest
 
-from harness import DistTestCase, clean_env, free_port, hello, rank_env
+from harness import DistTestCase, clean_env, free_port, hello, launcher, rank_env
 from proc_util import non_loopback_ipv4
 
 LISTEN = "0A"
@@ -165,6 +166,51 @@ class Security(DistTestCase):
         self.assertLoopback(listeners, "Gloo's listening socket")
         res = rank0.finish(30)  # fails by timeout: rank 1 never comes
         self.assertNotEqual(res.rc, 0, str(res))
+
+    def test_node0_serves_node1_while_a_peer_without_the_secret_attacks_its_store(self):
+        # Node 0 with the descriptors of `ulimit -n 256`: 193 idle sockets from a peer without the
+        # secret once filled its store's connection cap (192) and node 1, with the secret, failed
+        # with "serves 192 connections, its limit"; junk before the handshake was answered, and node
+        # 0 said nothing. Now the idle ones are closed oldest first, the junk gets no reply, node 1
+        # joins, and node 0 names the peer, one line per kind of refusal.
+        port = free_port()
+        env = clean_env(DTRAIN_JOB_SECRET="s" * 64)
+        argv = [launcher(), "--nnodes", 2, "--nproc_per_node", 1, "--master_addr", "127.0.0.1",
+                "--master_port", port, "--rdzv_timeout", 30, "true"]
+        node0 = self.spawn(["sh", "-c", 'ulimit -n 256 && exec "$@"', "sh"] + argv[:3] + ["--node_rank", 0] + argv[3:],
+                           env)
+        deadline = time.monotonic() + 20
+        idle = []
+        while not idle:  # node 0's store is up
+            try:
+                idle.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+            except OSError:
+                if time.monotonic() > deadline or node0.p.poll() is not None:
+                    self.fail(f"node 0's store never came up:\n{node0.finish(0)}")
+                time.sleep(0.05)
+        for _ in range(299):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        for _ in range(20):
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as junk:
+                junk.sendall(b"\x01\x00\x00\x00\x09" * 100)  # truncated AUTH frames
+        time.sleep(0.2)
+        started = time.monotonic()
+        node1 = subprocess.run([str(a) for a in argv[:3] + ["--node_rank", 1] + argv[3:]], env=env,
+                               capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - started
+        for sock in idle:
+            sock.close()
+        res0 = node0.finish(60)
+        self.assertEqual(node1.returncode, 0, node1.stderr)
+        self.assertEqual(res0.rc, 0, str(res0))
+        self.assertLess(took, 20, node1.stderr)
+        self.assertNotIn("its limit", node1.stderr)
+        for kind in ("still without the handshake", "is not a well-formed handshake"):
+            lines = [l for l in res0.err.splitlines() if kind in l]
+            self.assertEqual(len(lines), 1, f"node 0 names each kind of refusal once:\n{res0.err}")
+            self.assertIn("from 127.0.0.1:", lines[0])
+        self.assertRegex(res0.err, r"the rendezvous store refused \d+ connection\(s\)")
+        self.assertNotIn("error", res0.err.lower(), str(res0))
 
 
 if __name__ == "__main__":

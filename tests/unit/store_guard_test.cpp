@@ -27,6 +27,7 @@
 #include "store/auth.h"
 #include "store/protocol.h"
 #include "store/store.h"
+#include "store_raw.h"
 #include "time_scale.h"
 
 using namespace dtrain::store;
@@ -36,107 +37,13 @@ using detail::Status;
 using detail::Writer;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
+using namespace store_test;
 
 namespace {
 
 constexpr Millis kConnect{5000};
 const std::string kSecret(40, 's');
 const std::string kOther(40, 'o');
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-
-// A raw TCP connection to the store: what a process that does not speak the protocol, or speaks it
-// without the secret, can do.
-struct Raw {
-  int fd = -1;
-  explicit Raw(uint16_t port) {
-    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(port);
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) ADD_FAILURE() << "connect failed";
-  }
-  ~Raw() {
-    if (fd >= 0) close(fd);
-  }
-  void send_bytes(const std::vector<uint8_t>& b) const { (void)!send(fd, b.data(), b.size(), MSG_NOSIGNAL); }
-  // The next whole frame's payload (empty when the server closed or sent nothing within 5 s).
-  std::vector<uint8_t> read_frame() const {
-    std::vector<uint8_t> got;
-    auto read_n = [&](size_t n) {
-      const auto end = std::chrono::steady_clock::now() + 5s;
-      std::vector<uint8_t> out(n);
-      size_t have = 0;
-      while (have < n && std::chrono::steady_clock::now() < end) {
-        pollfd p{fd, POLLIN, 0};
-        if (poll(&p, 1, 20) <= 0) continue;
-        const ssize_t r = recv(fd, out.data() + have, n - have, 0);
-        if (r <= 0) break;
-        have += static_cast<size_t>(r);
-      }
-      out.resize(have);
-      return out;
-    };
-    const auto len = read_n(4);
-    if (len.size() < 4) return got;
-    got = read_n(detail::decode_u32(len.data()));
-    return got;
-  }
-  // The server nonce of the HELLO every connection opens with.
-  std::vector<uint8_t> hello_nonce() const {
-    const auto hello = read_frame();
-    detail::Reader r(hello.data(), hello.size());
-    r.head();
-    r.str();   // magic
-    r.view();  // whether a secret is required
-    return r.blob();
-  }
-  // Whether the server closed the connection within `within` (reading and dropping what it sent).
-  bool closed_within(Millis within) const {
-    const auto end = std::chrono::steady_clock::now() + within;
-    uint8_t buf[4096];
-    while (std::chrono::steady_clock::now() < end) {
-      pollfd p{fd, POLLIN, 0};
-      if (poll(&p, 1, 20) <= 0) continue;
-      const ssize_t n = recv(fd, buf, sizeof buf, 0);
-      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return true;
-    }
-    return false;
-  }
-};
-
-std::vector<uint8_t> auth_frame(const std::vector<uint8_t>& nonce, const std::vector<uint8_t>& mac) {
-  return Writer(uint8_t(Op::kAuth)).blob(nonce).blob(mac).frame();
-}
-
-// AddressSanitizer keeps freed blocks in quarantine (256 MiB by default): memory bounds there are
-// looser, yet still far below what an unbounded server holds (800 MiB in the test of replies).
-#if defined(__SANITIZE_ADDRESS__)
-constexpr double kQuarantineMiB = 300;
-#else
-constexpr double kQuarantineMiB = 0;
-#endif
-
-// Resident memory of this process, in MiB.
-double rss_mib() {
-  std::ifstream f("/proc/self/status");
-  std::string k;
-  while (f >> k)
-    if (k == "VmRSS:") {
-      double kb;
-      f >> kb;
-      return kb / 1024;
-    }
-  return 0;
-}
 
 // What a ForkedServer's process may use.
 struct ChildLimits {
@@ -369,15 +276,28 @@ TEST(StoreLimits, RepliesThatDoNotDrainStopTheReadingNotTheServer) {
   EXPECT_EQ(to_string(good.get("k", 1000ms)), "v");
 }
 
-TEST(StoreLimits, ConnectionsPastTheCapAreRefusedInOneLine) {
+// Past the cap, a client retries until its connect timeout, as it does a refused connect: it gets in
+// once a slot frees, and else fails in one line that names the limit.
+TEST(StoreLimits, ConnectionsPastTheCapAreRetriedThenRefusedInOneLine) {
   ServerLimits limits;
   limits.max_connections = 3;
   StoreServer server("127.0.0.1", 0, "", limits);
-  StoreClient a("127.0.0.1", server.port(), kConnect), b("127.0.0.1", server.port(), kConnect),
-      c("127.0.0.1", server.port(), kConnect);
-  const std::string msg = error_of([&] { StoreClient("127.0.0.1", server.port(), kConnect); });
-  EXPECT_THAT(msg, HasSubstr("serves 3 connections, its limit")) << msg;
-  a.set("still", to_bytes("served"));
+  auto a = std::make_unique<StoreClient>("127.0.0.1", server.port(), kConnect);
+  StoreClient b("127.0.0.1", server.port(), kConnect), c("127.0.0.1", server.port(), kConnect);
+  const std::string msg = error_of([&] { StoreClient("127.0.0.1", server.port(), 500ms); });
+  EXPECT_THAT(msg, HasSubstr("within 0.5s: the store at 127.0.0.1:" + std::to_string(server.port()) +
+                             " serves 3 connections, its limit"))
+      << msg;
+  std::thread leaves([&a] {
+    std::this_thread::sleep_for(300ms);
+    a.reset();
+  });
+  const std::string late = error_of([&] {
+    StoreClient d("127.0.0.1", server.port(), kConnect);
+    d.set("still", to_bytes("served"));
+  });
+  leaves.join();
+  EXPECT_EQ(late, "") << "a client refused for the cap retries until a slot frees";
   EXPECT_TRUE(c.check({"still"}));
 }
 
