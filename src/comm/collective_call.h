@@ -7,9 +7,9 @@
 //                  is sent, so every rank refuses alike and the group stays usable;
 //   4. same:       under DTRAIN_DEBUG=DETAIL every rank makes the same call (comm/debug_check.h);
 //   5. record:     the flight recorder's record of the call (comm/flight_recorder.h);
-//   6. launch:     the backend's c10d op inside a BlockingCallScope (Note [Inline blocking
-//                  collectives]), wrapped in a Work that names the rank and the operation when it
-//                  fails, and waited for unless async_op.
+//   6. launch:     the backend's c10d op inside a BlockingCallScope
+//                  (Note [Inline blocking collectives]), wrapped in a Work that names the rank and
+//                  the operation when it fails, and waited for unless async_op.
 //
 // A step that every collective should take (a profiler range, a NaN check) is one edit here, not
 // one per front end. Example:
