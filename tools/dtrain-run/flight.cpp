@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <stdexcept>
@@ -153,6 +154,7 @@ std::vector<std::string> analysis_report(const std::string& dir, int world_size,
 int run_analyze(int argc, char** argv) {
   std::string dir;
   int world = -1;
+  AnalysisLimits limits;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--analyze" && i + 1 < argc)
@@ -161,9 +163,14 @@ int run_analyze(int argc, char** argv) {
       dir = a.substr(10);
     else if (a == "--world_size" && i + 1 < argc && util::is_digits(argv[i + 1]))
       world = std::atoi(argv[++i]);
+    else if (a == "--time_limit" && i + 1 < argc && util::is_digits(argv[i + 1]) && std::strlen(argv[i + 1]) < 7)
+      limits.seconds = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--memory_limit_mb" && i + 1 < argc && util::is_digits(argv[i + 1]) && std::strlen(argv[i + 1]) < 8)
+      limits.memory_mb = std::max<uint64_t>(16, std::strtoull(argv[++i], nullptr, 10));
     else {
       std::fprintf(stderr,
-                   "dtrain-run: --analyze: unexpected argument '%s': use dtrain-run --analyze DIR [--world_size N]\n",
+                   "dtrain-run: --analyze: unexpected argument '%s': use dtrain-run --analyze DIR [--world_size N] "
+                   "[--time_limit S] [--memory_limit_mb M]\n",
                    a.c_str());
       return 2;
     }
@@ -174,8 +181,14 @@ int run_analyze(int argc, char** argv) {
                  "files)\n");
     return 2;
   }
+  // Ctrl-C stops the analysis as it stops a job's (see Note [Bounded flight analysis]): held pending
+  // while the child runs, then taken with its default action.
+  sigset_t stop;
+  sigemptyset(&stop);
+  for (int s : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stop, s);
+  sigprocmask(SIG_BLOCK, &stop, nullptr);
   try {
-    auto lines = analysis_report(dir, world, /*only_findings=*/false);
+    auto lines = bounded_analysis_report(dir, world, /*only_findings=*/false, limits);
     if (lines.empty()) {
       std::fprintf(
           stderr,
@@ -187,6 +200,7 @@ int run_analyze(int argc, char** argv) {
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dtrain-run: %s\n", e.what());
+    sigprocmask(SIG_UNBLOCK, &stop, nullptr);  // a pending signal ends the launcher as it would have
     return 1;
   }
 }

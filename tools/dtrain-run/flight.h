@@ -15,6 +15,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <utility>
@@ -47,7 +48,25 @@ bool has_records(const std::string& dir);
 // records, or with only_findings when the analysis found nothing wrong).
 std::vector<std::string> analysis_report(const std::string& dir, int world_size, bool only_findings);
 
-// `dtrain-run --analyze DIR`: prints the report; returns the exit code (2 on bad usage).
+// What the analysis of records from elsewhere may take (see Note [Bounded flight analysis]): far more
+// than real records need (a rank's record of 2000 calls is analysed in milliseconds and a few MiB).
+struct AnalysisLimits {
+  int seconds = 30;
+  uint64_t memory_mb = 2048;
+};
+
+// analysis_report in a child process within `limits`; SIGINT, SIGTERM or SIGHUP pending (blocked
+// by the caller, or arriving) stop it and stay pending. Throws std::runtime_error naming the limit
+// it passed ("... stopped at its time limit of 30 s ...") or why it failed.
+//   auto lines = bounded_analysis_report("/tmp/run/attempt_0/flight", 4, true, AnalysisLimits{});
+std::vector<std::string> bounded_analysis_report(const std::string& dir, int world_size, bool only_findings,
+                                                 const AnalysisLimits& limits);
+
+// `dtrain-run --analyze DIR [--world_size N] [--time_limit S] [--memory_limit_mb M]`: prints the
+// report; returns the exit code (2 on bad usage).
 int run_analyze(int argc, char** argv);
+// `dtrain-run --analyze-child DIR WORLD ONLY_FINDINGS MEMORY_MB`: the child of
+// bounded_analysis_report (its lines on stdout; exit 1 with the error line, 3 out of memory).
+int run_analyze_child(int argc, char** argv);
 
 }  // namespace dtrain::run

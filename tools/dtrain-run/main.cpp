@@ -359,6 +359,7 @@ int run_elastic(const LaunchOptions& given) {
 
 int main(int argc, char** argv) {
   // `dtrain-run --analyze DIR`: the flight records' analysis alone (flight.h), no job.
+  if (argc >= 2 && std::string(argv[1]) == "--analyze-child") return run_analyze_child(argc, argv);
   if (argc >= 2 && std::string(argv[1]).rfind("--analyze", 0) == 0) return run_analyze(argc, argv);
   LaunchOptions options;
   try {  // 1.

@@ -374,7 +374,8 @@ void Supervisor::report_flight_records() {
       dtrain::store::ScopedTimeout quick(rdzv_->client(), std::chrono::seconds(3));
       gather_dumps(rdzv_->client(), attempt_, flight_dir_, world);
     }
-    for (const auto& line : analysis_report(flight_dir_, world, /*only_findings=*/true))
+    // Node 0 analyses records other nodes sent: bounded (see Note [Bounded flight analysis]).
+    for (const auto& line : bounded_analysis_report(flight_dir_, world, /*only_findings=*/true, AnalysisLimits{}))
       std::fprintf(stderr, "dtrain-run: %s\n", line.c_str());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dtrain-run: the flight records in %s could not be analysed: %s\n", flight_dir_.c_str(),
