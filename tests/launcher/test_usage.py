@@ -58,6 +58,17 @@ class UsageTest(unittest.TestCase):
         self.bad(["--standalone", "--nnodes", "2", "true"], "--standalone", "--nnodes")
         for addr in ("0.0.0.0", "::", "[::]", "0"):
             self.bad(["--master_addr", addr, "true"], f"--master_addr {addr} is the wildcard address", "127.0.0.1")
+        # Every form that names the master: the pod's environment, torchrun's PET_ variables, an srun step.
+        for addr in ("0.0.0.0", "::"):
+            pod = clean_env(WORLD_SIZE="2", RANK="0", MASTER_ADDR=addr, MASTER_PORT=str(free_port()))
+            self.bad(["true"], f"MASTER_ADDR (a Kubeflow PyTorchJob pod's) {addr} is the wildcard address",
+                     "127.0.0.1", env=pod)
+            self.bad(["true"], f"--master_addr {addr} is the wildcard address", f"PET_MASTER_ADDR={addr}",
+                     env=clean_env(PET_NNODES="2", PET_MASTER_ADDR=addr))
+            step = clean_env(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="0",
+                             SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_STEP_TASKS_PER_NODE="2", SLURM_NTASKS="2",
+                             SLURM_STEP_NODELIST="localhost", MASTER_ADDR=addr, MASTER_PORT=str(free_port()))
+            self.bad(["true"], f"this srun step's MASTER_ADDR {addr} is the wildcard address", env=step)
 
     def test_torchrun_flags_dtrain_run_does_not_take(self):
         # -m: dtrain-run starts programs; the line says why and what to write instead.

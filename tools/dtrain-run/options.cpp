@@ -376,6 +376,16 @@ void apply_placement(const CLI::App& app, Given& g, LaunchOptions& o) {
     o.master_addr = "127.0.0.1";
     o.master_port = 0;  // the store binds a free port
   }
+  // The address the store binds, whichever form gave it: the flags are checked as they are read,
+  // the pod's MASTER_ADDR and the srun step's only here.
+  if (util::is_wildcard_address(o.master_addr)) {
+    const std::string from = !o.slurm_note.empty()    ? "this srun step's MASTER_ADDR"
+                             : !o.launch_note.empty() ? "MASTER_ADDR (a Kubeflow PyTorchJob pod's)"
+                                                      : "the master address";
+    throw UsageError(from + " " + o.master_addr +
+                     " is the wildcard address, not node 0's: the store would listen on every network this "
+                     "machine is on; give node 0's own address or host name (127.0.0.1 on one node)");
+  }
 }
 
 }  // namespace
