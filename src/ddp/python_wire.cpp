@@ -24,6 +24,13 @@ int key_of(const at::Tensor& t, std::vector<std::pair<at::ScalarType, at::Device
   return static_cast<int>(keys.size()) - 1;
 }
 
+// What rank 0 sent for the bucket rebuild must be a partition of this rank's `params` parameters.
+void check_rebuild(bool ok, const Group& group, const std::string& what, int64_t params) {
+  DTRAIN_CHECK(ok, "rank ", rank(), ": DistributedDataParallel with Python ranks: group rank 0 (rank ",
+               global_rank_of(group, 0), ") sent a bucket rebuild with ", what, ", not a partition of the ", params,
+               " parameters: run PyTorch's DistributedDataParallel (or dtrain's) over the same model on every rank");
+}
+
 }  // namespace
 
 void verify_params(const std::vector<std::string>& names, const std::vector<at::Tensor>& params, const Group& group) {
@@ -149,15 +156,38 @@ std::vector<std::vector<int>> rebuilt_buckets(const std::vector<at::Tensor>& par
     for (int i : b) ix[k++] = i;
   ix[k] = static_cast<int32_t>(mine.size());
   broadcast(indices, global_rank_of(group, 0), group);
+  // Rank 0's numbers size an allocation and index the parameters: checked before either, as
+  // PyTorch's reducer checks them (a peer that is not DDP, or runs another model, sends anything).
+  const int64_t n = static_cast<int64_t>(params.size());
   const int64_t count = ix[k];
+  check_rebuild(count >= 1 && count <= n, group, "a bucket count of " + std::to_string(count), n);
+  std::vector<bool> seen(params.size(), false);
+  for (int64_t j = 0; j < n; ++j) {
+    const int32_t i = ix[j];
+    check_rebuild(i >= 0 && i < n && !seen[static_cast<size_t>(i)], group,
+                  "parameter index " + std::to_string(i) + " at position " + std::to_string(j) +
+                      (i >= 0 && i < n ? " twice" : ""),
+                  n);
+    seen[static_cast<size_t>(i)] = true;
+  }
   at::Tensor sizes = at::empty({count}, i32);
   for (int64_t b = 0; b < count; ++b)
     sizes.data_ptr<int32_t>()[b] = static_cast<int32_t>(mine[std::min(static_cast<size_t>(b), mine.size() - 1)].size());
   broadcast(sizes, global_rank_of(group, 0), group);
+  const int32_t* size = sizes.data_ptr<int32_t>();
+  int64_t total = 0;
+  for (int64_t b = 0; b < count; ++b) {
+    check_rebuild(
+        size[b] >= 1 && size[b] <= n - total, group,
+        "bucket " + std::to_string(b) + " of " + std::to_string(size[b]) + " parameters after " + std::to_string(total),
+        n);
+    total += size[b];
+  }
+  check_rebuild(total == n, group, "buckets of " + std::to_string(total) + " parameters in all", n);
   std::vector<std::vector<int>> out(static_cast<size_t>(count));
   k = 0;
   for (int64_t b = 0; b < count; ++b)
-    for (int32_t j = 0; j < sizes.data_ptr<int32_t>()[b]; ++j) out[static_cast<size_t>(b)].push_back(ix[k++]);
+    for (int32_t j = 0; j < size[b]; ++j) out[static_cast<size_t>(b)].push_back(ix[k++]);
   return out;
 }
 

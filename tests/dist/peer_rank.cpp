@@ -6,7 +6,9 @@
 //                          Python's (peer_rank.py --ddp CASE), which must then fail promptly:
 //                          hook (a communication hook), deeper (one layer more than Python's),
 //                          wider (a layer of another shape), dtypes (parameters of two dtypes and the
-//                          bucket rebuild), zero_join (a ZeroRedundancyOptimizer listed in a Join)
+//                          bucket rebuild), zero_join (a ZeroRedundancyOptimizer listed in a Join),
+//                          trained (three steps, beside peer_rank.py --hostile_rebuild: a rank 0
+//                          whose bucket rebuild is no partition of the parameters)
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
@@ -68,8 +70,12 @@ void refused_ddp(const std::string& kind) {
     dtrain::Join join({&ddp, &zero});
     ddp(at::ones({2, 4})).sum().backward();  // DDP's rounds pair with Python's Join and DDP
     zero.step();                             // ZeRO's first round of its own: refused
+  } else if (kind == "trained") {
+    // Beside peer_rank.py --hostile_rebuild: its bucket rebuild is refused.
+    dtrain::DistributedDataParallel ddp(torch::nn::Linear(4, 2));
+    for (int step = 0; step < 3; ++step) ddp(at::ones({2, 4})).sum().backward();
   } else {
-    throw std::runtime_error("--ddp takes hook, deeper, wider, dtypes or zero_join, got '" + kind + "'");
+    throw std::runtime_error("--ddp takes hook, deeper, wider, dtypes, zero_join or trained, got '" + kind + "'");
   }
   throw std::runtime_error("--ddp " + kind + ": dtrain accepted what it must refuse");
 }

@@ -33,6 +33,26 @@ class TwoDtypes(torch.nn.Module):
         return self.f(x).sum() + self.d(x.double()).sum().float()
 
 
+if sys.argv[1:2] == ["--hostile_rebuild"]:
+    # A hostile rank 0 beside peer_rank.cpp's `--ddp trained` (DDP over Linear(4, 2): a weight [2, 4]
+    # and a bias [2]): DDP's construction and first backward as Python's DDP makes them, then a bucket
+    # rebuild (sync_bucket_indices: int32 indices and the bucket count, then int32 sizes) that is no
+    # partition of the two parameters. The dtrain rank must refuse it in one line.
+    indices, sizes = {"index": ([5, 0, 1], [2]), "count": ([0, 1, 1 << 30], [1]),
+                      "sizes": ([1, 0, 1], [1 << 30])}[sys.argv[2]]
+    try:
+        dist.all_gather([torch.empty(1, dtype=torch.int64) for _ in range(n)], torch.tensor([2]))
+        dist.broadcast(torch.tensor([2, 4, 4, 1, 2, 1]), 0)
+        dist.broadcast(torch.zeros(10), 0)
+        dist.all_reduce(torch.zeros(10))
+        dist.broadcast(torch.tensor(indices, dtype=torch.int32), 0)
+        dist.broadcast(torch.tensor(sizes, dtype=torch.int32), 0)
+        print("peer_rank: hostile rebuild sent", flush=True)
+    except Exception as e:  # noqa: BLE001: whichever error Gloo raises for a peer that left
+        print(f"peer_rank: hostile rebuild failed: {type(e).__name__}", flush=True)
+        sys.exit(3)
+    sys.exit(0)
+
 if sys.argv[1:2] == ["--ddp"]:
     # The dtrain rank refuses its DDP in one line (peer_rank.cpp's cases) and leaves: Python's DDP
     # must fail promptly, not wait for it.

@@ -122,6 +122,27 @@ class PytorchPeers(DistTestCase):
     def test_a_zero_optimizer_in_a_join_is_refused(self):
         self.refused("zero_join", "dtrain::Join: joinable #1 starts rounds of its own")
 
+    @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
+    def test_a_hostile_rank_0s_bucket_rebuild_is_refused(self):
+        """peer_rank.py --hostile_rebuild KIND as rank 0 sends DDP's calls with a bucket rebuild that is
+        no partition of the parameters; the dtrain rank checks every index and size before using one."""
+        cxx = peer_rank()
+        for kind, line in [("index", "parameter index 5 at position 0"),
+                           ("count", "a bucket count of 1073741824"),
+                           ("sizes", "bucket 0 of 1073741824 parameters after 0")]:
+            with self.subTest(kind=kind):
+                py = [needs(VENV_PYTHON, ".venv/bin/python"), os.path.join(HERE, "peer_rank.py"), "--hostile_rebuild",
+                      kind]
+                port = free_port()
+                procs = [self.spawn(argv, rank_env(r, 2, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=2, PYTHONPATH=None))
+                         for r, argv in enumerate([py, [cxx, "--ddp", "trained"]])]
+                python, dtrain = [p.finish(60) for p in procs]
+                self.assertEqual(dtrain.rc, 1, str(dtrain))
+                self.assertIn("rank 1: DistributedDataParallel with Python ranks: group rank 0 (rank 0) sent a "
+                              f"bucket rebuild with {line}, not a partition of the 2 parameters", dtrain.err)
+                self.assertEqual(len(dtrain.err.strip().splitlines()), 1, str(dtrain))
+                self.assertLess(python.seconds, 30, str(python))
+
     @unittest.skipUnless(0 < TORCH_MAJOR < 2, "a LibTorch 2.x build joins Python ranks (tested above)")
     def test_libtorch_1_refuses_with_the_remedy(self):
         cxx = peer_rank()
