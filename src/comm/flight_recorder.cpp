@@ -35,6 +35,7 @@
 #include <chrono>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -99,6 +100,7 @@ struct Recorder {
   std::vector<std::weak_ptr<FlightRing>> rings;
   std::mutex dump_mu;  // one dump at a time
   std::string dir;
+  bool default_dir = false;  // dir is the fixed name in /tmp (no DTRAIN_FLIGHT_DIR)
   bool watchdog_started = false;
 };
 Recorder& rec() {
@@ -380,11 +382,13 @@ json build_dump(const std::string& reason) {
             {"pid", static_cast<int64_t>(getpid())}}}};
 }
 
-// Writes `bytes` to `path` whole: into a file beside it, then renamed over it.
+// Writes `bytes` to `path` whole: into a new file beside it (mkostemp: O_EXCL, so that nothing
+// planted there, a link or a FIFO that would block the rank, is opened), then renamed over it.
 bool write_whole(const std::string& path, const std::string& bytes, std::string& err) {
-  const std::string tmp = path + ".tmp" + std::to_string(getpid());
-  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
+  std::string tmp = path + ".tmpXXXXXX";
+  const int fd = mkostemp(tmp.data(), O_CLOEXEC);
   if (fd < 0) return err = "cannot create " + tmp + ": " + std::strerror(errno), false;
+  fchmod(fd, 0644);  // readable as the other files of the folder (mkostemp makes 0600)
   size_t done = 0;
   while (done < bytes.size()) {
     const ssize_t n = write(fd, bytes.data() + done, bytes.size() - done);
@@ -412,6 +416,8 @@ std::string dump_flight_record(const std::string& reason) {
   std::string path;
   try {
     const std::string& dir = rec().dir;
+    if (rec().default_dir)  // a fixed name in /tmp: see make_own_folder
+      util::make_own_folder(dir, "the flight-record folder", "set DTRAIN_FLIGHT_DIR to a folder of your own");
     if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
       err = "cannot create " + dir + ": " + std::strerror(errno);
     } else {
@@ -474,6 +480,7 @@ void start_flight_recorder(int rank, int world_size) {
   {
     std::lock_guard<std::mutex> g(r.dump_mu);
     r.dir = dir ? *dir : "/tmp/dtrain-flight-" + std::to_string(geteuid());
+    r.default_dir = !dir;
   }
   if (r.capacity == 0) return;
   struct sigaction old {};

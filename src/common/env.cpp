@@ -70,8 +70,9 @@ std::vector<Knob> make_table() {
           "while one is pending (from 10^9 s on, never)."),
       row("DTRAIN_FLIGHT_DIR", R::kLibrary, Type::kText, "", "a folder this user can write", "",
           "Where each rank writes its flight record `dtrain_trace_rank_<rank>` (set by dtrain-run: "
-          "`attempt_<k>/flight` in the run's log folder, or in a temporary folder without `--log_dir`). Unset: "
-          "`/tmp/dtrain-flight-<uid>`."),
+          "`attempt_<k>/flight` in the run's log folder, or without `--log_dir` in a temporary folder under "
+          "`TMPDIR`, removed at exit unless it holds a record). Unset: `/tmp/dtrain-flight-<uid>`, used only as "
+          "this user's own folder (not a link, writable by no one else)."),
       choice_row("DTRAIN_SHM", R::kLibrary, {"auto", "0", "1"}, "auto",
                  "0 (Gloo only), 1 (require shared memory) or leave it unset (shared memory where ranks "
                  "share a host)",
@@ -196,7 +197,8 @@ std::vector<Knob> make_table() {
               "The default of `--no_python` (a non-zero integer: on), as torchrun reads it; the flag wins."),
       pet_row("PET_MODULE", "torchrun's `-m`: a non-zero integer is refused, as `-m` is."),
       row("TMPDIR", R::kLauncher, Type::kText, "/tmp", "a folder", "",
-          "Where `--tee`/`--redirects` without `--log_dir` make the log folder, as torchrun does."),
+          "Where `--tee`/`--redirects` without `--log_dir` make the log folder, as torchrun does, and where "
+          "the workers' flight records go without `--log_dir`."),
       row("CUDA_VISIBLE_DEVICES", R::kLauncher, Type::kText, "", "device numbers or UUIDs, comma-separated", "",
           "The GPUs `--nproc_per_node gpu` and `auto` count (CUDA stops at the first entry that is not one)."),
       // Set by dtrain-run for the program; dtrain reads neither.

@@ -3,12 +3,14 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -24,6 +26,24 @@ std::string read_file(const std::string& path, const std::string& what) {
   os << f.rdbuf();
   DTRAIN_CHECK(!f.bad(), "cannot read ", what, " ", path, ": ", std::strerror(errno));
   return os.str();
+}
+
+void make_own_folder(const std::string& path, const std::string& what, const std::string& remedy) {
+  if (mkdir(path.c_str(), 0755) != 0 && errno != EEXIST)
+    DTRAIN_CHECK(false, "cannot create ", what, " ", path, ": ", std::strerror(errno), ": ", remedy);
+  struct stat sb {};
+  DTRAIN_CHECK(lstat(path.c_str(), &sb) == 0, "cannot inspect ", what, " ", path, ": ", std::strerror(errno), ": ",
+               remedy);
+  const bool folder = S_ISDIR(sb.st_mode), own = sb.st_uid == geteuid(), shared = (sb.st_mode & 022) != 0;
+  if (folder && own && !shared) return;
+  char mode[8];
+  std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(sb.st_mode & 07777));
+  std::string why = std::string("mode ") + mode + ": others may write in it";
+  if (!folder)
+    why = S_ISLNK(sb.st_mode) ? "a symbolic link" : "not a folder";
+  else if (!own)
+    why = "owner uid " + std::to_string(sb.st_uid) + ", not " + std::to_string(geteuid());
+  DTRAIN_CHECK(false, what, " ", path, " is not this user's own folder (", why, "): remove it, or ", remedy);
 }
 
 int64_t now_ns() {

@@ -14,6 +14,14 @@ namespace dtrain::util {
 // "cannot read ...").
 std::string read_file(const std::string& path, const std::string& what = "file");
 
+// `path` as a folder of this user's own, made (mode 0755) if missing, for a fixed name in a folder
+// every user shares (/tmp/dtrain-flight-<uid>): another user who made that name first, or planted a
+// link there, would otherwise receive what this process writes, or block it with a FIFO. Throws
+// dtrain::Error "<what> <path> is not this user's own folder (...): remove it, or <remedy>" unless
+// it is a folder, not a link, owned by this user and writable by no one else.
+//   util::make_own_folder("/tmp/dtrain-flight-1000", "the flight-record folder", "set DTRAIN_FLIGHT_DIR");
+void make_own_folder(const std::string& path, const std::string& what, const std::string& remedy);
+
 // Nanoseconds on the monotonic clock (std::chrono::steady_clock): for intervals and ordering within a
 // process, not comparable between machines.
 int64_t now_ns();

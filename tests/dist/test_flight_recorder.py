@@ -250,6 +250,35 @@ class OneHost(FlightTestCase):
         self.assertEqual(bad.rc, 1, str(bad))
         self.assertRegex(bad.err, r"^dtrain-run: cannot read the folder '.*nowhere' of flight records: pass the folder")
 
+    def test_a_fifo_planted_beside_the_record_does_not_block_the_dump(self):
+        """The record is written into a new file beside it (O_EXCL), then renamed: a FIFO planted at the
+        name the file once had (<record>.tmp<pid>) would have blocked the dump, and a failed rank's
+        exit with it."""
+        flight = os.path.join(self.tmp, "flight")
+        os.mkdir(flight)
+        argv = [launcher(), "--nproc_per_node", 1, "--master_port", free_port(), program(), "--fault", "none",
+                "--steps", 1000000]
+        job = self.spawn(argv, clean_env(DTRAIN_FLIGHT_DIR=flight))
+        try:
+            deadline = time.monotonic() + 60
+            while not (self.worker_pids(job.pid) and catches_sigusr1(self.worker_pids(job.pid)[0])):
+                if time.monotonic() > deadline or job.p.poll() is not None:
+                    self.fail(f"the worker did not get to init_process_group:\n{job.finish(0)}")
+                time.sleep(0.05)
+            worker = self.worker_pids(job.pid)[0]
+            record = os.path.join(flight, "dtrain_trace_rank_0")
+            os.mkfifo(f"{record}.tmp{worker}")
+            os.kill(worker, signal.SIGUSR1)
+            deadline = time.monotonic() + 20
+            while not os.path.exists(record) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertTrue(os.path.exists(record), "the planted FIFO blocked the dump")
+            with open(record, "rb") as f:  # not read_dumps: its pattern matches the FIFO, which blocks a reader
+                self.assertEqual(pickle.load(f)["dtrain"]["reason"], "SIGUSR1")
+        finally:
+            os.kill(job.pid, signal.SIGTERM)
+            job.finish(30)
+
     def test_a_bad_knob_is_one_line_naming_the_value_and_the_remedy(self):
         for var, value, allowed in [("DTRAIN_FLIGHT_ENTRIES", "-1", "an integer from 0 to 1000000: use 0 to turn "
                                      "the flight recorder off"),

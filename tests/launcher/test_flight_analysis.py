@@ -1,7 +1,9 @@
 """dtrain-run's analysis of flight records from elsewhere (see Note [Bounded flight analysis]): records
 node 0 gets from other nodes, and `dtrain-run --analyze DIR` of a folder collected elsewhere, are
 analysed in a child process with a time and a memory limit, and a signal stops it. Each record here
-is within the pickle reader's budget (Note [Pickle budget]) and hostile all the same.
+is within the pickle reader's budget (Note [Pickle budget]) and hostile all the same. And the
+temporary folder a launcher without --log_dir gives its workers for their records is removed at its
+exit unless a worker wrote into it.
 """
 import os
 import pickle
@@ -10,7 +12,7 @@ import tempfile
 import time
 import unittest
 
-from launcher_common import proc_util, require_launcher, run, start, wait_until
+from launcher_common import PY, clean_env, proc_util, require_launcher, run, start, wait_until
 
 
 def write_record(folder, value):
@@ -72,6 +74,36 @@ class BoundedAnalysis(unittest.TestCase):
         self.assertEqual(p.returncode, -signal.SIGTERM, err)
         self.assertIn("stopped: a signal interrupted it", err)
         self.assertFalse(proc_util.alive(child[0]), "the analysis' child outlived the launcher")
+
+
+
+class TemporaryFlightFolder(unittest.TestCase):
+    def setUp(self):
+        require_launcher(self)
+        self.tmp = tempfile.TemporaryDirectory(prefix="dtrain-flight-folder-")
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def left(self):
+        return [n for n in os.listdir(self.tmp.name) if n.startswith("dtrain-run-flight-")]
+
+    def test_an_empty_one_is_removed_and_one_with_a_record_kept(self):
+        for worker, rc in ([PY, "-c", "pass"], 0), ([PY, "-c", "import sys; sys.exit(3)"], 1):
+            r = run(["--standalone", "--nproc_per_node", 2] + worker, env=clean_env(TMPDIR=self.tmp.name))
+            self.assertEqual(r.returncode, rc, r.stderr)
+            self.assertEqual(self.left(), [], "a launcher left its empty flight folder")
+        # A worker that wrote a record into it, as a rank whose collective failed does: the analysis
+        # names the folder, so it stays.
+        write = ("import os, pickle, sys; d = os.environ['DTRAIN_FLIGHT_DIR']; "
+                 "open(os.path.join(d, 'dtrain_trace_rank_' + os.environ['RANK']), 'wb')"
+                 ".write(pickle.dumps({'rank': int(os.environ['RANK']), 'entries': []}, 2)); sys.exit(3)")
+        r = run(["--standalone", "--nproc_per_node", 1, PY, "-c", write], env=clean_env(TMPDIR=self.tmp.name))
+        self.assertEqual(r.returncode, 1, r.stderr)
+        kept = self.left()
+        self.assertEqual(len(kept), 1, r.stderr)
+        self.assertTrue(os.path.exists(os.path.join(self.tmp.name, kept[0], "attempt_0", "flight",
+                                                    "dtrain_trace_rank_0")))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,16 @@
 // on dumps made by hand: each case is the record a kind of hang or mismatch leaves.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
 
 #include "common/flight_analysis.h"
 #include "common/flight_pickle.h"
+#include "common/util.h"
 
 namespace {
 
@@ -83,6 +90,46 @@ TEST(Pickle, RefusesSharedValuesPastItsBudget) {
   } catch (const std::runtime_error& e) {
     EXPECT_THAT(e.what(), HasSubstr("pickle of 206 bytes shares values past its budget")) << e.what();
   }
+}
+
+// The flight recorder's default folder is a fixed name in /tmp (util::make_own_folder): one that
+// another user could have made first, or planted a link at, is refused, naming what is wrong.
+TEST(FlightFolder, AFixedNameIsUsedOnlyAsThisUsersOwnFolder) {
+  char base[] = "/tmp/dtrain-own-folder-test-XXXXXX";
+  ASSERT_NE(mkdtemp(base), nullptr);
+  const std::string root = base, dir = root + "/flight";
+  const auto refusal = [&](const std::string& path) -> std::string {
+    try {
+      dtrain::util::make_own_folder(path, "the flight-record folder", "set DTRAIN_FLIGHT_DIR");
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_EQ(refusal(dir), "");  // made
+  struct stat sb {};
+  ASSERT_EQ(stat(dir.c_str(), &sb), 0);
+  EXPECT_TRUE(S_ISDIR(sb.st_mode));
+  EXPECT_EQ(refusal(dir), "");  // there already, this user's
+  ASSERT_EQ(chmod(dir.c_str(), 0777), 0);
+  EXPECT_THAT(refusal(dir), HasSubstr("the flight-record folder " + dir +
+                                      " is not this user's own folder (mode 0777: others may write in it): remove "
+                                      "it, or set DTRAIN_FLIGHT_DIR"));
+  const std::string link = root + "/link";
+  ASSERT_EQ(symlink(dir.c_str(), link.c_str()), 0);
+  EXPECT_THAT(refusal(link), HasSubstr("(a symbolic link)"));
+  const std::string file = root + "/file";
+  ASSERT_EQ(close(creat(file.c_str(), 0644)), 0);
+  EXPECT_THAT(refusal(file), HasSubstr("(not a folder)"));
+  if (geteuid() == 0) {  // another owner: root can make one
+    ASSERT_EQ(chmod(dir.c_str(), 0755), 0);
+    ASSERT_EQ(chown(dir.c_str(), 12345, 12345), 0);
+    EXPECT_THAT(refusal(dir), HasSubstr("(owner uid 12345, not 0)"));
+  }
+  unlink(file.c_str());
+  unlink(link.c_str());
+  rmdir(dir.c_str());
+  rmdir(root.c_str());
 }
 
 // A rank's dump in the shape src/comm/flight_recorder.cpp writes (times in seconds for brevity).

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <stdexcept>
 
+#include "common/env.h"
 #include "common/flight_analysis.h"
 #include "common/util.h"
 #include "store/store.h"
@@ -63,17 +64,39 @@ void mkdirs(const std::string& path) {
 
 }  // namespace
 
-std::string make_temp_flight_dir(int attempt) {
+std::string& temp_flight_dir() {
   static std::string temp;  // one per launcher
+  return temp;
+}
+
+std::string make_temp_flight_dir(int attempt) {
+  std::string& temp = temp_flight_dir();
   if (temp.empty()) {
-    char tmpl[] = "/tmp/dtrain-run-flight-XXXXXX";
-    if (!mkdtemp(tmpl))
-      throw std::runtime_error(std::string("cannot create a temporary folder: ") + std::strerror(errno));
+    std::string tmpl = env::text("TMPDIR").value_or("/tmp") + "/dtrain-run-flight-XXXXXX";
+    if (!mkdtemp(tmpl.data()))
+      throw std::runtime_error("cannot create a temporary folder " + tmpl + ": " + std::strerror(errno) +
+                               " (set TMPDIR to a folder you can write, or give --log_dir)");
     temp = tmpl;
   }
   const std::string dir = temp + "/attempt_" + std::to_string(attempt) + "/flight";
   mkdirs(dir);
   return dir;
+}
+
+void remove_temp_flight_dir() {
+  const std::string& temp = temp_flight_dir();
+  if (temp.empty()) return;
+  // rmdir removes empty folders only: a record, or anything else a worker left, keeps its folder.
+  if (DIR* d = opendir(temp.c_str())) {
+    while (dirent* e = readdir(d)) {
+      const std::string name = e->d_name;
+      if (name.rfind("attempt_", 0) != 0) continue;
+      rmdir((temp + "/" + name + "/flight").c_str());
+      rmdir((temp + "/" + name).c_str());
+    }
+    closedir(d);
+  }
+  rmdir(temp.c_str());
 }
 
 void request_dumps(const std::string& dir, const std::vector<std::pair<pid_t, int>>& workers,

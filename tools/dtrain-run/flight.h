@@ -29,8 +29,11 @@ namespace dtrain::run {
 
 // Without --log_dir, the attempt's flight folder (with it: <run's log folder>/attempt_<k>/flight,
 // made by the supervisor as its logs are): attempt_<k>/flight below a temporary folder made once per
-// launcher (mkdtemp; kept after the run: the analysis names it). Created; throws on failure.
+// launcher under TMPDIR (mkdtemp). Created; throws on failure.
 std::string make_temp_flight_dir(int attempt);
+// At the launcher's exit: removes that temporary folder unless a worker wrote something into it (a
+// record, which the analysis names, is kept). Every run without --log_dir made one, and they piled up.
+void remove_temp_flight_dir();
 
 // Step 1-2: (pid, rank) of the live workers; `pump` runs every 50 ms meanwhile (the output pipes).
 void request_dumps(const std::string& dir, const std::vector<std::pair<pid_t, int>>& workers,

@@ -377,6 +377,9 @@ int main(int argc, char** argv) {
       isatty(STDOUT_FILENO) && (!(options.redirects.of(rank0) & kStdOut) || (options.tee.of(rank0) & kStdOut));
   if (!options.slurm_note.empty() && options.node_rank == 0) say(options.slurm_note);
   if (!options.launch_note.empty() && options.node_rank == 0) say(options.launch_note);
+  struct RemoveTempFlightDir {
+    ~RemoveTempFlightDir() { remove_temp_flight_dir(); }
+  } at_exit;
   try {
     prepare_log_dir(options);
     return options.elastic ? run_elastic(options) : run(options);
