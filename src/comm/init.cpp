@@ -83,6 +83,14 @@ std::string local_address_towards(const std::string& host) {
 }
 
 // Step 2: the store this job's ranks share.
+//
+// Note [Open stores]: a store anyone can reach is one anyone can read and write (the ranks' addresses,
+// the rendezvous, a restart's keys), so every mode that hosts one without the job secret says so in
+// one line at start, naming where it listens, whatever else the job prints: rank 0's own store with
+// DTRAIN_JOB_SECRET unset (dtrain-run gives its workers one, so this is a job started without it),
+// and the TCPStore a job with Python ranks needs, which binds every interface and has no
+// authentication at all (PyTorch's protocol: the secret cannot apply, and a set one would otherwise
+// be ignored in silence). Under torchrun, torchrun hosts the store; a set secret is said not to apply.
 c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const LaunchEnv& le, WorldState& st) {
   const std::string& m = o.init_method();
   if (m.rfind("file://", 0) == 0) {
@@ -101,14 +109,31 @@ c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const Launch
   else
     DTRAIN_CHECK(false, "unknown init_method '", m, "': use env://, tcp://host:port or file:///path");
 
+  // dtrain-run gives its workers the job's secret; a job started otherwise may set it itself.
+  const std::optional<std::string> given = env::text(store::kSecretEnv);
+  const bool secret_given = given && !given->empty();
   if (st.pytorch_peers) {
     st.bind_address = local_address_towards(ep.host);
-    st.python_store = connect_pytorch_store(ep, st.rank, st.world_size, st.timeout,
-                                            le.torchelastic_agent_store && !le.dtrain_agent_store);
+    const bool torchrun_hosts = le.torchelastic_agent_store && !le.dtrain_agent_store;
+    st.python_store = connect_pytorch_store(ep, st.rank, st.world_size, st.timeout, torchrun_hosts);
+    // See Note [Open stores]: PyTorch's TCPStore binds every interface and has no authentication.
+    if (st.rank == 0 && !torchrun_hosts)
+      info(
+          detail::cat("dtrain: rank 0 hosts this job's store as Python ranks need it, PyTorch's TCPStore: it "
+                      "listens on every interface (0.0.0.0 and ::, port ",
+                      ep.port, ") with no authentication, ",
+                      secret_given ? "and DTRAIN_JOB_SECRET, which is set, does not apply to it"
+                                   : "which DTRAIN_JOB_SECRET cannot change",
+                      ": anyone who reaches the port can read and change the job's keys; run the job where only "
+                      "its machines reach each other"));
     return st.python_store;
   }
 
   if (le.torchelastic_agent_store && !le.dtrain_agent_store) {
+    if (secret_given && st.rank == 0)  // See Note [Open stores].
+      info(
+          "dtrain: DTRAIN_JOB_SECRET is set, but torchrun hosts this job's store (its TCPStore, with no "
+          "authentication): the secret does not apply; start the job with dtrain-run to use it");
     compat::check_torchrun_store(ep.host, ep.port, st.rank);
     c10d::TCPStoreOptions opts;
     opts.port = ep.port;
@@ -121,10 +146,14 @@ c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const Launch
   DTRAIN_CHECK(!util::is_wildcard_address(ep.host), "rank ", st.rank, ": MASTER_ADDR ", ep.host,
                " is the wildcard address, not rank 0's: the store would listen on every network this machine "
                "is on; give rank 0's own address or host name (127.0.0.1 on one machine)");
-  // dtrain-run gives its workers the job's secret; a job started otherwise may set it itself.
-  const std::optional<std::string> given = env::text(store::kSecretEnv);
-  const std::string secret = given && !given->empty() ? store::check_job_secret(*given, store::kSecretEnv) : "";
+  const std::string secret = secret_given ? store::check_job_secret(*given, store::kSecretEnv) : "";
   if (!le.dtrain_agent_store && st.rank == 0) {
+    // See Note [Open stores].
+    if (secret.empty())
+      info(detail::cat("dtrain: rank 0's store listens on ", ep.host, " port ", ep.port,
+                       " with no job secret (DTRAIN_JOB_SECRET is unset): anyone who reaches that address can "
+                       "read and change the job's keys; set DTRAIN_JOB_SECRET (32 bytes or more, one line) on "
+                       "every rank, or start the job with dtrain-run, which makes one"));
     // Rank 0 binds its own name, which may not resolve yet (a pod's DNS record): it waits as the
     // others' clients do (Note [Names that resolve late] in src/store/resolve.cpp).
     store::resolve_waiting(ep.host, ep.port, st.timeout, "MASTER_ADDR",

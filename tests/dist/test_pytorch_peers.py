@@ -51,6 +51,14 @@ class PytorchPeers(DistTestCase):
                             rank_env(r, world, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=world, PYTHONPATH=None, **env))
                  for r, k in enumerate(kinds)]
         results = [p.finish(120) for p in procs]
+        if kinds[0] == "cxx":  # Note [Open stores]: the dtrain rank 0 that hosts PyTorch's TCPStore says so
+            secret = "and DTRAIN_JOB_SECRET, which is set, does not apply to it" if "DTRAIN_JOB_SECRET" in env else \
+                "which DTRAIN_JOB_SECRET cannot change"
+            self.assertEqual([l for l in results[0].err.splitlines() if "TCPStore" in l],
+                             ["dtrain: rank 0 hosts this job's store as Python ranks need it, PyTorch's TCPStore: it "
+                              f"listens on every interface (0.0.0.0 and ::, port {port}) with no authentication, "
+                              f"{secret}: anyone who reaches the port can read and change the job's keys; run the "
+                              "job where only its machines reach each other"], str(results[0]))
         for r, (kind, res) in enumerate(zip(kinds, results)):
             self.assertEqual(res.rc, 0, f"rank {r} ({kind}) of {kinds}:\n{res}")
             self.assertIn("peer_rank: ALL OK", res.out, f"rank {r} ({kind}):\n{res}")
@@ -69,6 +77,10 @@ class PytorchPeers(DistTestCase):
     @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
     def test_cxx_rank_0_hosts_the_store_for_a_python_rank(self):
         self.run_layout(["cxx", "py"])
+
+    @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
+    def test_a_job_secret_is_said_not_to_apply_to_pytorchs_store(self):
+        self.run_layout(["cxx", "py"], DTRAIN_JOB_SECRET="a-job-secret-of-more-than-32-bytes-0123456789")
 
     @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
     def test_three_ranks_python_first(self):

@@ -125,6 +125,23 @@ class Security(DistTestCase):
         self.assertTrue([s for s in gloo if s[3] == "01"], "no Gloo connection between the ranks was seen")
         return gloo
 
+    def test_an_open_store_says_so_on_rank_0_and_a_secret_closes_it(self):
+        """Note [Open stores]: ranks started without dtrain-run and without DTRAIN_JOB_SECRET run an open
+        store; rank 0, which hosts it, says so in one line naming where it listens."""
+        for secret in (None, "a-job-secret-of-more-than-32-bytes-0123456789"):
+            port = free_port()
+            procs = [self.spawn([hello(), "--timeout_s", 30], rank_env(r, 2, port, DTRAIN_JOB_SECRET=secret))
+                     for r in range(2)]
+            results = [p.finish(60) for p in procs]
+            for res in results:
+                self.assertEqual(res.rc, 0, str(res))
+            said = [[l for l in res.err.splitlines() if "no job secret" in l] for res in results]
+            expected = [f"dtrain: rank 0's store listens on 127.0.0.1 port {port} with no job secret (DTRAIN_JOB_SECRET "
+                        "is unset): anyone who reaches that address can read and change the job's keys; set "
+                        "DTRAIN_JOB_SECRET (32 bytes or more, one line) on every rank, or start the job with "
+                        "dtrain-run, which makes one"]
+            self.assertEqual(said, [expected if secret is None else [], []], "\n".join(map(str, results)))
+
     def test_rank0_store_and_gloo_bind_loopback_only(self):
         port, socks = self.watch_job("127.0.0.1")
         # Every socket the ranks opened (store, store clients, Gloo listeners and pairs): loopback.
