@@ -218,12 +218,14 @@ void restore_all(torch::serialize::InputArchive& a, TrainingState& st, const std
   }
   const int64_t world = read_int(a, "world_size");
   DTRAIN_CHECK(world >= 1, "checkpoint ", file, " has world_size ", world);
-  std::vector<std::string> packs(static_cast<size_t>(world));
+  // The file's number sizes nothing: the ranks' states are read while there are, so a damaged or
+  // hostile world_size costs no more than the states the file holds.
+  std::vector<std::string> packs;
   for (int64_t r = 0; r < world; ++r) {
     at::Tensor pack;
     DTRAIN_CHECK(a.try_read("rank_state_" + std::to_string(r), pack, /*is_buffer=*/true), "checkpoint ", file,
-                 " lacks the state of rank ", r);
-    packs[r] = tensor_bytes(pack);
+                 " lacks the state of rank ", r, " of its world_size ", world);
+    packs.push_back(tensor_bytes(pack));
   }
 
   const bool sharded = ckpt::is_sharded_archive(a);

@@ -1,5 +1,6 @@
 #include "common/util.h"
 
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -44,6 +45,18 @@ void make_own_folder(const std::string& path, const std::string& what, const std
   else if (!own)
     why = "owner uid " + std::to_string(sb.st_uid) + ", not " + std::to_string(geteuid());
   DTRAIN_CHECK(false, what, " ", path, " is not this user's own folder (", why, "): remove it, or ", remedy);
+}
+
+std::FILE* create_file(const std::string& path) {
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0) return nullptr;
+  std::FILE* f = fdopen(fd, "wb");
+  if (!f) {
+    const int err = errno;
+    close(fd);
+    errno = err;
+  }
+  return f;
 }
 
 int64_t now_ns() {

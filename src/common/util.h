@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,13 @@ std::string read_file(const std::string& path, const std::string& what = "file")
 // it is a folder, not a link, owned by this user and writable by no one else.
 //   util::make_own_folder("/tmp/dtrain-flight-1000", "the flight-record folder", "set DTRAIN_FLIGHT_DIR");
 void make_own_folder(const std::string& path, const std::string& what, const std::string& remedy);
+
+// fopen(path, "wb") that never writes through a symbolic link: a link planted at the name (in an
+// output folder others can write) would otherwise send what this process writes to wherever it
+// points. Created with mode 0644 (less the umask) or truncated; nullptr with errno set on failure
+// (ELOOP for a link).
+//   std::FILE* f = util::create_file(dir + "/metrics.jsonl");
+std::FILE* create_file(const std::string& path);
 
 // Nanoseconds on the monotonic clock (std::chrono::steady_clock): for intervals and ordering within a
 // process, not comparable between machines.

@@ -101,10 +101,11 @@ RankStat rank_stat(const std::vector<double>& v) {
 }
 
 void write_text(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  f << text;
-  f.close();
-  DTRAIN_CHECK(f, "Monitor: cannot write ", path, ": ", std::strerror(errno), ": check output_dir");
+  std::FILE* f = util::create_file(path);  // never through a link planted at the name
+  const bool written = f && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  const int err = errno;
+  const bool closed = f && std::fclose(f) == 0;
+  DTRAIN_CHECK(written && closed, "Monitor: cannot write ", path, ": ", std::strerror(err), ": check output_dir");
 }
 
 }  // namespace
@@ -194,12 +195,12 @@ Monitor::Monitor(MonitorOptions options)
     DTRAIN_CHECK(!ec && std::filesystem::is_directory(s.o.output_dir()), "MonitorOptions: output_dir ",
                  s.o.output_dir(), " cannot be created: ", ec ? ec.message() : "not a folder");
     if (s.rank == 0) {
-      s.metrics_file = std::fopen(s.path("metrics.jsonl").c_str(), "w");
+      s.metrics_file = util::create_file(s.path("metrics.jsonl"));
       DTRAIN_CHECK(s.metrics_file, "Monitor: cannot create ", s.path("metrics.jsonl"), ": ", std::strerror(errno));
     }
     if (s.o.per_rank_metrics()) {
       const std::string p = s.path("metrics_rank" + std::to_string(s.rank) + ".jsonl");
-      s.rank_file = std::fopen(p.c_str(), "w");
+      s.rank_file = util::create_file(p);
       DTRAIN_CHECK(s.rank_file, "Monitor: cannot create ", p, ": ", std::strerror(errno));
     }
     if (s.o.tensorboard() && s.rank == 0)

@@ -4,13 +4,14 @@
 #include <chrono>
 #include <cstring>
 
+#include "common/util.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::monitor {
 
 Timeline::Timeline(std::string part_path, int rank, int64_t t0_ns)
     : path_(std::move(part_path)), rank_(rank), t0_ns_(t0_ns) {
-  file_ = std::fopen(path_.c_str(), "w");
+  file_ = util::create_file(path_);  // never through a link planted at the name
   DTRAIN_CHECK(file_, "Monitor: cannot create the trace file ", path_, ": ", std::strerror(errno),
                ": check output_dir");
   pending_.reserve(512);

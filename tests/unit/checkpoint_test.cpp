@@ -17,7 +17,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
+#include "checkpoint/frame.h"
 #include "dtrain/amp.h"
 #include "dtrain/errors.h"
 #include "dtrain/sampler.h"
@@ -78,6 +80,22 @@ class Checkpoint : public ::testing::Test {
   }
   std::string dir;
 };
+
+// A file's world_size sized the ranks' states before any was read: 2^40 of them for a file of a
+// few hundred bytes. The states are read while there are, so the number costs nothing itself.
+TEST_F(Checkpoint, AWorldSizeBeyondTheFileAllocatesNothing) {
+  torch::serialize::OutputArchive a;
+  a.write("version", c10::IValue(int64_t{1}));
+  a.write("world_size", c10::IValue(int64_t{1} << 40));
+  std::ostringstream os;
+  a.save_to(os);
+  fs::create_directories(dir);
+  const std::string path = dir + "/hostile.ckpt";
+  std::ofstream(path, std::ios::binary) << dtrain::ckpt::frame(os.str(), 1);
+  dtrain::TrainingState st;
+  EXPECT_THAT(error_of([&] { dtrain::load_checkpoint(path, st); }),
+              HasSubstr("lacks the state of rank 0 of its world_size 1099511627776"));
+}
 
 TEST_F(Checkpoint, RoundTripContinuesExactly) {
   torch::manual_seed(1);

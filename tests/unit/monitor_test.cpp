@@ -260,6 +260,28 @@ TEST(Plot, OneWindowShowsItsPointOverTheStepsRun) {
   EXPECT_GE(count(svg, "<line "), 8);
 }
 
+// The files a Monitor writes are created, never opened through a link planted at their names (an
+// output folder others can write): the link's target is left alone and the error names the file.
+TEST(Monitor, ALinkAtAnOutputFileIsNotFollowed) {
+  const fs::path dir = fs::temp_directory_path() / ("dtrain_monitor_link_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const fs::path target = dir / "target";
+  std::ofstream(target) << "keep";
+  fs::create_symlink(target, dir / "metrics.jsonl");
+  EXPECT_THAT(error_of([&] { Monitor m(MonitorOptions().output_dir(dir.string())); }),
+              HasSubstr("Monitor: cannot create " + (dir / "metrics.jsonl").string() +
+                        ": Too many levels of symbolic links"));
+  EXPECT_EQ(read_file(target.string()), "keep");
+  // The trace file and the TensorBoard events are created the same way (util::create_file).
+  fs::remove(dir / "metrics.jsonl");
+  fs::create_symlink(target, dir / "trace_rank0.part");
+  EXPECT_THAT(error_of([&] { Monitor m(MonitorOptions().output_dir(dir.string()).trace_steps(1)); }),
+              HasSubstr("trace_rank0.part: Too many levels of symbolic links"));
+  EXPECT_EQ(read_file(target.string()), "keep");
+  fs::remove_all(dir);
+}
+
 TEST(Monitor, BadOptionsAreClearErrors) {
   EXPECT_THAT(error_of([] { Monitor m(MonitorOptions().log_every(0)); }), HasSubstr("log_every must be > 0"));
   EXPECT_THAT(error_of([] { Monitor m(MonitorOptions().output_dir("/proc/no/such")); }), HasSubstr("/proc/no/such"));

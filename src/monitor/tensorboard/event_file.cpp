@@ -38,7 +38,7 @@ EventFile::EventFile(std::string dir, EventFileOptions options) : dir_(std::move
                           "; its TensorBoard events are dropped"));
     return;
   }
-  file_ = std::fopen(path_.c_str(), "wb");
+  file_ = util::create_file(path_);  // never through a link planted at the name
   if (!file_) {
     fail("create", errno);
     return;
