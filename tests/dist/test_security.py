@@ -142,6 +142,19 @@ class Security(DistTestCase):
                         "dtrain-run, which makes one"]
             self.assertEqual(said, [expected if secret is None else [], []], "\n".join(map(str, results)))
 
+    def test_a_job_secret_is_said_not_to_apply_to_torchruns_store(self):
+        """Note [Open stores]: under torchrun's store (a Python TCPStore here, with a rank 1 that never
+        comes) a DTRAIN_JOB_SECRET cannot apply, and rank 0 says so instead of ignoring it in silence."""
+        port = free_port()
+        self.spawn_python_store(FAKE_RANK1, port)
+        res = self.run_one([hello(), "--timeout_s", 3],
+                           rank_env(0, 2, port, TORCHELASTIC_USE_AGENT_STORE="True",
+                                    DTRAIN_JOB_SECRET="a-job-secret-of-more-than-32-bytes-0123456789"), timeout=60)
+        self.assertEqual([l for l in res.err.splitlines() if "torchrun hosts" in l],
+                         ["dtrain: DTRAIN_JOB_SECRET is set, but torchrun hosts this job's store (its TCPStore, with "
+                          "no authentication): the secret does not apply; start the job with dtrain-run to use it"],
+                         str(res))
+
     def test_rank0_store_and_gloo_bind_loopback_only(self):
         port, socks = self.watch_job("127.0.0.1")
         # Every socket the ranks opened (store, store clients, Gloo listeners and pairs): loopback.
