@@ -210,6 +210,7 @@ int run_analyze(int argc, char** argv) {
   sigemptyset(&stop);
   for (int s : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stop, s);
   sigprocmask(SIG_BLOCK, &stop, nullptr);
+  int code = 0;
   try {
     auto lines = bounded_analysis_report(dir, world, /*only_findings=*/false, limits);
     if (lines.empty()) {
@@ -217,15 +218,16 @@ int run_analyze(int argc, char** argv) {
           stderr,
           "dtrain-run: no flight records (dtrain_trace_rank_<N>) in %s: pass the folder the ranks wrote them to\n",
           dir.c_str());
-      return 1;
+      code = 1;
     }
     for (const auto& l : lines) std::printf("%s\n", l.c_str());
-    return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dtrain-run: %s\n", e.what());
-    sigprocmask(SIG_UNBLOCK, &stop, nullptr);  // a pending signal ends the launcher as it would have
-    return 1;
+    code = 1;
   }
+  std::fflush(stdout);
+  sigprocmask(SIG_UNBLOCK, &stop, nullptr);  // a pending signal ends the launcher as it would have
+  return code;
 }
 
 }  // namespace dtrain::run
