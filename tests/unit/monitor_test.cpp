@@ -269,9 +269,9 @@ TEST(Monitor, ALinkAtAnOutputFileIsNotFollowed) {
   const fs::path target = dir / "target";
   std::ofstream(target) << "keep";
   fs::create_symlink(target, dir / "metrics.jsonl");
-  EXPECT_THAT(error_of([&] { Monitor m(MonitorOptions().output_dir(dir.string())); }),
-              HasSubstr("Monitor: cannot create " + (dir / "metrics.jsonl").string() +
-                        ": Too many levels of symbolic links"));
+  EXPECT_THAT(
+      error_of([&] { Monitor m(MonitorOptions().output_dir(dir.string())); }),
+      HasSubstr("Monitor: cannot create " + (dir / "metrics.jsonl").string() + ": Too many levels of symbolic links"));
   EXPECT_EQ(read_file(target.string()), "keep");
   // The trace file and the TensorBoard events are created the same way (util::create_file).
   fs::remove(dir / "metrics.jsonl");
