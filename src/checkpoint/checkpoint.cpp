@@ -106,25 +106,24 @@ std::string own_pack(const TrainingState& st) {
   return ckpt::pack_rank_state(st.rng, rs);
 }
 
-// The format version of a main file: 1, unless a sharded model's shard records need 2.
-int version_of(const std::vector<std::string>& shard_records) {
-  return shard_records.empty() ? 1 : ckpt::format_version(shard_records);
-}
+// The format version of a main file: 1, or 4 for a sharded model's (its model in a DCP folder).
+int version_of(bool sharded) { return sharded ? kCheckpointFormatVersion : 1; }
 
 // The payload (a torch archive) of `state`, with the per-rank packs of every rank; for a sharded model,
-// the records of the shard files every rank wrote (Note [Sharded checkpoints]).
+// the record of its DCP folder instead of the model and optimizer (Note [Sharded checkpoints]).
 // `staged`: the model's tensors are copies from it (Note [Asynchronous saves]).
 void fill_archive(torch::serialize::OutputArchive& a, const TrainingState& st,
-                  const std::vector<std::string>& rank_packs, const std::vector<std::string>& shard_records,
+                  const std::vector<std::string>& rank_packs, const std::string& dcp_record,
                   ckpt::StagingPool* staged) {
-  const bool sharded = !shard_records.empty();
-  a.write("version", c10::IValue(static_cast<int64_t>(version_of(shard_records))));
+  const bool sharded = !dcp_record.empty();
+  a.write("version", c10::IValue(static_cast<int64_t>(version_of(sharded))));
   a.write("step", c10::IValue(st.step));
   a.write("epoch", c10::IValue(st.epoch));
   a.write("world_size", c10::IValue(static_cast<int64_t>(rank_packs.size())));
   if (st.model) {
     if (sharded) {
-      ckpt::encode_sharded_model(a, st, shard_records);
+      a.write("dcp", c10::IValue(dcp_record));
+      a.write("dcp_optimizer", c10::IValue(st.optimizer != nullptr));
     } else {
       torch::serialize::OutputArchive m;
       if (staged)
@@ -135,7 +134,7 @@ void fill_archive(torch::serialize::OutputArchive& a, const TrainingState& st,
     }
     a.write("model_manifest", c10::IValue(manifest_text(*st.model)));
   }
-  if (st.optimizer && !sharded) {  // a sharded model's: in each rank's shard file
+  if (st.optimizer && !sharded) {  // a sharded model's: in its DCP folder
     torch::serialize::OutputArchive o;
     st.optimizer->save(o);
     a.write("optimizer", o);
@@ -171,9 +170,9 @@ std::string serialize(torch::serialize::OutputArchive& a) {
 }
 
 std::string encode(const TrainingState& st, const std::vector<std::string>& rank_packs,
-                   const std::vector<std::string>& shard_records = {}) {
+                   const std::string& dcp_record = "") {
   torch::serialize::OutputArchive a;
-  fill_archive(a, st, rank_packs, shard_records, /*staged=*/nullptr);
+  fill_archive(a, st, rank_packs, dcp_record, /*staged=*/nullptr);
   return serialize(a);
 }
 
@@ -193,6 +192,19 @@ void parse(const std::string& payload, torch::serialize::InputArchive& a) {
                " (this dtrain reads versions 1 to ", kCheckpointFormatVersion, ")");
 }
 
+// Why this dtrain does not read a parsed archive ("" when it does): a sharded model saved in the
+// retired format of a shard file per rank (versions 2 and 3, and 1 with shard records), which its
+// dtrain (2026-12-05 and older) still reads and can turn into a whole checkpoint.
+std::string retired_format(torch::serialize::InputArchive& a, const std::string& file) {
+  c10::IValue v, shards;
+  a.try_read("version", v);
+  if (v.toInt() != 2 && v.toInt() != 3 && !a.try_read("shards", shards)) return "";
+  return detail::cat("checkpoint ", file, " holds a sharded model in format version ", v.toInt(),
+                     " (a shard file per rank), which this dtrain no longer reads: load it with a dtrain of "
+                     "2026-12-05 or older into the model without fully_shard or parallelize_module, save that with "
+                     "save_checkpoint, and load the file into this dtrain's model before sharding it");
+}
+
 // Module::load from an archive read onto the CPU, each parameter and buffer then back on the device
 // it was on. Module::load swaps a tensor of another device in with set_data, which keeps its
 // identity: the optimizer's references to the parameters stay valid, and so they do here.
@@ -209,17 +221,22 @@ void load_in_place(torch::nn::Module& model, torch::serialize::InputArchive& arc
 
 // Restores `st` from a parsed archive as this process of rank `my_rank` (Note [Resharded epoch] when
 // the saved world differs).
-void restore_all(torch::serialize::InputArchive& a, TrainingState& st, const std::string& file, int my_rank) {
-  auto sub = [&](const char* key, torch::serialize::InputArchive& out) {
-    DTRAIN_CHECK(a.try_read(key, out), "checkpoint ", file, " holds no ", key,
-                 " state: it was saved without one; leave that member of TrainingState null");
-  };
-  // The model first, checked before anything changes.
+// The checks of restore_all before anything changes: the model's manifest, the members asked for, and
+// every saved rank's pack.
+std::vector<std::string> check_and_read_packs(torch::serialize::InputArchive& a, TrainingState& st,
+                                              const std::string& file) {
   if (st.model) {
     c10::IValue manifest;
     DTRAIN_CHECK(a.try_read("model_manifest", manifest), "checkpoint ", file,
                  " holds no model: it was saved without one; leave TrainingState::model null");
     check_manifest(manifest.toStringRef(), *st.model, file);
+  }
+  c10::IValue in_dcp;
+  if (st.optimizer && a.try_read("dcp_optimizer", in_dcp)) {
+    DTRAIN_CHECK(in_dcp.toBool(), "checkpoint ", file,
+                 " holds no optimizer state: it was saved without one; leave that member of TrainingState null");
+    DTRAIN_CHECK(st.model, "checkpoint ", file,
+                 " keeps the optimizer's state with its sharded model: set TrainingState::model too");
   }
   const int64_t world = read_int(a, "world_size");
   DTRAIN_CHECK(world >= 1, "checkpoint ", file, " has world_size ", world);
@@ -232,10 +249,29 @@ void restore_all(torch::serialize::InputArchive& a, TrainingState& st, const std
                  " lacks the state of rank ", r, " of its world_size ", world);
     packs.push_back(tensor_bytes(pack));
   }
+  return packs;
+}
 
-  const bool sharded = ckpt::is_sharded_archive(a);
+void restore_all(torch::serialize::InputArchive& a, TrainingState& st, const std::string& file, int my_rank) {
+  auto sub = [&](const char* key, torch::serialize::InputArchive& out) {
+    DTRAIN_CHECK(a.try_read(key, out), "checkpoint ", file, " holds no ", key,
+                 " state: it was saved without one; leave that member of TrainingState null");
+  };
+  c10::IValue record;
+  const bool sharded = a.try_read("dcp", record);
+  // The model first, checked before anything changes. A sharded model's load is a collective: a
+  // check failed here is told to every rank there, so that none waits for this one.
+  std::vector<std::string> packs;
+  std::string failure;
+  try {
+    packs = check_and_read_packs(a, st, file);
+  } catch (const std::exception& e) {
+    if (!(sharded && st.model)) throw;
+    failure = util::one_line(e.what());
+  }
+  const auto world = static_cast<int64_t>(packs.size());
   if (st.model && sharded) {
-    ckpt::load_sharded_model(a, st, file);  // the optimizer's state too
+    ckpt::load_sharded(file, record.toStringRef(), st, failure);  // the optimizer's state too
   } else if (st.model) {
     DTRAIN_CHECK(!ckpt::holds_shards(st.model), "checkpoint ", file,
                  " holds a whole model, saved without fully_shard or parallelize_module: load it into the model "
@@ -345,7 +381,7 @@ void write_and_rotate(const std::string& dir, const CheckpointOptions& options, 
     else
       kept.push_back(all[i].path);
   }
-  ckpt::remove_shards_except(dir, options.prefix(), kept, -1);  // theirs, and those of failed saves
+  ckpt::remove_folders_except(dir, options.prefix(), kept);  // theirs, and those of failed saves
 }
 
 // Step 1 of load_latest() on rank 0: the most recent usable write (Note [Write order]). Its outcome
@@ -367,7 +403,12 @@ std::string pick_latest(const std::string& dir, const CheckpointOptions& options
     try {
       std::string f = util::read_file(c.path, "checkpoint file");
       torch::serialize::InputArchive probe;
-      parse(ckpt::unframe(f), probe);  // only checks that it parses
+      parse(ckpt::unframe(f), probe);  // checks that it parses, and that a sharded model's folder is its own
+      // Never a silent fall back past it to an older checkpoint of the same run.
+      if (const std::string retired = retired_format(probe, c.path); !retired.empty()) return "error " + retired;
+      c10::IValue record;
+      if (probe.try_read("dcp", record))
+        if (const std::string why = ckpt::check_folder(c.path, record.toStringRef()); !why.empty()) throw Error(why);
       framed = std::move(f);
       const std::vector<Found> older(files.begin(), files.begin() + (candidates[i] - files.data()));
       if (const Found* later = later_step(older, c.path, c.step))
@@ -392,8 +433,7 @@ std::string pick_latest(const std::string& dir, const CheckpointOptions& options
 void save_checkpoint(const std::string& path, const TrainingState& state) {
   DTRAIN_CHECK(!ckpt::holds_shards(state.model), "save_checkpoint(", path,
                "): the model is sharded (fully_shard or parallelize_module), and this process holds only its "
-               "shards: save it with "
-               "CheckpointManager::save on every rank (each writes its own shard file)");
+               "shards: save it with CheckpointManager::save on every rank (each writes its part of a DCP folder)");
   // Note [Write order]: stamped after the folder's files of the same name pattern, if it has one.
   const fs::path p(path);
   const std::string name = p.filename().string();
@@ -418,6 +458,7 @@ void load_checkpoint(const std::string& path, TrainingState& state) {
   } catch (const Error& e) {
     throw Error("checkpoint " + path + " is unusable: " + e.what());
   }
+  if (const std::string retired = retired_format(a, path); !retired.empty()) throw Error(retired);
   restore(a, state, path, is_initialized() ? rank() : 0);
 }
 
@@ -440,7 +481,6 @@ std::vector<std::string> CheckpointManager::list() const {
 namespace {
 
 int my_rank() { return is_initialized() ? rank() : 0; }
-int my_world() { return is_initialized() ? world_size() : 1; }
 
 // Whether the model is fully_shard'ed, which every rank must agree on: a rank whose model is not
 // would skip the shard files' all-gather that the others wait in (with fully_shard over subgroups,
@@ -457,43 +497,22 @@ bool sharded_everywhere(const TrainingState& st) {
   return mine;
 }
 
-// Save step 2 of a sharded model, on every rank (Note [Sharded checkpoints]): each writes its shard
-// file; the records of all (header line, layout), in rank order. A rank that fails, or ranks that
-// shard different parameters, fail the save on every rank, and each removes the shard it wrote.
-std::vector<std::string> write_shards(const std::string& dir, const std::string& path, const TrainingState& st) {
+// Save step 2 of a sharded model (Note [Sharded checkpoints]): the folder exists on every rank, then
+// every rank writes its part of the model's DCP folder. Throws alike on every rank.
+std::string save_dcp_folder(const std::string& dir, const std::string& path, const TrainingState& st) {
   std::string mine;
   try {
     std::error_code ec;
     fs::create_directories(dir, ec);
     DTRAIN_CHECK(fs::is_directory(dir), "cannot create the checkpoint folder ", dir, ": ",
                  ec ? ec.message() : "a file of that name is in the way", ": choose another folder");
-    mine = "ok " + ckpt::write_own_shard(path, st, my_rank(), my_world());
-  } catch (const c10::Error& e) {
-    mine = "error " + util::one_line(e.what_without_backtrace());
   } catch (const std::exception& e) {
-    mine = "error " + util::one_line(e.what());
+    mine = util::one_line(e.what());
   }
   const std::vector<std::string> all = distributed() ? all_gather_bytes(mine) : std::vector<std::string>{mine};
-  std::vector<std::string> records;
-  for (size_t r = 0; r < all.size(); ++r) {
-    if (all[r].rfind("ok ", 0) == 0) {
-      records.push_back(all[r].substr(3));
-      continue;
-    }
-    std::error_code ec;
-    fs::remove(ckpt::shard_path(path, my_rank(), my_world()), ec);
-    throw Error(r == static_cast<size_t>(my_rank())
-                    ? all[r].substr(6)
-                    : detail::cat("rank ", r, " failed to write its checkpoint shard: ", all[r].substr(6)));
-  }
-  try {
-    ckpt::check_shard_records(records);
-  } catch (...) {
-    std::error_code ec;
-    fs::remove(ckpt::shard_path(path, my_rank(), my_world()), ec);
-    throw;
-  }
-  return records;
+  for (size_t r = 0; r < all.size(); ++r)
+    if (!all[r].empty()) throw Error(static_cast<int>(r) == my_rank() ? all[r] : detail::cat("rank ", r, ": ", all[r]));
+  return ckpt::save_sharded(path, st);
 }
 
 }  // namespace
@@ -560,9 +579,10 @@ std::string CheckpointManager::save_impl(const TrainingState& state, bool backgr
                  "fully_shard already shards the optimizer's state; build a torch::optim optimizer on the shards");
     zero->prepare_for_save(0);
   }
-  const std::vector<std::string> shard_records = sharded ? write_shards(dir_, path, state) : std::vector<std::string>{};
+  // 2. A sharded model's DCP folder, written by every rank before rank 0 writes the main file.
+  const std::string dcp_record = sharded ? save_dcp_folder(dir_, path, state) : std::string();
   std::string error;
-  if (!is_initialized() || rank() == 0) {  // 2.
+  if (!is_initialized() || rank() == 0) {  // 3.
     try {
       std::error_code ec;
       fs::create_directories(dir_, ec);
@@ -571,8 +591,7 @@ std::string CheckpointManager::save_impl(const TrainingState& state, bool backgr
       if (background && !sharded) {
         stage_and_write(path, state, packs);
       } else {
-        write_and_rotate(dir_, options_, path, encode(state, packs, shard_records), state.step,
-                         version_of(shard_records));
+        write_and_rotate(dir_, options_, path, encode(state, packs, dcp_record), state.step, version_of(sharded));
       }
     } catch (const c10::Error& e) {
       error = util::one_line(e.what_without_backtrace());
@@ -580,18 +599,11 @@ std::string CheckpointManager::save_impl(const TrainingState& state, bool backgr
       error = util::one_line(e.what());
     }
   }
-  error = broadcast_string(error);                                         // 3.
+  error = broadcast_string(error);                                         // 4.
   if (background && !sharded && error.empty()) async_outstanding_ = true;  // every rank: told at the next call
   if (!error.empty()) {
-    std::error_code ec;
-    if (sharded) fs::remove(ckpt::shard_path(path, my_rank(), my_world()), ec);
     throw Error(distributed() && rank() != 0 ? "rank 0 failed to save a checkpoint: " + error : error);
   }
-  // Each rank removes its own shard files of the checkpoints rotation removed (rank 0 already did
-  // in a folder they share).
-  if (sharded && distributed())
-    ckpt::remove_shards_except(dir_, options_.prefix(), util::split(broadcast_string(util::join(list(), "\n"))),
-                               rank());
   return path;
 }
 
@@ -599,7 +611,7 @@ void CheckpointManager::stage_and_write(const std::string& path, const TrainingS
                                         const std::vector<std::string>& packs) {
   if (!staging_) staging_ = std::make_unique<ckpt::StagingPool>();
   auto archive = std::make_shared<torch::serialize::OutputArchive>();
-  fill_archive(*archive, state, packs, {}, staging_.get());
+  fill_archive(*archive, state, packs, "", staging_.get());
   std::string payload;  // serialized here when the optimizer's state cannot be staged
   if (state.optimizer && !dynamic_cast<ShardedOptimizerState*>(state.optimizer) &&
       !ckpt::restage_optimizer_state(*state.optimizer, *staging_)) {

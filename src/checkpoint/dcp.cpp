@@ -125,7 +125,8 @@ void save(const StateDict& state_dict, const std::string& dir, const Group& grou
   std::vector<std::vector<PlanItem>> plans;
   for (const std::string& p : all_gather_bytes(detail::encode_plan(plan), group))
     plans.push_back(detail::decode_plan(p));
-  const auto writes = detail::assign_writers(plans);  // the same answer, or the same error, everywhere
+  detail::drop_overlapping_chunks(plans);  // the same answer, or the same error, everywhere
+  const auto writes = detail::assign_writers(plans);
   // 3.
   std::vector<std::pair<size_t, StorageInfo>> written;
   throw_if_any(attempt([&] { written = write_items(state_dict, plan, writes[static_cast<size_t>(me)], dir, me); }),

@@ -127,6 +127,70 @@ std::vector<PlanItem> decode_plan(const std::string& text) {
   return plan;
 }
 
+// Note [Replicas cut unlike]: ranks that hold the same rows need not cut them alike. A model sharded
+// over replica groups of different sizes (on 3 ranks: {0, 1} and {2}) has rank 2 hold a whole
+// weight that ranks 0 and 1 hold in two chunks. DCP's metadata lists chunks that do not overlap, each
+// stored once, so one cut is kept and the others' chunks are neither written nor listed: per key,
+// starting from each distinct chunk in the order of the ranks, the chunks that do not overlap those
+// already taken are added in that order, and the first start whose chunks cover the whole tensor
+// wins. Every rank computes it from the same gathered plans, so all agree. Chunks that are equal or
+// disjoint everywhere (one cut, or replicas cut alike) are left as they are.
+namespace {
+
+using Box = std::pair<Shape, Shape>;  // offsets, sizes
+
+bool disjoint(const Box& a, const Box& b) {
+  for (size_t d = 0; d < a.first.size() && d < b.first.size(); ++d)
+    if (a.first[d] + a.second[d] <= b.first[d] || b.first[d] + b.second[d] <= a.first[d]) return true;
+  return false;
+}
+
+int64_t volume(const Shape& sizes) {
+  int64_t v = 1;
+  for (int64_t s : sizes) v *= s;
+  return v;
+}
+
+// The chunks of one key to keep, from its distinct chunks in rank order.
+std::set<Box> cover(const std::string& key, const std::vector<Box>& boxes, const Shape& whole) {
+  bool clean = true;
+  for (size_t i = 0; i < boxes.size() && clean; ++i)
+    for (size_t j = i + 1; j < boxes.size() && clean; ++j) clean = disjoint(boxes[i], boxes[j]);
+  if (clean) return std::set<Box>(boxes.begin(), boxes.end());
+  for (size_t start = 0; start < boxes.size(); ++start) {
+    std::vector<Box> taken{boxes[start]};
+    int64_t covered = volume(boxes[start].second);
+    for (const Box& b : boxes)
+      if (std::all_of(taken.begin(), taken.end(), [&](const Box& t) { return disjoint(t, b); })) {
+        taken.push_back(b);
+        covered += volume(b.second);
+      }
+    if (covered == volume(whole)) return std::set<Box>(taken.begin(), taken.end());
+  }
+  throw Error("dcp::save: the ranks' chunks of '" + key + "' overlap, and no set of them covers [" + shape_text(whole) +
+              "] once: cut the tensor alike on the ranks that hold the same part of it");
+}
+
+}  // namespace
+
+void drop_overlapping_chunks(std::vector<std::vector<PlanItem>>& plans) {
+  std::map<std::string, std::vector<Box>> boxes;  // distinct, in rank order
+  std::map<std::string, Shape> whole;
+  for (const auto& plan : plans)
+    for (const PlanItem& p : plan) {
+      if (!p.is_tensor) continue;
+      auto& b = boxes[p.fqn];
+      const Box box{p.offsets, p.sizes};
+      if (std::find(b.begin(), b.end(), box) == b.end()) b.push_back(box);
+      whole.emplace(p.fqn, p.global);
+    }
+  std::map<std::string, std::set<Box>> kept;
+  for (const auto& [key, b] : boxes) kept[key] = cover(key, b, whole[key]);
+  for (auto& plan : plans)
+    for (PlanItem& p : plan)
+      if (p.is_tensor) p.dropped = !kept[p.fqn].count(Box{p.offsets, p.sizes});
+}
+
 std::vector<std::vector<size_t>> assign_writers(const std::vector<std::vector<PlanItem>>& plans) {
   // Every item's holders, in the order items first appear (rank order, then each rank's order).
   std::map<std::pair<std::string, std::optional<Shape>>, size_t> slot;
@@ -135,6 +199,7 @@ std::vector<std::vector<size_t>> assign_writers(const std::vector<std::vector<Pl
   for (size_t r = 0; r < plans.size(); ++r) {
     for (size_t k = 0; k < plans[r].size(); ++k) {
       const PlanItem& p = plans[r][k];
+      if (p.dropped) continue;
       auto [it, fresh] = first_of_key.insert({p.fqn, {static_cast<int>(r), &p}});
       const PlanItem& q = *it->second.second;
       DTRAIN_CHECK(fresh || (p.is_tensor == q.is_tensor && p.dtype == q.dtype && p.global == q.global),
@@ -170,6 +235,7 @@ Metadata metadata_of(const std::vector<std::vector<PlanItem>>& plans,
   std::set<std::pair<std::string, Shape>> chunks;
   for (const auto& plan : plans) {
     for (const PlanItem& p : plan) {
+      if (p.dropped) continue;
       m.paths[p.fqn] = p.path;
       if (!p.is_tensor) {
         if (std::find(m.values.begin(), m.values.end(), p.fqn) == m.values.end()) m.values.push_back(p.fqn);

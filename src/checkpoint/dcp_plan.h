@@ -23,7 +23,8 @@ struct PlanItem {
   Shape offsets, sizes;  // tensors: this chunk's
   int64_t bytes = 0;
   Path path;
-  int entry = -1;  // the index of its entry in the rank's own state dict (not sent)
+  int entry = -1;        // the index of its entry in the rank's own state dict (not sent)
+  bool dropped = false;  // a replica's chunk that another cut of the same rows stands for (not sent)
 
   // What identifies a stored item: the key and, for a tensor, the chunk's offsets.
   std::pair<std::string, std::optional<Shape>> id() const {
@@ -34,6 +35,11 @@ struct PlanItem {
 std::vector<PlanItem> plan_of(const StateDict& sd);
 std::string encode_plan(const std::vector<PlanItem>& plan);
 std::vector<PlanItem> decode_plan(const std::string& text);
+
+// Marks `dropped` the chunks that overlap other chunks of the same key without being equal to them
+// (Note [Replicas cut unlike]), keeping a set of chunks that covers each whole tensor once. Throws
+// dtrain::Error naming the key when no such set exists.
+void drop_overlapping_chunks(std::vector<std::vector<PlanItem>>& plans);
 
 // For every rank, the indices into its plan of the items it writes: each item once, by the holder
 // with the fewest bytes so far (ties: the lowest rank), in the order items first appear. Throws

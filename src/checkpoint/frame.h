@@ -10,7 +10,7 @@ namespace dtrain::ckpt {
 
 // The newest format version unframe() reads: dtrain/checkpoint.h's kCheckpointFormatVersion, which
 // this header cannot include (LibTorch); file_io.cpp asserts that the two agree.
-constexpr int kNewestFrameVersion = 3;
+constexpr int kNewestFrameVersion = 4;
 // The header line is at most this long, newline included.
 constexpr size_t kMaxHeaderBytes = 96;
 

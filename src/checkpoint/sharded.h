@@ -1,51 +1,39 @@
-// Checkpoints of fully_shard'ed models: every rank writes its own shards and its optimizer's state
-// for them to a file of its own beside the main file, which rank 0 writes last
-// (Note [Sharded checkpoints] in sharded.cpp; the layout in dtrain/checkpoint.h).
+// Checkpoints of sharded models (fully_shard, parallelize_module, both): the model and optimizer as a
+// DCP folder beside the main file, which rank 0 writes last (Note [Sharded checkpoints] in
+// sharded.cpp; the layout in docs/design.md, "Checkpoint files").
 #pragma once
 
-#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
-
-#include <torch/serialize/archive.h>
 
 #include "dtrain/checkpoint.h"
 
 namespace dtrain::ckpt {
 
-// Whether fully_shard holds any parameter of `model` (null: no).
+// Whether any parameter of `model` is sharded (null: no).
 bool holds_shards(const torch::nn::Module* model);
 // "name dtype [whole shape]" per parameter, then per buffer: a sharded parameter by its whole shape,
 // so that a model sharded over any world (or not at all) has the manifest of its architecture.
 std::vector<std::pair<std::string, std::string>> whole_manifest(const torch::nn::Module& model);
 
-// The file of rank `rank` of `world` beside the main file `main_path`:
-// <prefix>_<step>.shard<rank>-of-<world>.pt.
-std::string shard_path(const std::string& main_path, int rank, int world);
-// Save, on every rank: writes this rank's shard file atomically and returns its record, three lines:
-// the file's header line and layout (the main file records both, so that a load reads the shards of
-// that very save and knows which rows each holds) and a digest of its sharded parameters' names.
-std::string write_own_shard(const std::string& main_path, const TrainingState& st, int rank, int world);
-// Save, on every rank, with every rank's record in rank order: throws (alike on every rank) when the
-// ranks shard different parameters.
-void check_shard_records(const std::vector<std::string>& records);
-// The format version of the main file of a save with these records: 2 when some file does not hold
-// its world rank's rows of the world (sharded over a subgroup), else 1 (Note [Sharded checkpoints]).
-int format_version(const std::vector<std::string>& records);
-// Save, on rank 0: the main file's part for the model (replicated tensors, the shard records).
-void encode_sharded_model(torch::serialize::OutputArchive& a, const TrainingState& st,
-                          const std::vector<std::string>& records);
-// Whether a main file's archive is of a sharded save.
-bool is_sharded_archive(torch::serialize::InputArchive& a);
-// Load, on every rank: reads the shards it needs (by their recorded layouts, the rows of its own on
-// any world and group size, or all of them), checks them, then restores st.model's parameters and
-// buffers and st.optimizer's state.
-// Throws before changing anything when a shard is missing or not of that save.
-// Tensors are read onto the CPU and copied into the model's own (its devices).
-void load_sharded_model(torch::serialize::InputArchive& a, TrainingState& st, const std::string& main_path);
-// Rotation: removes the shard files in `dir` of checkpoints (by `prefix`) that `keep` (main file
-// names) does not hold, for shard rank `rank` (-1: every rank's). Errors are ignored.
-void remove_shards_except(const std::string& dir, const std::string& prefix, const std::vector<std::string>& keep,
-                          int rank);
+// The DCP folder of the checkpoint whose main file is `main_path`: <prefix>_<step>.dcp beside it.
+std::string dcp_folder(const std::string& main_path);
+// Save, on every rank (a collective over the world): the model's and optimizer's state under
+// PyTorch's keys (dcp::get_state_dict) into dcp_folder(main_path). Returns the record the main file
+// keeps of it, the same on every rank: the folder's name and its `.metadata`'s length and CRC-32, so
+// that a load never reads a folder another save rewrote.
+std::string save_sharded(const std::string& main_path, const TrainingState& st);
+// Whether the folder of `main_path` is still the one `record` describes; "" if so, else why not.
+std::string check_folder(const std::string& main_path, const std::string& record);
+// Load, on every rank (collective): fills st.model (sharded or whole) and st.optimizer from the
+// folder, resharded onto this world's layout by DCP's chunks. All or nothing: a failure on any rank
+// throws on every rank before anything changed. `failure`: this rank's failure so far ("" if none),
+// told to every rank here, so that no rank waits in a collective another has left.
+void load_sharded(const std::string& main_path, const std::string& record, TrainingState& st,
+                  const std::string& failure);
+// Rotation, on rank 0: removes every DCP folder in `dir` (by `prefix`) whose main file `keep` does not
+// hold (a rotated checkpoint's, or a failed save's). Errors are ignored.
+void remove_folders_except(const std::string& dir, const std::string& prefix, const std::vector<std::string>& keep);
 
 }  // namespace dtrain::ckpt

@@ -3,7 +3,7 @@
   * --fsdp on 2 ranks ends bit for bit with DDP's parameters (the same params_sha256, as README
     says), with --reshard_after_forward true (ZeRO-3) and false (ZeRO-2), and the ranks agree on the
     whole parameters;
-  * its checkpoints are written by every rank, each its own shard file beside rank 0's main file;
+  * its checkpoints are written by every rank, each its part of a DCP folder beside rank 0's main file;
     a run resumed from them on the same world ends bit for bit as one never stopped, and on another
     world size (2 -> 3) it resumes resharded with exactly the saved parameters (the checkpoint is
     written after the epoch's last step, so a run resumed with the same --epochs trains no step and
@@ -78,12 +78,13 @@ class TrainFsdp(DistTestCase):
             main = sorted(p for p in glob.glob(os.path.join(ckpt, "checkpoint_*.pt"))
                           if re.fullmatch(r"checkpoint_\d{10}\.pt", os.path.basename(p)))
             self.assertEqual(len(main), 1, os.listdir(ckpt))
-            shards = sorted(os.path.basename(p) for p in glob.glob(main[0][:-3] + ".shard*.pt"))
-            self.assertEqual(shards, [os.path.basename(main[0][:-3]) + f".shard{r}-of-2.pt" for r in range(2)])
-            # fc1's rows: each shard file holds about half of the 1.6 MB of parameters (and SGD's
+            folder = main[0][:-3] + ".dcp"
+            parts = sorted(f for f in os.listdir(folder) if f.endswith(".distcp"))
+            self.assertEqual(parts, [f"__{r}_0.distcp" for r in range(2)], os.listdir(folder))
+            # fc1's rows: each rank's part holds about half of the 1.6 MB of parameters (and SGD's
             # momentum for them), the main file none of fc1's.
-            for s in shards:
-                self.assertLess(os.path.getsize(os.path.join(ckpt, s)), 2 * 1.7e6 / 2 + 65536, s)
+            for s in parts:
+                self.assertLess(os.path.getsize(os.path.join(folder, s)), 2 * 1.7e6 / 2 + 65536, s)
             self.assertLess(os.path.getsize(main[0]), 0.5e6, "the main file holds sharded rows")
             # The same folder resumed on 3 ranks first (a copy: the 2-rank resume below needs it). With
             # --epochs 1 the resumed run trains nothing: what it dumps is what it loaded, resharded.

@@ -122,16 +122,14 @@ TEST(TensorParallelCheckpoint, LoadsBackOntoTheTPLayoutBitIdentical) {
   const std::string dir = fresh_dir("back");
   CheckpointManager ckpt(dir);
   ckpt.save(state_of(t.model, *t.opt, 2));
-  // Each rank wrote its own part, in format version 3 (a Rowwise weight's columns: dim 1), which
-  // dtrains that knew only dim-0 rows refuse.
-  const std::string shard =
-      dir + "/checkpoint_0000000002.shard" + std::to_string(rank()) + "-of-" + std::to_string(world_size()) + ".pt";
-  ASSERT_TRUE(fs::exists(shard));
-  for (const std::string& file : {shard, dir + "/checkpoint_0000000002.pt"}) {
-    std::ifstream in(file);
+  // Each rank wrote its own part into the DCP folder (format version 4), Rowwise weights as columns.
+  const std::string part = dir + "/checkpoint_0000000002.dcp/__" + std::to_string(rank()) + "_0.distcp";
+  ASSERT_TRUE(fs::exists(part)) << part;
+  {
+    std::ifstream in(dir + "/checkpoint_0000000002.pt");
     std::string line;
     std::getline(in, line);
-    EXPECT_EQ(line.rfind("DTRAIN-CHECKPOINT 3 ", 0), 0u) << file << ": " << line;
+    EXPECT_EQ(line.rfind("DTRAIN-CHECKPOINT 4 ", 0), 0u) << line;
   }
 
   tp_models::MLP loaded = make_mlp(99);  // other weights until loaded
