@@ -72,6 +72,7 @@ EXPORTS = {
         "comm/param_claims.h": "which wrapper owns a parameter (no parameter in two)",
         "comm/shard_groups.h": "the groups a gradient is sharded over (GradScaler's overflow flag)",
         "comm/model_sync.h": "the model check and state broadcast that DDP and fully_shard share",
+        "comm/shard_specs.h": "where parallelize_module and fully_shard publish a parameter's ShardSpec",
     },
     "fsdp": {"fsdp/shard_layout.h": "fully_shard's rows of a parameter, for checkpoints"},
     "optim": {"optim/state_device.h": "where an optimizer's state lives, for checkpoints"},
@@ -85,7 +86,7 @@ PUBLIC_OWNER = {
     "monitor": "monitor", "summary_writer": "monitor", "pipeline": "pipeline", "detail": "common", "sync_batchnorm": "nn", "zero": "optim", "sharded_optimizer": "optim",
     "fsdp": "fsdp",
     "join": "comm",
-    "device_mesh": "comm", "tensor_parallel": "tp", "functional_collectives": "tp",
+    "device_mesh": "comm", "shard_spec": "comm", "tensor_parallel": "tp", "functional_collectives": "tp",
 }
 
 # comm/ inside, one way: front end -> factory (backend.h) -> backends -> lowest layer.
