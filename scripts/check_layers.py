@@ -41,7 +41,7 @@ USES = {
     "fsdp": {"comm", "compat", "common"},
     "data": {"comm", "compat", "common"},
     "pipeline": {"ddp", "parallel", "comm", "compat", "common"},
-    "checkpoint": {"amp", "data", "optim", "fsdp", "tp", "comm", "compat", "common"},
+    "checkpoint": {"amp", "data", "optim", "comm", "compat", "common"},
     "monitor": {"ddp", "comm", "compat", "common"},
     "tp": {"comm", "compat", "common"},
 }
@@ -72,10 +72,9 @@ EXPORTS = {
         "comm/param_claims.h": "which wrapper owns a parameter (no parameter in two)",
         "comm/shard_groups.h": "the groups a gradient is sharded over (GradScaler's overflow flag)",
         "comm/model_sync.h": "the model check and state broadcast that DDP and fully_shard share",
+        "comm/shard_specs.h": "where parallelize_module and fully_shard publish a parameter's ShardSpec",
     },
-    "fsdp": {"fsdp/shard_layout.h": "fully_shard's rows of a parameter, for checkpoints"},
     "optim": {"optim/state_device.h": "where an optimizer's state lives, for checkpoints"},
-    "tp": {"tp/shards.h": "tensor parallelism's parts of a parameter, for checkpoints"},
 }
 
 # The directory behind each public header (include/dtrain/NAME.h or include/dtrain/NAME/...).
@@ -85,7 +84,7 @@ PUBLIC_OWNER = {
     "monitor": "monitor", "summary_writer": "monitor", "pipeline": "pipeline", "detail": "common", "sync_batchnorm": "nn", "zero": "optim", "sharded_optimizer": "optim",
     "fsdp": "fsdp",
     "join": "comm",
-    "device_mesh": "comm", "tensor_parallel": "tp", "functional_collectives": "tp",
+    "device_mesh": "comm", "shard_spec": "comm", "tensor_parallel": "tp", "functional_collectives": "tp",
 }
 
 # comm/ inside, one way: front end -> factory (backend.h) -> backends -> lowest layer.

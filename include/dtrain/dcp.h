@@ -43,9 +43,16 @@
 // "optim.state.<parameter name>.<state name>" (Adam's exp_avg, exp_avg_sq, step, max_exp_avg_sq;
 // SGD's momentum_buffer) and "optim.param_groups.<i>.<option>" (lr, betas, eps, weight_decay, ..., and
 // params: the names of the group's parameters), with the options Python's optimizer of the same
-// kind expects. A fully_shard'ed model's parameters and their optimizer state are this rank's rows
-// of each (a chunk of the whole, as FSDP2's DTensors); a ZeroRedundancyOptimizer's state is its
-// owner's alone; a DDP model's parameters are whole on every rank and written once.
+// kind expects. A sharded parameter and its optimizer state are the box of the whole this rank
+// holds, as its ShardSpec says (dtrain/shard_spec.h), written as a chunk at those offsets, as a
+// DTensor's: fully_shard's rows (FSDP2's Shard(0)), a tensor-parallel part (Shard(0) / Shard(1)),
+// or, for tensor parallelism inside fully_shard (2-D), fully_shard's rows of TP's part: the offsets
+// add up per dimension (a Colwise weight of 16 rows on {dp 2, tp 2}: rank (d, t) holds rows
+// 8 t + 4 d .. + 4; a Rowwise one's rows 4 d .. + 4 of columns 8 t .. + 8), which PyTorch's dcp.load
+// reads into its model parallelized the same way (parallelize_module on mesh["tp"], then
+// fully_shard on mesh["dp"]) or any other layout. A ZeroRedundancyOptimizer's state is its owner's
+// alone; a DDP model's parameters are whole on every rank and written once. get_state_dict refuses
+// a fully_shard unit gathered right now (between forward and backward): save between steps.
 #pragma once
 
 #include <cstdint>

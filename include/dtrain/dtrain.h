@@ -15,6 +15,7 @@
 #include "dtrain/monitor.h"
 #include "dtrain/pipeline.h"
 #include "dtrain/process_group.h"
+#include "dtrain/shard_spec.h"
 #include "dtrain/system.h"
 #include "dtrain/safetensors.h"
 #include "dtrain/sampler.h"

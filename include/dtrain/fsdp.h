@@ -22,9 +22,11 @@
 //   between forward and backward while a unit is kept whole (Note [zero_grad while whole]).
 // - GradScaler needs nothing more: its unscale_ MAX-reduces the overflow flag over the group of
 //   every sharded parameter (each rank sees only its rows' infs), so every rank skips together.
-// - CheckpointManager saves a sharded model with each rank writing its own shards, sharded over the
-//   world or over subgroups (replica groups too), and loads it on any world and group size
-//   (dtrain/checkpoint.h).
+// - CheckpointManager saves a sharded model with each rank writing its own chunks into a DCP folder,
+//   sharded over the world or over subgroups (replica groups too), and loads it on any world and
+//   group size (dtrain/checkpoint.h). Each sharded parameter's ShardSpec is shard_spec_of(param)
+//   (dtrain/shard_spec.h): fully_shard's cut of dim 0 after any tensor-parallel cut (call
+//   parallelize_module first); 2-D sharded models save and load alike.
 // - C++ modules have no forward hooks, so a unit runs through something dtrain owns: the
 //   FSDPModule handle fully_shard returns (call it, not module->forward), a torch::nn::Sequential
 //   element wrapped in place (fully_shard(AnyModule&): the element must take and return one tensor),
@@ -53,6 +55,7 @@
 #include "dtrain/detail/collect_tensors.h"
 #include "dtrain/device_mesh.h"
 #include "dtrain/process_group.h"
+#include "dtrain/shard_spec.h"
 
 namespace dtrain {
 
@@ -105,7 +108,6 @@ class ForwardScope {
 void unshard(const torch::nn::Module& module);
 void reshard(const torch::nn::Module& module);
 void set_requires_gradient_sync(const torch::nn::Module& module, bool requires_sync, bool recurse);
-std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Module& module);
 int64_t received_bytes(const torch::nn::Module& module);
 int64_t prefetched_gathers(const torch::nn::Module& module);
 // This rank's local shard of every parameter of the module, by name, as FSDP2's to_local().
@@ -152,10 +154,11 @@ class FSDPModule {
   void set_requires_gradient_sync(bool requires_sync, bool recurse = true) {
     fsdp::set_requires_gradient_sync(*module_, requires_sync, recurse);
   }
-  // Collective: every parameter whole, by name as module->named_parameters() gives them, on every
-  // rank (a copy; loads into an unsharded model of the same architecture with load_state_dict-like
-  // code, or into PyTorch by name).
-  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() { return fsdp::full_state_dict(*module_); }
+  // Collective: every parameter whole, then every buffer, by name as module->named_parameters() and
+  // named_buffers() give them, on every rank (a copy; loads into an unsharded model of the same
+  // architecture with load_state_dict-like code, or into PyTorch by name). It is
+  // dtrain::full_state_dict (shard_spec.h): tensor-parallel parts inside are put together too.
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() { return dtrain::full_state_dict(*module_); }
   // This rank's shards, by name (FSDP2's sharded state dict: to_local() of each DTensor).
   std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict() { return fsdp::sharded_state_dict(*module_); }
   // Bytes this rank has received through the training collectives of the units here and below

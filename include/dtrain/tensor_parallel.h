@@ -27,7 +27,9 @@
 //                       bias whole, added once after the sum    looking up the indices in its rows
 // Each rank keeps its contiguous part in group-rank order (torch.chunk). parallelize_module takes
 // the whole parameters from group rank 0 (PyTorch's src_data_rank=0), so ranks may start different.
-// Parameters keep their identity (their data is replaced), but build optimizers afterwards.
+// Parameters keep their identity (their data is replaced), but build optimizers afterwards. Each
+// sharded parameter's ShardSpec (dtrain/shard_spec.h: its whole shape and this rank's part) is
+// shard_spec_of(param); call parallelize_module before fully_shard, which cuts TP's parts again.
 // A sharded dimension need not divide by the group size: the parts are torch.chunk's (ceil(size / n)
 // each, the last ranks fewer or none), as PyTorch's uneven Shard; a ColwiseParallel output gathered
 // to Replicate() pads each part to ceil(size / n) for the all-gather and trims the padding.
@@ -56,6 +58,7 @@
 #include "dtrain/detail/arg.h"
 #include "dtrain/device_mesh.h"
 #include "dtrain/process_group.h"
+#include "dtrain/shard_spec.h"
 
 namespace dtrain {
 
@@ -108,10 +111,13 @@ void parallelize_module(torch::nn::Module& module, const Group& group, const Par
 void parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh, const ParallelizePlan& plan);
 
 namespace tp {
-// Every parameter and buffer of `module` by name, whole: the tensor-parallel shards all-gathered
-// over their layers' groups (a copy; loads into the unsharded model, e.g. by name into its
-// named_parameters(), then torch::save). Every rank of those groups calls it.
-std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Module& module);
+// Every parameter and buffer of `module` by name, whole: dtrain::full_state_dict (shard_spec.h),
+// which puts together any sharding, tensor-parallel shards inside fully_shard too (a copy; loads into
+// the unsharded model, e.g. by name into its named_parameters(), then torch::save). Collective
+// over the shards' groups.
+inline std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Module& module) {
+  return dtrain::full_state_dict(module);
+}
 }  // namespace tp
 
 // Cross-entropy of logits whose last dimension (the classes) is sharded over `group` in group-rank

@@ -483,7 +483,7 @@ namespace {
 int my_rank() { return is_initialized() ? rank() : 0; }
 
 // Whether the model is fully_shard'ed, which every rank must agree on: a rank whose model is not
-// would skip the shard files' all-gather that the others wait in (with fully_shard over subgroups,
+// would skip the DCP folder's collectives that the others wait in (with fully_shard over subgroups,
 // some ranks may have left their model whole). Throws alike on every rank when they differ.
 bool sharded_everywhere(const TrainingState& st) {
   const bool mine = ckpt::holds_shards(st.model);

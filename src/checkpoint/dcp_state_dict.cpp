@@ -17,22 +17,23 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
-#include "checkpoint/param_shards.h"
 #include "compat/optim_compat.h"
 #include "dtrain/dcp.h"
 #include "dtrain/errors.h"
+#include "dtrain/shard_spec.h"
 #include "dtrain/zero.h"
 
 namespace dtrain::dcp {
 
 namespace {
 
-// Where a tensor of a parameter's shape sits in the whole: whole, or this rank's part of it (fully_shard's
-// rows, or a tensor-parallel shard along dim 0 or 1: DTensor's Shard(0) / Shard(1) chunk).
+// Where a tensor of a parameter's shape sits in the whole: whole, or the box of it this rank holds
+// (the parameter's ShardSpec, whatever sharded it: fully_shard's rows, a tensor-parallel part along
+// dim 0 or 1, or fully_shard's rows of a tensor-parallel part), a DTensor's chunk.
 struct Placement {
   std::vector<int64_t> whole;  // empty: whole
   std::vector<int64_t> offsets;
-  bool empty = false;  // this rank holds no rows of it (the last ranks of a short parameter)
+  bool empty = false;  // this rank holds nothing of it (the last ranks of a short parameter)
 };
 
 struct ModelNames {
@@ -48,19 +49,16 @@ Entry entry_at(Path path, const at::Tensor& t, const Placement& p) {
 // The model's names and placements; with `sd`, its entries too.
 ModelNames add_model(StateDict* sd, torch::nn::Module& model) {
   ModelNames names;
-  const auto layouts = ckpt::param_shards(model);
   for (const auto& kv : model.named_parameters()) {
     const at::Tensor& p = kv.value();
     const auto* impl = p.unsafeGetTensorImpl();
     names.name[impl] = kv.key();
     Placement place;
-    auto it = layouts.find(impl);
-    if (it != layouts.end() && !it->second.whole && !it->second.full_shape.empty()) {
-      const ckpt::ParamShard& l = it->second;
-      place.whole = l.full_shape;
-      place.offsets.assign(l.full_shape.size(), 0);
-      place.offsets[static_cast<size_t>(l.dim)] = l.offset;
-      place.empty = p.numel() == 0;
+    // A 0-dim parameter cut as one element stays whole here, as before: DCP has no chunk of a 0-dim tensor.
+    if (auto spec = shard_spec_of(p); spec && spec->is_sharded() && !spec->full_shape().empty()) {
+      place.whole = spec->full_shape();
+      place.offsets = spec->offsets();
+      place.empty = spec->holds_nothing() || p.numel() == 0;
     }
     names.place[impl] = place;
     if (sd && !place.empty) sd->push_back(entry_at({"model", kv.key()}, p.detach(), place));
@@ -120,8 +118,18 @@ State& adam_state(torch::optim::Optimizer& opt, const at::Tensor& p, bool amsgra
   return static_cast<State&>(*it->second);
 }
 
+// A fully_shard unit gathered right now holds whole parameters (over its group) while their
+// optimizer state keeps the shards' shape: no placement describes both.
+void check_gathered(const std::string& name, const at::Tensor& p, const at::Tensor& state) {
+  DTRAIN_CHECK(state.sizes() == p.sizes(), "dcp::get_state_dict: parameter '", name, "' is ", p.sizes(),
+               " but its optimizer state is ", state.sizes(),
+               ": its fully_shard unit is gathered right now (between forward and backward, or after unshard()); "
+               "save between steps");
+}
+
 template <class State>
-void add_adam_state(StateDict& sd, const std::string& name, const Placement& place, State& s) {
+void add_adam_state(StateDict& sd, const std::string& name, const at::Tensor& p, const Placement& place, State& s) {
+  check_gathered(name, p, s.exp_avg());
   const Path base{"optim", "state", name};
   auto path = [&](const char* k) {
     Path p = base;
@@ -154,9 +162,9 @@ void add_optimizer(StateDict& sd, torch::optim::Optimizer& opt, const ModelNames
       const Placement& place = names.place.at(p.unsafeGetTensorImpl());
       if (place.empty) continue;
       if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&group.options()))
-        add_adam_state(sd, name_of(p), place, adam_state<torch::optim::AdamParamState>(holder, p, o->amsgrad()));
+        add_adam_state(sd, name_of(p), p, place, adam_state<torch::optim::AdamParamState>(holder, p, o->amsgrad()));
       else if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(&group.options()))
-        add_adam_state(sd, name_of(p), place, adam_state<torch::optim::AdamWParamState>(holder, p, w->amsgrad()));
+        add_adam_state(sd, name_of(p), p, place, adam_state<torch::optim::AdamWParamState>(holder, p, w->amsgrad()));
       else if (dynamic_cast<torch::optim::SGDOptions*>(&group.options()))
         if (auto it = holder.state().find(compat::optimizer_state_key(p)); it != holder.state().end())
           if (auto& buf = static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer(); buf.defined())

@@ -5,6 +5,7 @@
 #include <torch/optim/sgd.h>
 
 #include <filesystem>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <unordered_map>
@@ -12,12 +13,12 @@
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/frame.h"
-#include "checkpoint/param_shards.h"
 #include "common/util.h"
 #include "compat/optim_compat.h"
 #include "dtrain/dcp.h"
 #include "dtrain/errors.h"
 #include "dtrain/process_group.h"
+#include "dtrain/shard_spec.h"
 
 // Note [Sharded checkpoints]: a sharded model is on no rank whole, and gathering it to one rank to
 // write it would need the memory sharding saves. So every rank writes what it holds, through the one
@@ -48,14 +49,11 @@ std::string describe(at::ScalarType dtype, at::IntArrayRef shape) {
   return s.str();
 }
 
-// A unit's parameters are whole between its forward and backward: no shard to save or load into.
-void check_sharded_now(const torch::nn::Module& model) {
-  const ParamShards shards = param_shards(model);
-  for (const auto& kv : model.named_parameters()) {
-    auto it = shards.find(kv.value().unsafeGetTensorImpl());
-    DTRAIN_CHECK(it == shards.end() || !it->second.whole, "CheckpointManager: parameter '", kv.key(),
-                 "' is gathered right now (between its unit's forward and backward): save or load between steps");
-  }
+// The spec of a parameter no rank holds whole, or none.
+std::optional<ShardSpec> sharded_spec(const at::Tensor& param) {
+  auto spec = shard_spec_of(param);
+  if (spec && !spec->is_sharded()) spec.reset();
+  return spec;
 }
 
 template <class F>
@@ -88,10 +86,9 @@ std::string metadata_record(const std::string& folder) {
 
 // The names of the parameters this rank holds sharded, one per line.
 std::string sharded_names(const torch::nn::Module& model) {
-  const ParamShards shards = param_shards(model);
   std::string out;
   for (const auto& kv : model.named_parameters())
-    if (shards.count(kv.value().unsafeGetTensorImpl())) out += kv.key() + "\n";
+    if (sharded_spec(kv.value())) out += kv.key() + "\n";
   return out;
 }
 
@@ -104,12 +101,10 @@ void check_same_shards(const torch::nn::Module& model) {
   for (size_t r = 1; r < all.size(); ++r) {
     if (all[r] == all[0]) continue;
     const std::vector<std::string> a = util::split(all[0]), b = util::split(all[r]);
-    std::string first;
-    for (size_t i = 0; i < std::max(a.size(), b.size()) && first.empty(); ++i)
-      if (i >= a.size() || i >= b.size() || a[i] != b[i]) first = i < b.size() ? b[i] : a[i];
-    throw Error(detail::cat("CheckpointManager::save: the parameters rank ", r, " shards (", b.size(),
-                            ") are not those of rank 0 (", a.size(), "), first '", first,
-                            "': shard the same parameters on every rank, each over its own group"));
+    throw Error(detail::cat("CheckpointManager::save: the sharded parameters of rank ", r, " (", b.size(),
+                            ") are not those of rank 0 (", a.size(),
+                            "): every rank must fully_shard the same modules of the same model, each over its own "
+                            "group"));
   }
 }
 
@@ -140,16 +135,19 @@ void make_saved_momentum(const TrainingState& st, const std::string& folder) {
 
 }  // namespace
 
-bool holds_shards(const torch::nn::Module* model) { return model && !param_shards(*model).empty(); }
+bool holds_shards(const torch::nn::Module* model) {
+  if (!model) return false;
+  for (const auto& kv : model->named_parameters())
+    if (sharded_spec(kv.value())) return true;
+  return false;
+}
 
 std::vector<std::pair<std::string, std::string>> whole_manifest(const torch::nn::Module& model) {
-  const ParamShards shards = param_shards(model);
   std::vector<std::pair<std::string, std::string>> out;
   for (const auto& p : model.named_parameters()) {
-    auto it = shards.find(p.value().unsafeGetTensorImpl());
+    const auto spec = sharded_spec(p.value());
     out.emplace_back(p.key(),
-                     describe(p.value().scalar_type(),
-                              it == shards.end() ? p.value().sizes() : at::IntArrayRef(it->second.full_shape)));
+                     describe(p.value().scalar_type(), spec ? at::IntArrayRef(spec->full_shape()) : p.value().sizes()));
   }
   for (const auto& b : model.named_buffers())
     out.emplace_back(b.key(), describe(b.value().scalar_type(), b.value().sizes()));
@@ -163,10 +161,7 @@ std::string dcp_folder(const std::string& main_path) {
 std::string save_sharded(const std::string& main_path, const TrainingState& st) {
   check_same_shards(*st.model);
   dcp::StateDict sd;
-  agree(try_line([&] {
-    check_sharded_now(*st.model);
-    sd = dcp::get_state_dict(*st.model, st.optimizer);
-  }));
+  agree(try_line([&] { sd = dcp::get_state_dict(*st.model, st.optimizer); }));
   const std::string folder = dcp_folder(main_path);
   dcp::save(sd, folder);  // throws alike on every rank
   // Rank 0's record of the folder, on every rank.
@@ -200,7 +195,6 @@ void load_sharded(const std::string& main_path, const std::string& record, Train
   std::string mine = failure;
   if (mine.empty())
     mine = try_line([&] {
-      check_sharded_now(*st.model);
       const std::string why = check_folder(main_path, record);
       DTRAIN_CHECK(why.empty(), "checkpoint ", main_path, ": ", why);
       make_saved_momentum(st, dcp_folder(main_path));

@@ -1,5 +1,5 @@
 // fully_shard: making units, the registry that finds them from their modules, the Sequential
-// element wrapper, and the state dicts and gradient clipping over shards (see dtrain/fsdp.h).
+// element wrapper, the sharded state dict and gradient clipping over shards (see dtrain/fsdp.h).
 #include <cmath>
 #include <mutex>
 #include <unordered_map>
@@ -14,7 +14,6 @@
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "fsdp/root.h"
-#include "fsdp/shard_layout.h"
 #include "fsdp/unit.h"
 
 namespace dtrain::fsdp {
@@ -225,29 +224,6 @@ void set_requires_gradient_sync(const torch::nn::Module& module, bool requires_s
     return;
   }
   for (auto& u : units_under(module)) u->set_requires_gradient_sync(requires_sync);
-}
-
-std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Module& module) {
-  torch::NoGradGuard no_grad;
-  std::unordered_map<const c10::TensorImpl*, at::Tensor> whole;
-  for (auto& u : units_under(module)) {
-    auto copies = u->whole_copies();
-    for (size_t i = 0; i < copies.size(); ++i) whole[u->params()[i].param.unsafeGetTensorImpl()] = copies[i];
-  }
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& kv : module.named_parameters()) {
-    auto it = whole.find(kv.value().unsafeGetTensorImpl());
-    out.emplace_back(kv.key(), it == whole.end() ? kv.value().detach().clone() : it->second);
-  }
-  return out;
-}
-
-std::unordered_map<const c10::TensorImpl*, ShardLayout> shard_layouts(const torch::nn::Module& module) {
-  std::unordered_map<const c10::TensorImpl*, ShardLayout> out;
-  for (auto& u : units_under(module))
-    for (auto& p : u->params())
-      out[p.param.unsafeGetTensorImpl()] = ShardLayout{p.shard, p.full_shape, p.chunk_rows, u->group(), u->is_whole()};
-  return out;
 }
 
 int64_t received_bytes(const torch::nn::Module& module) {

@@ -43,6 +43,7 @@
 #include "dtrain/errors.h"
 #include "comm/capabilities.h"
 #include "comm/shard_groups.h"
+#include "comm/shard_specs.h"
 #include "comm/state.h"
 #include "fsdp/buffer_pool.h"
 #include "fsdp/root.h"
@@ -84,6 +85,11 @@ std::vector<ShardedParam> shard_parameters(std::vector<std::pair<std::string, at
     p.name = name;
     p.param = t;
     p.full_shape = t.sizes().vec();
+    // Note [Published shard specs]: this unit's cut of dim 0 comes after any cut before it (TP's).
+    p.base = shard_spec_of(t);
+    DTRAIN_ASSERT(!p.base || p.base->local_sizes() == p.full_shape, "'", name, "' is ", t.sizes(),
+                  " but its published spec is ", p.base->to_string());
+    p.spec = (p.base ? *p.base : ShardSpec(p.full_shape)).cut(0, group);
     p.rows = t.dim() == 0 ? 1 : t.size(0);
     p.row_numel = p.rows == 0 ? 0 : t.numel() / p.rows;
     p.chunk_rows = ceil_div(p.rows, n);
@@ -106,7 +112,10 @@ std::vector<ShardedParam> shard_parameters(std::vector<std::pair<std::string, at
     else
       shape[0] = p.local_rows;
     p.shard = flat_shard.narrow(0, p.offset, p.local_numel()).view(shape);
+    DTRAIN_ASSERT(p.spec.local_sizes() == p.shard.sizes(), "'", p.name, "': ", p.spec.to_string(), " for a shard of ",
+                  p.shard.sizes());
     p.param.set_data(p.shard);
+    comm::publish_shard_spec(p.param, p.spec);
     p.param.mutable_grad() = at::Tensor();
     comm::add_shard_group(p.param, group);  // GradScaler's overflow flag spans the group
   }
@@ -255,21 +264,11 @@ void Unit::unshard() {
     if (p.param.grad().defined()) p.sharded_grad = p.param.grad();
     p.param.mutable_grad() = at::Tensor();
     p.param.set_data(p.full);
+    comm::publish_shard_spec(p.param, p.base);  // whole over the group: only the cuts before the unit's
     if (p.accumulator) compat::relink_grad_accumulator(p.param, p.accumulator);
   }
   whole_ = true;
   hook_accumulators();
-}
-
-std::vector<at::Tensor> Unit::whole_copies() const {
-  std::vector<at::Tensor> out;
-  const int64_t n = group_.size();
-  for (const ShardedParam& p : params_) {
-    at::Tensor padded = at::empty({n * p.chunk_numel()}, flat_shard_.options());
-    if (p.chunk_numel() > 0) all_gather_into_tensor(padded, flat_shard_.narrow(0, p.offset, p.chunk_numel()), group_);
-    out.push_back(padded.narrow(0, 0, p.rows * p.row_numel).view(p.full_shape));
-  }
-  return out;
 }
 
 // Note [zero_grad while whole]: while a unit is whole its shards' gradients wait in sharded_grad,
@@ -312,6 +311,7 @@ void Unit::reshard(bool restore_grads) {
     if (cleared_while_whole(p, 0)) p.sharded_grad = at::Tensor();
     p.param.mutable_grad() = at::Tensor();
     p.param.set_data(p.shard);
+    comm::publish_shard_spec(p.param, p.spec);
     if (p.padded.defined()) free_storage(p.padded);
     if (restore_grads && p.sharded_grad.defined()) {
       p.param.mutable_grad() = p.sharded_grad;

@@ -13,6 +13,7 @@
 
 #include "compat/autograd_compat.h"
 #include "dtrain/fsdp.h"
+#include "dtrain/shard_spec.h"
 
 namespace dtrain::fsdp {
 
@@ -23,7 +24,12 @@ class Root;
 struct ShardedParam {
   std::string name;  // as the unit's module names it
   at::Tensor param;
-  std::vector<int64_t> full_shape;
+  std::vector<int64_t> full_shape;  // whole over the unit's group (tensor parallelism's part, if any)
+  // Note [Published shard specs]: the spec the parameter had when the unit took it (tensor
+  // parallelism's, or none), published while the unit is whole, and it with the unit's cut added,
+  // published while sharded.
+  std::optional<ShardSpec> base;
+  ShardSpec spec;
   int64_t rows = 1;       // dim 0 of the whole parameter
   int64_t row_numel = 1;  // elements per row
   int64_t chunk_rows = 0, local_rows = 0;
@@ -71,9 +77,6 @@ class Unit : public std::enable_shared_from_this<Unit> {
   int64_t received_bytes() const { return received_bytes_; }
   // Gathers this unit found already issued (prefetched) when it needed its parameters.
   int64_t prefetched_gathers() const { return prefetched_; }
-  // Collective: a copy of every parameter, whole, in the shards' own dtype (the parameters as they
-  // are, whatever the param dtype), in the order of params().
-  std::vector<at::Tensor> whole_copies() const;
   bool reshard_after_forward() const { return reshard_after_forward_; }
   // Unset in the options: the root keeps its parameters after forward (FSDP2's default).
   void make_root_default() {

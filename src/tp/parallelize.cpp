@@ -6,17 +6,16 @@
 //      ParallelLinear or ParallelEmbedding (with the remedy for torch::nn::Linear and Embedding).
 //   2. Check the layouts this layer and style accept (any size: torch.chunk's parts, maybe unequal).
 //   3. Broadcast each parameter whole from group rank 0 (PyTorch's src_data_rank=0), then keep this
-//      rank's part through set_data, so the parameter keeps its identity; a replicated bias is
-//      broadcast alone.
+//      rank's part through set_data, so the parameter keeps its identity, and publish its ShardSpec
+//      (Note [Published shard specs]); a replicated bias is broadcast alone and has none.
 #include <ATen/ATen.h>
 
-#include <unordered_map>
+#include <tuple>
 
 #include "comm/shard_groups.h"
+#include "comm/shard_specs.h"
 #include "common/util.h"
-#include "dtrain/functional_collectives.h"
 #include "tp/applied.h"
-#include "tp/shards.h"
 
 namespace dtrain {
 
@@ -37,21 +36,28 @@ bool matches(const std::string& pattern, const std::string& name) {
 constexpr int64_t kWhole = -1;  // shard()'s dim for a replicated parameter
 
 // Step 3 for one parameter: the whole tensor from group rank 0, then this rank's part along dim.
-void shard(at::Tensor& param, int64_t dim, const tp::Applied& a) {
+void shard(const std::string& name, at::Tensor& param, int64_t dim, const tp::Applied& a) {
+  // A parameter sharded already (fully_shard first, or parallelize_module twice) would be cut as if
+  // its part were the whole.
+  const auto spec = shard_spec_of(param);
+  DTRAIN_CHECK(!spec, "parallelize_module: '", name, "' is sharded already (", spec ? spec->to_string() : "",
+               "): call parallelize_module once, before fully_shard");
   at::NoGradGuard no_grad;
   at::Tensor whole = param.detach().clone(at::MemoryFormat::Contiguous);
   broadcast(whole, a.group.ranks()[0], a.group);
-  if (dim != kWhole) whole = whole.narrow(dim, a.start, a.length).clone(at::MemoryFormat::Contiguous);
-  param.set_data(whole);
-  if (dim != kWhole) comm::add_shard_group(param, a.group);  // GradScaler's overflow flag spans the group
+  if (dim == kWhole) {
+    param.set_data(whole);
+    return;
+  }
+  param.set_data(whole.narrow(dim, a.start, a.length).clone(at::MemoryFormat::Contiguous));
+  comm::publish_shard_spec(param, ShardSpec(whole.sizes().vec()).cut(dim, a.start, a.length, a.group));
+  comm::add_shard_group(param, a.group);  // GradScaler's overflow flag spans the group
 }
 
 // This rank's part of `size` rows or columns, as torch.chunk cuts them.
 void set_part(tp::Applied& a, int64_t size) {
-  const int64_t n = a.group.size(), chunk = (size + n - 1) / n;
   a.size = size;
-  a.start = std::min(size, a.group.rank() * chunk);
-  a.length = std::min(size, a.start + chunk) - a.start;
+  std::tie(a.start, a.length) = ShardSpec::chunk(size, a.group.size(), a.group.rank());
 }
 
 tp::Applied bind(const std::string& name, const ParallelStyle& style, const Group& group, bool embedding) {
@@ -81,8 +87,8 @@ void apply_linear(const std::string& name, ParallelLinearImpl& m, const Parallel
   tp::Applied a = bind(name, style, group, false);
   const int64_t dim = a.colwise ? 0 : 1;
   set_part(a, m.weight.size(dim));
-  shard(m.weight, dim, a);
-  if (m.bias.defined()) shard(m.bias, a.colwise ? 0 : kWhole, a);
+  shard(name + ".weight", m.weight, dim, a);
+  if (m.bias.defined()) shard(name + ".bias", m.bias, a.colwise ? 0 : kWhole, a);
   m.applied = std::make_shared<tp::Applied>(a);
 }
 
@@ -94,7 +100,7 @@ void apply_embedding(const std::string& name, ParallelEmbeddingImpl& m, const Pa
   tp::Applied a = bind(name, style, group, true);
   const int64_t dim = a.colwise ? 1 : 0;
   set_part(a, m.weight.size(dim));
-  shard(m.weight, dim, a);
+  shard(name + ".weight", m.weight, dim, a);
   m.applied = std::make_shared<tp::Applied>(a);
 }
 
@@ -134,54 +140,6 @@ void parallelize_module(torch::nn::Module& module, const Group& group, const Par
                  names_of(module));
   }
 }
-
-namespace tp {
-
-std::unordered_map<const c10::TensorImpl*, ParamShard> param_shards(const torch::nn::Module& module) {
-  std::unordered_map<const c10::TensorImpl*, ParamShard> out;
-  auto add = [&](const at::Tensor& param, int64_t dim, int64_t whole_size, const Applied& a) {
-    std::vector<int64_t> shape = param.sizes().vec();
-    shape[static_cast<size_t>(dim)] = whole_size;
-    out[param.unsafeGetTensorImpl()] = ParamShard{std::move(shape), dim, a.start, a.group};
-  };
-  for (const auto& item : module.named_modules()) {
-    if (const auto* l = dynamic_cast<const ParallelLinearImpl*>(item.value().get()); l && l->applied) {
-      const bool col = l->applied->colwise;
-      add(l->weight, col ? 0 : 1, col ? l->options.out_features() : l->options.in_features(), *l->applied);
-      if (l->bias.defined() && col) add(l->bias, 0, l->options.out_features(), *l->applied);
-    } else if (const auto* e = dynamic_cast<const ParallelEmbeddingImpl*>(item.value().get()); e && e->applied) {
-      const bool col = e->applied->colwise;
-      add(e->weight, col ? 1 : 0, col ? e->options.embedding_dim() : e->options.num_embeddings(), *e->applied);
-    }
-  }
-  return out;
-}
-
-namespace {
-// A shard's whole tensor: the parts of every rank (torch.chunk's, the last ones possibly shorter)
-// padded to one size, all-gathered, trimmed.
-at::Tensor gather_whole(const at::Tensor& part, const ParamShard& s) {
-  const int64_t n = s.group.size(), dim = s.dim, whole_size = s.full_shape[static_cast<size_t>(dim)];
-  const int64_t chunk = (whole_size + n - 1) / n;
-  at::NoGradGuard no_grad;
-  at::Tensor padded = at::constant_pad_nd(part.detach().movedim(dim, -1), {0, chunk - part.size(dim)});
-  at::Tensor whole = functional::all_gather(padded.contiguous(), -1, s.group);
-  return whole.narrow(-1, 0, whole_size).movedim(-1, dim).contiguous();
-}
-}  // namespace
-
-std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn::Module& module) {
-  const auto shards = param_shards(module);
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& p : module.named_parameters()) {
-    auto it = shards.find(p.value().unsafeGetTensorImpl());
-    out.emplace_back(p.key(), it != shards.end() ? gather_whole(p.value(), it->second) : p.value().detach().clone());
-  }
-  for (const auto& b : module.named_buffers()) out.emplace_back(b.key(), b.value().detach().clone());
-  return out;
-}
-
-}  // namespace tp
 
 void parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh, const ParallelizePlan& plan) {
   DTRAIN_CHECK(mesh.ndim() == 1, "parallelize_module: the mesh has ", mesh.ndim(),

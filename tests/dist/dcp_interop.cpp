@@ -1,11 +1,13 @@
 // The C++ side of test_dcp.py: one model (three Linears, float64, deterministic weights and batches
 // both languages compute alike) trained with Adam under DDP, DDP with a ZeroRedundancyOptimizer,
-// fully_shard, or tensor parallelism (tp: the first Linear Colwise, the second Rowwise over the
-// world, its 13 hidden features in torch.chunk's uneven parts, every rank on the whole batch), saved
+// fully_shard, tensor parallelism (tp: the first Linear Colwise, the second Rowwise over the
+// world, its 13 hidden features in torch.chunk's uneven parts, every rank on the whole batch), or both
+// (2d, on 4 ranks: those styles over mesh["tp"] of a {dp 2, tp 2} mesh, then fully_shard over
+// mesh["dp"] of each Linear and the root, each dp row on its rows of the batch), saved
 // with dtrain::dcp, or loaded from what Python's dcp.save wrote (dcp_interop.py is the Python side).
 // Rank 0 writes what the test compares: the whole parameters when saved or loaded, and after
 // training on.
-//   dcp_interop save KINDS DIR OUT.json   per kind (ddp, zero, fsdp, tp; comma-separated): train 3 steps,
+//   dcp_interop save KINDS DIR OUT.json   per kind (ddp, zero, fsdp, tp, 2d; comma-separated): train 3 steps,
 //                                         save to DIR/<kind>, train 5 more
 //   dcp_interop load KINDS DIR OUT.json   per kind: load DIR, train 5 steps
 #include <torch/nn/modules/activation.h>
@@ -19,9 +21,11 @@
 #include <limits>
 #include <sstream>
 
+#include "dtrain/checkpoint.h"
 #include "dtrain/dcp.h"
 #include "dtrain/ddp.h"
 #include "dtrain/fsdp.h"
+#include "dtrain/device_mesh.h"
 #include "dtrain/process_group.h"
 #include "dtrain/tensor_parallel.h"
 #include "dtrain/zero.h"
@@ -65,11 +69,24 @@ struct Job {
   std::unique_ptr<dtrain::DistributedDataParallel<torch::nn::SequentialImpl>> ddp;
   std::optional<dtrain::FSDPModule<torch::nn::SequentialImpl>> fsdp;
   std::unique_ptr<torch::optim::Optimizer> opt;
+  dtrain::DeviceMesh mesh;  // 2d's
   int step = 0;
 
   Job(std::string k, double phase)
-      : kind(std::move(k)), model(kind == "tp" ? make_model<dtrain::ParallelLinear>(phase) : make_model(phase)) {
+      : kind(std::move(k)),
+        model(kind == "tp" || kind == "2d" ? make_model<dtrain::ParallelLinear>(phase) : make_model(phase)) {
     const torch::optim::AdamOptions adam(1e-2);
+    if (kind == "2d") {
+      mesh = dtrain::init_device_mesh({dtrain::world_size() / 2, 2}, {"dp", "tp"});
+      dtrain::parallelize_module(*model, mesh["tp"],
+                                 {{"0", dtrain::ColwiseParallel()}, {"2", dtrain::RowwiseParallel()}});
+      const auto dp = dtrain::FullyShardOptions().mesh(mesh["dp"]);
+      for (auto& layer : *model)
+        if (!layer.ptr()->parameters().empty()) dtrain::fully_shard(layer, dp);
+      fsdp = dtrain::fully_shard(model.ptr(), dp);
+      opt = std::make_unique<torch::optim::Adam>(model->parameters(), adam);
+      return;
+    }
     if (kind == "tp") {
       dtrain::parallelize_module(*model, dtrain::Group(),
                                  {{"0", dtrain::ColwiseParallel()}, {"2", dtrain::RowwiseParallel()}});
@@ -91,9 +108,13 @@ struct Job {
       opt = std::make_unique<torch::optim::Adam>(model->parameters(), adam);
   }
   // One step on this rank's rows of the step's global batch (the mean over all rows, as DDP's
-  // average); under tensor parallelism every rank on the whole batch.
+  // average); under tensor parallelism every rank on the whole batch, under both every dp row on its rows.
   void train(int steps) {
-    const int n = kind == "tp" ? 1 : dtrain::world_size(), r = kind == "tp" ? 0 : dtrain::rank();
+    int n = kind == "tp" ? 1 : dtrain::world_size(), r = kind == "tp" ? 0 : dtrain::rank();
+    if (kind == "2d") {
+      n = static_cast<int>(mesh.size("dp"));
+      r = static_cast<int>(mesh.get_local_rank("dp"));
+    }
     for (int end = step + steps; step < end; ++step) {
       at::Tensor x = wave(kBatch * 8, 1.0, 0.1, 0.97 * step).view({kBatch, 8}).chunk(n)[r];
       at::Tensor y = wave(kBatch * 3, 1.0, 0.05, 0.31 * step + 1.5).view({kBatch, 3}).chunk(n)[r];
@@ -104,7 +125,7 @@ struct Job {
     }
   }
   std::vector<std::pair<std::string, at::Tensor>> whole() {
-    if (fsdp) return fsdp->full_state_dict();
+    if (fsdp) return fsdp->full_state_dict();  // fsdp, and 2d's TP parts too
     if (kind == "tp") return dtrain::tp::full_state_dict(*model);
     std::vector<std::pair<std::string, at::Tensor>> out;
     for (const auto& kv : model->named_parameters()) out.emplace_back(kv.key(), kv.value().detach().clone());
@@ -115,13 +136,20 @@ struct Job {
 // One kind's run: its JSON object.
 std::string run(const std::string& mode, const std::string& kind, const std::string& dir) {
   std::string at_checkpoint, after;
-  if (mode == "save") {
+  if (mode == "save" || mode == "save_ckpt") {
     Job job(kind, 0.0);
     job.train(kBefore);
     // doc:begin dcp_save
     auto sd = dtrain::dcp::get_state_dict(*job.model, job.opt.get());
     dtrain::dcp::save(sd, dir);
     // doc:end dcp_save
+    if (mode == "save_ckpt") {  // also through CheckpointManager: its DCP folder beside its main file
+      dtrain::TrainingState st;
+      st.model = job.model.ptr().get();
+      st.optimizer = job.opt.get();
+      st.step = kBefore;
+      dtrain::CheckpointManager(dir + "_ckpt").save(st);
+    }
     at_checkpoint = json_params(job.whole());
     job.train(kAfter);
     after = json_params(job.whole());
@@ -144,7 +172,7 @@ std::string run(const std::string& mode, const std::string& kind, const std::str
 
 int main(int argc, char** argv) {
   if (argc != 5) {
-    std::cerr << "usage: dcp_interop save|load KIND[,KIND...] DIR OUT.json\n";
+    std::cerr << "usage: dcp_interop save|save_ckpt|load KIND[,KIND...] DIR OUT.json\n";
     return 2;
   }
   const std::string mode = argv[1], kinds = argv[2], dir = argv[3];
@@ -154,7 +182,7 @@ int main(int argc, char** argv) {
     std::istringstream list(kinds);
     for (std::string kind; std::getline(list, kind, ',');)
       json += (json.empty() ? "{" : ", ") + ("\"" + kind + "\": ") +
-              run(mode, kind, mode == "save" ? dir + "/" + kind : dir);
+              run(mode, kind, mode == "load" ? dir : dir + "/" + kind);
     if (dtrain::rank() == 0) std::ofstream(argv[4]) << json << "}\n";
     dtrain::destroy_process_group();
   } catch (const std::exception& e) {

@@ -4,6 +4,9 @@ trains the whole batch itself (the mean over all rows, what dtrain's ranks avera
 size gives the same numbers. Rank 0 writes the whole parameters at the checkpoint and after training on.
   dcp_interop.py save DIR OUT.json     train 3 steps, dcp.save, train 5 more
   dcp_interop.py load DIR[,DIR...] OUT.json   per folder: dcp.load what dtrain saved, train 5 steps
+  dcp_interop.py load2d DIR OUT.json   the same into the model parallelized as dtrain's 2d (4 ranks:
+                                       parallelize_module on mesh["tp"] of {dp 2, tp 2}, then fully_shard
+                                       on mesh["dp"]), each dp row training on its rows of the batch
 Env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 """
 import gc
@@ -15,6 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 BATCH, BEFORE, AFTER = 12, 3, 5
 
@@ -32,20 +38,39 @@ def make_model(phase):
     return m
 
 
-def train(model, opt, first, steps):
+def make_2d_model(phase):
+    """dtrain's 2d: the first Linear Colwise and the second Rowwise over mesh["tp"], then each Linear
+    and the root fully_shard'ed over mesh["dp"]."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = make_model(phase)
+    # The Colwise output stays a DTensor: its 13 features are torch.chunk's uneven parts (7, 6), which a
+    # local tensor rewrapped as Shard(-1) by RowwiseParallel would take for even ones.
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel()})
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model, mesh["dp"].size(), mesh["dp"].get_local_rank()
+
+
+def train(model, opt, first, steps, rows=(1, 0)):
+    n, r = rows
     for step in range(first, first + steps):
-        x = wave(BATCH * 8, 1.0, 0.1, 0.97 * step).view(BATCH, 8)
-        y = wave(BATCH * 3, 1.0, 0.05, 0.31 * step + 1.5).view(BATCH, 3)
+        x = wave(BATCH * 8, 1.0, 0.1, 0.97 * step).view(BATCH, 8).chunk(n)[r]
+        y = wave(BATCH * 3, 1.0, 0.05, 0.31 * step + 1.5).view(BATCH, 3).chunk(n)[r]
         opt.zero_grad()
         (model(x) - y).pow(2).mean().backward()
         opt.step()
 
 
 def params(model):
-    return {k: v.detach().reshape(-1).tolist() for k, v in model.named_parameters()}
+    def whole(v):
+        return v.full_tensor() if hasattr(v, "full_tensor") else v
+    return {k: whole(v.detach()).reshape(-1).tolist() for k, v in model.named_parameters()}
 
 
 def run(mode, folder):
+    rows = (1, 0)
     if mode == "save":
         model = make_model(0.0)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -53,7 +78,10 @@ def run(mode, folder):
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
     else:
-        model = make_model(2.0)
+        if mode == "load2d":
+            model, *rows = make_2d_model(2.0)
+        else:
+            model = make_model(2.0)
         opt = torch.optim.Adam(model.parameters(), lr=0.5)  # the checkpoint's lr (1e-2) must replace it
         msd, osd = get_state_dict(model, opt)
         sd = {"model": msd, "optim": osd}
@@ -61,7 +89,7 @@ def run(mode, folder):
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         assert math.isclose(opt.param_groups[0]["lr"], 1e-2), opt.param_groups[0]["lr"]
     at_checkpoint = params(model)
-    train(model, opt, BEFORE, AFTER)
+    train(model, opt, BEFORE, AFTER, rows)
     return {"at_checkpoint": at_checkpoint, "after": params(model)}
 
 

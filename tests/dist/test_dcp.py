@@ -3,7 +3,8 @@ dtrain::dcp on 3 ranks (DDP, DDP with a ZeroRedundancyOptimizer, fully_shard, te
 Adam, float64) saves, and Python's dcp.load on 1 and on 2 ranks reads the very parameters dtrain had
 (bit for bit) and trains on to within 1e-10 of dtrain's own continued training; the tensor-parallel
 save loads back into dtrain's TP and unsharded (DDP) models alike; Python's dcp.save on 2 ranks loads
-into dtrain on 3 the same way. Bad folders (a flipped byte of a tensor, truncated, corrupt, missing
+into dtrain on 3 the same way; TP inside fully_shard saved by dtrain on a {dp 2, tp 2} mesh loads into
+PyTorch's model parallelized alike, bit for bit. Bad folders (a flipped byte of a tensor, truncated, corrupt, missing
 metadata, a chunk of the wrong rank, a FIFO or a link in place of a file) fail in one line.
 
 Env: $DCP_INTEROP (the C++ program, dcp_interop.cpp), $VENV_PYTHON (set by tests/dist/CMakeLists.txt).
@@ -97,6 +98,26 @@ class DcpAgainstPytorch(DistTestCase):
         for kind in ("tp", "ddp"):
             self.assertEqual(back[kind]["at_checkpoint"], cxx["tp"]["at_checkpoint"], f"tp loaded into {kind}")
             self.assert_close(back[kind]["after"], cxx["tp"]["after"], f"tp loaded into {kind}, trained on")
+
+    def test_2d_dtrain_saves_and_python_loads_into_its_2d_model(self):
+        """TP inside fully_shard on a {dp 2, tp 2} mesh of 4 ranks: each rank's chunk is its box, TP's
+        offset plus fully_shard's within TP's part, and PyTorch's model parallelized alike
+        (parallelize_module on mesh["tp"], then fully_shard on mesh["dp"]) loads the very whole
+        parameters and trains on as dtrain does; so does it from CheckpointManager's checkpoint of it."""
+        cxx = self.dtrain("save_ckpt", ["2d"], self.tmp, world=4)["2d"]
+        folder = os.path.join(self.tmp, "2d")
+        chunks = self.metadata(folder)["chunks"]
+        # 13 hidden features: tp parts of 7 and 6, cut by dp into 4 + 3 and 3 + 3 rows (Colwise), the
+        # Rowwise weight's 5 rows into 3 + 2 in each tp part's columns
+        self.assertEqual(sorted(chunks["model.0.weight"]), [[0, 0], [4, 0], [7, 0], [10, 0]])
+        self.assertEqual(sorted(chunks["optim.state.0.weight.exp_avg"]), [[0, 0], [4, 0], [7, 0], [10, 0]])
+        self.assertEqual(sorted(chunks["model.2.weight"]), [[0, 0], [0, 7], [3, 0], [3, 7]])
+        # CheckpointManager's checkpoint of the same model: its DCP folder is read alike.
+        managed = os.path.join(self.tmp, "2d_ckpt", "checkpoint_0000000003.dcp")
+        py = self.python("load2d", [folder, managed], 4)
+        for f in (folder, managed):
+            self.assertEqual(py[f]["at_checkpoint"], cxx["at_checkpoint"], f"2d: {f} loaded into PyTorch's 2-D model")
+            self.assert_close(py[f]["after"], cxx["after"], f"2d: {f} trained on after loading")
 
     def test_python_saves_on_2_ranks_and_dtrain_loads_on_3(self):
         folder = os.path.join(self.tmp, "from_python")
