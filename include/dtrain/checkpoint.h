@@ -76,6 +76,7 @@ namespace dtrain {
 namespace ckpt {
 class BackgroundWrite;
 class StagingPool;
+struct PendingShardedSave;
 }  // namespace ckpt
 class GradScaler;
 class DistributedSampler;
@@ -120,14 +121,16 @@ class CheckpointManager {
   // Collective. Returns the path written. Throws dtrain::Error on every rank if rank 0 fails.
   std::string save(const TrainingState& state);
   // Collective. The same checkpoint as save(), written in the background (Note [Asynchronous saves]):
-  // returns once rank 0 has copied the state in host memory, and training goes on while its thread
-  // serializes and writes the file. The next save(), save_async(), wait() or load_latest() first
-  // waits for it; if it failed, that call throws on every rank, naming the file and the reason. A
-  // crash or kill during the write leaves the previous checkpoints as they were, the latest for
-  // load_latest. Staged: the model's parameters and buffers (as Module::save writes them) and the
-  // state of LibTorch's Adam, AdamW, SGD, Adagrad and RMSprop (or a ZeroRedundancyOptimizer's);
-  // another optimizer's archive is serialized before returning, and a fully_shard'ed or
-  // tensor-parallel model's checkpoint (its DCP folder) is saved as save() does.
+  // returns once the state is copied in host memory, and training goes on while a thread serializes
+  // and writes it. The next save(), save_async(), wait() or load_latest() first waits for it; if it
+  // failed, that call throws on every rank, naming the file and the reason. A crash or kill during
+  // the write leaves the previous checkpoints as they were, the latest for load_latest. Staged: the
+  // model's parameters and buffers (as Module::save writes them) and the state of LibTorch's Adam,
+  // AdamW, SGD, Adagrad and RMSprop (or a ZeroRedundancyOptimizer's); another optimizer's archive is
+  // serialized before returning. A sharded model: every rank stages its chunks (dcp::get_state_dict's
+  // tensors) and writes its part of the DCP folder on its own thread; the folder's metadata and the
+  // main file are written by the next call (a collective), so call wait() on every rank before the
+  // manager goes: its destructor cannot, and a save it did not finish is then not a checkpoint.
   std::string save_async(const TrainingState& state);
   // Collective: waits for the last save_async(); throws on every rank if it failed.
   void wait();
@@ -147,13 +150,17 @@ class CheckpointManager {
  private:
   std::string save_impl(const TrainingState& state, bool background);
   void stage_and_write(const std::string& path, const TrainingState& state, const std::vector<std::string>& packs);
-  void finish_async();  // collective when a save_async() is outstanding
+  std::string start_sharded_async(const std::string& path, const TrainingState& state,
+                                  const std::vector<std::string>& packs);
+  void finish_sharded_async();  // collective
+  void finish_async();          // collective when a save_async() is outstanding
 
   std::string dir_;
   CheckpointOptions options_;
   bool async_outstanding_ = false;                 // every rank: a save_async() whose outcome is not told yet
-  std::unique_ptr<ckpt::BackgroundWrite> writer_;  // rank 0
-  std::unique_ptr<ckpt::StagingPool> staging_;     // rank 0: the copies, reused from save to save
+  std::unique_ptr<ckpt::BackgroundWrite> writer_;  // rank 0 (every rank for a sharded model)
+  std::unique_ptr<ckpt::StagingPool> staging_;     // rank 0 (every rank for a sharded model): the copies
+  std::shared_ptr<ckpt::PendingShardedSave> sharded_pending_;  // a sharded model's save_async, to finish
 };
 
 // Single-process building blocks (no collectives; the RNG states and values are this process's).

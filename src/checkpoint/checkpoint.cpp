@@ -113,16 +113,13 @@ int version_of(bool sharded) { return sharded ? kCheckpointFormatVersion : 1; }
 // the record of its DCP folder instead of the model and optimizer (Note [Sharded checkpoints]).
 // `staged`: the model's tensors are copies from it (Note [Asynchronous saves]).
 void fill_archive(torch::serialize::OutputArchive& a, const TrainingState& st,
-                  const std::vector<std::string>& rank_packs, const std::string& dcp_record,
-                  ckpt::StagingPool* staged) {
-  const bool sharded = !dcp_record.empty();
+                  const std::vector<std::string>& rank_packs, bool sharded, ckpt::StagingPool* staged) {
   a.write("version", c10::IValue(static_cast<int64_t>(version_of(sharded))));
   a.write("step", c10::IValue(st.step));
   a.write("epoch", c10::IValue(st.epoch));
   a.write("world_size", c10::IValue(static_cast<int64_t>(rank_packs.size())));
   if (st.model) {
-    if (sharded) {
-      a.write("dcp", c10::IValue(dcp_record));
+    if (sharded) {  // its record ("dcp") is the caller's to write, once the folder is complete
       a.write("dcp_optimizer", c10::IValue(st.optimizer != nullptr));
     } else {
       torch::serialize::OutputArchive m;
@@ -172,7 +169,8 @@ std::string serialize(torch::serialize::OutputArchive& a) {
 std::string encode(const TrainingState& st, const std::vector<std::string>& rank_packs,
                    const std::string& dcp_record = "") {
   torch::serialize::OutputArchive a;
-  fill_archive(a, st, rank_packs, dcp_record, /*staged=*/nullptr);
+  fill_archive(a, st, rank_packs, !dcp_record.empty(), /*staged=*/nullptr);
+  if (!dcp_record.empty()) a.write("dcp", c10::IValue(dcp_record));
   return serialize(a);
 }
 
@@ -498,8 +496,10 @@ bool sharded_everywhere(const TrainingState& st) {
 }
 
 // Save step 2 of a sharded model (Note [Sharded checkpoints]): the folder exists on every rank, then
-// every rank writes its part of the model's DCP folder. Throws alike on every rank.
-std::string save_dcp_folder(const std::string& dir, const std::string& path, const TrainingState& st) {
+// every rank prepares its part of the model's DCP folder (staged from `staging` when given). Throws
+// alike on every rank.
+std::shared_ptr<dcp::detail::SaveInProgress> begin_dcp_folder(const std::string& dir, const std::string& path,
+                                                              const TrainingState& st, ckpt::StagingPool* staging) {
   std::string mine;
   try {
     std::error_code ec;
@@ -512,12 +512,25 @@ std::string save_dcp_folder(const std::string& dir, const std::string& path, con
   const std::vector<std::string> all = distributed() ? all_gather_bytes(mine) : std::vector<std::string>{mine};
   for (size_t r = 0; r < all.size(); ++r)
     if (!all[r].empty()) throw Error(static_cast<int>(r) == my_rank() ? all[r] : detail::cat("rank ", r, ": ", all[r]));
-  return ckpt::save_sharded(path, st);
+  return ckpt::begin_sharded_save(path, st, staging);
 }
 
 }  // namespace
 
+// A sharded model's save_async between its start and its finish (Note [Asynchronous saves]).
+struct ckpt::PendingShardedSave {
+  std::shared_ptr<dcp::detail::SaveInProgress> dcp;       // its items written by writer_'s thread
+  std::shared_ptr<torch::serialize::OutputArchive> main;  // rank 0: the main file, but the folder's record
+  std::string path;
+  int64_t step = 0;
+};
+
 CheckpointManager::~CheckpointManager() {
+  if (sharded_pending_)
+    warn("the asynchronous save of " + sharded_pending_->path +
+         " was not finished: its folder's metadata and main file are written by wait() (or the next save or "
+         "load_latest) on every rank, which the manager's destructor cannot run; the previous checkpoint stays the "
+         "latest");
   if (!writer_) return;
   const std::string what = writer_->what();
   const std::string error = writer_->finish();
@@ -536,9 +549,54 @@ CheckpointManager::~CheckpointManager() {
 // on it: the outcome is told at the next collective call of the manager (finish_async), where rank 0 broadcasts it. The
 // file is written as save() writes it (temporary name, fsync, rename), so a crash mid-write leaves the folder's older
 // checkpoints as they were.
+// A sharded model's save_async stages on every rank: dcp::get_state_dict's tensors are copied from the
+// pool, the DCP plan is agreed on the caller's thread (a collective), and each rank's thread writes
+// its own items file. The folder's `.metadata` needs every rank's outcome, so it is written, and then
+// rank 0's main file, at the next collective call (finish_sharded_async): until then the checkpoint
+// does not exist, and the previous one is the latest.
+std::string CheckpointManager::start_sharded_async(const std::string& path, const TrainingState& state,
+                                                   const std::vector<std::string>& packs) {
+  if (!staging_) staging_ = std::make_unique<ckpt::StagingPool>();
+  auto pending = std::make_shared<ckpt::PendingShardedSave>();
+  pending->dcp = begin_dcp_folder(dir_, path, state, staging_.get());  // collective
+  pending->path = path;
+  pending->step = state.step;
+  if (!is_initialized() || rank() == 0) {
+    pending->main = std::make_shared<torch::serialize::OutputArchive>();
+    fill_archive(*pending->main, state, packs, /*sharded=*/true, nullptr);
+  }
+  if (!writer_) writer_ = std::make_unique<ckpt::BackgroundWrite>();
+  writer_->run(path, [save = pending->dcp] { save->write(); });
+  sharded_pending_ = std::move(pending);
+  async_outstanding_ = true;
+  return path;
+}
+
+void CheckpointManager::finish_sharded_async() {
+  const auto p = std::move(sharded_pending_);
+  sharded_pending_.reset();
+  writer_->finish();  // its failure, if any, is the SaveInProgress's, told by finish() below
+  std::string error;
+  try {
+    const std::string record = ckpt::finish_sharded_save(*p->dcp);  // collective: throws alike
+    if (p->main) {
+      p->main->write("dcp", c10::IValue(record));
+      write_and_rotate(dir_, options_, p->path, serialize(*p->main), p->step, version_of(true));
+    }
+  } catch (const c10::Error& e) {
+    error = util::one_line(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    error = util::one_line(e.what());
+  }
+  staging_->release();
+  error = broadcast_string(error);  // rank 0's main file too
+  if (!error.empty()) throw Error("the asynchronous save of " + p->path + " failed: " + error);
+}
+
 void CheckpointManager::finish_async() {
   if (!async_outstanding_) return;
   async_outstanding_ = false;
+  if (sharded_pending_) return finish_sharded_async();
   std::string error, what;
   if (writer_) {
     what = writer_->what();
@@ -580,7 +638,13 @@ std::string CheckpointManager::save_impl(const TrainingState& state, bool backgr
     zero->prepare_for_save(0);
   }
   // 2. A sharded model's DCP folder, written by every rank before rank 0 writes the main file.
-  const std::string dcp_record = sharded ? save_dcp_folder(dir_, path, state) : std::string();
+  if (sharded && background) return start_sharded_async(path, state, packs);
+  std::string dcp_record;
+  if (sharded) {
+    auto save = begin_dcp_folder(dir_, path, state, nullptr);
+    save->write();
+    dcp_record = ckpt::finish_sharded_save(*save);
+  }
   std::string error;
   if (!is_initialized() || rank() == 0) {  // 3.
     try {
@@ -611,7 +675,7 @@ void CheckpointManager::stage_and_write(const std::string& path, const TrainingS
                                         const std::vector<std::string>& packs) {
   if (!staging_) staging_ = std::make_unique<ckpt::StagingPool>();
   auto archive = std::make_shared<torch::serialize::OutputArchive>();
-  fill_archive(*archive, state, packs, "", staging_.get());
+  fill_archive(*archive, state, packs, /*sharded=*/false, staging_.get());
   std::string payload;  // serialized here when the optimizer's state cannot be staged
   if (state.optimizer && !dynamic_cast<ShardedOptimizerState*>(state.optimizer) &&
       !ckpt::restage_optimizer_state(*state.optimizer, *staging_)) {

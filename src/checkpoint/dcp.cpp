@@ -20,6 +20,7 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include "checkpoint/dcp_metadata.h"
+#include "checkpoint/dcp_phases.h"
 #include "checkpoint/dcp_plan.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/zip_crc.h"
@@ -110,41 +111,58 @@ std::vector<std::pair<size_t, StorageInfo>> decode_written(const std::string& te
 
 }  // namespace
 
-void save(const StateDict& state_dict, const std::string& dir, const Group& group) {
-  const int me = group.rank();
+}  // namespace dtrain::dcp
+
+namespace dtrain::dcp::detail {
+
+SaveInProgress::SaveInProgress(StateDict state_dict, std::string dir, Group group)
+    : sd_(std::move(state_dict)), dir_(std::move(dir)), group_(std::move(group)) {
+  const int me = group_.rank();
   // 1.
   throw_if_any(me == 0 ? attempt([&] {
-                 std::filesystem::create_directories(dir);
-                 std::filesystem::remove(dir + "/" + kMetadataFile);
+                 std::filesystem::create_directories(dir_);
+                 std::filesystem::remove(dir_ + "/" + kMetadataFile);
                })
                        : "",
-               group, "save: preparing " + dir);
+               group_, "save: preparing " + dir_);
   // 2.
-  std::vector<PlanItem> plan;
-  throw_if_any(attempt([&] { plan = detail::plan_of(state_dict); }), group, "save");
-  std::vector<std::vector<PlanItem>> plans;
-  for (const std::string& p : all_gather_bytes(detail::encode_plan(plan), group))
-    plans.push_back(detail::decode_plan(p));
-  detail::drop_overlapping_chunks(plans);  // the same answer, or the same error, everywhere
-  const auto writes = detail::assign_writers(plans);
+  throw_if_any(attempt([&] { plan_ = plan_of(sd_); }), group_, "save");
+  for (const std::string& p : all_gather_bytes(encode_plan(plan_), group_)) plans_.push_back(decode_plan(p));
+  drop_overlapping_chunks(plans_);  // the same answer, or the same error, everywhere
+  mine_ = assign_writers(plans_)[static_cast<size_t>(me)];
+}
+
+void SaveInProgress::write() noexcept {
   // 3.
-  std::vector<std::pair<size_t, StorageInfo>> written;
-  throw_if_any(attempt([&] { written = write_items(state_dict, plan, writes[static_cast<size_t>(me)], dir, me); }),
-               group, "save");
-  const auto all_written = gather_bytes(encode_written(written), group.ranks()[0], group);
+  error_ = attempt([&] { written_ = write_items(sd_, plan_, mine_, dir_, group_.rank()); });
+}
+
+void SaveInProgress::finish() {
+  throw_if_any(error_, group_, "save");
+  const auto all_written = gather_bytes(encode_written(written_), group_.ranks()[0], group_);
   std::string failure;
-  if (me == 0) {
+  if (group_.rank() == 0) {
     failure = attempt([&] {
       std::vector<std::vector<std::pair<size_t, StorageInfo>>> w;
       for (size_t r = 0; r < all_written.size(); ++r) w.push_back(decode_written(all_written[r], static_cast<int>(r)));
-      Metadata m = detail::metadata_of(plans, w);
-      m.checkpoint_id = dir;
+      Metadata m = metadata_of(plans_, w);
+      m.checkpoint_id = dir_;
       m.save_id = random_id();
-      ckpt::write_atomic(dir + "/" + kMetadataFile, detail::encode(m));
+      ckpt::write_atomic(dir_ + "/" + kMetadataFile, encode(m));
     });
   }
   // 4.
-  throw_if_any(failure, group, "save");
+  throw_if_any(failure, group_, "save");
+}
+
+}  // namespace dtrain::dcp::detail
+
+namespace dtrain::dcp {
+
+void save(const StateDict& state_dict, const std::string& dir, const Group& group) {
+  detail::SaveInProgress save(state_dict, dir, group);
+  save.write();
+  save.finish();
 }
 
 namespace {

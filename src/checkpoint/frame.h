@@ -15,7 +15,7 @@ constexpr int kNewestFrameVersion = 4;
 constexpr size_t kMaxHeaderBytes = 96;
 
 // "DTRAIN-CHECKPOINT <version> <length> <crc32> <write stamp>\n" + payload. The version is the
-// lowest that reads the payload (dtrain/checkpoint.h): 1, or 2 for a sharded save over subgroups.
+// lowest that reads the payload (dtrain/checkpoint.h): 1, or 4 for a sharded model's.
 std::string frame(const std::string& payload, int64_t write_stamp, int version = 1);
 // zlib's CRC-32 of `bytes`.
 uint32_t crc32_of(const std::string& bytes);

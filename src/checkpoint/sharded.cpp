@@ -12,6 +12,7 @@
 
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/file_io.h"
+#include "checkpoint/staging.h"
 #include "checkpoint/frame.h"
 #include "common/util.h"
 #include "compat/optim_compat.h"
@@ -158,21 +159,30 @@ std::string dcp_folder(const std::string& main_path) {
   return main_path.substr(0, main_path.size() - 3) + ".dcp";  // without ".pt"
 }
 
-std::string save_sharded(const std::string& main_path, const TrainingState& st) {
+std::shared_ptr<dcp::detail::SaveInProgress> begin_sharded_save(const std::string& main_path, const TrainingState& st,
+                                                                StagingPool* staging) {
   check_same_shards(*st.model);
   dcp::StateDict sd;
-  agree(try_line([&] { sd = dcp::get_state_dict(*st.model, st.optimizer); }));
-  const std::string folder = dcp_folder(main_path);
-  dcp::save(sd, folder);  // throws alike on every rank
+  agree(try_line([&] {
+    sd = dcp::get_state_dict(*st.model, st.optimizer);
+    if (staging)
+      for (dcp::Entry& e : sd)
+        if (e.is_tensor()) e.tensor = staging->copy_of(e.tensor);
+  }));
+  return std::make_shared<dcp::detail::SaveInProgress>(std::move(sd), dcp_folder(main_path), Group());
+}
+
+std::string finish_sharded_save(dcp::detail::SaveInProgress& save) {
+  save.finish();  // throws alike on every rank
   // Rank 0's record of the folder, on every rank.
   std::string record;
   if (!is_initialized() || rank() == 0) {
     std::string mine;
-    const std::string error = try_line([&] { mine = metadata_record(folder); });
+    const std::string error = try_line([&] { mine = metadata_record(save.dir()); });
     record = error.empty() ? "ok " + mine : error;
   }
   if (many_ranks()) record = broadcast_bytes(record, 0);
-  DTRAIN_CHECK(record.rfind("ok ", 0) == 0, "cannot read back the metadata of ", folder, ": ", record);
+  DTRAIN_CHECK(record.rfind("ok ", 0) == 0, "cannot read back the metadata of ", save.dir(), ": ", record);
   return record.substr(3);
 }
 

@@ -3,13 +3,17 @@
 // sharded.cpp; the layout in docs/design.md, "Checkpoint files").
 #pragma once
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "checkpoint/dcp_phases.h"
 #include "dtrain/checkpoint.h"
 
 namespace dtrain::ckpt {
+
+class StagingPool;
 
 // Whether any parameter of `model` is sharded (null: no).
 bool holds_shards(const torch::nn::Module* model);
@@ -19,11 +23,15 @@ std::vector<std::pair<std::string, std::string>> whole_manifest(const torch::nn:
 
 // The DCP folder of the checkpoint whose main file is `main_path`: <prefix>_<step>.dcp beside it.
 std::string dcp_folder(const std::string& main_path);
-// Save, on every rank (a collective over the world): the model's and optimizer's state under
-// PyTorch's keys (dcp::get_state_dict) into dcp_folder(main_path). Returns the record the main file
-// keeps of it, the same on every rank: the folder's name and its `.metadata`'s length and CRC-32, so
-// that a load never reads a folder another save rewrote.
-std::string save_sharded(const std::string& main_path, const TrainingState& st);
+// Save, on every rank (collectives over the world), in phases so that save_async can write on a
+// thread: begin (the ranks agree; the model's and optimizer's state under PyTorch's keys,
+// dcp::get_state_dict, planned into dcp_folder(main_path); with `staging` every tensor is a copy from
+// it, which no later step changes), then write() on any thread, then finish, which returns the
+// record the main file keeps of the folder, the same on every rank: its name and its `.metadata`'s
+// length and CRC-32, so that a load never reads a folder another save rewrote.
+std::shared_ptr<dcp::detail::SaveInProgress> begin_sharded_save(const std::string& main_path, const TrainingState& st,
+                                                                StagingPool* staging);
+std::string finish_sharded_save(dcp::detail::SaveInProgress& save);
 // Whether the folder of `main_path` is still the one `record` describes; "" if so, else why not.
 std::string check_folder(const std::string& main_path, const std::string& record);
 // Load, on every rank (collective): fills st.model (sharded or whole) and st.optimizer from the
