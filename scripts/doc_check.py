@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Keeps the documentation true to the code (run by ctest as docs_check).
 
-1. Snippets: a code block in docs/*.md preceded by
+1. Snippets: a code block in docs/**/*.md (docs/tutorial/ holds the tutorial, a file per section)
+   preceded by
        <!-- snippet: examples/ddp_train.cpp#wrap -->
    must equal the region of that file between the lines `// doc:begin wrap` and `// doc:end wrap`
    (dedented); one preceded by `<!-- snippet: examples/slurm/train_fashion_mnist.sbatch -->` (no
@@ -53,9 +54,14 @@ def region(path, name):
     return "".join(l[indent:] + "\n" for l in body)
 
 
+def doc_pages():
+    """docs/'s pages, those of its folders too (the tutorial is docs/tutorial/, one file per section)."""
+    return sorted((ROOT / "docs").rglob("*.md"))
+
+
 def check_snippets(update):
-    problems = []
-    for md in sorted((ROOT / "docs").glob("*.md")):
+    problems, shown = [], 0
+    for md in doc_pages():
         text = md.read_text()
 
         def fix(m):
@@ -77,8 +83,12 @@ def check_snippets(update):
             return m[0]
 
         new = SNIPPET.sub(fix, text)
+        shown += len(SNIPPET.findall(text))
         if update and new != text:
             md.write_text(new)
+    if not shown:
+        problems.append("docs/: no page shows a snippet (<!-- snippet: FILE#REGION --> before a code block): "
+                        "the tutorial's C++ must be cut from the tested examples")
     return problems
 
 
@@ -163,7 +173,7 @@ ISSUE = re.compile(r"\b[Ii]ssues? #?\d+")
 
 
 def project_files():
-    files = [ROOT / "CMakeLists.txt", ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    files = [ROOT / "CMakeLists.txt", ROOT / "README.md"] + doc_pages()
     for d in CODE_DIRS:
         files += sorted(f for f in (ROOT / d).rglob("*") if f.is_file() and f.suffix in
                         (".h", ".cpp", ".py", ".sh", ".txt", ".md", ".in", ".cmake", ""))
@@ -185,7 +195,7 @@ def check_design_notes():
             problems.append(f"{rel} cites an issue number ({ISSUE.search(text)[0]!r}): say the reason instead")
         if SPLIT_NOTE.search(text):
             problems.append(f"{rel} splits a Note [..] name over two lines: keep it on one so grep finds it")
-        if f.parent != ROOT / "docs" and f.name != "README.md":
+        if ROOT / "docs" not in f.parents and f.name != "README.md":
             for name in NOTE.findall(text):
                 cited.setdefault(name, rel)
     for name, where in sorted(cited.items()):

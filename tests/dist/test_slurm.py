@@ -29,7 +29,8 @@ from test_train_fashion_mnist import RESULT_RE, launcher, trainer
 # A short run: 2 or 3 ranks, one epoch of 600 samples, 200 test samples (a few seconds here).
 TRAIN_ARGS = ["--subset", 600, "--test_subset", 200, "--epochs", 1]
 RUN_TIMEOUT_S = 120
-# The tutorial's batch script (docs/tutorial.md shows this file; scripts/doc_check.py keeps them equal).
+# The tutorial's batch script (docs/tutorial/03-distributeddataparallel.md shows this file; scripts/doc_check.py
+# keeps them equal).
 BATCH_SCRIPT = os.path.join(ROOT, "examples", "slurm", "train_fashion_mnist.sbatch")
 NOTE_RE = re.compile(r"^dtrain: rendezvous at MASTER_ADDR=(\S+) \(the first host of SLURM_STEP_NODELIST=\S+\) and "
                      r"MASTER_PORT=(\d+) \(15000 \+ the last 4 digits of SLURM_JOB_ID=(\d+), as Lightning\) from "
