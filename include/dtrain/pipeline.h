@@ -48,6 +48,7 @@
 
 #include "dtrain/ddp.h"
 #include "dtrain/detail/arg.h"
+#include "dtrain/device_mesh.h"
 #include "dtrain/process_group.h"
 
 namespace dtrain {
@@ -79,6 +80,9 @@ struct PipelineOptions {
   DTRAIN_ARG(std::vector<int64_t>, balance, {})
   // The ranks of the pipeline, in stage order (default: the world). Ignored with replicas > 1.
   DTRAIN_ARG(Group, process_group, Group())
+  // Or a 1-D (sub-)mesh whose ranks are the pipeline's, as PyTorch's PipelineStage takes
+  // group=mesh["pp"].get_group(): mesh["pp"]; its group takes process_group's place (set one of the two).
+  DTRAIN_ARG(DeviceMesh, mesh, DeviceMesh())
   // The old name of process_group, kept for one release.
   [[deprecated("PipelineOptions::group is process_group now")]] PipelineOptions& group(Group g) {
     return process_group(std::move(g));

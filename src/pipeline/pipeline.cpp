@@ -75,6 +75,19 @@ std::string describe(const at::Tensor& t) {
 
 void Pipeline::Impl::init(std::vector<torch::nn::Sequential> parts, bool whole_model) {
   DTRAIN_CHECK(options.chunks() >= 1, "PipelineOptions: chunks must be >= 1, got ", options.chunks());
+  if (const DeviceMesh& mesh = options.mesh(); mesh.ndim() > 0) {
+    DTRAIN_CHECK(mesh.ndim() == 1, "PipelineOptions: mesh has ", mesh.ndim(),
+                 " dimensions; a pipeline runs over a 1-D mesh: pass the pipeline dimension's sub-mesh, e.g. "
+                 "mesh[\"pp\"]");
+    const Group group = mesh.get_group();
+    DTRAIN_CHECK(options.process_group().name() == Group().name() || options.process_group().name() == group.name(),
+                 "PipelineOptions: both mesh (group '", group.name(), "') and process_group ('",
+                 options.process_group().name(), "') are set: set one of the two");
+    DTRAIN_CHECK(options.replicas() == 1, "PipelineOptions: mesh and replicas(", options.replicas(),
+                 ") are both set: replicas lays out the whole world itself; with a mesh, give the pipeline its "
+                 "\"pp\" sub-mesh and build the data-parallel replicas over the mesh's other dimension");
+    options.process_group(group);
+  }
   layout = pipeline::make_layout(options.process_group(), options.replicas(), options.virtual_stages());
   pipeline::check_schedule(options.schedule(), layout.stages, options.chunks(), layout.virtual_stages);
   const int p = layout.stages, v = layout.virtual_stages, total = p * v;

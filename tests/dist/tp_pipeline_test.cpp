@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "dist_main.h"
+#include "matchers.h"
 #include "dtrain/device_mesh.h"
 #include "dtrain/pipeline.h"
 #include "dtrain/tensor_parallel.h"
@@ -81,7 +82,7 @@ void expect_equals_one_process(Schedule schedule, bool head = false) {
   for (int c = 0; c < v; ++c)  // this rank's stages only (one, or v interleaved): sharded over its tp group
     dtrain::parallelize_module(*stages[c * 2 + pp], mesh["tp"], plan_of(c * 2 + pp, total, head));
   auto options = dtrain::PipelineOptions().chunks(kChunks).schedule(schedule).virtual_stages(v);
-  dtrain::Pipeline pipe(stages, options.process_group(mesh.get_group("pp")));  // {0, 2} or {1, 3}
+  dtrain::Pipeline pipe(stages, options.mesh(mesh["pp"]));  // {0, 2} or {1, 3}
   // doc:end tp_pipeline
   const int64_t tp_rank = mesh.get_local_rank("tp");
   // The boundaries join the same tp rank of each stage: the activations after a Rowwise layer are
@@ -124,6 +125,17 @@ void expect_equals_one_process(Schedule schedule, bool head = false) {
 }
 
 }  // namespace
+
+// A pipeline runs over a 1-D mesh: the whole mesh, or a mesh with replicas(R) (which lays out the world
+// itself), is refused in one line naming the remedy, on every rank.
+TEST(TensorParallelPipeline, AMeshMustBeThePipelineDimension) {
+  auto mesh = dtrain::init_device_mesh({2, 2}, {"pp", "tp"});
+  auto model = [] { return torch::nn::Sequential(torch::nn::Linear(2, 2), torch::nn::Linear(2, 2)); };
+  EXPECT_THAT([&] { dtrain::Pipeline(model(), dtrain::PipelineOptions().mesh(mesh)); },
+              ThrowsDtrainError(::testing::HasSubstr("mesh has 2 dimensions; a pipeline runs over a 1-D mesh")));
+  EXPECT_THAT([&] { dtrain::Pipeline(model(), dtrain::PipelineOptions().mesh(mesh["pp"]).replicas(2)); },
+              ThrowsDtrainError(::testing::HasSubstr("mesh and replicas(2) are both set")));
+}
 
 TEST(TensorParallelPipeline, GPipeEqualsOneProcess) { expect_equals_one_process(Schedule::kGPipe); }
 TEST(TensorParallelPipeline, OneFOneBEqualsOneProcess) { expect_equals_one_process(Schedule::k1F1B); }
