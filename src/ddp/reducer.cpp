@@ -26,7 +26,7 @@ at::Tensor slot(const at::Tensor& buffer, int64_t offset, const at::Tensor& para
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                  std::vector<std::vector<int>> assignment, Group group, bool gradient_as_bucket_view, bool track_unused,
-                 bool python_wire, bool static_graph)
+                 bool pytorch_peers, bool static_graph)
     : params_(std::move(params)),
       names_(std::move(names)),
       group_(std::move(group)),
@@ -34,8 +34,8 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       divisor_(0),
       as_view_(gradient_as_bucket_view),
       track_unused_(track_unused),
-      python_wire_(python_wire),
-      static_graph_(static_graph && python_wire) {
+      pytorch_peers_(pytorch_peers),
+      static_graph_(static_graph && pytorch_peers) {
   const int n = static_cast<int>(params_.size());
   set_buckets(std::move(assignment));
   for (int i = 0; i < n; ++i) {

@@ -1,6 +1,6 @@
-// The reducer's steps that only a job with Python ranks takes: Python DDP's local used map, its
+// The reducer's steps that only a job with PyTorch peers takes: Python DDP's local used map, its
 // static_graph first backward and the gradient-ready order its bucket rebuild needs
-// (Note [DDP with Python ranks] in src/ddp/python_wire.h). Called with the reducer's mutex held.
+// (Note [DDP with PyTorch peers] in src/ddp/pytorch_peers.h). Called with the reducer's mutex held.
 #include <ATen/ATen.h>
 
 #include "ddp/reducer.h"
