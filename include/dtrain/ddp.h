@@ -18,8 +18,9 @@
 // - Under no_sync() backward only accumulates locally; the next synchronized backward averages
 //   the sum. With find_unused_parameters, parameters no rank used keep their .grad() untouched.
 // - Every rank runs forward and backward the same number of times (uneven inputs: dtrain/join.h).
-// - In a job with Python ranks (InitOptions::pytorch_peers) every call is Python DDP's, so Python's
-//   DistributedDataParallel ranks and these train one model (Note [DDP with Python ranks]);
+// - With PyTorch peers (InitOptions::pytorch_peers: some ranks are Python programs) every call is
+//   Python DDP's, so Python's DistributedDataParallel ranks and these train one model
+//   (Note [DDP with PyTorch peers]);
 //   register_comm_hook is refused there, and a Join follows Python's.
 // The protocol: docs/design.md, "Data flow of a DDP step", and src/ddp/reducer.h.
 #pragma once

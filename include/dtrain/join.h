@@ -33,8 +33,8 @@
 // The active set tells every rank the same thing without extra collectives: who is left (DDP divides
 // by it with divide_by_initial_world_size(false)) and which rank is authoritative (the lowest active).
 //
-// In a job with Python ranks (InitOptions::pytorch_peers) Join follows Python's Join instead, so
-// that Python's and dtrain's ranks join together: step 1 is an all-reduce of 1 (plus one of
+// With PyTorch peers (InitOptions::pytorch_peers: some ranks are Python programs) Join follows
+// Python's Join instead, so that Python's and dtrain's ranks join together: step 1 is an all-reduce of 1 (plus one of
 // 0 to learn of an early termination, with throw_on_early_termination), step 2 an all-reduce of 0
 // whose sum is the number of active ranks, followed by a 1 and an error with
 // throw_on_early_termination; every rank learns only the count, and joinables agree on ranks with
@@ -78,7 +78,7 @@ struct JoinIteration {
   // Which call started this exchange: 0, the first joinable's (an iteration); k > 0, joinable #k's
   // own round (step 1b) inside iteration `index`.
   int joinable = 0;
-  // In a job with Python ranks only the count of active ranks is exchanged (Python's protocol):
+  // With PyTorch peers only the count of active ranks is exchanged (Python's protocol):
   // `active` is then empty and this holds the count.
   int python_active_count = -1;
   int active_count() const { return python_active_count >= 0 ? python_active_count : static_cast<int>(active.size()); }

@@ -88,12 +88,18 @@ using ParallelizePlan = std::vector<std::pair<std::string, ParallelStyle>>;
 namespace tp {
 struct Applied;  // a style bound to a group (src/tp/)
 }
+namespace detail {
+struct TensorParallelAccess;  // how parallelize_module sets a layer's style (src/tp/applied.h)
+}
 
 class ParallelLinearImpl : public torch::nn::LinearImpl {
  public:
   using torch::nn::LinearImpl::LinearImpl;
   at::Tensor forward(const at::Tensor& input);
-  std::shared_ptr<tp::Applied> applied;  // set by parallelize_module; null: a plain Linear
+
+ private:
+  friend struct detail::TensorParallelAccess;
+  std::shared_ptr<tp::Applied> applied_;  // set by parallelize_module; null: a plain Linear
 };
 TORCH_MODULE(ParallelLinear);
 
@@ -101,7 +107,10 @@ class ParallelEmbeddingImpl : public torch::nn::EmbeddingImpl {
  public:
   using torch::nn::EmbeddingImpl::EmbeddingImpl;
   at::Tensor forward(const at::Tensor& indices);
-  std::shared_ptr<tp::Applied> applied;
+
+ private:
+  friend struct detail::TensorParallelAccess;
+  std::shared_ptr<tp::Applied> applied_;  // set by parallelize_module; null: a plain Embedding
 };
 TORCH_MODULE(ParallelEmbedding);
 

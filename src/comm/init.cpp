@@ -88,7 +88,7 @@ std::string local_address_towards(const std::string& host) {
 // the rendezvous, a restart's keys), so every mode that hosts one without the job secret says so in
 // one line at start, naming where it listens, whatever else the job prints: rank 0's own store with
 // DTRAIN_JOB_SECRET unset (dtrain-run gives its workers one, so this is a job started without it),
-// and the TCPStore a job with Python ranks needs, which binds every interface and has no
+// and the TCPStore a job with PyTorch peers needs, which binds every interface and has no
 // authentication at all (PyTorch's protocol: the secret cannot apply, and a set one would otherwise
 // be ignored in silence). Under torchrun, torchrun hosts the store; a set secret is said not to apply.
 c10::intrusive_ptr<c10d::Store> connect_store(const InitOptions& o, const LaunchEnv& le, WorldState& st) {

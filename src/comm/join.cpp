@@ -130,7 +130,7 @@ JoinIteration python_iteration(detail::JoinContext& ctx, double active) {
   return it;
 }
 
-bool python_peers() { return comm::world_state().pytorch_peers; }
+bool pytorch_peers() { return comm::world_state().pytorch_peers; }
 
 }  // namespace
 
@@ -219,7 +219,7 @@ void Join::shadow_until_all_joined() {
     open_joins.erase(std::remove(open_joins.begin(), open_joins.end(), context_.get()), open_joins.end());
   }
   bool is_last_joiner = true;
-  if (python_peers()) {
+  if (pytorch_peers()) {
     for (;;) {  // Python's loop: the count of active ranks, then every main hook
       const double active = python_all_reduce(ctx, 0.0);
       if (active == 0) break;
@@ -269,7 +269,7 @@ void Join::leave() {
 const JoinIteration* Join::notify_join_context(Joinable& joinable) {
   if (joinable.join_position() != 0) return nullptr;
   detail::JoinContext* ctx = joinable.context_.get();
-  if (!python_peers() || ctx->joined) return notify_own_round(joinable);
+  if (!pytorch_peers() || ctx->joined) return notify_own_round(joinable);
   // Python's step 1: a 1 from every active rank, then (throw_on_early_termination) a 0 that a
   // joined rank's 1 turns into the signal to stop.
   const double active = python_all_reduce(*ctx, 1.0);
@@ -284,7 +284,7 @@ const JoinIteration* Join::notify_join_context(Joinable& joinable) {
 const JoinIteration* Join::notify_own_round(Joinable& joinable) {
   detail::JoinContext* ctx = joinable.context_.get();
   if (joinable.join_position() < 0 || ctx->joined) return nullptr;
-  DTRAIN_CHECK(!python_peers() || joinable.join_position() == 0, "rank ", rank(), ": dtrain::Join: joinable #",
+  DTRAIN_CHECK(!pytorch_peers() || joinable.join_position() == 0, "rank ", rank(), ": dtrain::Join: joinable #",
                joinable.join_position(),
                " starts rounds of its own, which Python's Join has no call for: in a job with Python ranks list "
                "only DistributedDataParallel in the Join");

@@ -11,7 +11,7 @@
 #include "comm/param_claims.h"
 #include "comm/state.h"
 #include "comm/model_sync.h"
-#include "ddp/python_wire.h"
+#include "ddp/pytorch_peers.h"
 #include "ddp/reducer.h"
 #include "dtrain/ddp.h"
 
@@ -42,8 +42,8 @@ struct DDPCore::Impl {
   std::vector<bool> static_unused;
   // From the Join this DDP is in (JoinOptions::divide_by_initial_world_size).
   bool join_divide_by_initial_world_size = true;
-  // Note [DDP with Python ranks]: this rank's calls are Python DDP's.
-  bool python_wire = false;
+  // Note [DDP with PyTorch peers]: this rank's calls are Python DDP's.
+  bool pytorch_peers = false;
   bool last_forward_synced = true;  // Python's require_forward_param_sync: the buffers go before the next
   size_t first_cap = 0, cap = 0;    // bucket limits in bytes
 
@@ -70,7 +70,7 @@ DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions options) 
   s.module = std::move(module);
   s.options = std::move(options);
   const Group& group = s.options.process_group();
-  s.python_wire = comm::world_state().pytorch_peers;
+  s.pytorch_peers = comm::world_state().pytorch_peers;
   DTRAIN_CHECK(group.is_member(), "DistributedDataParallel: rank ", rank(),
                " is not a member of the given process_group: wrap the model only on the group's ranks");
   s.track_unused = s.options.find_unused_parameters() || s.options.static_graph();
@@ -91,13 +91,13 @@ DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions options) 
   s.first_cap = static_cast<size_t>(s.options.first_bucket_cap_mb() * 1048576.0);
   s.cap = static_cast<size_t>(s.options.bucket_cap_mb() * 1048576.0);
   std::vector<std::vector<int>> assignment;
-  if (s.python_wire) {
-    python_wire::verify_params(s.names, s.params, group);
+  if (s.pytorch_peers) {
+    pytorch_peers::verify_params(s.names, s.params, group);
     std::vector<at::Tensor> state = s.module->parameters();
     if (s.options.broadcast_buffers()) state.insert(state.end(), s.buffers.begin(), s.buffers.end());
-    python_wire::broadcast_coalesced(state, python_wire::kBroadcastBucketBytes, 0, group);
-    assignment = python_wire::initial_buckets(s.params, s.first_cap, s.cap, s.options.find_unused_parameters(),
-                                              s.options.static_graph());
+    pytorch_peers::broadcast_coalesced(state, pytorch_peers::kBroadcastBucketBytes, 0, group);
+    assignment = pytorch_peers::initial_buckets(s.params, s.first_cap, s.cap, s.options.find_unused_parameters(),
+                                                s.options.static_graph());
   } else {
     // Note [Group-agreed ids]: the keys through which the members explain a model mismatch.
     verify_same_model(s.names, s.params, group,
@@ -108,7 +108,7 @@ DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions options) 
     assignment = assign_buckets(s.params, s.first_cap, s.cap);
   }
   s.reducer = std::make_unique<Reducer>(s.params, s.names, assignment, group, s.options.gradient_as_bucket_view(),
-                                        s.track_unused, s.python_wire, s.options.static_graph());
+                                        s.track_unused, s.pytorch_peers, s.options.static_graph());
   if (debug_info() && group.rank() == 0) {
     const auto& o = s.options;
     info(detail::cat("[dtrain DDP] ", s.params.size(), " parameters in ", assignment.size(), " buckets (first ",
@@ -143,7 +143,8 @@ int python_common_rank(const Group& group, bool offer) {
 void python_maybe_rebuild(DDPCore::Impl& s) {
   const auto order = s.reducer->ready_order();
   if (order.empty()) return;
-  s.reducer->set_buckets(python_wire::rebuilt_buckets(s.params, order, s.first_cap, s.cap, s.options.process_group()));
+  s.reducer->set_buckets(
+      pytorch_peers::rebuilt_buckets(s.params, order, s.first_cap, s.cap, s.options.process_group()));
   s.reducer->stop_recording_order();
 }
 
@@ -155,10 +156,10 @@ void python_sync_buffers(DDPCore::Impl& s, bool under_join, bool active) {
   s.buffers = s.module->buffers();  // Python reads them anew: a module may have replaced one
   if (s.buffers.empty()) return;
   const int src = under_join ? python_common_rank(group, active) : 0;
-  python_wire::broadcast_coalesced(s.buffers, python_wire::kBroadcastBucketBytes, src, group);
+  pytorch_peers::broadcast_coalesced(s.buffers, pytorch_peers::kBroadcastBucketBytes, src, group);
 }
 
-// Python DDP's _pre_forward (Note [DDP with Python ranks], steps 5-6); under Join (after its
+// Python DDP's _pre_forward (Note [DDP with PyTorch peers], steps 5-6); under Join (after its
 // notification) the buffers' root is agreed on, and whether this iteration synchronizes is told to
 // the joined ranks (an all-reduce in the default dtype, as Python's torch.ones(1)).
 void python_pre_forward(DDPCore::Impl& s, const JoinIteration* it) {
@@ -178,7 +179,7 @@ void DDPCore::pre_forward(Joinable* self) {
   auto& s = *impl_;
   const Group& group = s.options.process_group();
   const JoinIteration* it = self ? Join::notify_join_context(*self) : nullptr;
-  if (s.python_wire) return python_pre_forward(s, it);
+  if (s.pytorch_peers) return python_pre_forward(s, it);
   if (!it) {
     s.reducer->set_divisor(group.size());
     // As PyTorch's require_forward_param_sync: not after a no_sync or no-grad forward.
@@ -198,7 +199,7 @@ void DDPCore::pre_forward(Joinable* self) {
 void DDPCore::post_forward(const std::vector<at::Tensor>& outputs) {
   auto& s = *impl_;
   s.last_forward_synced = s.sync && at::GradMode::is_enabled();
-  if (s.python_wire && s.options.static_graph() && s.last_forward_synced) {
+  if (s.pytorch_peers && s.options.static_graph() && s.last_forward_synced) {
     s.reducer->prepare_for_backward({});  // Python's static_graph finds the unused set from the hooks
     return;
   }
@@ -237,7 +238,7 @@ std::vector<std::vector<int>> DDPCore::bucket_param_indices() const {
 std::vector<DDPEvent> DDPCore::last_backward_events() const { return impl_->reducer->events(); }
 void DDPCore::set_event_hook(DDPEventHook hook) { impl_->reducer->set_event_hook(std::move(hook)); }
 void DDPCore::register_comm_hook(CommHook hook) {
-  DTRAIN_CHECK(!impl_->python_wire, "rank ", rank(),
+  DTRAIN_CHECK(!impl_->pytorch_peers, "rank ", rank(),
                ": DistributedDataParallel::register_comm_hook is not available in a job with Python ranks "
                "(DTRAIN_PYTORCH_PEERS): Python's hooks send other collectives; train without a communication hook");
   impl_->reducer->set_comm_hook(std::move(hook));
@@ -304,7 +305,7 @@ class DDPPythonJoinHook : public JoinHook {
       auto buffers = s_.module->buffers();
       state.insert(state.end(), buffers.begin(), buffers.end());
     }
-    python_wire::broadcast_coalesced(state, python_wire::kBroadcastBucketBytes, src, group);
+    pytorch_peers::broadcast_coalesced(state, pytorch_peers::kBroadcastBucketBytes, src, group);
   }
 
  private:
@@ -319,7 +320,7 @@ std::unique_ptr<JoinHook> DDPCore::join_hook(const JoinOptions& options, bool is
                "dtrain::Join: DistributedDataParallel must be the first joinable (its forward is the first "
                "collective of an iteration): list it first, e.g. Join({&ddp, &optimizer})");
   impl_->join_divide_by_initial_world_size = options.divide_by_initial_world_size();
-  if (impl_->python_wire) return std::make_unique<DDPPythonJoinHook>(impl_.get());
+  if (impl_->pytorch_peers) return std::make_unique<DDPPythonJoinHook>(impl_.get());
   return std::make_unique<DDPJoinHook>(impl_.get());
 }
 

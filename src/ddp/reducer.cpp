@@ -26,7 +26,7 @@ at::Tensor slot(const at::Tensor& buffer, int64_t offset, const at::Tensor& para
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                  std::vector<std::vector<int>> assignment, Group group, bool gradient_as_bucket_view, bool track_unused,
-                 bool python_wire, bool static_graph)
+                 bool pytorch_peers, bool static_graph)
     : params_(std::move(params)),
       names_(std::move(names)),
       group_(std::move(group)),
@@ -34,8 +34,8 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       divisor_(0),
       as_view_(gradient_as_bucket_view),
       track_unused_(track_unused),
-      python_wire_(python_wire),
-      static_graph_(static_graph && python_wire) {
+      pytorch_peers_(pytorch_peers),
+      static_graph_(static_graph && pytorch_peers) {
   const int n = static_cast<int>(params_.size());
   set_buckets(std::move(assignment));
   for (int i = 0; i < n; ++i) {
@@ -43,11 +43,11 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     hook_keys_.push_back(compat::add_post_hook(accumulators_.back(), [this, i] { on_grad_ready(i); }));
   }
   local_used_ = at::zeros({n}, at::TensorOptions().dtype(at::kInt));
-  if (python_wire_) {
+  if (follows_python_ddp()) {
     local_used_dev_ = at::zeros({n}, at::TensorOptions().dtype(at::kInt));
     hook_counts_.assign(n, 0);
-    record_order_ = static_graph_ || !track_unused_;  // Python rebuilds only then
   }
+  record_order_ = should_rebuild_buckets();
   set_divisor(group_size_);
 }
 
@@ -76,7 +76,7 @@ void Reducer::set_buckets(std::vector<std::vector<int>> assignment) {
         bucket.views.back().copy_(p.grad());
       }
       // Python leaves an undefined gradient undefined (a parameter no rank uses keeps none).
-      if (as_view_ && (p.grad().defined() || !python_wire_)) p.mutable_grad() = bucket.views.back();
+      if (as_view_ && (p.grad().defined() || !leaves_undefined_grads())) p.mutable_grad() = bucket.views.back();
     }
     buckets_.push_back(std::move(bucket));
   }
@@ -134,7 +134,7 @@ void Reducer::prepare_for_backward(std::vector<bool> unused) {
   reset_iteration();
   unused_ = std::move(unused);
   unused_.resize(params_.size(), false);
-  if (python_wire_) {
+  if (follows_python_ddp()) {
     ++iterations_;
     order_.clear();
     hooks_left_ = hook_counts_;
@@ -161,14 +161,14 @@ void Reducer::rehook_replaced_parameters() {
 
 void Reducer::on_grad_ready(int index) {
   std::lock_guard<std::mutex> g(mu_);
-  if (python_wire_) {
+  if (follows_python_ddp()) {
     if (python_before_hook(index)) return;
   } else if (track_unused_ && params_[index].grad().defined()) {
     local_used_.data_ptr<int32_t>()[index] = 1;  // as PyTorch: no_sync backwards count as use
   }
   if (!armed_) return;  // no_sync, or a backward that DDP's forward did not set up
   if (!started_) begin_backward();
-  if (python_wire_ && !python_counted_down(index)) return;
+  if (static_graph_after_first_iteration() && !python_counted_down(index)) return;
   if (ready_[index]) return;  // e.g. a parameter used twice still has one accumulator call per pass
   if (record_order_) order_.push_back(index);
   // Step 3.
@@ -204,7 +204,7 @@ void Reducer::fill_slot(int index) {
     view.zero_();
   } else if (as_view_ && grad.data_ptr() == view.data_ptr()) {
     if (divide) view.div_(divisor_tensor_);
-  } else if (divide && python_wire_) {
+  } else if (divide && scales_by_reciprocal()) {
     at::mul_out(view, grad, reciprocal_tensor_);  // Python's reducer multiplies by 1/size
   } else if (divide) {
     at::div_out(view, grad, divisor_tensor_);
@@ -221,7 +221,7 @@ void Reducer::fill_slot(int index) {
 // over memory that a small model's DDP step adds. Not with a communication hook (it gets the bucket),
 // gradient_as_bucket_view (the gradients are the slots already) or unused-parameter tracking (unused
 // parameters' slots are zeros, and their gradients must stay untouched).
-bool Reducer::defers_last_bucket() const { return !comm_hook_ && !as_view_ && !track_unused_ && !python_wire_; }
+bool Reducer::defers_last_bucket() const { return !comm_hook_ && !as_view_ && !track_unused_ && !follows_python_ddp(); }
 
 // Whether the last bucket's gradients can be averaged in place: every one defined, plain (no
 // graph of its own, as with create_graph) and of the bucket's dtype and device.
@@ -348,8 +348,8 @@ void Reducer::abandon_iteration() {
 void Reducer::finalize() {
   std::lock_guard<std::mutex> g(mu_);
   if (!started_) return;  // the iteration failed in a hook and was abandoned there
-  if (python_wire_ && static_graph_ && iterations_ == 1) python_launch_delayed();
-  if (record_order_ && static_graph_ && iterations_ > 1)
+  if (static_graph_first_iteration()) python_launch_delayed();
+  if (record_order_ && static_graph_after_first_iteration())
     order_.insert(order_.end(), static_unused_.begin(), static_unused_.end());
   record(DDPEvent::Kind::kBackwardEnd, -1, waiting_since_ns_);
   // Step 4.
@@ -368,7 +368,7 @@ void Reducer::finalize() {
                     "and make sure every output that depends on them takes part in the loss"));
   }
   std::vector<int64_t> used_anywhere;
-  if (python_wire_) {
+  if (follows_python_ddp()) {
     used_anywhere = python_used_anywhere();
   } else if (track_unused_) {
     // 1 where this rank produced a gradient since the last synchronized backward (no_sync ones

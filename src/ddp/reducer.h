@@ -53,10 +53,10 @@ struct Bucket {
 
 class Reducer {
  public:
-  // python_wire: Note [DDP with Python ranks] (src/ddp/python_wire.h); static_graph matters only there.
+  // pytorch_peers: Note [DDP with PyTorch peers] (src/ddp/pytorch_peers.h); static_graph matters only there.
   Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
           std::vector<std::vector<int>> bucket_assignment, Group group, bool gradient_as_bucket_view, bool track_unused,
-          bool python_wire = false, bool static_graph = false);
+          bool pytorch_peers = false, bool static_graph = false);
   ~Reducer();
 
   // Step 1. unused: per parameter, true when this forward will give it no gradient.
@@ -105,12 +105,28 @@ class Reducer {
   void reset_iteration();
   void abandon_iteration();  // waits for what was launched (ignoring failures), then resets
   void record(DDPEvent::Kind kind, int index, int64_t time_ns = 0);  // 0: now
-  // Python's wire (src/ddp/reducer_python.cpp).
+  // With PyTorch peers (src/ddp/reducer_pytorch_peers.cpp).
   bool python_before_hook(int index);   // true: this hook does nothing more
-  bool python_counted_down(int index);  // static_graph: this is the parameter's last hook of the backward
+  bool python_counted_down(int index);  // static_graph_after_first_iteration: the parameter's last hook of the backward
   void python_launch_delayed();         // static_graph's first backward, at its end
   std::vector<int64_t> python_used_anywhere();
   void begin_backward();  // step 2
+
+  // What the mode and the iteration mean for a step (named as PyTorch's reducer names them).
+  // Every call is Python DDP's (Note [DDP with PyTorch peers]).
+  bool follows_python_ddp() const { return pytorch_peers_; }
+  // Python's reducer multiplies each gradient by 1/size on its way into the bucket (dtrain's divides).
+  bool scales_by_reciprocal() const { return pytorch_peers_; }
+  // gradient_as_bucket_view: Python leaves an undefined gradient undefined instead of making it its slot.
+  bool leaves_undefined_grads() const { return pytorch_peers_; }
+  // Python rebuilds the buckets once, in the order the first backward made the gradients ready.
+  bool should_rebuild_buckets() const { return pytorch_peers_ && (static_graph_ || !track_unused_); }
+  // find_unused_parameters without static_graph: the used map is exchanged after every backward.
+  bool dynamic_graph_find_unused() const { return track_unused_ && !static_graph_; }
+  // static_graph's first backward only counts the hooks, and reduces everything at its end.
+  bool static_graph_first_iteration() const { return static_graph_ && iterations_ == 1; }
+  // Afterwards a parameter is ready at the last of the hooks the first backward counted.
+  bool static_graph_after_first_iteration() const { return static_graph_ && iterations_ > 1; }
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
@@ -129,9 +145,9 @@ class Reducer {
   CommHook comm_hook_;
   bool ever_started_ = false;  // a synchronized backward has begun (no hook may be registered after)
 
-  // Python's wire only.
-  bool python_wire_;
-  bool static_graph_;
+  // With PyTorch peers only.
+  bool pytorch_peers_;
+  bool static_graph_;          // only with pytorch_peers_
   int iterations_ = 0;         // synchronized forwards (Python's num_iterations_)
   at::Tensor local_used_;      // int32: a gradient was produced since the last synchronized backward
   at::Tensor local_used_dev_;  // the map as last all-reduced, in place (Python's local_used_map_dev_)

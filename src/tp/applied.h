@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "dtrain/tensor_parallel.h"
 
@@ -17,3 +18,13 @@ struct Applied {
 };
 
 }  // namespace dtrain::tp
+
+namespace dtrain::detail {
+
+// The layers' style, private to users: parallelize_module sets it, their forward reads it.
+struct TensorParallelAccess {
+  static std::shared_ptr<tp::Applied>& applied(ParallelLinearImpl& m) { return m.applied_; }
+  static std::shared_ptr<tp::Applied>& applied(ParallelEmbeddingImpl& m) { return m.applied_; }
+};
+
+}  // namespace dtrain::detail

@@ -41,8 +41,8 @@ at::Tensor rowwise_output(const tp::Applied& a, const at::Tensor& partial) {
 }  // namespace
 
 at::Tensor ParallelLinearImpl::forward(const at::Tensor& input) {
-  if (!applied) return torch::nn::LinearImpl::forward(input);
-  const tp::Applied& a = *applied;
+  if (!applied_) return torch::nn::LinearImpl::forward(input);
+  const tp::Applied& a = *applied_;
   if (a.colwise) return colwise_output(a, torch::nn::functional::linear(colwise_input(a, input), weight, bias));
   at::Tensor x = input;
   if (a.input.kind == Layout::Kind::kReplicate)  // whole input: this rank's columns of it
@@ -55,8 +55,8 @@ at::Tensor ParallelLinearImpl::forward(const at::Tensor& input) {
 }
 
 at::Tensor ParallelEmbeddingImpl::forward(const at::Tensor& indices) {
-  if (!applied) return torch::nn::EmbeddingImpl::forward(indices);
-  const tp::Applied& a = *applied;
+  if (!applied_) return torch::nn::EmbeddingImpl::forward(indices);
+  const tp::Applied& a = *applied_;
   namespace F = torch::nn::functional;
   if (a.colwise) return colwise_output(a, F::embedding(indices, weight));
   at::Tensor all = indices;

@@ -89,7 +89,7 @@ void apply_linear(const std::string& name, ParallelLinearImpl& m, const Parallel
   set_part(a, m.weight.size(dim));
   shard(name + ".weight", m.weight, dim, a);
   if (m.bias.defined()) shard(name + ".bias", m.bias, a.colwise ? 0 : kWhole, a);
-  m.applied = std::make_shared<tp::Applied>(a);
+  detail::TensorParallelAccess::applied(m) = std::make_shared<tp::Applied>(a);
 }
 
 void apply_embedding(const std::string& name, ParallelEmbeddingImpl& m, const ParallelStyle& style,
@@ -101,7 +101,7 @@ void apply_embedding(const std::string& name, ParallelEmbeddingImpl& m, const Pa
   const int64_t dim = a.colwise ? 1 : 0;
   set_part(a, m.weight.size(dim));
   shard(name + ".weight", m.weight, dim, a);
-  m.applied = std::make_shared<tp::Applied>(a);
+  detail::TensorParallelAccess::applied(m) = std::make_shared<tp::Applied>(a);
 }
 
 std::string names_of(torch::nn::Module& module) {

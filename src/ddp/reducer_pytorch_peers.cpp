@@ -1,6 +1,6 @@
-// The reducer's steps that only a job with Python ranks takes: Python DDP's local used map, its
+// The reducer's steps that only a job with PyTorch peers takes: Python DDP's local used map, its
 // static_graph first backward and the gradient-ready order its bucket rebuild needs
-// (Note [DDP with Python ranks] in src/ddp/python_wire.h). Called with the reducer's mutex held.
+// (Note [DDP with PyTorch peers] in src/ddp/pytorch_peers.h). Called with the reducer's mutex held.
 #include <ATen/ATen.h>
 
 #include "ddp/reducer.h"
@@ -11,17 +11,15 @@ namespace dtrain::ddp {
 // too, so a gradient accumulated there is reduced at the next synchronized backward); in
 // static_graph's first backward it only counts the hooks and reduces everything at the end.
 bool Reducer::python_before_hook(int index) {
-  const bool first_static = static_graph_ && iterations_ == 1;
-  if (((track_unused_ && !static_graph_) || first_static) && params_[index].grad().defined())
+  if ((dynamic_graph_find_unused() || static_graph_first_iteration()) && params_[index].grad().defined())
     local_used_.data_ptr<int32_t>()[index] = 1;
-  if (!first_static || !armed_) return false;
+  if (!static_graph_first_iteration() || !armed_) return false;
   if (!started_) begin_backward();
   ++hook_counts_[index];
   return true;
 }
 
 bool Reducer::python_counted_down(int index) {
-  if (!static_graph_ || iterations_ <= 1) return true;
   DTRAIN_CHECK(hooks_left_[index] > 0, "rank ", dtrain::rank(), ": DistributedDataParallel(static_graph): parameter '",
                names_[index],
                "' got a gradient it did not get in the first iteration: the graph changed, which static_graph "
@@ -46,7 +44,7 @@ void Reducer::python_launch_delayed() {
 // bucket, every backward; static_graph keeps its first backward's global map.
 std::vector<int64_t> Reducer::python_used_anywhere() {
   if (!track_unused_) return {};
-  if (!static_graph_) {
+  if (dynamic_graph_find_unused()) {
     local_used_dev_.copy_(local_used_);
     all_reduce(local_used_dev_, ReduceOp::SUM, group_);
     local_used_.zero_();

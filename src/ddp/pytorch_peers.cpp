@@ -1,5 +1,5 @@
-// Python DDP's construction-time and bucket collectives, as Note [DDP with Python ranks] lists them.
-#include "ddp/python_wire.h"
+// Python DDP's construction-time and bucket collectives, as Note [DDP with PyTorch peers] lists them.
+#include "ddp/pytorch_peers.h"
 
 #include <algorithm>
 #include <limits>
@@ -10,7 +10,7 @@
 
 #include "dtrain/errors.h"
 
-namespace dtrain::ddp::python_wire {
+namespace dtrain::ddp::pytorch_peers {
 namespace {
 
 int global_rank_of(const Group& group, int group_rank) { return group.ranks().at(static_cast<size_t>(group_rank)); }
@@ -191,4 +191,4 @@ std::vector<std::vector<int>> rebuilt_buckets(const std::vector<at::Tensor>& par
   return out;
 }
 
-}  // namespace dtrain::ddp::python_wire
+}  // namespace dtrain::ddp::pytorch_peers

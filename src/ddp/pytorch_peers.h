@@ -1,4 +1,4 @@
-// Note [DDP with Python ranks]: in a job with Python ranks (Note [PyTorch peers]) dtrain's
+// Note [DDP with PyTorch peers]: in a job with PyTorch peers (Note [PyTorch peers]) dtrain's
 // DistributedDataParallel issues exactly the collectives of PyTorch 2.x's Python DDP, with the same
 // dtypes, sizes, roots and order, so Python's DistributedDataParallel and dtrain's train one model:
 //   construction   1. all_gather of each rank's parameter count (int64 [1]); a difference is an error
@@ -43,7 +43,7 @@
 
 #include "dtrain/process_group.h"
 
-namespace dtrain::ddp::python_wire {
+namespace dtrain::ddp::pytorch_peers {
 
 constexpr size_t kBroadcastBucketBytes = 250u * 1024 * 1024;  // Python DDP's broadcast_bucket_size
 
@@ -69,4 +69,4 @@ std::vector<std::vector<int>> initial_buckets(const std::vector<at::Tensor>& par
 std::vector<std::vector<int>> rebuilt_buckets(const std::vector<at::Tensor>& params, const std::vector<int>& order,
                                               size_t first_cap, size_t cap, const Group& group);
 
-}  // namespace dtrain::ddp::python_wire
+}  // namespace dtrain::ddp::pytorch_peers
