@@ -66,9 +66,11 @@ at::Tensor checkpoint(CheckpointFunction fn, const std::vector<at::Tensor>& inpu
 
 // A module whose forward takes and returns one tensor, run checkpointed (PyTorch's
 // torch.distributed.algorithms._checkpoint.checkpoint_wrapper). The wrapped module is registered as
-// its submodule `module`; fully_shard it through this wrapper (fully_shard(AnyModule&) after
-// checkpoint_wrapper(AnyModule&)) to get the recompute inside the unit, which gathers the unit's
-// parameters again for it.
+// its submodule `module`. Under fully_shard, make the wrapper the unit, so that the recompute runs
+// inside it (its pre-backward gather brings the parameters back first): push the wrappers into the
+// Sequential (seq->push_back(checkpoint_wrapper(block)), names under `module.`), then fully_shard
+// each element. An element wrapped in place is not in the module tree, so the root would find its
+// parameters claimed by a unit it does not hold (refused in one line).
 class CheckpointWrapperImpl : public torch::nn::Module {
  public:
   explicit CheckpointWrapperImpl(torch::nn::AnyModule inner,
@@ -91,7 +93,7 @@ CheckpointWrapper checkpoint_wrapper(std::shared_ptr<ModuleType> module,
 }
 // An element of a torch::nn::Sequential (for (auto& block : *seq) checkpoint_wrapper(block)),
 // replaced in place by a wrapper that runs it checkpointed, so the Sequential's own forward does.
-// Its parameters keep their names in the Sequential.
+// Its parameters keep their names in the Sequential. Not for fully_shard (see CheckpointWrapperImpl).
 void checkpoint_wrapper(torch::nn::AnyModule& element,
                         ActivationCheckpointOptions options = ActivationCheckpointOptions());
 
