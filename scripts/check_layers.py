@@ -81,7 +81,7 @@ EXPORTS = {
 PUBLIC_OWNER = {
     "errors": "common", "system": "common", "process_group": "comm", "amp": "amp", "ddp": "ddp", "comm_hooks": "ddp",
     "data_parallel": "parallel", "sampler": "data", "datasets": "data", "checkpoint": "checkpoint", "dcp": "checkpoint", "safetensors": "checkpoint",
-    "monitor": "monitor", "summary_writer": "monitor", "pipeline": "pipeline", "detail": "common", "sync_batchnorm": "nn", "zero": "optim", "sharded_optimizer": "optim",
+    "monitor": "monitor", "summary_writer": "monitor", "pipeline": "pipeline", "detail": "common", "sync_batchnorm": "nn", "activation_checkpoint": "nn", "zero": "optim", "sharded_optimizer": "optim",
     "fsdp": "fsdp",
     "join": "comm",
     "device_mesh": "comm", "shard_spec": "comm", "tensor_parallel": "tp", "functional_collectives": "tp",

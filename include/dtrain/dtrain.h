@@ -1,6 +1,7 @@
 // dtrain: distributed training for the PyTorch C++ frontend. One include for the whole public API.
 #pragma once
 
+#include "dtrain/activation_checkpoint.h"
 #include "dtrain/amp.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm_hooks.h"
