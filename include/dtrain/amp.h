@@ -21,8 +21,9 @@
 // With DistributedDataParallel every rank holds the same averaged gradients, so an overflow on any
 // rank is an overflow on all and every rank makes the same skip decision. Gradients sharded by
 // fully_shard or parallelize_module (or both, on a mesh) need nothing either: unscale_ MAX-reduces
-// the overflow flag over every group the optimizer's parameters are sharded over, so an inf in one
-// rank's rows makes every rank skip and back off, as PyTorch's GradScaler does on DTensor gradients.
+// the overflow flag over every group the optimizer's parameters are sharded over (fully_shard over a
+// 2-D mesh: the shard group, then the replicate group), so an inf in one rank's rows makes every
+// rank skip and back off, as PyTorch's GradScaler does on DTensor gradients.
 // For gradients that differ per rank in other ways (e.g. model parallel by hand),
 // GradScalerOptions().process_group(group) MAX-reduces the overflow flag over that group too.
 #pragma once

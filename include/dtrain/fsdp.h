@@ -20,8 +20,18 @@
 //   group (asynchronously; every one has landed in .grad() when backward() returns). .grad()
 //   accumulates over backward passes, as torch's; optimizer.zero_grad() clears it at any time, also
 //   between forward and backward while a unit is kept whole (Note [zero_grad while whole]).
+// - HSDP (a 2-D mesh {replicate R, shard S}): everything above holds with "the group" the shard
+//   dimension's; each rank holds chunk s of S (its shard coordinate), the same rows as the other
+//   R - 1 replicas. Backward reduce-scatters over the shard group, then all-reduces the shard's
+//   gradient over the replicate group: .grad() is the mean over all R * S ranks, divided as FSDP2
+//   divides (AVG in both for float32 and bfloat16 reduce dtypes; otherwise both sum, between a
+//   division by a power of two near sqrt(R * S) before and by the rest after). Every rank of the mesh
+//   trains its own part of the batch. The ShardSpec has the shard group's cut only, so a checkpoint
+//   holds each chunk once and loads on any world, 1-D or 2-D. clip_grad_norm_ takes the shard group
+//   (the world would count each shard R times). received_bytes() counts the shard group's collectives.
 // - GradScaler needs nothing more: its unscale_ MAX-reduces the overflow flag over the group of
-//   every sharded parameter (each rank sees only its rows' infs), so every rank skips together.
+//   every sharded parameter (each rank sees only its rows' infs), and under HSDP over the replicate
+//   group too, so every rank skips together.
 // - CheckpointManager saves a sharded model with each rank writing its own chunks into a DCP folder,
 //   sharded over the world or over subgroups (replica groups too), and loads it on any world and
 //   group size (dtrain/checkpoint.h). Each sharded parameter's ShardSpec is shard_spec_of(param)
@@ -71,7 +81,9 @@ struct FullyShardOptions {
   // The group the parameters are sharded over (default: the world).
   DTRAIN_ARG(Group, process_group, Group())
   // Or FSDP2's mesh: a 1-D (sub-)mesh to shard over, as fully_shard(module, mesh=mesh["dp"]); its
-  // group takes process_group's place (set one of the two).
+  // group takes process_group's place (set one of the two). A 2-D mesh is HSDP, dims (replicate,
+  // shard) outer first, as FSDP2's init_device_mesh(..., mesh_dim_names=("replicate", "shard")):
+  // parameters are sharded over the shard dimension's group and replicated along the other.
   DTRAIN_ARG(DeviceMesh, mesh, DeviceMesh())
   // Free the gathered parameters after the unit's forward and gather them again in backward (true,
   // ZeRO-3), or keep them until the unit's backward (false, ZeRO-2 for the parameters). Unset, as
@@ -174,7 +186,8 @@ class FSDPModule {
 };
 
 // Makes `module` a unit: its parameters that no unit below it holds are sharded over the group.
-// Apply it bottom-up, the root last, as FSDP2's. Collective over the group.
+// Apply it bottom-up, the root last, as FSDP2's. Collective over the group (and, under HSDP, the
+// replicate group: replicas check they hold the same model).
 template <typename ModuleType>
 FSDPModule<ModuleType> fully_shard(std::shared_ptr<ModuleType> module,
                                    const FullyShardOptions& options = FullyShardOptions()) {

@@ -1,7 +1,8 @@
 // The groups over which a parameter's gradient is sharded. Each rank holds only its part of such a
 // gradient, so a fact about the whole gradient (an inf or NaN anywhere, for GradScaler's skip
 // decision) needs a reduction over these groups, as PyTorch reduces GradScaler's found_inf over a
-// DTensor gradient's mesh. fully_shard adds its group for every parameter it shards, and
+// DTensor gradient's mesh. fully_shard adds its group for every parameter it shards (and, under
+// HSDP, its replicate group after it, so that the flag reaches every rank of the mesh), and
 // parallelize_module adds the tp group for every parameter it splits; a parameter that both shard
 // (tensor parallelism inside fully_shard) has both, in the order they were added. A replicated
 // parameter (a Rowwise Linear's bias) is in no group: its gradient is whole on every rank.

@@ -109,15 +109,17 @@ std::shared_ptr<Unit> find_unit(const torch::nn::Module* module) {
 
 namespace {
 
-// The group a unit shards over: the mesh's, when one is given, else process_group.
+// The group a unit shards over: the mesh's, when one is given (a 2-D mesh's inner dimension, its
+// outer one replicating: replicate_group()), else process_group.
 FullyShardOptions resolve_group(const torch::nn::Module& module, FullyShardOptions options) {
   const DeviceMesh& mesh = options.mesh();
   if (mesh.ndim() == 0) return options;
-  DTRAIN_CHECK(mesh.ndim() == 1, "fully_shard(", describe(module), "): mesh has ", mesh.ndim(), " dimensions (",
+  DTRAIN_CHECK(mesh.ndim() <= 2, "fully_shard(", describe(module), "): mesh has ", mesh.ndim(), " dimensions (",
                util::join(mesh.dim_names(), ", "),
-               "); it shards over a 1-D mesh: pass the data-parallel dimension's sub-mesh, as mesh[\"",
-               mesh.dim_names().front(), "\"]");
-  const Group group = mesh.get_group();
+               "); it shards over a 1-D mesh or a 2-D (replicate, shard) one: pass the data-parallel dimensions' "
+               "sub-mesh, as mesh[{\"",
+               mesh.dim_names().rbegin()[1], "\", \"", mesh.dim_names().back(), "\"}]");
+  const Group group = mesh.get_group(mesh.dim_names().back());
   DTRAIN_CHECK(options.process_group().name() == Group().name() || options.process_group().name() == group.name(),
                "fully_shard(", describe(module), "): both mesh (group '", group.name(), "') and process_group ('",
                options.process_group().name(), "') are set: set one of the two");
@@ -158,14 +160,18 @@ std::shared_ptr<Unit> make_unit(const std::shared_ptr<torch::nn::Module>& module
     names.push_back(n);
     params.push_back(t);
   }
-  comm::verify_same_model(names, params, group,
-                          detail::cat("fsdp/", group.name(), "/", group.next_object_index(), "/model/"),
-                          detail::cat("fully_shard(", describe(*module), ")"));
+  const std::optional<Group> replicas = replicate_group(options);
+  std::vector<Group> agree{group};
+  if (replicas) agree.push_back(*replicas);  // HSDP: the replicas must hold the same model too
+  for (const Group& g : agree) {
+    comm::verify_same_model(names, params, g, detail::cat("fsdp/", g.name(), "/", g.next_object_index(), "/model/"),
+                            detail::cat("fully_shard(", describe(*module), ")"));
+  }
   comm::claim_parameters(names, params, detail::cat("fully_shard unit ", describe(*module)),
                          "a model is either fully_shard'ed or wrapped by DistributedDataParallel, not both: "
                          "build the DDP-free model and call fully_shard on it");
   at::Tensor flat;
-  auto sharded = shard_parameters(std::move(named), group, flat);
+  auto sharded = shard_parameters(std::move(named), group, replicas, flat);
   auto unit = std::make_shared<Unit>(module, std::move(sharded), std::move(flat), options);
   std::lock_guard<std::mutex> lock(reg.mu);
   for (auto& p : unit->params()) reg.holder[p.param.unsafeGetTensorImpl()] = unit->label();

@@ -32,6 +32,19 @@
 // chunks cover it exactly, into its chunk of the unit's output. Elsewhere (Gloo between hosts,
 // NCCL) a unit keeps FSDP2's one collective each way, whose calls would otherwise cost a network
 // round trip per parameter.
+//
+// Note [Hybrid sharding]
+// HSDP, FSDP2's fully_shard(mesh=2-D (replicate, shard)): parameters are cut over the shard group
+// (the mesh's inner dimension) exactly as over a 1-D one, and every replica (the outer dimension)
+// holds the same rows, so a ShardSpec has no cut for the replicate group and DCP writes the
+// replicas' identical chunks once (Note [Replicas cut unlike]). In backward the reduce-scatter over
+// the shard group is followed by an all-reduce of the shard's gradient over the replicate group,
+// after the reduce-scatter has landed (finish_gradients), and the result is the mean over all
+// shard * replicate ranks. The division follows FSDP2's _get_gradient_divide_factors: float32 and
+// bfloat16 average in each collective (AVG, AVG); other reduce dtypes (float64, float16) sum in both,
+// having divided by a power of two near sqrt(N) before and by the rest after, against overflow.
+// The 1-D path keeps its one AVG reduce-scatter. GradScaler's overflow flag is reduced over both
+// groups (each rank's found_inf reaches every rank of the mesh), whatever the all-reduce carried.
 #include "fsdp/unit.h"
 
 #include <algorithm>
@@ -75,8 +88,14 @@ at::Tensor as_gathered(const at::Tensor& t) { return t.element_size() == 2 ? t.v
 
 }  // namespace
 
+std::optional<Group> replicate_group(const FullyShardOptions& options) {
+  const DeviceMesh& mesh = options.mesh();
+  if (mesh.ndim() != 2) return std::nullopt;
+  return mesh.get_group(mesh.dim_names().front());
+}
+
 std::vector<ShardedParam> shard_parameters(std::vector<std::pair<std::string, at::Tensor>> named, const Group& group,
-                                           at::Tensor& flat_shard) {
+                                           const std::optional<Group>& replicas, at::Tensor& flat_shard) {
   const int64_t n = group.size(), r = group.rank();
   std::vector<ShardedParam> out;
   int64_t offset = 0;
@@ -117,7 +136,8 @@ std::vector<ShardedParam> shard_parameters(std::vector<std::pair<std::string, at
     p.param.set_data(p.shard);
     comm::publish_shard_spec(p.param, p.spec);
     p.param.mutable_grad() = at::Tensor();
-    comm::add_shard_group(p.param, group);  // GradScaler's overflow flag spans the group
+    comm::add_shard_group(p.param, group);                    // GradScaler's overflow flag spans the group
+    if (replicas) comm::add_shard_group(p.param, *replicas);  // and the replicas (Note [Hybrid sharding])
   }
   return out;
 }
@@ -127,6 +147,7 @@ Unit::Unit(const std::shared_ptr<torch::nn::Module>& module, std::vector<Sharded
     : label_(module->name()),
       module_(module.get()),
       group_(o.process_group()),
+      replicas_(replicate_group(o)),
       params_(std::move(params)),
       mp_(o.mp_policy()),
       reshard_option_(o.reshard_after_forward()),
@@ -135,6 +156,7 @@ Unit::Unit(const std::shared_ptr<torch::nn::Module>& module, std::vector<Sharded
   for (const ShardedParam& p : params_) takes_grad_ += p.param.requires_grad() ? 1 : 0;
   reshard_after_forward_ = reshard_option_.value_or(true);
   hook_keys_.assign(params_.size(), 0);
+  set_divide_factors();
   per_param_ =
       comm::capabilities(group_).small_calls_are_cheap() && (!flat_shard_.defined() || flat_shard_.device().is_cpu());
   // What the unit holds at once from the pool (Note [Buffer pool]): the cast shard and the whole
@@ -142,6 +164,19 @@ Unit::Unit(const std::shared_ptr<torch::nn::Module>& module, std::vector<Sharded
   const size_t n = static_cast<size_t>(group_.size()), per_rank = static_cast<size_t>(per_rank_);
   const size_t param_bytes = c10::elementSize(param_dtype()), reduce_bytes = c10::elementSize(wire_dtype());
   reserve_pool_for((n + 1) * per_rank * (param_bytes + reduce_bytes));
+}
+
+// Note [Hybrid sharding]: FSDP2's _get_gradient_divide_factors, for HSDP only (the 1-D path keeps
+// its AVG reduce-scatter in every dtype).
+void Unit::set_divide_factors() {
+  const at::ScalarType r = reduce_dtype();
+  if (!replicas_ || r == at::kFloat || r == at::kBFloat16) return;  // AVG in both collectives
+  const int64_t size = group_.size() * replicas_->size();
+  int64_t pre = 1;
+  while (size % pre == 0 && size / pre > pre) pre *= 2;
+  predivide_ = static_cast<double>(pre);
+  postdivide_ = static_cast<double>(size) / static_cast<double>(pre);
+  reduce_op_ = ReduceOp::SUM;
 }
 
 Unit::~Unit() {
@@ -360,10 +395,11 @@ void Unit::launch_reduce_scatter() {
     if (p.accumulated.defined()) g = g.defined() ? g.add(p.accumulated) : p.accumulated;
     p.accumulated = at::Tensor();
     if (g.defined()) p.got_grad = true;  // a gradient accumulated without sync counts as this backward's
-    const at::Tensor in = padded_gradient(p, g, options);
+    at::Tensor in = padded_gradient(p, g, options);
     if (per_param_) {
+      if (predivide_ != 1) in = in.div(predivide_);  // not in place: `in` may be the gradient itself
       at::Tensor out = scatter_out_.narrow(0, p.offset, p.chunk_numel());
-      scatters_.push_back(reduce_scatter_tensor(out, in, ReduceOp::AVG, group_, /*async_op=*/true));
+      scatters_.push_back(reduce_scatter_tensor(out, in, reduce_op_, group_, /*async_op=*/true));
       // Read by the collective until it completes, then given back at once: backward's next
       // gradients are then allocated where these were, not in fresh pages.
       scatters_.back().then([keep = at::Tensor(in)]() mutable { keep = at::Tensor(); });
@@ -372,7 +408,8 @@ void Unit::launch_reduce_scatter() {
     }
   }
   if (!per_param_) {
-    scatters_.push_back(reduce_scatter_tensor(scatter_out_, parts.view({-1}), ReduceOp::AVG, group_, true));
+    if (predivide_ != 1) parts.div_(predivide_);
+    scatters_.push_back(reduce_scatter_tensor(scatter_out_, parts.view({-1}), reduce_op_, group_, true));
     scatter_inputs_.push_back(parts);
   }
   received_bytes_ += (n - 1) * per_rank_ * static_cast<int64_t>(scatter_out_.element_size());
@@ -399,6 +436,8 @@ void Unit::finish_gradients() {
   scatters_.clear();
   scatter_inputs_.clear();
   torch::NoGradGuard no_grad;
+  // Note [Hybrid sharding]: the replicas' shards of the gradient, once the reduce-scatter has landed.
+  if (replicas_) all_reduce(scatter_out_, reduce_op_, *replicas_);
   for (ShardedParam& p : params_) {
     at::Tensor old = p.sharded_grad;
     p.sharded_grad = at::Tensor();
@@ -407,10 +446,9 @@ void Unit::finish_gradients() {
       continue;
     }
     // Rounded to the reduce dtype first where it travelled as float32 (a no-op otherwise).
-    at::Tensor g = scatter_out_.narrow(0, p.offset, p.local_numel())
-                       .view(p.shard.sizes())
-                       .to(reduce_dtype())
-                       .to(p.shard.scalar_type());
+    at::Tensor g = scatter_out_.narrow(0, p.offset, p.local_numel()).view(p.shard.sizes()).to(reduce_dtype());
+    if (postdivide_ != 1) g = g.div(postdivide_);
+    g = g.to(p.shard.scalar_type());
     if (old.defined()) {
       old.add_(g);
       p.param.mutable_grad() = old;

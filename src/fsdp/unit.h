@@ -99,6 +99,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
 
  private:
   void launch_reduce_scatter();
+  void set_divide_factors();
   void fill_storage(ShardedParam& p, const at::TensorOptions& options);
   at::Tensor padded_gradient(const ShardedParam& p, const at::Tensor& g, const at::TensorOptions& options) const;
   at::ScalarType param_dtype() const;
@@ -109,6 +110,10 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::string label_;
   const torch::nn::Module* module_;
   Group group_;
+  std::optional<Group> replicas_;  // HSDP's replicate group (Note [Hybrid sharding])
+  // Note [Hybrid sharding]: the gradients' divisions and ops, as FSDP2's _get_gradient_divide_factors.
+  double predivide_ = 1, postdivide_ = 1;
+  ReduceOp reduce_op_ = ReduceOp::AVG;
   std::vector<ShardedParam> params_;
   MixedPrecisionPolicy mp_;
   std::optional<bool> reshard_option_;
@@ -132,7 +137,12 @@ class Unit : public std::enable_shared_from_this<Unit> {
 };
 
 // Lays out one parameter as FSDP2 does (chunk ceil(d0 / n) rows) and copies this rank's rows.
+// `replicas`: HSDP's replicate group, which holds the same rows (no cut; GradScaler agrees over it).
 std::vector<ShardedParam> shard_parameters(std::vector<std::pair<std::string, at::Tensor>> named, const Group& group,
-                                           at::Tensor& flat_shard);
+                                           const std::optional<Group>& replicas, at::Tensor& flat_shard);
+
+// HSDP (Note [Hybrid sharding]): the group a unit's parameters are replicated over, a 2-D mesh's
+// outer dimension; none for a 1-D mesh or a process group.
+std::optional<Group> replicate_group(const FullyShardOptions& options);
 
 }  // namespace dtrain::fsdp

@@ -2,6 +2,7 @@
 // this rank's part of deterministic batches (float64, SGD with momentum, then Adam), exactly as
 // fsdp_reference.py does with PyTorch's own fully_shard, and writes what the test compares:
 // each parameter's local shard shape right after sharding and every whole parameter after 20 steps.
+// With FSDP_REFERENCE_HSDP=1 (4 ranks), HSDP: every unit on a {replicate 2, shard 2} mesh.
 //   fsdp_reference OUT.json   (run on every rank, env:// from the launcher)
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -9,12 +10,14 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <limits>
 #include <sstream>
 
+#include "dtrain/device_mesh.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/process_group.h"
 
@@ -48,12 +51,12 @@ std::string json_list(const at::Tensor& t) {
   return s.str() + "]";
 }
 
-std::string train(const std::string& kind) {
+std::string train(const std::string& kind, const dtrain::FullyShardOptions& options) {
   auto model = make_model();
   // doc:begin fully_shard
   for (auto& layer : *model)  // each Linear of the Sequential becomes a unit
-    if (!layer.ptr()->parameters().empty()) dtrain::fully_shard(layer);
-  auto fsdp = dtrain::fully_shard(model.ptr());  // the root, last
+    if (!layer.ptr()->parameters().empty()) dtrain::fully_shard(layer, options);
+  auto fsdp = dtrain::fully_shard(model.ptr(), options);  // the root, last
   // doc:end fully_shard
   std::ostringstream shapes;
   bool first = true;
@@ -92,7 +95,10 @@ int main(int argc, char** argv) {
   }
   try {
     dtrain::init_process_group();
-    const std::string sgd = train("sgd"), adam = train("adam");
+    dtrain::FullyShardOptions options;
+    const char* hsdp = std::getenv("FSDP_REFERENCE_HSDP");
+    if (hsdp && std::string(hsdp) == "1") options.mesh(dtrain::init_device_mesh({2, 2}, {"replicate", "shard"}));
+    const std::string sgd = train("sgd", options), adam = train("adam", options);
     std::ofstream(argv[1]) << "{\"sgd\": " << sgd << ", \"adam\": " << adam << "}\n";
     dtrain::destroy_process_group();
   } catch (const std::exception& e) {

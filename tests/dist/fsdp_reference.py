@@ -1,15 +1,18 @@
 """The Python side of test_fsdp_pytorch.py: PyTorch's own fully_shard (FSDP2) on the model, data
 and optimizers of fsdp_reference.cpp, writing the same JSON (local shard shapes after sharding,
-whole parameters after 20 steps).
+whole parameters after 20 steps). With FSDP_REFERENCE_HSDP=1 (4 ranks), HSDP: every unit on the
+2-D mesh init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")).
   python fsdp_reference.py OUT.json   (every rank; env:// as torchrun sets it)
 """
 import gc
 import json
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 STEPS, BATCH = 20, 12
@@ -27,12 +30,12 @@ def make_model():
     return m
 
 
-def train(kind):
+def train(kind, mesh):
     model = make_model()
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     shapes = {name: list(p.to_local().shape) for name, p in model.named_parameters()}
     if kind == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -51,7 +54,10 @@ def train(kind):
 
 def main():
     dist.init_process_group("gloo")
-    out = {"sgd": train("sgd"), "adam": train("adam")}
+    mesh = None
+    if os.environ.get("FSDP_REFERENCE_HSDP") == "1":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out = {"sgd": train("sgd", mesh), "adam": train("adam", mesh)}
     with open(sys.argv[1], "w") as f:
         json.dump(out, f)
     # Nothing that holds the group may outlive it: fully_shard's modules sit in reference cycles

@@ -486,12 +486,12 @@ TEST(FullyShard, BadInputIsNamedInOneLine) {
     expect_error([&] { dtrain::fully_shard(net->inner.module()->b); }, "already a unit");
   }
   {
-    // A 2-D mesh, and a mesh beside another group.
-    DeviceMesh mesh = init_device_mesh({1, world_size()}, {"rep", "dp"});
+    // A 3-D mesh (2-D is HSDP's), and a mesh beside another group.
+    DeviceMesh mesh = init_device_mesh({1, 1, world_size()}, {"pp", "rep", "dp"});
     auto lin = std::make_shared<torch::nn::LinearImpl>(4, 4);
     expect_error([&] { dtrain::fully_shard(lin, FullyShardOptions().mesh(mesh)); },
-                 "mesh has 2 dimensions (rep, dp); it shards over a 1-D mesh: pass the data-parallel dimension's "
-                 "sub-mesh, as mesh[\"rep\"]");
+                 "mesh has 3 dimensions (pp, rep, dp); it shards over a 1-D mesh or a 2-D (replicate, shard) one: "
+                 "pass the data-parallel dimensions' sub-mesh, as mesh[{\"rep\", \"dp\"}]");
     const Group one = new_group({rank()});  // every rank its own: a group other than mesh["dp"]'s
     expect_error([&] { dtrain::fully_shard(lin, FullyShardOptions().mesh(mesh["dp"]).process_group(one)); },
                  "and process_group ('");
