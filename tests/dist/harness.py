@@ -219,20 +219,28 @@ class DistTestCase(unittest.TestCase):
             time.sleep(0.05)
         return [proc.finish(deadline - time.monotonic()) for proc in procs]
 
-    def run_ranks_json(self, argv, world, outs, timeout=240, expect_ok=True, **env):
-        """The "against PyTorch" harnesses' job: `argv + [out]` on `world` ranks (env://, a free port,
-        PYTHONPATH unset, `env` added), again on another port if a program outside the tests took it.
-        `outs` is one JSON path per rank, or one path every rank is given (rank 0 writes it). Returns
-        the JSON of each path (one value for one path); with expect_ok=False the ranks' [Result]."""
-        paths = outs if isinstance(outs, list) else [outs] * world
+    def run_world(self, argvs, timeout=240, **env):
+        """The "against PyTorch" harnesses' job: `argvs[r]` on rank r of len(argvs) ranks (env://, a
+        free port, PYTHONPATH unset, `env` added; each rank's program may differ, Python or C++), again
+        on another port if a program outside the tests took it. Returns the ranks' [Result] and the
+        port they ran on."""
+        world = len(argvs)
         for _ in range(3):
             port = free_port()
-            procs = [self.spawn(argv + [paths[r]], rank_env(r, world, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=world,
-                                                            PYTHONPATH=None, **env))
+            procs = [self.spawn(argvs[r], rank_env(r, world, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=world,
+                                                   PYTHONPATH=None, **env))
                      for r in range(world)]
             results = self.finish_all(procs, timeout, give_up=port_was_taken)
             if not any(map(port_was_taken, results)):
                 break
+        return results, port
+
+    def run_ranks_json(self, argv, world, outs, timeout=240, expect_ok=True, **env):
+        """run_world of `argv + [out]` on `world` ranks. `outs` is one JSON path per rank, or one path
+        every rank is given (rank 0 writes it). Returns the JSON of each path (one value for one
+        path); with expect_ok=False the ranks' [Result]."""
+        paths = outs if isinstance(outs, list) else [outs] * world
+        results, _ = self.run_world([argv + [paths[r]] for r in range(world)], timeout, **env)
         if not expect_ok:
             return results
         for r, res in enumerate(results):

@@ -46,11 +46,8 @@ class PytorchPeers(DistTestCase):
     def run_layout(self, kinds, **env):
         cxx = peer_rank()
         py = [needs(VENV_PYTHON, ".venv/bin/python"), os.path.join(HERE, "peer_rank.py")]
-        port, world = free_port(), len(kinds)
-        procs = [self.spawn(py if k == "py" else [cxx],
-                            rank_env(r, world, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=world, PYTHONPATH=None, **env))
-                 for r, k in enumerate(kinds)]
-        results = [p.finish(120) for p in procs]
+        results, port = self.run_world([py if k == "py" else [cxx] for k in kinds], 120, **env)
+        world = len(kinds)
         if kinds[0] == "cxx":  # Note [Open stores]: the dtrain rank 0 that hosts PyTorch's TCPStore says so
             secret = "and DTRAIN_JOB_SECRET, which is set, does not apply to it" if "DTRAIN_JOB_SECRET" in env else \
                 "which DTRAIN_JOB_SECRET cannot change"
@@ -102,10 +99,7 @@ class PytorchPeers(DistTestCase):
         one line containing `line`; the Python rank fails within seconds instead of waiting."""
         cxx = peer_rank()
         py = [needs(VENV_PYTHON, ".venv/bin/python"), os.path.join(HERE, "peer_rank.py"), "--ddp", kind]
-        port = free_port()
-        procs = [self.spawn(argv, rank_env(r, 2, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=2, PYTHONPATH=None))
-                 for r, argv in enumerate([py, [cxx, "--ddp", kind]])]
-        python, dtrain = [p.finish(60) for p in procs]
+        (python, dtrain), _ = self.run_world([py, [cxx, "--ddp", kind]], 60)
         self.assertEqual(dtrain.rc, 1, str(dtrain))
         self.assertIn(line, dtrain.err)
         self.assertEqual(len(dtrain.err.strip().splitlines()), 1, str(dtrain))
@@ -145,10 +139,7 @@ class PytorchPeers(DistTestCase):
             with self.subTest(kind=kind):
                 py = [needs(VENV_PYTHON, ".venv/bin/python"), os.path.join(HERE, "peer_rank.py"), "--hostile_rebuild",
                       kind]
-                port = free_port()
-                procs = [self.spawn(argv, rank_env(r, 2, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=2, PYTHONPATH=None))
-                         for r, argv in enumerate([py, [cxx, "--ddp", "trained"]])]
-                python, dtrain = [p.finish(60) for p in procs]
+                (python, dtrain), _ = self.run_world([py, [cxx, "--ddp", "trained"]], 60)
                 self.assertEqual(dtrain.rc, 1, str(dtrain))
                 self.assertIn("rank 1: DistributedDataParallel with Python ranks: group rank 0 (rank 0) sent a "
                               f"bucket rebuild with {line}, not a partition of the 2 parameters", dtrain.err)

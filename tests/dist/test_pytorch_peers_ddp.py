@@ -34,7 +34,7 @@ import struct
 import tempfile
 import unittest
 
-from harness import DistTestCase, binary, free_port, rank_env
+from harness import DistTestCase, binary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TORCH_MAJOR = int(os.environ.get("DTRAIN_TORCH_MAJOR", "0"))
@@ -103,12 +103,9 @@ class PytorchPeersDDP(DistTestCase):
         out = tempfile.mkdtemp(prefix="ddp_peer_")
         self.addCleanup(shutil.rmtree, out, ignore_errors=True)
         args = ["--mode", ",".join(modes), "--steps", str(STEPS), "--out", out, *extra]
-        port, world = free_port(), len(kinds)
-        procs = [self.spawn((py if k == "py" else [cxx]) + args,
-                            rank_env(r, world, port, LOCAL_RANK=r, LOCAL_WORLD_SIZE=world, PYTHONPATH=None,
-                                     DTRAIN_TIMEOUT_S=COLLECTIVE_TIMEOUT_S, **env))
-                 for r, k in enumerate(kinds)]
-        results = [p.finish(JOB_TIMEOUT_S) for p in procs]
+        world = len(kinds)
+        results, _ = self.run_world([(py if k == "py" else [cxx]) + args for k in kinds], JOB_TIMEOUT_S,
+                                    DTRAIN_TIMEOUT_S=COLLECTIVE_TIMEOUT_S, **env)
         everything = "\n".join(f"=== rank {r} ({k})\n{res}" for r, (k, res) in enumerate(zip(kinds, results)))
         for r, (kind, res) in enumerate(zip(kinds, results)):
             self.assertEqual(res.rc, 0, f"rank {r} ({kind}) of {kinds}, modes {modes}, failed:\n{everything}")
