@@ -145,6 +145,33 @@ TEST(StoreHostile, JunkBeforeTheHandshakeGetsNoReplyAndNoTime) {
   EXPECT_LT(after, scaled(kGreeting).count()) << "a member waited " << after << " s after the attack";
 }
 
+// The handshake is read as one frame alone (Note [Store budgets]): a request a peer pipelines in the
+// same write behind a wrong proof is never read, so it never runs. On an open store the same bytes do
+// run it, which shows the probe can see a request that ran.
+TEST(StoreHostile, ARequestPipelinedBehindAWrongProofNeverRuns) {
+  auto behind_a_proof = [](uint16_t port) {
+    Raw raw(port);
+    const auto nonce = raw.hello_nonce();
+    std::vector<uint8_t> bytes = auth_frame(std::vector<uint8_t>(nonce.size(), 7), std::vector<uint8_t>(32, 0));
+    const auto set = Writer(uint8_t(Op::kSet)).str("planted").blob({1, 2, 3}).frame();
+    bytes.insert(bytes.end(), set.begin(), set.end());
+    raw.send_bytes(bytes);
+    bytes_until_closed(raw, 1000ms);
+  };
+  {
+    StoreServer server("127.0.0.1", 0, kJobSecret);
+    behind_a_proof(server.port());
+    StoreClient member("127.0.0.1", server.port(), kConnect, kJobSecret);
+    EXPECT_FALSE(member.check({"planted"})) << "a request behind a wrong proof ran";
+  }
+  {
+    StoreServer server("127.0.0.1", 0);
+    behind_a_proof(server.port());
+    StoreClient anyone("127.0.0.1", server.port(), kConnect);
+    EXPECT_TRUE(anyone.check({"planted"})) << "the probe cannot see a request that ran";
+  }
+}
+
 // A client (on an open store, anyone) that pipelines tiny requests as fast as it can: each poll round
 // handles a bounded number of them, so another client is answered within one round, not one batch.
 TEST(StoreHostile, APipeliningClientDoesNotStarveTheOthers) {
