@@ -46,6 +46,7 @@ struct Config {
   bool tensorboard = false;             // TensorBoard event files in checkpoint_dir
   bool fsdp = false;                    // fully_shard instead of DDP: each rank holds its rows only
   bool reshard_after_forward = true;    // --fsdp: free fc1's whole parameters after its forward (ZeRO-3)
+  int activation_checkpoint = 0;        // recompute every K-th conv block in backward (0: none, 1: full)
   // --comm_hook powersgd: the rank and the plain steps before compressing (PyTorch's defaults: 1, 1000)
   int64_t powersgd_rank = dtrain::PowerSGDOptions().matrix_approximation_rank();
   int64_t powersgd_start_iter = dtrain::PowerSGDOptions().start_powerSGD_iter();

@@ -40,6 +40,7 @@
 
 #include <torch/torch.h>
 
+#include "dtrain/activation_checkpoint.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
 #include "dtrain/dtrain.h"
@@ -64,12 +65,23 @@ struct FashionCNNImpl : torch::nn::Module {
     fc1 = dtrain::FSDPModule<LinearImpl>(register_module("fc1", std::make_shared<LinearImpl>(64 * 7 * 7, 128)));
     fc2 = register_module("fc2", Linear(128, 10));
   }
-  at::Tensor forward(at::Tensor x) {                           // (B, 1, 28, 28)
-    x = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);  // (B, 32, 14, 14)
-    x = torch::max_pool2d(torch::relu(conv2->forward(x)), 2);  // (B, 64, 7, 7)
-    x = torch::relu(fc1(x.flatten(1)));                        // (B, 128)
-    return fc2->forward(x);                                    // (B, 10) logits
+  at::Tensor forward(at::Tensor x) {     // (B, 1, 28, 28)
+    x = conv_block(0, conv1, x);         // (B, 32, 14, 14)
+    x = conv_block(1, conv2, x);         // (B, 64, 7, 7)
+    x = torch::relu(fc1(x.flatten(1)));  // (B, 128)
+    return fc2->forward(x);              // (B, 10) logits
   }
+  // conv, relu, pool; with --activation_checkpoint, block i is recomputed in backward when i is a
+  // multiple of checkpoint_every (dtrain/activation_checkpoint.h): the conv blocks hold most of the
+  // activations (32 x 28 x 28 and 64 x 14 x 14 per sample against fc1's 128).
+  at::Tensor conv_block(int i, torch::nn::Conv2d& conv, const at::Tensor& x) {
+    auto block = [&](const std::vector<at::Tensor>& in) {
+      return torch::max_pool2d(torch::relu(conv->forward(in[0])), 2);
+    };
+    if (checkpoint_every == 0 || i % checkpoint_every != 0) return block({x});
+    return dtrain::checkpoint(block, {x}, dtrain::ActivationCheckpointOptions().parameters(conv->parameters()));
+  }
+  int checkpoint_every = 0;
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
   dtrain::FSDPModule<torch::nn::LinearImpl> fc1{nullptr};
   torch::nn::Linear fc2{nullptr};
@@ -158,14 +170,20 @@ double evaluate(FashionCNN& model, Parallel& par, const FashionMNIST& test, int6
   return counts[0] / counts[1];
 }
 
-// The configuration line's hook: "" for DDP's own all-reduce; fully_shard's mode with --fsdp.
+// The configuration line's hook: "" for DDP's own all-reduce; fully_shard's mode with --fsdp; and the
+// conv blocks recomputed in backward with --activation_checkpoint.
 std::string comm_hook_text(const Config& cfg) {
+  std::string ac;
+  if (cfg.activation_checkpoint > 0)
+    ac = cfg.activation_checkpoint == 1 ? ", activation checkpoint (conv blocks 1, 2)"
+                                        : ", activation checkpoint (conv block 1)";
   if (cfg.fsdp)
-    return std::string(", fully_shard (reshard_after_forward ") + (cfg.reshard_after_forward ? "true" : "false") + ")";
-  if (cfg.comm_hook == "allreduce") return "";
-  if (cfg.comm_hook != "powersgd") return ", comm_hook " + cfg.comm_hook;
+    return std::string(", fully_shard (reshard_after_forward ") + (cfg.reshard_after_forward ? "true" : "false") + ")" +
+           ac;
+  if (cfg.comm_hook == "allreduce") return ac;
+  if (cfg.comm_hook != "powersgd") return ", comm_hook " + cfg.comm_hook + ac;
   return ", comm_hook powersgd (rank " + std::to_string(cfg.powersgd_rank) + ", after " +
-         std::to_string(cfg.powersgd_start_iter) + " plain steps)";
+         std::to_string(cfg.powersgd_start_iter) + " plain steps)" + ac;
 }
 
 // The steps below, in the order run() takes them: setup, data, model, resume, train_epoch,
@@ -546,6 +564,7 @@ int run(const Config& cfg) {
   torch::manual_seed(static_cast<uint64_t>(cfg.seed));
   FashionCNN model;
   model->to(device);
+  model->checkpoint_every = cfg.activation_checkpoint;
   Parallel par;
   std::optional<dtrain::PowerSGDState> powersgd;
   if (!cfg.fsdp) {

@@ -85,6 +85,18 @@ std::optional<int> parse_flags(int argc, char** argv, Config& cfg) {
       ->check(CLI::IsMember({"true", "false"}))
       ->needs(fsdp)
       ->capture_default_str();
+  std::string ac = "none";
+  app.add_option("--activation_checkpoint", ac,
+                 "recompute activations in backward instead of keeping them (dtrain::checkpoint): none, full (both "
+                 "conv blocks, where the activations are) or every:K (every K-th conv block)")
+      ->check([](const std::string& v) {
+        if (v == "none" || v == "full") return std::string();
+        if (v.rfind("every:", 0) == 0 && v.size() > 6 && v.find_first_not_of("0123456789", 6) == std::string::npos &&
+            std::stoll(v.substr(6)) >= 1)
+          return std::string();
+        return "give none, full or every:K with K >= 1, got '" + v + "'";
+      })
+      ->capture_default_str();
   app.add_option("--sample_log", cfg.sample_log,
                  "folder where each rank appends every dataset index it trains to "
                  "samples.rank<RANK>.attempt<TORCHELASTIC_RESTART_COUNT or 0>.txt, one line 'EPOCH STEP INDEX' per "
@@ -107,6 +119,7 @@ std::optional<int> parse_flags(int argc, char** argv, Config& cfg) {
               "passed by dtrain-run --use_local_rank_arg (unused)");
   if (std::optional<int> exit_code = numbers.parse(argc, argv, "train_fashion_mnist")) return exit_code;
   cfg.reshard_after_forward = reshard == "true";
+  cfg.activation_checkpoint = ac == "none" ? 0 : ac == "full" ? 1 : static_cast<int>(std::stoll(ac.substr(6)));
   // fully_shard has neither DDP's communication hooks nor Join: say so rather than ignore the flag.
   if (cfg.fsdp && (cfg.comm_hook != "allreduce" || cfg.uneven > 0)) {
     std::fprintf(stderr,

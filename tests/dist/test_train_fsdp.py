@@ -116,6 +116,19 @@ class TrainFsdp(DistTestCase):
             self.assertIn("resumed from", res.out)
             self.assertEqual(resumed.group(4), straight.group(4), "the resumed run differs from the straight one")
 
+    def test_activation_checkpointing_changes_no_bit(self):
+        """--activation_checkpoint recomputes the conv blocks in backward (dtrain::checkpoint): under DDP
+        and under fully_shard the run ends with the very parameters of the run without it."""
+        _, plain = self.launch(2, *COMMON, "--epochs", 1)
+        for flags, line in ((("--activation_checkpoint", "full"), "activation checkpoint (conv blocks 1, 2)"),
+                            (("--activation_checkpoint", "every:2", "--fsdp"), "activation checkpoint (conv block 1)")):
+            with self.subTest(flags=flags):
+                res, result = self.launch(2, *COMMON, "--epochs", 1, *flags)
+                self.assertIn(line, res.out)
+                self.assertEqual(result.group(4), plain.group(4), "params_sha256 differs from the run without it")
+        res, _ = self.launch(2, *COMMON, "--activation_checkpoint", "every:0", rc=1)
+        self.assertIn("give none, full or every:K with K >= 1, got 'every:0'", res.err)
+
     def test_ddp_only_flags_are_refused_with_fsdp(self):
         for args, text in ((("--fsdp", "--comm_hook", "bf16"), "--fsdp cannot be combined with --comm_hook bf16"),
                            (("--fsdp", "--uneven", 0.5), "--fsdp cannot be combined with --uneven"),
