@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "dtrain/comm_hooks.h"
 #include "dtrain/datasets/fashion_mnist.h"
@@ -46,6 +47,7 @@ struct Config {
   bool tensorboard = false;             // TensorBoard event files in checkpoint_dir
   bool fsdp = false;                    // fully_shard instead of DDP: each rank holds its rows only
   bool reshard_after_forward = true;    // --fsdp: free fc1's whole parameters after its forward (ZeRO-3)
+  std::vector<int64_t> fsdp_mesh;       // --fsdp over a 2-D mesh {replicate, shard} (HSDP); empty: 1-D
   int activation_checkpoint = 0;        // recompute every K-th conv block in backward (0: none, 1: full)
   // --comm_hook powersgd: the rank and the plain steps before compressing (PyTorch's defaults: 1, 1000)
   int64_t powersgd_rank = dtrain::PowerSGDOptions().matrix_approximation_rank();

@@ -43,6 +43,7 @@
 #include "dtrain/activation_checkpoint.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
+#include "dtrain/device_mesh.h"
 #include "dtrain/dtrain.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/monitor.h"
@@ -178,8 +179,11 @@ std::string comm_hook_text(const Config& cfg) {
     ac = cfg.activation_checkpoint == 1 ? ", activation checkpoint (conv blocks 1, 2)"
                                         : ", activation checkpoint (conv block 1)";
   if (cfg.fsdp)
-    return std::string(", fully_shard (reshard_after_forward ") + (cfg.reshard_after_forward ? "true" : "false") + ")" +
-           ac;
+    return std::string(", fully_shard (reshard_after_forward ") + (cfg.reshard_after_forward ? "true" : "false") +
+           (cfg.fsdp_mesh.empty() ? std::string()
+                                  : ", HSDP: replicate " + std::to_string(cfg.fsdp_mesh[0]) + " x shard " +
+                                        std::to_string(cfg.fsdp_mesh[1])) +
+           ")" + ac;
   if (cfg.comm_hook == "allreduce") return ac;
   if (cfg.comm_hook != "powersgd") return ", comm_hook " + cfg.comm_hook + ac;
   return ", comm_hook powersgd (rank " + std::to_string(cfg.powersgd_rank) + ", after " +
@@ -574,7 +578,9 @@ int run(const Config& cfg) {
     // doc:begin fsdp
     // --fsdp (dtrain/fsdp.h): the units bottom-up, the root last, as FSDP2's fully_shard. The
     // optimizer is built after, on the shards, and holds state for them only.
-    const auto options = dtrain::FullyShardOptions().reshard_after_forward(cfg.reshard_after_forward);
+    auto options = dtrain::FullyShardOptions().reshard_after_forward(cfg.reshard_after_forward);
+    if (!cfg.fsdp_mesh.empty())  // HSDP: shard within groups of S ranks, replicate across R of them
+      options.mesh(dtrain::init_device_mesh(cfg.fsdp_mesh, {"replicate", "shard"}));
     dtrain::fully_shard(model->fc1, options);
     par.fsdp.emplace(dtrain::fully_shard(model, options));
     // doc:end fsdp

@@ -85,6 +85,13 @@ std::optional<int> parse_flags(int argc, char** argv, Config& cfg) {
       ->check(CLI::IsMember({"true", "false"}))
       ->needs(fsdp)
       ->capture_default_str();
+  app.add_option("--fsdp_mesh", cfg.fsdp_mesh,
+                 "with --fsdp: R,S shards over groups of S ranks and replicates across R of them (HSDP, FSDP2's "
+                 "2-D mesh (replicate, shard)); R x S must be the world size")
+      ->delimiter(',')
+      ->expected(2)
+      ->check(CLI::PositiveNumber)
+      ->needs(fsdp);
   std::string ac = "none";
   app.add_option("--activation_checkpoint", ac,
                  "recompute activations in backward instead of keeping them (dtrain::checkpoint): none, full (both "

@@ -116,6 +116,25 @@ class TrainFsdp(DistTestCase):
             self.assertIn("resumed from", res.out)
             self.assertEqual(resumed.group(4), straight.group(4), "the resumed run differs from the straight one")
 
+    def test_hsdp_mesh_ends_where_ddp_does(self):
+        """--fsdp --fsdp_mesh 2,2 on 4 ranks (HSDP: sharded over pairs, replicated across them) ends
+        where DDP does, within float32 rounding (its gradients are averaged in two steps, FSDP2's);
+        a mesh that is not the world is refused in one line."""
+        with tempfile.TemporaryDirectory() as tmp:
+            ddp, hsdp = os.path.join(tmp, "ddp.bin"), os.path.join(tmp, "hsdp.bin")
+            _, ddp_result = self.launch(4, *COMMON, "--epochs", 1, "--dump_params", ddp)
+            res, hsdp_result = self.launch(4, *COMMON, "--epochs", 1, "--fsdp", "--fsdp_mesh", "2,2",
+                                           "--dump_params", hsdp)
+            self.assertIn("HSDP: replicate 2 x shard 2", res.out)
+            a, b = self.read(ddp), self.read(hsdp)
+            self.assertEqual(len(a), len(b))
+            scale = max(abs(x) for x in a)
+            worst = max(abs(x - y) for x, y in zip(a, b)) / scale
+            self.assertLess(worst, 1e-5, "HSDP's parameters differ from DDP's")
+            self.assertEqual(hsdp_result.group(2), ddp_result.group(2), "test accuracy differs from DDP's")
+        res, _ = self.launch(2, *COMMON, "--fsdp", "--fsdp_mesh", "3,1", rc=1)
+        self.assertIn("init_device_mesh: shape [3, 1] holds 3 ranks but the world has 2", res.err)
+
     def test_activation_checkpointing_changes_no_bit(self):
         """--activation_checkpoint recomputes the conv blocks in backward (dtrain::checkpoint): under DDP
         and under fully_shard the run ends with the very parameters of the run without it."""
