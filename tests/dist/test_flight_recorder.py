@@ -10,6 +10,7 @@ timeout + 10 s. Timeouts are 5 s (DTRAIN_TIMEOUT_S) to keep the file short.
 import glob
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -65,11 +66,16 @@ def catches_sigusr1(pid):
 
 
 def read_dumps(folder):
-    """{rank: the pickled record} of every dtrain_trace_rank_<rank> in `folder`."""
+    """{rank: the pickled record} of every dtrain_trace_rank_<rank> in `folder`. A dump is written to a
+    temporary name beside it (dtrain_trace_rank_<rank>.tmpXXXXXX) and renamed when complete: a dump
+    being written while the test looks is not one yet."""
     dumps = {}
     for path in glob.glob(os.path.join(folder, "dtrain_trace_rank_*")):
+        m = re.fullmatch(r"dtrain_trace_rank_(\d+)", os.path.basename(path))
+        if not m:
+            continue
         with open(path, "rb") as f:
-            dumps[int(path.rsplit("_", 1)[1])] = pickle.load(f)
+            dumps[int(m.group(1))] = pickle.load(f)
     return dumps
 
 
