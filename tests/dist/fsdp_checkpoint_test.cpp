@@ -41,6 +41,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using fsdp_models::max_rel_diff;
+
 constexpr int kStepsBefore = 4, kStepsAfter = 4;
 
 const std::string& g_phase = phase_args().phase;
@@ -75,18 +77,6 @@ OneProcess one_process_run(const std::string& kind, int steps) {
   return ref;
 }
 Net one_process(const std::string& kind, int steps) { return one_process_run(kind, steps).net; }
-
-double max_rel_diff(const std::vector<std::pair<std::string, at::Tensor>>& whole, torch::nn::Module& ref) {
-  std::map<std::string, at::Tensor> mine(whole.begin(), whole.end());
-  double worst = 0;
-  for (const auto& kv : ref.named_parameters()) {
-    const at::Tensor& t = mine.at(kv.key());
-    EXPECT_EQ(t.sizes(), kv.value().sizes()) << kv.key();
-    const double scale = std::max(kv.value().abs().max().item<double>(), 1e-6);
-    worst = std::max(worst, (t - kv.value()).abs().max().item<double>() / scale);
-  }
-  return worst;
-}
 
 std::string recorded_path(const std::string& kind) { return g_dir + "/" + kind + "_continued.pt"; }
 

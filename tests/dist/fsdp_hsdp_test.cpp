@@ -31,6 +31,8 @@ using fsdp_models::Net;
 
 namespace {
 
+using fsdp_models::max_rel_diff;
+
 // The mesh every test shards over: 4 ranks as {replicate 2, shard 2} (shard groups {0, 1} and
 // {2, 3}, replicate groups {0, 2} and {1, 3}), as FSDP2's init_device_mesh((2, 2),
 // mesh_dim_names=("replicate", "shard")).
@@ -41,20 +43,6 @@ DeviceMesh hsdp_mesh() {
 
 std::unique_ptr<torch::optim::Optimizer> make_adam(std::vector<at::Tensor> params) {
   return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
-}
-
-double max_rel_diff(const std::vector<std::pair<std::string, at::Tensor>>& whole, torch::nn::Module& ref) {
-  std::map<std::string, at::Tensor> mine(whole.begin(), whole.end());
-  double worst = 0;
-  for (const auto& kv : ref.named_parameters()) {
-    auto it = mine.find(kv.key());
-    EXPECT_TRUE(it != mine.end()) << kv.key() << " is missing from the full state dict";
-    if (it == mine.end()) return 1e300;
-    EXPECT_EQ(it->second.sizes(), kv.value().sizes()) << kv.key();
-    const double scale = std::max(kv.value().abs().max().item<double>(), 1e-6);
-    worst = std::max(worst, (it->second.to(at::kDouble) - kv.value()).abs().max().item<double>() / scale);
-  }
-  return worst;
 }
 
 // The HSDP model and one process's, trained alike: every rank of the world its part of the batch.

@@ -10,7 +10,13 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 
+#include <algorithm>
+#include <map>
+#include <string>
 #include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
 
 #include "dtrain/fsdp.h"
 #include "dtrain/process_group.h"
@@ -78,6 +84,22 @@ inline std::pair<at::Tensor, at::Tensor> batch(int step) {
 inline void keep_this_ranks_part(at::Tensor& x, at::Tensor& y, const dtrain::Group& group = dtrain::Group()) {
   x = x.chunk(group.size())[group.rank()];
   y = y.chunk(group.size())[group.rank()];
+}
+
+// The largest difference between the whole parameters and the reference's, relative to the
+// reference's largest magnitude, over every parameter (a parameter missing from `whole` fails).
+inline double max_rel_diff(const std::vector<std::pair<std::string, at::Tensor>>& whole, torch::nn::Module& ref) {
+  std::map<std::string, at::Tensor> mine(whole.begin(), whole.end());
+  double worst = 0;
+  for (const auto& kv : ref.named_parameters()) {
+    auto it = mine.find(kv.key());
+    EXPECT_TRUE(it != mine.end()) << kv.key() << " is missing from the full state dict";
+    if (it == mine.end()) return 1e300;
+    EXPECT_EQ(it->second.sizes(), kv.value().sizes()) << kv.key();
+    const double scale = std::max(kv.value().abs().max().item<double>(), 1e-6);
+    worst = std::max(worst, (it->second.to(at::kDouble) - kv.value()).abs().max().item<double>() / scale);
+  }
+  return worst;
 }
 
 }  // namespace fsdp_models

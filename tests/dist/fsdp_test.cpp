@@ -31,25 +31,11 @@ using fsdp_models::Net;
 
 namespace {
 
+using fsdp_models::max_rel_diff;
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind, std::vector<at::Tensor> params) {
   if (kind == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
   return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
-}
-
-// The largest difference between the whole parameters and the reference's, relative to the
-// reference's largest magnitude, over every parameter.
-double max_rel_diff(const std::vector<std::pair<std::string, at::Tensor>>& whole, torch::nn::Module& ref) {
-  std::map<std::string, at::Tensor> mine(whole.begin(), whole.end());
-  double worst = 0;
-  for (const auto& kv : ref.named_parameters()) {
-    auto it = mine.find(kv.key());
-    EXPECT_TRUE(it != mine.end()) << kv.key() << " is missing from the full state dict";
-    if (it == mine.end()) return 1e300;
-    EXPECT_EQ(it->second.sizes(), kv.value().sizes()) << kv.key();
-    const double scale = std::max(kv.value().abs().max().item<double>(), 1e-6);
-    worst = std::max(worst, (it->second - kv.value()).abs().max().item<double>() / scale);
-  }
-  return worst;
 }
 
 // Steps of training the sharded model on this rank's part and the reference on the whole batch.
