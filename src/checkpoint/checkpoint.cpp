@@ -23,7 +23,6 @@
 #include "checkpoint/restore.h"
 #include "checkpoint/sharded.h"
 #include "common/util.h"
-#include "optim/state_device.h"
 #include "dtrain/amp.h"
 #include "dtrain/errors.h"
 #include "dtrain/process_group.h"
