@@ -28,7 +28,16 @@
 //   graph).
 // - fn must return a tensor computed from its inputs or parameters: a recomputed output that does
 //   not require grad while they do is an error in backward, naming the remedy (PyTorch warns).
-// - fn runs twice: side effects (a BatchNorm's running statistics, a counter) happen twice.
+// - fn runs twice: side effects (a BatchNorm's running statistics, a counter) happen twice. Collectives
+//   inside fn (a tensor-parallel block's all-reduce) run again in the recompute, on every rank in the
+//   same order, since every rank's backward reaches the checkpoint's node in the same order.
+// - The recompute must give an output of the forward's shape, dtype and device (PyTorch's
+//   determinism_check "default"; "none" skips the check): otherwise backward fails naming both.
+// - A backward that asks for only some of the gradients (autograd::grad for the input alone, as the
+//   zero-bubble pipeline's B does before its W) keeps the recomputed graph, and the backward that
+//   asks for the others (W: the parameters) takes its gradients from it: fn is recomputed once.
+// - Checkpointing an already checkpointed module (a CheckpointWrapper, or a Sequential element wrapped
+//   before) is refused in one line: the recompute would itself be recomputed.
 // - C++ modules have no forward hooks, so a wrapped module runs checkpointed through something dtrain
 //   owns: the CheckpointWrapper returned, or a Sequential element replaced in place.
 // Design: docs/design.md, "Activation checkpointing".
@@ -37,6 +46,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -55,6 +65,9 @@ struct ActivationCheckpointOptions {
   DTRAIN_ARG(bool, preserve_rng_state, true)
   // The parameters fn uses besides its inputs (a module's parameters()): see the contract above.
   DTRAIN_ARG(std::vector<at::Tensor>, parameters, {})
+  // PyTorch's determinism_check: "default" compares the recomputed output's shape, dtype and device
+  // with the forward's output (an error naming both when they differ); "none" turns the check off.
+  DTRAIN_ARG(std::string, determinism_check, "default")
 };
 
 using CheckpointFunction = std::function<at::Tensor(const std::vector<at::Tensor>&)>;

@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <memory>
 #include <mutex>
+#include <sstream>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -66,22 +68,31 @@ struct RngStates {
 };
 
 // Puts the forward's RNG and autocast states in place for the recompute, and the current ones back
-// after (also when fn throws): the RNG outside moves on as if the recompute had not run.
+// after (also when fn throws): the RNG outside moves on as if the recompute had not run. The
+// recompute is an autocast scope of its own, as PyTorch's `with torch.autocast(...)` around it: the
+// casts of the parameters it caches are dropped when it ends, or the next forward, after the
+// optimizer changed the parameters in place, would read the stale low-precision copies.
 class ForwardStateScope {
  public:
-  ForwardStateScope(RngStates* forward_rng, compat::AutocastState cpu, compat::AutocastState cuda)
-      : cpu_(compat::get_autocast(c10::DeviceType::CPU)), cuda_(compat::get_autocast(c10::DeviceType::CUDA)) {
+  ForwardStateScope(RngStates* forward_rng, compat::AutocastState cpu, compat::AutocastState cuda, bool cache)
+      : cpu_(compat::get_autocast(c10::DeviceType::CPU)),
+        cuda_(compat::get_autocast(c10::DeviceType::CUDA)),
+        cache_(compat::autocast_cache_enabled()) {
     if (forward_rng) {
       for (auto& [gen, state] : forward_rng->states) current_.add(gen);
       forward_rng->restore();
     }
     compat::set_autocast(c10::DeviceType::CPU, cpu);
     compat::set_autocast(c10::DeviceType::CUDA, cuda);
+    compat::set_autocast_cache_enabled(cache);
+    compat::autocast_increment_nesting();
   }
   ~ForwardStateScope() {
+    compat::autocast_decrement_nesting();  // clears the cast cache at the outermost scope
     current_.restore();
     compat::set_autocast(c10::DeviceType::CPU, cpu_);
     compat::set_autocast(c10::DeviceType::CUDA, cuda_);
+    compat::set_autocast_cache_enabled(cache_);
   }
   ForwardStateScope(const ForwardStateScope&) = delete;
   ForwardStateScope& operator=(const ForwardStateScope&) = delete;
@@ -89,6 +100,7 @@ class ForwardStateScope {
  private:
   RngStates current_;
   compat::AutocastState cpu_, cuda_;
+  bool cache_;
 };
 
 // What backward needs besides the saved tensors; held by the node through an IValue capsule.
@@ -100,13 +112,111 @@ struct CheckpointState : torch::CustomClassHolder {
   std::vector<bool> input_requires_grad;
   RngStates rng;
   compat::AutocastState cpu_autocast{}, cuda_autocast{};
+  bool autocast_cache = true;
+  // determinism_check "default": the forward output's metadata, compared with the recompute's.
+  bool check_metadata = true;
+  std::string forward_metadata;
+  // Note [Checkpoint partial backward]: a recompute kept for the backward that asks for the rest.
+  at::Tensor kept_out;
+  std::vector<at::Tensor> kept_targets;  // the detached inputs, then the parameters
+  std::vector<bool> served;              // which of them a backward since the recompute asked for
 };
 
-// Recomputes fn on detached copies of the inputs; returns its output.
+std::string describe_metadata(const at::Tensor& t) {
+  std::ostringstream os;
+  os << "shape " << t.sizes() << ", dtype " << t.scalar_type() << ", device " << t.device();
+  return os.str();
+}
+
+bool valid_determinism_check(const std::string& mode) { return mode == "default" || mode == "none"; }
+
+// Recomputes fn on detached copies of the inputs; returns its output, checked against the forward's.
 at::Tensor recompute(CheckpointState& state, std::vector<at::Tensor>& detached) {
-  ForwardStateScope scope(state.preserve_rng ? &state.rng : nullptr, state.cpu_autocast, state.cuda_autocast);
-  torch::AutoGradMode grad(true);
-  return state.fn(detached);
+  at::Tensor out;
+  {
+    ForwardStateScope scope(state.preserve_rng ? &state.rng : nullptr, state.cpu_autocast, state.cuda_autocast,
+                            state.autocast_cache);
+    torch::AutoGradMode grad(true);
+    out = state.fn(detached);
+  }
+  DTRAIN_CHECK(out.defined(),
+               "checkpoint: fn returned an undefined tensor in the recompute: return the function's "
+               "output");
+  if (state.check_metadata) {
+    const std::string now = describe_metadata(out);
+    DTRAIN_CHECK(now == state.forward_metadata, "checkpoint: the recomputed output has ", now,
+                 " but the forward's had ", state.forward_metadata,
+                 ": fn must compute the same in backward as in forward (does it depend on state that changed?); "
+                 "ActivationCheckpointOptions().determinism_check(\"none\") turns this check off");
+  }
+  DTRAIN_CHECK(out.requires_grad(),
+               "checkpoint: fn's output does not require grad though its inputs or parameters do (fn detached it "
+               "or ran under NoGradGuard): return a tensor computed from them with grad mode on");
+  return out;
+}
+
+std::vector<at::Tensor> detached_inputs(const CheckpointState& state, const std::vector<at::Tensor>& saved) {
+  std::vector<at::Tensor> detached;
+  for (size_t i = 0; i < state.num_inputs; ++i) {
+    at::Tensor d = saved[i].defined() ? saved[i].detach() : saved[i];
+    if (d.defined()) d.requires_grad_(state.input_requires_grad[i]);
+    detached.push_back(d);
+  }
+  return detached;
+}
+
+// No parameters named: a nested backward accumulates the captured ones (the reentrant way).
+torch::autograd::variable_list nested_backward(CheckpointState& state, const std::vector<at::Tensor>& saved,
+                                               const at::Tensor& grad_output) {
+  std::vector<at::Tensor> detached = detached_inputs(state, saved);
+  at::Tensor out = recompute(state, detached);
+  torch::autograd::variable_list result(saved.size() + 1);
+  torch::autograd::backward({out}, {grad_output});
+  for (size_t i = 0; i < detached.size(); ++i)
+    if (detached[i].defined() && detached[i].requires_grad()) result[i] = detached[i].grad();
+  return result;
+}
+
+// Note [Checkpoint partial backward]: autograd asks a node only for the gradients its graph task
+// needs (needs_input_grad). The zero-bubble pipeline's B asks for the input's, keeping the graph, and
+// its W later for the parameters'. Recomputing in each would run fn three times; instead the first
+// backward that leaves some differentiable tensor unasked keeps the recomputed output (and so its
+// graph), and the next takes its gradients from it, releasing it once every one has been asked for.
+// The parameters' gradients are computed only when asked for, as without checkpointing.
+torch::autograd::variable_list named_backward(torch::autograd::AutogradContext* ctx, CheckpointState& state,
+                                              const std::vector<at::Tensor>& saved, const at::Tensor& grad_output) {
+  if (!state.kept_out.defined()) {
+    std::vector<at::Tensor> targets = detached_inputs(state, saved);
+    targets.insert(targets.end(), saved.begin() + static_cast<std::ptrdiff_t>(state.num_inputs), saved.end());
+    state.kept_out = recompute(state, targets);
+    state.kept_targets = std::move(targets);
+    state.served.assign(saved.size(), false);
+  }
+  std::vector<at::Tensor> asked;
+  std::vector<size_t> where;
+  bool rest = false;  // a differentiable tensor no backward has asked for yet
+  for (size_t i = 0; i < saved.size(); ++i) {
+    const at::Tensor& t = state.kept_targets[i];
+    if (!t.defined() || !t.requires_grad()) continue;
+    if (ctx->needs_input_grad(i)) {
+      asked.push_back(t);
+      where.push_back(i);
+      state.served[i] = true;
+    } else if (!state.served[i]) {
+      rest = true;
+    }
+  }
+  torch::autograd::variable_list result(saved.size() + 1);  // one per tensor of forward, none for the state
+  if (!asked.empty()) {
+    auto grads = torch::autograd::grad({state.kept_out}, asked, {grad_output}, /*retain_graph=*/rest,
+                                       /*create_graph=*/false, /*allow_unused=*/true);
+    for (size_t k = 0; k < grads.size(); ++k) result[where[k]] = grads[k];
+  }
+  if (!rest) {
+    state.kept_out = at::Tensor();
+    state.kept_targets.clear();
+  }
+  return result;
 }
 
 class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
@@ -119,8 +229,10 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     if (state->preserve_rng) state->rng = RngStates::capture(all);
     state->cpu_autocast = compat::get_autocast(c10::DeviceType::CPU);
     state->cuda_autocast = compat::get_autocast(c10::DeviceType::CUDA);
+    state->autocast_cache = compat::autocast_cache_enabled();
     at::Tensor out = state->fn(inputs);  // grad mode is off inside a Function's forward
     DTRAIN_CHECK(out.defined(), "checkpoint: fn returned an undefined tensor: return the function's output");
+    if (state->check_metadata) state->forward_metadata = describe_metadata(out);
     ctx->save_for_backward(all);
     ctx->saved_data["state"] = at::IValue::make_capsule(state);
     return out;
@@ -130,36 +242,8 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
                                                  torch::autograd::variable_list grad_outputs) {
     auto state = c10::static_intrusive_pointer_cast<CheckpointState>(ctx->saved_data["state"].toCapsule());
     std::vector<at::Tensor> saved = ctx->get_saved_variables();
-    std::vector<at::Tensor> detached;
-    for (size_t i = 0; i < state->num_inputs; ++i) {
-      at::Tensor d = saved[i].defined() ? saved[i].detach() : saved[i];
-      if (d.defined()) d.requires_grad_(state->input_requires_grad[i]);
-      detached.push_back(d);
-    }
-    at::Tensor out = recompute(*state, detached);
-    DTRAIN_CHECK(out.requires_grad(),
-                 "checkpoint: fn's output does not require grad though its inputs or parameters do (fn detached it "
-                 "or ran under NoGradGuard): return a tensor computed from them with grad mode on");
-    // One gradient per tensor of forward, then none for the state.
-    torch::autograd::variable_list result(saved.size() + 1);
-    if (!state->named_parameters) {
-      torch::autograd::backward({out}, {grad_outputs[0]});
-      for (size_t i = 0; i < detached.size(); ++i)
-        if (detached[i].defined() && detached[i].requires_grad()) result[i] = detached[i].grad();
-      return result;
-    }
-    std::vector<at::Tensor> targets;
-    std::vector<size_t> where;
-    for (size_t i = 0; i < saved.size(); ++i) {
-      const at::Tensor& t = i < detached.size() ? detached[i] : saved[i];
-      if (!t.defined() || !t.requires_grad()) continue;
-      targets.push_back(t);
-      where.push_back(i);
-    }
-    auto grads = torch::autograd::grad({out}, targets, {grad_outputs[0]}, /*retain_graph=*/false,
-                                       /*create_graph=*/false, /*allow_unused=*/true);
-    for (size_t k = 0; k < grads.size(); ++k) result[where[k]] = grads[k];
-    return result;
+    if (!state->named_parameters) return nested_backward(*state, saved, grad_outputs[0]);
+    return named_backward(ctx, *state, saved, grad_outputs[0]);
   }
 };
 
@@ -168,6 +252,8 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
 at::Tensor checkpoint(CheckpointFunction fn, const std::vector<at::Tensor>& inputs,
                       const ActivationCheckpointOptions& options) {
   DTRAIN_CHECK(fn, "checkpoint: fn is empty: pass the function to run");
+  DTRAIN_CHECK(valid_determinism_check(options.determinism_check()), "checkpoint: determinism_check is \"",
+               options.determinism_check(), "\"; it must be \"default\" or \"none\" (PyTorch's two modes)");
   auto needs_grad = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };
   const auto& params = options.parameters();
   const bool any =
@@ -179,6 +265,7 @@ at::Tensor checkpoint(CheckpointFunction fn, const std::vector<at::Tensor>& inpu
   state->num_inputs = inputs.size();
   state->named_parameters = !params.empty();
   state->preserve_rng = options.preserve_rng_state();
+  state->check_metadata = options.determinism_check() == "default";
   for (const auto& t : inputs) state->input_requires_grad.push_back(needs_grad(t));
   std::vector<at::Tensor> tensors(inputs);
   tensors.insert(tensors.end(), params.begin(), params.end());
@@ -188,6 +275,14 @@ at::Tensor checkpoint(CheckpointFunction fn, const std::vector<at::Tensor>& inpu
 CheckpointWrapperImpl::CheckpointWrapperImpl(torch::nn::AnyModule inner, ActivationCheckpointOptions options)
     : inner_(std::move(inner)), options_(std::move(options)) {
   DTRAIN_CHECK(!inner_.is_empty(), "checkpoint_wrapper: the module is empty: pass a module");
+  // A wrapper inside a wrapper would recompute the inner recompute: twice the cost for nothing.
+  if (auto wrapped = std::dynamic_pointer_cast<CheckpointWrapperImpl>(inner_.ptr())) {
+    throw Error(detail::cat("checkpoint_wrapper: ", wrapped->inner().ptr()->name(),
+                            " is already checkpointed (it is inside a CheckpointWrapper): checkpoint each module once; "
+                            "pass the module itself, or use the wrapper you have"));
+  }
+  DTRAIN_CHECK(valid_determinism_check(options_.determinism_check()), "checkpoint_wrapper: determinism_check is \"",
+               options_.determinism_check(), "\"; it must be \"default\" or \"none\" (PyTorch's two modes)");
   register_module("module", inner_.ptr());
 }
 
