@@ -142,12 +142,18 @@ TEST(ActivationCheckpoint, SequentialGradsEqualPlain) {
   }
 }
 
+// The MLP in float32 (autocast's input type), each element wrapped in place when checkpointed.
+torch::nn::Sequential ac_float_mlp(int64_t blocks, double dropout, bool checkpointed) {
+  auto seq = make_mlp(blocks, 12, dropout);
+  seq->to(at::kFloat);
+  if (checkpointed)
+    for (auto& element : *seq) dtrain::checkpoint_wrapper(element);
+  return seq;
+}
+
 TEST(ActivationCheckpoint, KeepsAutocastOfForward) {
   auto grads = [](bool checkpointed) {
-    auto seq = make_mlp(4, 12, 0.0);
-    seq->to(at::kFloat);
-    if (checkpointed)
-      for (auto& element : *seq) dtrain::checkpoint_wrapper(element);
+    auto seq = ac_float_mlp(4, 0.0, checkpointed);
     at::Tensor loss;
     {
       dtrain::Autocast autocast(c10::DeviceType::CPU, at::kBFloat16);
@@ -255,10 +261,7 @@ TEST(ActivationCheckpointAmp, AutocastGradsEqualPlainAndFloat64Reference) {
 // parameters and the gradients equal those without checkpointing.
 TEST(ActivationCheckpointAmp, GradScalerStepsEqualPlain) {
   auto train = [](bool checkpointed) {
-    auto seq = make_mlp(6, 12, 0.2);
-    seq->to(at::kFloat);
-    if (checkpointed)
-      for (auto& element : *seq) dtrain::checkpoint_wrapper(element);
+    auto seq = ac_float_mlp(6, 0.2, checkpointed);
     torch::optim::SGD opt(seq->parameters(), torch::optim::SGDOptions(0.1));
     dtrain::GradScaler scaler(dtrain::GradScalerOptions().growth_interval(2));
     std::vector<double> trace;
