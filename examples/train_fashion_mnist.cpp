@@ -76,11 +76,13 @@ struct FashionCNNImpl : torch::nn::Module {
   // multiple of checkpoint_every (dtrain/activation_checkpoint.h): the conv blocks hold most of the
   // activations (32 x 28 x 28 and 64 x 14 x 14 per sample against fc1's 128).
   at::Tensor conv_block(int i, torch::nn::Conv2d& conv, const at::Tensor& x) {
+    // doc:begin activation_checkpoint
     auto block = [&](const std::vector<at::Tensor>& in) {
       return torch::max_pool2d(torch::relu(conv->forward(in[0])), 2);
     };
     if (checkpoint_every == 0 || i % checkpoint_every != 0) return block({x});
     return dtrain::checkpoint(block, {x}, dtrain::ActivationCheckpointOptions().parameters(conv->parameters()));
+    // doc:end activation_checkpoint
   }
   int checkpoint_every = 0;
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};

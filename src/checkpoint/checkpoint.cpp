@@ -16,6 +16,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "checkpoint/agree.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/staging.h"
 #include "checkpoint/write_order.h"
@@ -275,8 +276,6 @@ std::vector<std::string> CheckpointManager::list() const {
 
 namespace {
 
-int my_rank() { return is_initialized() ? rank() : 0; }
-
 // Whether the model is fully_shard'ed, which every rank must agree on: a rank whose model is not
 // would skip the DCP folder's collectives that the others wait in (with fully_shard over subgroups,
 // some ranks may have left their model whole). Throws alike on every rank when they differ.
@@ -297,18 +296,12 @@ bool sharded_everywhere(const TrainingState& st) {
 // alike on every rank.
 std::shared_ptr<dcp::detail::SaveInProgress> begin_dcp_folder(const std::string& dir, const std::string& path,
                                                               const TrainingState& st, ckpt::StagingPool* staging) {
-  std::string mine;
-  try {
+  ckpt::throw_first_failure(ckpt::failure_of([&] {
     std::error_code ec;
     fs::create_directories(dir, ec);
     DTRAIN_CHECK(fs::is_directory(dir), "cannot create the checkpoint folder ", dir, ": ",
                  ec ? ec.message() : "a file of that name is in the way", ": choose another folder");
-  } catch (const std::exception& e) {
-    mine = util::one_line(e.what());
-  }
-  const std::vector<std::string> all = distributed() ? all_gather_bytes(mine) : std::vector<std::string>{mine};
-  for (size_t r = 0; r < all.size(); ++r)
-    if (!all[r].empty()) throw Error(static_cast<int>(r) == my_rank() ? all[r] : detail::cat("rank ", r, ": ", all[r]));
+  }));
   return ckpt::begin_sharded_save(path, st, staging);
 }
 

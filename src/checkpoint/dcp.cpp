@@ -19,6 +19,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include "checkpoint/agree.h"
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/dcp_phases.h"
 #include "checkpoint/dcp_plan.h"
@@ -39,25 +40,6 @@ namespace {
 constexpr const char* kMetadataFile = ".metadata";
 
 std::string data_file(int rank) { return "__" + std::to_string(rank) + "_0.distcp"; }
-
-// Runs f; its failure becomes a line for the others instead of an exception, so that every rank
-// reaches the next collective.
-template <class F>
-std::string attempt(F&& f) {
-  try {
-    f();
-    return "";
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-}
-
-// The first failure of any member, thrown on every member alike.
-void throw_if_any(const std::string& mine, const Group& group, const std::string& what) {
-  const auto all = all_gather_bytes(mine, group);
-  for (size_t r = 0; r < all.size(); ++r)
-    if (!all[r].empty()) throw Error("dcp::" + what + ": rank " + std::to_string(group.ranks()[r]) + ": " + all[r]);
-}
 
 std::string random_id() {
   std::random_device rd;
@@ -119,14 +101,14 @@ SaveInProgress::SaveInProgress(StateDict state_dict, std::string dir, Group grou
     : sd_(std::move(state_dict)), dir_(std::move(dir)), group_(std::move(group)) {
   const int me = group_.rank();
   // 1.
-  throw_if_any(me == 0 ? attempt([&] {
-                 std::filesystem::create_directories(dir_);
-                 std::filesystem::remove(dir_ + "/" + kMetadataFile);
-               })
-                       : "",
-               group_, "save: preparing " + dir_);
+  ckpt::throw_first_failure(me == 0 ? ckpt::failure_of([&] {
+                              std::filesystem::create_directories(dir_);
+                              std::filesystem::remove(dir_ + "/" + kMetadataFile);
+                            })
+                                    : "",
+                            group_, "dcp::save: preparing " + dir_ + ": ");
   // 2.
-  throw_if_any(attempt([&] { plan_ = plan_of(sd_); }), group_, "save");
+  ckpt::throw_first_failure(ckpt::failure_of([&] { plan_ = plan_of(sd_); }), group_, "dcp::save: ");
   for (const std::string& p : all_gather_bytes(encode_plan(plan_), group_)) plans_.push_back(decode_plan(p));
   drop_overlapping_chunks(plans_);  // the same answer, or the same error, everywhere
   mine_ = assign_writers(plans_)[static_cast<size_t>(me)];
@@ -134,15 +116,15 @@ SaveInProgress::SaveInProgress(StateDict state_dict, std::string dir, Group grou
 
 void SaveInProgress::write() noexcept {
   // 3.
-  error_ = attempt([&] { written_ = write_items(sd_, plan_, mine_, dir_, group_.rank()); });
+  error_ = ckpt::failure_of([&] { written_ = write_items(sd_, plan_, mine_, dir_, group_.rank()); });
 }
 
 void SaveInProgress::finish() {
-  throw_if_any(error_, group_, "save");
+  ckpt::throw_first_failure(error_, group_, "dcp::save: ");
   const auto all_written = gather_bytes(encode_written(written_), group_.ranks()[0], group_);
   std::string failure;
   if (group_.rank() == 0) {
-    failure = attempt([&] {
+    failure = ckpt::failure_of([&] {
       std::vector<std::vector<std::pair<size_t, StorageInfo>>> w;
       for (size_t r = 0; r < all_written.size(); ++r) w.push_back(decode_written(all_written[r], static_cast<int>(r)));
       Metadata m = metadata_of(plans_, w);
@@ -152,7 +134,7 @@ void SaveInProgress::finish() {
     });
   }
   // 4.
-  throw_if_any(failure, group_, "save");
+  ckpt::throw_first_failure(failure, group_, "dcp::save: ");
 }
 
 }  // namespace dtrain::dcp::detail
@@ -349,7 +331,7 @@ Prepared prepare_load(StateDict& sd, const std::string& dir) {
 void load(StateDict& state_dict, const std::string& dir, const Group& group) {
   // All or nothing on every rank: a failure anywhere leaves every rank's state dict as it was.
   Prepared p;
-  throw_if_any(attempt([&] { p = prepare_load(state_dict, dir); }), group, "load");
+  ckpt::throw_first_failure(ckpt::failure_of([&] { p = prepare_load(state_dict, dir); }), group, "dcp::load: ");
   at::NoGradGuard no_grad;
   for (Copy& c : p.copies) c.to.copy_(c.from);
   for (auto& [e, v] : p.values) e->value = std::move(v);

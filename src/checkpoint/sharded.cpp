@@ -10,6 +10,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "checkpoint/agree.h"
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/staging.h"
@@ -57,26 +58,7 @@ std::optional<ShardSpec> sharded_spec(const at::Tensor& param) {
   return spec;
 }
 
-template <class F>
-std::string try_line(F&& f) {
-  try {
-    f();
-    return "";
-  } catch (const c10::Error& e) {
-    return util::one_line(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return util::one_line(e.what());
-  }
-}
-
 bool many_ranks() { return is_initialized() && world_size() > 1; }
-
-// Every rank's failure told to all: the first one is thrown on every rank alike, naming its rank.
-void agree(const std::string& mine) {
-  const std::vector<std::string> all = many_ranks() ? all_gather_bytes(mine) : std::vector<std::string>{mine};
-  for (size_t r = 0; r < all.size(); ++r)
-    if (!all[r].empty()) throw Error(all.size() == 1 ? all[r] : detail::cat("rank ", r, ": ", all[r]));
-}
 
 std::string metadata_record(const std::string& folder) {
   const std::string bytes = util::read_file(folder + "/.metadata", "checkpoint metadata");
@@ -163,7 +145,7 @@ std::shared_ptr<dcp::detail::SaveInProgress> begin_sharded_save(const std::strin
                                                                 StagingPool* staging) {
   check_same_shards(*st.model);
   dcp::StateDict sd;
-  agree(try_line([&] {
+  throw_first_failure(failure_of([&] {
     sd = dcp::get_state_dict(*st.model, st.optimizer);
     if (staging)
       for (dcp::Entry& e : sd)
@@ -178,7 +160,7 @@ std::string finish_sharded_save(dcp::detail::SaveInProgress& save) {
   std::string record;
   if (!is_initialized() || rank() == 0) {
     std::string mine;
-    const std::string error = try_line([&] { mine = metadata_record(save.dir()); });
+    const std::string error = failure_of([&] { mine = metadata_record(save.dir()); });
     record = error.empty() ? "ok " + mine : error;
   }
   if (many_ranks()) record = broadcast_bytes(record, 0);
@@ -189,7 +171,7 @@ std::string finish_sharded_save(dcp::detail::SaveInProgress& save) {
 std::string check_folder(const std::string& main_path, const std::string& record) {
   const std::string folder = dcp_folder(main_path);
   std::string now;
-  const std::string error = try_line([&] { now = metadata_record(folder); });
+  const std::string error = failure_of([&] { now = metadata_record(folder); });
   if (!error.empty()) return "its model folder " + folder + " is unusable: " + error;
   if (now != record)
     return "its model folder " + folder +
@@ -204,13 +186,13 @@ void load_sharded(const std::string& main_path, const std::string& record, Train
   dcp::StateDict sd;
   std::string mine = failure;
   if (mine.empty())
-    mine = try_line([&] {
+    mine = failure_of([&] {
       const std::string why = check_folder(main_path, record);
       DTRAIN_CHECK(why.empty(), "checkpoint ", main_path, ": ", why);
       make_saved_momentum(st, dcp_folder(main_path));
       sd = dcp::get_state_dict(*st.model, st.optimizer);
     });
-  agree(mine);
+  throw_first_failure(mine);
   dcp::load(sd, dcp_folder(main_path));  // all or nothing on every rank
   dcp::set_state_dict(*st.model, st.optimizer, sd);
 }
