@@ -16,7 +16,10 @@
 //   hold state of its whole shape) is refused, naming it.
 // - A unit's parameters are whole only while the unit runs: its forward all-gathers them first
 //   (prefetched one unit ahead from the second iteration on) and, with reshard_after_forward, frees
-//   them after; backward gathers them again and reduce-scatters the gradients, averaged over the
+//   them after (with reshard_after_forward(n), keeps 1/n of them, over groups of n ranks consecutive
+//   within the group, whose backward all-gather then runs in that group only: the same bits, so the
+//   same training as true; Note [Post-forward groups]); backward gathers them again and
+//   reduce-scatters the gradients, averaged over the
 //   group (asynchronously; every one has landed in .grad() when backward() returns). .grad()
 //   accumulates over backward passes, as torch's; optimizer.zero_grad() clears it at any time, also
 //   between forward and backward while a unit is kept whole (Note [zero_grad while whole]).
@@ -54,6 +57,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -77,6 +81,28 @@ struct MixedPrecisionPolicy {
   DTRAIN_ARG(std::optional<at::ScalarType>, reduce_dtype, std::nullopt)
 };
 
+// FSDP2's reshard_after_forward, a bool or an int: true frees the gathered parameters after the
+// unit's forward and gathers them again over the whole group in backward (ZeRO-3); false keeps them
+// whole until the unit's backward (ZeRO-2 for the parameters); an int n (dividing the shard group's
+// size N, 1 <= n <= N) keeps 1/n of the whole parameters on each rank after forward, sharded over
+// groups of n ranks consecutive within the shard group (FSDP2's post-forward mesh, ZeRO++'s hpZ), so
+// backward's all-gather runs within that smaller group: n = N is true, n = 1 is false.
+class ReshardAfterForward {
+ public:
+  ReshardAfterForward(bool reshard) : reshard_(reshard) {}  // NOLINT: as FSDP2's bool
+  template <typename Int, std::enable_if_t<std::is_integral_v<Int> && !std::is_same_v<Int, bool>, int> = 0>
+  ReshardAfterForward(Int group_size)  // NOLINT: as FSDP2's int
+      : reshard_(true), group_size_(static_cast<int64_t>(group_size)) {}
+  bool is_int() const { return group_size_.has_value(); }
+  // The bool given, or an int's value.
+  bool reshard() const { return reshard_; }
+  int64_t group_size() const { return group_size_.value_or(0); }
+
+ private:
+  bool reshard_;
+  std::optional<int64_t> group_size_;
+};
+
 struct FullyShardOptions {
   // The group the parameters are sharded over (default: the world).
   DTRAIN_ARG(Group, process_group, Group())
@@ -85,10 +111,11 @@ struct FullyShardOptions {
   // shard) outer first, as FSDP2's init_device_mesh(..., mesh_dim_names=("replicate", "shard")):
   // parameters are sharded over the shard dimension's group and replicated along the other.
   DTRAIN_ARG(DeviceMesh, mesh, DeviceMesh())
-  // Free the gathered parameters after the unit's forward and gather them again in backward (true,
-  // ZeRO-3), or keep them until the unit's backward (false, ZeRO-2 for the parameters). Unset, as
-  // FSDP2: true, except for the root, whose parameters backward needs first.
-  DTRAIN_ARG(std::optional<bool>, reshard_after_forward, std::nullopt)
+  // What the unit keeps of its gathered parameters from its forward to its backward: true, false or
+  // an int n (ReshardAfterForward: reshard_after_forward(2)). Unset, as FSDP2: true, except for the
+  // root, whose parameters backward needs first. An int that does not divide the shard group's size
+  // is refused in one line.
+  DTRAIN_ARG(std::optional<ReshardAfterForward>, reshard_after_forward, std::nullopt)
   DTRAIN_ARG(MixedPrecisionPolicy, mp_policy, MixedPrecisionPolicy())
 };
 
@@ -122,6 +149,7 @@ void reshard(const torch::nn::Module& module);
 void set_requires_gradient_sync(const torch::nn::Module& module, bool requires_sync, bool recurse);
 int64_t received_bytes(const torch::nn::Module& module);
 int64_t prefetched_gathers(const torch::nn::Module& module);
+int64_t gathered_bytes(const torch::nn::Module& module);
 // This rank's local shard of every parameter of the module, by name, as FSDP2's to_local().
 std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict(torch::nn::Module& module);
 
@@ -180,6 +208,11 @@ class FSDPModule {
   // How many times a unit here or below found its all-gather already issued (prefetched one unit
   // ahead, from the second iteration on) when it needed its parameters.
   int64_t prefetched_gathers() const { return fsdp::prefetched_gathers(*module_); }
+  // Bytes the units here and below hold now of their gathered parameters, beyond their shards: the
+  // whole parameters (padding included) of a unit that is whole, and a unit's part kept after its
+  // forward under reshard_after_forward(n) (1/n of them). Between forward and backward: 0 for
+  // true, the whole for false.
+  int64_t gathered_bytes() const { return fsdp::gathered_bytes(*module_); }
 
  private:
   std::shared_ptr<ModuleType> module_;

@@ -1,6 +1,7 @@
 // fully_shard: making units, the registry that finds them from their modules, the Sequential
 // element wrapper, the sharded state dict and gradient clipping over shards (see dtrain/fsdp.h).
 #include <cmath>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -127,12 +128,45 @@ FullyShardOptions resolve_group(const torch::nn::Module& module, FullyShardOptio
   return options;
 }
 
+// reshard_after_forward(n) as FSDP2's _get_post_forward_mesh_info: n must divide the shard group's
+// size N; n = N is true and n = 1 false (FSDP2 warns that 1 means no resharding); otherwise the
+// options say true and `post_forward` is the size of the groups the unit keeps its part over.
+FullyShardOptions resolve_reshard(const torch::nn::Module& module, FullyShardOptions options, int64_t& post_forward) {
+  post_forward = 0;
+  const auto& given = options.reshard_after_forward();
+  if (!given || !given->is_int()) return options;
+  const int64_t n = given->group_size(), size = options.process_group().size();
+  DTRAIN_CHECK(n >= 1 && n <= size && size % n == 0, "fully_shard(", describe(module), "): reshard_after_forward(", n,
+               ") must divide the shard group's size ", size, " (1 <= n <= ", size,
+               "): pass a divisor of it (n ranks keep the parameters between forward and backward), or true / false");
+  options.reshard_after_forward(n > 1);
+  if (n > 1 && n < size) post_forward = n;
+  return options;
+}
+
+// Note [Post-forward groups]: the groups of n ranks consecutive within `group` ({0, 1}, {2, 3} of
+// 4 for n = 2), as FSDP2's mesh.view(-1, n); made once per group and n (a split is collective over
+// `group`, whose ranks make the same units in the same order, so all find it made or not alike).
+Group post_forward_group(const Group& group, int64_t n) {
+  static std::mutex mu;
+  static std::map<std::pair<std::string, int64_t>, Group> made;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(group.name(), n);
+  auto it = made.find(key);
+  if (it != made.end()) return it->second;
+  const int r = group.rank();
+  Group g = split_group(static_cast<int>(r / n), r, group);
+  made.emplace(key, g);
+  return g;
+}
+
 }  // namespace
 
 std::shared_ptr<Unit> make_unit(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& given) {
   DTRAIN_CHECK(module, "fully_shard: the module is null: pass a constructed model");
   DTRAIN_CHECK(is_initialized(), "fully_shard needs a process group: call dtrain::init_process_group() first");
-  const FullyShardOptions options = resolve_group(*module, given);
+  int64_t post_forward = 0;
+  const FullyShardOptions options = resolve_reshard(*module, resolve_group(*module, given), post_forward);
   const Group& group = options.process_group();
   DTRAIN_CHECK(group.is_member(), "fully_shard(", describe(*module), "): rank ", rank(),
                " is not a member of the given process_group: shard the model only on the group's ranks");
@@ -173,6 +207,7 @@ std::shared_ptr<Unit> make_unit(const std::shared_ptr<torch::nn::Module>& module
   at::Tensor flat;
   auto sharded = shard_parameters(std::move(named), group, replicas, flat);
   auto unit = std::make_shared<Unit>(module, std::move(sharded), std::move(flat), options);
+  if (post_forward > 0) unit->set_post_forward_group(post_forward_group(group, post_forward));
   std::lock_guard<std::mutex> lock(reg.mu);
   for (auto& p : unit->params()) reg.holder[p.param.unsafeGetTensorImpl()] = unit->label();
   reg.units[module.get()] = Entry{module, unit};
@@ -235,6 +270,12 @@ void set_requires_gradient_sync(const torch::nn::Module& module, bool requires_s
 int64_t received_bytes(const torch::nn::Module& module) {
   int64_t total = 0;
   for (auto& u : units_under(module)) total += u->received_bytes();
+  return total;
+}
+
+int64_t gathered_bytes(const torch::nn::Module& module) {
+  int64_t total = 0;
+  for (auto& u : units_under(module)) total += u->gathered_bytes();
   return total;
 }
 

@@ -50,7 +50,8 @@ void Root::begin_iteration() {
   if (queued_) return;  // a backward is still running (a forward inside backward): nothing to reset
   for (auto& w : units_) {
     if (auto u = lock(w)) {
-      u->drop_prefetch();  // prefetched for a unit the last forward did not run
+      u->drop_prefetch();      // prefetched for a unit the last forward did not run
+      u->drop_post_forward();  // kept for a backward that did not come (Note [Post-forward groups])
       u->reset_backward();
     }
   }
@@ -92,6 +93,7 @@ void Root::end_of_backward() {
   for (auto& u : units) u->finish_gradients();
   for (auto& u : units) {
     u->drop_prefetch();  // gathered for a backward that did not reach the unit
+    u->drop_post_forward();
     u->reset_backward();
   }
 }
@@ -114,10 +116,7 @@ ForwardScope::~ForwardScope() { --forward_depth; }
 void ForwardScope::finish(const std::vector<at::Tensor>& outputs) {
   finished_ = true;
   if (unit_->root) unit_->root->record_forward_end(unit_);
-  if (unit_->reshard_after_forward())
-    unit_->reshard();
-  else
-    unit_->watch_zero_grad();
+  unit_->post_forward();
   if (!torch::autograd::GradMode::is_enabled()) return;
   std::weak_ptr<Unit> weak = unit_;
   for (const at::Tensor& t : outputs) {

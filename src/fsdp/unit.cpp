@@ -150,7 +150,8 @@ Unit::Unit(const std::shared_ptr<torch::nn::Module>& module, std::vector<Sharded
       replicas_(replicate_group(o)),
       params_(std::move(params)),
       mp_(o.mp_policy()),
-      reshard_option_(o.reshard_after_forward()),
+      reshard_option_(o.reshard_after_forward() ? std::optional<bool>(o.reshard_after_forward()->reshard())
+                                                : std::nullopt),
       flat_shard_(std::move(flat_shard)) {
   per_rank_ = flat_shard_.defined() ? flat_shard_.numel() : 0;
   for (const ShardedParam& p : params_) takes_grad_ += p.param.requires_grad() ? 1 : 0;
@@ -237,30 +238,81 @@ void Unit::fill_storage(ShardedParam& p, const at::TensorOptions& options) {
 
 // Note [Collectives per parameter]: with per_param_, one all-gather per parameter straight into its
 // whole storage; otherwise one for the unit into a gathered buffer, copied out in unshard().
+// Note [Post-forward groups]: from the part kept after forward, when there is one, over its group
+// of n ranks; otherwise from the shard over the unit's group.
 void Unit::issue_gather() {
   if (whole_ || !gathers_.empty() || params_.empty()) return;
+  const bool from_part = post_forward_shard_.defined();
+  const Group& group = from_part ? *post_forward_group_ : group_;
+  // Parts of the unit's group each rank of `group` sends: its chunk, or k = N / n chunks of the part.
+  const int64_t k = group_.size() / group.size();
   // The input lives until the gathers are waited for: an asynchronous collective reads it meanwhile.
-  if (flat_shard_.scalar_type() == param_dtype()) {
+  if (from_part) {
+    gather_in_ = post_forward_shard_;
+  } else if (flat_shard_.scalar_type() == param_dtype()) {
     gather_in_ = flat_shard_;
   } else {
     gather_in_ = pooled_empty({per_rank_}, flat_shard_.options().dtype(param_dtype()));
     gather_in_.copy_(flat_shard_);
   }
-  const int64_t n = group_.size();
-  received_bytes_ += (n - 1) * per_rank_ * static_cast<int64_t>(gather_in_.element_size());
+  const int64_t n = group.size();
+  received_bytes_ += (n - 1) * k * per_rank_ * static_cast<int64_t>(gather_in_.element_size());
   if (!per_param_) {
-    gathered_ = pooled_empty({n * per_rank_}, gather_in_.options());
+    gathered_ = pooled_empty({group_.size() * per_rank_}, gather_in_.options());
     at::Tensor out = as_gathered(gathered_);
-    gathers_.push_back(all_gather_into_tensor(out, as_gathered(gather_in_), group_, /*async_op=*/true));
+    gathers_.push_back(all_gather_into_tensor(out, as_gathered(gather_in_), group, /*async_op=*/true));
     return;
   }
   for (ShardedParam& p : params_) {
     if (p.chunk_numel() == 0) continue;
     fill_storage(p, gather_in_.options());
     at::Tensor out = as_gathered(p.padded);
-    gathers_.push_back(all_gather_into_tensor(out, as_gathered(gather_in_.narrow(0, p.offset, p.chunk_numel())), group_,
-                                              /*async_op=*/true));
+    at::Tensor in = gather_in_.narrow(0, k * p.offset, k * p.chunk_numel());
+    gathers_.push_back(all_gather_into_tensor(out, as_gathered(in), group, /*async_op=*/true));
   }
+}
+
+// Note [Post-forward groups]
+// reshard_after_forward(n), as FSDP2's post_forward_mesh_info: after its forward a unit keeps part j
+// of its whole (padded) parameters, j being the rank's place in its group of n ranks consecutive in
+// the shard group of N: chunks j * k .. j * k + k - 1 (k = N / n) of each parameter, 1/n of the unit.
+// Backward's all-gather then runs over the group of n from that part, and returns every chunk in
+// order: the same bits the gather over N gives, for (n - 1) / n of the part's bytes received instead
+// of (N - 1) / N of the whole. The part is laid out as the gather over the group of n takes it: per
+// parameter (its k chunks at k times its offset) where the unit gathers per parameter, and as k parts
+// of the unit's flat layout where it gathers once (Note [Collectives per parameter]). It is a copy,
+// dropped once backward gathered from it, when a unit reshards fully (reshard()), and when the next
+// iteration begins (a forward without backward: the optimizer may have changed the shards since).
+void Unit::post_forward() {
+  if (!reshard_after_forward_) {
+    watch_zero_grad();
+    return;
+  }
+  if (!post_forward_group_ || !whole_ || params_.empty()) {
+    reshard();
+    return;
+  }
+  const int64_t k = group_.size() / post_forward_group_->size(), j = post_forward_group_->rank();
+  torch::NoGradGuard no_grad;
+  at::Tensor part = at::empty({k * per_rank_}, flat_shard_.options().dtype(param_dtype()));
+  for (ShardedParam& p : params_) {
+    const int64_t c = p.chunk_numel();
+    if (c == 0) continue;
+    const at::Tensor mine = p.padded.narrow(0, j * k * c, k * c);
+    if (per_param_)
+      part.narrow(0, k * p.offset, k * c).copy_(mine);
+    else
+      part.view({k, per_rank_}).narrow(1, p.offset, c).copy_(mine.view({k, c}));
+  }
+  reshard();
+  post_forward_shard_ = part;
+}
+
+int64_t Unit::gathered_bytes() const {
+  int64_t bytes = post_forward_shard_.defined() ? post_forward_shard_.numel() * post_forward_shard_.element_size() : 0;
+  for (const ShardedParam& p : params_)
+    if (p.padded.defined()) bytes += static_cast<int64_t>(p.padded.storage().nbytes());
+  return bytes;
 }
 
 void Unit::drop_prefetch() {
@@ -282,6 +334,7 @@ void Unit::unshard() {
   issue_gather();
   for (Work& w : gathers_) w.wait();
   gathers_.clear();
+  post_forward_shard_ = at::Tensor();  // gathered from (Note [Post-forward groups])
   torch::NoGradGuard no_grad;
   if (gathered_.defined()) {  // one gather for the unit: part r holds chunk r of every parameter
     const at::Tensor parts = gathered_.view({group_.size(), per_rank_});
@@ -340,6 +393,7 @@ void Unit::watch_zero_grad() {
 }
 
 void Unit::reshard(bool restore_grads) {
+  post_forward_shard_ = at::Tensor();  // the shards alone (Note [Post-forward groups])
   if (!whole_) return;
   torch::NoGradGuard no_grad;
   for (ShardedParam& p : params_) {

@@ -68,6 +68,13 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void drop_prefetch();
   void unshard();  // whole parameters (waits for the prefetch, or gathers now)
   void reshard(bool restore_grads = true);
+  // After the unit's forward: reshard (keeping the post-forward part under reshard_after_forward(n))
+  // or stay whole (Note [Post-forward groups]).
+  void post_forward();
+  // Drops the post-forward part: a new iteration's forward gathers the shards the optimizer changed.
+  void drop_post_forward() { post_forward_shard_ = at::Tensor(); }
+  // Bytes held of the gathered parameters beyond the shards (FSDPModule::gathered_bytes).
+  int64_t gathered_bytes() const;
   // The unit stays whole while user code runs (after its forward, or unshard()): an optimizer's
   // zero_grad() then must still reach the shards' gradients set aside (Note [zero_grad while whole]).
   void watch_zero_grad();
@@ -83,6 +90,9 @@ class Unit : public std::enable_shared_from_this<Unit> {
     if (!reshard_option_) reshard_after_forward_ = false;
   }
   void set_requires_gradient_sync(bool on) { requires_sync_ = on; }
+  // reshard_after_forward(n), 1 < n < the group's size: the group of n ranks the post-forward part is
+  // sharded over (made once per group and n: fully_shard.cpp's post_forward_group).
+  void set_post_forward_group(Group g) { post_forward_group_ = std::move(g); }
 
   // Called once per gradient accumulated (from autograd); launches the reduce-scatter once every
   // parameter that takes a gradient has one.
@@ -110,6 +120,11 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::string label_;
   const torch::nn::Module* module_;
   Group group_;
+  // Note [Post-forward groups]: reshard_after_forward(n)'s group of n, and the part of the whole
+  // parameters this rank keeps from forward to backward (n / N of the unit's parts, in the layout the
+  // all-gather over that group takes).
+  std::optional<Group> post_forward_group_;
+  at::Tensor post_forward_shard_;
   std::optional<Group> replicas_;  // HSDP's replicate group (Note [Hybrid sharding])
   // Note [Hybrid sharding]: the gradients' divisions and ops, as FSDP2's _get_gradient_divide_factors.
   double predivide_ = 1, postdivide_ = 1;

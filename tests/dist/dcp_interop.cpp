@@ -3,11 +3,13 @@
 // fully_shard, tensor parallelism (tp: the first Linear Colwise, the second Rowwise over the
 // world, its 13 hidden features in torch.chunk's uneven parts, every rank on the whole batch), or both
 // (2d, on 4 ranks: those styles over mesh["tp"] of a {dp 2, tp 2} mesh, then fully_shard over
-// mesh["dp"] of each Linear and the root, each dp row on its rows of the batch), saved
+// mesh["dp"] of each Linear and the root, each dp row on its rows of the batch), or HSDP (hsdp, on
+// 4 ranks: fully_shard of each Linear and the root over a {replicate 2, shard 2} mesh, each rank on
+// its rows of the batch), saved
 // with dtrain::dcp, or loaded from what Python's dcp.save wrote (dcp_interop.py is the Python side).
 // Rank 0 writes what the test compares: the whole parameters when saved or loaded, and after
 // training on.
-//   dcp_interop save KINDS DIR OUT.json   per kind (ddp, zero, fsdp, tp, 2d; comma-separated): train 3 steps,
+//   dcp_interop save KINDS DIR OUT.json   per kind (ddp, zero, fsdp, tp, 2d, hsdp; comma-separated): train 3 steps,
 //                                         save to DIR/<kind>, train 5 more
 //   dcp_interop load KINDS DIR OUT.json   per kind: load DIR, train 5 steps
 #include <torch/nn/modules/activation.h>
@@ -87,6 +89,15 @@ struct Job {
       opt = std::make_unique<torch::optim::Adam>(model->parameters(), adam);
       return;
     }
+    if (kind == "hsdp") {
+      mesh = dtrain::init_device_mesh({2, dtrain::world_size() / 2}, {"replicate", "shard"});
+      const auto hsdp = dtrain::FullyShardOptions().mesh(mesh);
+      for (auto& layer : *model)
+        if (!layer.ptr()->parameters().empty()) dtrain::fully_shard(layer, hsdp);
+      fsdp = dtrain::fully_shard(model.ptr(), hsdp);
+      opt = std::make_unique<torch::optim::Adam>(model->parameters(), adam);
+      return;
+    }
     if (kind == "tp") {
       dtrain::parallelize_module(*model, dtrain::Group(),
                                  {{"0", dtrain::ColwiseParallel()}, {"2", dtrain::RowwiseParallel()}});
@@ -125,7 +136,7 @@ struct Job {
     }
   }
   std::vector<std::pair<std::string, at::Tensor>> whole() {
-    if (fsdp) return fsdp->full_state_dict();  // fsdp, and 2d's TP parts too
+    if (fsdp) return fsdp->full_state_dict();  // fsdp and hsdp, and 2d's TP parts too
     if (kind == "tp") return dtrain::tp::full_state_dict(*model);
     std::vector<std::pair<std::string, at::Tensor>> out;
     for (const auto& kv : model->named_parameters()) out.emplace_back(kv.key(), kv.value().detach().clone());

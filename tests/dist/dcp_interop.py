@@ -7,6 +7,9 @@ size gives the same numbers. Rank 0 writes the whole parameters at the checkpoin
   dcp_interop.py load2d DIR OUT.json   the same into the model parallelized as dtrain's 2d (4 ranks:
                                        parallelize_module on mesh["tp"] of {dp 2, tp 2}, then fully_shard
                                        on mesh["dp"]), each dp row training on its rows of the batch
+  dcp_interop.py loadhsdp DIR OUT.json   the same into HSDP (4 ranks: fully_shard of each Linear and
+                                       the root on a {replicate 2, shard 2} mesh), each rank training
+                                       on its rows of the batch
 Env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 """
 import gc
@@ -53,6 +56,17 @@ def make_2d_model(phase):
     return model, mesh["dp"].size(), mesh["dp"].get_local_rank()
 
 
+def make_hsdp_model(phase):
+    """dtrain's hsdp: each Linear and the root fully_shard'ed over a 2-D (replicate, shard) mesh."""
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+    model = make_model(phase)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, dist.get_world_size(), dist.get_rank()
+
+
 def train(model, opt, first, steps, rows=(1, 0)):
     n, r = rows
     for step in range(first, first + steps):
@@ -80,6 +94,8 @@ def run(mode, folder):
     else:
         if mode == "load2d":
             model, *rows = make_2d_model(2.0)
+        elif mode == "loadhsdp":
+            model, *rows = make_hsdp_model(2.0)
         else:
             model = make_model(2.0)
         opt = torch.optim.Adam(model.parameters(), lr=0.5)  # the checkpoint's lr (1e-2) must replace it

@@ -5,18 +5,29 @@
 // pre- and post-divided sums), and within float32's rounding with a float32 reduce dtype (the
 // averaging collectives); gradient accumulation without sync; GradScaler's skip agreed by all four
 // ranks when one sees an inf; a checkpoint saved on {2, 2} loaded by fully_shard over the 4 ranks
-// and by an unsharded model on every rank, which get the very whole parameters.
+// and by an unsharded model on every rank, which get the very whole parameters. The collectives,
+// read back from each rank's flight record: reduce-scatters only inside shard groups, and one
+// all-reduce per unit per step, of the shard's gradients, across the replicas. reshard_after_forward
+// as an int (FSDP2's post-forward mesh), flat over the world of 4: reshard_after_forward(2) trains as
+// true does, bit for bit, keeps half of each unit between forward and backward, and gathers in
+// backward within groups of 2; an int that does not divide the group is refused in one line.
 #include <torch/optim/adam.h>
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <functional>
 #include <limits>
+#include <sstream>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "common/flight_pickle.h"
 #include "dist_main.h"
 #include "dtrain/amp.h"
 #include "dtrain/checkpoint.h"
@@ -45,20 +56,22 @@ std::unique_ptr<torch::optim::Optimizer> make_adam(std::vector<at::Tensor> param
   return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
 }
 
-// The HSDP model and one process's, trained alike: every rank of the world its part of the batch.
+// The HSDP model (or, hsdp false, one sharded over the world) and one process's, trained alike:
+// every rank of the world its part of the batch.
 struct Pair {
   Net net = fsdp_models::make_net();
   Net ref = fsdp_models::make_net();
   FSDPModule<fsdp_models::NetImpl> fsdp{nullptr};
   std::unique_ptr<torch::optim::Optimizer> opt, ref_opt;
 
-  explicit Pair(FullyShardOptions options = FullyShardOptions()) {
-    fsdp = fsdp_models::shard(net, options.mesh(hsdp_mesh()));
+  explicit Pair(FullyShardOptions options = FullyShardOptions(), bool hsdp = true) {
+    fsdp = fsdp_models::shard(net, hsdp ? options.mesh(hsdp_mesh()) : options);
     opt = make_adam(net->parameters());
     ref_opt = make_adam(ref->parameters());
   }
-  // micro > 1: that many backward passes per step, all but the last without sync.
-  void step(int s, int micro = 1) {
+  // micro > 1: that many backward passes per step, all but the last without sync. between: called
+  // after each forward, before its backward.
+  void step(int s, int micro = 1, const std::function<void()>& between = nullptr) {
     auto [x, y] = fsdp_models::batch(s);
     ref_opt->zero_grad();
     (ref->forward(x) - y).pow(2).mean().backward();
@@ -68,11 +81,59 @@ struct Pair {
     auto xs = x.chunk(micro), ys = y.chunk(micro);
     for (int m = 0; m < micro; ++m) {
       fsdp.set_requires_gradient_sync(m + 1 == micro);
-      ((fsdp(xs[m]) - ys[m]).pow(2).mean() / micro).backward();
+      at::Tensor loss = (fsdp(xs[m]) - ys[m]).pow(2).mean() / micro;
+      if (between) between();
+      loss.backward();
     }
     opt->step();
   }
 };
+
+// This rank's flight record, read back in process: the calls made since the last look, each as its
+// group's ranks ("[0, 1]"), its dtrain operation and its input's elements.
+struct FlightCall {
+  std::string ranks, op;
+  int64_t numel = 0;
+};
+class FlightLog {
+ public:
+  FlightLog() { take(); }
+  std::vector<FlightCall> take() {
+    const std::string path = dump_flight_record("fsdp_hsdp_test");
+    EXPECT_FALSE(path.empty()) << "the flight recorder is off";
+    std::ifstream in(path, std::ios::binary);
+    std::stringstream bytes;
+    bytes << in.rdbuf();
+    const nlohmann::json dump = dtrain::flight::pickle::loads(bytes.str());
+    std::vector<FlightCall> out;
+    int64_t last = last_;
+    for (const auto& e : dump.at("entries")) {
+      const int64_t id = e.at("record_id").get<int64_t>();
+      if (id <= last_) continue;
+      last = std::max(last, id);
+      FlightCall c;
+      c.ranks = dump.at("pg_config").at(e.at("process_group")[0].get<std::string>()).at("ranks").get<std::string>();
+      c.op = e.at("dtrain_op").get<std::string>();
+      for (const auto& sizes : e.at("input_sizes")) {
+        int64_t n = 1;
+        for (const auto& d : sizes) n *= d.get<int64_t>();
+        c.numel += n;
+      }
+      out.push_back(c);
+    }
+    last_ = last;
+    return out;
+  }
+
+ private:
+  int64_t last_ = 0;
+};
+
+std::string ranks_text(const std::vector<int>& ranks) {
+  std::string s = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s + "]";
+}
 
 }  // namespace
 
@@ -190,6 +251,118 @@ TEST(Hsdp, ACheckpointSavedOn2x2LoadsOnFourRanksAndUnsharded) {
   if (rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// What crossed which group in one step (after a first one), from the flight record: the gradients'
+// reduce-scatters ran inside the shard group only, and each unit's shard of the gradient (half its
+// padded parameters: ceil(rows / 2) rows of each) crossed the replicas in exactly one all-reduce.
+TEST(Hsdp, FlightRecordShowsReduceScattersInShardGroupsAndOneAllReducePerUnitAcrossReplicas) {
+  Pair pair;
+  pair.step(0);
+  FlightLog log;
+  pair.step(1);
+  const auto calls = log.take();
+  const std::string shard = ranks_text(hsdp_mesh().get_group("shard").ranks());
+  const std::string replicate = ranks_text(hsdp_mesh().get_group("replicate").ranks());
+  // Per unit, the elements of ceil(rows / 2) rows of each of its parameters: blocks.0 (5x13, 5),
+  // blocks.2 (7x5, 7), inner.b (11x9, 11), inner (a 9x7, 9; unused 5x2), the root (inp 13x8, 13;
+  // out 3x11, 3).
+  std::multiset<int64_t> expected{3 * 13 + 3, 4 * 5 + 4, 6 * 9 + 6, 5 * 7 + 5 + 3 * 2, 7 * 8 + 7 + 2 * 11 + 2};
+  std::multiset<int64_t> across;
+  int scatters = 0;
+  for (const FlightCall& c : calls) {
+    if (c.op == "reduce_scatter_tensor") {
+      ++scatters;
+      EXPECT_EQ(c.ranks, shard) << "a reduce-scatter outside the shard group";
+    }
+    if (c.ranks == replicate) {
+      EXPECT_EQ(c.op, "all_reduce") << "only the gradients' all-reduce crosses the replicas";
+      across.insert(c.numel);
+    }
+  }
+  EXPECT_GT(scatters, 0);
+  EXPECT_EQ(across, expected) << "one all-reduce per unit of its shard's gradient, " << calls.size() << " calls";
+}
+
+// reshard_after_forward(2) on 4 ranks sharding over the world: after each unit's forward it keeps
+// the chunks of its pair of ranks ({0, 1} or {2, 3}), half of the whole, and backward gathers them
+// within that pair. The gathers move the same bits, so it trains exactly as true does.
+TEST(HsdpReshardAfterForward, AnIntKeepsHalfOverPairsAndTrainsAsTrue) {
+  Pair by_int(FullyShardOptions().reshard_after_forward(2), /*hsdp=*/false);
+  Pair by_true(FullyShardOptions().reshard_after_forward(true), /*hsdp=*/false);
+  Pair whole(FullyShardOptions().reshard_after_forward(false), /*hsdp=*/false);
+  int64_t held_int = -1, held_true = -1, held_whole = -1;
+  for (int s = 0; s < 20; ++s) {
+    by_int.step(s, 1, [&] { held_int = by_int.fsdp.gathered_bytes(); });
+    by_true.step(s, 1, [&] { held_true = by_true.fsdp.gathered_bytes(); });
+    whole.step(s, 1, [&] { held_whole = whole.fsdp.gathered_bytes(); });
+  }
+  EXPECT_LT(max_rel_diff(by_int.fsdp.full_state_dict(), *by_int.ref), 1e-10);
+  const auto a = by_int.fsdp.full_state_dict(), b = by_true.fsdp.full_state_dict();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].second.equal(b[i].second)) << a[i].first;
+  // Between forward and backward: half of every unit's whole parameters (padding included), not all
+  // of them (false), not a quarter (each rank's own shard), not none (true).
+  EXPECT_GT(held_whole, 0);
+  EXPECT_EQ(held_int * 2, held_whole);
+  EXPECT_EQ(held_true, 0);
+  EXPECT_EQ(by_int.fsdp.gathered_bytes(), 0) << "the kept halves are dropped once backward gathered from them";
+  // Backward's gathers receive one quarter (the pair's other half) instead of three: a quarter of the
+  // whole less per step than true.
+  EXPECT_EQ(by_true.fsdp.received_bytes() - by_int.fsdp.received_bytes(), 20 * held_whole / 4);
+
+  // One step's calls: forward gathers over the world, backward's within the pair, the gradients'
+  // reduce-scatters over the world.
+  FlightLog log;
+  auto [x, y] = fsdp_models::batch(20);
+  fsdp_models::keep_this_ranks_part(x, y);
+  at::Tensor loss = (by_int.fsdp(x) - y).pow(2).mean();
+  const auto forward = log.take();
+  loss.backward();
+  const auto backward = log.take();
+  const std::string world = "[0, 1, 2, 3]", pair = rank() < 2 ? "[0, 1]" : "[2, 3]";
+  int gathers = 0;
+  for (const FlightCall& c : forward) {
+    if (c.op != "all_gather_into_tensor") continue;
+    ++gathers;
+    EXPECT_EQ(c.ranks, world) << "forward gathers from the shards";
+  }
+  EXPECT_GT(gathers, 0);
+  int pair_gathers = 0, scatters = 0;
+  for (const FlightCall& c : backward) {
+    if (c.op == "all_gather_into_tensor") {
+      ++pair_gathers;
+      EXPECT_EQ(c.ranks, pair) << "backward gathers within the pair";
+    }
+    if (c.op == "reduce_scatter_tensor") {
+      ++scatters;
+      EXPECT_EQ(c.ranks, world);
+    }
+  }
+  EXPECT_EQ(pair_gathers, gathers) << "every unit gathered in forward is gathered again in backward";
+  EXPECT_GT(scatters, 0);
+}
+
+TEST(HsdpReshardAfterForward, AnIntThatDoesNotDivideTheGroupIsRefusedInOneLine) {
+  for (int n : {3, 0, 8}) {
+    auto lin = std::make_shared<torch::nn::LinearImpl>(4, 4);
+    EXPECT_THAT([&] { dtrain::fully_shard(lin, FullyShardOptions().reshard_after_forward(n)); },
+                ThrowsDtrainError(AllOf(HasSubstr("reshard_after_forward(" + std::to_string(n) +
+                                                  ") must divide the shard group's size 4 (1 <= n <= 4)"),
+                                        HasSubstr("pass a divisor of it"), Not(HasSubstr("\n")))));
+  }
+  // 1 keeps the parameters whole, as false; 4 reshards fully, as true (FSDP2's reading).
+  auto one = std::make_shared<torch::nn::LinearImpl>(4, 4);
+  auto kept = dtrain::fully_shard(one, FullyShardOptions().reshard_after_forward(1));
+  auto x = at::ones({2, 4});
+  at::Tensor out = kept(x);
+  EXPECT_GT(kept.gathered_bytes(), 0) << "1: whole after forward";
+  out.sum().backward();
+  auto four = std::make_shared<torch::nn::LinearImpl>(4, 4);
+  auto fully = dtrain::fully_shard(four, FullyShardOptions().reshard_after_forward(4));
+  out = fully(x);
+  EXPECT_EQ(fully.gathered_bytes(), 0) << "4: resharded fully";
+  out.sum().backward();
+}
+
 TEST(Hsdp, AThreeDimensionalMeshIsRefusedInOneLine) {
   DeviceMesh mesh = init_device_mesh({1, 2, 2}, {"pp", "replicate", "shard"});
   auto lin = std::make_shared<torch::nn::LinearImpl>(4, 4);
@@ -198,4 +371,15 @@ TEST(Hsdp, AThreeDimensionalMeshIsRefusedInOneLine) {
                                       HasSubstr("as mesh[{\"replicate\", \"shard\"}]"), Not(HasSubstr("\n")))));
 }
 
-DTRAIN_DIST_TEST_MAIN()
+int main(int argc, char** argv) {
+  // The flight records the tests read back: a folder of this rank's own unless dtrain-run gave one
+  // (the default one is shared by every job of this user, whose ranks share the file names).
+  const std::string own = "/tmp/dtrain_hsdp_flight_" + std::to_string(::getpid());
+  const bool set_here = ::setenv("DTRAIN_FLIGHT_DIR", own.c_str(), /*overwrite=*/0) == 0 &&
+                        std::string(std::getenv("DTRAIN_FLIGHT_DIR")) == own;
+  ::testing::InitGoogleTest(&argc, argv);
+  ::testing::AddGlobalTestEnvironment(new DistEnvironment());
+  const int rc = RUN_ALL_TESTS();
+  if (set_here) std::filesystem::remove_all(own);
+  return rc;
+}

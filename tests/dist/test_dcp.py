@@ -4,7 +4,8 @@ Adam, float64) saves, and Python's dcp.load on 1 and on 2 ranks reads the very p
 (bit for bit) and trains on to within 1e-10 of dtrain's own continued training; the tensor-parallel
 save loads back into dtrain's TP and unsharded (DDP) models alike; Python's dcp.save on 2 ranks loads
 into dtrain on 3 the same way; TP inside fully_shard saved by dtrain on a {dp 2, tp 2} mesh loads into
-PyTorch's model parallelized alike, bit for bit. Bad folders (a flipped byte of a tensor, truncated, corrupt, missing
+PyTorch's model parallelized alike, bit for bit; so does HSDP saved by dtrain on a {replicate 2, shard 2} mesh
+into PyTorch's own 2-D fully_shard. Bad folders (a flipped byte of a tensor, truncated, corrupt, missing
 metadata, a chunk of the wrong rank, a FIFO or a link in place of a file) fail in one line.
 
 Env: $DCP_INTEROP (the C++ program, dcp_interop.cpp), $VENV_PYTHON (set by tests/dist/CMakeLists.txt).
@@ -118,6 +119,24 @@ class DcpAgainstPytorch(DistTestCase):
         for f in (folder, managed):
             self.assertEqual(py[f]["at_checkpoint"], cxx["at_checkpoint"], f"2d: {f} loaded into PyTorch's 2-D model")
             self.assert_close(py[f]["after"], cxx["after"], f"2d: {f} trained on after loading")
+
+    def test_hsdp_dtrain_saves_and_python_loads_into_its_hsdp_model(self):
+        """HSDP on a {replicate 2, shard 2} mesh of 4 ranks: the replicas hold the same rows, so the
+        folder holds each shard group's chunk once; PyTorch's fully_shard on its own (replicate, shard)
+        mesh loads the very whole parameters and trains on as dtrain does; so does it from
+        CheckpointManager's checkpoint of it."""
+        cxx = self.dtrain("save_ckpt", ["hsdp"], self.tmp, world=4)["hsdp"]
+        folder = os.path.join(self.tmp, "hsdp")
+        meta = self.metadata(folder)
+        # 13 rows over the shard group of 2: 7 + 6, as FSDP2's chunks, each once (not per replica).
+        self.assertEqual(sorted(meta["chunks"]["model.0.weight"]), [[0, 0], [7, 0]])
+        self.assertEqual(sorted(meta["chunks"]["optim.state.0.weight.exp_avg"]), [[0, 0], [7, 0]])
+        self.assertEqual(sorted(meta["chunks"]["model.4.weight"]), [[0, 0], [2, 0]])
+        managed = os.path.join(self.tmp, "hsdp_ckpt", "checkpoint_0000000003.dcp")
+        py = self.python("loadhsdp", [folder, managed], 4)
+        for f in (folder, managed):
+            self.assertEqual(py[f]["at_checkpoint"], cxx["at_checkpoint"], f"hsdp: {f} loaded into PyTorch's HSDP")
+            self.assert_close(py[f]["after"], cxx["after"], f"hsdp: {f} trained on after loading")
 
     def test_python_saves_on_2_ranks_and_dtrain_loads_on_3(self):
         folder = os.path.join(self.tmp, "from_python")
