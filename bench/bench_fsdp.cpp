@@ -33,7 +33,6 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -46,76 +45,21 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/core/CPUAllocator.h>
 #include <CLI/CLI.hpp>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
-#include <torch/version.h>
 
 #include "dtrain/ddp.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/process_group.h"
+#include "counting_allocator.h"
 #include "spawn.h"
 
 namespace {
 
 using namespace bench;
-
-// Counts the bytes LibTorch's CPU allocator hands out and gets back (live and peak).
-class CountingAllocator final : public c10::Allocator {
- public:
-  explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
-#if TORCH_VERSION_MAJOR >= 2
-  c10::DataPtr allocate(size_t n) override {
-#else
-  c10::DataPtr allocate(size_t n) const override {
-#endif
-    c10::DataPtr inner = inner_->allocate(n);
-    add(static_cast<int64_t>(n));
-    const c10::DeleterFnPtr inner_free = inner.get_deleter();
-    void* data = inner.get();
-    const c10::Device device = inner.device();
-    auto* ctx = new Ctx{this, inner.release_context(), inner_free, static_cast<int64_t>(n)};
-    return c10::DataPtr(data, ctx, &CountingAllocator::free, device);
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
-  int64_t live() const { return live_.load(); }
-  int64_t peak() const { return peak_.load(); }
-  void reset_peak() { peak_.store(live_.load()); }
-#if TORCH_VERSION_MAJOR >= 2
-  void copy_data(void* dest, const void* src, size_t count) const override { default_copy_data(dest, src, count); }
-#endif
-
- private:
-  struct Ctx {
-    const CountingAllocator* self;
-    void* inner_ctx;
-    c10::DeleterFnPtr inner_free;
-    int64_t bytes;
-  };
-  static void free(void* p) {
-    auto* ctx = static_cast<Ctx*>(p);
-    ctx->self->add(-ctx->bytes);
-    if (ctx->inner_free) ctx->inner_free(ctx->inner_ctx);
-    delete ctx;
-  }
-  void add(int64_t n) const {
-    const int64_t now = live_.fetch_add(n) + n;
-    int64_t p = peak_.load();
-    while (now > p && !peak_.compare_exchange_weak(p, now)) {
-    }
-  }
-  c10::Allocator* inner_;
-  mutable std::atomic<int64_t> live_{0}, peak_{0};
-};
-
-CountingAllocator* install_counting_allocator() {
-  static CountingAllocator counting(c10::GetDefaultCPUAllocator());
-  c10::SetCPUAllocator(&counting, /*priority=*/100);
-  return &counting;
-}
 
 torch::nn::Sequential make_model(int layers, int64_t width) {
   torch::manual_seed(0);
