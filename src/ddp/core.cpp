@@ -136,6 +136,14 @@ namespace {
 int python_common_rank(const Group& group, bool offer) {
   const int64_t r = all_reduce_values(std::vector<int64_t>{offer ? group.rank() : -1}, ReduceOp::MAX, group)[0];
   DTRAIN_CHECK(r >= 0, "rank ", rank(), ": DistributedDataParallel under Join: no rank of the group offered its model");
+  // A Python rank's offer is its own business: a value outside the group would name no source for
+  // the broadcast that follows.
+  DTRAIN_CHECK(r < group.size(), "rank ", rank(),
+               ": DistributedDataParallel under Join: the ranks agreed on group rank ", r,
+               " (the largest offer) as the one to take the model from, but the group has ", group.size(),
+               " ranks (0 to ", group.size() - 1,
+               "): a Python rank offered a rank outside it; run the same DistributedDataParallel under Join on every "
+               "rank");
   return static_cast<int>(r);
 }
 

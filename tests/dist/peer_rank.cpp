@@ -8,7 +8,9 @@
 //                          wider (a layer of another shape), dtypes (parameters of two dtypes and the
 //                          bucket rebuild), zero_join (a ZeroRedundancyOptimizer listed in a Join),
 //                          trained (three steps, beside peer_rank.py --hostile_rebuild: a rank 0
-//                          whose bucket rebuild is no partition of the parameters)
+//                          whose bucket rebuild is no partition of the parameters), join (one step
+//                          under Join, beside peer_rank.py --hostile_join: a rank 0 that offers a
+//                          rank outside the group as the source of the final model)
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
@@ -74,8 +76,15 @@ void refused_ddp(const std::string& kind) {
     // Beside peer_rank.py --hostile_rebuild: its bucket rebuild is refused.
     dtrain::DistributedDataParallel ddp(torch::nn::Linear(4, 2));
     for (int step = 0; step < 3; ++step) ddp(at::ones({2, 4})).sum().backward();
+  } else if (kind == "join") {
+    // Beside peer_rank.py --hostile_join: one step under Join (rank 0 runs three), then the model's
+    // source at the Join's end, which rank 0 offers outside the group: refused.
+    dtrain::DistributedDataParallel ddp(torch::nn::Linear(4, 2));
+    dtrain::Join join({&ddp});
+    ddp(at::ones({2, 4})).sum().backward();
+    join.join();
   } else {
-    throw std::runtime_error("--ddp takes hook, deeper, wider, dtypes, zero_join or trained, got '" + kind + "'");
+    throw std::runtime_error("--ddp takes hook, deeper, wider, dtypes, zero_join, trained or join, got '" + kind + "'");
   }
   throw std::runtime_error("--ddp " + kind + ": dtrain accepted what it must refuse");
 }

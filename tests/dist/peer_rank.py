@@ -53,6 +53,29 @@ if sys.argv[1:2] == ["--hostile_rebuild"]:
         sys.exit(3)
     sys.exit(0)
 
+if sys.argv[1:2] == ["--hostile_join"]:
+    # A hostile rank 0 beside peer_rank.cpp's `--ddp join`: Python's DDP under Join, three steps
+    # against the dtrain rank's one, whose common rank at the Join's end (the source of the final
+    # model: the largest offer of an all-reduce MAX) is a rank outside the group.
+    from torch.distributed.algorithms.join import Join
+
+    def hostile_common_rank(self, input_rank, rank_cond):
+        offer = torch.tensor([1 << 20 if rank_cond else -1])
+        dist.all_reduce(offer, op=dist.ReduceOp.MAX, group=self.process_group)
+        return int(offer.item())
+
+    torch.nn.parallel.DistributedDataParallel._find_common_rank = hostile_common_rank
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        with Join([ddp]):
+            for _ in range(3):
+                ddp(torch.ones(2, 4)).sum().backward()
+        print("peer_rank: hostile join finished", flush=True)
+    except Exception as e:  # noqa: BLE001: whichever error the broadcast from no rank raises
+        print(f"peer_rank: hostile join failed: {type(e).__name__}", flush=True)
+        sys.exit(3)
+    sys.exit(0)
+
 if sys.argv[1:2] == ["--ddp"]:
     # The dtrain rank refuses its DDP in one line (peer_rank.cpp's cases) and leaves: Python's DDP
     # must fail promptly, not wait for it.

@@ -146,6 +146,19 @@ class PytorchPeers(DistTestCase):
                 self.assertEqual(len(dtrain.err.strip().splitlines()), 1, str(dtrain))
                 self.assertLess(python.seconds, 30, str(python))
 
+    @unittest.skipUnless(TORCH_MAJOR >= 2, "needs a LibTorch 2.x build (the Python ranks' PyTorch)")
+    def test_a_hostile_rank_0s_common_rank_under_join_is_refused(self):
+        """peer_rank.py --hostile_join as rank 0 offers group rank 2^20 as the source of the final
+        model at the Join's end; the dtrain rank refuses it in one line before broadcasting."""
+        py = [needs(VENV_PYTHON, ".venv/bin/python"), os.path.join(HERE, "peer_rank.py"), "--hostile_join"]
+        (python, dtrain), _ = self.run_world([py, [peer_rank(), "--ddp", "join"]], 60)
+        self.assertEqual(dtrain.rc, 1, str(dtrain))
+        self.assertIn("rank 1: DistributedDataParallel under Join: the ranks agreed on group rank 1048576 (the "
+                      "largest offer) as the one to take the model from, but the group has 2 ranks (0 to 1)",
+                      dtrain.err)
+        self.assertEqual(len(dtrain.err.strip().splitlines()), 1, str(dtrain))
+        self.assertLess(python.seconds, 30, str(python))
+
     @unittest.skipUnless(0 < TORCH_MAJOR < 2, "a LibTorch 2.x build joins Python ranks (tested above)")
     def test_libtorch_1_refuses_with_the_remedy(self):
         cxx = peer_rank()
