@@ -209,7 +209,7 @@ TEST(LlamaModel, ActivationCheckpointModesPickTheirBlocks) {
   llama::apply_activation_checkpoint(*model, llama::ActivationCheckpoint::every_k(2));
   EXPECT_EQ(picked(), (std::vector<bool>{false, true, false, true})) << "torchtitan's blocks k-1, 2k-1";
   // A checkpointed block's output comes from the checkpoint's autograd node.
-  at::Tensor x = at::randn({1, 4, args.dim}, at::TensorOptions().requires_grad(true));
+  at::Tensor x = at::randn({1, 4, args.dim}).requires_grad_(true);
   EXPECT_THAT(model->block(1).forward(x).grad_fn()->name(), ::testing::HasSubstr("CheckpointNode"));
   EXPECT_THAT(model->block(0).forward(x).grad_fn()->name(), ::testing::Not(::testing::HasSubstr("CheckpointNode")));
   llama::apply_activation_checkpoint(*model, llama::ActivationCheckpoint::full());
