@@ -1,0 +1,249 @@
+// The Llama-style decoder (examples/llm/llama.h) under every data and model parallelism, composed as
+// the LLM recipe composes them, in float64 against one process training the whole batch: 10 AdamW
+// steps on fixed random token batches, then every parameter put together whole within 1e-10
+// relative, for DDP, fully_shard and tensor parallelism over the world (each also with every block
+// checkpointed), fully_shard over tensor parallelism on a {dp, tp} mesh, and HSDP on a
+// {replicate, shard} mesh. The model itself: torchtitan's parameter names and counts, rotary
+// embeddings as Llama's complex multiplication, the attention kernel against the arithmetic written
+// out, causality, and which blocks each activation-checkpoint mode checkpoints.
+#include <gmock/gmock.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "dist_main.h"
+#include "dtrain/ddp.h"
+#include "dtrain/device_mesh.h"
+#include "dtrain/fsdp.h"
+#include "dtrain/shard_spec.h"
+#include "llm/llama.h"
+#include "matchers.h"
+
+using namespace dtrain;
+
+namespace {
+
+// Small enough for seconds on CI; grouped-query attention (8 query heads over 4 k/v heads) and
+// head, MLP and vocabulary sizes that divide by 2 and 4 tensor-parallel ranks.
+llama::ModelArgs llm_test_args() {
+  llama::ModelArgs a;
+  a.vocab_size = 64;
+  a.dim = 32;
+  a.n_layers = 2;
+  a.n_heads = 8;
+  a.n_kv_heads = 4;
+  a.ffn_hidden = 64;
+  a.max_seq_len = 32;
+  return a;
+}
+
+constexpr int64_t kLlmBatch = 4, kLlmSeq = 16;
+
+// Every rank builds the same model from the same seed (fully_shard does not broadcast).
+llama::Transformer llm_make_model() {
+  torch::manual_seed(1);
+  llama::Transformer model(llm_test_args());
+  model->to(at::kDouble);
+  return model;
+}
+
+// Step s's batch, the same on every rank: inputs and next-token targets.
+std::pair<at::Tensor, at::Tensor> llm_batch(int64_t s) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + s);
+  at::Tensor seq = at::randint(llm_test_args().vocab_size, {kLlmBatch, kLlmSeq + 1}, gen, at::kLong);
+  return {seq.narrow(1, 0, kLlmSeq), seq.narrow(1, 1, kLlmSeq)};
+}
+
+double llm_rel_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).abs().max().item<double>() / std::max(b.abs().max().item<double>(), 1e-6);
+}
+
+using LlmForward = std::function<at::Tensor(const at::Tensor&)>;
+
+// 10 AdamW steps of `model` run through `forward`, each rank on its data-parallel part (dp_rank of
+// dp_size) of every batch, against one process on the whole batch; then the parameters whole.
+void expect_trains_like_one_process(llama::Transformer model, const LlmForward& forward, int64_t dp_rank,
+                                    int64_t dp_size, const std::string& what) {
+  llama::Transformer ref = llm_make_model();
+  auto adamw = [](std::vector<at::Tensor> params) {
+    return torch::optim::AdamW(std::move(params), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  };
+  torch::optim::AdamW opt = adamw(model->parameters()), ref_opt = adamw(ref->parameters());
+  double first_loss = 0, last_loss = 0;
+  for (int64_t s = 0; s < 10; ++s) {
+    auto [tokens, targets] = llm_batch(s);
+    ref_opt.zero_grad();
+    at::Tensor ref_loss = ref->loss(ref(tokens), targets);
+    ref_loss.backward();
+    ref_opt.step();
+    (s == 0 ? first_loss : last_loss) = ref_loss.item<double>();
+    opt.zero_grad();
+    at::Tensor mine = tokens.chunk(dp_size)[dp_rank], my_targets = targets.chunk(dp_size)[dp_rank];
+    model->loss(forward(mine), my_targets).backward();
+    opt.step();
+  }
+  EXPECT_LT(last_loss, first_loss) << "the one process's loss fell";
+  auto whole = ref->named_parameters();
+  auto got = full_state_dict(*model);  // collective: the shards of every group put together
+  ASSERT_EQ(got.size(), whole.size()) << what;
+  for (const auto& [name, t] : got) {
+    ASSERT_TRUE(whole.contains(name)) << what << ": " << name;
+    EXPECT_LT(llm_rel_diff(t, whole[name]), 1e-10) << what << ": " << name << " after 10 AdamW steps";
+  }
+}
+
+llama::ActivationCheckpoint llm_ac(bool checkpointed) {
+  return checkpointed ? llama::ActivationCheckpoint::full() : llama::ActivationCheckpoint::none();
+}
+
+void expect_ddp_trains_like_one_process(bool checkpointed) {
+  llama::Transformer model = llm_make_model();
+  llama::apply_activation_checkpoint(*model, llm_ac(checkpointed));
+  DistributedDataParallel ddp(model);
+  expect_trains_like_one_process(
+      model, [&](const at::Tensor& t) { return ddp(t); }, rank(), world_size(), "DDP");
+}
+
+void expect_fully_shard_trains_like_one_process(bool checkpointed) {
+  llama::Transformer model = llm_make_model();
+  llama::apply_activation_checkpoint(*model, llm_ac(checkpointed));
+  auto fsdp = llama::apply_fully_shard(model);
+  expect_trains_like_one_process(
+      model, [&](const at::Tensor& t) { return fsdp(t); }, rank(), world_size(), "fully_shard");
+}
+
+void expect_tensor_parallel_trains_like_one_process(bool checkpointed) {
+  llama::Transformer model = llm_make_model();
+  llama::apply_tensor_parallel(*model, init_device_mesh({world_size()}, {"tp"}));
+  llama::apply_activation_checkpoint(*model, llm_ac(checkpointed));
+  // This rank's heads, MLP columns and vocabulary rows.
+  EXPECT_EQ(model->block(0).attention->wq->weight.size(0), 32 / world_size());
+  EXPECT_EQ(model->output->weight.size(0), 64 / world_size());
+  expect_trains_like_one_process(
+      model, [&](const at::Tensor& t) { return model(t); }, 0, 1, "tensor parallel");
+}
+
+}  // namespace
+
+TEST(LlamaModel, ParameterNamesAndCountsAreTorchtitans) {
+  llama::Transformer model(llama::ModelArgs::debug());
+  std::vector<std::string> names;
+  int64_t count = 0;
+  for (const auto& p : model->named_parameters()) {
+    if (p.key().rfind("layers.", 0) != 0 || p.key().rfind("layers.0.", 0) == 0) names.push_back(p.key());
+    count += p.value().numel();
+  }
+  EXPECT_THAT(
+      names, ::testing::UnorderedElementsAre(
+                 "tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.attention.wk.weight",
+                 "layers.0.attention.wv.weight", "layers.0.attention.wo.weight", "layers.0.feed_forward.w1.weight",
+                 "layers.0.feed_forward.w2.weight", "layers.0.feed_forward.w3.weight", "layers.0.attention_norm.weight",
+                 "layers.0.ffn_norm.weight", "norm.weight", "output.weight"));
+  EXPECT_EQ(count, llama::ModelArgs::debug().num_params());
+  EXPECT_EQ(count, 1115264);
+  EXPECT_EQ(llama::ffn_hidden_for(4096, 1024, 1.3), 14336) << "Llama 3 8B's MLP";
+  int64_t small = 0;
+  for (const auto& p : llm_make_model()->parameters()) small += p.numel();
+  EXPECT_EQ(small, llm_test_args().num_params());
+  EXPECT_THAT(
+      [] {
+        llama::Transformer bad(llama::ModelArgs{64, 30, 1, 4});
+      },
+      ThrowsDtrainError(::testing::HasSubstr("dim 30 over n_heads 4 gives no even head size")));
+}
+
+// Llama's definition: x's adjacent pairs as complex numbers times freqs_cis[t] = e^(i t theta^(-2j/d)).
+TEST(LlamaModel, RotaryIsLlamasComplexMultiplication) {
+  const int64_t hd = 8, seq = 5, offset = 3;
+  const double theta = 10000.0;
+  llama::RotaryTable table = llama::precompute_rotary(hd, 16, theta);
+  at::Tensor x = at::randn({2, seq, 3, hd}, at::kDouble);
+  at::Tensor freqs = at::pow(theta, at::arange(0, hd, 2, at::kDouble) / hd).reciprocal();
+  at::Tensor angles = at::outer(at::arange(offset, offset + seq, at::kDouble), freqs);
+  at::Tensor cis = at::polar(at::ones_like(angles), angles).view({1, seq, 1, hd / 2});
+  at::Tensor expected = at::view_as_real(at::view_as_complex(x.reshape({2, seq, 3, hd / 2, 2})) * cis).flatten(3);
+  EXPECT_LT(llm_rel_diff(llama::apply_rotary(x, table, offset), expected), 1e-14);
+  // Attention sees relative positions only: one offset for q and k alike leaves every score as it
+  // was (so a rank that shifted both would go unnoticed; a shift of one of them changes the scores).
+  at::Tensor y = at::randn_like(x);
+  auto scores = [&](int64_t q_offset, int64_t k_offset) {
+    at::Tensor q = llama::apply_rotary(x, table, q_offset).transpose(1, 2);
+    return q.matmul(llama::apply_rotary(y, table, k_offset).transpose(1, 2).transpose(-2, -1));
+  };
+  EXPECT_LT(llm_rel_diff(scores(offset, offset), scores(0, 0)), 1e-12);
+  EXPECT_GT(llm_rel_diff(scores(1, 0), scores(0, 0)), 1e-3);
+  EXPECT_THAT([&] { llama::apply_rotary(x, table, 12); },
+              ThrowsDtrainError(::testing::HasSubstr("positions 12 to 16 pass max_seq_len 16")));
+}
+
+// The kernel (scaled_dot_product_attention on LibTorch 2.x) and the written-out arithmetic agree, and
+// no position sees a later one.
+TEST(LlamaModel, AttentionIsCausalAndMatchesTheWrittenOutArithmetic) {
+  at::Tensor q = at::randn({2, 3, 7, 4}, at::kDouble), k = at::randn_like(q), v = at::randn_like(q);
+  EXPECT_LT(llm_rel_diff(llama::causal_attention(q, k, v), llama::causal_attention_reference(q, k, v)), 1e-13);
+  llama::Transformer model = llm_make_model();
+  at::Tensor tokens = llm_batch(0).first, changed = tokens.clone();
+  changed.select(1, kLlmSeq - 1).add_(1).remainder_(llm_test_args().vocab_size);
+  at::NoGradGuard no_grad;
+  at::Tensor a = model(tokens), b = model(changed);
+  EXPECT_TRUE(a.narrow(1, 0, kLlmSeq - 1).equal(b.narrow(1, 0, kLlmSeq - 1))) << "earlier positions unchanged";
+  EXPECT_FALSE(a.select(1, kLlmSeq - 1).equal(b.select(1, kLlmSeq - 1)));
+}
+
+TEST(LlamaModel, ActivationCheckpointModesPickTheirBlocks) {
+  llama::ModelArgs args = llm_test_args();
+  args.n_layers = 4;
+  llama::Transformer model(args);
+  auto picked = [&] {
+    std::vector<bool> on;
+    for (size_t i = 0; i < model->num_blocks(); ++i) on.push_back(model->block(i).checkpointed());
+    return on;
+  };
+  llama::apply_activation_checkpoint(*model, llama::ActivationCheckpoint::every_k(2));
+  EXPECT_EQ(picked(), (std::vector<bool>{false, true, false, true})) << "torchtitan's blocks k-1, 2k-1";
+  // A checkpointed block's output comes from the checkpoint's autograd node.
+  at::Tensor x = at::randn({1, 4, args.dim}).requires_grad_(true);
+  EXPECT_THAT(model->block(1).forward(x).grad_fn()->name(), ::testing::HasSubstr("CheckpointNode"));
+  EXPECT_THAT(model->block(0).forward(x).grad_fn()->name(), ::testing::Not(::testing::HasSubstr("CheckpointNode")));
+  llama::apply_activation_checkpoint(*model, llama::ActivationCheckpoint::full());
+  EXPECT_EQ(picked(), (std::vector<bool>(4, true)));
+  llama::apply_activation_checkpoint(*model, llama::ActivationCheckpoint::none());
+  EXPECT_EQ(picked(), (std::vector<bool>(4, false)));
+}
+
+TEST(LlamaComposition, DDPEqualsOneProcess) { expect_ddp_trains_like_one_process(false); }
+TEST(LlamaComposition, FullyShardEqualsOneProcess) { expect_fully_shard_trains_like_one_process(false); }
+TEST(LlamaComposition, TensorParallelEqualsOneProcess) { expect_tensor_parallel_trains_like_one_process(false); }
+TEST(LlamaComposition, CheckpointedDDPEqualsOneProcess) { expect_ddp_trains_like_one_process(true); }
+TEST(LlamaComposition, CheckpointedFullyShardEqualsOneProcess) { expect_fully_shard_trains_like_one_process(true); }
+TEST(LlamaComposition, CheckpointedTensorParallelEqualsOneProcess) {
+  expect_tensor_parallel_trains_like_one_process(true);
+}
+
+// torchtitan's 2-D layout: tensor parallelism inside each dp row, fully_shard across the rows.
+TEST(LlamaComposition, FullyShardOverTensorParallelEqualsOneProcess) {
+  DeviceMesh mesh = init_device_mesh({world_size() / 2, 2}, {"dp", "tp"});
+  llama::Transformer model = llm_make_model();
+  llama::apply_tensor_parallel(*model, mesh["tp"]);
+  auto fsdp = llama::apply_fully_shard(model, FullyShardOptions().mesh(mesh["dp"]));
+  expect_trains_like_one_process(
+      model, [&](const at::Tensor& t) { return fsdp(t); }, mesh.get_local_rank("dp"), mesh.size("dp"),
+      "fully_shard x tensor parallel");
+}
+
+TEST(LlamaComposition, HsdpEqualsOneProcess) {
+  DeviceMesh mesh = init_device_mesh({world_size() / 2, 2}, {"replicate", "shard"});
+  llama::Transformer model = llm_make_model();
+  auto fsdp = llama::apply_fully_shard(model, FullyShardOptions().mesh(mesh));
+  expect_trains_like_one_process(
+      model, [&](const at::Tensor& t) { return fsdp(t); }, rank(), world_size(), "HSDP");
+}
+
+DTRAIN_DIST_TEST_MAIN()
