@@ -102,8 +102,10 @@ def public_names():
             code = re.sub(r"//.*", "", line)
             spaces = [b for b in stack if b is not None]
             # Namespace level of dtrain's public namespaces (not the implementation's dp, ddp, detail).
+            # A nested namespace definition (namespace detail::fsdp) counts as each of its names.
+            parts = {part for s in spaces for part in s.split("::")}
             public = (None not in stack and bool(spaces) and spaces[0].startswith("dtrain")
-                      and not set(spaces) & {"dp", "ddp", "fsdp", "detail"})
+                      and not parts & {"dp", "ddp", "fsdp", "detail"})
             if public and not re.match(r"\s*(namespace|#)", code):
                 m = re.match(r"\s*(?:template\s*<[^>]*>\s*)?(?:class|struct|enum class|enum)\s+(?:\[\[[^\]]*\]\]\s*)?"
                              r"(?:DTRAIN_\w+\s+)?(\w+)\s*(?:final\s*)?(?:[:{]|$)", code)

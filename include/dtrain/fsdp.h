@@ -119,7 +119,8 @@ struct FullyShardOptions {
   DTRAIN_ARG(MixedPrecisionPolicy, mp_policy, MixedPrecisionPolicy())
 };
 
-namespace fsdp {
+// What FSDPModule::forward and fully_shard need of the units (src/fsdp/), not for users.
+namespace detail::fsdp {
 
 class Unit;  // src/fsdp/unit.h
 
@@ -142,6 +143,10 @@ class ForwardScope {
   std::shared_ptr<Unit> unit_;
   bool finished_ = false;
 };
+
+}  // namespace detail::fsdp
+
+namespace fsdp {
 
 // What FSDPModule's methods do, for any module type.
 void unshard(const torch::nn::Module& module);
@@ -167,9 +172,9 @@ class FSDPModule {
   // into backward after); a module not yet fully_shard'ed runs as is.
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
-    auto unit = fsdp::find_unit(module_.get());
+    auto unit = detail::fsdp::find_unit(module_.get());
     if (!unit) return module_->forward(std::forward<Args>(args)...);
-    fsdp::ForwardScope scope(std::move(unit));
+    detail::fsdp::ForwardScope scope(std::move(unit));
     auto out = module_->forward(std::forward<Args>(args)...);
     std::vector<at::Tensor> tensors;
     detail::collect_tensors(out, tensors);
@@ -224,7 +229,7 @@ class FSDPModule {
 template <typename ModuleType>
 FSDPModule<ModuleType> fully_shard(std::shared_ptr<ModuleType> module,
                                    const FullyShardOptions& options = FullyShardOptions()) {
-  fsdp::make_unit(module, options);
+  detail::fsdp::make_unit(module, options);
   return FSDPModule<ModuleType>(std::move(module));
 }
 template <typename ModuleType>

@@ -25,7 +25,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <torch/version.h>
 
-namespace dtrain::fsdp {
+namespace dtrain::detail::fsdp {
 namespace {
 
 class Pool final : public c10::Allocator {
@@ -104,4 +104,4 @@ void reserve_pool_for(size_t bytes) { pool().reserve_for(bytes); }
 
 size_t pool_free_bytes() { return pool().free_bytes(); }
 
-}  // namespace dtrain::fsdp
+}  // namespace dtrain::detail::fsdp

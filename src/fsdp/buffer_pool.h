@@ -7,7 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
-namespace dtrain::fsdp {
+namespace dtrain::detail::fsdp {
 
 // An empty tensor whose storage comes from the pool (CPU) or from at::empty (any other device). Its
 // storage's allocator is the pool's: a storage emptied and refilled in place (a parameter made whole
@@ -21,4 +21,4 @@ void reserve_pool_for(size_t bytes);
 // Bytes the pool holds free right now (counted by the CPU allocator as held, too).
 size_t pool_free_bytes();
 
-}  // namespace dtrain::fsdp
+}  // namespace dtrain::detail::fsdp

@@ -17,7 +17,7 @@
 #include "fsdp/root.h"
 #include "fsdp/unit.h"
 
-namespace dtrain::fsdp {
+namespace dtrain::detail::fsdp {
 namespace {
 
 struct Entry {
@@ -243,6 +243,15 @@ class ShardedElementImpl : public torch::nn::Module {
 
 }  // namespace
 
+}  // namespace dtrain::detail::fsdp
+
+// The user-facing functions (FSDPModule's methods, for any module type).
+namespace dtrain::fsdp {
+
+using detail::fsdp::describe;
+using detail::fsdp::find_unit;
+using detail::fsdp::units_under;
+
 void unshard(const torch::nn::Module& module) {
   auto unit = find_unit(&module);
   DTRAIN_CHECK(unit, "unshard(", describe(module), "): the module is not a unit: call fully_shard on it first");
@@ -303,8 +312,9 @@ namespace dtrain {
 
 void fully_shard(torch::nn::AnyModule& element, const FullyShardOptions& options) {
   DTRAIN_CHECK(!element.is_empty(), "fully_shard: the Sequential element is empty");
-  auto unit = fsdp::make_unit(element.ptr(), options);
-  element = torch::nn::AnyModule(std::make_shared<fsdp::ShardedElementImpl>(std::move(element), std::move(unit)));
+  auto unit = detail::fsdp::make_unit(element.ptr(), options);
+  element =
+      torch::nn::AnyModule(std::make_shared<detail::fsdp::ShardedElementImpl>(std::move(element), std::move(unit)));
 }
 
 double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type,

@@ -6,7 +6,7 @@
 #include "compat/autograd_compat.h"
 #include "fsdp/unit.h"
 
-namespace dtrain::fsdp {
+namespace dtrain::detail::fsdp {
 namespace {
 
 // Units' forwards running on this thread, one inside the other: the outermost is the root's.
@@ -128,4 +128,4 @@ void ForwardScope::finish(const std::vector<at::Tensor>& outputs) {
   }
 }
 
-}  // namespace dtrain::fsdp
+}  // namespace dtrain::detail::fsdp

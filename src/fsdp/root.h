@@ -7,7 +7,7 @@
 #include <memory>
 #include <vector>
 
-namespace dtrain::fsdp {
+namespace dtrain::detail::fsdp {
 
 class Unit;
 
@@ -35,4 +35,4 @@ class Root {
   bool queued_ = false;
 };
 
-}  // namespace dtrain::fsdp
+}  // namespace dtrain::detail::fsdp

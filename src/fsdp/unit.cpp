@@ -61,7 +61,7 @@
 #include "fsdp/buffer_pool.h"
 #include "fsdp/root.h"
 
-namespace dtrain::fsdp {
+namespace dtrain::detail::fsdp {
 namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -522,4 +522,4 @@ void Unit::reset_backward() {
   for (ShardedParam& p : params_) p.got_grad = false;
 }
 
-}  // namespace dtrain::fsdp
+}  // namespace dtrain::detail::fsdp

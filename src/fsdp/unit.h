@@ -15,7 +15,7 @@
 #include "dtrain/fsdp.h"
 #include "dtrain/shard_spec.h"
 
-namespace dtrain::fsdp {
+namespace dtrain::detail::fsdp {
 
 class Root;
 
@@ -160,4 +160,4 @@ std::vector<ShardedParam> shard_parameters(std::vector<std::pair<std::string, at
 // outer dimension; none for a 1-D mesh or a process group.
 std::optional<Group> replicate_group(const FullyShardOptions& options);
 
-}  // namespace dtrain::fsdp
+}  // namespace dtrain::detail::fsdp

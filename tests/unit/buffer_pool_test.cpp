@@ -9,9 +9,9 @@
 
 namespace {
 
-using dtrain::fsdp::pool_free_bytes;
-using dtrain::fsdp::pooled_empty;
-using dtrain::fsdp::reserve_pool_for;
+using dtrain::detail::fsdp::pool_free_bytes;
+using dtrain::detail::fsdp::pooled_empty;
+using dtrain::detail::fsdp::reserve_pool_for;
 
 TEST(BufferPool, AFreedBlockComesBackAtItsOwnSizeOnly) {
   reserve_pool_for(1 << 20);
