@@ -53,15 +53,28 @@ using namespace detail;
 
 namespace {
 
+// Connections the kernel completes ahead of accept(): a burst of ranks, or a flood the store thread
+// has not caught up with (descheduled on a busy node), waits here instead of having its SYN dropped
+// (retried by the kernel after 1 s). Linux caps it at net.core.somaxconn.
+constexpr int kListenBacklog = 1024;
+
 void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
+// Young connections past their address's budget (Note [Store budgets]): kHandshakeSurplus, or an
+// eighth of the descriptors where they are fewer.
+size_t handshake_surplus_cap() {
+  rlimit r{};
+  if (getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur == RLIM_INFINITY) return kHandshakeSurplus;
+  return std::min<size_t>(kHandshakeSurplus, static_cast<size_t>(r.rlim_cur) / 8);
+}
+
 // Authenticated connections the process can hold: a few descriptors stay for everything else it
-// opens, and `unauthenticated` for the connections still in the handshake.
-size_t connection_cap(size_t unauthenticated) {
+// opens, and `unauthenticated` (and the surplus) for the connections still in the handshake.
+size_t connection_cap(size_t unauthenticated, size_t surplus) {
   rlimit r{};
   if (getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur == RLIM_INFINITY) return kMaxConnections;
   const auto room = static_cast<size_t>(r.rlim_cur);
-  const size_t reserved = 64 + unauthenticated;
+  const size_t reserved = 64 + unauthenticated + surplus;
   return std::clamp<size_t>(room > reserved + 16 ? room - reserved : 16, 16, kMaxConnections);
 }
 
@@ -86,7 +99,7 @@ void StoreServer::Impl::bind_and_listen(uint16_t requested_port) {
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     if (ai->ai_family == AF_INET6) setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof(one));
-    if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 1024) == 0) {
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, kListenBacklog) == 0) {
       listen_fd = fd;
       break;
     }
@@ -122,7 +135,9 @@ StoreServer::StoreServer(const std::string& host, uint16_t port, std::string sec
   impl_->host = host;
   impl_->secret = secret.empty() ? secret : check_job_secret(secret, "the store's job secret");
   impl_->limits = limits;
-  if (limits.max_connections == 0) impl_->limits.max_connections = connection_cap(limits.max_unauthenticated);
+  impl_->surplus_cap = handshake_surplus_cap();
+  if (limits.max_connections == 0)
+    impl_->limits.max_connections = connection_cap(limits.max_unauthenticated, impl_->surplus_cap);
   if (limits.memory_budget == 0) impl_->limits.memory_budget = kMemoryBudget;
   impl_->limits.max_unauthenticated = std::max<size_t>(limits.max_unauthenticated, 1);
   impl_->limits.max_unauthenticated_per_peer = std::max<size_t>(limits.max_unauthenticated_per_peer, 1);
@@ -183,6 +198,7 @@ int StoreServer::Impl::poll_timeout(Clock::time_point now) const {
   }
   if (listen_paused_until > now) nearest = std::min(nearest, listen_paused_until);
   if (accept_after > now) nearest = std::min(nearest, accept_after);
+  if (surplus > 0) nearest = std::min(nearest, surplus_until());
   if (nearest == Clock::time_point::max()) return -1;
   const auto ms = std::chrono::ceil<std::chrono::milliseconds>(nearest - now).count();
   return static_cast<int>(std::clamp<int64_t>(ms, 0, 1 << 30));
@@ -212,10 +228,13 @@ bool StoreServer::Impl::poll_once() {
     return false;
   }
   if (fds[0].revents) return false;  // destructor asked us to stop
+  // accept_all may close connections for newcomers, which then reuse their descriptors: what poll
+  // said of the closed one (an error, a hang-up) is not the newcomer's.
+  const uint64_t polled_up_to = accepted;
   if (fds[1].revents & POLLIN) accept_all();
   for (size_t i = 2; i < fds.size(); ++i) {
     const int fd = fds[i].fd;
-    if (!fds[i].revents || !conns.count(fd) || conns.at(fd).doomed) continue;
+    if (!fds[i].revents || !conns.count(fd) || conns.at(fd).doomed || conns.at(fd).seq > polled_up_to) continue;
     try {
       if (fds[i].revents & (POLLERR | POLLNVAL)) {
         drop(fd);
@@ -286,7 +305,7 @@ void StoreServer::Impl::accept_all() {
     c.seq = ++accepted;
     c.peer = peer_name(from, true);
     c.peer_address = address;
-    unauthed.emplace(c.seq, fd);
+    enter_handshake(c);
     if (!secret.empty()) c.nonce = random_bytes(kNonceBytes);
     reply(c, Writer(uint8_t(Status::kOk)).str(kMagic).i64(secret.empty() ? 0 : 1).blob(c.nonce));
   }
@@ -409,6 +428,7 @@ void StoreServer::Impl::reap() {
 }
 
 void StoreServer::Impl::expire(Clock::time_point now) {
+  trim_surplus(now);
   for (auto it = waiters.begin(); it != waiters.end();) {
     if (!it->has_deadline || it->deadline > now) {
       ++it;
@@ -450,12 +470,10 @@ void StoreServer::Impl::drop(int fd) {
                 waiters.end());
   auto it = conns.find(fd);
   if (it != conns.end()) {
-    if (it->second.authed) {
+    if (it->second.authed)
       --authed_count;
-    } else {
-      unauthed.erase(it->second.seq);
-      accept_after = {};  // room in the handshake budget
-    }
+    else
+      leave_handshake(it->second);
     buffered -= it->second.charged;
     conns.erase(it);
   }

@@ -32,6 +32,7 @@ constexpr int kFramesPerRound = 64;                // requests one connection ha
 constexpr size_t kKeptBuffer = 64 << 10;           // a drained buffer larger than this gives its memory back
 constexpr size_t kMemoryBudget = size_t{3} << 30;  // ServerLimits::memory_budget's default
 constexpr Millis kEvictAfter{50};                  // a connection in the handshake is evicted only from this age on
+constexpr size_t kHandshakeSurplus = 1024;         // young connections past their address's budget, in all, at most
 constexpr Millis kNoticeEvery{10000};              // one line per kind of refusal at most this often
 
 // What node 0 says while it refuses connections (one line per kind, rate-limited: notice()).
@@ -116,6 +117,9 @@ struct StoreServer::Impl {
   size_t stored_bytes = 0;  // keys and values
   std::unordered_map<int, detail::Connection> conns;
   std::map<uint64_t, int> unauthed;  // connections still in the handshake, by accept order
+  std::unordered_map<std::string, std::map<uint64_t, int>> unauthed_from;  // the same, by address
+  size_t surplus = 0;      // of them, those past their address's budget (young ones, in their grace)
+  size_t surplus_cap = 0;  // what `surplus` may reach before an address's young ones are evicted
   size_t authed_count = 0;
   uint64_t accepted = 0;
   size_t buffered = 0;       // bytes every connection's `in` and `out` hold (their capacity)
@@ -150,7 +154,11 @@ struct StoreServer::Impl {
   // server_guard.cpp: what a peer without the secret can make the server do. See Note [Store budgets].
   bool room_for_one();                        // false: accept no more now (accept_after)
   void room_for(const std::string& address);  // within the per-peer budget, once accepted
-  bool settles(detail::Connection& c);        // reads its handshake; false: it left (dropped)
+  void trim_surplus(Clock::time_point now);   // each address's connections past their grace, within its budget
+  Clock::time_point surplus_until() const;    // when trim_surplus has one to close next
+  void enter_handshake(detail::Connection& c);
+  void leave_handshake(detail::Connection& c);
+  bool settles(detail::Connection& c);  // reads its handshake; false: it left (dropped)
   void evict(detail::Connection& c, const char* scope);
   bool read_auth(detail::Connection& c);                                    // false: drop it
   bool handshake(detail::Connection& c, const uint8_t* frame, size_t len);  // false: drop it, silently

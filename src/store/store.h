@@ -76,7 +76,7 @@ struct ServerLimits {
   Millis unread_reply_timeout{60000};        // replies queued for a client that reads none of them
   size_t max_connections = 0;                // authenticated ones; 0: what RLIMIT_NOFILE leaves room for, at most 16384
   size_t max_unauthenticated = 64;           // connections in the handshake: past it, the oldest is closed
-  size_t max_unauthenticated_per_peer = 16;  // of them from one address: past it, that address's oldest
+  size_t max_unauthenticated_per_peer = 16;  // of them from one address: past it, its oldest out of its grace
   size_t memory_budget = 0;                  // bytes stored, queued and half-received, together; 0: 3 GiB
   size_t max_keys = size_t{1} << 20;
 };
