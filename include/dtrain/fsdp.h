@@ -26,7 +26,9 @@
 // - HSDP (a 2-D mesh {replicate R, shard S}): everything above holds with "the group" the shard
 //   dimension's; each rank holds chunk s of S (its shard coordinate), the same rows as the other
 //   R - 1 replicas. Backward reduce-scatters over the shard group, then all-reduces the shard's
-//   gradient over the replicate group: .grad() is the mean over all R * S ranks, divided as FSDP2
+//   gradient over the replicate group (asynchronously too, while backward goes on: each unit's
+//   all-reduce starts before the next unit's reduce-scatter): .grad() is the mean over all R * S
+//   ranks, divided as FSDP2
 //   divides (AVG in both for float32 and bfloat16 reduce dtypes; otherwise both sum, between a
 //   division by a power of two near sqrt(R * S) before and by the rest after). Every rank of the mesh
 //   trains its own part of the batch. The ShardSpec has the shard group's cut only, so a checkpoint
