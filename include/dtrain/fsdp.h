@@ -247,7 +247,8 @@ FSDPModule<ModuleType> fully_shard(FSDPModule<ModuleType>& member,
 // An element of a torch::nn::Sequential (for (auto& block : *seq) fully_shard(block)): the element
 // becomes a unit and is replaced in place by a wrapper that runs it as one, so the Sequential's own
 // forward runs it as a unit. Its parameters keep their names. The element takes and returns one
-// tensor.
+// tensor. An element checkpointed in place before (checkpoint_wrapper(element)) becomes a unit that
+// runs its checkpoint inside, as FSDP2 applied to a checkpoint-wrapped block.
 void fully_shard(torch::nn::AnyModule& element, const FullyShardOptions& options = FullyShardOptions());
 
 // torch.nn.utils.clip_grad_norm_ over sharded gradients: the total norm of the whole gradients,
