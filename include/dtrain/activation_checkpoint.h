@@ -79,11 +79,11 @@ at::Tensor checkpoint(CheckpointFunction fn, const std::vector<at::Tensor>& inpu
 
 // A module whose forward takes and returns one tensor, run checkpointed (PyTorch's
 // torch.distributed.algorithms._checkpoint.checkpoint_wrapper). The wrapped module is registered as
-// its submodule `module`. Under fully_shard, make the wrapper the unit, so that the recompute runs
-// inside it (its pre-backward gather brings the parameters back first): push the wrappers into the
-// Sequential (seq->push_back(checkpoint_wrapper(block)), names under `module.`), then fully_shard
-// each element. An element wrapped in place is not in the module tree, so the root would find its
-// parameters claimed by a unit it does not hold (refused in one line).
+// its submodule `module`. Under fully_shard the recompute must run inside the unit (its pre-backward
+// gather brings the parameters back first): checkpoint first, then fully_shard, either the wrappers
+// pushed into a Sequential (seq->push_back(checkpoint_wrapper(block)), names under `module.`, each
+// wrapper a unit) or a Sequential's elements wrapped in place (checkpoint_wrapper(element), then
+// fully_shard(element): the unit is the element the Sequential holds, its names kept).
 class CheckpointWrapperImpl : public torch::nn::Module {
  public:
   explicit CheckpointWrapperImpl(torch::nn::AnyModule inner,
@@ -106,7 +106,8 @@ CheckpointWrapper checkpoint_wrapper(std::shared_ptr<ModuleType> module,
 }
 // An element of a torch::nn::Sequential (for (auto& block : *seq) checkpoint_wrapper(block)),
 // replaced in place by a wrapper that runs it checkpointed, so the Sequential's own forward does.
-// Its parameters keep their names in the Sequential. Not for fully_shard (see CheckpointWrapperImpl).
+// Its parameters keep their names in the Sequential. fully_shard(element) after it makes the element
+// a unit that runs checkpointed inside (see CheckpointWrapperImpl).
 void checkpoint_wrapper(torch::nn::AnyModule& element,
                         ActivationCheckpointOptions options = ActivationCheckpointOptions());
 

@@ -26,7 +26,9 @@
 // - HSDP (a 2-D mesh {replicate R, shard S}): everything above holds with "the group" the shard
 //   dimension's; each rank holds chunk s of S (its shard coordinate), the same rows as the other
 //   R - 1 replicas. Backward reduce-scatters over the shard group, then all-reduces the shard's
-//   gradient over the replicate group: .grad() is the mean over all R * S ranks, divided as FSDP2
+//   gradient over the replicate group (asynchronously too, while backward goes on: each unit's
+//   all-reduce starts before the next unit's reduce-scatter): .grad() is the mean over all R * S
+//   ranks, divided as FSDP2
 //   divides (AVG in both for float32 and bfloat16 reduce dtypes; otherwise both sum, between a
 //   division by a power of two near sqrt(R * S) before and by the rest after). Every rank of the mesh
 //   trains its own part of the batch. The ShardSpec has the shard group's cut only, so a checkpoint
@@ -245,7 +247,8 @@ FSDPModule<ModuleType> fully_shard(FSDPModule<ModuleType>& member,
 // An element of a torch::nn::Sequential (for (auto& block : *seq) fully_shard(block)): the element
 // becomes a unit and is replaced in place by a wrapper that runs it as one, so the Sequential's own
 // forward runs it as a unit. Its parameters keep their names. The element takes and returns one
-// tensor.
+// tensor. An element checkpointed in place before (checkpoint_wrapper(element)) becomes a unit that
+// runs its checkpoint inside, as FSDP2 applied to a checkpoint-wrapped block.
 void fully_shard(torch::nn::AnyModule& element, const FullyShardOptions& options = FullyShardOptions());
 
 // torch.nn.utils.clip_grad_norm_ over sharded gradients: the total norm of the whole gradients,

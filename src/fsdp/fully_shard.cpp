@@ -12,6 +12,7 @@
 #include "comm/param_claims.h"
 #include "comm/model_sync.h"
 #include "common/util.h"
+#include "dtrain/detail/element_wrapper.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "fsdp/root.h"
@@ -224,8 +225,10 @@ std::vector<std::shared_ptr<Unit>> units_under(const torch::nn::Module& module) 
   return out;
 }
 
-// A torch::nn::Sequential element run as a unit (fully_shard(AnyModule&)).
-class ShardedElementImpl : public torch::nn::Module {
+// A torch::nn::Sequential element run as a unit (fully_shard(AnyModule&)): the unit is made of the
+// module the Sequential's tree holds, and `inner` (that module, or a wrapper put in its place, which
+// then runs inside the unit) runs in the unit's forward (Note [Elements wrapped in place]).
+class ShardedElementImpl : public torch::nn::Module, public ElementWrapper {
  public:
   ShardedElementImpl(torch::nn::AnyModule inner, std::shared_ptr<Unit> unit)
       : inner_(std::move(inner)), unit_(std::move(unit)) {}
@@ -235,6 +238,7 @@ class ShardedElementImpl : public torch::nn::Module {
     scope.finish({out});
     return out;
   }
+  std::shared_ptr<torch::nn::Module> wrapped() const override { return inner_.ptr(); }
 
  private:
   torch::nn::AnyModule inner_;
@@ -310,9 +314,20 @@ std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict(torch::nn::Mo
 
 namespace dtrain {
 
+// Note [Elements wrapped in place]
+// A Sequential element replaced in place (checkpoint_wrapper(element), fully_shard(element)) stays
+// registered in the Sequential as itself: the Sequential's forward calls the wrapper, but its module
+// tree, and so its parameters' names and the root's search for units below it, hold the element. A
+// unit made of the wrapper would be outside that tree, and the root would find the element's
+// parameters claimed by a unit it does not hold. So fully_shard of an element makes the unit of the
+// module the tree holds behind any such wrappers (detail::module_in_tree), and runs the element as it
+// is, wrappers included, inside the unit's forward: an element checkpointed in place then recomputes
+// inside its unit, whose pre-backward gather brings the parameters back first, as a
+// CheckpointWrapper pushed into a Sequential and made a unit does, and its parameters keep the
+// Sequential's names.
 void fully_shard(torch::nn::AnyModule& element, const FullyShardOptions& options) {
   DTRAIN_CHECK(!element.is_empty(), "fully_shard: the Sequential element is empty");
-  auto unit = detail::fsdp::make_unit(element.ptr(), options);
+  auto unit = detail::fsdp::make_unit(detail::module_in_tree(element.ptr()), options);
   element =
       torch::nn::AnyModule(std::make_shared<detail::fsdp::ShardedElementImpl>(std::move(element), std::move(unit)));
 }

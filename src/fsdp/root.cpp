@@ -18,7 +18,10 @@ std::shared_ptr<Unit> lock(const std::weak_ptr<Unit>& w) { return w.lock(); }
 void pre_backward(Unit& unit) {
   if (unit.pre_backward_done) return;
   unit.pre_backward_done = true;
-  if (unit.root) unit.root->on_backward();
+  if (unit.root) {
+    unit.root->on_backward();
+    unit.root->issue_replicate_all_reduces(/*wait=*/false);  // Note [Replicate all-reduce in backward]
+  }
   unit.unshard();
   if (unit.root) {
     auto next = unit.root->before_in_forward(&unit);
@@ -47,7 +50,8 @@ void Root::begin_iteration() {
   if (!order_.empty()) last_order_ = std::move(order_);
   order_.clear();
   ends_.clear();
-  if (queued_) return;  // a backward is still running (a forward inside backward): nothing to reset
+  if (queued_) return;       // a backward is still running (a forward inside backward): nothing to reset
+  replicate_queue_.clear();  // of a backward an exception ended: finish_gradients issues what is left
   for (auto& w : units_) {
     if (auto u = lock(w)) {
       u->drop_prefetch();      // prefetched for a unit the last forward did not run
@@ -80,6 +84,17 @@ void Root::on_backward() {
   compat::queue_end_of_backward_callback([this] { end_of_backward(); });
 }
 
+void Root::queue_replicate_all_reduce(const std::shared_ptr<Unit>& unit) { replicate_queue_.push_back(unit); }
+
+void Root::issue_replicate_all_reduces(bool wait) {
+  size_t issued = 0;
+  for (; issued < replicate_queue_.size(); ++issued) {
+    auto u = lock(replicate_queue_[issued]);
+    if (u && !u->issue_replicate_all_reduce(wait)) break;
+  }
+  replicate_queue_.erase(replicate_queue_.begin(), replicate_queue_.begin() + static_cast<std::ptrdiff_t>(issued));
+}
+
 void Root::end_of_backward() {
   queued_ = false;
   std::vector<std::shared_ptr<Unit>> units;
@@ -90,6 +105,7 @@ void Root::end_of_backward() {
   for (size_t i = ends_.size(); i-- > 0;)
     if (auto u = lock(ends_[i])) u->launch_if_pending();
   for (auto& u : units) u->launch_if_pending();
+  issue_replicate_all_reduces(/*wait=*/true);  // in launch order, before any unit waits for its own
   for (auto& u : units) u->finish_gradients();
   for (auto& u : units) {
     u->drop_prefetch();  // gathered for a backward that did not reach the unit

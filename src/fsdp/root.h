@@ -25,6 +25,12 @@ class Root {
   std::shared_ptr<Unit> before_in_forward(const Unit* unit) const;
   // Called from autograd hooks: queues the end of this backward pass once.
   void on_backward();
+  // HSDP (Note [Replicate all-reduce in backward]): `unit` has launched its reduce-scatter; its
+  // all-reduce across the replicas waits in the queue.
+  void queue_replicate_all_reduce(const std::shared_ptr<Unit>& unit);
+  // Issues the queued all-reduces in launch order (the same on every rank): each whose
+  // reduce-scatter has landed, stopping at the first that has not, or, with `wait`, all of them.
+  void issue_replicate_all_reduces(bool wait);
 
  private:
   void end_of_backward();
@@ -32,6 +38,7 @@ class Root {
   std::vector<std::weak_ptr<Unit>> units_;
   std::vector<std::weak_ptr<Unit>> order_, last_order_;  // forwards started, this and last iteration
   std::vector<std::weak_ptr<Unit>> ends_;                // forwards finished, this iteration
+  std::vector<std::weak_ptr<Unit>> replicate_queue_;     // reduce-scatters launched, all-reduce not issued
   bool queued_ = false;
 };
 

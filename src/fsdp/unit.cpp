@@ -39,12 +39,28 @@
 // holds the same rows, so a ShardSpec has no cut for the replicate group and DCP writes the
 // replicas' identical chunks once (Note [Replicas cut unlike]). In backward the reduce-scatter over
 // the shard group is followed by an all-reduce of the shard's gradient over the replicate group,
-// after the reduce-scatter has landed (finish_gradients), and the result is the mean over all
-// shard * replicate ranks. The division follows FSDP2's _get_gradient_divide_factors: float32 and
-// bfloat16 average in each collective (AVG, AVG); other reduce dtypes (float64, float16) sum in both,
-// having divided by a power of two near sqrt(N) before and by the rest after, against overflow.
+// once the reduce-scatter has landed (Note [Replicate all-reduce in backward]), and the result is
+// the mean over all shard * replicate ranks. The division follows FSDP2's
+// _get_gradient_divide_factors: float32 and bfloat16 average in each collective (AVG, AVG); other
+// reduce dtypes (float64, float16) sum in both, having divided by a power of two near sqrt(N) before
+// and by the rest after, against overflow.
 // The 1-D path keeps its one AVG reduce-scatter. GradScaler's overflow flag is reduced over both
 // groups (each rank's found_inf reaches every rank of the mesh), whatever the all-reduce carried.
+//
+// Note [Replicate all-reduce in backward]
+// FSDP2 issues a unit's all-reduce across the replicas right behind its reduce-scatter, on a stream
+// of its own that waits for the reduce-scatter's event, and waits for it only when the gradients are
+// finalized: the all-reduce runs while backward goes on. On the CPU a collective cannot be queued
+// behind another one's result, and a completion callback runs on the backend's thread, where ranks
+// would issue the all-reduces in different orders. So the root keeps the units whose reduce-scatter
+// is in flight in launch order (the same on every rank), and the main thread issues their
+// all-reduces, asynchronously, in that order: at each unit's pre-backward and each gradient
+// accumulated, those whose reduce-scatter has landed (stopping at the first that has not: a poll of
+// the handles), and before a unit launches its own reduce-scatter, all of them (waiting: the earlier
+// unit's reduce-scatter had this unit's backward to land). So the all-reduce of a unit is in flight
+// before the reduce-scatter of the unit backward reaches next, and the end of backward waits for it,
+// as for the reduce-scatters. The same collective on the same tensor as a synchronous one: the
+// gradients are the same bits.
 #include "fsdp/unit.h"
 
 #include <algorithm>
@@ -411,7 +427,10 @@ void Unit::reshard(bool restore_grads) {
 }
 
 void Unit::on_grad_ready(ShardedParam& p) {
-  if (root) root->on_backward();
+  if (root) {
+    root->on_backward();
+    root->issue_replicate_all_reduces(/*wait=*/false);  // Note [Replicate all-reduce in backward]
+  }
   if (p.got_grad || !whole_) return;
   if (cleared_while_whole(p, 1)) p.sharded_grad = at::Tensor();
   p.got_grad = true;
@@ -436,6 +455,9 @@ void Unit::launch_reduce_scatter() {
     reshard();
     return;
   }
+  // The earlier units' all-reduces across the replicas go first
+  // (Note [Replicate all-reduce in backward]).
+  if (replicas_ && root) root->issue_replicate_all_reduces(/*wait=*/true);
   // Chunk r of each parameter's gradient goes to rank r (Note [Collectives per parameter]): one
   // reduce-scatter per parameter into its chunk of the unit's output, or one for the unit whose
   // part r holds chunk r of every parameter.
@@ -467,6 +489,8 @@ void Unit::launch_reduce_scatter() {
     scatter_inputs_.push_back(parts);
   }
   received_bytes_ += (n - 1) * per_rank_ * static_cast<int64_t>(scatter_out_.element_size());
+  scattering_ = true;
+  if (replicas_ && root) root->queue_replicate_all_reduce(shared_from_this());
   reshard(/*restore_grads=*/false);  // the shard's old gradient waits in sharded_grad for the new one
 }
 
@@ -484,14 +508,26 @@ at::Tensor Unit::padded_gradient(const ShardedParam& p, const at::Tensor& g, con
   return in;
 }
 
-void Unit::finish_gradients() {
-  if (!scatter_out_.defined()) return;
+bool Unit::issue_replicate_all_reduce(bool wait) {
+  if (!scattering_) return true;
+  if (!wait)
+    for (Work& w : scatters_)
+      if (!w.is_completed()) return false;
   for (Work& w : scatters_) w.wait();
   scatters_.clear();
   scatter_inputs_.clear();
-  torch::NoGradGuard no_grad;
+  scattering_ = false;
   // Note [Hybrid sharding]: the replicas' shards of the gradient, once the reduce-scatter has landed.
-  if (replicas_) all_reduce(scatter_out_, reduce_op_, *replicas_);
+  if (replicas_) replicate_reduces_.push_back(all_reduce(scatter_out_, reduce_op_, *replicas_, /*async_op=*/true));
+  return true;
+}
+
+void Unit::finish_gradients() {
+  if (!scatter_out_.defined()) return;
+  issue_replicate_all_reduce(/*wait=*/true);
+  for (Work& w : replicate_reduces_) w.wait();
+  replicate_reduces_.clear();
+  torch::NoGradGuard no_grad;
   for (ShardedParam& p : params_) {
     at::Tensor old = p.sharded_grad;
     p.sharded_grad = at::Tensor();

@@ -99,7 +99,12 @@ class Unit : public std::enable_shared_from_this<Unit> {
   void on_grad_ready(ShardedParam& p);
   // End of backward: launches what waits for unused parameters, then reshards.
   void launch_if_pending();
-  // Waits for the reduce-scatter and leaves each shard's averaged gradient in .grad().
+  // HSDP (Note [Replicate all-reduce in backward]): issues the all-reduce across the replicas once
+  // the reduce-scatter has landed; false when it has not yet and `wait` is false. True when issued,
+  // or when there is none to issue.
+  bool issue_replicate_all_reduce(bool wait);
+  // Waits for the reduce-scatter (and the all-reduce across the replicas) and leaves each shard's
+  // averaged gradient in .grad().
   void finish_gradients();
   void reset_backward();
 
@@ -146,6 +151,8 @@ class Unit : public std::enable_shared_from_this<Unit> {
   std::vector<Work> scatters_;  // launched, not yet waited for
   std::vector<at::Tensor> scatter_inputs_;
   at::Tensor scatter_out_;
+  bool scattering_ = false;                   // the reduce-scatter launched, not yet waited for
+  std::vector<Work> replicate_reduces_;       // issued, not yet waited for (Note [Hybrid sharding])
   std::optional<at::ScalarType> wire_dtype_;  // known from the first reduce-scatter on
   std::vector<uintptr_t> hook_keys_;          // per parameter, on its accumulator (0: none yet)
   void hook_accumulators();

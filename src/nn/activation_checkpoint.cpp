@@ -30,6 +30,7 @@
 
 #include "compat/amp_compat.h"
 #include "dtrain/activation_checkpoint.h"
+#include "dtrain/detail/element_wrapper.h"
 #include "dtrain/errors.h"
 
 namespace dtrain {
@@ -293,9 +294,23 @@ at::Tensor CheckpointWrapperImpl::forward(at::Tensor x) {
                     options);
 }
 
+namespace {
+
+// A Sequential element checkpointed in place. The Sequential still registers the element itself, so
+// its tree and parameter names are the element's; fully_shard(AnyModule&) of this wrapper makes the
+// unit of the element and runs the wrapper inside the unit (Note [Elements wrapped in place]).
+class InPlaceCheckpointWrapperImpl : public CheckpointWrapperImpl, public detail::ElementWrapper {
+ public:
+  using CheckpointWrapperImpl::CheckpointWrapperImpl;
+  std::shared_ptr<torch::nn::Module> wrapped() const override { return inner().ptr(); }
+};
+
+}  // namespace
+
 void checkpoint_wrapper(torch::nn::AnyModule& element, ActivationCheckpointOptions options) {
   DTRAIN_CHECK(!element.is_empty(), "checkpoint_wrapper: the Sequential element is empty");
-  element = torch::nn::AnyModule(CheckpointWrapper(std::move(element), std::move(options)));
+  element =
+      torch::nn::AnyModule(std::make_shared<InPlaceCheckpointWrapperImpl>(std::move(element), std::move(options)));
 }
 
 at::Tensor checkpoint_sequential(const torch::nn::Sequential& seq, int64_t segments, const at::Tensor& x,

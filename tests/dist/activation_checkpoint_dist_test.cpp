@@ -1,12 +1,14 @@
 // Activation checkpointing on real ranks: a 16-block float64 MLP with dropout, every block wrapped
 // by checkpoint_wrapper, trained some steps under DDP (default, find_unused_parameters, static_graph)
-// and under fully_shard (each block a unit, checkpointed inside it); tensor-parallel MLP blocks whose
+// and under fully_shard (each block a unit, checkpointed inside it, wrapped in a new Sequential or in
+// place); tensor-parallel MLP blocks whose
 // recompute repeats their all-reduces; pipeline stages of checkpointed blocks under 1F1B and ZB-H1
 // (whose split backward recomputes each block once): each equal bit for bit to the same run without
 // checkpointing.
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -88,28 +90,58 @@ TEST(ActivationCheckpointDist, DDPEqualsUncheckpointed) {
   }
 }
 
-// The wrappers are the Sequential's elements (registered, parameters under `module.`), so the
-// root finds the units below it; each wrapper a unit, so the recompute runs inside it.
-std::vector<at::Tensor> fsdp_run(bool checkpointed) {
+enum class AcFsdpMode { kPlain, kPushed, kInPlace };
+
+// kPushed: the wrappers are the Sequential's elements (registered, parameters under `module.`), so
+// the root finds the units below it; each wrapper a unit, so the recompute runs inside it.
+// kInPlace: each element checkpointed in place, then made a unit in place: the unit is the block the
+// Sequential holds (its names), and the checkpoint runs inside it. `names`: the full state dict's.
+std::vector<at::Tensor> fsdp_run(AcFsdpMode mode, std::vector<std::string>* names = nullptr) {
   auto seq = make_mlp(16, 12, 0.3);
-  if (checkpointed) {
+  if (mode == AcFsdpMode::kPushed) {
     torch::nn::Sequential wrapped;
     for (size_t i = 0; i < seq->size(); ++i)
       wrapped->push_back(dtrain::checkpoint_wrapper(seq->ptr<ac_test::BlockImpl>(i)));
     seq = wrapped;
   }
+  if (mode == AcFsdpMode::kInPlace)
+    for (auto& element : *seq) dtrain::checkpoint_wrapper(element);
   for (auto& element : *seq) dtrain::fully_shard(element);
   auto root = dtrain::fully_shard(seq);
   auto state = [&] {
     std::vector<at::Tensor> out;
-    for (auto& kv : root.full_state_dict()) out.push_back(kv.second);
+    for (auto& kv : root.full_state_dict()) {
+      out.push_back(kv.second);
+      if (names) names->push_back(kv.first);
+    }
     return out;
   };
   return train(
       seq, [&](at::Tensor x) { return root(x); }, state);
 }
 
-TEST(ActivationCheckpointDist, FullyShardEqualsUncheckpointed) { expect_all_equal(fsdp_run(true), fsdp_run(false)); }
+TEST(ActivationCheckpointDist, FullyShardEqualsUncheckpointed) {
+  expect_all_equal(fsdp_run(AcFsdpMode::kPushed), fsdp_run(AcFsdpMode::kPlain));
+}
+
+// Elements checkpointed in place, then each made a unit in place (Note [Elements wrapped in place]):
+// the same training bit for bit as without checkpointing, the Sequential's parameter names, and the
+// output comes out of the checkpoint's node (the blocks are recomputed in backward).
+TEST(ActivationCheckpointDist, FullyShardOfElementsCheckpointedInPlaceEqualsUncheckpointed) {
+  std::vector<std::string> names, plain_names;
+  expect_all_equal(fsdp_run(AcFsdpMode::kInPlace, &names), fsdp_run(AcFsdpMode::kPlain, &plain_names));
+  EXPECT_EQ(names, plain_names);
+
+  auto seq = make_mlp(2, 12, 0.0);
+  for (auto& element : *seq) dtrain::checkpoint_wrapper(element);
+  for (auto& element : *seq) dtrain::fully_shard(element);
+  auto root = dtrain::fully_shard(seq);
+  at::Tensor y = root(batch(4, 12, 5));
+  ASSERT_TRUE(y.grad_fn());
+  EXPECT_NE(y.grad_fn()->name().find("CheckpointNode"), std::string::npos) << y.grad_fn()->name();
+  y.sum().backward();
+  for (auto& p : seq->parameters()) EXPECT_TRUE(p.grad().defined());
+}
 
 // Three MLP blocks (w1 column-parallel, w2 row-parallel: one all-reduce forward, one backward each)
 // sharded over the world, every block wrapped in place. The input is whole on every rank and needs

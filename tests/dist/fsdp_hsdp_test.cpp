@@ -282,6 +282,28 @@ TEST(Hsdp, FlightRecordShowsReduceScattersInShardGroupsAndOneAllReducePerUnitAcr
   EXPECT_EQ(across, expected) << "one all-reduce per unit of its shard's gradient, " << calls.size() << " calls";
 }
 
+// Each unit's all-reduce across the replicas runs while backward goes on
+// (Note [Replicate all-reduce in backward]): in the flight record of one backward, every unit's
+// reduce-scatters are followed by its all-reduce before the next unit's reduce-scatters begin ("S"
+// a unit's run of reduce-scatters, "A" an all-reduce across the replicas), not all the all-reduces
+// after the last reduce-scatter (synchronous: "SAAAAA").
+TEST(Hsdp, EachUnitsAllReduceIsIssuedBeforeTheNextUnitsReduceScatter) {
+  Pair pair;
+  pair.step(0);
+  auto [x, y] = fsdp_models::batch(1);
+  fsdp_models::keep_this_ranks_part(x, y);
+  at::Tensor loss = (pair.fsdp(x) - y).pow(2).mean();
+  FlightLog log;
+  loss.backward();
+  const std::string replicate = ranks_text(hsdp_mesh().get_group("replicate").ranks());
+  std::string order;
+  for (const FlightCall& c : log.take()) {
+    if (c.op == "reduce_scatter_tensor" && (order.empty() || order.back() != 'S')) order += 'S';
+    if (c.op == "all_reduce" && c.ranks == replicate) order += 'A';
+  }
+  EXPECT_EQ(order, "SASASASASA") << "five units, each unit's all-reduce before the next unit's reduce-scatters";
+}
+
 // reshard_after_forward(2) on 4 ranks sharding over the world: after each unit's forward it keeps
 // the chunks of its pair of ranks ({0, 1} or {2, 3}), half of the whole, and backward gathers them
 // within that pair. The gathers move the same bits, so it trains exactly as true does.
