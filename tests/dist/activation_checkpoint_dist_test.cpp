@@ -203,7 +203,7 @@ TORCH_MODULE(AcPipeBlock);
 
 constexpr int64_t kPipeChunks = 4;
 
-// Four blocks, two per stage, each wrapped in place; kSteps steps of `schedule`. Returns the losses,
+// Four blocks, two per rank, each wrapped in place; kSteps steps of `schedule`. Returns the losses,
 // this rank's parameters and the last step's gradients; *calls: the forwards of this rank's blocks.
 std::vector<at::Tensor> pipeline_run(dtrain::Schedule schedule, bool checkpointed, int64_t* calls) {
   using namespace dtrain::test_pipeline;
@@ -215,7 +215,10 @@ std::vector<at::Tensor> pipeline_run(dtrain::Schedule schedule, bool checkpointe
   model->to(at::kDouble);
   if (checkpointed)
     for (auto& element : *model) dtrain::checkpoint_wrapper(element);
-  dtrain::Pipeline pipe(model, dtrain::PipelineOptions().chunks(kPipeChunks).schedule(schedule).balance({2, 2}));
+  auto options = dtrain::PipelineOptions().chunks(kPipeChunks).schedule(schedule).balance({2, 2});
+  if (schedule == dtrain::Schedule::kInterleaved1F1B)  // two stages of one block on each rank
+    options.virtual_stages(2).balance({1, 1, 1, 1});
+  dtrain::Pipeline pipe(model, options);
   torch::optim::SGD opt(pipe.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   std::vector<at::Tensor> out;
   for (int step = 0; step < kSteps; ++step) {
@@ -233,10 +236,11 @@ std::vector<at::Tensor> pipeline_run(dtrain::Schedule schedule, bool checkpointe
   return out;
 }
 
-// ZB-H1's B asks the checkpoint for the input's gradient only and its W for the weights': the
-// recompute runs once, in B, and W takes the weights' gradients from it.
+// Every schedule. ZB-H1's B asks the checkpoint for the input's gradient only and its W for the
+// weights': the recompute runs once, in B, and W takes the weights' gradients from it.
 TEST(ActivationCheckpointDist, PipelineEqualsUncheckpointedAndRecomputesOnce) {
-  for (auto schedule : {dtrain::Schedule::k1F1B, dtrain::Schedule::kZeroBubbleH1}) {
+  for (auto schedule : {dtrain::Schedule::kGPipe, dtrain::Schedule::k1F1B, dtrain::Schedule::kInterleaved1F1B,
+                        dtrain::Schedule::kZeroBubbleH1}) {
     SCOPED_TRACE(dtrain::to_string(schedule));
     int64_t checkpointed = 0, plain = 0;
     expect_all_equal(pipeline_run(schedule, true, &checkpointed), pipeline_run(schedule, false, &plain));
