@@ -99,6 +99,31 @@ TEST(ActivationCheckpoint, SharedPtrWrapperNamesParametersUnderModule) {
   expect_equal(got, ref);
 }
 
+// A declared member, registered: the way a module of one's own holds a checkpointed block (as it
+// holds an FSDPModule<Block>). Its parameters are the block's, under `<member>.module.`.
+struct AcTwoBlocksImpl : torch::nn::Module {
+  AcTwoBlocksImpl(const torch::nn::Sequential& seq)
+      : first(register_module("first", dtrain::checkpoint_wrapper(seq->ptr<ac_test::BlockImpl>(0)))),
+        second(seq->ptr<ac_test::BlockImpl>(1)) {}
+  at::Tensor forward(const at::Tensor& x) { return second->forward(first(x)); }
+  dtrain::CheckpointWrapper first;
+  std::shared_ptr<ac_test::BlockImpl> second;
+};
+
+TEST(ActivationCheckpoint, RegisteredMemberWrapperGradsEqualPlain) {
+  for (double dropout : {0.0, 0.3}) {
+    auto seq = make_mlp(2, 12, dropout);
+    AcTwoBlocksImpl model(seq);
+    EXPECT_EQ(model.named_parameters().keys().front(), "first.module.fc.weight");
+    Result got = run(
+        seq, [&](at::Tensor x) { return model.forward(x); }, true);
+    auto ref_seq = make_mlp(2, 12, dropout);
+    Result ref = run(
+        ref_seq, [&](at::Tensor x) { return ref_seq->forward(x); }, true);
+    expect_equal(got, ref);
+  }
+}
+
 // checkpoint() on a function that captures the blocks: named parameters, or none (the nested backward).
 void checkpoint_function(double dropout, bool name_parameters, bool input_requires_grad) {
   auto seq = make_mlp(16, 12, dropout);
