@@ -12,33 +12,23 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
-#include <fstream>
 #include <iomanip>
-#include <iostream>
 #include <limits>
 #include <memory>
 #include <sstream>
 
 #include "dtrain/local_sgd.h"
 #include "dtrain/process_group.h"
+#include "reference_program.h"
 
 namespace {
 
 constexpr int kSteps = 200, kBatch = 8;
 
-at::Tensor wave(int64_t n, double scale, double freq, double phase) {
-  return at::arange(n, at::kDouble).mul(freq).add(phase).sin().mul(scale);
-}
-
 torch::nn::Sequential make_model() {
   torch::nn::Sequential m(torch::nn::Linear(6, 10), torch::nn::Tanh(), torch::nn::Linear(10, 4));
   m->to(at::kDouble);
-  torch::NoGradGuard no_grad;
-  int k = 0;
-  for (auto& p : m->parameters()) {
-    p.copy_(wave(p.numel(), 0.3, 0.7, 1.3 * k).view(p.sizes()));
-    ++k;
-  }
+  fill_with_waves(*m);
   return m;
 }
 
@@ -110,19 +100,8 @@ std::string streaming() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::cerr << "usage: local_sgd_reference OUT.json\n";
-    return 2;
-  }
-  try {
-    dtrain::init_process_group();
+  return reference_main(argc, argv, "local_sgd_reference", [] {
     const std::string a = local_sgd(), b = diloco(true), c = diloco(false), d = streaming();
-    std::ofstream(argv[1]) << "{\"localsgd\": " << a << ", \"diloco\": " << b << ", \"diloco_sgd\": " << c
-                           << ", \"streaming\": " << d << "}\n";
-    dtrain::destroy_process_group();
-  } catch (const std::exception& e) {
-    std::cerr << "local_sgd_reference: error: " << e.what() << "\n";
-    return 1;
-  }
-  return 0;
+    return "{\"localsgd\": " + a + ", \"diloco\": " + b + ", \"diloco_sgd\": " + c + ", \"streaming\": " + d + "}";
+  });
 }

@@ -7,19 +7,15 @@ same JSON: every parameter after 200 steps of
   streaming: the same with 2 fragments (one per Linear), one outer SGD each, sync_every 4.
   python local_sgd_reference.py OUT.json   (every rank; env:// as torchrun sets it)
 """
-import gc
-import json
 import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from reference_util import wave, write_and_close
+
 STEPS, BATCH = 200, 8
-
-
-def wave(n, scale, freq, phase):
-    return torch.arange(n, dtype=torch.float64).mul(freq).add(phase).sin().mul(scale)
 
 
 def make_model():
@@ -116,13 +112,7 @@ def main():
         "diloco_sgd": dump(diloco(lambda m: [list(m.parameters())], 5, "sgd")),
         "streaming": dump(diloco(lambda m: [list(m[0].parameters()), list(m[2].parameters())], 4, "adamw")),
     }
-    with open(sys.argv[1], "w") as f:
-        json.dump(out, f)
-    # Nothing that holds the group may outlive it (as fsdp_reference.py): Gloo's threads joined at
-    # interpreter exit once aborted a rank ("terminate called without an active exception").
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    write_and_close(out, sys.argv[1])
 
 
 if __name__ == "__main__":

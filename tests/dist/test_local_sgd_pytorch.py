@@ -7,14 +7,10 @@ SGD) and streaming DiLoCo (2 fragments, sync_every 4); after the last sync of Lo
 
 Env: $LOCAL_SGD_REFERENCE (the C++ program), $VENV_PYTHON (set by tests/dist/CMakeLists.txt).
 """
-import os
-import tempfile
 import unittest
 
-from harness import DistTestCase, binary
+from harness import DistTestCase
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-VENV_PYTHON = os.environ.get("VENV_PYTHON", "")
 WORLD = 2
 KINDS = ("localsgd", "diloco", "diloco_sgd", "streaming")
 
@@ -28,16 +24,8 @@ def worst_difference(mine, ref):
 
 
 class LocalSgdAgainstTorchft(DistTestCase):
-    def run_side(self, argv, folder, tag):
-        return self.run_ranks_json(argv, WORLD, [os.path.join(folder, f"{tag}{r}.json") for r in range(WORLD)])
-
     def test_parameters_equal_torchfts_algorithms_on_2_replicas(self):
-        if not VENV_PYTHON or not os.access(VENV_PYTHON, os.X_OK):
-            raise unittest.SkipTest(f".venv's python is missing ({VENV_PYTHON!r}): run scripts/setup.sh")
-        cxx = binary("LOCAL_SGD_REFERENCE", "local_sgd_reference")
-        with tempfile.TemporaryDirectory() as folder:
-            py = self.run_side([VENV_PYTHON, os.path.join(HERE, "local_sgd_reference.py")], folder, "py")
-            cc = self.run_side([cxx], folder, "cxx")
+        py, cc = self.run_against_python("LOCAL_SGD_REFERENCE", "local_sgd_reference", "local_sgd_reference.py", WORLD)
         for r in range(WORLD):
             for kind in KINDS:
                 p, c = py[r][kind]["params"], cc[r][kind]["params"]
