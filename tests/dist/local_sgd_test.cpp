@@ -84,6 +84,7 @@ void expect_one_all_reduce(FlightLog& log, const Group& group, int64_t numel, co
 }
 
 TEST(LocalSgd, AveragesEveryFiveStepsInOneAllReduceOfAllParameters) {
+  expect_default_group_transport_from_env();
   auto m = lsgd_model();
   Group replicas = new_group({0, 1});
   torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
