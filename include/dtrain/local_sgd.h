@@ -83,7 +83,8 @@ class LocalSGD {
 
 class DiLoCo {
  public:
-  // One fragment: every parameter syncs every sync_every steps. inner and outer hold `params`.
+  // One fragment: every parameter syncs every sync_every steps. inner and outer hold `params`;
+  // the outer optimizer is kept by reference and must outlive the DiLoCo.
   DiLoCo(std::vector<at::Tensor> params, torch::optim::Optimizer& inner, torch::optim::Optimizer& outer,
          int64_t sync_every, Group group = Group());
   // Streaming DiLoCo: outers[i] holds fragments[i]; sync_every must be a multiple of the number of
