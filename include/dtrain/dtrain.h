@@ -13,6 +13,7 @@
 #include "dtrain/fsdp.h"
 #include "dtrain/functional_collectives.h"
 #include "dtrain/join.h"
+#include "dtrain/local_sgd.h"
 #include "dtrain/monitor.h"
 #include "dtrain/pipeline.h"
 #include "dtrain/process_group.h"

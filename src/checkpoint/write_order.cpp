@@ -7,6 +7,7 @@
 
 #include "checkpoint/file_io.h"
 #include "common/util.h"
+#include "dtrain/errors.h"
 
 namespace dtrain::ckpt {
 

@@ -27,13 +27,13 @@
 #include <string>
 #include <vector>
 
-#include "common/flight_pickle.h"
 #include "dist_main.h"
 #include "dtrain/amp.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/device_mesh.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/shard_spec.h"
+#include "flight_log.h"
 #include "fsdp_models.h"
 #include "matchers.h"
 
@@ -88,52 +88,6 @@ struct Pair {
     opt->step();
   }
 };
-
-// This rank's flight record, read back in process: the calls made since the last look, each as its
-// group's ranks ("[0, 1]"), its dtrain operation and its input's elements.
-struct FlightCall {
-  std::string ranks, op;
-  int64_t numel = 0;
-};
-class FlightLog {
- public:
-  FlightLog() { take(); }
-  std::vector<FlightCall> take() {
-    const std::string path = dump_flight_record("fsdp_hsdp_test");
-    EXPECT_FALSE(path.empty()) << "the flight recorder is off";
-    std::ifstream in(path, std::ios::binary);
-    std::stringstream bytes;
-    bytes << in.rdbuf();
-    const nlohmann::json dump = dtrain::flight::pickle::loads(bytes.str());
-    std::vector<FlightCall> out;
-    int64_t last = last_;
-    for (const auto& e : dump.at("entries")) {
-      const int64_t id = e.at("record_id").get<int64_t>();
-      if (id <= last_) continue;
-      last = std::max(last, id);
-      FlightCall c;
-      c.ranks = dump.at("pg_config").at(e.at("process_group")[0].get<std::string>()).at("ranks").get<std::string>();
-      c.op = e.at("dtrain_op").get<std::string>();
-      for (const auto& sizes : e.at("input_sizes")) {
-        int64_t n = 1;
-        for (const auto& d : sizes) n *= d.get<int64_t>();
-        c.numel += n;
-      }
-      out.push_back(c);
-    }
-    last_ = last;
-    return out;
-  }
-
- private:
-  int64_t last_ = 0;
-};
-
-std::string ranks_text(const std::vector<int>& ranks) {
-  std::string s = "[";
-  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
-  return s + "]";
-}
 
 }  // namespace
 
@@ -394,14 +348,8 @@ TEST(Hsdp, AThreeDimensionalMeshIsRefusedInOneLine) {
 }
 
 int main(int argc, char** argv) {
-  // The flight records the tests read back: a folder of this rank's own unless dtrain-run gave one
-  // (the default one is shared by every job of this user, whose ranks share the file names).
-  const std::string own = "/tmp/dtrain_hsdp_flight_" + std::to_string(::getpid());
-  const bool set_here = ::setenv("DTRAIN_FLIGHT_DIR", own.c_str(), /*overwrite=*/0) == 0 &&
-                        std::string(std::getenv("DTRAIN_FLIGHT_DIR")) == own;
+  OwnFlightDir flight_dir("dtrain_hsdp_flight");
   ::testing::InitGoogleTest(&argc, argv);
   ::testing::AddGlobalTestEnvironment(new DistEnvironment());
-  const int rc = RUN_ALL_TESTS();
-  if (set_here) std::filesystem::remove_all(own);
-  return rc;
+  return RUN_ALL_TESTS();
 }

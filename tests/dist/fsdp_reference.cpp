@@ -11,35 +11,24 @@
 #include <torch/optim/sgd.h>
 
 #include <cstdlib>
-#include <fstream>
 #include <iomanip>
-#include <iostream>
 #include <limits>
 #include <sstream>
 
 #include "dtrain/device_mesh.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/process_group.h"
+#include "reference_program.h"
 
 namespace {
 
 constexpr int kSteps = 20, kBatch = 12;
 
-// Values both languages compute alike (no random generator is shared between them).
-at::Tensor wave(int64_t n, double scale, double freq, double phase) {
-  return at::arange(n, at::kDouble).mul(freq).add(phase).sin().mul(scale);
-}
-
 torch::nn::Sequential make_model() {
   torch::nn::Sequential m(torch::nn::Linear(8, 13), torch::nn::Tanh(), torch::nn::Linear(13, 5), torch::nn::Tanh(),
                           torch::nn::Linear(5, 3));
   m->to(at::kDouble);
-  torch::NoGradGuard no_grad;
-  int k = 0;
-  for (auto& p : m->parameters()) {
-    p.copy_(wave(p.numel(), 0.3, 0.7, 1.3 * k).view(p.sizes()));
-    ++k;
-  }
+  fill_with_waves(*m);
   return m;
 }
 
@@ -89,21 +78,11 @@ std::string train(const std::string& kind, const dtrain::FullyShardOptions& opti
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::cerr << "usage: fsdp_reference OUT.json\n";
-    return 2;
-  }
-  try {
-    dtrain::init_process_group();
+  return reference_main(argc, argv, "fsdp_reference", [] {
     dtrain::FullyShardOptions options;
     const char* hsdp = std::getenv("FSDP_REFERENCE_HSDP");
     if (hsdp && std::string(hsdp) == "1") options.mesh(dtrain::init_device_mesh({2, 2}, {"replicate", "shard"}));
     const std::string sgd = train("sgd", options), adam = train("adam", options);
-    std::ofstream(argv[1]) << "{\"sgd\": " << sgd << ", \"adam\": " << adam << "}\n";
-    dtrain::destroy_process_group();
-  } catch (const std::exception& e) {
-    std::cerr << "fsdp_reference: error: " << e.what() << "\n";
-    return 1;
-  }
-  return 0;
+    return "{\"sgd\": " + sgd + ", \"adam\": " + adam + "}";
+  });
 }

@@ -4,8 +4,6 @@ whole parameters after 20 steps). With FSDP_REFERENCE_HSDP=1 (4 ranks), HSDP: ev
 2-D mesh init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")).
   python fsdp_reference.py OUT.json   (every rank; env:// as torchrun sets it)
 """
-import gc
-import json
 import os
 import sys
 
@@ -15,11 +13,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from reference_util import wave, write_and_close
+
 STEPS, BATCH = 20, 12
-
-
-def wave(n, scale, freq, phase):
-    return torch.arange(n, dtype=torch.float64).mul(freq).add(phase).sin().mul(scale)
 
 
 def make_model():
@@ -58,16 +54,7 @@ def main():
     if os.environ.get("FSDP_REFERENCE_HSDP") == "1":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     out = {"sgd": train("sgd", mesh), "adam": train("adam", mesh)}
-    with open(sys.argv[1], "w") as f:
-        json.dump(out, f)
-    # Nothing that holds the group may outlive it: fully_shard's modules sit in reference cycles
-    # (hooks that hold their module), so the collector frees them here, not at interpreter exit, where
-    # Gloo's threads once joined too late and aborted the rank ("terminate called without an active
-    # exception", exit -6, in CI's second tree). Both ranks are past their last exchange before either
-    # closes its Gloo pairs.
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    write_and_close(out, sys.argv[1])
 
 
 if __name__ == "__main__":

@@ -235,6 +235,20 @@ class DistTestCase(unittest.TestCase):
                 break
         return results, port
 
+    def run_against_python(self, var, program, script, world, **env):
+        """A C++ program and its Python reference (tests/dist/<script>, run by .venv's Python 2.x) on
+        `world` ranks each, every rank writing one JSON: returns (Python's, C++'s), lists by rank.
+        Skips the test when .venv's Python is missing; $var names the program (binary())."""
+        python = os.environ.get("VENV_PYTHON", "")
+        if not python or not os.access(python, os.X_OK):
+            raise unittest.SkipTest(f".venv's python is missing ({python!r}): run scripts/setup.sh")
+        cxx = binary(var, program)
+        with tempfile.TemporaryDirectory() as folder:
+            outs = {tag: [os.path.join(folder, f"{tag}{r}.json") for r in range(world)] for tag in ("py", "cxx")}
+            py = self.run_ranks_json([python, os.path.join(HERE, script)], world, outs["py"], **env)
+            cc = self.run_ranks_json([cxx], world, outs["cxx"], **env)
+        return py, cc
+
     def run_ranks_json(self, argv, world, outs, timeout=240, expect_ok=True, **env):
         """run_world of `argv + [out]` on `world` ranks. `outs` is one JSON path per rank, or one path
         every rank is given (rank 0 writes it). Returns the JSON of each path (one value for one

@@ -6,28 +6,16 @@ mesh.
 
 Env: $FSDP_REFERENCE (the C++ program), $VENV_PYTHON (set by tests/dist/CMakeLists.txt).
 """
-import os
-import tempfile
 import unittest
 
-from harness import DistTestCase, binary
+from harness import DistTestCase
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-VENV_PYTHON = os.environ.get("VENV_PYTHON", "")
 WORLD = 2
 
 
 class FsdpAgainstPytorch(DistTestCase):
-    def run_side(self, argv, folder, tag, world, **env):
-        return self.run_ranks_json(argv, world, [os.path.join(folder, f"{tag}{r}.json") for r in range(world)], **env)
-
     def compare(self, world, **env):
-        if not VENV_PYTHON or not os.access(VENV_PYTHON, os.X_OK):
-            raise unittest.SkipTest(f".venv's python is missing ({VENV_PYTHON!r}): run scripts/setup.sh")
-        cxx = binary("FSDP_REFERENCE", "fsdp_reference")
-        with tempfile.TemporaryDirectory() as folder:
-            py = self.run_side([VENV_PYTHON, os.path.join(HERE, "fsdp_reference.py")], folder, "py", world, **env)
-            cc = self.run_side([cxx], folder, "cxx", world, **env)
+        py, cc = self.run_against_python("FSDP_REFERENCE", "fsdp_reference", "fsdp_reference.py", world, **env)
         for r in range(world):
             for kind in ("sgd", "adam"):
                 p, c = py[r][kind], cc[r][kind]

@@ -6,14 +6,10 @@ block (Colwise -> Rowwise) and a vocab-parallel embedding with a column-parallel
 
 Env: $TP_REFERENCE (the C++ program), $VENV_PYTHON (set by tests/dist/CMakeLists.txt).
 """
-import os
-import tempfile
 import unittest
 
-from harness import DistTestCase, binary
+from harness import DistTestCase
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-VENV_PYTHON = os.environ.get("VENV_PYTHON", "")
 WORLD = 2
 
 
@@ -42,16 +38,8 @@ def worst_relative(mine, ref):
 
 
 class TensorParallelAgainstPytorch(DistTestCase):
-    def run_side(self, argv, folder, tag):
-        return self.run_ranks_json(argv, WORLD, [os.path.join(folder, f"{tag}{r}.json") for r in range(WORLD)])
-
     def test_shards_outputs_and_gradients_equal_pytorchs_parallelize_module(self):
-        if not VENV_PYTHON or not os.access(VENV_PYTHON, os.X_OK):
-            raise unittest.SkipTest(f".venv's python is missing ({VENV_PYTHON!r}): run scripts/setup.sh")
-        cxx = binary("TP_REFERENCE", "tp_reference")
-        with tempfile.TemporaryDirectory() as folder:
-            py = self.run_side([VENV_PYTHON, os.path.join(HERE, "tp_reference.py")], folder, "py")
-            cc = self.run_side([cxx], folder, "cxx")
+        py, cc = self.run_against_python("TP_REFERENCE", "tp_reference", "tp_reference.py", WORLD)
         for r in range(WORLD):
             for model in ("mlp", "lm"):
                 p, c = py[r][model], cc[r][model]

@@ -1,0 +1,207 @@
+// LocalSGD and DiLoCo (dtrain/local_sgd.h): the algorithms of torchft's local_sgd.py over a dtrain
+// Group, one flat all-reduce per sync.
+#include "dtrain/local_sgd.h"
+
+#include <ATen/ATen.h>
+#include <torch/types.h>
+
+#include <exception>
+#include <string>
+#include <unordered_set>
+#include <utility>
+
+#include "dtrain/errors.h"
+
+namespace dtrain {
+namespace {
+
+// One floating-point dtype and one device, so that the parameters travel as one flat tensor.
+void local_sgd_check_params(const std::vector<at::Tensor>& params, const char* who, const std::string& what) {
+  DTRAIN_CHECK(!params.empty(), who, ": no parameters in ", what, ": pass the model's parameters()");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    DTRAIN_CHECK(p.defined() && p.is_floating_point(), who, ": parameter ", i, " of ", what,
+                 " is not a floating-point tensor: pass the model's parameters()");
+    DTRAIN_CHECK(p.scalar_type() == params[0].scalar_type() && p.device() == params[0].device(), who, ": parameter ", i,
+                 " of ", what, " is ", p.scalar_type(), " on ", p.device(), " but parameter 0 is ",
+                 params[0].scalar_type(), " on ", params[0].device(),
+                 ": cast the model to one dtype and device (model->to(...)) first");
+  }
+}
+
+void local_sgd_check_group(const Group& group, int64_t sync_every, const char* who) {
+  DTRAIN_CHECK(sync_every >= 1, who, ": sync_every is ", sync_every, ": it must be at least 1 (optimizer steps)");
+  DTRAIN_CHECK(group.is_member(), who, ": rank ", rank(), " is not a member of group '", group.name(),
+               "': build it only on the group's ranks");
+}
+
+std::unordered_set<const void*> local_sgd_impls(const torch::optim::Optimizer& opt) {
+  std::unordered_set<const void*> out;
+  for (const auto& g : opt.param_groups())
+    for (const auto& p : g.params()) out.insert(p.unsafeGetTensorImpl());
+  return out;
+}
+
+// Every parameter of `params` is one `opt` steps: DiLoCo sets their grads for it.
+void local_sgd_check_holds(const torch::optim::Optimizer& opt, const std::vector<at::Tensor>& params,
+                           const std::string& opt_name, const std::string& what) {
+  const auto held = local_sgd_impls(opt);
+  for (size_t i = 0; i < params.size(); ++i)
+    DTRAIN_CHECK(held.count(params[i].unsafeGetTensorImpl()), "DiLoCo: parameter ", i, " of ", what, " is not in the ",
+                 opt_name, "'s param_groups: build the ", opt_name, " over the same parameters");
+}
+
+at::Tensor local_sgd_flat(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> parts;
+  parts.reserve(ts.size());
+  for (const auto& t : ts) parts.push_back(t.detach().reshape({-1}));
+  return at::cat(parts);
+}
+
+// A failure of the sync's all-reduce as one line: the rank, what was being done, what is true now.
+[[noreturn]] void local_sgd_rethrow(const std::string& what, const std::string& now, const std::exception& e) {
+  std::string cause = e.what();
+  for (char& c : cause)
+    if (c == '\n' || c == '\r') c = ' ';
+  throw Error(detail::cat("rank ", rank(), ": ", what, " failed; ", now, ": ", cause));
+}
+
+std::string local_sgd_op(int64_t numel, const Group& group) {
+  return detail::cat("all_reduce of ", numel, " elements on group '", group.name(), "'");
+}
+
+// all_reduce(SUM) then a division by the group's size: torchft's manager averages this way.
+void local_sgd_average(at::Tensor& flat, const Group& group) {
+  all_reduce(flat, ReduceOp::SUM, group);
+  flat.div_(group.size());
+}
+
+}  // namespace
+
+// --- LocalSGD ----------------------------------------------------------------------------------------
+
+LocalSGD::LocalSGD(std::vector<at::Tensor> params, int64_t sync_every, Group group)
+    : params_(std::move(params)), sync_every_(sync_every), group_(std::move(group)) {
+  local_sgd_check_group(group_, sync_every_, "LocalSGD");
+  local_sgd_check_params(params_, "LocalSGD", "the parameters");
+}
+
+bool LocalSGD::step() {
+  if (++local_step_ < sync_every_) return false;
+  sync();
+  return true;
+}
+
+void LocalSGD::sync() {
+  torch::NoGradGuard no_grad;
+  local_step_ = 0;
+  at::Tensor flat = local_sgd_flat(params_);
+  try {
+    local_sgd_average(flat, group_);
+  } catch (const std::exception& e) {
+    local_sgd_rethrow("LocalSGD sync (" + local_sgd_op(flat.numel(), group_) + ")",
+                      "the parameters are this rank's own, not averaged", e);
+  }
+  int64_t offset = 0;
+  for (auto& p : params_) {
+    p.copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
+    offset += p.numel();
+  }
+}
+
+// --- DiLoCo ------------------------------------------------------------------------------------------
+
+DiLoCo::DiLoCo(std::vector<at::Tensor> params, torch::optim::Optimizer& inner, torch::optim::Optimizer& outer,
+               int64_t sync_every, Group group)
+    : DiLoCo(std::vector<std::vector<at::Tensor>>{std::move(params)}, inner,
+             std::vector<torch::optim::Optimizer*>{&outer}, sync_every, std::move(group)) {}
+
+DiLoCo::DiLoCo(std::vector<std::vector<at::Tensor>> fragments, torch::optim::Optimizer& inner,
+               std::vector<torch::optim::Optimizer*> outers, int64_t sync_every, Group group)
+    : sync_every_(sync_every), group_(std::move(group)) {
+  local_sgd_check_group(group_, sync_every, "DiLoCo");
+  const auto F = static_cast<int64_t>(fragments.size());
+  DTRAIN_CHECK(F >= 1, "DiLoCo: no fragments: pass the model's parameters()");
+  DTRAIN_CHECK(outers.size() == fragments.size(), "DiLoCo: ", outers.size(), " outer optimizers for ", F,
+               " fragments: pass one outer optimizer per fragment");
+  DTRAIN_CHECK(sync_every % F == 0, "DiLoCo: sync_every is ", sync_every, " with ", F,
+               " fragments: it must be a multiple of the number of fragments (one fragment syncs every sync_every / ",
+               F, " steps)");
+  sync_every_ = sync_every / F;
+  std::unordered_set<const void*> seen;
+  torch::NoGradGuard no_grad;
+  for (int64_t i = 0; i < F; ++i) {
+    const std::string what = F == 1 ? "the parameters" : "fragment " + std::to_string(i);
+    local_sgd_check_params(fragments[i], "DiLoCo", what);
+    DTRAIN_CHECK(outers[i] != nullptr, "DiLoCo: outer optimizer ", i, " is null: pass one per fragment");
+    local_sgd_check_holds(inner, fragments[i], "inner optimizer", what);
+    local_sgd_check_holds(*outers[i], fragments[i], F == 1 ? "outer optimizer" : "outer optimizer " + std::to_string(i),
+                          what);
+    Fragment f;
+    f.params = std::move(fragments[i]);
+    f.outer = outers[i];
+    for (const auto& p : f.params) {
+      DTRAIN_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, "DiLoCo: a parameter of ", what,
+                   " is also in an earlier fragment: give each parameter to one fragment");
+      f.original.push_back(p.detach().clone());  // the last sync's parameters: at first, the initial ones
+      f.numel += p.numel();
+    }
+    fragments_.push_back(std::move(f));
+  }
+}
+
+const std::vector<at::Tensor>& DiLoCo::original_parameters(size_t fragment) const {
+  DTRAIN_CHECK(fragment < fragments_.size(), "DiLoCo::original_parameters: fragment ", fragment, " of ",
+               fragments_.size(), ": pass 0 to ", fragments_.size() - 1);
+  return fragments_[fragment].original;
+}
+
+bool DiLoCo::step() {
+  if (++local_step_ < sync_every_) return false;
+  // The same fragment on every replica: the count of successful syncs is the same everywhere, and a
+  // failed sync is retried on the same fragment, as torchft keys it on the manager's step.
+  const size_t index = static_cast<size_t>(sync_count_ % static_cast<int64_t>(fragments_.size()));
+  local_step_ = 0;
+  sync_fragment(index);
+  ++sync_count_;
+  return true;
+}
+
+void DiLoCo::restore(const Fragment& f) {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < f.params.size(); ++i) f.params[i].copy_(f.original[i]);
+}
+
+void DiLoCo::sync_fragment(size_t index) {
+  Fragment& f = fragments_[index];
+  torch::NoGradGuard no_grad;
+  // 1. The pseudo-gradient, original - current, of the whole fragment in one flat tensor.
+  std::vector<at::Tensor> deltas;
+  deltas.reserve(f.params.size());
+  for (size_t i = 0; i < f.params.size(); ++i) deltas.push_back(f.original[i] - f.params[i].detach());
+  at::Tensor flat = local_sgd_flat(deltas);
+  deltas.clear();
+  // 2. Averaged over the replicas. On failure the inner steps since the last sync are discarded.
+  try {
+    local_sgd_average(flat, group_);
+  } catch (const std::exception& e) {
+    restore(f);
+    local_sgd_rethrow(detail::cat("DiLoCo sync (fragment ", index, ", ", local_sgd_op(flat.numel(), group_), ")"),
+                      "the parameters are back to the last sync's", e);
+  }
+  // 3. Back to the last sync's parameters, which the outer optimizer moves along the average.
+  restore(f);
+  // 4. The averaged pseudo-gradient as the gradient of the outer step, then no gradient at all
+  // (torchft's outer zero_grad(), set_to_none).
+  int64_t offset = 0;
+  for (auto& p : f.params) {
+    p.mutable_grad() = flat.narrow(0, offset, p.numel()).view(p.sizes());
+    offset += p.numel();
+  }
+  f.outer->step();
+  for (auto& p : f.params) p.mutable_grad() = at::Tensor();
+  // 5. The new global parameters are the next round's original.
+  for (size_t i = 0; i < f.params.size(); ++i) f.original[i].copy_(f.params[i].detach());
+}
+
+}  // namespace dtrain
