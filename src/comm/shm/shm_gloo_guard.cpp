@@ -239,7 +239,7 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall_base(at::Tensor& out, a
                                                               const c10d::AllToAllOptions& o) {
   GlooCall c = call_of(kAllToAll, {in});
   c.count = -1;
-  return on_gloo({out}, c10d::OpType::ALLTOALL_BASE, c, o.timeout, [=, gloo = gloo()]() mutable {
+  return on_gloo({out}, c10d::OpType::ALLTOALL_BASE, c, o.timeout, [this, out, in, os, is, o, gloo = gloo()]() mutable {
     agree_splits(*gloo, out, in, os, is, o.timeout);
     return gloo->alltoall_base(out, in, os, is, o);
   });
