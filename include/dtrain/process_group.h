@@ -231,6 +231,23 @@ Work gather(const at::Tensor& input, std::vector<at::Tensor>& gather_list, int d
 // scatter_list: group.size() tensors on src, empty elsewhere.
 Work scatter(at::Tensor& output, std::vector<at::Tensor>& scatter_list, int src = 0, const Group& group = Group(),
              bool async_op = false);
+// torch.distributed's all_to_all_single: group rank j gets input_split_sizes[j] rows (along dim 0)
+// of `input`, in order, and `output` receives output_split_sizes[i] rows from each group rank i,
+// concatenated in group-rank order. Empty split sizes mean equal parts (dim 0 divisible by the
+// group size). Every member's input_split_sizes[j] must equal member j's output_split_sizes[i];
+// input and output have one dtype and device and the same sizes past dim 0. Over Gloo (and a
+// shared-memory group, which hands it to Gloo) the members first agree on the whole split matrix,
+// so a mismatch fails on every rank, naming both sides, before anything is sent.
+//   dtrain::all_to_all_single(out, in, /*output_split_sizes=*/{1, 3}, /*input_split_sizes=*/{2, 0});
+Work all_to_all_single(at::Tensor& output, const at::Tensor& input, std::vector<int64_t> output_split_sizes = {},
+                       std::vector<int64_t> input_split_sizes = {}, const Group& group = Group(),
+                       bool async_op = false);
+// torch.distributed's all_to_all: input_tensor_list[j] goes to group rank j, and
+// output_tensor_list[i] receives group rank i's input_tensor_list[me] (which must have as many
+// elements). One tensor per rank in each list, of one dtype and device, any shapes. It runs as one
+// all_to_all_single of the lists' tensors flattened into one buffer each (Gloo 1.13 has no list form).
+Work all_to_all(std::vector<at::Tensor>& output_tensor_list, const std::vector<at::Tensor>& input_tensor_list,
+                const Group& group = Group(), bool async_op = false);
 Work barrier(const Group& group = Group(), bool async_op = false);
 // Like barrier, but on timeout throws naming the ranks that did not arrive. Gloo only (as PyTorch).
 void monitored_barrier(const Group& group = Group(), std::optional<std::chrono::milliseconds> timeout = std::nullopt,

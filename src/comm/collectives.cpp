@@ -276,6 +276,112 @@ Work reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp
 
 namespace {
 
+// The rows of `t` (along dim 0) that each of n ranks gets: `given` checked (n sizes, none negative,
+// summing to t.size(0)), or equal parts when it is empty (dim 0 divisible by n), as torch.distributed.
+std::vector<int64_t> exchange_splits(const char* op, const char* splits_name, const char* tensor_name,
+                                     std::vector<int64_t> given, const at::Tensor& t, int64_t n) {
+  const int64_t rows = t.size(0);
+  if (given.empty()) {
+    DTRAIN_CHECK(rows % n == 0, op, ": ", tensor_name, " has ", rows, " rows along dim 0, which do not divide by the ",
+                 n, " ranks: pass ", splits_name, " (one size per rank, summing to ", rows, ")");
+    return std::vector<int64_t>(static_cast<size_t>(n), rows / n);
+  }
+  const at::IntArrayRef sizes(given);
+  DTRAIN_CHECK(static_cast<int64_t>(given.size()) == n, op, ": ", splits_name, " ", sizes, " has ", given.size(),
+               " sizes but the group has ", n, " ranks: pass one size per rank");
+  int64_t sum = 0;
+  for (int64_t v : given) {
+    DTRAIN_CHECK(v >= 0, op, ": ", splits_name, " ", sizes, " holds the negative size ", v,
+                 ": pass row counts of 0 or more");
+    sum += v;
+  }
+  DTRAIN_CHECK(sum == rows, op, ": ", splits_name, " ", sizes, " sums to ", sum, " but ", tensor_name, " has ", rows,
+               " rows along dim 0: make the sizes add up to it");
+  return given;
+}
+
+// all_to_all_single's tensors: usable, of one dtype and device, at least one dimension, the same
+// sizes past dim 0 (a row is the unit the split sizes count).
+void check_exchanged(CollectiveCall& call, const at::Tensor& output, const at::Tensor& input) {
+  const char* op = call.op();
+  call.tensor(output).tensor(input);
+  DTRAIN_CHECK(output.scalar_type() == input.scalar_type() && output.device() == input.device(), op, ": output is ",
+               output.scalar_type(), " on ", output.device(), " but input is ", input.scalar_type(), " on ",
+               input.device(), ": pass tensors of one dtype on one device");
+  DTRAIN_CHECK(output.dim() >= 1 && input.dim() >= 1, op, ": output has shape ", output.sizes(), " and input ",
+               input.sizes(), ": both need a dim 0 to split (reshape a scalar to [1])");
+  DTRAIN_CHECK(output.sizes().slice(1) == input.sizes().slice(1), op, ": output has shape ", output.sizes(),
+               " but input ", input.sizes(), ": they may differ in dim 0 only");
+}
+
+}  // namespace
+
+Work all_to_all_single(at::Tensor& output, const at::Tensor& input, std::vector<int64_t> output_split_sizes,
+                       std::vector<int64_t> input_split_sizes, const Group& group, bool async_op) {
+  CollectiveCall call(group, "all_to_all_single");
+  const auto& g = call.group();
+  const auto n = static_cast<int64_t>(g.ranks.size());
+  check_exchanged(call, output, input);
+  std::vector<int64_t> os =
+      exchange_splits(call.op(), "output_split_sizes", "output", std::move(output_split_sizes), output, n);
+  std::vector<int64_t> is =
+      exchange_splits(call.op(), "input_split_sizes", "input", std::move(input_split_sizes), input, n);
+  call.supported(c10d::OpType::ALLTOALL_BASE, input);
+  // The ranks pass different row counts by design: what they pass alike is the dtype and the row.
+  call.same_call(detail::cat("dtype=", input.scalar_type()), detail::cat("row=", input.sizes().slice(1)));
+  call.record(FlightCall("all_to_all_single", "all_to_all").in(input).out(output));
+  c10d::AllToAllOptions opts;
+  opts.timeout = g.timeout;
+  at::Tensor in = input;
+  return call.launch([&] { return g.pg->alltoall_base(output, in, os, is, opts); }, async_op);
+}
+
+Work all_to_all(std::vector<at::Tensor>& output_tensor_list, const std::vector<at::Tensor>& input_tensor_list,
+                const Group& group, bool async_op) {
+  CollectiveCall call(group, "all_to_all");
+  const auto& g = call.group();
+  const size_t n = g.ranks.size();
+  for (const bool inputs : {true, false}) {
+    const size_t size = inputs ? input_tensor_list.size() : output_tensor_list.size();
+    DTRAIN_CHECK(size == n, "all_to_all: ", inputs ? "input_tensor_list" : "output_tensor_list", " has ", size,
+                 " tensors but the group has ", n, " ranks: pass one tensor per rank");
+  }
+  const at::Tensor& like = input_tensor_list[0];
+  std::vector<int64_t> os, is;
+  for (size_t i = 0; i < 2 * n; ++i) {
+    const at::Tensor& t = i < n ? input_tensor_list[i] : output_tensor_list[i - n];
+    call.tensor(t);
+    DTRAIN_CHECK(t.scalar_type() == like.scalar_type() && t.device() == like.device(),
+                 "all_to_all: ", i < n ? "input_tensor_list[" : "output_tensor_list[", i % n, "] is ", t.scalar_type(),
+                 " on ", t.device(), " but input_tensor_list[0] is ", like.scalar_type(), " on ", like.device(),
+                 ": pass tensors of one dtype on one device");
+    (i < n ? is : os).push_back(t.numel());
+  }
+  call.supported(c10d::OpType::ALLTOALL, like);
+  call.same_call(detail::cat("dtype=", like.scalar_type()));
+  call.record(FlightCall("all_to_all", "all_to_all").in(input_tensor_list).out(output_tensor_list));
+  // One exchange of flat buffers: element counts are the split sizes.
+  std::vector<at::Tensor> flat_in;
+  for (const auto& t : input_tensor_list) flat_in.push_back(t.reshape({-1}));
+  at::Tensor in = at::cat(flat_in);
+  int64_t total = 0;
+  for (int64_t c : os) total += c;
+  at::Tensor out = at::empty({total}, like.options());
+  c10d::AllToAllOptions opts;
+  opts.timeout = g.timeout;
+  std::vector<at::Tensor> outputs = output_tensor_list;
+  auto done = [outputs, out]() mutable {
+    int64_t offset = 0;
+    for (auto& t : outputs) {
+      t.copy_(out.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  };
+  return call.launch([&] { return g.pg->alltoall_base(out, in, os, is, opts); }, async_op, std::move(done));
+}
+
+namespace {
+
 // gather's and scatter's list: one tensor per rank on the root (in c10d's nested form), empty
 // elsewhere. role, root_name, root: "destination", "dst" and its value (or source/src) for the error.
 std::vector<std::vector<at::Tensor>> root_only_list(CollectiveCall& call, int root_in_group,

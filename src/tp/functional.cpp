@@ -144,6 +144,38 @@ at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t cat_di
   });
 }
 
+at::Tensor all_to_all_single(const at::Tensor& input, std::vector<int64_t> output_split_sizes,
+                             std::vector<int64_t> input_split_sizes, const Group& group) {
+  DTRAIN_CHECK(output_split_sizes.empty() == input_split_sizes.empty(),
+               "functional::all_to_all_single: output_split_sizes ", at::IntArrayRef(output_split_sizes),
+               " with input_split_sizes ", at::IntArrayRef(input_split_sizes),
+               ": pass both, or neither for equal parts");
+  DTRAIN_CHECK(input.dim() >= 1, "functional::all_to_all_single: the input has shape ", input.sizes(),
+               ": it needs a dim 0 to split (reshape a scalar to [1])");
+  if (output_split_sizes.empty()) {
+    // Equal parts both ways, as PyTorch: the output has the input's shape.
+    const int64_t k = part_size(input, 0, group, "functional::all_to_all_single");
+    output_split_sizes.assign(static_cast<size_t>(group.size()), k);
+    input_split_sizes = output_split_sizes;
+  }
+  // A negative size is refused by dtrain::all_to_all_single, naming it; it counts 0 here.
+  int64_t rows = 0;
+  for (int64_t s : output_split_sizes) rows += std::max<int64_t>(s, 0);
+  at::Tensor out;
+  {
+    at::NoGradGuard no_grad;
+    const at::Tensor in = input.contiguous();
+    std::vector<int64_t> shape = in.sizes().vec();
+    shape[0] = rows;
+    out = at::empty(shape, in.options());
+    dtrain::all_to_all_single(out, in, output_split_sizes, input_split_sizes, group);
+  }
+  return with_backward(out, input, "dtrain::functional::all_to_all_single",
+                       [os = output_split_sizes, is = input_split_sizes, group](const at::Tensor& g) {
+                         return functional::all_to_all_single(g, is, os, group);
+                       });
+}
+
 }  // namespace functional
 
 namespace tp {

@@ -168,6 +168,23 @@ Started start(const Op& op, uint64_t s) {
       at::Tensor out = at::full({op.numel}, 99, op.dtype);
       return {scatter(out, list, op.root, g, op.async), [=] { expect_equal(out, in(op.root, R()), what); }};
     }
+    case Kind::kAllToAllSingle: {
+      auto piece = [s, op](int i, int j) {
+        return input_of(s, op.index, i, j, exchange_rows(op.numel, i, j), op.dtype, op.rop);
+      };
+      std::vector<at::Tensor> mine, theirs;
+      std::vector<int64_t> sends, gets;
+      for (int k = 0; k < N(); ++k) {
+        mine.push_back(piece(R(), k));
+        sends.push_back(exchange_rows(op.numel, R(), k));
+        theirs.push_back(piece(k, R()));
+        gets.push_back(exchange_rows(op.numel, k, R()));
+      }
+      const at::Tensor expected = at::cat(theirs);
+      at::Tensor out = at::full_like(expected, 99);
+      return {all_to_all_single(out, at::cat(mine), gets, sends, g, op.async),
+              [=] { expect_equal(out, expected, what); }};
+    }
   }
   return {};
 }

@@ -24,11 +24,12 @@ enum class Kind {
   kGather,
   kScatter,
   kAllGatherIntoTensor,
-  kReduceScatterTensor
+  kReduceScatterTensor,
+  kAllToAllSingle
 };
-constexpr Kind kKinds[] = {Kind::kAllReduce, Kind::kBroadcast,           Kind::kReduce,
-                           Kind::kAllGather, Kind::kReduceScatter,       Kind::kGather,
-                           Kind::kScatter,   Kind::kAllGatherIntoTensor, Kind::kReduceScatterTensor};
+constexpr Kind kKinds[] = {Kind::kAllReduce,           Kind::kBroadcast,     Kind::kReduce,  Kind::kAllGather,
+                           Kind::kReduceScatter,       Kind::kGather,        Kind::kScatter, Kind::kAllGatherIntoTensor,
+                           Kind::kReduceScatterTensor, Kind::kAllToAllSingle};
 
 inline const char* name(Kind k) {
   switch (k) {
@@ -50,6 +51,8 @@ inline const char* name(Kind k) {
       return "gather";
     case Kind::kScatter:
       return "scatter";
+    case Kind::kAllToAllSingle:
+      return "all_to_all_single";
   }
   return "?";
 }
@@ -108,13 +111,16 @@ inline at::Tensor reduced(uint64_t seed, int op, int n, int part, int64_t numel,
   return out;
 }
 
+// Rows rank i sends rank j in all_to_all_single operation of size `numel`: uneven, zeros among them.
+inline int64_t exchange_rows(int64_t numel, int i, int j) { return (numel * (i + 1) + 7 * j) % (numel + 1); }
+
 // Whether the default group must run `kind` on `dtype`, by what dtrain documents: shared memory
-// reduces the floating-point dtypes and moves any dtype; Gloo takes float32/64, float16, the
-// integers but int16, and bfloat16 from LibTorch 2.x on (1.13's Gloo has none). Written out here,
-// not asked of dtrain, so that a wrong answer in the library fails the test.
+// reduces the floating-point dtypes and moves any dtype, but hands all_to_all to Gloo; Gloo takes
+// float32/64, float16, the integers but int16, and bfloat16 from LibTorch 2.x on (1.13's Gloo has
+// none). Written out here, not asked of dtrain, so that a wrong answer in the library fails the test.
 inline bool expect_supported(Kind kind, at::ScalarType dtype, bool shm) {
   const bool floating = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16;
-  if (shm && (!reduces(kind) || floating)) return true;
+  if (shm && kind != Kind::kAllToAllSingle && (!reduces(kind) || floating)) return true;
   if (dtype == at::kShort) return false;
   if (dtype == at::kBFloat16) return TORCH_VERSION_MAJOR >= 2;
   return true;

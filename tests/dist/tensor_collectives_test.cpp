@@ -1,7 +1,9 @@
 // all_gather_into_tensor and reduce_scatter_tensor on 2 to 4 real processes against references
 // computed here: every dtype class, empty to larger than a shared-memory slot, every reduce op,
-// both accepted shapes, the in-place forms; over shared memory (the default group) and over Gloo
-// alone (a DTRAIN_SHM=0 group here, and the whole program in dist_tensor_collectives_test_gloo_*).
+// both accepted shapes, the in-place forms; all_to_all_single and all_to_all with uneven splits
+// (zeros, a rank that sends nothing), and the functional all_to_all_single's gradient; over shared
+// memory (the default group) and over Gloo alone (a DTRAIN_SHM=0 group here, and the whole program
+// in dist_tensor_collectives_test_gloo_*).
 #include <chrono>
 #include <thread>
 
@@ -10,6 +12,7 @@
 
 #include "dist_main.h"
 #include "dtrain/errors.h"
+#include "dtrain/functional_collectives.h"
 #include "test_util.h"
 #include "matchers.h"
 
@@ -217,6 +220,182 @@ TEST(TensorCollectives, BadInputIsAClearError) {
   at::Tensor one = at::empty({1});
   reduce_scatter_tensor(one, ok);
   EXPECT_FLOAT_EQ(one[0].item<float>(), static_cast<float>(N()));
+}
+
+namespace {
+
+// Rows rank i sends rank j under split pattern `pattern` (every rank computes every rank's): with
+// zeros, and in pattern 1 a rank 0 that sends nothing at all.
+int64_t a2a_rows(int pattern, int i, int j) {
+  if (pattern == 0) return (i + 2 * j + 1) % 4;
+  return i == 0 ? 0 : (i + j) % 3;
+}
+
+// The part rank i sends rank j: rows of two float64 values naming i, j and the element.
+at::Tensor a2a_part(int i, int j, int64_t rows, double offset = 0) {
+  at::Tensor t = at::arange(rows * 2, at::kDouble).view({rows, 2}) * 0.5 + 0.25;
+  return t + (1000.0 * i + 100.0 * j + offset);
+}
+
+std::vector<int64_t> a2a_sends(int pattern, int me) {
+  std::vector<int64_t> v;
+  for (int j = 0; j < N(); ++j) v.push_back(a2a_rows(pattern, me, j));
+  return v;
+}
+
+std::vector<int64_t> a2a_gets(int pattern, int me) {
+  std::vector<int64_t> v;
+  for (int i = 0; i < N(); ++i) v.push_back(a2a_rows(pattern, i, me));
+  return v;
+}
+
+// This rank's input (its parts for ranks 0..n-1) and the output it must receive (rank i's part for it).
+at::Tensor a2a_input(int pattern, double offset = 0) {
+  std::vector<at::Tensor> parts;
+  for (int j = 0; j < N(); ++j) parts.push_back(a2a_part(R(), j, a2a_rows(pattern, R(), j), offset));
+  return at::cat(parts);
+}
+
+at::Tensor a2a_expected(int pattern, double offset = 0) {
+  std::vector<at::Tensor> parts;
+  for (int i = 0; i < N(); ++i) parts.push_back(a2a_part(i, R(), a2a_rows(pattern, i, R()), offset));
+  return at::cat(parts);
+}
+
+}  // namespace
+
+TEST(AllToAll, SingleExchangesUnevenSplitsInRankOrder) {
+  for (const Group& g : {Group(), gloo_group()})
+    for (int pattern : {0, 1})
+      for (bool async_op : {false, true}) {
+        const at::Tensor in = a2a_input(pattern);
+        const at::Tensor before = in.clone();
+        at::Tensor out = at::full({a2a_expected(pattern).size(0), 2}, -9.0, at::kDouble);
+        all_to_all_single(out, in, a2a_gets(pattern, R()), a2a_sends(pattern, R()), g, async_op).wait();
+        EXPECT_TRUE(at::equal(out, a2a_expected(pattern)))
+            << "group " << g.name() << ", pattern " << pattern << ", rank " << R() << ": got " << out;
+        EXPECT_TRUE(at::equal(in, before)) << "the input changed";
+      }
+}
+
+// No split sizes: equal parts, as torch.distributed.
+TEST(AllToAll, SingleWithoutSplitSizesSendsEqualParts) {
+  for (const Group& g : {Group(), gloo_group()}) {
+    at::Tensor in = at::arange(N() * 3, at::kDouble) + 100.0 * R();
+    at::Tensor out = at::zeros({N() * 3}, at::kDouble);
+    all_to_all_single(out, in, {}, {}, g);
+    std::vector<at::Tensor> parts;
+    for (int i = 0; i < N(); ++i) parts.push_back(at::arange(R() * 3, R() * 3 + 3, at::kDouble) + 100.0 * i);
+    EXPECT_TRUE(at::equal(out, at::cat(parts))) << "group " << g.name() << ": got " << out;
+  }
+}
+
+// The list form: input_tensor_list[j] of rank i, of shape [rows(i, j), 2], lands in rank j's
+// output_tensor_list[i]; empty tensors included.
+TEST(AllToAll, ListFormDeliversEachTensorToItsRank) {
+  for (const Group& g : {Group(), gloo_group()})
+    for (bool async_op : {false, true}) {
+      std::vector<at::Tensor> ins, outs;
+      for (int j = 0; j < N(); ++j) ins.push_back(a2a_part(R(), j, a2a_rows(0, R(), j)));
+      for (int i = 0; i < N(); ++i) outs.push_back(at::full({a2a_rows(0, i, R()), 2}, -9.0, at::kDouble));
+      all_to_all(outs, ins, g, async_op).wait();
+      for (int i = 0; i < N(); ++i)
+        EXPECT_TRUE(at::equal(outs[i], a2a_part(i, R(), a2a_rows(0, i, R()))))
+            << "group " << g.name() << ", from rank " << i << ": got " << outs[i];
+    }
+}
+
+// The gradient of sum(y * w) with y = all_to_all_single(x): each rank's w sent back the way its
+// rows came, i.e. the block of rank j's w that came from this rank, for every j in order.
+TEST(AllToAll, FunctionalGradientIsTheReverseExchange) {
+  for (const Group& g : {Group(), gloo_group()})
+    for (int pattern : {0, 1}) {
+      at::Tensor x = a2a_input(pattern).requires_grad_(true);
+      at::Tensor y = functional::all_to_all_single(x, a2a_gets(pattern, R()), a2a_sends(pattern, R()), g);
+      EXPECT_TRUE(at::equal(y.detach(), a2a_expected(pattern))) << "forward, pattern " << pattern;
+      // Rank j's weight w_j has y_j's layout; its block from rank i is a2a_part(i, j, ., 0.125).
+      (y * a2a_expected(pattern, 0.125)).sum().backward();
+      ASSERT_TRUE(x.grad().defined());
+      EXPECT_TRUE(at::equal(x.grad(), a2a_input(pattern, 0.125)))
+          << "group " << g.name() << ", pattern " << pattern << ": grad " << x.grad();
+    }
+}
+
+// Bad arguments are refused in one line naming the values, before anything is sent; a split
+// matrix that does not match across ranks is refused on every rank by the guard, and the group
+// stays usable.
+TEST(AllToAll, BadInputIsAClearError) {
+  const std::string n = std::to_string(N());
+  at::Tensor in = at::zeros({N() * 2, 2}, at::kDouble);
+  at::Tensor out = at::zeros({N() * 2, 2}, at::kDouble);
+  std::vector<int64_t> twos(N(), 2), short_sum(N(), 2), negative(N(), 2);
+  short_sum[0] = 1;
+  negative[0] = -1;
+  negative[1] = 5;
+  std::string sizes = "[", short_sizes = "[", negative_sizes = "[";
+  for (int j = 0; j < N(); ++j) {
+    sizes += (j ? ", " : "") + std::to_string(twos[j]);
+    short_sizes += (j ? ", " : "") + std::to_string(short_sum[j]);
+    negative_sizes += (j ? ", " : "") + std::to_string(negative[j]);
+  }
+  sizes += "]";
+  short_sizes += "]";
+  negative_sizes += "]";
+  EXPECT_EQ(dtrain_error_of([&] { all_to_all_single(out, in, twos, short_sum); }),
+            "all_to_all_single: input_split_sizes " + short_sizes + " sums to " + std::to_string(N() * 2 - 1) +
+                " but input has " + std::to_string(N() * 2) + " rows along dim 0: make the sizes add up to it");
+  EXPECT_EQ(dtrain_error_of([&] { all_to_all_single(out, in, negative, twos); }),
+            "all_to_all_single: output_split_sizes " + negative_sizes +
+                " holds the negative size -1: pass row counts of 0 or more");
+  EXPECT_EQ(dtrain_error_of([&] { all_to_all_single(out, in, {2}, twos); }),
+            "all_to_all_single: output_split_sizes [2] has 1 sizes but the group has " + n +
+                " ranks: pass one size per rank");
+  at::Tensor odd = at::zeros({N() * 2 + 1, 2}, at::kDouble);
+  EXPECT_EQ(dtrain_error_of([&] { all_to_all_single(out, odd); }),
+            "all_to_all_single: input has " + std::to_string(N() * 2 + 1) +
+                " rows along dim 0, which do not divide by the " + n +
+                " ranks: pass input_split_sizes (one size per rank, summing to " + std::to_string(N() * 2 + 1) + ")");
+  at::Tensor floats = at::zeros({N() * 2, 2}, at::kFloat);
+  EXPECT_EQ(dtrain_error_of([&] { all_to_all_single(floats, in, twos, twos); }),
+            "all_to_all_single: output is Float on cpu but input is Double on cpu: pass tensors of one dtype on one "
+            "device");
+  at::Tensor wide = at::zeros({N() * 2, 3}, at::kDouble);
+  EXPECT_EQ(dtrain_error_of([&] { all_to_all_single(wide, in, twos, twos); }),
+            "all_to_all_single: output has shape [" + std::to_string(N() * 2) + ", 3] but input [" +
+                std::to_string(N() * 2) + ", 2]: they may differ in dim 0 only");
+  std::vector<at::Tensor> ins(N(), at::zeros({2}, at::kDouble)), outs(N(), at::zeros({2}, at::kDouble));
+  outs[1] = at::zeros({2}, at::kFloat);
+  EXPECT_EQ(dtrain_error_of([&] { all_to_all(outs, ins); }),
+            "all_to_all: output_tensor_list[1] is Float on cpu but input_tensor_list[0] is Double on cpu: pass "
+            "tensors of one dtype on one device");
+  std::vector<at::Tensor> one{at::zeros({2}, at::kDouble)};
+  EXPECT_EQ(dtrain_error_of([&] { all_to_all(one, ins); }),
+            "all_to_all: output_tensor_list has 1 tensors but the group has " + n + " ranks: pass one tensor per rank");
+  EXPECT_EQ(dtrain_error_of([&] { functional::all_to_all_single(in, twos); }),
+            "functional::all_to_all_single: output_split_sizes " + sizes +
+                " with input_split_sizes []: pass both, or neither for equal parts");
+
+  // Each rank's own arguments are fine, but rank 0 sends one row more to rank 1 than rank 1
+  // expects (and one fewer to itself): refused on every rank before anything is sent.
+  for (const Group& g : {Group(), gloo_group()}) {
+    std::vector<int64_t> sends = a2a_sends(0, R());
+    if (R() == 0) {
+      sends[0] -= 1;  // a2a_rows(0, 0, 0) is 1
+      sends[1] += 1;
+    }
+    at::Tensor x = a2a_input(0);
+    at::Tensor y = at::zeros({a2a_expected(0).size(0), 2}, at::kDouble);
+    const std::string e = dtrain_error_of([&] { all_to_all_single(y, x, a2a_gets(0, R()), sends, g); });
+    EXPECT_THAT(e, HasSubstr("rank " + std::to_string(R()) + ": all_to_all_single on group '" + g.name() + "'")) << e;
+    EXPECT_THAT(e, HasSubstr("mismatched all_to_all over Gloo: rank 0 sends 0 rows to rank 0, which expects 1 "
+                             "(input_split_sizes [0, 4"))
+        << e;
+    EXPECT_THAT(e, HasSubstr("rank i's input_split_sizes[j] must equal rank j's output_split_sizes[i]")) << e;
+    at::Tensor ok = a2a_input(1);
+    at::Tensor got = at::zeros({a2a_expected(1).size(0), 2}, at::kDouble);
+    all_to_all_single(got, ok, a2a_gets(1, R()), a2a_sends(1, R()), g);
+    EXPECT_TRUE(at::equal(got, a2a_expected(1))) << "the group after the refusal, " << g.name();
+  }
 }
 
 DTRAIN_DIST_TEST_MAIN()

@@ -39,6 +39,27 @@ TEST(Nccl, CollectivesOnCudaTensors) {
   for (int i = 0; i < n; ++i) EXPECT_TRUE(at::all(parts[i] == 10.0 * i).item<bool>()) << i;
 }
 
+// Uneven splits, zeros among them, through NCCL's all_to_all: rank i sends rank j (i + 2j) % 3 rows
+// of 100 i + j, in both forms.
+TEST(Nccl, AllToAllWithUnevenSplits) {
+  const int r = dtrain::rank(), n = dtrain::world_size();
+  auto rows = [](int i, int j) { return static_cast<int64_t>((i + 2 * j) % 3); };
+  std::vector<at::Tensor> ins, outs, expected;
+  std::vector<int64_t> sends, gets;
+  for (int k = 0; k < n; ++k) {
+    ins.push_back(at::full({rows(r, k), 2}, 100.0 * r + k, on_gpu(at::kDouble)));
+    sends.push_back(rows(r, k));
+    expected.push_back(at::full({rows(k, r), 2}, 100.0 * k + r, on_gpu(at::kDouble)));
+    gets.push_back(rows(k, r));
+    outs.push_back(at::full({rows(k, r), 2}, -1.0, on_gpu(at::kDouble)));
+  }
+  at::Tensor out = at::full({at::cat(expected).size(0), 2}, -1.0, on_gpu(at::kDouble));
+  dtrain::all_to_all_single(out, at::cat(ins), gets, sends);
+  EXPECT_TRUE(at::equal(out, at::cat(expected)));
+  dtrain::all_to_all(outs, ins);
+  for (int k = 0; k < n; ++k) EXPECT_TRUE(at::equal(outs[k], expected[k])) << "from rank " << k;
+}
+
 // The flight recorder covers NCCL: a dump written after CUDA all_reduces names them "nccl:all_reduce",
 // completed, with their sizes and dtype (what PyTorch's analyzer and dtrain-run --analyze read).
 TEST(Nccl, FlightRecorderRecordsNcclCallsAsCompleted) {

@@ -227,6 +227,19 @@ TEST(FlightAnalysis, NamesTheRankThatPassesOtherSizesOrDtypes) {
       ElementsAre("dtypes differ at #58 of group 'default' (all_reduce): rank 3 passes Double, the others Float"));
 }
 
+// An all-to-all's ranks send and receive different amounts by design: only its dtype must agree.
+TEST(FlightAnalysis, AllToAllRanksMayPassDifferentSizes) {
+  std::vector<json> dumps;
+  for (int r : {0, 1, 2}) dumps.push_back(Dump{r, 3}.coll(7, "all_to_all_single", {r + 1, 2}, "completed").done());
+  const auto lines = dtrain::flight::analyze(dumps, 3);
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_THAT(lines[0], HasSubstr("no hang or mismatch in the records of 3 ranks"));
+  dumps[2] = Dump{2, 3}.coll(7, "all_to_all_single", {3, 2}, "completed", 50, "Double").done();
+  EXPECT_THAT(dtrain::flight::analyze(dumps, 3),
+              ElementsAre("dtypes differ at #7 of group 'default' (all_to_all_single): rank 2 passes Double, the "
+                          "others Float"));
+}
+
 TEST(FlightAnalysis, RecognisesASkippedCallInARepeatingStep) {
   // Each step: the gradients' all_reduce [10], then the loss's [1]. Rank 1 skips the loss's at #5.
   std::vector<json> dumps;

@@ -99,19 +99,15 @@ GlooCall call_of(GlooCallKind kind, const std::vector<at::Tensor>& ts, int64_t r
   return c;
 }
 
-void ShmProcessGroup::agree(compat::Backend& pg, int me, const std::vector<int>& labels, const GlooCall& call,
-                            std::chrono::milliseconds timeout) {
-  constexpr int64_t kFields = sizeof(GlooCall) / sizeof(int64_t);
-  const int n = pg.getSize();
-  at::Tensor mine = at::empty({kFields}, at::kLong);
-  std::memcpy(mine.data_ptr(), &call, sizeof(call));
+std::vector<at::Tensor> ShmProcessGroup::exchange(compat::Backend& pg, const at::Tensor& mine,
+                                                  std::chrono::milliseconds timeout) {
   std::vector<at::Tensor> all;
-  for (int r = 0; r < n; ++r) all.push_back(at::empty({kFields}, at::kLong));
+  for (int r = 0; r < pg.getSize(); ++r) all.push_back(at::empty_like(mine));
   if (&pg == gloo().get() && local_ && topo_.hosts == 1) {
     // One host: the segment carries the exchange (microseconds instead of a TCP round trip).
     std::vector<void*> outs;
     for (auto& t : all) outs.push_back(t.data_ptr());
-    local_->all_gather(mine.data_ptr(), sizeof(call), outs.data());
+    local_->all_gather(mine.data_ptr(), mine.nbytes(), outs.data());
   } else {
     std::vector<std::vector<at::Tensor>> out{all};
     std::vector<at::Tensor> in{mine};
@@ -119,6 +115,16 @@ void ShmProcessGroup::agree(compat::Backend& pg, int me, const std::vector<int>&
     opts.timeout = timeout;
     pg.allgather(out, in, opts)->wait();
   }
+  return all;
+}
+
+void ShmProcessGroup::agree(compat::Backend& pg, int me, const std::vector<int>& labels, const GlooCall& call,
+                            std::chrono::milliseconds timeout) {
+  constexpr int64_t kFields = sizeof(GlooCall) / sizeof(int64_t);
+  const int n = pg.getSize();
+  at::Tensor mine = at::empty({kFields}, at::kLong);
+  std::memcpy(mine.data_ptr(), &call, sizeof(call));
+  const std::vector<at::Tensor> all = exchange(pg, mine, timeout);
   for (int r = 0; r < n; ++r) {
     GlooCall theirs;
     std::memcpy(&theirs, all[r].data_ptr(), sizeof(theirs));
@@ -128,6 +134,62 @@ void ShmProcessGroup::agree(compat::Backend& pg, int me, const std::vector<int>&
         detail::cat("mismatched collectives over Gloo: rank ", labels.at(me), " calls ", describe(call, labels),
                     " but rank ", labels.at(r), " calls ", describe(theirs, labels),
                     ": every rank must call the same collectives in the same order with the same shapes and dtypes"));
+  }
+}
+
+namespace {
+
+// The elements of one row (dim 0) of t: the unit of all_to_all's split sizes.
+int64_t row_numel(const at::Tensor& t) {
+  int64_t n = 1;
+  for (int64_t d : t.dim() > 0 ? t.sizes().slice(1) : t.sizes()) n *= d;
+  return n;
+}
+
+// Split sizes as c10d reads them: empty means equal parts of dim 0.
+std::vector<int64_t> splits_or_equal(const std::vector<int64_t>& given, const at::Tensor& t, int n) {
+  if (!given.empty()) return given;
+  return std::vector<int64_t>(static_cast<size_t>(n), t.dim() > 0 ? t.size(0) / n : 0);
+}
+
+}  // namespace
+
+// For all_to_all the guard of Note [Guarded Gloo collectives] goes further, since Gloo's transport
+// aborts the process when rank i sends rank j more than j posted for it: every rank's splits are
+// exchanged (a row's size and 2n counts, the same size everywhere) and each rank checks the whole
+// matrix in the same order, so every rank finds the same first mismatch and refuses before
+// anything is sent.
+void ShmProcessGroup::agree_splits(compat::Backend& pg, const at::Tensor& out, const at::Tensor& in,
+                                   const std::vector<int64_t>& os, const std::vector<int64_t>& is,
+                                   std::chrono::milliseconds timeout) {
+  const int n = pg.getSize();
+  const std::vector<int64_t> sends = splits_or_equal(is, in, n), gets = splits_or_equal(os, out, n);
+  // The front end checked the lengths: a rank that threw here would leave the others in the exchange.
+  DTRAIN_ASSERT(static_cast<int>(sends.size()) == n && static_cast<int>(gets.size()) == n,
+                "all_to_all split sizes of the wrong length");
+  at::Tensor mine = at::empty({2 * n + 1}, at::kLong);
+  auto* p = mine.data_ptr<int64_t>();
+  p[0] = row_numel(in);
+  std::copy(sends.begin(), sends.end(), p + 1);
+  std::copy(gets.begin(), gets.end(), p + 1 + n);
+  const std::vector<at::Tensor> all = exchange(pg, mine, timeout);
+  auto cell = [&](int r, int k) { return all[static_cast<size_t>(r)].data_ptr<int64_t>()[k]; };
+  auto row = [&](int r, int from) {
+    return at::IntArrayRef(all[static_cast<size_t>(r)].data_ptr<int64_t>() + from, n);
+  };
+  for (int i = 0; i < n; ++i) {
+    if (cell(i, 0) != cell(0, 0))
+      throw CallMismatch(detail::cat("mismatched all_to_all over Gloo: rank ", labels_.at(i), "'s rows hold ",
+                                     cell(i, 0), " elements but rank ", labels_.at(0), "'s ", cell(0, 0),
+                                     ": every rank must pass the same sizes past dim 0"));
+    for (int j = 0; j < n; ++j) {
+      if (cell(i, 1 + j) == cell(j, 1 + n + i)) continue;
+      throw CallMismatch(detail::cat("mismatched all_to_all over Gloo: rank ", labels_.at(i), " sends ", cell(i, 1 + j),
+                                     " rows to rank ", labels_.at(j), ", which expects ", cell(j, 1 + n + i),
+                                     " (input_split_sizes ", row(i, 1), " on rank ", labels_.at(i),
+                                     ", output_split_sizes ", row(j, 1 + n), " on rank ", labels_.at(j),
+                                     "): rank i's input_split_sizes[j] must equal rank j's output_split_sizes[i]"));
+    }
   }
 }
 
@@ -170,14 +232,17 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce_scatter_base_on_gloo(at::
   DTRAIN_ON_GLOO({out}, _REDUCE_SCATTER_BASE, call_of(kReduceScatter, {out}, -1, &o.reduceOp), o.timeout,
                  _reduce_scatter_base(out, in, o));
 }
-// all_to_all: ranks may legitimately send different amounts, so only the operation and dtype are
-// checked (count -1).
+// all_to_all: ranks legitimately send different amounts, so the call names only the operation and
+// dtype (count -1); agree_splits() then checks the amounts themselves.
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& os,
                                                               std::vector<int64_t>& is,
                                                               const c10d::AllToAllOptions& o) {
   GlooCall c = call_of(kAllToAll, {in});
   c.count = -1;
-  DTRAIN_ON_GLOO({out}, ALLTOALL_BASE, c, o.timeout, alltoall_base(out, in, os, is, o));
+  return on_gloo({out}, c10d::OpType::ALLTOALL_BASE, c, o.timeout, [this, out, in, os, is, o, gloo = gloo()]() mutable {
+    agree_splits(*gloo, out, in, os, is, o.timeout);
+    return gloo->alltoall_base(out, in, os, is, o);
+  });
 }
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
                                                          const c10d::AllToAllOptions& o) {

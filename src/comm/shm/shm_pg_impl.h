@@ -183,6 +183,13 @@ class ShmProcessGroup : public compat::Backend, public Capabilities {
   // Throws unless every rank of `pg` (this rank is `me`; labels: their global ranks) describes `call`.
   void agree(compat::Backend& pg, int me, const std::vector<int>& labels, const GlooCall& call,
              std::chrono::milliseconds timeout);
+  // Every rank's `mine` (one size on every rank) in group-rank order: over the segment when `pg` is
+  // the group's Gloo on one host, else Gloo's all_gather.
+  std::vector<at::Tensor> exchange(compat::Backend& pg, const at::Tensor& mine, std::chrono::milliseconds timeout);
+  // all_to_all's check before Gloo sends anything: every rank's splits (c10d's, empty = equal
+  // parts) and row size agree; throws CallMismatch naming the first pair that does not.
+  void agree_splits(compat::Backend& pg, const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& os,
+                    const std::vector<int64_t>& is, std::chrono::milliseconds timeout);
   void run();
 
   mutable std::mutex gloo_mu_;  // gloo_ and leaders_ are dropped when the group breaks
