@@ -269,7 +269,12 @@ class ElasticTest(MarkedTestCase):
             told = wait_until(lambda: any("the job is full" in l for l in lines), 10)
             at = self.step_reached()
             self.assertTrue(wait_until(lambda: self.step_reached() >= at + 5, 10), "the job stopped training")
+            # The spare reads node 0's word only every 250 ms: stopped through the job's end, as a
+            # slow poll on a loaded machine, it must still be told (node 0 waits for it to read).
+            os.kill(spare.pid, signal.SIGSTOP)
             self.end_training()
+            time.sleep(1)
+            os.kill(spare.pid, signal.SIGCONT)
             results = finish(*nodes, timeout=20)
             rc, err = wait_spare(timeout=20)
         finally:

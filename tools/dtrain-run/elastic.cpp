@@ -135,7 +135,11 @@ std::optional<std::string> ElasticRendezvous::await_admission(const NodeRendezvo
               std::to_string(id_) + " " + std::to_string(o_.nproc_per_node) + " " + std::to_string(o_.max_restarts) +
                   " " + std::to_string(o_.min_nodes) + " " + std::to_string(o_.max_nodes) + " " + o_.hostname);
   for (;;) {
-    if (store_.check({key("admit", id_)})) return to_string(store_.get(key("admit", id_), Millis(10000)));
+    if (store_.check({key("admit", id_)})) {
+      std::string admit = to_string(store_.get(key("admit", id_), Millis(10000)));
+      store_.set(key("admit_read", id_), to_bytes("1"));  // node 0 may end its store now (end_job)
+      return admit;
+    }
     if (!host_beat_key && store_.check({key("full", id_)})) {
       const std::string note = to_string(store_.get(key("full", id_), Millis(1000)));
       const size_t nl = note.find('\n');
@@ -415,6 +419,12 @@ ElasticNext ElasticRendezvous::end_job(int attempt, int code, const std::string&
   const std::string end = code == 0 ? "end 0 the elastic job ended" : "end 1 the elastic job ended (it failed)";
   for (const Member& m : pending_)
     store_.set(key("admit", m.id), to_bytes(end + " before node 0 admitted this node; nothing ran here"));
+  // The store ends with this launcher, and a waiting node reads its word only every kAdmitPoll: wait
+  // (bounded) until each has read it, or it would find the store closed instead, and fail where it
+  // was told the job ended (on a loaded machine its poll came after this launcher had exited).
+  const auto deadline = Clock::now() + kAdmitPoll * 8;
+  for (const Member& m : pending_)
+    while (!store_.check({key("admit_read", m.id)}) && Clock::now() < deadline) sleep_for(Millis(10));
   pending_.clear();
   return ElasticNext{std::nullopt, code, message};
 }
