@@ -71,7 +71,7 @@ void ElasticRendezvous::finish_job(bool failed) {
   try {
     if (!o_.host) {
       dtrain::store::ScopedTimeout closing(store_, std::min(o_.close_timeout, store_.timeout()));
-      if (!host_silent_) store_.set(key("done", id_), to_bytes("1"));  // a silent store would hold it
+      if (!silent()) store_.set(key("done", id_), to_bytes("1"));  // a silent store would hold it
       return;
     }
     const auto deadline = Clock::now() + (failed ? std::min(o_.close_timeout, o_.rdzv_timeout) : o_.rdzv_timeout);
@@ -382,7 +382,7 @@ std::optional<std::string> ElasticRendezvous::watch(int attempt) {
 
 ElasticNext ElasticRendezvous::finish_attempt(int attempt, int exit_code, const NodeRendezvous::Say& say) {
   if (o_.host) return host_finish(attempt, exit_code, say);
-  if (host_silent_) return {std::nullopt, 1, silent_host_text() + ", so the elastic job ends"};
+  if (silent()) return {std::nullopt, 1, silent_host_text() + ", so the elastic job ends"};
   // E6: report, then follow node 0's decision.
   const std::string lost = "lost the rendezvous at " + store_.host() + ":" + std::to_string(store_.port()) +
                            ": node 0's launcher (the rendezvous host) is gone, so the elastic job ends";

@@ -136,6 +136,9 @@ class ElasticRendezvous {
   std::string host_;
   uint16_t port_ = 0;
   bool host_silent_ = false;
+  // This watch's finding or the node rendezvous's: a request of the supervisor's (a remote failure,
+  // node 0's end) that node 0 left unanswered past the same deadline.
+  bool silent() const { return host_silent_ || base_.host_silent(); }
 
   // Heartbeat thread (its own store connection: StoreClient is one caller at a time).
   std::mutex mu_;

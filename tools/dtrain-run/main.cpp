@@ -311,6 +311,10 @@ int run_elastic(const LaunchOptions& given) {
   eo.master_addr = given.master_addr;
   eo.master_port = port;
   const auto for_workers = server ? workers_store(given, &eo.master_addr, &eo.master_port) : nullptr;
+  // Every request of a member's supervisor to node 0 (a remote failure, node 0's end) waits as long
+  // as the elastic watch's: node 0 stopped between two of them must not hold this node for the
+  // rendezvous's read_timeout (60 s) instead of a few heartbeats.
+  if (!server) rdzv.watch_host(silent_host_after(eo.beat_period));
   ElasticRendezvous elastic(rdzv, given.master_addr, port, eo);
   pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
   ElasticNext first = elastic.join(say);
