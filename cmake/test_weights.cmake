@@ -12,7 +12,7 @@ set(DTRAIN_WAITING_TESTS
   # shell and Python one-liners under the real launcher: its timeouts, restarts, heartbeats and
   # rendezvous deadlines are what these tests watch
   launcher_env launcher_output launcher_progress_bar launcher_failure launcher_usage launcher_multinode
-  launcher_restart launcher_slurm_step launcher_elastic launcher_cluster launcher_rdzv_conf
+  launcher_restart launcher_slurm_step launcher_elastic launcher_elastic_threads launcher_cluster launcher_rdzv_conf
   # stores, rendezvous and launchers refusing bad clients and waiting out their deadlines
   dist_py_security dist_py_init_methods
   # a rank's timeout breaks the group: the others wait for it
@@ -20,12 +20,22 @@ set(DTRAIN_WAITING_TESTS
   # ranks wait out 5-s collective timeouts and stall watchdogs (36 s wall, 12.5 s CPU, measured)
   dist_py_flight_recorder)
 
-# Sets PROCESSORS on every test the calling folder's CMakeLists.txt registered, as above; each folder
-# that registers multi-process tests calls it at its end (CMake 3.25 sets test properties only from
-# the folder that added the test).
+# Each slow test's measured seconds (scripts/update_test_costs.py), set as its COST: ctest -j starts
+# the long tests first, where a fresh clone would otherwise start them in registration order.
+include(${CMAKE_CURRENT_LIST_DIR}/test_costs.cmake)
+
+# Sets PROCESSORS on every test the calling folder's CMakeLists.txt registered, as above, and COST
+# from the table; each folder that registers tests calls it at its end (CMake 3.25 sets test
+# properties only from the folder that added the test).
 function(dtrain_weigh_tests)
   get_property(tests DIRECTORY PROPERTY TESTS)
   foreach(test IN LISTS tests)
+    list(FIND DTRAIN_TEST_COSTS ${test} at)
+    if(at GREATER_EQUAL 0)
+      math(EXPR at "${at} + 1")
+      list(GET DTRAIN_TEST_COSTS ${at} seconds)
+      set_tests_properties(${test} PROPERTIES COST ${seconds})
+    endif()
     get_test_property(${test} LABELS labels)
     if(labels AND "unit" IN_LIST labels)
       continue()

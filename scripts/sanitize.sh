@@ -142,7 +142,7 @@ if [[ " $runs " == *" tsan "* ]]; then
   # With them, the launcher's own threads (the elastic agent's heartbeat): its tests run the
   # instrumented dtrain-run, and mostly wait, so they run beside the others (-j3: scripts/test.sh).
   run_ctest "$T" -j3 -R "$(dist_regex shm_dist_test_2 ddp_test_2 ddp_overlap_test_2 ddp_overlap_test_gloo_2 \
-                                  pipeline_test_2 fsdp_test_2 py_flight_recorder_threads)|^launcher_elastic\$"
+                                  pipeline_test_2 fsdp_test_2 py_flight_recorder_threads)|^launcher_elastic_threads\$"
 
   unset TSAN_OPTIONS OMP_NUM_THREADS
   echo "=== build-tsan: done in $((SECONDS - start)) s"
