@@ -51,15 +51,20 @@ class DcpAgainstPytorch(DistTestCase):
             worst = max(abs(a - b) for a, b in zip(mine[name], values)) / scale
             self.assertLess(worst, tol, f"{what} {name}: relative difference {worst:.3g}")
 
-    def metadata(self, folder):
-        code = ("import pickle, sys, json; m = pickle.load(open(sys.argv[1] + '/.metadata', 'rb'));"
-                "print(json.dumps({'chunks': {k: [list(c.offsets) for c in v.chunks] for k, v in "
+    def metadata(self, *folders):
+        """Each folder's .metadata as PyTorch reads it; one process for all (unpickling imports torch,
+        seconds of CPU each time). One folder: its metadata; several: a list of them."""
+        code = ("import pickle, sys, json\n"
+                "def read(f):\n"
+                "    m = pickle.load(open(f + '/.metadata', 'rb'))\n"
+                "    return {'chunks': {k: [list(c.offsets) for c in v.chunks] for k, v in "
                 "m.state_dict_metadata.items() if hasattr(v, 'chunks')}, 'items': [[i.fqn, s.relative_path, "
-                "s.offset, s.length] for i, s in m.storage_data.items()]}))")
-        return json.loads(subprocess.check_output([VENV_PYTHON, "-c", code, folder], text=True))
+                "s.offset, s.length] for i, s in m.storage_data.items()]}\n"
+                "print(json.dumps([read(f) for f in sys.argv[1:]]))")
+        metas = json.loads(subprocess.check_output([VENV_PYTHON, "-c", code, *folders], text=True))
+        return metas[0] if len(folders) == 1 else metas
 
-    def check_layout(self, folder, kind):
-        meta = self.metadata(folder)
+    def check_layout(self, folder, kind, meta):
         files = sorted(f for f in os.listdir(folder) if f.endswith(".distcp"))
         # Each rank wrote its own file (3 ranks share the replicated items), and the files hold exactly
         # the items: nothing written twice, nothing stray.
@@ -87,8 +92,8 @@ class DcpAgainstPytorch(DistTestCase):
         kinds = ("ddp", "zero", "fsdp", "tp")
         cxx = self.dtrain("save", kinds, self.tmp)
         folders = [os.path.join(self.tmp, kind) for kind in kinds]
-        for kind, folder in zip(kinds, folders):
-            self.check_layout(folder, kind)
+        for kind, folder, meta in zip(kinds, folders, self.metadata(*folders)):
+            self.check_layout(folder, kind, meta)
         for world in (1, 2):
             py = self.python("load", folders, world)
             for kind, folder in zip(kinds, folders):
