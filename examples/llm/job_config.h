@@ -36,7 +36,8 @@ struct JobConfig {
     int64_t gradient_accumulation_steps = 1;
     double max_norm = 1.0;  // clip the global gradient norm to this (0: off)
     int64_t seed = 0;
-    int64_t threads = 0;  // intra-op threads per rank (0: $OMP_NUM_THREADS or LibTorch's)
+    int64_t threads = 0;            // intra-op threads per rank (0: $OMP_NUM_THREADS or LibTorch's)
+    std::string dtype = "float32";  // of the parameters and activations: float32 or float64
   } training;
   struct Optimizer {  // AdamW
     double lr = 8e-4;
@@ -64,6 +65,9 @@ struct JobConfig {
     int64_t interval = 50;              // steps between checkpoints (the last step always writes one)
     std::string async_mode = "async";   // disabled or async (CheckpointManager::save_async)
     int64_t keep_latest_k = 2;
+    // A safetensors file of the initial weights, whole, written by rank 0 before the first step ("":
+    // none): what a reference implementation starts from.
+    std::string export_initial;
   } checkpoint;
   struct Metrics {
     int64_t log_freq = 10;  // steps between metric lines (and the last step)

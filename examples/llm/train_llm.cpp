@@ -33,6 +33,8 @@
 #include "dtrain/dtrain.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/functional_collectives.h"
+#include "dtrain/safetensors.h"
+#include "dtrain/shard_spec.h"
 #include "dtrain/system.h"
 #include "llm/job_config.h"
 #include "llm/llama.h"
@@ -93,6 +95,7 @@ void validate(const JobConfig& cfg) {
   DTRAIN_CHECK(cfg.checkpoint.interval >= 1 && cfg.checkpoint.keep_latest_k >= 1 && cfg.metrics.log_freq >= 1,
                "checkpoint.interval ", cfg.checkpoint.interval, ", checkpoint.keep_latest_k ",
                cfg.checkpoint.keep_latest_k, ", metrics.log_freq ", cfg.metrics.log_freq, ": each must be at least 1");
+  DTRAIN_CHECK(t.dtype == "float32" || t.dtype == "float64", "training.dtype ", t.dtype, ": use float32 or float64");
   DTRAIN_CHECK(cfg.data.val_fraction > 0 && cfg.data.val_fraction < 1, "data.val_fraction ", cfg.data.val_fraction,
                ": must lie strictly between 0 and 1");
 }
@@ -172,6 +175,8 @@ Parallel build_model(const JobConfig& cfg, const Place& place) {
   Parallel par;
   torch::manual_seed(static_cast<uint64_t>(cfg.training.seed));  // the same weights on every rank
   par.model = llama::Transformer(model_args(cfg));
+  // float64: initialized in float32 as ever (the same draws), then widened, before any sharding.
+  if (cfg.training.dtype == "float64") par.model->to(at::kDouble);
   if (d.tp > 1) llama::apply_tensor_parallel(*par.model, place.mesh["tp"]);
   const auto& ac = cfg.activation_checkpoint;
   llama::apply_activation_checkpoint(*par.model, ac.mode == "full" ? llama::ActivationCheckpoint::full()
@@ -187,6 +192,17 @@ Parallel build_model(const JobConfig& cfg, const Place& place) {
     par.fsdp.emplace(llama::apply_fully_shard(par.model, dtrain::FullyShardOptions().mesh(dp_mesh)));
   }
   return par;
+}
+
+// checkpoint.export_initial: the weights before the first step, whole (gathered over fully_shard and
+// tensor parallelism), in one safetensors file that rank 0 writes. Collective.
+void export_initial(const JobConfig& cfg, const Place& place, Parallel& par) {
+  const std::string& path = cfg.checkpoint.export_initial;
+  if (path.empty()) return;
+  const dtrain::NamedTensors whole = dtrain::full_state_dict(*par.model);
+  collectively("writing checkpoint.export_initial", place.main_rank(), [&] {
+    dtrain::save_safetensors(whole, path, {{"step", "0"}, {"seed", std::to_string(cfg.training.seed)}});
+  });
 }
 
 // Linear warmup to lr, then cosine decay to lr * lr_min at the last step (torchtitan's schedule).
@@ -380,6 +396,7 @@ int run(const JobConfig& cfg) {
   Place place = setup(cfg);
   Data data = load_data(cfg, place);
   Parallel par = build_model(cfg, place);
+  export_initial(cfg, place, par);
   torch::optim::AdamW optimizer(par.model->parameters(), torch::optim::AdamWOptions(cfg.optimizer.lr)
                                                              .betas({cfg.optimizer.beta1, cfg.optimizer.beta2})
                                                              .eps(cfg.optimizer.eps)

@@ -6,7 +6,8 @@
     clipped gradient norm): their losses agree to float rounding;
   * a run stopped at step 4 with a checkpoint and resumed ends bit for bit as a run never stopped
     (the same loss_bits and validation loss): the loader's position is in the checkpoint;
-  * degrees whose product is not the world, and pipeline parallelism, are refused in one line.
+  * degrees whose product is not the world, pipeline parallelism and a dtype other than float32 or
+    float64 are refused in one line.
 
 Binaries: $TRAIN_LLM and $DTRAIN_RUN (set by tests/dist/CMakeLists.txt), else build*/bin. The corpus:
 $LLM_CORPUS, else data/shakespeare (scripts/setup.sh installs it).
@@ -106,7 +107,8 @@ class TrainLlm(DistTestCase):
         cases = {("--parallelism.tensor_parallel_degree", 4, "--parallelism.data_parallel_shard_degree", 1):
                  "data_parallel_replicate_degree 1 x data_parallel_shard_degree 1 x tensor_parallel_degree 4 = 4, "
                  "but the world has 2 rank(s)",
-                 ("--parallelism.pipeline_parallel_degree", 2): "pipeline_parallel_degree 2: pipeline parallelism"}
+                 ("--parallelism.pipeline_parallel_degree", 2): "pipeline_parallel_degree 2: pipeline parallelism",
+                 ("--training.dtype", "bfloat16"): "training.dtype bfloat16: use float32 or float64"}
         for args, text in cases.items():
             with self.subTest(args=args):
                 res, _ = self.launch("bad", *args, rc=1)
