@@ -14,11 +14,10 @@
 // runs compare bit for bit. Exit status: 0 on success, 1 on any error (one line
 // "train_llm: error: ..." on stderr of every rank).
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -182,7 +181,6 @@ dtrain::MixedPrecisionPolicy mixed_precision(const JobConfig::Training& t) {
 struct Parallel {
   llama::Transformer model{nullptr};
   std::optional<dtrain::FSDPModule<llama::TransformerImpl>> fsdp;
-  int64_t shard_size = 1;  // ranks one parameter is sharded over by fully_shard
   at::Tensor operator()(const at::Tensor& tokens) { return fsdp ? (*fsdp)(tokens) : model->forward(tokens); }
 };
 
@@ -203,38 +201,10 @@ Parallel build_model(const JobConfig& cfg, const Place& place) {
     dtrain::DeviceMesh dp_mesh = d.dp_replicate > 1 && d.dp_shard > 1 ? place.mesh[{"dp_replicate", "dp_shard"}]
                                  : d.dp_shard > 1                     ? place.mesh["dp_shard"]
                                                                       : place.mesh["dp_replicate"];
-    par.shard_size = d.dp_shard > 1 ? d.dp_shard : d.dp_replicate;
     par.fsdp.emplace(llama::apply_fully_shard(
         par.model, dtrain::FullyShardOptions().mesh(dp_mesh).mp_policy(mixed_precision(cfg.training))));
   }
   return par;
-}
-
-// The global gradient norm (torch's clip_grad_norm_ over the whole model, none of it on any rank
-// whole) and the clipping. Each rank's squared sums are split in two: parameters sharded by tensor
-// parallelism (every linear layer and the embedding) count once over the whole world, the RMSNorm
-// weights (whole on every tensor-parallel rank) once per tp group; fully_shard's replicas (HSDP) hold
-// the same shards and count once.
-double clip_grad_norm(Parallel& par, const ParallelDims& d, double max_norm) {
-  double tp_sharded = 0, tp_replicated = 0;
-  for (const auto& kv : par.model->named_parameters()) {
-    const at::Tensor& g = kv.value().grad();
-    if (!g.defined()) continue;
-    const double sq = g.to(at::kDouble).pow(2).sum().item<double>();
-    (d.tp > 1 && kv.key().find("norm") != std::string::npos ? tp_replicated : tp_sharded) += sq;
-  }
-  const auto sums = dtrain::all_reduce_values(std::vector<double>{tp_sharded, tp_replicated});
-  const int64_t replicas = d.dp() / par.shard_size;
-  const double total = std::sqrt((sums[0] + sums[1] / static_cast<double>(d.tp)) / static_cast<double>(replicas));
-  if (max_norm > 0) {
-    const double coef = max_norm / (total + 1e-6);
-    if (coef < 1) {
-      torch::NoGradGuard no_grad;
-      for (auto& p : par.model->parameters())
-        if (p.grad().defined()) p.grad().mul_(coef);
-    }
-  }
-  return total;
 }
 
 // Linear warmup to lr, then cosine decay to lr * lr_min at the last step (torchtitan's schedule).
@@ -265,9 +235,8 @@ at::Tensor next_batch(dtrain::DistributedSampler& sampler, const llm::TokenFile&
 
 // One optimizer step over gradient_accumulation_steps micro-batches. Returns this rank's loss (the
 // mean over its micro-batches).
-llm::StepMetricsInput train_step(const JobConfig& cfg, const Place& place, Parallel& par,
-                                 torch::optim::AdamW& optimizer, dtrain::DistributedSampler& sampler,
-                                 const llm::TokenFile& train, int64_t step) {
+llm::StepMetricsInput train_step(const JobConfig& cfg, Parallel& par, torch::optim::AdamW& optimizer,
+                                 dtrain::DistributedSampler& sampler, const llm::TokenFile& train, int64_t step) {
   const int64_t accum = cfg.training.gradient_accumulation_steps, seq = cfg.training.seq_len;
   llm::StepMetricsInput r;
   optimizer.zero_grad();
@@ -277,7 +246,10 @@ llm::StepMetricsInput train_step(const JobConfig& cfg, const Place& place, Paral
     loss.backward();
     r.loss += loss.item<double>();
   }
-  r.grad_norm = clip_grad_norm(par, place.dims, cfg.training.max_norm);
+  // The norm of the whole gradients, whatever tensor parallelism and fully_shard cut (each parameter's
+  // ShardSpec says over which groups); max_norm 0 measures it without clipping.
+  const double max_norm = cfg.training.max_norm > 0 ? cfg.training.max_norm : std::numeric_limits<double>::infinity();
+  r.grad_norm = dtrain::clip_grad_norm_(par.model->parameters(), max_norm);
   r.lr = lr_at(cfg, step);
   for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(r.lr);
   optimizer.step();
@@ -447,7 +419,7 @@ int run(const JobConfig& cfg) {
       cfg.training.stop_at_step > 0 ? std::min(cfg.training.stop_at_step, cfg.training.steps) : cfg.training.steps;
   double loss = NAN;
   for (int64_t step = start + 1; step <= last; ++step) {
-    const llm::StepMetricsInput r = train_step(cfg, place, par, optimizer, sampler, *data.train, step);
+    const llm::StepMetricsInput r = train_step(cfg, par, optimizer, sampler, *data.train, step);
     metrics->step_done(step, r.loss);
     if (step % cfg.metrics.log_freq == 0 || step == last) loss = metrics->log(step, r);
     if (checkpoints && (step % cfg.checkpoint.interval == 0 || step == last)) {

@@ -32,8 +32,8 @@
 //   divides (AVG in both for float32 and bfloat16 reduce dtypes; otherwise both sum, between a
 //   division by a power of two near sqrt(R * S) before and by the rest after). Every rank of the mesh
 //   trains its own part of the batch. The ShardSpec has the shard group's cut only, so a checkpoint
-//   holds each chunk once and loads on any world, 1-D or 2-D. clip_grad_norm_ takes the shard group
-//   (the world would count each shard R times). received_bytes() counts the shard group's collectives.
+//   holds each chunk once and loads on any world, 1-D or 2-D, and clip_grad_norm_ counts each shard
+//   once (not R times). received_bytes() counts the shard group's collectives.
 // - GradScaler needs nothing more: its unscale_ MAX-reduces the overflow flag over the group of
 //   every sharded parameter (each rank sees only its rows' infs), and under HSDP over the replicate
 //   group too, so every rank skips together.
@@ -251,10 +251,22 @@ FSDPModule<ModuleType> fully_shard(FSDPModule<ModuleType>& member,
 // runs its checkpoint inside, as FSDP2 applied to a checkpoint-wrapped block.
 void fully_shard(torch::nn::AnyModule& element, const FullyShardOptions& options = FullyShardOptions());
 
-// torch.nn.utils.clip_grad_norm_ over sharded gradients: the total norm of the whole gradients,
-// computed across the group from each rank's shards (one all-reduce), then every shard's gradient
-// scaled by max_norm / (total + 1e-6) when that is below 1. Returns the total norm. Collective.
+// torch.nn.utils.clip_grad_norm_ over sharded gradients, as PyTorch's over DTensors: the total norm
+// of the whole gradients, then every gradient (a shard or whole) scaled by max_norm / (total + 1e-6)
+// when that is below 1. Returns the total norm (pass max_norm = infinity to measure it alone).
+// Each gradient is read through its parameter's ShardSpec (shard_spec_of), whatever cut it:
+// fully_shard, parallelize_module, both on a 2-D mesh, HSDP. A part cut over groups contributes its
+// sum of |g|^p completed over each of them (a Shard placement); a parameter, or a part, whole across
+// a group (a Replicate: an RMSNorm weight across tp, a shard across HSDP's replicas) counts once.
+// `group`, where given, is what a parameter without a spec is a shard of (each rank's gradient one
+// part, summed over the group, as before parameters carried specs); left out, such a parameter is
+// whole on every rank, as a plain tensor in torch's. One all-reduce per group the parameters are cut
+// over (SUM, or MAX for an infinite norm), the sums of every parameter cut over it in one tensor.
+// Collective: every rank of the world calls it, each with its parameters of a model cut alike on
+// every rank (the same layers over the same mesh dimensions, whatever the parameters' order): each
+// rank all-reduces over its group of each dimension, the dimensions in one order that every rank
+// derives from the groups' ranks (Note [Clipping over cuts]).
 double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0,
-                       const Group& group = Group());
+                       const std::optional<Group>& group = std::nullopt);
 
 }  // namespace dtrain

@@ -1,10 +1,15 @@
 // fully_shard: making units, the registry that finds them from their modules, the Sequential
-// element wrapper, the sharded state dict and gradient clipping over shards (see dtrain/fsdp.h).
+// element wrapper, the sharded state dict and gradient clipping over any parameters' cuts (see
+// dtrain/fsdp.h).
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -332,26 +337,119 @@ void fully_shard(torch::nn::AnyModule& element, const FullyShardOptions& options
       torch::nn::AnyModule(std::make_shared<detail::fsdp::ShardedElementImpl>(std::move(element), std::move(unit)));
 }
 
+namespace {
+
+// Note [Clipping over cuts]
+// The total norm is that of the whole gradients, as torch.nn.utils.clip_grad_norm_ over DTensors
+// computes it: the part of a gradient cut over groups G1..Gk (its ShardSpec) is a partial sum of
+// |g|^p that the other parts, held by the ranks that differ along G1..Gk, complete, so its sum is
+// all-reduced over each of them in turn (over tp, then over dp, covers the tp x dp parts); a part
+// left whole along a group (a Replicate placement: fully_shard's RMSNorm weight across tp, a shard
+// across HSDP's replicas) is the same on every rank of that group and is not reduced over it, so it
+// counts once. The parameters are grouped by the set of groups their parts are cut over, one sum per
+// set, and each group reduces, in one all-reduce, the sums of the sets that contain it.
+// The members of a group must agree on which sums it reduces and in what order, and every rank
+// must reduce over its groups in one order (blocking all-reduces over, say, tp then dp on one rank
+// and dp then tp on another wait on each other). The groups themselves differ between ranks: rank 0
+// and rank 2 of a {dp 2, tp 2} mesh each have their own tp group. What they share is the group's
+// layout: a group is named by its ranks relative to its first, the same for every group of one mesh
+// dimension ([0, 1] for tp, [0, 2] for dp), and distinct between dimensions. Sets and all-reduces are
+// ordered by those names, so every rank of a model cut alike does the same all-reduces in the same
+// order. A group of one rank reduces nothing and is left out.
+using ClipGroupName = std::vector<int>;
+using ClipGroupSet = std::vector<ClipGroupName>;  // sorted, unique
+
+ClipGroupName clip_group_name(const Group& g) {
+  ClipGroupName out;
+  for (int r : g.ranks()) out.push_back(r - g.ranks().front());
+  return out;
+}
+
+std::string clip_ranks_string(const std::vector<int>& ranks) {
+  std::string out = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out + "]";
+}
+
+// The groups this rank's parameters are cut over, by name (Note [Clipping over cuts]).
+class ClipGroups {
+ public:
+  // The set of groups `param`'s gradient is cut over: its spec's, or, without one, `fallback` (the
+  // caller's group, where given).
+  ClipGroupSet of(const at::Tensor& param, const std::optional<Group>& fallback) {
+    ClipGroupSet set;
+    if (const auto spec = shard_spec_of(param))
+      for (const ShardCut& c : spec->cuts()) add(c.group, set);
+    else if (fallback)
+      add(*fallback, set);
+    std::sort(set.begin(), set.end());
+    set.erase(std::unique(set.begin(), set.end()), set.end());
+    return set;
+  }
+  const std::map<ClipGroupName, Group>& by_name() const { return groups_; }
+
+ private:
+  void add(const Group& g, ClipGroupSet& set) {
+    if (g.size() < 2) return;
+    ClipGroupName name = clip_group_name(g);
+    auto [it, added] = groups_.emplace(name, g);
+    DTRAIN_CHECK(added || it->second.ranks() == g.ranks(), "clip_grad_norm_: rank ", rank(),
+                 "'s parameters are cut over groups of ranks ", clip_ranks_string(it->second.ranks()), " and ",
+                 clip_ranks_string(g.ranks()), ", laid out alike: cut them over the dimensions of one DeviceMesh");
+    set.push_back(std::move(name));
+  }
+  std::map<ClipGroupName, Group> groups_;
+};
+
+// Adds |grad|^p's sum (its max, for an infinite norm) into `acc`, a 1-element double tensor, with no
+// synchronization with the gradient's device.
+void clip_accumulate(at::Tensor& acc, const at::Tensor& grad, double norm_type) {
+  if (grad.numel() == 0) return;
+  const at::Tensor a = grad.detach().abs().to(at::kDouble);
+  if (std::isinf(norm_type))
+    acc = at::maximum(acc, a.max().reshape({1}).to(acc.device()));
+  else
+    acc += a.pow(norm_type).sum().reshape({1}).to(acc.device());
+}
+
+}  // namespace
+
 double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type,
-                       const Group& group) {
+                       const std::optional<Group>& group) {
   DTRAIN_CHECK(max_norm >= 0, "clip_grad_norm_: max_norm must be >= 0, got ", max_norm);
   DTRAIN_CHECK(norm_type > 0, "clip_grad_norm_: norm_type must be > 0 (or infinity), got ", norm_type);
   torch::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads;
-  for (const at::Tensor& p : parameters)
-    if (p.grad().defined()) grads.push_back(p.grad());
   const bool inf = std::isinf(norm_type);
-  at::Tensor local = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(collective_device(group)));
-  for (const at::Tensor& g : grads) {
-    if (g.numel() == 0) continue;
-    at::Tensor a = g.detach().abs().to(at::kDouble);
-    if (inf)
-      local = at::maximum(local, a.max().reshape({1}).to(local.device()));
-    else
-      local += a.pow(norm_type).sum().reshape({1}).to(local.device());
+  const at::TensorOptions options = at::TensorOptions().dtype(at::kDouble).device(collective_device());
+  // Every parameter's set counts, with a gradient or not, so that the sums each group reduces are
+  // the same on all its members even where one rank's part of a gradient is undefined.
+  ClipGroups groups;
+  std::map<ClipGroupSet, at::Tensor> sums;
+  std::vector<at::Tensor> grads;
+  for (const at::Tensor& p : parameters) {
+    at::Tensor& acc = sums[groups.of(p, group)];
+    if (!acc.defined()) acc = at::zeros({1}, options);
+    if (!p.grad().defined()) continue;
+    grads.push_back(p.grad());
+    clip_accumulate(acc, p.grad(), norm_type);
   }
-  all_reduce(local, inf ? ReduceOp::MAX : ReduceOp::SUM, group);
-  const double total = inf ? local.item<double>() : std::pow(local.item<double>(), 1.0 / norm_type);
+  for (const auto& [name, g] : groups.by_name()) {  // one all-reduce per group, in name order
+    std::vector<at::Tensor*> reduced;
+    std::vector<at::Tensor> parts;
+    for (auto& [set, acc] : sums)
+      if (std::binary_search(set.begin(), set.end(), name)) {
+        reduced.push_back(&acc);
+        parts.push_back(acc);
+      }
+    at::Tensor batch = at::cat(parts).to(collective_device(g));
+    all_reduce(batch, inf ? ReduceOp::MAX : ReduceOp::SUM, g);
+    for (size_t i = 0; i < reduced.size(); ++i) *reduced[i] = batch.narrow(0, static_cast<int64_t>(i), 1);
+  }
+  std::vector<at::Tensor> all;
+  for (const auto& kv : sums) all.push_back(kv.second.to(options.device()));
+  const at::Tensor joined = all.empty() ? at::zeros({1}, options) : at::cat(all);
+  double total = (inf ? joined.max() : joined.sum()).item<double>();
+  if (!inf) total = std::pow(total, 1.0 / norm_type);
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1)
     for (at::Tensor& g : grads) g.mul_(coef);

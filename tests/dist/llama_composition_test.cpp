@@ -3,17 +3,20 @@
 // steps on fixed random token batches, then every parameter put together whole within 1e-10
 // relative, for DDP, fully_shard and tensor parallelism over the world (each also with every block
 // checkpointed), fully_shard over tensor parallelism on a {dp, tp} mesh, and HSDP on a
-// {replicate, shard} mesh. The model itself: torchtitan's parameter names and counts, rotary
-// embeddings as Llama's complex multiplication, the attention kernel against the arithmetic written
-// out, causality, and which blocks each activation-checkpoint mode checkpoints.
+// {replicate, shard} mesh; clip_grad_norm_ under each sharding against torch's on the whole model.
+// The model itself: torchtitan's parameter names and counts, rotary embeddings as Llama's complex
+// multiplication, the attention kernel against the arithmetic written out, causality, and which
+// blocks each activation-checkpoint mode checkpoints.
 #include <gmock/gmock.h>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <map>
 #include <string>
 #include <utility>
@@ -130,6 +133,41 @@ void expect_tensor_parallel_trains_like_one_process(bool checkpointed) {
       model, [&](const at::Tensor& t) { return model(t); }, 0, 1, "tensor parallel");
 }
 
+// The part of `whole` this rank holds of a parameter cut as `spec` (whole without one).
+at::Tensor llm_my_part(const at::Tensor& whole, const std::optional<ShardSpec>& spec) {
+  if (!spec) return whole;
+  at::Tensor part = whole.dim() == 0 ? whole.reshape({1}) : whole;
+  for (int64_t d = 0; d < part.dim(); ++d) part = part.narrow(d, spec->offsets()[d], spec->local_sizes()[d]);
+  return part;
+}
+
+// clip_grad_norm_ over `model`'s cut gradients against torch::nn::utils::clip_grad_norm_ on one
+// process's whole model, after one backward of the same batch (each rank its dp_rank part), for the
+// 2-norm and the infinite norm: the total norm, and every rank's part of every clipped gradient.
+void expect_clips_like_one_process(llama::Transformer model, const LlmForward& forward, int64_t dp_rank,
+                                   int64_t dp_size, const std::string& what) {
+  llama::Transformer ref = llm_make_model();
+  auto [tokens, targets] = llm_batch(0);
+  for (double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
+    SCOPED_TRACE(what + ", norm_type " + std::to_string(norm_type));
+    ref->zero_grad();
+    ref->loss(ref(tokens), targets).backward();
+    const double max_norm = 0.01;  // below either norm: every gradient is scaled
+    const double expected = torch::nn::utils::clip_grad_norm_(ref->parameters(), max_norm, norm_type);
+    ASSERT_GT(expected, 10 * max_norm);
+    model->zero_grad();
+    model->loss(forward(tokens.chunk(dp_size)[dp_rank]), targets.chunk(dp_size)[dp_rank]).backward();
+    const double got = clip_grad_norm_(model->parameters(), max_norm, norm_type);
+    EXPECT_LT(std::abs(got - expected), 1e-10 * expected) << "total norm " << got << ", one process's " << expected;
+    auto whole = ref->named_parameters();
+    for (const auto& kv : model->named_parameters()) {
+      const at::Tensor want = llm_my_part(whole[kv.key()].grad(), shard_spec_of(kv.value()));
+      ASSERT_EQ(kv.value().grad().sizes(), want.sizes()) << kv.key();
+      EXPECT_LT(llm_rel_diff(kv.value().grad(), want), 1e-10) << kv.key() << "'s clipped gradient";
+    }
+  }
+}
+
 }  // namespace
 
 TEST(LlamaModel, ParameterNamesAndCountsAreTorchtitans) {
@@ -244,6 +282,58 @@ TEST(LlamaComposition, HsdpEqualsOneProcess) {
   auto fsdp = llama::apply_fully_shard(model, FullyShardOptions().mesh(mesh));
   expect_trains_like_one_process(
       model, [&](const at::Tensor& t) { return fsdp(t); }, rank(), world_size(), "HSDP");
+}
+
+// clip_grad_norm_ reads each gradient's cuts: the RMSNorm weights, whole across tp and cut over dp
+// alone, count once, and so does each shard held by HSDP's replicas.
+TEST(LlamaClipGradNorm, FullyShardOverTensorParallelEqualsOneProcess) {
+  DeviceMesh mesh = init_device_mesh({world_size() / 2, 2}, {"dp", "tp"});
+  llama::Transformer model = llm_make_model();
+  llama::apply_tensor_parallel(*model, mesh["tp"]);
+  auto fsdp = llama::apply_fully_shard(model, FullyShardOptions().mesh(mesh["dp"]));
+  expect_clips_like_one_process(
+      model, [&](const at::Tensor& t) { return fsdp(t); }, mesh.get_local_rank("dp"), mesh.size("dp"),
+      "fully_shard x tensor parallel");
+}
+
+TEST(LlamaClipGradNorm, TensorParallelEqualsOneProcess) {
+  llama::Transformer model = llm_make_model();
+  llama::apply_tensor_parallel(*model, init_device_mesh({world_size()}, {"tp"}));
+  expect_clips_like_one_process(
+      model, [&](const at::Tensor& t) { return model(t); }, 0, 1, "tensor parallel");
+}
+
+TEST(LlamaClipGradNorm, FullyShardEqualsOneProcess) {
+  llama::Transformer model = llm_make_model();
+  auto fsdp = llama::apply_fully_shard(model);
+  expect_clips_like_one_process(
+      model, [&](const at::Tensor& t) { return fsdp(t); }, rank(), world_size(), "fully_shard");
+}
+
+TEST(LlamaClipGradNorm, HsdpEqualsOneProcess) {
+  DeviceMesh mesh = init_device_mesh({world_size() / 2, 2}, {"replicate", "shard"});
+  llama::Transformer model = llm_make_model();
+  auto fsdp = llama::apply_fully_shard(model, FullyShardOptions().mesh(mesh));
+  expect_clips_like_one_process(
+      model, [&](const at::Tensor& t) { return fsdp(t); }, rank(), world_size(), "HSDP");
+}
+
+// Tensors without a spec: whole on every rank unless a group is given, then each rank's a part of
+// one gradient over it (the form clip_grad_norm_ took before parameters carried specs).
+TEST(LlamaClipGradNorm, ParametersWithoutSpecsAreWholeUnlessAGroupIsGiven) {
+  at::Tensor full = at::arange(1, 2 * world_size() + 1, at::kDouble);
+  auto my_part = [&] {
+    at::Tensor p = at::zeros({2}, at::kDouble).requires_grad_(true);
+    p.mutable_grad() = full.narrow(0, 2 * rank(), 2).clone();
+    return p;
+  };
+  at::Tensor part = my_part();
+  EXPECT_NEAR(clip_grad_norm_({part}, 1e9, 2.0, Group()), full.norm().item<double>(), 1e-12);
+  EXPECT_NEAR(clip_grad_norm_({part}, 1e9, std::numeric_limits<double>::infinity(), Group()), 2.0 * world_size(), 0);
+  at::Tensor whole = at::zeros({2}, at::kDouble).requires_grad_(true);
+  whole.mutable_grad() = at::tensor({3.0, 4.0}, at::kDouble);
+  EXPECT_NEAR(clip_grad_norm_({whole}, 1.0), 5.0, 1e-12) << "counted once, not once per rank";
+  EXPECT_LT((whole.grad() - at::tensor({0.6, 0.8}, at::kDouble)).abs().max().item<double>(), 1e-6);
 }
 
 DTRAIN_DIST_TEST_MAIN()
