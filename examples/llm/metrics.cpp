@@ -53,7 +53,7 @@ TrainMetrics::TrainMetrics(TrainMetricsOptions options, double flops_per_token, 
                      .total(o_.total_steps)
                      .label("train")
                      .plain_lines(false)
-                     .samples_per_step(o_.tokens_per_step * o_.dp));
+                     .samples_per_step(o_.windows_per_step * o_.dp));
 }
 
 void TrainMetrics::step_done(int64_t step, double loss) {

@@ -43,10 +43,11 @@ struct StepMetricsInput {
 
 struct TrainMetricsOptions {
   int rank = 0, world = 1;
-  int64_t dp = 1;               // data-parallel ranks (each reads its own windows)
-  int64_t tokens_per_step = 0;  // this rank's tokens per optimizer step
-  int64_t total_steps = 0;      // for the progress bar
-  std::string dump_folder;      // metrics.jsonl and tb/ go here (rank 0)
+  int64_t dp = 1;                // data-parallel ranks (each reads its own windows)
+  int64_t tokens_per_step = 0;   // this rank's tokens per optimizer step
+  int64_t windows_per_step = 0;  // this rank's windows (samples) per optimizer step
+  int64_t total_steps = 0;       // for the progress bar
+  std::string dump_folder;       // metrics.jsonl and tb/ go here (rank 0)
   bool jsonl = true, tensorboard = false;
 };
 

@@ -356,7 +356,8 @@ std::unique_ptr<llm::TrainMetrics> open_metrics(const JobConfig& cfg, const Plac
   o.rank = place.rank;
   o.world = place.world;
   o.dp = place.dims.dp();
-  o.tokens_per_step = cfg.training.gradient_accumulation_steps * cfg.training.local_batch_size * cfg.training.seq_len;
+  o.windows_per_step = cfg.training.gradient_accumulation_steps * cfg.training.local_batch_size;
+  o.tokens_per_step = o.windows_per_step * cfg.training.seq_len;
   o.total_steps = cfg.training.steps;
   o.dump_folder = cfg.job.dump_folder;
   o.jsonl = cfg.metrics.enable_jsonl;
