@@ -38,6 +38,10 @@ struct JobConfig {
     int64_t seed = 0;
     int64_t threads = 0;            // intra-op threads per rank (0: $OMP_NUM_THREADS or LibTorch's)
     std::string dtype = "float32";  // of the parameters and activations: float32 or float64
+    // fully_shard's MixedPrecisionPolicy, as torchtitan's keys: the dtype parameters are gathered and
+    // computed in, and the one gradients are reduce-scattered in (float32 or bfloat16).
+    std::string mixed_precision_param = "float32";
+    std::string mixed_precision_reduce = "float32";
   } training;
   struct Optimizer {  // AdamW
     double lr = 8e-4;
@@ -72,6 +76,7 @@ struct JobConfig {
   struct Metrics {
     int64_t log_freq = 10;  // steps between metric lines (and the last step)
     bool enable_jsonl = true;
+    bool enable_tensorboard = false;  // <dump_folder>/tb: loss, lr, grad_norm, tokens/s, MFU, peak RSS
   } metrics;
   struct Validation {
     int64_t max_windows = 64;  // windows of the validation split evaluated at the end (0: all)

@@ -14,11 +14,9 @@
 // runs compare bit for bit. Exit status: 0 on success, 1 on any error (one line
 // "train_llm: error: ..." on stderr of every rank).
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -38,6 +36,7 @@
 #include "dtrain/system.h"
 #include "llm/job_config.h"
 #include "llm/llama.h"
+#include "llm/metrics.h"
 #include "llm/text_data.h"
 
 namespace {
@@ -96,6 +95,9 @@ void validate(const JobConfig& cfg) {
                "checkpoint.interval ", cfg.checkpoint.interval, ", checkpoint.keep_latest_k ",
                cfg.checkpoint.keep_latest_k, ", metrics.log_freq ", cfg.metrics.log_freq, ": each must be at least 1");
   DTRAIN_CHECK(t.dtype == "float32" || t.dtype == "float64", "training.dtype ", t.dtype, ": use float32 or float64");
+  for (const std::string* dtype : {&t.mixed_precision_param, &t.mixed_precision_reduce})
+    DTRAIN_CHECK(*dtype == "float32" || *dtype == "bfloat16", "training.mixed_precision_",
+                 dtype == &t.mixed_precision_param ? "param " : "reduce ", *dtype, ": use float32 or bfloat16");
   DTRAIN_CHECK(cfg.data.val_fraction > 0 && cfg.data.val_fraction < 1, "data.val_fraction ", cfg.data.val_fraction,
                ": must lie strictly between 0 and 1");
 }
@@ -133,6 +135,12 @@ Place setup(const JobConfig& cfg) {
     validate(cfg);
     model_args(cfg);
     p.dims = parallel_dims(cfg.parallelism, p.world);
+    const auto& t = cfg.training;
+    DTRAIN_CHECK(p.dims.dp() > 1 || (t.mixed_precision_param == "float32" && t.mixed_precision_reduce == "float32"),
+                 "training.mixed_precision_param ", t.mixed_precision_param, " / mixed_precision_reduce ",
+                 t.mixed_precision_reduce,
+                 ": mixed precision comes with fully_shard, and this run has no data-parallel "
+                 "degree above 1; use float32 or shard the model");
   });
   // torchtitan's world mesh: tensor parallelism innermost (its ranks adjacent), the shard dimension
   // next, replicas outermost.
@@ -162,6 +170,15 @@ Data load_data(const JobConfig& cfg, const Place& place) {
   return d;
 }
 
+// torchtitan's mixed precision: through fully_shard's policy (float32 keys: none, full precision).
+dtrain::MixedPrecisionPolicy mixed_precision(const JobConfig::Training& t) {
+  auto dtype = [](const std::string& name) { return name == "bfloat16" ? at::kBFloat16 : at::kFloat; };
+  dtrain::MixedPrecisionPolicy mp;
+  if (t.mixed_precision_param != "float32") mp.param_dtype(dtype(t.mixed_precision_param));
+  if (t.mixed_precision_reduce != "float32") mp.reduce_dtype(dtype(t.mixed_precision_reduce));
+  return mp;
+}
+
 // The model with its parallelisms applied in torchtitan's order: tensor parallel, activation
 // checkpointing, then fully_shard (each block a unit, the root last).
 struct Parallel {
@@ -189,7 +206,8 @@ Parallel build_model(const JobConfig& cfg, const Place& place) {
     dtrain::DeviceMesh dp_mesh = d.dp_replicate > 1 && d.dp_shard > 1 ? place.mesh[{"dp_replicate", "dp_shard"}]
                                  : d.dp_shard > 1                     ? place.mesh["dp_shard"]
                                                                       : place.mesh["dp_replicate"];
-    par.fsdp.emplace(llama::apply_fully_shard(par.model, dtrain::FullyShardOptions().mesh(dp_mesh)));
+    par.fsdp.emplace(llama::apply_fully_shard(
+        par.model, dtrain::FullyShardOptions().mesh(dp_mesh).mp_policy(mixed_precision(cfg.training))));
   }
   return par;
 }
@@ -231,16 +249,12 @@ at::Tensor next_batch(dtrain::DistributedSampler& sampler, const llm::TokenFile&
   }
 }
 
-struct StepResult {
-  double loss = 0, grad_norm = 0, lr = 0;
-};
-
 // One optimizer step over gradient_accumulation_steps micro-batches. Returns this rank's loss (the
 // mean over its micro-batches).
-StepResult train_step(const JobConfig& cfg, Parallel& par, torch::optim::AdamW& optimizer,
-                      dtrain::DistributedSampler& sampler, const llm::TokenFile& train, int64_t step) {
+llm::StepMetricsInput train_step(const JobConfig& cfg, Parallel& par, torch::optim::AdamW& optimizer,
+                                 dtrain::DistributedSampler& sampler, const llm::TokenFile& train, int64_t step) {
   const int64_t accum = cfg.training.gradient_accumulation_steps, seq = cfg.training.seq_len;
-  StepResult r;
+  llm::StepMetricsInput r;
   optimizer.zero_grad();
   for (int64_t m = 0; m < accum; ++m) {
     const at::Tensor w = next_batch(sampler, train, cfg.training.local_batch_size, seq);
@@ -256,53 +270,6 @@ StepResult train_step(const JobConfig& cfg, Parallel& par, torch::optim::AdamW& 
   for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(r.lr);
   optimizer.step();
   return r;
-}
-
-// Metrics of the steps since the last line: the loss over all ranks, tokens/s of every rank and of
-// the job (each token of the global batch once), every rank's RSS high-water mark. Collective.
-struct Metrics {
-  std::ofstream jsonl;  // rank 0, metrics.enable_jsonl
-  std::chrono::steady_clock::time_point since = std::chrono::steady_clock::now();
-  int64_t steps_since = 0;
-};
-
-double log_metrics(const JobConfig& cfg, const Place& place, Metrics& m, int64_t step, const StepResult& r) {
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - m.since).count();
-  const double rank_tokens = static_cast<double>(m.steps_since * cfg.training.gradient_accumulation_steps *
-                                                 cfg.training.local_batch_size * cfg.training.seq_len);
-  const size_t w = static_cast<size_t>(place.world);
-  std::vector<double> v(2 * w + 1, 0.0);
-  v[place.rank] = rank_tokens / secs;
-  v[w + place.rank] = static_cast<double>(dtrain::peak_rss_bytes()) / (1 << 20);
-  v[2 * w] = r.loss;
-  v = dtrain::all_reduce_values(v);
-  const double loss = v[2 * w] / static_cast<double>(w);  // tensor-parallel ranks hold the same loss
-  m.since = std::chrono::steady_clock::now();
-  m.steps_since = 0;
-  if (!place.main_rank()) return loss;
-  const double total = rank_tokens * static_cast<double>(place.dims.dp()) / secs;
-  double peak = 0;
-  std::string tps, rss;
-  for (size_t i = 0; i < w; ++i) {
-    tps += (i ? "," : "") + std::to_string(v[i]);
-    rss += (i ? "," : "") + std::to_string(v[w + i]);
-    peak = std::max(peak, v[w + i]);
-  }
-  std::printf(
-      "step %5lld/%lld  loss %.4f  lr %.2e  grad_norm %.3f  tokens/s %.0f per rank, %.0f total  "
-      "peak RSS %.0f MiB (max over ranks)\n",
-      static_cast<long long>(step), static_cast<long long>(cfg.training.steps), loss, r.lr, r.grad_norm,
-      total / static_cast<double>(place.dims.dp()), total, peak);
-  std::fflush(stdout);
-  if (m.jsonl.is_open()) {
-    char head[256];
-    std::snprintf(head, sizeof head, "{\"step\": %lld, \"loss\": %.17g, \"lr\": %.17g, \"grad_norm\": %.17g, ",
-                  static_cast<long long>(step), loss, r.lr, r.grad_norm);
-    m.jsonl << head << "\"tokens_per_s\": [" << tps << "], \"tokens_per_s_total\": " << total << ", \"peak_rss_mib\": ["
-            << rss << "]}\n";
-    m.jsonl.flush();
-  }
-  return loss;
 }
 
 // Mean loss over the first validation.max_windows windows of the validation split, each
@@ -391,6 +358,33 @@ void print_configuration(const JobConfig& cfg, const Place& place, const Data& d
   std::fflush(stdout);
 }
 
+// The metrics (llm/metrics.h): the model's FLOPs per token, and the peak of a matmul in the
+// parameters' dtype measured by every rank at once (printed: the MFU's denominator).
+std::unique_ptr<llm::TrainMetrics> open_metrics(const JobConfig& cfg, const Place& place, Parallel& par) {
+  const double peak = llm::measure_peak_flops(par.model->parameters().front().scalar_type());
+  const double per_token = llm::flops_per_token(model_args(cfg), cfg.training.seq_len);
+  if (place.main_rank()) {
+    std::printf("train_llm: model %.3g FLOPs per token; this machine's matmul peak %.1f GFLOP/s per rank\n", per_token,
+                peak / 1e9);
+    std::fflush(stdout);
+  }
+  llm::TrainMetricsOptions o;
+  o.rank = place.rank;
+  o.world = place.world;
+  o.dp = place.dims.dp();
+  o.windows_per_step = cfg.training.gradient_accumulation_steps * cfg.training.local_batch_size;
+  o.tokens_per_step = o.windows_per_step * cfg.training.seq_len;
+  o.total_steps = cfg.training.steps;
+  o.dump_folder = cfg.job.dump_folder;
+  o.jsonl = cfg.metrics.enable_jsonl;
+  o.tensorboard = cfg.metrics.enable_tensorboard;
+  std::unique_ptr<llm::TrainMetrics> m;
+  // Rank 0 opens the files; a failure there ends every rank in one line.
+  collectively("opening the metrics' files", true,
+               [&] { m = std::make_unique<llm::TrainMetrics>(o, per_token, peak); });
+  return m;
+}
+
 // The whole job, top to bottom.
 int run(const JobConfig& cfg) {
   Place place = setup(cfg);
@@ -436,28 +430,23 @@ int run(const JobConfig& cfg) {
   sampler.reset();  // a resumed run's pass starts at the checkpoint's position
   print_configuration(cfg, place, data, sampler);
 
-  Metrics metrics;
-  collectively("opening metrics.jsonl", place.main_rank(), [&] {
-    std::filesystem::create_directories(dump);
-    if (cfg.metrics.enable_jsonl) metrics.jsonl.open(dump / "metrics.jsonl", std::ios::app);
-    DTRAIN_CHECK(!cfg.metrics.enable_jsonl || metrics.jsonl.good(), "job.dump_folder ", dump.string(),
-                 ": cannot write metrics.jsonl");
-  });
+  std::unique_ptr<llm::TrainMetrics> metrics = open_metrics(cfg, place, par);
   // training.stop_at_step ends this run early; the learning-rate schedule still spans training.steps,
   // so a run resumed from its checkpoint continues the same schedule.
   const int64_t last =
       cfg.training.stop_at_step > 0 ? std::min(cfg.training.stop_at_step, cfg.training.steps) : cfg.training.steps;
   double loss = NAN;
   for (int64_t step = start + 1; step <= last; ++step) {
-    const StepResult r = train_step(cfg, par, optimizer, sampler, *data.train, step);
-    ++metrics.steps_since;
-    if (step % cfg.metrics.log_freq == 0 || step == last) loss = log_metrics(cfg, place, metrics, step, r);
+    const llm::StepMetricsInput r = train_step(cfg, par, optimizer, sampler, *data.train, step);
+    metrics->step_done(step, r.loss);
+    if (step % cfg.metrics.log_freq == 0 || step == last) loss = metrics->log(step, r);
     if (checkpoints && (step % cfg.checkpoint.interval == 0 || step == last)) {
       state.step = step;
       state.epoch = sampler.epoch();
       cfg.checkpoint.async_mode == "async" ? checkpoints->save_async(state) : checkpoints->save(state);
     }
   }
+  metrics->finish();
   if (checkpoints) checkpoints->wait();
 
   const double val_loss = validation_loss(cfg, place, par, *data.val);

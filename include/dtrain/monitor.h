@@ -94,6 +94,8 @@ struct ProgressOptions {
   // lines, one each time another 1/lines of the total is done.
   DTRAIN_ARG(std::optional<bool>, terminal, std::nullopt)
   DTRAIN_ARG(int, lines, 10)
+  // Off: nothing where no bar is drawn, for a program whose own periodic lines are its log.
+  DTRAIN_ARG(bool, plain_lines, true)
 };
 
 // A progress bar with ETA and throughput; when output is not a terminal, periodic plain lines:

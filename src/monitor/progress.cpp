@@ -72,7 +72,7 @@ void Progress::update(int64_t step, double loss, double samples_done) {
   // Plain lines: one each time another 1/lines of the total is passed (the last step prints 100%).
   // Under the launcher's bar they go to its log files only ("\v" first).
   const int n = o_.lines();
-  if (next_line_ > n || step * n < next_line_ * total) return;
+  if (!o_.plain_lines() || next_line_ > n || step * n < next_line_ * total) return;
   while (next_line_ <= n && step * n >= next_line_ * total) ++next_line_;
   std::fprintf(o_.out(), "%s%s%s\n", launcher_ ? "\v" : "", label.c_str(), status(step, loss, samples_done).c_str());
   std::fflush(o_.out());

