@@ -19,8 +19,10 @@ double flops_per_token(const llama::ModelArgs& a, int64_t seq_len) {
 }
 
 double measure_peak_flops(c10::ScalarType dtype, int64_t n) {
-  const at::Tensor a = at::rand({n, n}, at::TensorOptions().dtype(dtype));
-  const at::Tensor b = at::rand({n, n}, at::TensorOptions().dtype(dtype));
+  // Fixed values, not random ones: the global generator's state is the training's (a resumed run
+  // restores it from the checkpoint, and this runs after that).
+  const at::Tensor a = at::linspace(-1, 1, n * n, at::TensorOptions().dtype(dtype)).view({n, n});
+  const at::Tensor b = a.t().contiguous();
   at::Tensor c = at::mm(a, b);  // warm up: the thread pool, the kernel's packing buffers
   double best = 0;
   for (int round = 0; round < 3; ++round) {
