@@ -103,6 +103,9 @@ std::vector<Knob> make_table() {
           "The job secret (set by dtrain-run for its workers; read by dtrain-run itself when no "
           "`--rdzv_conf secret_file` is given): the store serves only processes that prove they know it, "
           "and they talk only to a store that proves it too. Unset: the store is open (SECURITY.md)."),
+      row("DTRAIN_FT_REPLICA_ID", R::kLibrary, Type::kText, "", "a name without spaces, newlines or '/'", "",
+          "This replica's id for `dtrain::ft::Manager` (set by `dtrain-run --ft`: the worker's rank), the same "
+          "after a relaunch."),
       flag_row("DTRAIN_PROGRESS_TTY", R::kLibrary, "0", "1 or 0",
                "`1` (set by dtrain-run for rank 0 when the launcher's stdout is a terminal): `Progress` on "
                "stdout sends its bar to the launcher, which draws it in place; `0`: plain lines."),

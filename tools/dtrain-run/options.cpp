@@ -208,6 +208,9 @@ void add_flags(CLI::App& app, LaunchOptions& o, Given& g) {
                  "address of node 0; its launcher serves the rendezvous there only (default 127.0.0.1)");
   g.numbers.add(app, kMasterPort);
   app.add_flag("--standalone", o.standalone, "single node on 127.0.0.1 with a free port");
+  app.add_flag("--ft", o.ft,
+               "replica fault tolerance: each worker is a replica (dtrain::ft::Manager); a failed one is "
+               "relaunched alone, --max_restarts times in all, while the others go on");
   for (const NumericFlag& f : kTimings) g.numbers.add(app, f);
   app.add_option("--log_dir,--log-dir", o.log_dir,
                  "write <log_dir>/<run_id>_<random>/attempt_<restart>/<local_rank>/{stdout,stderr}.log "
@@ -366,6 +369,9 @@ void apply_placement(const CLI::App& app, Given& g, LaunchOptions& o) {
                      "fixes the nodes; give --nnodes N or run dtrain-run outside srun");
   if (o.elastic && o.standalone)
     throw UsageError("--standalone runs one node, but --nnodes is " + nnodes + " (drop one of them)");
+  if (o.ft && (o.elastic || o.nnodes != 1))
+    throw UsageError("--ft relaunches replicas on one node, but --nnodes is " + nnodes +
+                     ": run one dtrain-run --ft per job on one node (--standalone or --nnodes 1)");
   if (o.node_rank >= o.nnodes)
     throw UsageError("--node_rank " + g.numbers.given(kNodeRank) + " is out of range for --nnodes " + nnodes +
                      ": node ranks go from 0 to " + std::to_string(o.nnodes - 1));
