@@ -24,6 +24,11 @@
 //   (the launcher's node-0 store: $MASTER_ADDR:$MASTER_PORT and $DTRAIN_JOB_SECRET), where the quorum
 //   lives as keys (docs/design.md, "Replica fault tolerance"). No process of a replica calls
 //   init_process_group for the cross-replica traffic: the Manager builds its own group per quorum.
+// - A replica of several ranks (dtrain-run --ft --ft_replica_ranks K) is a dtrain world of its own:
+//   every rank calls init_process_group() (its replica's ranks only), then constructs a Manager and
+//   calls its methods in the same order; rank 0 talks to the quorum for the replica and tells the
+//   others, and rank r's allreduce and healing run with rank r of the other replicas. A failure of
+//   any rank of a replica takes the whole replica out (dtrain-run relaunches all its ranks).
 // - start_quorum(), once per step, before anything the step computes: returns when the step's members
 //   are agreed (the replicas alive now: a replica whose heartbeat stopped for heartbeat_timeout is
 //   left out; one that arrived before the decision is in). Members behind the highest step (a

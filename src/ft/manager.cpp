@@ -12,6 +12,7 @@
 #include "comm/replica_group.h"
 #include "common/env.h"
 #include "dtrain/fault_tolerance.h"
+#include "dtrain/process_group.h"
 #include "ft/quorum.h"
 
 namespace dtrain::ft {
@@ -45,6 +46,11 @@ struct Manager::Impl {
   std::string id, host, secret;
   uint16_t port = 0;
   int64_t incarnation = 0;
+  // A replica of several ranks is a dtrain world of its own (dtrain-run --ft --ft_replica_ranks K):
+  // its rank 0, the leader, alone talks to the quorum and tells the others over the world; rank r
+  // meets rank r of the other replicas in its own cross-replica group.
+  bool inner = false, leader = true;
+  int local = 0;
   std::unique_ptr<store::StoreClient> client;
   Liveness liveness{std::chrono::milliseconds(1000)};
 
@@ -116,9 +122,15 @@ Manager::Manager(StateDict state_dict, LoadStateDict load_state_dict, ManagerOpt
   ft_split_addr(addr, m.host, m.port);
   m.secret = env::text("DTRAIN_JOB_SECRET").value_or("");
   m.liveness = Liveness(options.heartbeat_timeout());
-  m.client = std::make_unique<store::StoreClient>(m.host, m.port, options.timeout(), m.secret);
-  m.incarnation = m.client->add("ft/inc/" + m.id, 1);
-  m.heartbeat = std::thread([this] { impl_->beat(); });
+  m.inner = is_initialized() && world_size() > 1;
+  m.leader = !m.inner || rank() == 0;
+  m.local = m.inner ? rank() : 0;
+  if (m.leader) {
+    m.client = std::make_unique<store::StoreClient>(m.host, m.port, options.timeout(), m.secret);
+    m.incarnation = m.client->add("ft/inc/" + m.id, 1);
+    m.heartbeat = std::thread([this] { impl_->beat(); });
+  }
+  if (m.inner) m.incarnation = all_reduce_values(std::vector<int64_t>{m.incarnation}, ReduceOp::MAX)[0];
 }
 
 Manager::~Manager() {
@@ -211,7 +223,8 @@ void Manager::Impl::build_group() {
   c.host = host;
   c.port = port;
   c.secret = secret;
-  c.prefix = detail::cat("ft/q", decision.quorum_id, "/");
+  c.prefix =
+      inner ? detail::cat("ft/q", decision.quorum_id, "/l", local, "/") : detail::cat("ft/q", decision.quorum_id, "/");
   c.rank = my_index;
   c.size = static_cast<int>(decision.members.size());
   c.timeout = opts.timeout();
@@ -255,7 +268,8 @@ void Manager::start_quorum() {
   m.in_step = true;
   m.error.clear();
   m.healed = false;
-  m.decision = m.join_round();
+  if (m.leader) m.decision = m.join_round();
+  if (m.inner) m.decision = decode_decision(broadcast_bytes(m.leader ? encode(m.decision) : "", 0));
   const auto& members = m.decision.members;
   std::vector<Member> up;
   for (const Member& x : members)
@@ -319,8 +333,13 @@ bool Manager::Impl::decide_outcome() {
 bool Manager::should_commit() {
   Impl& m = *impl_;
   DTRAIN_CHECK(m.in_step, "fault tolerance: should_commit() outside a step: call start_quorum() first");
-  m.client->set(round_key(m.round, "v/" + m.id), bytes(m.error.empty() ? "1" : "0"));
-  const bool commit = m.decide_outcome();
+  bool ok = m.error.empty(), commit = false;
+  if (m.inner) ok = all_reduce_values(std::vector<int64_t>{ok ? 1 : 0}, ReduceOp::MIN)[0] == 1;  // every rank's
+  if (m.leader) {
+    m.client->set(round_key(m.round, "v/" + m.id), bytes(ok ? "1" : "0"));
+    commit = m.decide_outcome();
+  }
+  if (m.inner) commit = all_reduce_values(std::vector<int64_t>{commit ? 1 : 0}, ReduceOp::MAX)[0] == 1;
   m.in_step = false;
   ++m.round;
   if (commit) {

@@ -1,7 +1,9 @@
 // The C++ side of test_replica_ft.py: a float64 MLP trained by replicas under dtrain::ft::Manager,
 // each replica one process of dtrain-run --ft (or started by hand with DTRAIN_FT_REPLICA_ID and the
 // store's MASTER_ADDR/MASTER_PORT). No checkpoint at all: a relaunched replica can only heal from a peer.
-//   ft_train --steps 30 [--batch 4] [--samples 240] [--step_ms 40] [--min_replicas 2]
+//   ft_train --steps 30 [--batch 4] [--samples 240] [--step_ms 40] [--min_replicas 2] [--replica_ranks K]
+//   (K > 1: each replica is a dtrain world of K ranks, dtrain-run --ft --ft_replica_ranks K, which
+//   averages its ranks' gradients before the Manager averages over the replicas)
 //            [--die_after_allreduce S [--die_replica R]]   replica R (default 2) SIGKILLs itself after
 //                                        its all-reduce of step S (not after a relaunch, which heals)
 // Prints one line per try of a step and per commit, for the test to parse:
@@ -25,12 +27,13 @@
 #include <thread>
 
 #include "dtrain/fault_tolerance.h"
+#include "dtrain/process_group.h"
 
 namespace {
 
 struct FtArgs {
   int64_t steps = 30, batch = 4, samples = 240, step_ms = 40, die_after_allreduce = -1, die_replica = 2;
-  int min_replicas = 1;
+  int min_replicas = 1, replica_ranks = 1;
 };
 
 FtArgs ft_parse(int argc, char** argv) {
@@ -52,6 +55,8 @@ FtArgs ft_parse(int argc, char** argv) {
       a.die_after_allreduce = v;
     else if (k == "--die_replica")
       a.die_replica = v;
+    else if (k == "--replica_ranks")
+      a.replica_ranks = static_cast<int>(v);
     else
       throw std::runtime_error("ft_train: unknown flag " + k);
   }
@@ -88,10 +93,17 @@ std::string ft_join(const std::vector<int64_t>& v) {
 
 int main(int argc, char** argv) try {
   const FtArgs a = ft_parse(argc, argv);
+  const int k = a.replica_ranks;
+  if (k > 1) dtrain::init_process_group();
   // Each process starts from its own parameters: init_sync must make them one replica's.
   torch::manual_seed(static_cast<uint64_t>(getpid()));
   torch::nn::Sequential model(torch::nn::Linear(6, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
   model->to(at::kDouble);
+  if (k > 1)  // the replica's ranks start alike, as DDP's construction makes them
+    for (at::Tensor p : model->parameters()) {
+      at::Tensor d = p.detach();
+      dtrain::broadcast(d, 0);
+    }
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   dtrain::ft::ReplicaSampler sampler(a.samples, /*seed=*/7);
   dtrain::ft::Manager manager(
@@ -107,7 +119,8 @@ int main(int argc, char** argv) try {
               << manager.healed_this_step() << " hash " << ft_hash(model) << std::endl;
     const auto idx = manager.is_healing()
                          ? std::vector<int64_t>{}
-                         : sampler.indices(manager.participant_rank(), manager.num_participants(), a.batch);
+                         : sampler.indices(manager.participant_rank() * k + (k > 1 ? dtrain::rank() : 0),
+                                           manager.num_participants() * k, a.batch);
     opt.zero_grad();
     if (!idx.empty()) {
       at::Tensor x, y;
@@ -116,6 +129,7 @@ int main(int argc, char** argv) try {
     }
     std::vector<at::Tensor> grads;
     for (const at::Tensor& p : model->parameters()) grads.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
+    if (k > 1) dtrain::all_reduce_divided(grads, k);  // the replica's own data parallelism
     manager.allreduce(grads);
     if (step == a.die_after_allreduce && !died_once) raise(SIGKILL);  // between the all-reduce and the vote
     if (manager.should_commit()) {
@@ -123,7 +137,7 @@ int main(int argc, char** argv) try {
       for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[i];
       opt.step();
       const int64_t epoch = sampler.epoch();
-      sampler.advance(manager.num_participants(), a.batch);
+      sampler.advance(manager.num_participants() * k, a.batch);
       std::cout << "commit " << step << " epoch " << epoch << " hash " << ft_hash(model) << " samples " << ft_join(idx)
                 << " pid " << getpid() << std::endl;
     } else {

@@ -113,6 +113,9 @@ const NumericFlag kMasterPort{"--master_port,--master-port",
                               &LaunchOptions::master_port,
                               nullptr};
 const NumericFlag kTimings[] = {
+    {"--ft_replica_ranks,--ft-replica-ranks",
+     "--ft: ranks per replica, consecutive workers, relaunched together (default 1)", "1", "an integer >= 1", true, 1,
+     kIntMax, false, &LaunchOptions::ft_replica_ranks, nullptr},
     {"--max_restarts,--max-restarts", "restarts allowed after failures (default 0)", "0", "an integer >= 0", true, 0,
      kIntMax, false, &LaunchOptions::max_restarts, nullptr},
     {"--monitor_interval,--monitor-interval", "seconds between checks (default 0.1)", "0.1", "a number of seconds > 0",
@@ -372,6 +375,10 @@ void apply_placement(const CLI::App& app, Given& g, LaunchOptions& o) {
   if (o.ft && (o.elastic || o.nnodes != 1))
     throw UsageError("--ft relaunches replicas on one node, but --nnodes is " + nnodes +
                      ": run one dtrain-run --ft per job on one node (--standalone or --nnodes 1)");
+  if (o.ft_replica_ranks > 1 && (!o.ft || o.nproc_per_node % o.ft_replica_ranks != 0))
+    throw UsageError("--ft_replica_ranks " + std::to_string(o.ft_replica_ranks) +
+                     " needs --ft and a --nproc_per_node " + "that is a multiple of it (got " +
+                     std::to_string(o.nproc_per_node) + ")");
   if (o.node_rank >= o.nnodes)
     throw UsageError("--node_rank " + g.numbers.given(kNodeRank) + " is out of range for --nnodes " + nnodes +
                      ": node ranks go from 0 to " + std::to_string(o.nnodes - 1));

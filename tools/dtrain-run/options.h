@@ -74,6 +74,7 @@ struct LaunchOptions {
   // = its rank); a worker that fails is relaunched alone while the others train on, --max_restarts
   // relaunches in all. One node only.
   bool ft = false;
+  int ft_replica_ranks = 1;       // --ft: consecutive workers that form one replica (its own world)
   int max_restarts = 0;           // restarts of the whole group after a failure (one-node jobs)
   double monitor_interval = 0.1;  // seconds
   double rdzv_timeout = 900;      // seconds

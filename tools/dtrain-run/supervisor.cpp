@@ -316,32 +316,44 @@ void Supervisor::check_remote() {
   }
 }
 
-// Note [Replica relaunch]: under --ft a failed worker is one replica of the job's fault-tolerant
-// training (dtrain::ft::Manager); the others go on without it, so only it is started again, with the
-// same rank, environment and DTRAIN_FT_REPLICA_ID, and heals from a live replica. What its process
-// group left (grandchildren) is killed first, and what its pipes still hold is shown before the new
-// process writes.
-void Supervisor::relaunch(Worker& w) {
+// Note [Replica relaunch]: under --ft a failed worker belongs to one replica of the job's
+// fault-tolerant training (dtrain::ft::Manager); the other replicas go on without it, so only its
+// replica is started again: its workers (--ft_replica_ranks consecutive ones, one failure unit) are
+// killed, their process groups too, what their pipes still hold is shown, and each is respawned with
+// the same environment but DTRAIN_RESTART_COUNT = the replica's relaunches, which keys the replica's
+// own rendezvous afresh. The new processes heal from a live replica.
+void Supervisor::relaunch(Worker& failed) {
   ++ft_relaunches_;
-  ::kill(-w.pid, SIGKILL);
-  const double deadline = now_s() + 1.0;
-  while ((w.out_fd >= 0 || w.err_fd >= 0) && now_s() < deadline) {
-    read_pipe(w.out_fd, *w.out);
-    read_pipe(w.err_fd, *w.err);
-    if (w.out_fd >= 0 || w.err_fd >= 0) usleep(5000);
-  }
-  for (int* fd : {&w.out_fd, &w.err_fd})
-    if (*fd >= 0) close(*fd), *fd = -1;
-  console_.write(STDERR_FILENO, "dtrain-run: rank " + std::to_string(w.spec.rank) + " (pid " + std::to_string(w.pid) +
-                                    ") " + describe_status(w.status) + "; relaunching it alone (--ft, relaunch " +
+  const int k = opts_.ft_replica_ranks, replica = failed.spec.rank / k;
+  const int count = ++ft_replica_relaunches_[replica];
+  console_.write(STDERR_FILENO, "dtrain-run: rank " + std::to_string(failed.spec.rank) + " (pid " +
+                                    std::to_string(failed.pid) + ") " + describe_status(failed.status) +
+                                    "; relaunching its replica " + std::to_string(replica) + " alone (--ft, relaunch " +
                                     std::to_string(ft_relaunches_) + " of " + std::to_string(opts_.max_restarts) +
                                     ")\n");
-  make_streams(w, attempt_, ".relaunch" + std::to_string(ft_relaunches_));
-  SpawnedWorker s = spawn_worker(w.spec);
-  w.pid = s.pid;
-  w.alive = true;
-  w.out_fd = s.stdout_fd;
-  w.err_fd = s.stderr_fd;
+  for (auto& wp : workers_) {
+    Worker& w = *wp;
+    if (w.spec.rank / k != replica) continue;
+    ::kill(-w.pid, SIGKILL);
+    if (w.alive) waitpid(w.pid, &w.status, 0);  // reaped here, so reap() never counts it as a failure
+    const double deadline = now_s() + 1.0;
+    while ((w.out_fd >= 0 || w.err_fd >= 0) && now_s() < deadline) {
+      read_pipe(w.out_fd, *w.out);
+      read_pipe(w.err_fd, *w.err);
+      if (w.out_fd >= 0 || w.err_fd >= 0) usleep(5000);
+    }
+    for (int* fd : {&w.out_fd, &w.err_fd})
+      if (*fd >= 0) close(*fd), *fd = -1;
+    for (std::string& kv : w.spec.env)
+      if (kv.rfind("DTRAIN_RESTART_COUNT=", 0) == 0 || kv.rfind("TORCHELASTIC_RESTART_COUNT=", 0) == 0)
+        kv = kv.substr(0, kv.find('=') + 1) + std::to_string(count);
+    make_streams(w, attempt_, ".relaunch" + std::to_string(count));
+    SpawnedWorker sp = spawn_worker(w.spec);
+    w.pid = sp.pid;
+    w.alive = true;
+    w.out_fd = sp.stdout_fd;
+    w.err_fd = sp.stderr_fd;
+  }
 }
 
 void Supervisor::drain_pipes() {

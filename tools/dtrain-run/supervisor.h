@@ -31,6 +31,7 @@
 #include "worker.h"
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -88,7 +89,8 @@ class Supervisor {
   double kill_deadline_ = 0;  // monotonic seconds; 0 = none
   int forwarded_signal_ = 0;
   int failed_index_ = -1;
-  int ft_relaunches_ = 0;  // --ft: workers relaunched alone so far
+  int ft_relaunches_ = 0;                     // --ft: replicas relaunched alone so far
+  std::map<int, int> ft_replica_relaunches_;  // --ft: relaunches per replica
   std::string remote_summary_;
   bool node0_done_seen_ = false;
   int attempt_ = 0;
