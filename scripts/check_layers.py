@@ -44,6 +44,7 @@ USES = {
     "checkpoint": {"amp", "data", "optim", "comm", "compat", "common"},
     "monitor": {"ddp", "comm", "compat", "common"},
     "tp": {"comm", "compat", "common"},
+    "ft": {"comm", "compat", "common", "store"},
 }
 
 # The internal headers of each layer that other layers may include, and what for. Any other header of
@@ -73,6 +74,7 @@ EXPORTS = {
         "comm/shard_groups.h": "the groups a gradient is sharded over (GradScaler's overflow flag)",
         "comm/model_sync.h": "the model check and state broadcast that DDP and fully_shard share",
         "comm/shard_specs.h": "where parallelize_module and fully_shard publish a parameter's ShardSpec",
+        "comm/replica_group.h": "a Gloo group outside the world, per fault-tolerance quorum",
     },
     "optim": {"optim/state_device.h": "where an optimizer's state lives, for checkpoints"},
 }
@@ -85,6 +87,7 @@ PUBLIC_OWNER = {
     "fsdp": "fsdp",
     "join": "comm",
     "device_mesh": "comm", "shard_spec": "comm", "tensor_parallel": "tp", "functional_collectives": "tp",
+    "fault_tolerance": "ft",
 }
 
 # comm/ inside, one way: front end -> factory (backend.h) -> backends -> lowest layer.

@@ -73,6 +73,7 @@ Backend make_backend(const BackendConfig& config) {
   if (config.name == "nccl") return {make_nccl(config), &nccl_capabilities};
 #endif
   if (config.pytorch_peers) return gloo_family(make_pytorch_gloo_backend(config));
+  if (!config.shared_memory) return gloo_family(make_gloo_backend(config));
   const ShmMode mode = shm_mode_from_env();
   return gloo_family(make_shm_process_group(config, make_gloo_backend(config), mode));
 }

@@ -25,6 +25,9 @@ struct BackendConfig {
   // python_group is Python's name for the group ("0": the default group).
   bool pytorch_peers = false;
   std::string python_group = "0";
+  // false: plain Gloo, never the shared-memory group (fault tolerance's cross-replica groups, whose
+  // peers may be SIGKILLed at any moment: Gloo's sockets report that at once).
+  bool shared_memory = true;
 };
 
 }  // namespace dtrain::comm

@@ -275,7 +275,11 @@ void init_process_group(const InitOptions& o) {
   // The store's socket errors carry their remedy; they become dtrain::Errors naming the rank.
   c10::intrusive_ptr<c10d::Store> base =
       with_context(detail::cat("rank ", st->rank, ": init_process_group: "), [&] { return connect_store(o, le, *st); });
-  st->store = c10::make_intrusive<c10d::PrefixStore>("dtrain/a" + std::to_string(le.restart_count), base);
+  // The replicas of dtrain-run --ft share the launcher's store, each its own world: a replica's keys
+  // go under its id (and its relaunch count, which dtrain-run gives each replica as its restart count).
+  const std::string replica = env::text("DTRAIN_FT_REPLICA_ID").value_or("");
+  st->store = c10::make_intrusive<c10d::PrefixStore>(
+      (replica.empty() ? "dtrain/a" : "dtrain/ft" + replica + "/a") + std::to_string(le.restart_count), base);
   if (st->pytorch_peers) {
     // Python ranks take part in no dtrain check: the launcher's local ranks, else one host.
     st->local_rank = le.local_rank >= 0 ? le.local_rank : st->rank;

@@ -103,14 +103,17 @@ std::vector<Knob> make_table() {
           "The job secret (set by dtrain-run for its workers; read by dtrain-run itself when no "
           "`--rdzv_conf secret_file` is given): the store serves only processes that prove they know it, "
           "and they talk only to a store that proves it too. Unset: the store is open (SECURITY.md)."),
+      row("DTRAIN_FT_REPLICA_ID", R::kLibrary, Type::kText, "", "a name without spaces, newlines or '/'", "",
+          "This replica's id for `dtrain::ft::Manager` (set by `dtrain-run --ft`: the worker's rank divided by "
+          "`--ft_replica_ranks`), the same after a relaunch; its world's store keys go under it."),
       flag_row("DTRAIN_PROGRESS_TTY", R::kLibrary, "0", "1 or 0",
                "`1` (set by dtrain-run for rank 0 when the launcher's stdout is a terminal): `Progress` on "
                "stdout sends its bar to the launcher, which draws it in place; `0`: plain lines."),
       choice_row("TORCHELASTIC_USE_AGENT_STORE", R::kLibrary, {"True", "False"}, "False", "True or False",
                  "`True` (set by torchrun): connect to torchrun's c10d `TCPStore`."),
       rank_row("DTRAIN_RESTART_COUNT", R::kLibrary, "it is set by dtrain-run",
-               "Attempt number (set by dtrain-run, 0 first); keys the rendezvous (`dtrain/a<N>/`). Unset: "
-               "`TORCHELASTIC_RESTART_COUNT`, else 0."),
+               "Attempt number (set by dtrain-run, 0 first; under `--ft` the replica's relaunches); keys the "
+               "rendezvous (`dtrain/a<N>/`). Unset: `TORCHELASTIC_RESTART_COUNT`, else 0."),
       rank_row("TORCHELASTIC_RESTART_COUNT", R::kLibrary, "it is set by torchrun",
                "torchrun's attempt number, used when `DTRAIN_RESTART_COUNT` is unset."),
       row("GLOO_SOCKET_IFNAME", R::kLibrary, Type::kList, "", "interface names, comma-separated", "",

@@ -41,6 +41,12 @@ std::vector<WorkerSpec> make_worker_specs(const LaunchOptions& o, uint16_t maste
     auto env = base;
     env["RANK"] = env["ROLE_RANK"] = std::to_string(s.rank);
     env["LOCAL_RANK"] = std::to_string(s.local_rank);
+    if (o.ft) {  // each replica is a world of its own (Note [Replica relaunch])
+      const int k = o.ft_replica_ranks;
+      env["DTRAIN_FT_REPLICA_ID"] = std::to_string(s.rank / k);
+      env["RANK"] = env["ROLE_RANK"] = env["LOCAL_RANK"] = std::to_string(s.rank % k);
+      env["WORLD_SIZE"] = env["LOCAL_WORLD_SIZE"] = env["ROLE_WORLD_SIZE"] = std::to_string(k);
+    }
     // Only rank 0's progress becomes the terminal's bar (output.h); "0" also overrides an inherited value.
     env["DTRAIN_PROGRESS_TTY"] = o.progress_bar && s.rank == 0 ? "1" : "0";
     for (const auto& kv : env) s.env.push_back(kv.first + "=" + kv.second);

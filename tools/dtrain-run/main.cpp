@@ -224,7 +224,8 @@ int run(const LaunchOptions& o) {
       break;
     }
     if (rdzv && o.max_restarts > 0 && !job_wide_outcome(*rdzv, o, attempt, result)) break;
-    if (result.exit_code != 1 || attempt >= o.max_restarts) break;
+    // --ft spent its restarts on single replicas inside the attempt (supervisor.h, Note [Replica relaunch]).
+    if (result.exit_code != 1 || attempt >= o.max_restarts || o.ft) break;
     show_tail(result);
     say("restarting all workers (restart " + std::to_string(attempt + 1) + " of " + std::to_string(o.max_restarts) +
         ") after: " + result.summary);

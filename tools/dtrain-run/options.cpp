@@ -113,6 +113,9 @@ const NumericFlag kMasterPort{"--master_port,--master-port",
                               &LaunchOptions::master_port,
                               nullptr};
 const NumericFlag kTimings[] = {
+    {"--ft_replica_ranks,--ft-replica-ranks",
+     "--ft: ranks per replica, consecutive workers, relaunched together (default 1)", "1", "an integer >= 1", true, 1,
+     kIntMax, false, &LaunchOptions::ft_replica_ranks, nullptr},
     {"--max_restarts,--max-restarts", "restarts allowed after failures (default 0)", "0", "an integer >= 0", true, 0,
      kIntMax, false, &LaunchOptions::max_restarts, nullptr},
     {"--monitor_interval,--monitor-interval", "seconds between checks (default 0.1)", "0.1", "a number of seconds > 0",
@@ -208,6 +211,9 @@ void add_flags(CLI::App& app, LaunchOptions& o, Given& g) {
                  "address of node 0; its launcher serves the rendezvous there only (default 127.0.0.1)");
   g.numbers.add(app, kMasterPort);
   app.add_flag("--standalone", o.standalone, "single node on 127.0.0.1 with a free port");
+  app.add_flag("--ft", o.ft,
+               "replica fault tolerance: each worker is a replica (dtrain::ft::Manager); a failed one is "
+               "relaunched alone, --max_restarts times in all, while the others go on");
   for (const NumericFlag& f : kTimings) g.numbers.add(app, f);
   app.add_option("--log_dir,--log-dir", o.log_dir,
                  "write <log_dir>/<run_id>_<random>/attempt_<restart>/<local_rank>/{stdout,stderr}.log "
@@ -366,6 +372,13 @@ void apply_placement(const CLI::App& app, Given& g, LaunchOptions& o) {
                      "fixes the nodes; give --nnodes N or run dtrain-run outside srun");
   if (o.elastic && o.standalone)
     throw UsageError("--standalone runs one node, but --nnodes is " + nnodes + " (drop one of them)");
+  if (o.ft && (o.elastic || o.nnodes != 1))
+    throw UsageError("--ft relaunches replicas on one node, but --nnodes is " + nnodes +
+                     ": run one dtrain-run --ft per job on one node (--standalone or --nnodes 1)");
+  if (o.ft_replica_ranks > 1 && (!o.ft || o.nproc_per_node % o.ft_replica_ranks != 0))
+    throw UsageError("--ft_replica_ranks " + std::to_string(o.ft_replica_ranks) +
+                     " needs --ft and a --nproc_per_node " + "that is a multiple of it (got " +
+                     std::to_string(o.nproc_per_node) + ")");
   if (o.node_rank >= o.nnodes)
     throw UsageError("--node_rank " + g.numbers.given(kNodeRank) + " is out of range for --nnodes " + nnodes +
                      ": node ranks go from 0 to " + std::to_string(o.nnodes - 1));

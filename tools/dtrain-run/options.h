@@ -70,6 +70,11 @@ struct LaunchOptions {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   bool standalone = false;
+  // --ft: each worker is a data-parallel replica of one rank (dtrain::ft::Manager, DTRAIN_FT_REPLICA_ID
+  // = its rank); a worker that fails is relaunched alone while the others train on, --max_restarts
+  // relaunches in all. One node only.
+  bool ft = false;
+  int ft_replica_ranks = 1;       // --ft: consecutive workers that form one replica (its own world)
   int max_restarts = 0;           // restarts of the whole group after a failure (one-node jobs)
   double monitor_interval = 0.1;  // seconds
   double rdzv_timeout = 900;      // seconds

@@ -106,24 +106,7 @@ void Supervisor::start_workers(int attempt) {
       }
       w->spec.env.push_back("DTRAIN_FLIGHT_DIR=" + flight_dir_);
     }
-    int out_log = -1, err_log = -1;
-    bool out_console = true, err_console = true;
-    if (!opts_.log_dir.empty()) {
-      const std::string dir = log_path(attempt, w->spec.local_rank);
-      make_log_folders(opts_.log_dir, dir);
-      out_log = open_log(dir + "/stdout.log");
-      err_log = open_log(dir + "/stderr.log");
-      // torchrun's to_map: a per-local-rank --redirects/--tee gives the local ranks it does not name none.
-      const int redirects = opts_.redirects.of(w->spec.local_rank), tee = opts_.tee.of(w->spec.local_rank);
-      out_console = !(redirects & kStdOut) || (tee & kStdOut);
-      err_console = !(redirects & kStdErr) || (tee & kStdErr);
-    }
-    const auto& shown = opts_.local_ranks_filter;  // --local_ranks_filter: the console only
-    if (!shown.empty() && std::find(shown.begin(), shown.end(), w->spec.local_rank) == shown.end())
-      out_console = err_console = false;
-    w->out = std::make_unique<OutputStream>(w->spec.rank, out_console ? STDOUT_FILENO : -1, out_log, false, &console_,
-                                            opts_.progress_bar && w->spec.rank == 0);
-    w->err = std::make_unique<OutputStream>(w->spec.rank, err_console ? STDERR_FILENO : -1, err_log, true, &console_);
+    make_streams(*w, attempt, "");
     SpawnedWorker s = spawn_worker(w->spec);  // throws: the destructor stops those already started
     w->pid = s.pid;
     w->alive = true;
@@ -131,6 +114,29 @@ void Supervisor::start_workers(int attempt) {
     w->err_fd = s.stderr_fd;
     workers_.push_back(std::move(w));
   }
+}
+
+// The worker's output streams: the console and, with --log_dir, <attempt>/<local rank>/std{out,err}<suffix>.log.
+void Supervisor::make_streams(Worker& worker, int attempt, const std::string& suffix) {
+  Worker* w = &worker;
+  int out_log = -1, err_log = -1;
+  bool out_console = true, err_console = true;
+  if (!opts_.log_dir.empty()) {
+    const std::string dir = log_path(attempt, w->spec.local_rank);
+    make_log_folders(opts_.log_dir, dir);
+    out_log = open_log(dir + "/stdout" + suffix + ".log");
+    err_log = open_log(dir + "/stderr" + suffix + ".log");
+    // torchrun's to_map: a per-local-rank --redirects/--tee gives the local ranks it does not name none.
+    const int redirects = opts_.redirects.of(w->spec.local_rank), tee = opts_.tee.of(w->spec.local_rank);
+    out_console = !(redirects & kStdOut) || (tee & kStdOut);
+    err_console = !(redirects & kStdErr) || (tee & kStdErr);
+  }
+  const auto& shown = opts_.local_ranks_filter;  // --local_ranks_filter: the console only
+  if (!shown.empty() && std::find(shown.begin(), shown.end(), w->spec.local_rank) == shown.end())
+    out_console = err_console = false;
+  w->out = std::make_unique<OutputStream>(w->spec.rank, out_console ? STDOUT_FILENO : -1, out_log, false, &console_,
+                                          opts_.progress_bar && w->spec.rank == 0);
+  w->err = std::make_unique<OutputStream>(w->spec.rank, err_console ? STDERR_FILENO : -1, err_log, true, &console_);
 }
 
 AttemptResult Supervisor::run_attempt(int attempt) {
@@ -246,6 +252,10 @@ void Supervisor::reap() {
     w.alive = false;
     w.status = status;
     const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    if (failed && !stopping_ && failed_index_ < 0 && opts_.ft && ft_relaunches_ < opts_.max_restarts) {
+      relaunch(w);
+      continue;
+    }
     if (failed && !stopping_ && failed_index_ < 0) {
       failed_index_ = static_cast<int>(i);
       if (rdzv_) {
@@ -303,6 +313,46 @@ void Supervisor::check_remote() {
     remote_summary_ = "stopping this node's workers: lost the rendezvous at " + rdzv_->client().host() + ":" +
                       std::to_string(rdzv_->client().port()) + " (did node 0's launcher die?): " + e.what();
     stop_all(SIGTERM);
+  }
+}
+
+// Note [Replica relaunch]: under --ft a failed worker belongs to one replica of the job's
+// fault-tolerant training (dtrain::ft::Manager); the other replicas go on without it, so only its
+// replica is started again: its workers (--ft_replica_ranks consecutive ones, one failure unit) are
+// killed, their process groups too, what their pipes still hold is shown, and each is respawned with
+// the same environment but DTRAIN_RESTART_COUNT = the replica's relaunches, which keys the replica's
+// own rendezvous afresh. The new processes heal from a live replica.
+void Supervisor::relaunch(Worker& failed) {
+  ++ft_relaunches_;
+  const int k = opts_.ft_replica_ranks, replica = failed.spec.rank / k;
+  const int count = ++ft_replica_relaunches_[replica];
+  console_.write(STDERR_FILENO, "dtrain-run: rank " + std::to_string(failed.spec.rank) + " (pid " +
+                                    std::to_string(failed.pid) + ") " + describe_status(failed.status) +
+                                    "; relaunching its replica " + std::to_string(replica) + " alone (--ft, relaunch " +
+                                    std::to_string(ft_relaunches_) + " of " + std::to_string(opts_.max_restarts) +
+                                    ")\n");
+  for (auto& wp : workers_) {
+    Worker& w = *wp;
+    if (w.spec.rank / k != replica) continue;
+    ::kill(-w.pid, SIGKILL);
+    if (w.alive) waitpid(w.pid, &w.status, 0);  // reaped here, so reap() never counts it as a failure
+    const double deadline = now_s() + 1.0;
+    while ((w.out_fd >= 0 || w.err_fd >= 0) && now_s() < deadline) {
+      read_pipe(w.out_fd, *w.out);
+      read_pipe(w.err_fd, *w.err);
+      if (w.out_fd >= 0 || w.err_fd >= 0) usleep(5000);
+    }
+    for (int* fd : {&w.out_fd, &w.err_fd})
+      if (*fd >= 0) close(*fd), *fd = -1;
+    for (std::string& kv : w.spec.env)
+      if (kv.rfind("DTRAIN_RESTART_COUNT=", 0) == 0 || kv.rfind("TORCHELASTIC_RESTART_COUNT=", 0) == 0)
+        kv = kv.substr(0, kv.find('=') + 1) + std::to_string(count);
+    make_streams(w, attempt_, ".relaunch" + std::to_string(count));
+    SpawnedWorker sp = spawn_worker(w.spec);
+    w.pid = sp.pid;
+    w.alive = true;
+    w.out_fd = sp.stdout_fd;
+    w.err_fd = sp.stderr_fd;
   }
 }
 

@@ -31,6 +31,7 @@
 #include "worker.h"
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -69,6 +70,9 @@ class Supervisor {
   void collect_flight_records();  // flight.h, steps 1-3
   void report_flight_records();   // flight.h, step 4
   void drain_pipes();
+  void relaunch(Worker& w);
+  void make_streams(Worker& w, int attempt,
+                    const std::string& suffix);  // --ft: this worker alone (Note [Replica relaunch])
   std::string log_path(int attempt, int local_rank) const;
   std::string failure_summary(const Worker& w, int attempt, bool for_remote = false) const;
 
@@ -85,6 +89,8 @@ class Supervisor {
   double kill_deadline_ = 0;  // monotonic seconds; 0 = none
   int forwarded_signal_ = 0;
   int failed_index_ = -1;
+  int ft_relaunches_ = 0;                     // --ft: replicas relaunched alone so far
+  std::map<int, int> ft_replica_relaunches_;  // --ft: relaunches per replica
   std::string remote_summary_;
   bool node0_done_seen_ = false;
   int attempt_ = 0;
