@@ -38,6 +38,7 @@ int main(int argc, char** argv) {
             dtrain_c_abi_version(), DTRAIN_C_ABI_VERSION);
     return 1;
   }
+  // doc:begin c-api
   CHECK(dtrain_c_init_process_group(NULL, NULL, -1, -1, 0));
   int rank = 0, world = 0;
   CHECK(dtrain_c_rank(&rank));
@@ -62,6 +63,7 @@ int main(int argc, char** argv) {
     if (step == 0) first_loss = value;
     final_loss = value;
   }
+  // doc:end c-api
   /* Every rank has finished its steps before any prints (an asynchronous barrier and its handle). */
   dtrain_c_work* work = NULL;
   CHECK(dtrain_c_barrier(NULL, &work));

@@ -1,0 +1,200 @@
+"""One rank of tests/dist/test_c_api.py, run by .venv's Python (PyTorch 2.x): the same float64 training
+of a 2-layer MLP either through libdtrain_c with ctypes (`capi`: dtrain's DDP over the Python
+tensors, PyTorch's autograd running backward) or with PyTorch's own DistributedDataParallel
+(`torch`). Writes a JSON: the parameters after training, the collectives' results (capi only).
+
+  c_api_rank.py capi|torch OUT.json      (env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; capi: DTRAIN_C_LIB)
+"""
+import ctypes
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+STEPS = 12
+LR = 0.05
+NAMES = ["fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
+
+
+def init_params(rank):
+    gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own: DDP starts them from rank 0's
+    shapes = [((16, 8), 0.3), ((16,), 0.1), ((4, 16), 0.3), ((4,), 0.1)]
+    return [(torch.randn(s, generator=gen, dtype=torch.float64) * k).requires_grad_() for s, k in shapes]
+
+
+def loss_of(params, step, rank):
+    gen = torch.Generator().manual_seed(step * 100 + rank + 7)
+    x = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    y = torch.tanh(x @ torch.randn(8, 4, generator=torch.Generator().manual_seed(42), dtype=torch.float64))
+    h = torch.relu(torch.nn.functional.linear(x, params[0], params[1]))
+    return torch.nn.functional.mse_loss(torch.nn.functional.linear(h, params[2], params[3]), y)
+
+
+def no_sync_step(step):
+    """Steps that accumulate locally (DDP's no_sync); the next step averages the sum."""
+    return step % 4 == 1
+
+
+def sgd(params):
+    with torch.no_grad():
+        for p in params:
+            p.add_(p.grad, alpha=-LR)
+            p.grad = None
+
+
+class CApi:
+    """libdtrain_c through ctypes; a failing call raises with dtrain_c_last_error()."""
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(path)
+        self.lib.dtrain_c_last_error.restype = ctypes.c_char_p
+        self.lib.dtrain_c_init_process_group.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+                                                         ctypes.c_int, ctypes.c_int64]
+        self.tensors = []
+
+    def __call__(self, fn, *args):
+        status = getattr(self.lib, "dtrain_c_" + fn)(*args)
+        if status != 0:
+            raise RuntimeError(f"status {status}: {self.lib.dtrain_c_last_error().decode()}")
+
+    def tensor(self, t):
+        """An at::Tensor* sharing the Python tensor (tensor._cdata is its c10::TensorImpl*)."""
+        h = ctypes.c_void_p()
+        self("tensor_from_impl", ctypes.c_void_p(t._cdata), ctypes.byref(h))
+        return h
+
+    def free(self, h):
+        self("tensor_free", h)
+
+    def out_int(self, fn, *args):
+        v = ctypes.c_int()
+        self(fn, *args, ctypes.byref(v))
+        return v.value
+
+
+def capi_collectives(c, rank, world):
+    out = {}
+    t = torch.full((4,), float(rank + 1), dtype=torch.float64)
+    h = c.tensor(t)
+    c("all_reduce", h, 0, None, None)  # SUM, blocking
+    out["all_reduce_sum"] = t.tolist()
+    work = ctypes.c_void_p()
+    c("all_reduce", h, 1, None, ctypes.byref(work))  # AVG, async
+    c("work_wait", work)
+    out["all_reduce_avg_async_done"] = c.out_int("work_is_completed", work)
+    c("work_free", work)
+    out["all_reduce_avg"] = t.tolist()
+    c.free(h)
+    b = torch.full((3,), float(rank * 10), dtype=torch.float32)
+    hb = c.tensor(b)
+    c("broadcast", hb, world - 1, None, None)
+    out["broadcast"] = b.tolist()
+    c.free(hb)
+    src = torch.arange(2, dtype=torch.float32) + 2 * rank
+    dst = torch.zeros(2 * world, dtype=torch.float32)
+    hs, hd = c.tensor(src), c.tensor(dst)
+    c("all_gather_into_tensor", hd, hs, None, None)
+    out["all_gather_into_tensor"] = dst.tolist()
+    big = torch.arange(2 * world, dtype=torch.float32) * (rank + 1)
+    part = torch.zeros(2, dtype=torch.float32)
+    hbig, hpart = c.tensor(big), c.tensor(part)
+    c("reduce_scatter_tensor", hpart, hbig, 0, None, None)
+    out["reduce_scatter_tensor"] = part.tolist()
+    for x in (hs, hd, hbig, hpart):
+        c.free(x)
+    ranks = (ctypes.c_int * world)(*range(world))
+    group = ctypes.c_void_p()
+    c("new_group", ranks, ctypes.c_size_t(world), ctypes.byref(group))
+    out["group_size"] = c.out_int("group_size", group)
+    c("barrier", group, None)
+    c("group_free", group)
+    return out
+
+
+def capi_train(c, rank):
+    params = init_params(rank)
+    handles = [c.tensor(p) for p in params]
+    arr = (ctypes.c_void_p * len(handles))(*[h.value for h in handles])
+    names = (ctypes.c_char_p * len(NAMES))(*[n.encode() for n in NAMES])
+    ddp = ctypes.c_void_p()
+    c("ddp_new", arr, ctypes.c_size_t(len(handles)), names, None, None, ctypes.byref(ddp))
+    for step in range(STEPS):
+        if no_sync_step(step):
+            c("ddp_no_sync_begin", ddp)
+        c("ddp_forward_begin", ddp)
+        loss = loss_of(params, step, rank)
+        lh = c.tensor(loss)
+        c("ddp_forward_end", ddp, (ctypes.c_void_p * 1)(lh.value), ctypes.c_size_t(1))
+        c.free(lh)
+        loss.backward()  # PyTorch's autograd: dtrain's hooks on the accumulators average the gradients
+        if no_sync_step(step):
+            c("ddp_no_sync_end", ddp)
+        else:
+            sgd(params)
+    c("ddp_free", ddp)
+    # A checkpoint of the trained parameters, read back into zeros.
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "model.safetensors").encode()
+        c("save_safetensors", path, names, arr, ctypes.c_size_t(len(handles)))
+        back = [torch.zeros_like(p) for p in params]
+        hback = [c.tensor(t) for t in back]
+        c("load_safetensors", path, names, (ctypes.c_void_p * 4)(*[h.value for h in hback]), ctypes.c_size_t(4))
+        loaded_equal = all(torch.equal(a, b.detach()) for a, b in zip(back, params))
+        for h in hback:
+            c.free(h)
+    for h in handles:
+        c.free(h)
+    return params, loaded_equal
+
+
+def run_capi(out):
+    c = CApi(os.environ["DTRAIN_C_LIB"])
+    c("init_process_group", None, None, -1, -1, 0)
+    rank, world = c.out_int("rank"), c.out_int("world_size")
+    result = {"abi": c.lib.dtrain_c_abi_version(), "rank": rank, "world": world,
+              "collectives": capi_collectives(c, rank, world)}
+    params, result["safetensors_roundtrip"] = capi_train(c, rank)
+    result["params"] = [v for p in params for v in p.detach().flatten().tolist()]
+    c("destroy_process_group")
+    return result
+
+
+def run_torch():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+
+    class Params(torch.nn.Module):
+        def __init__(self, params):
+            super().__init__()
+            for n, p in zip(NAMES, params):
+                self.register_parameter(n, torch.nn.Parameter(p.detach().clone()))
+
+        def forward(self, step):
+            return loss_of([getattr(self, n) for n in NAMES], step, rank)
+
+    module = Params(init_params(rank))
+    ddp = DDP(module)
+    params = [getattr(module, n) for n in NAMES]
+    for step in range(STEPS):
+        if no_sync_step(step):
+            with ddp.no_sync():
+                ddp(step).backward()
+        else:
+            ddp(step).backward()
+            sgd(params)
+    dist.destroy_process_group()
+    return {"rank": rank, "params": [v for p in params for v in p.detach().flatten().tolist()]}
+
+
+def main():
+    mode, out = sys.argv[1], sys.argv[2]
+    result = run_capi(out) if mode == "capi" else run_torch()
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

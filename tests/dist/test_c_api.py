@@ -1,0 +1,70 @@
+"""libdtrain_c (include/dtrain_c.h) driven from Python with ctypes, on PyTorch 2.x tensors: the way a
+binding in another language uses it. tests/dist/c_api_rank.py runs on 2 ranks twice: through the C
+API (dtrain's DDP over the Python tensors, PyTorch's autograd running backward, no_sync steps among
+them) and with PyTorch's own DistributedDataParallel. The parameters must agree within 1e-10 on
+every rank, both ranks must hold the same bits, the collectives give what torch.distributed's do,
+and a safetensors checkpoint reads back exactly.
+
+One process holds one LibTorch: this runs only where libdtrain_c links the LibTorch of .venv's torch
+(build-torch2/); a LibTorch 1.13 tree skips it.
+
+Env: $DTRAIN_C_LIB (libdtrain_c), $VENV_PYTHON, $DTRAIN_TORCH_MAJOR (set by tests/dist/CMakeLists.txt).
+"""
+import os
+import unittest
+
+from harness import DistTestCase
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOLERANCE = 1e-10
+WORLD = 2
+
+
+class CApi(DistTestCase):
+    def setUp(self):
+        if int(os.environ.get("DTRAIN_TORCH_MAJOR", "0")) < 2:
+            self.skipTest("libdtrain_c links LibTorch 1.13 here; .venv's torch is 2.x, and one process holds one "
+                          "LibTorch (build-torch2/ runs this)")
+        self.python = os.environ.get("VENV_PYTHON", "")
+        if not self.python or not os.access(self.python, os.X_OK):
+            self.fail(f".venv's python is missing ({self.python!r}): run scripts/setup.sh")
+        self.lib = os.environ.get("DTRAIN_C_LIB", "")
+        self.assertTrue(os.path.isfile(self.lib), f"libdtrain_c is not built ({self.lib!r})")
+
+    def run_mode(self, mode):
+        import tempfile
+        with tempfile.TemporaryDirectory() as folder:
+            outs = [os.path.join(folder, f"{mode}{r}.json") for r in range(WORLD)]
+            return self.run_ranks_json([self.python, os.path.join(HERE, "c_api_rank.py"), mode], WORLD, outs,
+                                       timeout=120, DTRAIN_C_LIB=self.lib, DTRAIN_TIMEOUT_S="60")
+
+    def test_ddp_through_the_c_api_equals_pytorch_ddp(self):
+        capi = self.run_mode("capi")
+        torch_ddp = self.run_mode("torch")
+        self.assertEqual(capi[0]["params"], capi[1]["params"], "the ranks' parameters differ: no average?")
+        for r in range(WORLD):
+            a, b = capi[r]["params"], torch_ddp[r]["params"]
+            self.assertEqual(len(a), len(b))
+            worst = max(abs(x - y) for x, y in zip(a, b))
+            self.assertLessEqual(worst, TOLERANCE, f"rank {r}: C API vs PyTorch DDP differ by {worst}")
+            # Training moved them: a DDP that averaged nothing would still agree with itself.
+            self.assertTrue(capi[r]["safetensors_roundtrip"], f"rank {r}: the checkpoint read back differs")
+
+    def test_collectives_give_torch_distributed_results(self):
+        capi = self.run_mode("capi")
+        for r, res in enumerate(capi):
+            c = res["collectives"]
+            self.assertEqual(res["abi"], 1)
+            self.assertEqual((res["rank"], res["world"]), (r, WORLD))
+            self.assertEqual(c["all_reduce_sum"], [3.0] * 4)
+            self.assertEqual(c["all_reduce_avg"], [1.5] * 4)
+            self.assertEqual(c["all_reduce_avg_async_done"], 1)
+            self.assertEqual(c["broadcast"], [10.0] * 3)
+            self.assertEqual(c["all_gather_into_tensor"], [0.0, 1.0, 2.0, 3.0])
+            # rank k's input is arange(4) * (k + 1): the sum is arange(4) * 3, rank r gets part r.
+            self.assertEqual(c["reduce_scatter_tensor"], [3.0 * (2 * r), 3.0 * (2 * r + 1)])
+            self.assertEqual(c["group_size"], WORLD)
+
+
+if __name__ == "__main__":
+    unittest.main()
