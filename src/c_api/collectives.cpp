@@ -1,6 +1,7 @@
 // The C API's collectives: each checks its tensors where a C caller can get them wrong (NULL, the
 // wrong device for the group's backend, mismatched dtypes) and runs dtrain's collective, blocking
 // or returning a work handle that keeps the tensors alive until it is freed.
+#include <utility>
 #include <vector>
 
 #include "c_api/handles.h"
@@ -41,6 +42,16 @@ at::Tensor& comm_tensor(dtrain_c_tensor* tensor, const char* what, const Group& 
                                   " takes tensors on ", device, ": move it there first"));
   require_arg(t.is_contiguous(), dtrain::detail::cat(what, " is not contiguous: pass .contiguous() of it"));
   return t;
+}
+
+// The output and input of a gather or scatter into one tensor: each a collective's tensor, one dtype.
+std::pair<at::Tensor, at::Tensor> out_in_tensors(dtrain_c_tensor* output, dtrain_c_tensor* input, const Group& group) {
+  at::Tensor& out = comm_tensor(output, "output", group);
+  at::Tensor& in = comm_tensor(input, "input", group);
+  require_arg(out.scalar_type() == in.scalar_type(),
+              dtrain::detail::cat("output is ", out.scalar_type(), " but input is ", in.scalar_type(),
+                                  ": pass one dtype for both"));
+  return {out, in};
 }
 
 // Blocks (work NULL) or hands the caller a work handle.
@@ -84,11 +95,7 @@ dtrain_c_status dtrain_c_all_gather_into_tensor(dtrain_c_tensor* output, dtrain_
   return entry(__func__, DTRAIN_C_DIST_ERROR, [&] {
     require_init();
     const Group g = group_arg(group);
-    at::Tensor& out = comm_tensor(output, "output", g);
-    at::Tensor& in = comm_tensor(input, "input", g);
-    require_arg(out.scalar_type() == in.scalar_type(),
-                dtrain::detail::cat("output is ", out.scalar_type(), " but input is ", in.scalar_type(),
-                                    ": pass one dtype for both"));
+    auto [out, in] = out_in_tensors(output, input, g);
     finish(all_gather_into_tensor(out, in, g, work != nullptr), work, {out, in});
   });
 }
@@ -98,11 +105,7 @@ dtrain_c_status dtrain_c_reduce_scatter_tensor(dtrain_c_tensor* output, dtrain_c
   return entry(__func__, DTRAIN_C_DIST_ERROR, [&] {
     require_init();
     const Group g = group_arg(group);
-    at::Tensor& out = comm_tensor(output, "output", g);
-    at::Tensor& in = comm_tensor(input, "input", g);
-    require_arg(out.scalar_type() == in.scalar_type(),
-                dtrain::detail::cat("output is ", out.scalar_type(), " but input is ", in.scalar_type(),
-                                    ": pass one dtype for both"));
+    auto [out, in] = out_in_tensors(output, input, g);
     finish(reduce_scatter_tensor(out, in, op_arg(op), g, work != nullptr), work, {out, in});
   });
 }
