@@ -37,6 +37,11 @@ def no_sync_step(step):
     return step % 4 == 1
 
 
+def grad_sum(params):
+    """What a no_sync backward left in the gradients: this rank's own, unless DDP averaged them."""
+    return float(sum(p.grad.sum() for p in params))
+
+
 def sgd(params):
     with torch.no_grad():
         for p in params:
@@ -79,6 +84,7 @@ def capi_collectives(c, rank, world):
     h = c.tensor(t)
     c("all_reduce", h, 0, None, None)  # SUM, blocking
     out["all_reduce_sum"] = t.tolist()
+    t.fill_(float(rank + 1))  # the same tensor again: the handle shares it
     work = ctypes.c_void_p()
     c("all_reduce", h, 1, None, ctypes.byref(work))  # AVG, async
     c("work_wait", work)
@@ -112,7 +118,7 @@ def capi_collectives(c, rank, world):
     return out
 
 
-def capi_train(c, rank):
+def capi_train(c, rank, local):
     params = init_params(rank)
     handles = [c.tensor(p) for p in params]
     arr = (ctypes.c_void_p * len(handles))(*[h.value for h in handles])
@@ -130,6 +136,7 @@ def capi_train(c, rank):
         loss.backward()  # PyTorch's autograd: dtrain's hooks on the accumulators average the gradients
         if no_sync_step(step):
             c("ddp_no_sync_end", ddp)
+            local.append(grad_sum(params))
         else:
             sgd(params)
     c("ddp_free", ddp)
@@ -154,7 +161,8 @@ def run_capi(out):
     rank, world = c.out_int("rank"), c.out_int("world_size")
     result = {"abi": c.lib.dtrain_c_abi_version(), "rank": rank, "world": world,
               "collectives": capi_collectives(c, rank, world)}
-    params, result["safetensors_roundtrip"] = capi_train(c, rank)
+    result["no_sync_grads"] = []
+    params, result["safetensors_roundtrip"] = capi_train(c, rank, result["no_sync_grads"])
     result["params"] = [v for p in params for v in p.detach().flatten().tolist()]
     c("destroy_process_group")
     return result
@@ -178,15 +186,17 @@ def run_torch():
     module = Params(init_params(rank))
     ddp = DDP(module)
     params = [getattr(module, n) for n in NAMES]
+    local = []
     for step in range(STEPS):
         if no_sync_step(step):
             with ddp.no_sync():
                 ddp(step).backward()
+            local.append(grad_sum(params))
         else:
             ddp(step).backward()
             sgd(params)
     dist.destroy_process_group()
-    return {"rank": rank, "params": [v for p in params for v in p.detach().flatten().tolist()]}
+    return {"rank": rank, "params": [v for p in params for v in p.detach().flatten().tolist()], "no_sync_grads": local}
 
 
 def main():

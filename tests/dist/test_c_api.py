@@ -47,6 +47,14 @@ class CApi(DistTestCase):
             self.assertEqual(len(a), len(b))
             worst = max(abs(x - y) for x, y in zip(a, b))
             self.assertLessEqual(worst, TOLERANCE, f"rank {r}: C API vs PyTorch DDP differ by {worst}")
+            print(f"rank {r}: C API vs PyTorch DDP: largest parameter difference {worst:.3g}")
+            # Under no_sync the gradients stay each rank's own, as PyTorch's (an average would also end
+            # in the same parameters, so the parameters alone cannot tell).
+            self.assertEqual(len(capi[r]["no_sync_grads"]), len(torch_ddp[r]["no_sync_grads"]))
+            for x, y in zip(capi[r]["no_sync_grads"], torch_ddp[r]["no_sync_grads"]):
+                self.assertLessEqual(abs(x - y), TOLERANCE, f"rank {r}: a no_sync step's gradients differ")
+        for x, y in zip(capi[0]["no_sync_grads"], capi[1]["no_sync_grads"]):
+            self.assertNotEqual(x, y, "no_sync averaged the gradients over the ranks")
             # Training moved them: a DDP that averaged nothing would still agree with itself.
             self.assertTrue(capi[r]["safetensors_roundtrip"], f"rank {r}: the checkpoint read back differs")
 
