@@ -155,7 +155,7 @@ def capi_train(c, rank, local):
     return params, loaded_equal
 
 
-def run_capi(out):
+def run_capi():
     c = CApi(os.environ["DTRAIN_C_LIB"])
     c("init_process_group", None, None, -1, -1, 0)
     rank, world = c.out_int("rank"), c.out_int("world_size")
@@ -201,7 +201,7 @@ def run_torch():
 
 def main():
     mode, out = sys.argv[1], sys.argv[2]
-    result = run_capi(out) if mode == "capi" else run_torch()
+    result = run_capi() if mode == "capi" else run_torch()
     with open(out, "w") as f:
         json.dump(result, f)
 

@@ -11,6 +11,7 @@ One process holds one LibTorch: this runs only where libdtrain_c links the LibTo
 Env: $DTRAIN_C_LIB (libdtrain_c), $VENV_PYTHON, $DTRAIN_TORCH_MAJOR (set by tests/dist/CMakeLists.txt).
 """
 import os
+import tempfile
 import unittest
 
 from harness import DistTestCase
@@ -32,7 +33,6 @@ class CApi(DistTestCase):
         self.assertTrue(os.path.isfile(self.lib), f"libdtrain_c is not built ({self.lib!r})")
 
     def run_mode(self, mode):
-        import tempfile
         with tempfile.TemporaryDirectory() as folder:
             outs = [os.path.join(folder, f"{mode}{r}.json") for r in range(WORLD)]
             return self.run_ranks_json([self.python, os.path.join(HERE, "c_api_rank.py"), mode], WORLD, outs,
