@@ -58,6 +58,8 @@ struct JobConfig {
     int64_t data_parallel_shard_degree = -1;  // -1: the world size over the other degrees
     int64_t tensor_parallel_degree = 1;
     int64_t pipeline_parallel_degree = 1;
+    std::string pipeline_parallel_schedule = "1F1B";  // GPipe, 1F1B or ZeroBubbleH1
+    int64_t pipeline_parallel_microbatch_size = 1;    // windows per pipeline micro-batch
   } parallelism;
   struct ActivationCheckpoint {
     std::string mode = "none";  // none, full, or selective (every selective_ac_option-th block)

@@ -4,8 +4,10 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "dtrain/activation_checkpoint.h"
 #include "dtrain/errors.h"
@@ -166,15 +168,34 @@ TransformerImpl::TransformerImpl(const ModelArgs& args) : args_(args) {
   auto rope =
       std::make_shared<const RotaryTable>(precompute_rotary(args.head_dim(), args.max_seq_len, args.rope_theta));
   tok_embeddings = register_module("tok_embeddings", dtrain::ParallelEmbedding(args.vocab_size, args.dim));
-  layers = register_module("layers", torch::nn::ModuleList());
+  layers = register_module("layers", torch::nn::ModuleDict());
   for (int64_t i = 0; i < args.n_layers; ++i) {
     auto block = std::make_shared<TransformerBlockImpl>(i, args, rope);
-    layers->push_back(block);
+    layers->update({{std::to_string(i), std::shared_ptr<torch::nn::Module>(block)}});
     blocks_.push_back(std::move(block));
   }
   norm = register_module("norm", RMSNorm(args.dim, args.norm_eps));
   output = register_module("output", linear(args.dim, args.vocab_size));
   init_weights();
+}
+
+TransformerImpl::TransformerImpl(const TransformerImpl& whole, int64_t first_layer, int64_t end_layer)
+    : args_(whole.args_), first_layer_(first_layer), loss_group_(whole.loss_group_) {
+  const int64_t n = static_cast<int64_t>(whole.num_blocks());
+  DTRAIN_CHECK(0 <= first_layer && first_layer < end_layer && end_layer <= n && whole.first_layer_ == 0 &&
+                   whole.has_embedding() && whole.has_output(),
+               "llama: a pipeline stage of blocks ", first_layer, " to ", end_layer - 1, " of a model of ", n,
+               " blocks; take a non-empty range of a whole model's blocks");
+  if (first_layer == 0) tok_embeddings = register_module("tok_embeddings", whole.tok_embeddings);
+  layers = register_module("layers", torch::nn::ModuleDict());
+  for (int64_t i = first_layer; i < end_layer; ++i) {
+    layers->update({{std::to_string(i), std::shared_ptr<torch::nn::Module>(whole.blocks_[i])}});
+    blocks_.push_back(whole.blocks_[i]);
+  }
+  if (end_layer == n) {
+    norm = register_module("norm", whole.norm);
+    output = register_module("output", whole.output);
+  }
 }
 
 void TransformerImpl::init_weights() {
@@ -189,12 +210,17 @@ void TransformerImpl::init_weights() {
 }
 
 at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
-  DTRAIN_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong, "llama::Transformer: tokens are ",
-               tokens.scalar_type(), tokens.sizes(), "; pass int64 token ids shaped [batch, sequence]");
-  at::Tensor h = tok_embeddings(tokens);
+  if (has_embedding())
+    DTRAIN_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong, "llama::Transformer: tokens are ",
+                 tokens.scalar_type(), tokens.sizes(), "; pass int64 token ids shaped [batch, sequence]");
+  else
+    DTRAIN_CHECK(tokens.dim() == 3 && tokens.size(2) == args_.dim, "llama::Transformer: the pipeline stage from block ",
+                 first_layer_, " takes the previous stage's activations [batch, sequence, ", args_.dim, "], got ",
+                 tokens.scalar_type(), tokens.sizes());
+  at::Tensor h = has_embedding() ? tok_embeddings(tokens) : tokens;
   // Through FSDPModule: a block fully_shard made a unit gathers its parameters around its forward.
   for (auto& block : blocks_) h = dtrain::FSDPModule<TransformerBlockImpl>(block)(h);
-  return output(norm(h));
+  return has_output() ? output(norm(h)) : h;
 }
 
 at::Tensor TransformerImpl::loss(const at::Tensor& logits, const at::Tensor& targets) const {
@@ -225,7 +251,14 @@ void apply_tensor_parallel(TransformerImpl& model, const dtrain::Group& tp_group
   DTRAIN_CHECK(a.n_heads % tp == 0 && a.kv_heads() % tp == 0, "llama::apply_tensor_parallel: n_heads ", a.n_heads,
                " and n_kv_heads ", a.kv_heads(), " must divide by the tensor-parallel size ", tp,
                " (each rank computes whole heads); pick a tp size that divides both");
-  dtrain::parallelize_module(model, tp_group, tensor_parallel_plan(loss_parallel));
+  dtrain::ParallelizePlan plan;
+  for (auto& entry : tensor_parallel_plan(loss_parallel)) {
+    // A pipeline stage holds the embedding (the first) or the output head (the last), or neither.
+    if ((entry.first == "tok_embeddings" && !model.has_embedding()) || (entry.first == "output" && !model.has_output()))
+      continue;
+    plan.push_back(entry);
+  }
+  dtrain::parallelize_module(model, tp_group, plan);
   model.set_loss_group(loss_parallel ? std::optional<dtrain::Group>(tp_group) : std::nullopt);
 }
 
@@ -241,9 +274,43 @@ dtrain::FSDPModule<TransformerImpl> apply_fully_shard(const Transformer& model,
     dtrain::FullyShardOptions unit = options;
     // torchtitan's choice: the last block's gathered parameters are the first backward needs.
     if (!options.reshard_after_forward() && i + 1 == model->num_blocks()) unit.reshard_after_forward(false);
-    dtrain::fully_shard(std::dynamic_pointer_cast<TransformerBlockImpl>(model->layers->ptr(i)), unit);
+    dtrain::fully_shard(model->block_ptr(i), unit);
   }
   return dtrain::fully_shard(model.ptr(), options);
+}
+
+std::pair<int64_t, int64_t> pipeline_stage_layers(int64_t n_layers, int64_t stage, int64_t stages) {
+  DTRAIN_CHECK(stages >= 1 && stages <= n_layers && stage >= 0 && stage < stages, "llama: pipeline stage ", stage,
+               " of ", stages, " over ", n_layers, " blocks; every stage needs a block: use at most n_layers stages");
+  const int64_t base = n_layers / stages, extra = n_layers % stages;
+  const int64_t first = stage * base + std::min(stage, extra);
+  return {first, first + base + (stage < extra ? 1 : 0)};
+}
+
+Transformer pipeline_stage(const TransformerImpl& whole, int64_t stage, int64_t stages) {
+  const auto [first, end] = pipeline_stage_layers(static_cast<int64_t>(whole.num_blocks()), stage, stages);
+  return Transformer(std::make_shared<TransformerImpl>(whole, first, end));
+}
+
+namespace {
+
+// A pipeline stage as one Sequential element: its forward through the stage's fully_shard root (its
+// parameters gathered around it, its backward followed), or as is without one.
+class PipelineStageImpl : public torch::nn::Module {
+ public:
+  explicit PipelineStageImpl(Transformer stage) : stage_(register_module("stage", stage.ptr())) {}
+  at::Tensor forward(const at::Tensor& x) { return dtrain::FSDPModule<TransformerImpl>(stage_)(x); }
+
+ private:
+  std::shared_ptr<TransformerImpl> stage_;
+};
+
+}  // namespace
+
+torch::nn::Sequential pipeline_stage_module(const Transformer& stage) {
+  torch::nn::Sequential seq;
+  seq->push_back(std::make_shared<PipelineStageImpl>(stage));
+  return seq;
 }
 
 void apply_activation_checkpoint(TransformerImpl& model, const ActivationCheckpoint& ac) {

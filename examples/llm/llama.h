@@ -15,8 +15,9 @@
 // n_kv_heads < n_heads) and a SwiGLU MLP w2(silu(w1(x)) * w3(x)). No biases, as Llama.
 //
 // How each parallelism finds its place (LibTorch modules have no forward hooks):
-// - the blocks sit in a ModuleList `layers` (names layers.N.*) and the model's forward runs each
-//   through FSDPModule<TransformerBlockImpl>, so a block that fully_shard made a unit runs as one;
+// - the blocks sit in a ModuleDict `layers` keyed by their index in the whole model (names
+//   layers.N.*, a pipeline stage's blocks keep theirs) and the model's forward runs each through
+//   FSDPModule<TransformerBlockImpl>, so a block that fully_shard made a unit runs as one;
 // - a block checkpoints itself inside its forward (apply_activation_checkpoint), i.e. inside its
 //   fully_shard unit, the order dtrain's activation checkpointing requires;
 // - every linear layer is a dtrain::ParallelLinear and the embedding a dtrain::ParallelEmbedding,
@@ -25,7 +26,8 @@
 #pragma once
 
 #include <torch/nn/module.h>
-#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/moduledict.h>
+#include <torch/nn/modules/container/sequential.h>
 
 #include <cstdint>
 #include <memory>
@@ -140,7 +142,13 @@ TORCH_MODULE(TransformerBlock);
 class TransformerImpl : public torch::nn::Module {
  public:
   explicit TransformerImpl(const ModelArgs& args);
-  at::Tensor forward(const at::Tensor& tokens);  // [B, T] int64 -> logits [B, T, vocab (/ tp)]
+  // A pipeline stage of `whole` (pipeline_stage below): its modules, shared, for blocks
+  // [first_layer, end_layer), the embedding when first_layer is 0, the final norm and the output head
+  // when end_layer is the last.
+  TransformerImpl(const TransformerImpl& whole, int64_t first_layer, int64_t end_layer);
+  // [B, T] int64 tokens (or, on a stage without the embedding, [B, T, dim] activations) -> logits
+  // [B, T, vocab (/ tp)] (or, on a stage without the output head, the activations after its blocks).
+  at::Tensor forward(const at::Tensor& tokens);
   // Mean cross-entropy over every token: over the vocabulary-sharded logits with
   // dtrain::parallel_cross_entropy when apply_tensor_parallel sharded the output (loss_parallel),
   // else torch's cross_entropy.
@@ -148,26 +156,43 @@ class TransformerImpl : public torch::nn::Module {
   void init_weights();
   const ModelArgs& args() const { return args_; }
   TransformerBlockImpl& block(size_t i) { return *blocks_.at(i); }
-  size_t num_blocks() const { return blocks_.size(); }
+  const std::shared_ptr<TransformerBlockImpl>& block_ptr(size_t i) const { return blocks_.at(i); }
+  size_t num_blocks() const { return blocks_.size(); }  // this model's (a stage's: its own)
+  int64_t first_layer() const { return first_layer_; }  // the index of block(0) in the whole model
+  bool has_embedding() const { return !tok_embeddings.is_empty(); }
+  bool has_output() const { return !output.is_empty(); }
   // The group the logits' vocabulary is sharded over (apply_tensor_parallel sets it), or none.
   void set_loss_group(std::optional<dtrain::Group> group) { loss_group_ = std::move(group); }
 
   dtrain::ParallelEmbedding tok_embeddings{nullptr};
-  torch::nn::ModuleList layers{nullptr};
-  RMSNorm norm{nullptr};
+  torch::nn::ModuleDict layers{nullptr};
+  RMSNorm norm{nullptr};  // null on a pipeline stage before the last
   dtrain::ParallelLinear output{nullptr};
 
  private:
   ModelArgs args_;
+  int64_t first_layer_ = 0;
   std::vector<std::shared_ptr<TransformerBlockImpl>> blocks_;
   std::optional<dtrain::Group> loss_group_;  // set when the logits are sharded over it
 };
 TORCH_MODULE(Transformer);
 
+// Pipeline parallelism by blocks, as torchtitan's pipeline_llama splits the model: stage s of
+// `stages` holds blocks [first, end) (n_layers / stages each, the first n_layers % stages stages one
+// more), stage 0 also the embedding, the last stage also the final norm and the output head (so the
+// loss is computed there). pipeline_stage shares the whole model's modules and keeps their names
+// (layers.N.*); apply_tensor_parallel, apply_activation_checkpoint and apply_fully_shard then apply
+// to the stage as to a whole model. pipeline_stage_module wraps a stage for dtrain::Pipeline: one
+// Sequential element that runs it through its fully_shard root, when it has one.
+std::pair<int64_t, int64_t> pipeline_stage_layers(int64_t n_layers, int64_t stage, int64_t stages);
+Transformer pipeline_stage(const TransformerImpl& whole, int64_t stage, int64_t stages);
+torch::nn::Sequential pipeline_stage_module(const Transformer& stage);
+
 // torchtitan's tensor-parallel plan (without sequence parallelism): the embedding vocab-parallel
 // (its output all-reduced, whole on every rank), wq/wk/wv and w1/w3 column-parallel, wo and w2
 // row-parallel, the output head column-parallel. loss_parallel: the logits stay sharded by
-// vocabulary and loss() takes dtrain::parallel_cross_entropy; otherwise they are gathered.
+// vocabulary and loss() takes dtrain::parallel_cross_entropy; otherwise they are gathered. A pipeline
+// stage's plan leaves out the embedding or the output head it does not hold.
 // n_heads, n_kv_heads, ffn_hidden and vocab_size must divide by the group's size.
 dtrain::ParallelizePlan tensor_parallel_plan(bool loss_parallel = true);
 void apply_tensor_parallel(TransformerImpl& model, const dtrain::Group& tp_group, bool loss_parallel = true);

@@ -1,7 +1,8 @@
 // train_llm: torchtitan's recipe in C++ — a Llama-style model (llm/llama.h) trained on a real text
 // corpus (byte-level tokens, llm/text_data.h) with fully_shard, HSDP and tensor parallelism on one
-// world mesh, AdamW with warmup and cosine decay, gradient accumulation, clipping by the global norm,
-// activation checkpointing, asynchronous checkpoints with exact resume and JSONL metrics.
+// world mesh (and pipeline parallelism by blocks, the mesh's outermost dimension), AdamW with warmup and cosine decay,
+// gradient accumulation, clipping by the global norm, activation checkpointing, asynchronous checkpoints with exact
+// resume and JSONL metrics.
 //
 //   ./build/bin/dtrain-run --standalone --nproc_per_node 2 ./build/bin/train_llm
 //       --job.config_file examples/llm/configs/debug.toml --parallelism.data_parallel_shard_degree 2
@@ -33,6 +34,7 @@
 #include "dtrain/functional_collectives.h"
 #include "dtrain/safetensors.h"
 #include "dtrain/shard_spec.h"
+#include "dtrain/pipeline.h"
 #include "dtrain/system.h"
 #include "llm/job_config.h"
 #include "llm/llama.h"
@@ -47,26 +49,36 @@ using train::one_line;
 
 // torchtitan's ParallelDims: the degrees of the world mesh, outer to inner.
 struct ParallelDims {
-  int64_t dp_replicate = 1, dp_shard = 1, tp = 1;
+  int64_t pp = 1, dp_replicate = 1, dp_shard = 1, tp = 1;
   int64_t dp() const { return dp_replicate * dp_shard; }
 };
 
 // The degrees from the configuration, refused in one line unless their product is the world.
 ParallelDims parallel_dims(const JobConfig::Parallelism& p, int64_t world) {
-  DTRAIN_CHECK(p.pipeline_parallel_degree == 1, "parallelism.pipeline_parallel_degree ", p.pipeline_parallel_degree,
-               ": pipeline parallelism is not in train_llm yet; set it to 1");
-  DTRAIN_CHECK(p.data_parallel_replicate_degree >= 1 && p.tensor_parallel_degree >= 1 &&
+  DTRAIN_CHECK(p.pipeline_parallel_degree >= 1 && p.data_parallel_replicate_degree >= 1 &&
+                   p.tensor_parallel_degree >= 1 &&
                    (p.data_parallel_shard_degree >= 1 || p.data_parallel_shard_degree == -1),
-               "parallelism: data_parallel_replicate_degree ", p.data_parallel_replicate_degree,
-               ", data_parallel_shard_degree ", p.data_parallel_shard_degree, ", tensor_parallel_degree ",
-               p.tensor_parallel_degree, ": each must be at least 1 (the shard degree may be -1: the rest)");
-  ParallelDims d{p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree};
-  if (d.dp_shard == -1) d.dp_shard = std::max<int64_t>(1, world / (d.dp_replicate * d.tp));
-  DTRAIN_CHECK(d.dp_replicate * d.dp_shard * d.tp == world, "parallelism: data_parallel_replicate_degree ",
+               "parallelism: pipeline_parallel_degree ", p.pipeline_parallel_degree,
+               ", data_parallel_replicate_degree ", p.data_parallel_replicate_degree, ", data_parallel_shard_degree ",
+               p.data_parallel_shard_degree, ", tensor_parallel_degree ", p.tensor_parallel_degree,
+               ": each must be at least 1 (the shard degree may be -1: the rest)");
+  ParallelDims d{p.pipeline_parallel_degree, p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
+                 p.tensor_parallel_degree};
+  if (d.dp_shard == -1) d.dp_shard = std::max<int64_t>(1, world / (d.pp * d.dp_replicate * d.tp));
+  const int64_t product = d.pp * d.dp_replicate * d.dp_shard * d.tp;
+  DTRAIN_CHECK(product == world, "parallelism: pipeline_parallel_degree ", d.pp, " x data_parallel_replicate_degree ",
                d.dp_replicate, " x data_parallel_shard_degree ", d.dp_shard, " x tensor_parallel_degree ", d.tp, " = ",
-               d.dp_replicate * d.dp_shard * d.tp, ", but the world has ", world,
-               " rank(s); make the product equal the world size");
+               product, ", but the world has ", world, " rank(s); make the product equal the world size");
   return d;
+}
+
+// The pipeline's schedule by its name (dtrain::to_string's; torchtitan's for GPipe and 1F1B).
+dtrain::Schedule pipeline_schedule(const std::string& name) {
+  for (auto s : {dtrain::Schedule::kGPipe, dtrain::Schedule::k1F1B, dtrain::Schedule::kZeroBubbleH1})
+    if (name == dtrain::to_string(s)) return s;
+  DTRAIN_CHECK(false, "parallelism.pipeline_parallel_schedule ", name,
+               ": use GPipe, 1F1B or ZeroBubbleH1 (Interleaved1F1B's virtual stages are not in train_llm)");
+  return dtrain::Schedule::k1F1B;
 }
 
 // The checks that span keys or that the model's own validate() does not make, one line each.
@@ -100,6 +112,20 @@ void validate(const JobConfig& cfg) {
                  dtype == &t.mixed_precision_param ? "param " : "reduce ", *dtype, ": use float32 or bfloat16");
   DTRAIN_CHECK(cfg.data.val_fraction > 0 && cfg.data.val_fraction < 1, "data.val_fraction ", cfg.data.val_fraction,
                ": must lie strictly between 0 and 1");
+  const auto& p = cfg.parallelism;
+  pipeline_schedule(p.pipeline_parallel_schedule);
+  DTRAIN_CHECK(
+      p.pipeline_parallel_microbatch_size >= 1 && t.local_batch_size % p.pipeline_parallel_microbatch_size == 0,
+      "parallelism.pipeline_parallel_microbatch_size ", p.pipeline_parallel_microbatch_size,
+      ": must divide training.local_batch_size ", t.local_batch_size);
+  // CheckpointManager takes one model cut alike on every rank; pipeline stages hold different modules.
+  DTRAIN_CHECK(p.pipeline_parallel_degree == 1 || !cfg.checkpoint.enable, "checkpoint.enable with ",
+               "parallelism.pipeline_parallel_degree ", p.pipeline_parallel_degree,
+               ": checkpoints of pipeline stages are not in train_llm yet; set checkpoint.enable false or "
+               "pipeline_parallel_degree 1");
+  DTRAIN_CHECK(p.pipeline_parallel_degree <= cfg.model.n_layers, "parallelism.pipeline_parallel_degree ",
+               p.pipeline_parallel_degree, ": more stages than model.n_layers ", cfg.model.n_layers,
+               "; every stage needs a block");
 }
 
 llama::ModelArgs model_args(const JobConfig& cfg) {
@@ -143,9 +169,9 @@ Place setup(const JobConfig& cfg) {
                  "degree above 1; use float32 or shard the model");
   });
   // torchtitan's world mesh: tensor parallelism innermost (its ranks adjacent), the shard dimension
-  // next, replicas outermost.
-  p.mesh =
-      dtrain::init_device_mesh({p.dims.dp_replicate, p.dims.dp_shard, p.dims.tp}, {"dp_replicate", "dp_shard", "tp"});
+  // next, replicas, then pipeline stages outermost (a stage's tp and dp groups lie inside it).
+  p.mesh = dtrain::init_device_mesh({p.dims.pp, p.dims.dp_replicate, p.dims.dp_shard, p.dims.tp},
+                                    {"pp", "dp_replicate", "dp_shard", "tp"});
   p.dp_rank = p.mesh.get_local_rank("dp_replicate") * p.dims.dp_shard + p.mesh.get_local_rank("dp_shard");
   return p;
 }
@@ -179,21 +205,45 @@ dtrain::MixedPrecisionPolicy mixed_precision(const JobConfig::Training& t) {
   return mp;
 }
 
-// The model with its parallelisms applied in torchtitan's order: tensor parallel, activation
-// checkpointing, then fully_shard (each block a unit, the root last).
+// The model with its parallelisms applied in torchtitan's order: pipeline stages, then on this rank's
+// stage tensor parallel, activation checkpointing, then fully_shard (each block a unit, the root last).
 struct Parallel {
-  llama::Transformer model{nullptr};
+  llama::Transformer model{nullptr};  // the whole model, or this rank's pipeline stage
   std::optional<dtrain::FSDPModule<llama::TransformerImpl>> fsdp;
-  at::Tensor operator()(const at::Tensor& tokens) { return fsdp ? (*fsdp)(tokens) : model->forward(tokens); }
+  std::unique_ptr<dtrain::Pipeline> pipeline;  // pp > 1
+  std::optional<dtrain::Group> pp_group;       // pp > 1
+  // The model's (or this stage's) forward: tokens, or the previous stage's activations, in.
+  at::Tensor operator()(const at::Tensor& x) { return fsdp ? (*fsdp)(x) : model->forward(x); }
 };
+
+// With pp > 1 every rank builds the whole model (the same weights everywhere) and keeps its stage's
+// modules (torchtitan's pipeline_llama), the other stages' views only for the Pipeline's list.
+std::vector<torch::nn::Sequential> split_stages(const JobConfig& cfg, const Place& place, Parallel& par) {
+  llama::Transformer whole(model_args(cfg));
+  // float64: initialized in float32 as ever (the same draws), then widened, before the split.
+  if (cfg.training.dtype == "float64") whole->to(at::kDouble);
+  const int64_t pp = place.dims.pp, mine = place.mesh.get_local_rank("pp");
+  std::vector<torch::nn::Sequential> stages;
+  for (int64_t s = 0; s < pp; ++s) {
+    llama::Transformer stage = llama::pipeline_stage(*whole, s, pp);
+    if (s == mine) par.model = stage;
+    stages.push_back(llama::pipeline_stage_module(stage));
+  }
+  return stages;
+}
 
 Parallel build_model(const JobConfig& cfg, const Place& place) {
   const ParallelDims& d = place.dims;
   Parallel par;
   torch::manual_seed(static_cast<uint64_t>(cfg.training.seed));  // the same weights on every rank
-  par.model = llama::Transformer(model_args(cfg));
-  // float64: initialized in float32 as ever (the same draws), then widened, before any sharding.
-  if (cfg.training.dtype == "float64") par.model->to(at::kDouble);
+  std::vector<torch::nn::Sequential> stages;
+  if (d.pp > 1) {
+    stages = split_stages(cfg, place, par);
+  } else {
+    par.model = llama::Transformer(model_args(cfg));
+    // float64: initialized in float32 as ever (the same draws), then widened, before any sharding.
+    if (cfg.training.dtype == "float64") par.model->to(at::kDouble);
+  }
   if (d.tp > 1) llama::apply_tensor_parallel(*par.model, place.mesh["tp"]);
   const auto& ac = cfg.activation_checkpoint;
   llama::apply_activation_checkpoint(*par.model, ac.mode == "full" ? llama::ActivationCheckpoint::full()
@@ -208,6 +258,15 @@ Parallel build_model(const JobConfig& cfg, const Place& place) {
                                                                       : place.mesh["dp_replicate"];
     par.fsdp.emplace(llama::apply_fully_shard(
         par.model, dtrain::FullyShardOptions().mesh(dp_mesh).mp_policy(mixed_precision(cfg.training))));
+  }
+  if (d.pp > 1) {
+    const auto& p = cfg.parallelism;
+    par.pp_group = place.mesh.get_group("pp");
+    par.pipeline = std::make_unique<dtrain::Pipeline>(
+        std::move(stages), dtrain::PipelineOptions()
+                               .mesh(place.mesh["pp"])
+                               .schedule(pipeline_schedule(p.pipeline_parallel_schedule))
+                               .chunks(cfg.training.local_batch_size / p.pipeline_parallel_microbatch_size));
   }
   return par;
 }
@@ -258,18 +317,45 @@ llm::StepMetricsInput train_step(const JobConfig& cfg, Parallel& par, torch::opt
   optimizer.zero_grad();
   for (int64_t m = 0; m < accum; ++m) {
     const at::Tensor w = next_batch(sampler, train, cfg.training.local_batch_size, seq);
+    if (par.pipeline) {
+      // The last stage computes the loss; the step's result carries it to every stage.
+      auto loss_fn = [&](const at::Tensor& logits, const at::Tensor& targets) {
+        return par.model->loss(logits, targets) / static_cast<double>(accum);
+      };
+      r.loss += par.pipeline->step(w.narrow(1, 0, seq), w.narrow(1, 1, seq), loss_fn).loss;
+      continue;
+    }
     at::Tensor loss = par.model->loss(par(w.narrow(1, 0, seq)), w.narrow(1, 1, seq)) / static_cast<double>(accum);
     loss.backward();
     r.loss += loss.item<double>();
   }
   // The norm of the whole gradients, whatever tensor parallelism and fully_shard cut (each parameter's
-  // ShardSpec says over which groups); max_norm 0 measures it without clipping.
+  // ShardSpec says over which groups) and the stages' totals summed over pp; max_norm 0 measures it
+  // without clipping.
   const double max_norm = cfg.training.max_norm > 0 ? cfg.training.max_norm : std::numeric_limits<double>::infinity();
-  r.grad_norm = dtrain::clip_grad_norm_(par.model->parameters(), max_norm);
+  r.grad_norm = dtrain::clip_grad_norm_(par.model->parameters(), max_norm, 2.0, std::nullopt, par.pp_group);
   r.lr = lr_at(cfg, step);
   for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(r.lr);
   optimizer.step();
   return r;
+}
+
+// The model's forward outside a pipeline step (evaluation, no gradients): each stage in turn runs
+// its part on what the previous one sent and sends its activations on. Returns the logits on the last
+// stage (on every rank without pipeline parallelism), an undefined tensor on the other stages.
+at::Tensor forward_through_stages(const JobConfig& cfg, Parallel& par, const at::Tensor& tokens) {
+  if (!par.pipeline) return par(tokens);
+  const std::vector<int>& ranks = par.pp_group->ranks();
+  const int stage = par.pipeline->stage();
+  at::Tensor x = tokens;
+  if (stage > 0) {
+    x = at::empty({tokens.size(0), tokens.size(1), cfg.model.dim}, par.model->parameters().at(0).options());
+    dtrain::recv(x, ranks[stage - 1], *par.pp_group);
+  }
+  at::Tensor y = par(x);
+  if (par.pipeline->is_last()) return y;
+  dtrain::send(y.contiguous(), ranks[stage + 1], *par.pp_group);
+  return at::Tensor();
 }
 
 // Mean loss over the first validation.max_windows windows of the validation split, each
@@ -290,16 +376,20 @@ double validation_loss(const JobConfig& cfg, const Place& place, Parallel& par, 
     for (int64_t k = begin; k < std::min(per_rank, begin + cfg.training.local_batch_size); ++k)
       rows.push_back(val.window(k * dp + place.dp_rank, seq));
     const at::Tensor w = at::stack(rows);
-    sum += par.model->loss(par(w.narrow(1, 0, seq)), w.narrow(1, 1, seq)).item<double>() *
-           static_cast<double>(rows.size());
+    const at::Tensor logits = forward_through_stages(cfg, par, w.narrow(1, 0, seq));
+    if (logits.defined())
+      sum += par.model->loss(logits, w.narrow(1, 1, seq)).item<double>() * static_cast<double>(rows.size());
   }
   if (par.fsdp) par.fsdp->reshard();  // no backward follows to free the root's gathered parameters
-  const auto s = dtrain::all_reduce_values(std::vector<double>{sum, static_cast<double>(per_rank)});
+  // Only the last pipeline stage holds losses: the other stages count no windows.
+  const bool holds_loss = !par.pipeline || par.pipeline->is_last();
+  const auto s = dtrain::all_reduce_values(std::vector<double>{sum, holds_loss ? static_cast<double>(per_rank) : 0.0});
   return s[0] / s[1];
 }
 
 // Greedy decoding from the prompt, the context cut to the last seq_len tokens. Every rank decodes
-// the same tokens (the same parameters, the whole logits gathered over tensor parallelism).
+// the same tokens (the same parameters, the whole logits gathered over tensor parallelism, each
+// token sent from the last pipeline stage to the others).
 std::string greedy_sample(const JobConfig& cfg, const Place& place, Parallel& par) {
   torch::NoGradGuard no_grad;
   std::vector<int64_t> tokens{llm::kBos};
@@ -312,9 +402,15 @@ std::string greedy_sample(const JobConfig& cfg, const Place& place, Parallel& pa
     const at::Tensor ctx =
         at::tensor(std::vector<int64_t>(tokens.begin() + static_cast<std::ptrdiff_t>(from), tokens.end()), at::kLong)
             .unsqueeze(0);
-    at::Tensor last = par(ctx).select(1, -1);  // [1, vocab / tp]
-    if (place.dims.tp > 1) last = dtrain::functional::all_gather(last, 1, place.mesh.get_group("tp"));
-    tokens.push_back(last.narrow(1, 0, llm::kByteVocab).argmax(1).item<int64_t>());
+    const at::Tensor logits = forward_through_stages(cfg, par, ctx);
+    at::Tensor next = at::zeros({1}, at::kLong);
+    if (logits.defined()) {
+      at::Tensor last = logits.select(1, -1);  // [1, vocab / tp]
+      if (place.dims.tp > 1) last = dtrain::functional::all_gather(last, 1, place.mesh.get_group("tp"));
+      next = last.narrow(1, 0, llm::kByteVocab).argmax(1);
+    }
+    if (par.pipeline) dtrain::broadcast(next, par.pp_group->ranks().back(), *par.pp_group);
+    tokens.push_back(next.item<int64_t>());
     if (tokens.back() == llm::kEos) break;
   }
   if (par.fsdp) par.fsdp->reshard();
@@ -342,17 +438,25 @@ void print_configuration(const JobConfig& cfg, const Place& place, const Data& d
   if (!place.main_rank()) return;
   const ParallelDims& d = place.dims;
   const char* ac = cfg.activation_checkpoint.mode.c_str();
+  const auto& p = cfg.parallelism;
+  const std::string pipeline =
+      d.pp > 1
+          ? " (pipeline " + p.pipeline_parallel_schedule + ", " +
+                std::to_string(cfg.training.local_batch_size / p.pipeline_parallel_microbatch_size) + " micro-batches)"
+          : "";
   std::printf(
-      "train_llm: %d rank(s) x %d thread(s) | mesh dp_replicate %lld x dp_shard %lld x tp %lld | Llama %lld params "
+      "train_llm: %d rank(s) x %d thread(s) | mesh pp %lld x dp_replicate %lld x dp_shard %lld x tp %lld%s | Llama "
+      "%lld params "
       "(dim %lld, %lld layers, %lld heads), activation checkpointing %s | %s %lld documents: %lld train tokens "
       "(%zu windows of %lld per dp rank), %lld validation | global batch %lld windows x %lld steps, AdamW lr %g "
       "wd %g\n",
-      place.world, at::get_num_threads(), static_cast<long long>(d.dp_replicate), static_cast<long long>(d.dp_shard),
-      static_cast<long long>(d.tp), static_cast<long long>(model_args(cfg).num_params()),
-      static_cast<long long>(cfg.model.dim), static_cast<long long>(cfg.model.n_layers),
-      static_cast<long long>(cfg.model.n_heads), ac, data.prepared.reused ? "cached tokens of" : "prepared",
-      static_cast<long long>(data.prepared.documents), static_cast<long long>(data.train->size()), s.size(),
-      static_cast<long long>(cfg.training.seq_len), static_cast<long long>(data.val->size()),
+      place.world, at::get_num_threads(), static_cast<long long>(d.pp), static_cast<long long>(d.dp_replicate),
+      static_cast<long long>(d.dp_shard), static_cast<long long>(d.tp), pipeline.c_str(),
+      static_cast<long long>(model_args(cfg).num_params()), static_cast<long long>(cfg.model.dim),
+      static_cast<long long>(cfg.model.n_layers), static_cast<long long>(cfg.model.n_heads), ac,
+      data.prepared.reused ? "cached tokens of" : "prepared", static_cast<long long>(data.prepared.documents),
+      static_cast<long long>(data.train->size()), s.size(), static_cast<long long>(cfg.training.seq_len),
+      static_cast<long long>(data.val->size()),
       static_cast<long long>(d.dp() * cfg.training.local_batch_size * cfg.training.gradient_accumulation_steps),
       static_cast<long long>(cfg.training.steps), cfg.optimizer.lr, cfg.optimizer.weight_decay);
   std::fflush(stdout);

@@ -266,7 +266,11 @@ void fully_shard(torch::nn::AnyModule& element, const FullyShardOptions& options
 // every rank (the same layers over the same mesh dimensions, whatever the parameters' order): each
 // rank all-reduces over its group of each dimension, the dimensions in one order that every rank
 // derives from the groups' ranks (Note [Clipping over cuts]).
+// `pp_group`, where given, is a group whose ranks hold different parameters, not parts of the same
+// ones: pipeline stages (torchtitan's pp_mesh). Each rank's total (of its stage, completed over its
+// cuts) is summed over it (MAX for an infinite norm), so every stage clips by the whole model's norm.
 double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0,
-                       const std::optional<Group>& group = std::nullopt);
+                       const std::optional<Group>& group = std::nullopt,
+                       const std::optional<Group>& pp_group = std::nullopt);
 
 }  // namespace dtrain

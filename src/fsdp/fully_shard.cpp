@@ -356,6 +356,10 @@ namespace {
 // dimension ([0, 1] for tp, [0, 2] for dp), and distinct between dimensions. Sets and all-reduces are
 // ordered by those names, so every rank of a model cut alike does the same all-reduces in the same
 // order. A group of one rank reduces nothing and is left out.
+// Pipeline stages are not cuts: the ranks of a pipeline group hold different parameters, each
+// stage's cut alike over its own tp and dp groups (which lie inside one stage). So the stages' sets
+// need not match, and no ShardSpec can say "this parameter lives on this stage alone"; the caller
+// names the pipeline group (pp_group) and each rank's completed total is summed over it last.
 using ClipGroupName = std::vector<int>;
 using ClipGroupSet = std::vector<ClipGroupName>;  // sorted, unique
 
@@ -415,7 +419,7 @@ void clip_accumulate(at::Tensor& acc, const at::Tensor& grad, double norm_type) 
 }  // namespace
 
 double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type,
-                       const std::optional<Group>& group) {
+                       const std::optional<Group>& group, const std::optional<Group>& pp_group) {
   DTRAIN_CHECK(max_norm >= 0, "clip_grad_norm_: max_norm must be >= 0, got ", max_norm);
   DTRAIN_CHECK(norm_type > 0, "clip_grad_norm_: norm_type must be > 0 (or infinity), got ", norm_type);
   torch::NoGradGuard no_grad;
@@ -448,7 +452,13 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
   std::vector<at::Tensor> all;
   for (const auto& kv : sums) all.push_back(kv.second.to(options.device()));
   const at::Tensor joined = all.empty() ? at::zeros({1}, options) : at::cat(all);
-  double total = (inf ? joined.max() : joined.sum()).item<double>();
+  at::Tensor reduced = (inf ? joined.max() : joined.sum()).reshape({1});
+  if (pp_group && pp_group->size() > 1) {
+    // The stages' parameters are disjoint: their totals add up (Note [Clipping over cuts]).
+    reduced = reduced.to(collective_device(*pp_group));
+    all_reduce(reduced, inf ? ReduceOp::MAX : ReduceOp::SUM, *pp_group);
+  }
+  double total = reduced.item<double>();
   if (!inf) total = std::pow(total, 1.0 / norm_type);
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1)

@@ -3,7 +3,10 @@
 // steps on fixed random token batches, then every parameter put together whole within 1e-10
 // relative, for DDP, fully_shard and tensor parallelism over the world (each also with every block
 // checkpointed), fully_shard over tensor parallelism on a {dp, tp} mesh, and HSDP on a
-// {replicate, shard} mesh; clip_grad_norm_ under each sharding against torch's on the whole model.
+// {replicate, shard} mesh, pipeline parallelism (2 stages by blocks, 1F1B) alone, over tensor
+// parallelism and over fully_shard, each stage cut as the recipe cuts it (each also checkpointed),
+// with clip_grad_norm_'s total over the stages; clip_grad_norm_ under each sharding against torch's
+// on the whole model.
 // The model itself: torchtitan's parameter names and counts, rotary embeddings as Llama's complex
 // multiplication, the attention kernel against the arithmetic written out, causality, and which
 // blocks each activation-checkpoint mode checkpoints.
@@ -25,6 +28,7 @@
 #include "dtrain/ddp.h"
 #include "dtrain/device_mesh.h"
 #include "dtrain/fsdp.h"
+#include "dtrain/pipeline.h"
 #include "dtrain/shard_spec.h"
 #include "llm/llama.h"
 #include "matchers.h"
@@ -69,11 +73,16 @@ double llm_rel_diff(const at::Tensor& a, const at::Tensor& b) {
 }
 
 using LlmForward = std::function<at::Tensor(const at::Tensor&)>;
+// One step's forward and backward on this rank's part of the batch; ref_loss and ref_norm: the one
+// process's loss and gradient 2-norm of the whole batch, for the step to check against.
+using LlmStep =
+    std::function<void(const at::Tensor& tokens, const at::Tensor& targets, double ref_loss, double ref_norm)>;
 
-// 10 AdamW steps of `model` run through `forward`, each rank on its data-parallel part (dp_rank of
-// dp_size) of every batch, against one process on the whole batch; then the parameters whole.
-void expect_trains_like_one_process(llama::Transformer model, const LlmForward& forward, int64_t dp_rank,
-                                    int64_t dp_size, const std::string& what) {
+// 10 AdamW steps of `model` run through `step`, each rank on its data-parallel part (dp_rank of
+// dp_size) of every batch, against one process on the whole batch; then the parameters whole (a
+// pipeline stage's: its own, the stages of pp_group together holding every parameter once).
+void expect_steps_like_one_process(llama::Transformer model, const LlmStep& step, int64_t dp_rank, int64_t dp_size,
+                                   const std::string& what, const std::optional<Group>& pp_group = std::nullopt) {
   llama::Transformer ref = llm_make_model();
   auto adamw = [](std::vector<at::Tensor> params) {
     return torch::optim::AdamW(std::move(params), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
@@ -85,21 +94,34 @@ void expect_trains_like_one_process(llama::Transformer model, const LlmForward& 
     ref_opt.zero_grad();
     at::Tensor ref_loss = ref->loss(ref(tokens), targets);
     ref_loss.backward();
+    const double ref_norm =
+        torch::nn::utils::clip_grad_norm_(ref->parameters(), std::numeric_limits<double>::infinity());
     ref_opt.step();
     (s == 0 ? first_loss : last_loss) = ref_loss.item<double>();
     opt.zero_grad();
-    at::Tensor mine = tokens.chunk(dp_size)[dp_rank], my_targets = targets.chunk(dp_size)[dp_rank];
-    model->loss(forward(mine), my_targets).backward();
+    step(tokens.chunk(dp_size)[dp_rank], targets.chunk(dp_size)[dp_rank], ref_loss.item<double>(), ref_norm);
     opt.step();
   }
   EXPECT_LT(last_loss, first_loss) << "the one process's loss fell";
   auto whole = ref->named_parameters();
   auto got = full_state_dict(*model);  // collective: the shards of every group put together
-  ASSERT_EQ(got.size(), whole.size()) << what;
+  int64_t count = static_cast<int64_t>(got.size());
+  if (pp_group) count = all_reduce_values(std::vector<int64_t>{count}, ReduceOp::SUM, *pp_group)[0];
+  ASSERT_EQ(count, static_cast<int64_t>(whole.size())) << what;
   for (const auto& [name, t] : got) {
     ASSERT_TRUE(whole.contains(name)) << what << ": " << name;
     EXPECT_LT(llm_rel_diff(t, whole[name]), 1e-10) << what << ": " << name << " after 10 AdamW steps";
   }
+}
+
+void expect_trains_like_one_process(llama::Transformer model, const LlmForward& forward, int64_t dp_rank,
+                                    int64_t dp_size, const std::string& what) {
+  expect_steps_like_one_process(
+      model,
+      [&](const at::Tensor& tokens, const at::Tensor& targets, double, double) {
+        model->loss(forward(tokens), targets).backward();
+      },
+      dp_rank, dp_size, what);
 }
 
 llama::ActivationCheckpoint llm_ac(bool checkpointed) {
@@ -131,6 +153,46 @@ void expect_tensor_parallel_trains_like_one_process(bool checkpointed) {
   EXPECT_EQ(model->output->weight.size(0), 64 / world_size());
   expect_trains_like_one_process(
       model, [&](const at::Tensor& t) { return model(t); }, 0, 1, "tensor parallel");
+}
+
+// Pipeline parallelism as the recipe applies it, on a {pp 2, inner} mesh: every rank builds the
+// whole model and keeps its stage (blocks, the embedding on the first, norm and head on the last),
+// cut over `inner` ("tp": tensor parallel; "dp": fully_shard; "rest": nothing, world / 2 pipelines
+// side by side on the same batch), then trains through a 1F1B Pipeline of 2 micro-batches. The loss
+// every stage reports and clip_grad_norm_'s total over the stages equal the one process's.
+void expect_pipeline_trains_like_one_process(const std::string& inner, bool checkpointed) {
+  DeviceMesh mesh = init_device_mesh({2, world_size() / 2}, {"pp", inner});
+  const int64_t mine = mesh.get_local_rank("pp");
+  llama::Transformer whole = llm_make_model(), model{nullptr};
+  std::vector<torch::nn::Sequential> stages;
+  for (int64_t s = 0; s < 2; ++s) {
+    llama::Transformer stage = llama::pipeline_stage(*whole, s, 2);
+    if (s == mine) model = stage;
+    stages.push_back(llama::pipeline_stage_module(stage));
+  }
+  EXPECT_EQ(model->has_embedding(), mine == 0);
+  EXPECT_EQ(model->has_output(), mine == 1);
+  if (inner == "tp") llama::apply_tensor_parallel(*model, mesh["tp"]);
+  llama::apply_activation_checkpoint(*model, llm_ac(checkpointed));
+  std::optional<FSDPModule<llama::TransformerImpl>> fsdp;
+  if (inner == "dp") fsdp.emplace(llama::apply_fully_shard(model, FullyShardOptions().mesh(mesh["dp"])));
+  Pipeline pipe(stages, PipelineOptions().mesh(mesh["pp"]).schedule(Schedule::k1F1B).chunks(2));
+  const Group pp_group = mesh.get_group("pp");
+  const int64_t dp_rank = inner == "dp" ? mesh.get_local_rank("dp") : 0, dp_size = inner == "dp" ? mesh.size("dp") : 1;
+  expect_steps_like_one_process(
+      model,
+      [&](const at::Tensor& tokens, const at::Tensor& targets, double ref_loss, double ref_norm) {
+        const double loss =
+            pipe.step(tokens, targets, [&](const at::Tensor& out, const at::Tensor& t) { return model->loss(out, t); })
+                .loss;
+        if (dp_size == 1) {
+          EXPECT_NEAR(loss, ref_loss, 1e-10 * ref_loss) << "stage " << mine << "'s loss";
+        }
+        const double norm =
+            clip_grad_norm_(model->parameters(), std::numeric_limits<double>::infinity(), 2.0, std::nullopt, pp_group);
+        EXPECT_NEAR(norm, ref_norm, 1e-10 * ref_norm) << "the gradient norm over both stages";
+      },
+      dp_rank, dp_size, "pipeline x " + inner, pp_group);
 }
 
 // The part of `whole` this rank holds of a parameter cut as `spec` (whole without one).
@@ -235,6 +297,30 @@ TEST(LlamaModel, AttentionIsCausalAndMatchesTheWrittenOutArithmetic) {
   EXPECT_FALSE(a.select(1, kLlmSeq - 1).equal(b.select(1, kLlmSeq - 1)));
 }
 
+// torchtitan's split: n_layers / stages blocks each, the first n_layers % stages stages one more.
+TEST(LlamaModel, PipelineStagesSplitByBlocks) {
+  using Range = std::pair<int64_t, int64_t>;
+  EXPECT_EQ(llama::pipeline_stage_layers(4, 0, 2), Range(0, 2));
+  EXPECT_EQ(llama::pipeline_stage_layers(4, 1, 2), Range(2, 4));
+  EXPECT_EQ(llama::pipeline_stage_layers(5, 0, 3), Range(0, 2));
+  EXPECT_EQ(llama::pipeline_stage_layers(5, 1, 3), Range(2, 4));
+  EXPECT_EQ(llama::pipeline_stage_layers(5, 2, 3), Range(4, 5));
+  EXPECT_THAT([] { llama::pipeline_stage_layers(2, 0, 3); },
+              ThrowsDtrainError(::testing::HasSubstr("every stage needs a block")));
+  llama::ModelArgs args = llm_test_args();
+  args.n_layers = 3;
+  llama::Transformer whole(args);
+  std::vector<std::string> names;
+  for (const auto& p : llama::pipeline_stage(*whole, 1, 2)->named_parameters())
+    if (p.key().find("norm") == std::string::npos) names.push_back(p.key());
+  EXPECT_THAT(names, ::testing::ElementsAre("layers.2.attention.wq.weight", "layers.2.attention.wk.weight",
+                                            "layers.2.attention.wv.weight", "layers.2.attention.wo.weight",
+                                            "layers.2.feed_forward.w1.weight", "layers.2.feed_forward.w2.weight",
+                                            "layers.2.feed_forward.w3.weight", "output.weight"))
+      << "the last stage: its block under its whole-model name, and the head";
+  EXPECT_TRUE(llama::pipeline_stage(*whole, 0, 2)->has_embedding());
+}
+
 TEST(LlamaModel, ActivationCheckpointModesPickTheirBlocks) {
   llama::ModelArgs args = llm_test_args();
   args.n_layers = 4;
@@ -274,6 +360,25 @@ TEST(LlamaComposition, FullyShardOverTensorParallelEqualsOneProcess) {
   expect_trains_like_one_process(
       model, [&](const at::Tensor& t) { return fsdp(t); }, mesh.get_local_rank("dp"), mesh.size("dp"),
       "fully_shard x tensor parallel");
+}
+
+TEST(LlamaComposition, PipelineEqualsOneProcess) { expect_pipeline_trains_like_one_process("rest", false); }
+TEST(LlamaComposition, CheckpointedPipelineEqualsOneProcess) { expect_pipeline_trains_like_one_process("rest", true); }
+TEST(LlamaComposition, PipelineOverTensorParallelEqualsOneProcess) {
+  if (world_size() != 4) GTEST_SKIP() << "pp 2 x tp 2: 4 ranks";
+  expect_pipeline_trains_like_one_process("tp", false);
+}
+TEST(LlamaComposition, CheckpointedPipelineOverTensorParallelEqualsOneProcess) {
+  if (world_size() != 4) GTEST_SKIP() << "pp 2 x tp 2: 4 ranks";
+  expect_pipeline_trains_like_one_process("tp", true);
+}
+TEST(LlamaComposition, PipelineOverFullyShardEqualsOneProcess) {
+  if (world_size() != 4) GTEST_SKIP() << "pp 2 x fully_shard 2: 4 ranks";
+  expect_pipeline_trains_like_one_process("dp", false);
+}
+TEST(LlamaComposition, CheckpointedPipelineOverFullyShardEqualsOneProcess) {
+  if (world_size() != 4) GTEST_SKIP() << "pp 2 x fully_shard 2: 4 ranks";
+  expect_pipeline_trains_like_one_process("dp", true);
 }
 
 TEST(LlamaComposition, HsdpEqualsOneProcess) {
