@@ -1,7 +1,14 @@
 // Ring attention: each rank keeps its queries and the K/V blocks of every rank pass by it around the
 // ring; the partial results are merged by their row log-sum-exp, so the output is exact attention.
-// Backward passes K/V around again with each block's dK/dV accumulating along the way, so nothing
-// received in forward is kept (Note [Ring attention's backward] in docs/design.md).
+//
+// Note [Ring attention's backward]: backward does not keep the cp - 1 blocks received in forward
+// (cp times the local K/V, the memory context parallelism exists to save). It keeps q, k, v, the
+// output and each query row's log-sum-exp, passes K/V around the ring again, and recomputes each
+// block's probabilities from the saved log-sum-exp (flash attention's backward: P = exp(S - lse),
+// dS = P * (dP - rowsum(dO * O))). A block's dK/dV is a sum over every rank's queries, so its
+// accumulator travels with the block, one message behind it on a tag of its own; after cp steps
+// the accumulator of each rank's own block, every rank's share added, arrives back at its owner.
+// The cost: the forward's block products once more and a second trip of K/V, as ring-flash-attention.
 #include <ATen/ATen.h>
 
 #include <limits>
