@@ -7,7 +7,6 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
-#include <torch/optim/adamw.h>
 
 #include <algorithm>
 #include <limits>
@@ -21,6 +20,7 @@
 #include "dtrain/fsdp.h"
 #include "dtrain/functional_collectives.h"
 #include "dtrain/shard_spec.h"
+#include "llama_train_compare.h"
 #include "llm/llama.h"
 #include "matchers.h"
 
@@ -147,71 +147,29 @@ TEST(ContextParallel, BadInputIsRefusedInOneLine) {
 
 namespace {
 
-llama::ModelArgs cpt_llm_args() {
-  llama::ModelArgs a;
-  a.vocab_size = 64;
-  a.dim = 32;
-  a.n_layers = 2;
-  a.n_heads = 8;
-  a.n_kv_heads = 4;
-  a.ffn_hidden = 64;
-  a.max_seq_len = 32;
-  return a;
-}
-
-llama::Transformer cpt_llm_model() {
-  torch::manual_seed(1);
-  llama::Transformer model(cpt_llm_args());
-  model->to(at::kDouble);
-  return model;
-}
-
-std::pair<at::Tensor, at::Tensor> cpt_llm_batch(int64_t s) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + s);
-  at::Tensor seq = at::randint(cpt_llm_args().vocab_size, {2, kS + 1}, gen, at::kLong);
-  return {seq.narrow(1, 0, kS), seq.narrow(1, 1, kS)};
-}
-
-// 10 AdamW steps of the decoder with context-parallel attention over the world (each rank its
-// head-tail part of every sequence, parameters fully_shard-ed over the same ranks, every block
-// checkpointed or not) against one process on whole sequences; then every parameter whole.
+// The decoder with context-parallel attention over the world (each rank its head-tail part of every
+// sequence, parameters fully_shard-ed over the same ranks, every block checkpointed or not) against
+// one process on whole sequences: every step's loss, averaged over ranks, and the parameters after.
 void expect_cp_llama_trains_like_one_process(llama::CpAttention kind, bool checkpointed) {
-  SCOPED_TRACE(std::string(kind == llama::CpAttention::kRing ? "ring" : "ulysses") +
-               (checkpointed ? ", checkpointed" : ""));
+  const std::string what =
+      std::string(kind == llama::CpAttention::kRing ? "ring" : "ulysses") + (checkpointed ? ", checkpointed" : "");
   const Group world;
-  llama::Transformer ref = cpt_llm_model(), model = cpt_llm_model();
+  llama::Transformer model = llm_make_model();
   llama::apply_context_parallel(*model, world, kind);
   llama::apply_activation_checkpoint(
       *model, checkpointed ? llama::ActivationCheckpoint::full() : llama::ActivationCheckpoint::none());
   auto fsdp = llama::apply_fully_shard(model);
-  auto adamw = [](std::vector<at::Tensor> params) {
-    return torch::optim::AdamW(std::move(params), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  };
-  torch::optim::AdamW opt = adamw(model->parameters()), ref_opt = adamw(ref->parameters());
-  double first = 0, last = 0;
-  for (int64_t s = 0; s < 10; ++s) {
-    auto [tokens, targets] = cpt_llm_batch(s);
-    ref_opt.zero_grad();
-    at::Tensor ref_loss = ref->loss(ref(tokens), targets);
-    ref_loss.backward();
-    ref_opt.step();
-    (s == 0 ? first : last) = ref_loss.item<double>();
-    opt.zero_grad();
-    // Equal parts: the mean of the ranks' mean losses (fully_shard's averaged gradients) is the whole's.
-    at::Tensor loss =
-        model->loss(fsdp(context_parallel_shard(tokens, 1, world)), context_parallel_shard(targets, 1, world));
-    loss.backward();
-    opt.step();
-    at::Tensor whole_loss = functional::all_reduce(loss.detach(), ReduceOp::AVG, world);
-    EXPECT_LT(std::abs(whole_loss.item<double>() - ref_loss.item<double>()), 1e-10) << "step " << s;
-  }
-  EXPECT_LT(last, first) << "the one process's loss fell";
-  auto whole = ref->named_parameters();
-  for (const auto& [name, t] : full_state_dict(*model)) {
-    ASSERT_TRUE(whole.contains(name)) << name;
-    EXPECT_LT(cpt_max_diff(t, whole[name]) / std::max(whole[name].abs().max().item<double>(), 1e-6), 1e-10)
-        << name << " after 10 AdamW steps";
-  }
+  // Equal parts: the mean of the ranks' mean losses (fully_shard's averaged gradients) is the whole's.
+  expect_llm_trains_like_one_process(
+      model, [&](const at::Tensor& t) { return fsdp(t); },
+      [&](const at::Tensor& tokens, const at::Tensor& targets) {
+        return std::make_pair(context_parallel_shard(tokens, 1, world), context_parallel_shard(targets, 1, world));
+      },
+      what,
+      [&](int64_t step, const at::Tensor& loss, const at::Tensor& ref_loss) {
+        at::Tensor whole = functional::all_reduce(loss, ReduceOp::AVG, world);
+        EXPECT_LT(std::abs(whole.item<double>() - ref_loss.item<double>()), 1e-10) << what << ", step " << step;
+      });
 }
 
 }  // namespace

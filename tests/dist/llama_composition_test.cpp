@@ -26,6 +26,7 @@
 #include "dtrain/device_mesh.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/shard_spec.h"
+#include "llama_train_compare.h"
 #include "llm/llama.h"
 #include "matchers.h"
 
@@ -33,73 +34,15 @@ using namespace dtrain;
 
 namespace {
 
-// Small enough for seconds on CI; grouped-query attention (8 query heads over 4 k/v heads) and
-// head, MLP and vocabulary sizes that divide by 2 and 4 tensor-parallel ranks.
-llama::ModelArgs llm_test_args() {
-  llama::ModelArgs a;
-  a.vocab_size = 64;
-  a.dim = 32;
-  a.n_layers = 2;
-  a.n_heads = 8;
-  a.n_kv_heads = 4;
-  a.ffn_hidden = 64;
-  a.max_seq_len = 32;
-  return a;
-}
-
-constexpr int64_t kLlmBatch = 4, kLlmSeq = 16;
-
-// Every rank builds the same model from the same seed (fully_shard does not broadcast).
-llama::Transformer llm_make_model() {
-  torch::manual_seed(1);
-  llama::Transformer model(llm_test_args());
-  model->to(at::kDouble);
-  return model;
-}
-
-// Step s's batch, the same on every rank: inputs and next-token targets.
-std::pair<at::Tensor, at::Tensor> llm_batch(int64_t s) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + s);
-  at::Tensor seq = at::randint(llm_test_args().vocab_size, {kLlmBatch, kLlmSeq + 1}, gen, at::kLong);
-  return {seq.narrow(1, 0, kLlmSeq), seq.narrow(1, 1, kLlmSeq)};
-}
-
-double llm_rel_diff(const at::Tensor& a, const at::Tensor& b) {
-  return (a - b).abs().max().item<double>() / std::max(b.abs().max().item<double>(), 1e-6);
-}
-
-using LlmForward = std::function<at::Tensor(const at::Tensor&)>;
-
-// 10 AdamW steps of `model` run through `forward`, each rank on its data-parallel part (dp_rank of
-// dp_size) of every batch, against one process on the whole batch; then the parameters whole.
+// Each rank on its data-parallel part (dp_rank of dp_size) of every batch.
 void expect_trains_like_one_process(llama::Transformer model, const LlmForward& forward, int64_t dp_rank,
                                     int64_t dp_size, const std::string& what) {
-  llama::Transformer ref = llm_make_model();
-  auto adamw = [](std::vector<at::Tensor> params) {
-    return torch::optim::AdamW(std::move(params), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  };
-  torch::optim::AdamW opt = adamw(model->parameters()), ref_opt = adamw(ref->parameters());
-  double first_loss = 0, last_loss = 0;
-  for (int64_t s = 0; s < 10; ++s) {
-    auto [tokens, targets] = llm_batch(s);
-    ref_opt.zero_grad();
-    at::Tensor ref_loss = ref->loss(ref(tokens), targets);
-    ref_loss.backward();
-    ref_opt.step();
-    (s == 0 ? first_loss : last_loss) = ref_loss.item<double>();
-    opt.zero_grad();
-    at::Tensor mine = tokens.chunk(dp_size)[dp_rank], my_targets = targets.chunk(dp_size)[dp_rank];
-    model->loss(forward(mine), my_targets).backward();
-    opt.step();
-  }
-  EXPECT_LT(last_loss, first_loss) << "the one process's loss fell";
-  auto whole = ref->named_parameters();
-  auto got = full_state_dict(*model);  // collective: the shards of every group put together
-  ASSERT_EQ(got.size(), whole.size()) << what;
-  for (const auto& [name, t] : got) {
-    ASSERT_TRUE(whole.contains(name)) << what << ": " << name;
-    EXPECT_LT(llm_rel_diff(t, whole[name]), 1e-10) << what << ": " << name << " after 10 AdamW steps";
-  }
+  expect_llm_trains_like_one_process(
+      std::move(model), forward,
+      [&](const at::Tensor& tokens, const at::Tensor& targets) {
+        return std::make_pair(tokens.chunk(dp_size)[dp_rank], targets.chunk(dp_size)[dp_rank]);
+      },
+      what);
 }
 
 llama::ActivationCheckpoint llm_ac(bool checkpointed) {
