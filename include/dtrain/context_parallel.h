@@ -68,7 +68,7 @@ struct RingBlock {
   BlockMask mask = BlockMask::kFull;
 };
 // The blocks group rank cp_rank computes, in order (the skipped ones left out): ring_attention runs
-// exactly these. Causal: 2 * cp + 1 chunk blocks on every rank (one of them diagonal), a total of the
+// exactly these. Causal: 2 * cp + 1 chunk blocks on every rank (two of them diagonal), a total of the
 // lower triangle of the (2 cp)^2 chunk grid; not causal: cp whole blocks.
 std::vector<RingBlock> ring_attention_blocks(int64_t cp_size, int64_t cp_rank, bool is_causal);
 
