@@ -44,6 +44,7 @@ USES = {
     "checkpoint": {"amp", "data", "optim", "comm", "compat", "common"},
     "monitor": {"ddp", "comm", "compat", "common"},
     "tp": {"comm", "compat", "common"},
+    "cp": {"tp", "comm", "compat", "common"},
     "ft": {"comm", "compat", "common", "store"},
     # The C API for other languages' bindings: the top layer, over dtrain's public API.
     "c_api": {"ddp", "checkpoint", "comm", "compat", "common"},
@@ -89,6 +90,7 @@ PUBLIC_OWNER = {
     "fsdp": "fsdp",
     "join": "comm",
     "device_mesh": "comm", "shard_spec": "comm", "tensor_parallel": "tp", "functional_collectives": "tp",
+    "context_parallel": "cp",
     "fault_tolerance": "ft",
 }
 

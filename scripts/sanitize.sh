@@ -10,8 +10,8 @@
 #               {2, 3} of 4 ranks, loaded over {0, 1} and {2} of 3), HSDP on a 2 x 2 mesh (4 ranks:
 #               61 s on 2 busy cores), activation checkpointing under DDP, fully_shard, TP and
 #               pipelines (2 ranks), tensor parallelism on 4 ranks (layers, its checkpoints through
-#               CheckpointManager and dcp's save and load, TP stages of a pipeline) and GradScaler over
-#               sharded gradients.
+#               CheckpointManager and dcp's save and load, TP stages of a pipeline), GradScaler over
+#               sharded gradients and context parallelism (ring and Ulysses attention, 2 ranks).
 #   build-tsan  -DDTRAIN_SANITIZE=thread: ThreadSanitizer over the threads inside one rank: the
 #               shared-memory group's worker thread and its atomics, point-to-point's pusher, DDP's
 #               bucket hooks and completion callbacks, TensorBoard's flush timer, the asynchronous
@@ -80,7 +80,7 @@ if [[ " $runs " == *" asan "* ]]; then
   DIST=(collectives_test collectives_random_test shm_dist_test ddp_test comm_hooks_test pipeline_test
         monitor_dist_test amp_dist_test sampler_dist_test sync_batchnorm_test zero_test join_test fsdp_test
         fsdp_checkpoint_test fsdp_hsdp_test activation_checkpoint_dist_test tensor_parallel_test
-        tp_checkpoint_test tp_pipeline_test)
+        tp_checkpoint_test tp_pipeline_test context_parallel_test)
   configure_and_build "$B" ON "${UNIT[@]}" "${DIST[@]}"
   prefix=()
   # detect_leaks: LeakSanitizer at exit. halt_on_error: a UBSan report fails the process (exit 87).
@@ -101,7 +101,8 @@ if [[ " $runs " == *" asan "* ]]; then
                                   zero_test_2 join_test_3 fsdp_test_3 fsdp_test_gloo_2 \
                                   fsdp_checkpoint_3to2 fsdp_checkpoint_4to3 fsdp_hsdp_test_4 \
                                   activation_checkpoint_dist_test_2 amp_dist_test_4 \
-                                  tensor_parallel_test_4 tp_checkpoint_test_4 tp_pipeline_test_4)"
+                                  tensor_parallel_test_4 tp_checkpoint_test_4 tp_pipeline_test_4 \
+                                  context_parallel_test_2)"
   unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
   echo "=== build-asan: done in $((SECONDS - start)) s"
 fi

@@ -115,13 +115,31 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   const int64_t batch = x.size(0), seq = x.size(1);
   // -1 heads: as many as this rank's part of wq and wk holds (n_heads / tp under tensor parallelism).
   auto heads = [&](const at::Tensor& t) { return t.view({batch, seq, -1, head_dim_}); };
-  at::Tensor q = apply_rotary(heads(wq(x)), *rope_);
-  at::Tensor k = apply_rotary(heads(wk(x)), *rope_);
+  at::Tensor q = rotate(heads(wq(x)));
+  at::Tensor k = rotate(heads(wk(x)));
   at::Tensor v = heads(wv(x));
   k = repeat_kv(k, n_rep_);
   v = repeat_kv(v, n_rep_);
-  at::Tensor y = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2));  // [B, h, T, hd]
+  at::Tensor y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2));  // [B, h, T, hd]
   return wo(y.transpose(1, 2).reshape({batch, seq, -1}));
+}
+
+at::Tensor AttentionImpl::rotate(const at::Tensor& x) const {
+  if (!cp_) return apply_rotary(x, *rope_);
+  const int64_t n = cp_->group.size(), half = x.size(1) / 2;
+  DTRAIN_CHECK(x.size(1) % 2 == 0, "llama: context parallelism with a local sequence of ", x.size(1),
+               " tokens; pass dtrain::context_parallel_shard(tokens, 1, cp), whose parts have even lengths");
+  // The head-tail layout: this rank's rows are two runs of positions, each rotated from its start.
+  const std::vector<int64_t> pos = dtrain::context_parallel_positions(x.size(1) * n, n, cp_->group.rank());
+  return at::cat({apply_rotary(x.narrow(1, 0, half), *rope_, pos[0]),
+                  apply_rotary(x.narrow(1, half, half), *rope_, pos[static_cast<size_t>(half)])},
+                 1);
+}
+
+at::Tensor AttentionImpl::attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
+  if (!cp_) return causal_attention(q, k, v);
+  if (cp_->kind == CpAttention::kUlysses) return dtrain::ulysses_attention(q, k, v, cp_->group, /*is_causal=*/true);
+  return dtrain::ring_attention(q, k, v, cp_->group, /*is_causal=*/true);
 }
 
 FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden) {
@@ -321,6 +339,11 @@ void apply_activation_checkpoint(TransformerImpl& model, const ActivationCheckpo
                     (ac.mode == ActivationCheckpoint::Mode::kEveryK && (static_cast<int64_t>(i) + 1) % ac.every == 0);
     model.block(i).set_checkpointed(on);
   }
+}
+
+void apply_context_parallel(TransformerImpl& model, const dtrain::Group& cp_group, CpAttention kind) {
+  for (size_t i = 0; i < model.num_blocks(); ++i)
+    model.block(i).attention->set_context_parallel(ContextParallel{cp_group, kind});
 }
 
 }  // namespace llama

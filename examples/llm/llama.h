@@ -9,6 +9,11 @@
 //   at::Tensor logits = fsdp(tokens);                              // [B, T, vocab / tp]
 //   at::Tensor loss = model->loss(logits, targets);                 // parallel cross-entropy under TP
 //
+// Context parallelism: llama::apply_context_parallel(*model, mesh.get_group("cp")), then each cp
+// rank passes its part of the tokens, dtrain::context_parallel_shard(tokens, 1, cp) (and of the
+// targets alike): attention runs as dtrain::ring_attention (or ulysses_attention) over the group,
+// with each token rotated by its position in the whole sequence.
+//
 // tokens -> tok_embeddings -> layers.0 .. layers.N-1 -> norm -> output, each block
 //   h = x + attention(attention_norm(x));  out = h + feed_forward(ffn_norm(h))
 // with causal multi-head attention (rotary position embeddings on q and k, grouped k/v heads when
@@ -36,6 +41,7 @@
 #include <utility>
 #include <vector>
 
+#include "dtrain/context_parallel.h"
 #include "dtrain/device_mesh.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/process_group.h"
@@ -98,15 +104,28 @@ class RMSNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
+// Which context-parallel attention a model runs: K/V around a ring, or heads traded by all-to-all
+// (the local heads must then divide by the cp size).
+enum class CpAttention { kRing, kUlysses };
+struct ContextParallel {
+  dtrain::Group group;
+  CpAttention kind = CpAttention::kRing;
+};
+
 class AttentionImpl : public torch::nn::Module {
  public:
   AttentionImpl(const ModelArgs& args, std::shared_ptr<const RotaryTable> rope);
-  at::Tensor forward(const at::Tensor& x);  // [B, T, dim] -> [B, T, dim]
+  // [B, T, dim] -> [B, T, dim]; under context parallelism T is this rank's part of the sequence.
+  at::Tensor forward(const at::Tensor& x);
+  void set_context_parallel(std::optional<ContextParallel> cp) { cp_ = std::move(cp); }
   dtrain::ParallelLinear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
 
  private:
+  at::Tensor rotate(const at::Tensor& x) const;  // at the positions this rank's rows hold
+  at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const;
   int64_t head_dim_, n_rep_;
   std::shared_ptr<const RotaryTable> rope_;
+  std::optional<ContextParallel> cp_;
 };
 TORCH_MODULE(Attention);
 
@@ -216,5 +235,15 @@ struct ActivationCheckpoint {
   static ActivationCheckpoint every_k(int64_t k) { return {Mode::kEveryK, k}; }
 };
 void apply_activation_checkpoint(TransformerImpl& model, const ActivationCheckpoint& ac);
+
+// Context parallelism over cp_group (torchtitan's context_parallel around the train step): every
+// block's attention becomes ring (or Ulysses) attention over the group, and the model then takes
+// each rank's head-tail part of the tokens (dtrain::context_parallel_shard(tokens, 1, cp_group)),
+// whose length must be even. The parameters stay whole on every cp rank: their gradients are the
+// mean over the group's ranks of each rank's loss, so shard or average them over a mesh dimension
+// that includes cp (torchtitan's dp_shard_cp). Ulysses needs the local heads (n_heads / tp) to
+// divide by the cp size.
+void apply_context_parallel(TransformerImpl& model, const dtrain::Group& cp_group,
+                            CpAttention kind = CpAttention::kRing);
 
 }  // namespace llama

@@ -5,6 +5,7 @@
 #include "dtrain/amp.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm_hooks.h"
+#include "dtrain/context_parallel.h"
 #include "dtrain/data_parallel.h"
 #include "dtrain/dcp.h"
 #include "dtrain/ddp.h"

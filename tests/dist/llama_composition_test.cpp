@@ -30,6 +30,7 @@
 #include "dtrain/fsdp.h"
 #include "dtrain/pipeline.h"
 #include "dtrain/shard_spec.h"
+#include "llama_train_compare.h"
 #include "llm/llama.h"
 #include "matchers.h"
 
@@ -37,81 +38,15 @@ using namespace dtrain;
 
 namespace {
 
-// Small enough for seconds on CI; grouped-query attention (8 query heads over 4 k/v heads) and
-// head, MLP and vocabulary sizes that divide by 2 and 4 tensor-parallel ranks.
-llama::ModelArgs llm_test_args() {
-  llama::ModelArgs a;
-  a.vocab_size = 64;
-  a.dim = 32;
-  a.n_layers = 2;
-  a.n_heads = 8;
-  a.n_kv_heads = 4;
-  a.ffn_hidden = 64;
-  a.max_seq_len = 32;
-  return a;
-}
-
-constexpr int64_t kLlmBatch = 4, kLlmSeq = 16;
-
-// Every rank builds the same model from the same seed (fully_shard does not broadcast).
-llama::Transformer llm_make_model() {
-  torch::manual_seed(1);
-  llama::Transformer model(llm_test_args());
-  model->to(at::kDouble);
-  return model;
-}
-
-// Step s's batch, the same on every rank: inputs and next-token targets.
-std::pair<at::Tensor, at::Tensor> llm_batch(int64_t s) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + s);
-  at::Tensor seq = at::randint(llm_test_args().vocab_size, {kLlmBatch, kLlmSeq + 1}, gen, at::kLong);
-  return {seq.narrow(1, 0, kLlmSeq), seq.narrow(1, 1, kLlmSeq)};
-}
-
-double llm_rel_diff(const at::Tensor& a, const at::Tensor& b) {
-  return (a - b).abs().max().item<double>() / std::max(b.abs().max().item<double>(), 1e-6);
-}
-
-using LlmForward = std::function<at::Tensor(const at::Tensor&)>;
-// One step's forward and backward on this rank's part of the batch; ref_loss and ref_norm: the one
-// process's loss and gradient 2-norm of the whole batch, for the step to check against.
-using LlmStep =
-    std::function<void(const at::Tensor& tokens, const at::Tensor& targets, double ref_loss, double ref_norm)>;
-
-// 10 AdamW steps of `model` run through `step`, each rank on its data-parallel part (dp_rank of
-// dp_size) of every batch, against one process on the whole batch; then the parameters whole (a
-// pipeline stage's: its own, the stages of pp_group together holding every parameter once).
+// Each rank on its data-parallel part (dp_rank of dp_size) of every batch.
 void expect_steps_like_one_process(llama::Transformer model, const LlmStep& step, int64_t dp_rank, int64_t dp_size,
                                    const std::string& what, const std::optional<Group>& pp_group = std::nullopt) {
-  llama::Transformer ref = llm_make_model();
-  auto adamw = [](std::vector<at::Tensor> params) {
-    return torch::optim::AdamW(std::move(params), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  };
-  torch::optim::AdamW opt = adamw(model->parameters()), ref_opt = adamw(ref->parameters());
-  double first_loss = 0, last_loss = 0;
-  for (int64_t s = 0; s < 10; ++s) {
-    auto [tokens, targets] = llm_batch(s);
-    ref_opt.zero_grad();
-    at::Tensor ref_loss = ref->loss(ref(tokens), targets);
-    ref_loss.backward();
-    const double ref_norm =
-        torch::nn::utils::clip_grad_norm_(ref->parameters(), std::numeric_limits<double>::infinity());
-    ref_opt.step();
-    (s == 0 ? first_loss : last_loss) = ref_loss.item<double>();
-    opt.zero_grad();
-    step(tokens.chunk(dp_size)[dp_rank], targets.chunk(dp_size)[dp_rank], ref_loss.item<double>(), ref_norm);
-    opt.step();
-  }
-  EXPECT_LT(last_loss, first_loss) << "the one process's loss fell";
-  auto whole = ref->named_parameters();
-  auto got = full_state_dict(*model);  // collective: the shards of every group put together
-  int64_t count = static_cast<int64_t>(got.size());
-  if (pp_group) count = all_reduce_values(std::vector<int64_t>{count}, ReduceOp::SUM, *pp_group)[0];
-  ASSERT_EQ(count, static_cast<int64_t>(whole.size())) << what;
-  for (const auto& [name, t] : got) {
-    ASSERT_TRUE(whole.contains(name)) << what << ": " << name;
-    EXPECT_LT(llm_rel_diff(t, whole[name]), 1e-10) << what << ": " << name << " after 10 AdamW steps";
-  }
+  expect_llm_steps_like_one_process(
+      std::move(model), step,
+      [&](const at::Tensor& tokens, const at::Tensor& targets) {
+        return std::make_pair(tokens.chunk(dp_size)[dp_rank], targets.chunk(dp_size)[dp_rank]);
+      },
+      what, pp_group);
 }
 
 void expect_trains_like_one_process(llama::Transformer model, const LlmForward& forward, int64_t dp_rank,
