@@ -80,7 +80,9 @@ std::vector<Key> job_keys(JobConfig& c) {
       {"metrics.enable_jsonl", &c.metrics.enable_jsonl, "write <dump_folder>/metrics.jsonl"},
       {"metrics.enable_tensorboard", &c.metrics.enable_tensorboard, "write TensorBoard events into <dump_folder>/tb"},
       {"validation.max_windows", &c.validation.max_windows, "validation windows evaluated at the end (0: all)"},
-      {"validation.sample_tokens", &c.validation.sample_tokens, "tokens of the greedy sample at the end"},
+      {"validation.sample_tokens", &c.validation.sample_tokens, "tokens of the sample at the end"},
+      {"validation.temperature", &c.validation.temperature, "the sample's temperature (0: greedy)"},
+      {"validation.top_k", &c.validation.top_k, "the sample draws from the k likeliest tokens"},
       {"validation.prompt", &c.validation.prompt, "the sample's prompt"},
   };
 }

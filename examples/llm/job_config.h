@@ -83,6 +83,8 @@ struct JobConfig {
   struct Validation {
     int64_t max_windows = 64;  // windows of the validation split evaluated at the end (0: all)
     int64_t sample_tokens = 64;
+    double temperature = 0.8;  // of the sample (0: greedy)
+    int64_t top_k = 20;        // the sample draws from the k likeliest tokens
     std::string prompt = "ROMEO.\n";
   } validation;
 };

@@ -249,6 +249,7 @@ at::Tensor TransformerImpl::loss(const at::Tensor& logits, const at::Tensor& tar
 dtrain::ParallelizePlan tensor_parallel_plan(bool loss_parallel) {
   using dtrain::ColwiseParallel;
   using dtrain::RowwiseParallel;
+  // doc:begin tp_plan
   return {
       // Every rank holds all the token ids: each looks up its rows of the vocabulary, the all-reduce sums.
       {"tok_embeddings", RowwiseParallel().input_layouts(dtrain::Replicate())},
@@ -261,6 +262,7 @@ dtrain::ParallelizePlan tensor_parallel_plan(bool loss_parallel) {
       {"layers.*.feed_forward.w3", ColwiseParallel()},
       {"output", loss_parallel ? ColwiseParallel() : ColwiseParallel().output_layouts(dtrain::Replicate())},
   };
+  // doc:end tp_plan
 }
 
 void apply_tensor_parallel(TransformerImpl& model, const dtrain::Group& tp_group, bool loss_parallel) {

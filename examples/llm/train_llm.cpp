@@ -9,7 +9,7 @@
 //
 // Every key of the TOML file is also a flag (`--section.key value`, train_llm --help lists them).
 // Output (rank 0): a configuration line, a metrics line every metrics.log_freq steps (also appended to
-// <job.dump_folder>/metrics.jsonl), the validation loss and perplexity, a greedy sample, and last
+// <job.dump_folder>/metrics.jsonl), the validation loss and perplexity, a sampled text, and last
 //   RESULT steps=N final_loss=L loss_bits=H val_loss=V val_ppl=P
 // L: the last step's loss averaged over the ranks; H: the same double in C's %a (hex float), so two
 // runs compare bit for bit. Exit status: 0 on success, 1 on any error (one line
@@ -110,6 +110,9 @@ void validate(const JobConfig& cfg) {
   for (const std::string* dtype : {&t.mixed_precision_param, &t.mixed_precision_reduce})
     DTRAIN_CHECK(*dtype == "float32" || *dtype == "bfloat16", "training.mixed_precision_",
                  dtype == &t.mixed_precision_param ? "param " : "reduce ", *dtype, ": use float32 or bfloat16");
+  DTRAIN_CHECK(cfg.validation.temperature >= 0 && cfg.validation.top_k >= 1, "validation.temperature ",
+               cfg.validation.temperature, ", validation.top_k ", cfg.validation.top_k,
+               ": the temperature at least 0 (0: greedy), top_k at least 1");
   DTRAIN_CHECK(cfg.data.val_fraction > 0 && cfg.data.val_fraction < 1, "data.val_fraction ", cfg.data.val_fraction,
                ": must lie strictly between 0 and 1");
   const auto& p = cfg.parallelism;
@@ -232,6 +235,7 @@ std::vector<torch::nn::Sequential> split_stages(const JobConfig& cfg, const Plac
   return stages;
 }
 
+// doc:begin build_model
 Parallel build_model(const JobConfig& cfg, const Place& place) {
   const ParallelDims& d = place.dims;
   Parallel par;
@@ -270,6 +274,7 @@ Parallel build_model(const JobConfig& cfg, const Place& place) {
   }
   return par;
 }
+// doc:end build_model
 
 // checkpoint.export_initial: the weights before the first step, whole (gathered over fully_shard and
 // tensor parallelism), in one safetensors file that rank 0 writes. Collective.
@@ -308,6 +313,7 @@ at::Tensor next_batch(dtrain::DistributedSampler& sampler, const llm::TokenFile&
   }
 }
 
+// doc:begin train_step
 // One optimizer step over gradient_accumulation_steps micro-batches. Returns this rank's loss (the
 // mean over its micro-batches).
 llm::StepMetricsInput train_step(const JobConfig& cfg, Parallel& par, torch::optim::AdamW& optimizer,
@@ -339,6 +345,7 @@ llm::StepMetricsInput train_step(const JobConfig& cfg, Parallel& par, torch::opt
   optimizer.step();
   return r;
 }
+// doc:end train_step
 
 // The model's forward outside a pipeline step (evaluation, no gradients): each stage in turn runs
 // its part on what the previous one sent and sends its activations on. Returns the logits on the last
@@ -387,14 +394,19 @@ double validation_loss(const JobConfig& cfg, const Place& place, Parallel& par, 
   return s[0] / s[1];
 }
 
-// Greedy decoding from the prompt, the context cut to the last seq_len tokens. Every rank decodes
-// the same tokens (the same parameters, the whole logits gathered over tensor parallelism, each
-// token sent from the last pipeline stage to the others).
-std::string greedy_sample(const JobConfig& cfg, const Place& place, Parallel& par) {
+// Text from the prompt, the context cut to the last seq_len tokens: top-k sampling at
+// validation.temperature (greedy at 0, where an undertrained model repeats its likeliest byte, a
+// newline, to the end). Every rank decodes the same tokens (the same parameters, the whole logits
+// gathered over tensor parallelism, each token sent from the last pipeline stage to the others).
+std::string sample_text(const JobConfig& cfg, const Place& place, Parallel& par) {
   torch::NoGradGuard no_grad;
   std::vector<int64_t> tokens{llm::kBos};
   for (int64_t t : llm::encode(cfg.validation.prompt)) tokens.push_back(t);
   const size_t prompt = tokens.size();
+  // Every rank draws from the same generator and sees the same logits (gathered over tensor
+  // parallelism, sent on by the last pipeline stage), so every rank picks the same token.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(cfg.training.seed));
+  const double temperature = cfg.validation.temperature;
   for (int64_t i = 0; i < cfg.validation.sample_tokens; ++i) {
     const size_t from = tokens.size() > static_cast<size_t>(cfg.training.seq_len)
                             ? tokens.size() - static_cast<size_t>(cfg.training.seq_len)
@@ -407,7 +419,14 @@ std::string greedy_sample(const JobConfig& cfg, const Place& place, Parallel& pa
     if (logits.defined()) {
       at::Tensor last = logits.select(1, -1);  // [1, vocab / tp]
       if (place.dims.tp > 1) last = dtrain::functional::all_gather(last, 1, place.mesh.get_group("tp"));
-      next = last.narrow(1, 0, llm::kByteVocab).argmax(1);
+      last = last.narrow(1, 0, llm::kByteVocab).to(at::kDouble);
+      if (temperature <= 0) {
+        next = last.argmax(1);
+      } else {  // top-k sampling at the temperature, as nanoGPT's sample.py
+        auto [top, where] = last.topk(std::min<int64_t>(cfg.validation.top_k, llm::kByteVocab), 1);
+        const at::Tensor pick = at::multinomial(at::softmax(top / temperature, 1), 1, false, gen);
+        next = where.gather(1, pick).view({1});
+      }
     }
     if (par.pipeline) dtrain::broadcast(next, par.pp_group->ranks().back(), *par.pp_group);
     tokens.push_back(next.item<int64_t>());
@@ -415,6 +434,12 @@ std::string greedy_sample(const JobConfig& cfg, const Place& place, Parallel& pa
   }
   if (par.fsdp) par.fsdp->reshard();
   return llm::decode(std::vector<int64_t>(tokens.begin() + static_cast<std::ptrdiff_t>(prompt), tokens.end()));
+}
+
+std::string format_number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
 }
 
 // The sample as text a terminal and a log show whole: bytes outside printable ASCII (an undertrained
@@ -554,11 +579,15 @@ int run(const JobConfig& cfg) {
   if (checkpoints) checkpoints->wait();
 
   const double val_loss = validation_loss(cfg, place, par, *data.val);
-  const std::string sample = greedy_sample(cfg, place, par);
+  const std::string sample = sample_text(cfg, place, par);
   if (place.main_rank()) {
-    std::printf("validation: loss %.4f, perplexity %.2f\nsample (greedy, prompt %s):\n%s%s\n---\n", val_loss,
-                std::exp(val_loss), one_line(cfg.validation.prompt).c_str(), printable(cfg.validation.prompt).c_str(),
-                printable(sample).c_str());
+    const std::string how = cfg.validation.temperature > 0
+                                ? "temperature " + format_number(cfg.validation.temperature) + ", top " +
+                                      std::to_string(cfg.validation.top_k)
+                                : std::string("greedy");
+    std::printf("validation: loss %.4f, perplexity %.2f\nsample (%s, prompt %s):\n%s%s\n---\n", val_loss,
+                std::exp(val_loss), how.c_str(), one_line(cfg.validation.prompt).c_str(),
+                printable(cfg.validation.prompt).c_str(), printable(sample).c_str());
     std::printf("RESULT steps=%lld final_loss=%.6f loss_bits=%a val_loss=%.4f val_ppl=%.2f\n",
                 static_cast<long long>(last), loss, loss, val_loss, std::exp(val_loss));
     std::fflush(stdout);

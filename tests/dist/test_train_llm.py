@@ -85,7 +85,7 @@ class TrainLlm(DistTestCase):
             with self.subTest(parallelism=name):
                 res, m = self.launch(name, *args)
                 self.assertIn("validation: loss", res.out)
-                self.assertIn("sample (greedy", res.out)
+                self.assertIn("sample (temperature 0.8, top 20, prompt", res.out)
                 lines = self.metrics(name)
                 self.assertEqual([x["step"] for x in lines], list(range(1, 9)))
                 for x in lines:
