@@ -12,6 +12,7 @@
 //
 //   ft, ckpt:     commit <step> members <replicas in the step> quorum <id> pid <pid> t_ms <wall clock, ms>
 //   ddp, diloco:  rank 0: steps_per_s=R params=P link_tx_per_step=B (bytes --link sent, /sys/class/net)
+//                 sync_s_per_step=S (DiLoCo: seconds in its syncs per step; DDP: 0, its traffic overlaps)
 #include <unistd.h>
 
 #include <torch/nn/functional/loss.h>
@@ -148,6 +149,7 @@ int bench_timed_loop(const BenchFtArgs& a) {
     ddp = std::make_unique<dtrain::DistributedDataParallel<BenchCNNImpl>>(model);
   else
     diloco = std::make_unique<dtrain::DiLoCo>(model->parameters(), inner, outer, a.sync_every);
+  double sync_s = 0;  // in DiLoCo's step(): its syncs, the only traffic
   const auto step = [&](int64_t s) {
     inner.zero_grad();
     at::Tensor x = at::sin(at::arange(a.batch * 28 * 28, at::kFloat).mul(0.001).add(0.37 * s + dtrain::rank()));
@@ -156,10 +158,14 @@ int bench_timed_loop(const BenchFtArgs& a) {
     at::Tensor out = ddp ? ddp->forward(xb) : model->forward(xb);
     torch::nn::functional::cross_entropy(out, y).backward();
     inner.step();
-    if (diloco) diloco->step();
+    if (!diloco) return;
+    const auto t = std::chrono::steady_clock::now();
+    diloco->step();
+    sync_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
   };
   for (int64_t s = 0; s < a.warmup; ++s) step(s);
   dtrain::barrier();
+  sync_s = 0;
   const int64_t tx0 = bench_link_tx(a.link);
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t s = a.warmup; s < a.warmup + a.steps; ++s) step(s);
@@ -168,7 +174,8 @@ int bench_timed_loop(const BenchFtArgs& a) {
   const int64_t tx = bench_link_tx(a.link) - tx0;
   if (dtrain::rank() == 0)
     std::cout << "steps_per_s=" << static_cast<double>(a.steps) / secs << " params=" << P
-              << " link_tx_per_step=" << static_cast<double>(tx) / static_cast<double>(a.steps) << std::endl;
+              << " link_tx_per_step=" << static_cast<double>(tx) / static_cast<double>(a.steps)
+              << " sync_s_per_step=" << sync_s / static_cast<double>(a.steps) << std::endl;
   dtrain::destroy_process_group();
   return 0;
 }
