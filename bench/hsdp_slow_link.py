@@ -77,17 +77,12 @@ class SlowLink:
         self.made = []
 
 
-def run_job(binary, mode, port, args, timeout):
-    """One 4-rank job; rank 0's key=value line as a dict. Kills every rank when one fails."""
-    secret = secrets.token_hex(32)
+def run_ranks(mode, argvs, envs, timeout, first_key):
+    """Starts one process per rank (argv, env), waits for all; rank 0's line that starts with
+    `first_key=` as a dict of floats. Kills every rank when one fails or the job runs past timeout."""
     procs = []
     try:
-        for rank in range(4):
-            node = rank // 2
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % 2), WORLD_SIZE="4", LOCAL_WORLD_SIZE="2",
-                       GROUP_RANK=str(node), MASTER_ADDR=ADDR[0], MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                       MKL_NUM_THREADS="1", DTRAIN_SHM_HOST=f"node{node}", DTRAIN_JOB_SECRET=secret)
-            argv = ["ip", "netns", "exec", NS[node], binary, "--worker", "--mode", mode, "--link", VETH[node], *args]
+        for argv, env in zip(argvs, envs):
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         deadline = time.monotonic() + timeout
         outs = []
@@ -106,13 +101,42 @@ def run_job(binary, mode, port, args, timeout):
                 p.kill()
                 p.wait()
     for line in outs[0].splitlines():
-        if line.startswith("step_ms="):
+        if line.startswith(first_key + "="):
             return {k: float(v) for k, v in (kv.split("=") for kv in line.split())}
-    raise RuntimeError(f"{mode} job: rank 0 printed no step_ms line:\n{outs[0][-3000:]}")
+    raise RuntimeError(f"{mode} job: rank 0 printed no {first_key} line:\n{outs[0][-3000:]}")
+
+
+def rank_env(rank, world, node, local_ranks, port, secret):
+    """A rank's environment on its node: rank 0's store on node 0's end of the link, shared memory only
+    inside a node."""
+    return dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % local_ranks), WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(local_ranks), GROUP_RANK=str(node), MASTER_ADDR=ADDR[0], MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DTRAIN_SHM_HOST=f"node{node}", DTRAIN_JOB_SECRET=secret)
+
+
+def run_job(binary, mode, port, args, timeout):
+    """One 4-rank job; rank 0's key=value line as a dict. Kills every rank when one fails."""
+    secret = secrets.token_hex(32)
+    argvs = [["ip", "netns", "exec", NS[r // 2], binary, "--worker", "--mode", mode, "--link", VETH[r // 2], *args]
+             for r in range(4)]
+    envs = [rank_env(r, 4, r // 2, 2, port, secret) for r in range(4)]
+    return run_ranks(mode, argvs, envs, timeout, "step_ms")
 
 
 def raise_on_signal(signum, _frame):
     raise SystemExit(f"hsdp_slow_link: signal {signum}, cleaning up")
+
+
+def prepare(name, build, target):
+    """The worker's path, once root and iproute2 are there; SIGTERM and SIGHUP clean up as ^C does."""
+    binary = os.path.abspath(os.path.join(build, "bin", target))
+    if not os.path.exists(binary):
+        sys.exit(f"{name}: {binary} does not exist: build the {target} target (-DDTRAIN_BUILD_BENCH=ON)")
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        sys.exit(f"{name}: needs root, ip and tc (iproute2) to make the nodes' network namespaces")
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, raise_on_signal)
+    return binary
 
 
 def measure(binary, args, reps, timeout):
@@ -142,13 +166,7 @@ def main():
     ap.add_argument("--batch", type=int, default=16, help="rows per rank")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per job")
     a = ap.parse_args()
-    binary = os.path.abspath(os.path.join(a.build, "bin", "bench_hsdp"))
-    if not os.path.exists(binary):
-        sys.exit(f"hsdp_slow_link: {binary} does not exist: build the bench_hsdp target (-DDTRAIN_BUILD_BENCH=ON)")
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        sys.exit("hsdp_slow_link: needs root, ip and tc (iproute2) to make the nodes' network namespaces")
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, raise_on_signal)
+    binary = prepare("hsdp_slow_link", a.build, "bench_hsdp")
     args = ["--steps", str(a.steps), "--layers", str(a.layers), "--width", str(a.width), "--batch", str(a.batch)]
     load = open("/proc/loadavg").read().split()[:3]
     link = SlowLink(a.rate)
@@ -178,10 +196,15 @@ def main():
           f"flat_link_bytes_per_step={link_bytes['flat']:.0f}")
 
 
-if __name__ == "__main__":
+def run_main(name, main_fn):
+    """main_fn() with ^C and a failed job as one line each (the namespaces are deleted by then)."""
     try:
-        main()
+        main_fn()
     except KeyboardInterrupt:
-        sys.exit("hsdp_slow_link: interrupted (namespaces deleted)")
+        sys.exit(f"{name}: interrupted (namespaces deleted)")
     except RuntimeError as e:
-        sys.exit(f"hsdp_slow_link: {e}")
+        sys.exit(f"{name}: {e}")
+
+
+if __name__ == "__main__":
+    run_main("hsdp_slow_link", main)

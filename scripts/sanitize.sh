@@ -113,7 +113,7 @@ if [[ " $runs " == *" tsan "* ]]; then
   T=build-tsan
   configure_and_build "$T" thread shm_test shm_p2p_test tensorboard_test checkpoint_async_test store_guard_test \
                       store_attack_test \
-                      shm_dist_test ddp_test ddp_overlap_test pipeline_test fsdp_test flight_program
+                      shm_dist_test ddp_test ddp_overlap_test pipeline_test fsdp_test flight_program ft_train
   # Reports exit 66 at the end of the process; second_deadlock_stack: both stacks of a lock-order
   # inversion.
   export TSAN_OPTIONS="exitcode=66:second_deadlock_stack=1:suppressions=$S/tsan.supp"
@@ -143,7 +143,8 @@ if [[ " $runs " == *" tsan "* ]]; then
   # With them, the launcher's own threads (the elastic agent's heartbeat): its tests run the
   # instrumented dtrain-run, and mostly wait, so they run beside the others (-j3: scripts/test.sh).
   run_ctest "$T" -j3 -R "$(dist_regex shm_dist_test_2 ddp_test_2 ddp_overlap_test_2 ddp_overlap_test_gloo_2 \
-                                  pipeline_test_2 fsdp_test_2 py_flight_recorder_threads)|^launcher_elastic_threads\$"
+                                  pipeline_test_2 fsdp_test_2 py_flight_recorder_threads \
+                                  py_replica_ft_threads)|^launcher_elastic_threads\$"
 
   unset TSAN_OPTIONS OMP_NUM_THREADS
   echo "=== build-tsan: done in $((SECONDS - start)) s"

@@ -48,9 +48,29 @@
 //    parameters are back to the last sync's: <the all-reduce's error>"
 // LocalSGD's failed sync leaves each rank's parameters as they were (not averaged) and throws alike.
 // The group itself stays broken (Note [Broken groups]): train on with a new one.
+//
+// Under per-step fault tolerance (dtrain/fault_tolerance.h), a sync is a step of the ft::Manager:
+// pass an Average in place of the Group, which averages the flat tensor over the quorum and returns
+// the vote (torchft's LocalSGD and DiLoCo call its manager the same way):
+//
+//   dtrain::DiLoCo diloco(model->parameters(), inner, outer, 20, [&](at::Tensor& flat) {
+//     manager.start_quorum();              // may heal this replica: see save_parameters()
+//     std::vector<at::Tensor> v{flat};
+//     manager.allreduce(v);
+//     return manager.should_commit();
+//   });
+//
+// A sync whose Average returns false failed on every replica at once: DiLoCo puts the fragment back
+// to the last sync's parameters (the inner steps since are discarded), LocalSGD keeps each rank's
+// own, the outer optimizer does not step, the count restarts, and step() returns false without
+// throwing; the next sync tries again. An Average that throws is reported as a failed all-reduce.
+// A replica that heals receives its peer's state: the manager's state_dict must then hold DiLoCo's
+// original_parameters() and the outer optimizer's state (not the inner steps' parameters), and the
+// load_state_dict loads them into the model and calls save_parameters().
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -60,15 +80,20 @@
 
 namespace dtrain {
 
+// Averages `flat` over the replicas in place; returns whether every replica applies the average.
+using LocalSgdAverage = std::function<bool(at::Tensor& flat)>;
+
 class LocalSGD {
  public:
   // params: the model's parameters (one floating-point dtype and device); sync_every >= 1.
   LocalSGD(std::vector<at::Tensor> params, int64_t sync_every, Group group = Group());
+  LocalSGD(std::vector<at::Tensor> params, int64_t sync_every, LocalSgdAverage average);
 
   // After each optimizer step: true when this call averaged the parameters.
   bool step();
-  // Averages the parameters now (collective over the group) and restarts the count.
-  void sync();
+  // Averages the parameters now (collective over the group) and restarts the count; false when the
+  // Average refused it.
+  bool sync();
 
   int64_t local_step() const { return local_step_; }
   int64_t sync_every() const { return sync_every_; }
@@ -78,6 +103,7 @@ class LocalSGD {
   std::vector<at::Tensor> params_;
   int64_t sync_every_;
   Group group_;
+  LocalSgdAverage average_;  // empty: all_reduce over group_
   int64_t local_step_ = 0;
 };
 
@@ -91,10 +117,18 @@ class DiLoCo {
   // fragments.
   DiLoCo(std::vector<std::vector<at::Tensor>> fragments, torch::optim::Optimizer& inner,
          std::vector<torch::optim::Optimizer*> outers, int64_t sync_every, Group group = Group());
+  // Either of the above with the replicas' average given as a function (a fault-tolerant loop's).
+  DiLoCo(std::vector<at::Tensor> params, torch::optim::Optimizer& inner, torch::optim::Optimizer& outer,
+         int64_t sync_every, LocalSgdAverage average);
+  DiLoCo(std::vector<std::vector<at::Tensor>> fragments, torch::optim::Optimizer& inner,
+         std::vector<torch::optim::Optimizer*> outers, int64_t sync_every, LocalSgdAverage average);
 
   // After each inner optimizer step: true when this call synced a fragment (then the parameters of
   // that fragment are the outer optimizer's new ones).
   bool step();
+  // The current parameters become every fragment's last sync's (torchft's _save_parameters): after
+  // loading a checkpoint, or a peer's state when healing.
+  void save_parameters();
 
   int64_t local_step() const { return local_step_; }
   // Successful syncs so far (torchft's manager step): the next fragment to sync is this % F.
@@ -109,12 +143,15 @@ class DiLoCo {
     torch::optim::Optimizer* outer = nullptr;
     int64_t numel = 0;
   };
-  void sync_fragment(size_t index);
+  void make_fragments(std::vector<std::vector<at::Tensor>> fragments, torch::optim::Optimizer& inner,
+                      std::vector<torch::optim::Optimizer*> outers);
+  bool sync_fragment(size_t index);
   void restore(const Fragment& f);
 
   std::vector<Fragment> fragments_;
   int64_t sync_every_;  // per fragment: the user's sync_every / F
   Group group_;
+  LocalSgdAverage average_;  // empty: all_reduce over group_
   int64_t local_step_ = 0;
   int64_t sync_count_ = 0;
 };

@@ -63,17 +63,29 @@ at::Tensor local_sgd_flat(const std::vector<at::Tensor>& ts) {
   std::string cause = e.what();
   for (char& c : cause)
     if (c == '\n' || c == '\r') c = ' ';
-  throw Error(detail::cat("rank ", rank(), ": ", what, " failed; ", now, ": ", cause));
+  // An Average's loop may have no process group (a fault-tolerant replica of one process): no rank.
+  const std::string who = is_initialized() ? detail::cat("rank ", rank(), ": ") : std::string();
+  throw Error(detail::cat(who, what, " failed; ", now, ": ", cause));
 }
 
-std::string local_sgd_op(int64_t numel, const Group& group) {
+std::string local_sgd_op(int64_t numel, const Group& group, bool by_function) {
+  if (by_function) return detail::cat("average of ", numel, " elements");
   return detail::cat("all_reduce of ", numel, " elements on group '", group.name(), "'");
 }
 
 // all_reduce(SUM) then a division by the group's size: torchft's manager averages this way.
-void local_sgd_average(at::Tensor& flat, const Group& group) {
+// With an Average instead, its answer: false when the replicas refused the sync.
+bool local_sgd_average(at::Tensor& flat, const Group& group, const LocalSgdAverage& average) {
+  if (average) return average(flat);
   all_reduce(flat, ReduceOp::SUM, group);
   flat.div_(group.size());
+  return true;
+}
+
+void local_sgd_check_average(const LocalSgdAverage& average, int64_t sync_every, const char* who) {
+  DTRAIN_CHECK(sync_every >= 1, who, ": sync_every is ", sync_every, ": it must be at least 1 (optimizer steps)");
+  DTRAIN_CHECK(static_cast<bool>(average), who,
+               ": the Average function is empty: pass a function that averages over the replicas, or a Group");
 }
 
 }  // namespace
@@ -86,20 +98,25 @@ LocalSGD::LocalSGD(std::vector<at::Tensor> params, int64_t sync_every, Group gro
   local_sgd_check_params(params_, "LocalSGD", "the parameters");
 }
 
-bool LocalSGD::step() {
-  if (++local_step_ < sync_every_) return false;
-  sync();
-  return true;
+LocalSGD::LocalSGD(std::vector<at::Tensor> params, int64_t sync_every, LocalSgdAverage average)
+    : params_(std::move(params)), sync_every_(sync_every), average_(std::move(average)) {
+  local_sgd_check_average(average_, sync_every_, "LocalSGD");
+  local_sgd_check_params(params_, "LocalSGD", "the parameters");
 }
 
-void LocalSGD::sync() {
+bool LocalSGD::step() {
+  if (++local_step_ < sync_every_) return false;
+  return sync();
+}
+
+bool LocalSGD::sync() {
   torch::NoGradGuard no_grad;
   local_step_ = 0;
   at::Tensor flat = local_sgd_flat(params_);
   try {
-    local_sgd_average(flat, group_);
+    if (!local_sgd_average(flat, group_, average_)) return false;  // each rank keeps its own
   } catch (const std::exception& e) {
-    local_sgd_rethrow("LocalSGD sync (" + local_sgd_op(flat.numel(), group_) + ")",
+    local_sgd_rethrow("LocalSGD sync (" + local_sgd_op(flat.numel(), group_, static_cast<bool>(average_)) + ")",
                       "the parameters are this rank's own, not averaged", e);
   }
   int64_t offset = 0;
@@ -107,6 +124,7 @@ void LocalSGD::sync() {
     p.copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
     offset += p.numel();
   }
+  return true;
 }
 
 // --- DiLoCo ------------------------------------------------------------------------------------------
@@ -116,10 +134,28 @@ DiLoCo::DiLoCo(std::vector<at::Tensor> params, torch::optim::Optimizer& inner, t
     : DiLoCo(std::vector<std::vector<at::Tensor>>{std::move(params)}, inner,
              std::vector<torch::optim::Optimizer*>{&outer}, sync_every, std::move(group)) {}
 
+DiLoCo::DiLoCo(std::vector<at::Tensor> params, torch::optim::Optimizer& inner, torch::optim::Optimizer& outer,
+               int64_t sync_every, LocalSgdAverage average)
+    : DiLoCo(std::vector<std::vector<at::Tensor>>{std::move(params)}, inner,
+             std::vector<torch::optim::Optimizer*>{&outer}, sync_every, std::move(average)) {}
+
 DiLoCo::DiLoCo(std::vector<std::vector<at::Tensor>> fragments, torch::optim::Optimizer& inner,
                std::vector<torch::optim::Optimizer*> outers, int64_t sync_every, Group group)
     : sync_every_(sync_every), group_(std::move(group)) {
   local_sgd_check_group(group_, sync_every, "DiLoCo");
+  make_fragments(std::move(fragments), inner, std::move(outers));
+}
+
+DiLoCo::DiLoCo(std::vector<std::vector<at::Tensor>> fragments, torch::optim::Optimizer& inner,
+               std::vector<torch::optim::Optimizer*> outers, int64_t sync_every, LocalSgdAverage average)
+    : sync_every_(sync_every), average_(std::move(average)) {
+  local_sgd_check_average(average_, sync_every, "DiLoCo");
+  make_fragments(std::move(fragments), inner, std::move(outers));
+}
+
+void DiLoCo::make_fragments(std::vector<std::vector<at::Tensor>> fragments, torch::optim::Optimizer& inner,
+                            std::vector<torch::optim::Optimizer*> outers) {
+  const int64_t sync_every = sync_every_;
   const auto F = static_cast<int64_t>(fragments.size());
   DTRAIN_CHECK(F >= 1, "DiLoCo: no fragments: pass the model's parameters()");
   DTRAIN_CHECK(outers.size() == fragments.size(), "DiLoCo: ", outers.size(), " outer optimizers for ", F,
@@ -162,9 +198,15 @@ bool DiLoCo::step() {
   // failed sync is retried on the same fragment, as torchft keys it on the manager's step.
   const size_t index = static_cast<size_t>(sync_count_ % static_cast<int64_t>(fragments_.size()));
   local_step_ = 0;
-  sync_fragment(index);
+  if (!sync_fragment(index)) return false;
   ++sync_count_;
   return true;
+}
+
+void DiLoCo::save_parameters() {
+  torch::NoGradGuard no_grad;
+  for (Fragment& f : fragments_)
+    for (size_t i = 0; i < f.params.size(); ++i) f.original[i].copy_(f.params[i].detach());
 }
 
 void DiLoCo::restore(const Fragment& f) {
@@ -172,7 +214,7 @@ void DiLoCo::restore(const Fragment& f) {
   for (size_t i = 0; i < f.params.size(); ++i) f.params[i].copy_(f.original[i]);
 }
 
-void DiLoCo::sync_fragment(size_t index) {
+bool DiLoCo::sync_fragment(size_t index) {
   Fragment& f = fragments_[index];
   torch::NoGradGuard no_grad;
   // 1. The pseudo-gradient, original - current, of the whole fragment in one flat tensor.
@@ -183,10 +225,14 @@ void DiLoCo::sync_fragment(size_t index) {
   deltas.clear();
   // 2. Averaged over the replicas. On failure the inner steps since the last sync are discarded.
   try {
-    local_sgd_average(flat, group_);
+    if (!local_sgd_average(flat, group_, average_)) {  // refused on every replica: as a failure, silently
+      restore(f);
+      return false;
+    }
   } catch (const std::exception& e) {
     restore(f);
-    local_sgd_rethrow(detail::cat("DiLoCo sync (fragment ", index, ", ", local_sgd_op(flat.numel(), group_), ")"),
+    local_sgd_rethrow(detail::cat("DiLoCo sync (fragment ", index, ", ",
+                                  local_sgd_op(flat.numel(), group_, static_cast<bool>(average_)), ")"),
                       "the parameters are back to the last sync's", e);
   }
   // 3. Back to the last sync's parameters, which the outer optimizer moves along the average.
@@ -202,6 +248,7 @@ void DiLoCo::sync_fragment(size_t index) {
   for (auto& p : f.params) p.mutable_grad() = at::Tensor();
   // 5. The new global parameters are the next round's original.
   for (size_t i = 0; i < f.params.size(); ++i) f.original[i].copy_(f.params[i].detach());
+  return true;
 }
 
 }  // namespace dtrain

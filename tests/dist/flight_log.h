@@ -20,11 +20,21 @@
 #include "dtrain/process_group.h"
 
 // This rank's flight record, read back in process: the calls made since the last look, each as its
-// group's ranks ("[0, 1]"), its dtrain operation and its input's elements.
+// group's ranks ("[0, 1]"), its dtrain operation, its input's elements and their bytes (by the
+// recorded dtypes).
 struct FlightCall {
   std::string ranks, op;
-  int64_t numel = 0;
+  int64_t numel = 0, bytes = 0;
 };
+
+// The element size of a recorded dtype (c10's name for it); 0 for one this header does not know.
+inline int64_t flight_dtype_size(const std::string& dtype) {
+  if (dtype == "Double" || dtype == "Long" || dtype == "ComplexFloat") return 8;
+  if (dtype == "Float" || dtype == "Int") return 4;
+  if (dtype == "Half" || dtype == "BFloat16" || dtype == "Short") return 2;
+  if (dtype == "Byte" || dtype == "Char" || dtype == "Bool") return 1;
+  return 0;
+}
 class FlightLog {
  public:
   explicit FlightLog(std::string reason = "test") : reason_(std::move(reason)) { take(); }
@@ -44,10 +54,16 @@ class FlightLog {
       FlightCall c;
       c.ranks = dump.at("pg_config").at(e.at("process_group")[0].get<std::string>()).at("ranks").get<std::string>();
       c.op = e.at("dtrain_op").get<std::string>();
+      const auto& dtypes = e.at("input_dtypes");
+      size_t i = 0;
       for (const auto& sizes : e.at("input_sizes")) {
         int64_t n = 1;
         for (const auto& d : sizes) n *= d.get<int64_t>();
         c.numel += n;
+        const int64_t size = i < dtypes.size() ? flight_dtype_size(dtypes[i].get<std::string>()) : 0;
+        EXPECT_GT(size, 0) << "a dtype the flight log does not know: " << dtypes.dump();
+        c.bytes += n * size;
+        ++i;
       }
       out.push_back(c);
     }

@@ -6,10 +6,12 @@
 //   averages its ranks' gradients before the Manager averages over the replicas)
 //            [--die_after_allreduce S [--die_replica R]]   replica R (default 2) SIGKILLs itself after
 //                                        its all-reduce of step S (not after a relaunch, which heals)
+//            [--diloco H]   DiLoCo instead: H inner SGD steps on the replica's own data, then a sync
+//                           whose average is the Manager's step (a step here is one sync)
 // Prints one line per try of a step and per commit, for the test to parse:
 //   begin <step> quorum <id> members <n> participants <p> healing <0|1> healed <0|1> hash <params>
 //   commit <step> epoch <e> hash <params after the step> samples <i,j,...> pid <pid>
-//   abort <step> <what failed>
+//   abort <step> <what failed>                (DiLoCo: abort <step> hash <params after it> <what failed>)
 #include <signal.h>
 #include <unistd.h>
 
@@ -23,16 +25,18 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <memory>
 #include <string>
 #include <thread>
 
 #include "dtrain/fault_tolerance.h"
+#include "dtrain/local_sgd.h"
 #include "dtrain/process_group.h"
 
 namespace {
 
 struct FtArgs {
-  int64_t steps = 30, batch = 4, samples = 240, step_ms = 40, die_after_allreduce = -1, die_replica = 2;
+  int64_t steps = 30, batch = 4, samples = 240, step_ms = 40, die_after_allreduce = -1, die_replica = 2, diloco = 0;
   int min_replicas = 1, replica_ranks = 1;
 };
 
@@ -55,6 +59,8 @@ FtArgs ft_parse(int argc, char** argv) {
       a.die_after_allreduce = v;
     else if (k == "--die_replica")
       a.die_replica = v;
+    else if (k == "--diloco")
+      a.diloco = v;
     else if (k == "--replica_ranks")
       a.replica_ranks = static_cast<int>(v);
     else
@@ -89,16 +95,86 @@ std::string ft_join(const std::vector<int64_t>& v) {
   return s.empty() ? "-" : s;
 }
 
+torch::nn::Sequential ft_model() {
+  torch::nn::Sequential model(torch::nn::Linear(6, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+  model->to(at::kDouble);
+  return model;
+}
+
+// DiLoCo under the Manager: each sync is one Manager step. A healing replica receives the last
+// sync's parameters (not a peer's inner steps) and the outer optimizer's momentum; the inner SGD has
+// no state to carry.
+int ft_diloco(const FtArgs& a) {
+  torch::manual_seed(static_cast<uint64_t>(getpid()));
+  auto model = ft_model();
+  auto params = model->parameters();
+  torch::optim::SGD inner(params, torch::optim::SGDOptions(0.05));
+  torch::optim::SGD outer(params, torch::optim::SGDOptions(0.7).momentum(0.9).nesterov(true));
+  std::unique_ptr<dtrain::DiLoCo> diloco;
+  const auto last_sync_state = [&] {
+    torch::NoGradGuard no_grad;
+    std::vector<at::Tensor> now;
+    for (size_t i = 0; i < params.size(); ++i) {
+      now.push_back(params[i].detach().clone());
+      params[i].copy_(diloco->original_parameters()[i]);
+    }
+    std::string state = dtrain::ft::save_state(*model, outer);
+    for (size_t i = 0; i < params.size(); ++i) params[i].copy_(now[i]);
+    return state;
+  };
+  dtrain::ft::Manager manager(
+      last_sync_state,
+      [&](const std::string& s) {
+        dtrain::ft::load_state(*model, outer, s);
+        diloco->save_parameters();
+      },
+      dtrain::ft::ManagerOptions().min_replicas(a.min_replicas).timeout(std::chrono::seconds(3)));
+  bool died_once = manager.replica_id() != std::to_string(a.die_replica) || manager.incarnation() > 1;
+  int64_t step = 0;  // the sync's, known once its quorum has healed this replica
+  diloco = std::make_unique<dtrain::DiLoCo>(params, inner, outer, a.diloco, [&](at::Tensor& flat) {
+    manager.start_quorum();
+    step = manager.current_step();
+    std::cout << "begin " << step << " quorum " << manager.quorum_id() << " members " << manager.num_members()
+              << " participants " << manager.num_participants() << " healing " << manager.is_healing() << " healed "
+              << manager.healed_this_step() << " hash " << ft_hash(model) << std::endl;
+    std::vector<at::Tensor> v{flat};
+    manager.allreduce(v);
+    if (step == a.die_after_allreduce && !died_once) raise(SIGKILL);  // between the all-reduce and the vote
+    died_once = died_once || step == a.die_after_allreduce;
+    return manager.should_commit();
+  });
+  const int64_t me = std::stoll(manager.replica_id());
+  for (int64_t i = 0; manager.current_step() < a.steps; ++i) {
+    at::Tensor x, y;
+    ft_batch({me * 100000 + i, me * 100000 + i + 50000}, x, y);  // the replica's own data
+    inner.zero_grad();
+    (model->forward(x) - y).pow(2).mean().backward();
+    inner.step();
+    if (diloco->local_step() + 1 < a.diloco) {
+      diloco->step();
+      continue;
+    }
+    if (diloco->step())
+      std::cout << "commit " << step << " epoch 0 hash " << ft_hash(model) << " samples - pid " << getpid()
+                << std::endl;
+    else
+      std::cout << "abort " << step << " hash " << ft_hash(model) << " " << manager.errored() << std::endl;
+    std::this_thread::sleep_for(std::chrono::milliseconds(a.step_ms));
+  }
+  std::cout << "done " << manager.current_step() << " hash " << ft_hash(model) << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
   const FtArgs a = ft_parse(argc, argv);
+  if (a.diloco > 0) return ft_diloco(a);
   const int k = a.replica_ranks;
   if (k > 1) dtrain::init_process_group();
   // Each process starts from its own parameters: init_sync must make them one replica's.
   torch::manual_seed(static_cast<uint64_t>(getpid()));
-  torch::nn::Sequential model(torch::nn::Linear(6, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
-  model->to(at::kDouble);
+  auto model = ft_model();
   if (k > 1)  // the replica's ranks start alike, as DDP's construction makes them
     for (at::Tensor p : model->parameters()) {
       at::Tensor d = p.detach();

@@ -11,6 +11,7 @@
 #include <torch/optim/sgd.h>
 
 #include <chrono>
+#include <functional>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -157,6 +158,62 @@ TEST(DiLoCo, StreamingSyncsOneFragmentPerAllReduceInTurn) {
   }
 }
 
+// The bytes one rank sends per optimizer step, over a run of `steps`: every call the flight record
+// holds must be an all-reduce on `group`, which a ring sends 2 (n - 1) / n of its payload for (n = 2:
+// the payload once: half reduce-scattered, half all-gathered).
+double lsgd_sent_bytes_per_step(FlightLog& log, const Group& group, int steps) {
+  const auto calls = log.take();
+  const double n = group.size();
+  double sent = 0;
+  for (const auto& c : calls) {
+    EXPECT_EQ(c.op, "all_reduce");
+    EXPECT_EQ(c.ranks, ranks_text(group.ranks()));
+    sent += 2.0 * (n - 1) / n * static_cast<double>(c.bytes);
+  }
+  return sent / steps;
+}
+
+// float32, as a model trains: LocalSGD and DiLoCo with sync_every H send 4 P / H bytes per rank per
+// step (P parameters), over a whole run, within 1%; DDP would send 4 P every step.
+TEST(LocalSgd, AndDiLoCoSendFourPOverHBytesPerRankPerStepInFloat32) {
+  torch::nn::Sequential m(torch::nn::Linear(32, 64), torch::nn::Tanh(), torch::nn::Linear(64, 10));
+  const int64_t P = lsgd_numel(m->parameters());
+  const int H = 10, steps = 40;
+  const double expected = 4.0 * static_cast<double>(P) / H;
+  Group replicas = new_group({0, 1});
+  const auto run = [&](const std::function<void()>& step_and_sync) {
+    FlightLog log;
+    for (int s = 1; s <= steps; ++s) step_and_sync();
+    return lsgd_sent_bytes_per_step(log, replicas, steps);
+  };
+  torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  LocalSGD local(m->parameters(), H, replicas);
+  int s = 0;
+  const auto inner = [&](torch::optim::Optimizer& o) {
+    at::Tensor x = at::arange(8 * 32, at::kFloat).mul(0.01).add(0.3 * ++s + rank()).sin().view({8, 32});
+    o.zero_grad();
+    m->forward(x).pow(2).mean().backward();
+    o.step();
+  };
+  const double lsgd = run([&] {
+    inner(opt);
+    local.step();
+  });
+  torch::optim::AdamW adamw(m->parameters(), torch::optim::AdamWOptions(1e-3));
+  torch::optim::SGD outer(m->parameters(), lsgd_outer());
+  DiLoCo diloco(m->parameters(), adamw, outer, H, replicas);
+  const double dil = run([&] {
+    inner(adamw);
+    diloco.step();
+  });
+  EXPECT_NEAR(lsgd, expected, 0.01 * expected) << "LocalSGD, P = " << P << ", H = " << H;
+  EXPECT_NEAR(dil, expected, 0.01 * expected) << "DiLoCo, P = " << P << ", H = " << H;
+  EXPECT_EQ(diloco.sync_count(), steps / H);
+  if (rank() == 0)
+    std::cout << "float32, P = " << P << ", H = " << H << ": bytes sent per rank per step LocalSGD " << lsgd
+              << ", DiLoCo " << dil << ", 4 P / H = " << expected << "\n";
+}
+
 // Rank 0's group times out after 2 s, rank 1's after 60 s; rank 1 comes to the sync only after rank 0
 // has failed, and then finds the group broken (Note [Broken groups]). Both fail, both in one line.
 Group lsgd_breakable_group() {
@@ -232,6 +289,9 @@ TEST(DiLoCo, BadInputIsRefusedInOneLine) {
               one_line("DiLoCo: sync_every is 0: it must be at least 1 (optimizer steps)"));
   EXPECT_THAT([&] { LocalSGD(m->parameters(), -3); },
               one_line("LocalSGD: sync_every is -3: it must be at least 1 (optimizer steps)"));
+  EXPECT_THAT([&] { LocalSGD(m->parameters(), 5, LocalSgdAverage()); },
+              one_line("LocalSGD: the Average function is empty: pass a function that averages over the replicas, "
+                       "or a Group"));
   EXPECT_THAT([&] { LocalSGD({}, 5); },
               one_line("LocalSGD: no parameters in the parameters: pass the model's parameters()"));
   EXPECT_THAT([&] { DiLoCo(m->parameters(), inner, stranger, 5); },
