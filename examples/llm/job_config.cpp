@@ -76,6 +76,8 @@ std::vector<Key> job_keys(JobConfig& c) {
       {"checkpoint.keep_latest_k", &c.checkpoint.keep_latest_k, "checkpoints kept"},
       {"checkpoint.export_initial", &c.checkpoint.export_initial,
        "safetensors file of the initial weights, whole, written before step 1 (empty: none)"},
+      {"checkpoint.export_final", &c.checkpoint.export_final,
+       "safetensors file of the final weights, whole, written after the last step (empty: none)"},
       {"metrics.log_freq", &c.metrics.log_freq, "steps between metric lines"},
       {"metrics.enable_jsonl", &c.metrics.enable_jsonl, "write <dump_folder>/metrics.jsonl"},
       {"metrics.enable_tensorboard", &c.metrics.enable_tensorboard, "write TensorBoard events into <dump_folder>/tb"},

@@ -74,6 +74,10 @@ struct JobConfig {
     // A safetensors file of the initial weights, whole, written by rank 0 before the first step ("":
     // none): what a reference implementation starts from.
     std::string export_initial;
+    // A safetensors file of the final weights, whole, written by rank 0 after the last step ("": none):
+    // the trained model in one file for inference or another framework (torchtitan's
+    // last_save_model_only, without the optimizer).
+    std::string export_final;
   } checkpoint;
   struct Metrics {
     int64_t log_freq = 10;  // steps between metric lines (and the last step)

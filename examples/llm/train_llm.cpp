@@ -126,6 +126,12 @@ void validate(const JobConfig& cfg) {
                "parallelism.pipeline_parallel_degree ", p.pipeline_parallel_degree,
                ": checkpoints of pipeline stages are not in train_llm yet; set checkpoint.enable false or "
                "pipeline_parallel_degree 1");
+  // A pipeline stage holds its blocks only: rank 0 alone would write a part of the model.
+  DTRAIN_CHECK(
+      p.pipeline_parallel_degree == 1 || (cfg.checkpoint.export_initial.empty() && cfg.checkpoint.export_final.empty()),
+      "checkpoint.export_initial / export_final with parallelism.pipeline_parallel_degree ", p.pipeline_parallel_degree,
+      ": exporting the weights of pipeline stages is not in train_llm yet; "
+      "leave both empty or set pipeline_parallel_degree 1");
   DTRAIN_CHECK(p.pipeline_parallel_degree <= cfg.model.n_layers, "parallelism.pipeline_parallel_degree ",
                p.pipeline_parallel_degree, ": more stages than model.n_layers ", cfg.model.n_layers,
                "; every stage needs a block");
@@ -276,14 +282,16 @@ Parallel build_model(const JobConfig& cfg, const Place& place) {
 }
 // doc:end build_model
 
-// checkpoint.export_initial: the weights before the first step, whole (gathered over fully_shard and
-// tensor parallelism), in one safetensors file that rank 0 writes. Collective.
-void export_initial(const JobConfig& cfg, const Place& place, Parallel& par) {
-  const std::string& path = cfg.checkpoint.export_initial;
+// checkpoint.export_initial and export_final: the weights before the first step or after the last,
+// whole (gathered over fully_shard and tensor parallelism), in one safetensors file that rank 0
+// writes; the metadata names the step. Collective.
+void export_weights(const JobConfig& cfg, const Place& place, Parallel& par, const std::string& key,
+                    const std::string& path, int64_t step) {
   if (path.empty()) return;
   const dtrain::NamedTensors whole = dtrain::full_state_dict(*par.model);
-  collectively("writing checkpoint.export_initial", place.main_rank(), [&] {
-    dtrain::save_safetensors(whole, path, {{"step", "0"}, {"seed", std::to_string(cfg.training.seed)}});
+  collectively("writing checkpoint." + key, place.main_rank(), [&] {
+    dtrain::save_safetensors(whole, path,
+                             {{"step", std::to_string(step)}, {"seed", std::to_string(cfg.training.seed)}});
   });
 }
 
@@ -519,7 +527,7 @@ int run(const JobConfig& cfg) {
   Place place = setup(cfg);
   Data data = load_data(cfg, place);
   Parallel par = build_model(cfg, place);
-  export_initial(cfg, place, par);
+  export_weights(cfg, place, par, "export_initial", cfg.checkpoint.export_initial, 0);
   torch::optim::AdamW optimizer(par.model->parameters(), torch::optim::AdamWOptions(cfg.optimizer.lr)
                                                              .betas({cfg.optimizer.beta1, cfg.optimizer.beta2})
                                                              .eps(cfg.optimizer.eps)
@@ -577,6 +585,7 @@ int run(const JobConfig& cfg) {
   }
   metrics->finish();
   if (checkpoints) checkpoints->wait();
+  export_weights(cfg, place, par, "export_final", cfg.checkpoint.export_final, last);
 
   const double val_loss = validation_loss(cfg, place, par, *data.val);
   const std::string sample = sample_text(cfg, place, par);

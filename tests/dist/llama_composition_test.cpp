@@ -5,6 +5,7 @@
 // checkpointed), fully_shard over tensor parallelism on a {dp, tp} mesh, and HSDP on a
 // {replicate, shard} mesh, pipeline parallelism (2 stages by blocks, 1F1B) alone, over tensor
 // parallelism and over fully_shard, each stage cut as the recipe cuts it (each also checkpointed),
+// a DCP checkpoint of fully_shard over tensor parallelism resumed under fully_shard alone,
 // with clip_grad_norm_'s total over the stages; clip_grad_norm_ under each sharding against torch's
 // on the whole model.
 // The model itself: torchtitan's parameter names and counts, rotary embeddings as Llama's complex
@@ -17,7 +18,10 @@
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <map>
@@ -25,6 +29,7 @@
 #include <utility>
 
 #include "dist_main.h"
+#include "dtrain/dcp.h"
 #include "dtrain/ddp.h"
 #include "dtrain/device_mesh.h"
 #include "dtrain/fsdp.h"
@@ -295,6 +300,59 @@ TEST(LlamaComposition, FullyShardOverTensorParallelEqualsOneProcess) {
   expect_trains_like_one_process(
       model, [&](const at::Tensor& t) { return fsdp(t); }, mesh.get_local_rank("dp"), mesh.size("dp"),
       "fully_shard x tensor parallel");
+}
+
+// A run resumed onto another layout: 5 AdamW steps under fully_shard over tensor parallelism ({dp
+// world / 2, tp 2}), saved with dcp::save (the parameters and AdamW's state, each rank its box), loaded
+// by dcp::load into a model of other initial weights fully_shard over the whole world (every tensor
+// cut otherwise), and 5 more steps there: every parameter as one process's 10 steps, within 1e-10.
+TEST(LlamaComposition, DcpOfFullyShardOverTensorParallelResumesUnderFullyShard) {
+  const std::string dir = "/tmp/dtrain_llama_resume_" + std::to_string(getppid());
+  if (rank() == 0) std::filesystem::remove_all(dir);
+  barrier();
+  auto adamw = [](std::vector<at::Tensor> params) {
+    return torch::optim::AdamW(std::move(params), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  };
+  llama::Transformer ref = llm_make_model();
+  torch::optim::AdamW ref_opt = adamw(ref->parameters());
+  DeviceMesh mesh = init_device_mesh({world_size() / 2, 2}, {"dp", "tp"});
+  llama::Transformer before = llm_make_model();
+  llama::apply_tensor_parallel(*before, mesh["tp"]);
+  auto before_fsdp = llama::apply_fully_shard(before, FullyShardOptions().mesh(mesh["dp"]));
+  torch::optim::AdamW before_opt = adamw(before->parameters());
+  torch::manual_seed(7);  // other weights and no AdamW state until the load
+  llama::Transformer after(llm_test_args());
+  after->to(at::kDouble);
+  auto after_fsdp = llama::apply_fully_shard(after);
+  torch::optim::AdamW after_opt = adamw(after->parameters());
+  for (int64_t s = 0; s < 10; ++s) {
+    auto [tokens, targets] = llm_batch(s);
+    ref_opt.zero_grad();
+    ref->loss(ref(tokens), targets).backward();
+    ref_opt.step();
+    if (s == 5) {
+      dcp::save(dcp::get_state_dict(*before, &before_opt), dir);
+      dcp::StateDict sd = dcp::get_state_dict(*after, &after_opt);
+      dcp::load(sd, dir);
+      dcp::set_state_dict(*after, &after_opt, sd);
+    }
+    const bool resumed = s >= 5;
+    auto& fsdp = resumed ? after_fsdp : before_fsdp;
+    llama::Transformer& model = resumed ? after : before;
+    torch::optim::AdamW& opt = resumed ? after_opt : before_opt;
+    const int64_t part = resumed ? rank() : mesh.get_local_rank("dp");
+    const int64_t parts = resumed ? world_size() : mesh.size("dp");
+    opt.zero_grad();
+    model->loss(fsdp(tokens.chunk(parts)[part]), targets.chunk(parts)[part]).backward();
+    opt.step();
+  }
+  auto whole = ref->named_parameters();
+  const auto got = full_state_dict(*after);
+  ASSERT_EQ(got.size(), whole.size());
+  for (const auto& [name, t] : got)
+    EXPECT_LT(llm_rel_diff(t, whole[name]), 1e-10) << name << " after 5 steps on {dp, tp} and 5 on fully_shard";
+  barrier();
+  if (rank() == 0) std::filesystem::remove_all(dir);
 }
 
 TEST(LlamaComposition, PipelineEqualsOneProcess) { expect_pipeline_trains_like_one_process("rest", false); }

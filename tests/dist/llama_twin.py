@@ -4,7 +4,7 @@ the safetensors file train_llm writes with --checkpoint.export_initial, trained 
 of the same token file in the same order, with torch.optim.AdamW, a LambdaLR of train_llm's warmup
 and cosine schedule and torch.nn.utils.clip_grad_norm_.
 
-  llama_twin.py --twin.initial FILE [--twin.dcp DIR] [train_llm's flags...] OUT.json
+  llama_twin.py --twin.initial FILE [--twin.dcp DIR] [--twin.final FILE] [train_llm's flags...] OUT.json
 
 The train_llm flags are read as train_llm reads them (defaults, then --job.config_file's TOML, then
 the flags), so a test hands both programs one argument list. On one process the twin trains the
@@ -13,7 +13,8 @@ own fully_shard (FSDP2: each block a unit, then the root, as torchtitan's apply_
 OUT.json: every step's loss (averaged over the ranks), gradient norm and learning rate, and with
 --twin.dcp, per parameter the largest difference between the twin's trained parameters and what
 torch.distributed.checkpoint's dcp.load read from dtrain's DCP folder DIR into a fresh twin's
-state dict (names missing on either side listed).
+state dict (names missing on either side listed); with --twin.final, the same against the
+safetensors file train_llm wrote with --checkpoint.export_final.
 """
 import gc
 import json
@@ -240,16 +241,23 @@ def train(cfg, model, world, rank):
     return log
 
 
+def differences(model, loaded):
+    """Per parameter of `model`, the largest difference from `loaded` (names missing on either side listed)."""
+    mine = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
+    return {"missing": sorted(set(mine) ^ set(loaded)),
+            "shapes": {k: [list(mine[k].shape), list(loaded[k].shape)] for k in mine if k in loaded},
+            "max_abs_diff": {k: (loaded[k] - mine[k]).abs().max().item() for k in mine
+                             if k in loaded and loaded[k].shape == mine[k].shape},
+            "max_abs": {k: mine[k].abs().max().item() for k in mine}}
+
+
 def compare_dcp(cfg, model, folder):
     """dcp.load of dtrain's folder into a fresh twin's state dict (model.* keys), against `model`."""
     import torch.distributed.checkpoint as dcp
     fresh = Transformer(cfg).to(next(model.parameters()).dtype)
     loaded = fresh.state_dict()
     dcp.load({"model": loaded}, checkpoint_id=folder)
-    mine = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
-    return {"missing": sorted(set(mine) ^ set(loaded)),
-            "max_abs_diff": {k: (loaded[k] - mine[k]).abs().max().item() for k in mine if k in loaded},
-            "max_abs": {k: mine[k].abs().max().item() for k in mine}}
+    return differences(model, loaded)
 
 
 def main():
@@ -264,6 +272,8 @@ def main():
     result = train(cfg, model, world, rank)
     if "twin.dcp" in twin:
         result["dcp"] = compare_dcp(cfg, model, twin["twin.dcp"])
+    if "twin.final" in twin:  # safetensors' own reader of train_llm's --checkpoint.export_final
+        result["final"] = differences(model, load_file(twin["twin.final"]))
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)

@@ -7,7 +7,9 @@ order (torch.utils.data.DistributedSampler, the sampler dtrain's replicates).
   * 2 ranks: dtrain's fully_shard equals PyTorch's own fully_shard (FSDP2) on 2 Gloo ranks, step by step;
   * fully_shard 2 x tp 2 on 4 ranks writes a DCP checkpoint that torch.distributed.checkpoint's
     dcp.load reads into the twin's state dict, equal within 1e-10 to the twin's parameters after the
-    same steps on one process with the whole global batch (and the losses agree on the way).
+    same steps on one process with the whole global batch (and the losses agree on the way); the
+    whole final model it exports (--checkpoint.export_final, gathered by rank 0) read by safetensors'
+    load_file equals them too.
 
 Env: $TRAIN_LLM, $DTRAIN_RUN, $VENV_PYTHON, $LLM_CORPUS (set by tests/dist/CMakeLists.txt).
 """
@@ -83,20 +85,27 @@ class LlamaTwin(DistTestCase):
 
     def test_dcp_of_fully_shard_x_tp_loads_into_the_twin(self):
         # 2 data-parallel ranks of 4 windows read the first 8 of the shuffle as one rank of 8 does.
+        final = os.path.join(self.tmp, "final.safetensors")
         mine, initial = self.dtrain(4, "--parallelism.data_parallel_shard_degree", 2,
                                     "--parallelism.tensor_parallel_degree", 2, "--training.local_batch_size", 4,
                                     "--checkpoint.enable", "true", "--checkpoint.async_mode", "disabled",
-                                    "--checkpoint.interval", STEPS)
+                                    "--checkpoint.interval", STEPS, "--checkpoint.export_final", final)
         folders = [os.path.dirname(p) for p in glob.glob(os.path.join(self.tmp, "dtrain", "checkpoint", "**",
                                                                       ".metadata"), recursive=True)]
         self.assertEqual(len(folders), 1, f"one DCP folder expected: {folders}")
-        twin = self.twin(1, initial, "--training.local_batch_size", 8, "--twin.dcp", folders[0])
+        twin = self.twin(1, initial, "--training.local_batch_size", 8, "--twin.dcp", folders[0], "--twin.final", final)
         self.assert_same_steps(mine, twin)
-        dcp = twin["dcp"]
-        self.assertEqual(dcp["missing"], [], "names in the DCP folder and the twin's state dict differ")
-        self.assertEqual(len(dcp["max_abs_diff"]), 1 + 2 * 9 + 2)
-        for name, diff in dcp["max_abs_diff"].items():
-            self.assertLess(diff / dcp["max_abs"][name], TOL, f"{name}: dcp.load of dtrain's 2-D checkpoint")
+        # The DCP folder, and the whole model rank 0 gathered into one safetensors file at the end.
+        for key, what in (("dcp", "dcp.load of dtrain's 2-D checkpoint"),
+                          ("final", "safetensors' load_file of --checkpoint.export_final")):
+            got = twin[key]
+            self.assertEqual(got["missing"], [], f"{what}: names differ from the twin's state dict")
+            self.assertEqual(len(got["shapes"]), 1 + 2 * 9 + 2)
+            for name, (mine_shape, loaded_shape) in got["shapes"].items():
+                self.assertEqual(mine_shape, loaded_shape, f"{name}: {what}")
+            self.assertEqual(set(got["max_abs_diff"]), set(got["shapes"]))
+            for name, diff in got["max_abs_diff"].items():
+                self.assertLess(diff / got["max_abs"][name], TOL, f"{name}: {what}")
 
 
 if __name__ == "__main__":

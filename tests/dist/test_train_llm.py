@@ -6,9 +6,12 @@
     take the same steps (the same global batch of windows, the same clipped gradient norm, the
     pipeline's summed over its stages): their losses agree to float rounding;
   * a run stopped at step 4 with a checkpoint and resumed ends bit for bit as a run never stopped
-    (the same loss_bits and validation loss): the loader's position is in the checkpoint;
-  * degrees whose product is not the world, a pipeline schedule train_llm lacks, checkpoints under
-    pipeline parallelism and a dtype other than float32 or float64 are refused in one line.
+    (the same loss_bits and validation loss): the loader's position is in the checkpoint; the same
+    checkpoint resumed under tensor parallelism (another dp degree) ends as both whole runs, to
+    float rounding;
+  * degrees whose product is not the world, a pipeline schedule train_llm lacks, checkpoints and
+    exported weights under pipeline parallelism and a dtype other than float32 or float64 are refused
+    in one line.
 
 Binaries: $TRAIN_LLM and $DTRAIN_RUN (set by tests/dist/CMakeLists.txt), else build*/bin. The corpus:
 $LLM_CORPUS, else data/shakespeare (scripts/setup.sh installs it).
@@ -18,6 +21,7 @@ import os
 import pty
 import re
 import select
+import shutil
 import subprocess
 import tempfile
 import unittest
@@ -181,11 +185,28 @@ class TrainLlm(DistTestCase):
         ckpt = ("--checkpoint.enable", "true", "--checkpoint.interval", 2)
         _, first = self.launch("resumed", *common, *ckpt, "--training.stop_at_step", 4)
         self.assertEqual(first.group(1), "4")
+        shutil.copytree(os.path.join(self.tmp, "resumed", "checkpoint"), os.path.join(self.tmp, "onto_tp", "checkpoint"))
         res, resumed = self.launch("resumed", *common, *ckpt)
         self.assertIn("resumed from", res.out)
         self.assertEqual(resumed.group(1), "8")
         self.assertEqual((resumed.group(3), resumed.group(4)), (whole.group(3), whole.group(4)),
                          f"the resumed run differs from the whole one:\n{res}")
+        # The step-4 checkpoint of fully_shard 2 resumed under tensor parallelism 2 (dp 1, 8 windows a
+        # step: the same global batch): the model and AdamW state resharded by DCP, the sampler's two
+        # positions merged into one (Note [Resharded epoch]), the same steps to float rounding.
+        tp = ("--parallelism.data_parallel_shard_degree", 1, "--parallelism.tensor_parallel_degree", 2,
+              "--training.local_batch_size", 8, "--activation_checkpoint.mode", "full")
+        res, onto_tp = self.launch("onto_tp", *tp, *ckpt)
+        self.assertIn("resumed from", res.out)
+        self.assertIn("dp_shard 1 x tp 2", res.out)
+        _, tp_whole = self.launch("tp_whole", *tp)
+        steps = [(x["step"], x["loss"]) for x in self.metrics("onto_tp")]
+        self.assertEqual([s for s, _ in steps], [5, 6, 7, 8], steps)
+        for name, other in (("fully_shard", whole), ("tensor parallel", tp_whole)):
+            msg = f"resumed under tp, the run differs from the whole {name} run:\n{res}"
+            loss = float.fromhex(other.group(3))
+            self.assertAlmostEqual(float.fromhex(onto_tp.group(3)), loss, delta=1e-5 * loss, msg=msg)
+            self.assertAlmostEqual(float(onto_tp.group(4)), float(other.group(4)), delta=1.5e-4, msg=msg)
 
     def test_bad_degrees_are_refused_in_one_line(self):
         cases = {("--parallelism.tensor_parallel_degree", 4, "--parallelism.data_parallel_shard_degree", 1):
@@ -196,6 +217,10 @@ class TrainLlm(DistTestCase):
                                       "ZeroBubbleH1",
                  ("--parallelism.pipeline_parallel_degree", 2, "--checkpoint.enable", "true"):
                  "pipeline_parallel_degree 2: checkpoints of pipeline stages are not in train_llm yet",
+                 ("--parallelism.pipeline_parallel_degree", 2, "--checkpoint.export_final",
+                  os.path.join(ROOT, "never.safetensors")):
+                 "export_final with parallelism.pipeline_parallel_degree 2: exporting the weights of pipeline "
+                 "stages is not in train_llm yet",
                  ("--training.dtype", "bfloat16"): "training.dtype bfloat16: use float32 or float64"}
         for args, text in cases.items():
             with self.subTest(args=args):
