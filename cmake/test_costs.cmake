@@ -2,89 +2,134 @@
 # cmake/test_weights.cmake sets them as each test's COST, so that ctest -j starts the long
 # tests first. Regenerate after a full run when the slow tests change.
 set(DTRAIN_TEST_COSTS
-  dist_py_elastic_main_job 84
+  dist_py_elastic_main_job 142
+  dist_py_train_fashion_mnist 109
   dist_py_dcp 74
-  launcher_elastic 70
+  launcher_elastic 71
   dist_py_pytorch_peers 58
   dist_py_pytorch_peers_ddp 56
-  dist_py_flight_recorder 52
-  dist_py_train_fashion_mnist 44
+  dist_py_flight_recorder 55
   dist_py_security 40
-  dist_py_fault_tolerance 35
-  dist_py_elastic_train 29
-  dist_py_init_methods 24
-  dist_py_slurm 24
+  dist_py_fault_tolerance 40
+  dist_py_elastic_train 31
+  dist_py_slurm 29
+  dist_py_init_methods 26
+  dist_py_train_llm_learning 25
   launcher_multinode 22
+  dist_py_bad_input 21
   dist_py_fsdp_pytorch 19
-  dist_py_bad_input 16
   dist_py_install 15
   dist_py_train_fsdp 14
+  dist_py_checkpoint_async 13
+  dist_pipeline_test_gloo_4 13
+  dist_py_safetensors 13
   dist_fsdp_hsdp_test_gloo_4 13
-  dist_py_checkpoint_async 12
+  dist_py_torchrun 13
+  dist_py_progress_plot 12
   launcher_rdzv_conf 11
-  dist_py_safetensors 11
-  dist_py_torchrun 11
-  dist_fsdp_test_gloo_3 10
+  dist_tensor_collectives_test_4 11
+  dist_fsdp_test_gloo_3 11
+  dist_shm_dist_test_4 11
+  dist_py_replica_ft 10
+  dist_py_llama_twin 10
   format_check 10
-  fuzz_flight_pickle 8
-  fuzz_store_reader 8
-  fuzz_launcher_options 8
-  fuzz_safetensors_header 8
-  fuzz_slurm_hosts 8
-  fuzz_dcp_metadata 8
+  dist_fsdp_hsdp_test_4 9
+  dist_py_reshard 9
+  fuzz_dcp_metadata 9
+  dist_py_tensorboard 8
   fuzz_ckpt_unframe 8
+  fuzz_flight_pickle 8
+  fuzz_safetensors_header 8
+  fuzz_launcher_options 8
+  dist_py_launch_env 8
+  dist_ddp_test_3 8
+  fuzz_store_reader 8
   fuzz_zip_crc 8
+  fuzz_slurm_hosts 8
+  dist_tensor_collectives_test_gloo_3 8
+  launcher_cluster 8
+  dist_broken_group_test_3 8
   dist_py_local_sgd_pytorch 8
-  dist_pipeline_test_gloo_4 8
-  dist_fsdp_hsdp_test_4 8
-  launcher_cluster 7
-  dist_broken_group_test_3 7
-  dist_py_progress_plot 7
+  dist_shm_dist_test_3 8
+  dist_py_launcher 8
+  dist_py_cluster_train 7
+  dist_join_test_gloo_3 7
+  dist_ddp_test_2 7
+  dist_collectives_random_test_3 7
+  dist_tensor_collectives_test_3 7
+  dist_pipeline_test_gloo_2 7
   dist_py_small_shm 7
-  dist_py_tensorboard 7
+  dist_py_tp_pytorch 7
   dist_tp_checkpoint_test_gloo_4 6
-  dist_py_reshard 6
-  dist_py_tp_pytorch 6
-  dist_py_cluster_train 6
-  StoreHostile.FiveByteFramesFromEightConnectionsCostTheStoreLittleCpu 6
-  dist_shm_dist_test_3 6
   launcher_flight_analysis 6
-  dist_shm_dist_test_4 6
-  dist_py_launch_env 6
+  StoreHostile.FiveByteFramesFromEightConnectionsCostTheStoreLittleCpu 6
+  dist_ddp_test_gloo_2 6
   dist_tensor_parallel_test_gloo_4 6
+  example_ddp_train_2 6
   dist_local_sgd_test_gloo_2 5
   dist_local_sgd_test_2 5
-  dist_tensor_collectives_test_4 5
+  dist_py_train_llm 5
+  dist_pipeline_test_4 5
+  subproject_defaults 5
   dist_broken_group_test_2 5
-  dist_join_test_gloo_3 5
-  dist_ddp_test_3 4
+  dist_collectives_test_gloo_3 5
+  dist_collectives_random_test_gloo_3 5
+  example_tp_train_4 5
+  dist_join_test_3 5
+  dist_collectives_test_3 5
   dist_llama_composition_test_4 4
-  dist_py_train_llm 4
-  dist_tensor_collectives_test_gloo_3 4
+  checkpoint_async_test 4
   dist_tp_checkpoint_test_4 4
-  dist_collectives_test_gloo_3 4
-  dist_collectives_test_3 4
-  dist_tensor_collectives_test_3 3
-  subproject_defaults 3
-  dist_collectives_random_test_gloo_3 3
-  dist_py_launcher 3
-  dist_ddp_test_gloo_2 3
-  dist_fsdp_test_gloo_2 3
-  dist_tp_pipeline_test_gloo_4 3
-  dist_fsdp_test_3 3
+  dist_tensor_collectives_test_2 4
+  AsyncCheckpoint.EveryStagedOptimizerSavesTheStateOfTheCall 4
+  example_c_ddp_train_2 4
+  dist_shm_dist_test_2 4
+  dist_collectives_test_gloo_2 4
+  dist_tensor_collectives_test_gloo_2 4
+  dist_comm_hooks_test_gloo_3 3
+  FashionMNIST.StandardizeUsesMeanAndStd 3
+  FashionMNISTFiles.ShapesTypesAndLabelsMatchPython 3
+  example_ddp_amp_train_accumulate_2 3
   dist_collectives_test_2 3
-  dist_collectives_test_gloo_2 3
-  dist_join_test_3 3
+  dist_context_parallel_test_4 3
+  dist_context_parallel_test_gloo_2 3
+  FashionMNISTFiles.UngzippedCopyLoadsTheSame 3
+  dist_fsdp_checkpoint_4_save 3
+  dist_ddp_overlap_test_gloo_2 3
+  dist_fsdp_test_4 3
+  FashionMNISTFiles.SubsetIsThePrefix 3
+  dist_fsdp_test_gloo_2 3
+  FashionMNISTFiles.BatchedLoaderWithDistributedSamplerAndWorkers 3
+  FashionMNISTFiles.GetAndBatchAgree 3
+  dist_fsdp_test_3 3
+  dist_tp_pipeline_test_gloo_4 3
+  dist_amp_dist_test_4 3
+  dist_fsdp_checkpoint_3_save 3
+  dist_ddp_options_test_3 3
+  AsyncCheckpoint.TheFileHoldsTheStateOfTheCallNotOfLaterSteps 3
+  dist_collectives_random_test_2 3
+  dist_llama_composition_test_2 3
   launcher_failure 2
-  example_tp_train_4 2
-  dist_fsdp_checkpoint_4to4 2
-  dist_comm_hooks_test_gloo_3 2
-  checkpoint_async_test 2
-  dist_ddp_test_2 2
-  example_ddp_train_2 2
-  dist_tp_pipeline_test_4 2
+  dist_comm_hooks_test_3 2
+  dist_amp_dist_test_3 2
+  FashionMNISTFiles.StackPathWorksToo 2
+  example_ddp_amp_train_2 2
   dist_tensor_parallel_test_4 2
+  launcher_slurm_step 2
+  dist_fsdp_checkpoint_4to4 2
+  dist_ddp_overlap_test_2 2
+  dist_collectives_random_test_gloo_2 2
+  dist_join_hooks_test_3 2
+  dist_zero_test_3 2
+  dist_tp_pipeline_test_4 2
+  dist_py_job_secret 2
+  dist_comm_hooks_test_gloo_2 2
   launcher_progress_bar 2
-  dist_shm_dist_test_2 2
+  AsyncCheckpoint.LoadLatestRightAfterSaveAsyncResumesFromTheSaveInFlight 2
+  dist_join_hooks_test_gloo_3 2
+  dist_sync_batchnorm_test_3 2
+  dist_group_ids_test_3 2
+  dist_fsdp_checkpoint_4to3 2
+  dist_zero_reshard_3to2_save 2
   StoreHostile.RandomFramesNeitherStopTheStoreNorGrowItsMemory 2
 )
