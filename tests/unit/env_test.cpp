@@ -227,15 +227,17 @@ TEST(Env, DocsShowExactlyTheTable) {
 TEST(Env, EveryDtrainNameInTheSourcesIsARow) {
   std::set<std::string> rows;
   for (const env::Knob& k : env::knobs()) rows.insert(k.name);
-  // Compile-time names are no environment variables: macros #define'd in the sources, and the
-  // definitions CMake passes (target_compile_definitions).
+  // Compile-time names are no environment variables: macros #define'd in the sources, the C API's
+  // enumerators (its status codes and ops, `DTRAIN_C_OK = 0,`), and the definitions CMake passes
+  // (target_compile_definitions).
   std::set<std::string> macros;
   const std::regex name(R"(\bDTRAIN_[A-Z0-9_]+\b)"), define(R"(#\s*define\s+(DTRAIN_[A-Z0-9_]+))"),
-      cmake_defs(R"(target_compile_definitions\(([^)]*)\))");
+      enumerator(R"(\b(DTRAIN_C_[A-Z0-9_]+)\s*=\s*-?[0-9])"), cmake_defs(R"(target_compile_definitions\(([^)]*)\))");
   const auto files = sources();
   for (const auto& f : files) {
     const std::string text = read_file(f);
-    for (std::sregex_iterator m(text.begin(), text.end(), define), end; m != end; ++m) macros.insert((*m)[1]);
+    for (const std::regex* r : {&define, &enumerator})
+      for (std::sregex_iterator m(text.begin(), text.end(), *r), end; m != end; ++m) macros.insert((*m)[1]);
   }
   std::vector<fs::path> cmake_files{kRoot / "CMakeLists.txt"};
   for (const char* dir : {"src", "tools"})
