@@ -57,7 +57,10 @@ typedef enum dtrain_c_reduce_op {
   DTRAIN_C_AVG = 1,
   DTRAIN_C_MIN = 2,
   DTRAIN_C_MAX = 3,
-  DTRAIN_C_PRODUCT = 4
+  DTRAIN_C_PRODUCT = 4,
+  /* Not an op: makes every int a value of the type, so a wrong number passed from another language is
+     refused with DTRAIN_C_INVALID_ARGUMENT, not undefined behaviour in the library. */
+  DTRAIN_C_REDUCE_OP_MAX_ENUM = 0x7FFFFFFF
 } dtrain_c_reduce_op;
 
 typedef struct dtrain_c_tensor dtrain_c_tensor; /* at::Tensor, never defined in C */

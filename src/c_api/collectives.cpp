@@ -27,6 +27,8 @@ ReduceOp op_arg(dtrain_c_reduce_op op) {
       return ReduceOp::MAX;
     case DTRAIN_C_PRODUCT:
       return ReduceOp::PRODUCT;
+    case DTRAIN_C_REDUCE_OP_MAX_ENUM:
+      break;
   }
   throw StatusError(
       DTRAIN_C_INVALID_ARGUMENT,
