@@ -80,6 +80,7 @@ EXPORTS = {
         "comm/replica_group.h": "a Gloo group outside the world, per fault-tolerance quorum",
     },
     "optim": {"optim/state_device.h": "where an optimizer's state lives, for checkpoints"},
+    "tp": {"tp/dims.h": "a dimension argument checked and wrapped, with one error line (context parallel)"},
 }
 
 # The directory behind each public header (include/dtrain/NAME.h or include/dtrain/NAME/...).

@@ -7,16 +7,10 @@
 #include "cp/blocks.h"
 #include "dtrain/context_parallel.h"
 #include "dtrain/functional_collectives.h"
+#include "tp/dims.h"
 
 namespace dtrain {
 namespace {
-
-int64_t cp_wrap_dim(int64_t dim, const at::Tensor& t, const char* op) {
-  const int64_t n = t.dim();
-  DTRAIN_CHECK(dim >= -n && dim < n, op, ": seq_dim ", dim, " is out of range for a tensor of ", n,
-               " dimensions: give one in [", -n, ", ", n - 1, "]");
-  return dim < 0 ? dim + n : dim;
-}
 
 // Which chunk of the sequence (of 2 n) group rank r's local chunk c (0 head, 1 tail) is.
 int64_t cp_sequence_chunk(int64_t n, int64_t r, int64_t c) { return c == 0 ? r : 2 * n - 1 - r; }
@@ -61,7 +55,7 @@ double attention_scale(const at::Tensor& q, const std::optional<double>& scale) 
 }  // namespace cp
 
 at::Tensor context_parallel_shard(const at::Tensor& x, int64_t seq_dim, const Group& group) {
-  seq_dim = cp_wrap_dim(seq_dim, x, "context_parallel_shard");
+  seq_dim = tp::wrap_dim(seq_dim, x, "context_parallel_shard", "seq_dim");
   const int64_t n = group.size(), r = group.rank(), len = x.size(seq_dim);
   DTRAIN_CHECK(len % (2 * n) == 0, "context_parallel_shard: sequence length ", len, " along dim ", seq_dim,
                " is not divisible by 2 * cp = ", 2 * n, " (head-tail chunks): pad it to a multiple");
@@ -72,7 +66,7 @@ at::Tensor context_parallel_shard(const at::Tensor& x, int64_t seq_dim, const Gr
 }
 
 at::Tensor context_parallel_unshard(const at::Tensor& x_local, int64_t seq_dim, const Group& group) {
-  seq_dim = cp_wrap_dim(seq_dim, x_local, "context_parallel_unshard");
+  seq_dim = tp::wrap_dim(seq_dim, x_local, "context_parallel_unshard", "seq_dim");
   DTRAIN_CHECK(x_local.size(seq_dim) % 2 == 0, "context_parallel_unshard: the local length ", x_local.size(seq_dim),
                " along dim ", seq_dim, " is odd: pass a part made by context_parallel_shard (two equal chunks)");
   at::Tensor all = functional::all_gather(x_local, seq_dim, group);

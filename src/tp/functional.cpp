@@ -9,17 +9,11 @@
 #include "compat/autograd_compat.h"
 #include "comm/tags.h"
 #include "dtrain/functional_collectives.h"
+#include "tp/dims.h"
 #include "tp/regions.h"
 
 namespace dtrain {
 namespace {
-
-int64_t wrap_dim(int64_t dim, const at::Tensor& t, const char* op) {
-  const int64_t n = t.dim();
-  DTRAIN_CHECK(dim >= -n && dim < n, op, ": dim ", dim, " is out of range for a tensor of ", n,
-               " dimensions: give one in [", -n, ", ", n - 1, "]");
-  return dim < 0 ? dim + n : dim;
-}
 
 // Size along dim, checked divisible by the group size.
 int64_t part_size(const at::Tensor& t, int64_t dim, const Group& group, const char* op) {
@@ -104,7 +98,7 @@ at::Tensor all_reduce(const at::Tensor& input, ReduceOp op, const Group& group) 
 }
 
 at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group) {
-  dim = wrap_dim(dim, input, "functional::all_gather");
+  dim = tp::wrap_dim(dim, input, "functional::all_gather");
   at::Tensor out;
   {
     at::NoGradGuard no_grad;
@@ -116,7 +110,7 @@ at::Tensor all_gather(const at::Tensor& input, int64_t dim, const Group& group) 
 }
 
 at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, ReduceOp op, const Group& group) {
-  dim = wrap_dim(dim, input, "functional::reduce_scatter");
+  dim = tp::wrap_dim(dim, input, "functional::reduce_scatter");
   DTRAIN_CHECK(op == ReduceOp::SUM || op == ReduceOp::AVG, "functional::reduce_scatter: ", to_string(op),
                " has no gradient: use SUM or AVG");
   at::Tensor out;
@@ -132,8 +126,8 @@ at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, ReduceOp op, con
 }
 
 at::Tensor all_to_all(const at::Tensor& input, int64_t split_dim, int64_t cat_dim, const Group& group) {
-  split_dim = wrap_dim(split_dim, input, "functional::all_to_all");
-  cat_dim = wrap_dim(cat_dim, input, "functional::all_to_all");
+  split_dim = tp::wrap_dim(split_dim, input, "functional::all_to_all");
+  cat_dim = tp::wrap_dim(cat_dim, input, "functional::all_to_all");
   at::Tensor out;
   {
     at::NoGradGuard no_grad;
@@ -219,7 +213,7 @@ at::Tensor gather_last_dim(const at::Tensor& x, int64_t whole, const Group& grou
 }
 
 at::Tensor reduce_scatter_dim(const at::Tensor& x, int64_t dim, const Group& group) {
-  dim = wrap_dim(dim, x, "RowwiseParallel output");
+  dim = tp::wrap_dim(dim, x, "RowwiseParallel output");
   at::Tensor out;
   {
     at::NoGradGuard no_grad;
