@@ -57,6 +57,10 @@ struct JobConfig {
     int64_t data_parallel_replicate_degree = 1;
     int64_t data_parallel_shard_degree = -1;  // -1: the world size over the other degrees
     int64_t tensor_parallel_degree = 1;
+    // Context parallelism: each cp rank holds a head-tail part of every window's tokens
+    // (dtrain/context_parallel.h); fully_shard then spans the shard and cp degrees (torchtitan's dp_shard_cp).
+    int64_t context_parallel_degree = 1;
+    std::string context_parallel_method = "ring";  // ring (K/V rotate, p2p) or ulysses (all-to-all over heads)
     int64_t pipeline_parallel_degree = 1;
     std::string pipeline_parallel_schedule = "1F1B";  // GPipe, 1F1B or ZeroBubbleH1
     int64_t pipeline_parallel_microbatch_size = 1;    // windows per pipeline micro-batch

@@ -348,4 +348,8 @@ void apply_context_parallel(TransformerImpl& model, const dtrain::Group& cp_grou
     model.block(i).attention->set_context_parallel(ContextParallel{cp_group, kind});
 }
 
+void remove_context_parallel(TransformerImpl& model) {
+  for (size_t i = 0; i < model.num_blocks(); ++i) model.block(i).attention->set_context_parallel(std::nullopt);
+}
+
 }  // namespace llama

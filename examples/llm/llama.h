@@ -245,5 +245,8 @@ void apply_activation_checkpoint(TransformerImpl& model, const ActivationCheckpo
 // divide by the cp size.
 void apply_context_parallel(TransformerImpl& model, const dtrain::Group& cp_group,
                             CpAttention kind = CpAttention::kRing);
+// Every block's attention back to the whole sequence on every rank (e.g. to decode a context of any
+// length); apply_context_parallel splits it again.
+void remove_context_parallel(TransformerImpl& model);
 
 }  // namespace llama

@@ -76,7 +76,8 @@ double TrainMetrics::log(int64_t step, const StepMetricsInput& r) {
   since_ = std::chrono::steady_clock::now();
   steps_since_ = 0;
   if (o_.rank != 0) return loss;
-  // Every rank computes the model's FLOPs for its own windows; tensor-parallel ranks share theirs, so
+  // Every rank computes the model's FLOPs for its own windows; tensor- and context-parallel ranks share
+  // theirs, so
   // the job's model FLOP/s are the data-parallel ranks' tokens, spread over every rank's peak.
   const double total = rank_tokens * static_cast<double>(o_.dp) / secs;
   const double mfu = total * flops_per_token_ / (peak_flops_ * static_cast<double>(o_.world));

@@ -1,6 +1,7 @@
 // train_llm: torchtitan's recipe in C++ — a Llama-style model (llm/llama.h) trained on a real text
 // corpus (byte-level tokens, llm/text_data.h) with fully_shard, HSDP and tensor parallelism on one
-// world mesh (and pipeline parallelism by blocks, the mesh's outermost dimension), AdamW with warmup and cosine decay,
+// world mesh (and pipeline parallelism by blocks, the mesh's outermost dimension, and context parallelism
+// along the sequence), AdamW with warmup and cosine decay,
 // gradient accumulation, clipping by the global norm, activation checkpointing, asynchronous checkpoints with exact
 // resume and JSONL metrics.
 //
@@ -28,6 +29,7 @@
 
 #include "collective_errors.h"
 #include "dtrain/checkpoint.h"
+#include "dtrain/context_parallel.h"
 #include "dtrain/device_mesh.h"
 #include "dtrain/dtrain.h"
 #include "dtrain/fsdp.h"
@@ -49,26 +51,27 @@ using train::one_line;
 
 // torchtitan's ParallelDims: the degrees of the world mesh, outer to inner.
 struct ParallelDims {
-  int64_t pp = 1, dp_replicate = 1, dp_shard = 1, tp = 1;
+  int64_t pp = 1, dp_replicate = 1, dp_shard = 1, cp = 1, tp = 1;
   int64_t dp() const { return dp_replicate * dp_shard; }
 };
 
 // The degrees from the configuration, refused in one line unless their product is the world.
 ParallelDims parallel_dims(const JobConfig::Parallelism& p, int64_t world) {
-  DTRAIN_CHECK(p.pipeline_parallel_degree >= 1 && p.data_parallel_replicate_degree >= 1 &&
-                   p.tensor_parallel_degree >= 1 &&
-                   (p.data_parallel_shard_degree >= 1 || p.data_parallel_shard_degree == -1),
-               "parallelism: pipeline_parallel_degree ", p.pipeline_parallel_degree,
-               ", data_parallel_replicate_degree ", p.data_parallel_replicate_degree, ", data_parallel_shard_degree ",
-               p.data_parallel_shard_degree, ", tensor_parallel_degree ", p.tensor_parallel_degree,
-               ": each must be at least 1 (the shard degree may be -1: the rest)");
+  DTRAIN_CHECK(
+      p.pipeline_parallel_degree >= 1 && p.data_parallel_replicate_degree >= 1 && p.tensor_parallel_degree >= 1 &&
+          p.context_parallel_degree >= 1 && (p.data_parallel_shard_degree >= 1 || p.data_parallel_shard_degree == -1),
+      "parallelism: pipeline_parallel_degree ", p.pipeline_parallel_degree, ", data_parallel_replicate_degree ",
+      p.data_parallel_replicate_degree, ", data_parallel_shard_degree ", p.data_parallel_shard_degree,
+      ", context_parallel_degree ", p.context_parallel_degree, ", tensor_parallel_degree ", p.tensor_parallel_degree,
+      ": each must be at least 1 (the shard degree may be -1: the rest)");
   ParallelDims d{p.pipeline_parallel_degree, p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
-                 p.tensor_parallel_degree};
-  if (d.dp_shard == -1) d.dp_shard = std::max<int64_t>(1, world / (d.pp * d.dp_replicate * d.tp));
-  const int64_t product = d.pp * d.dp_replicate * d.dp_shard * d.tp;
+                 p.context_parallel_degree, p.tensor_parallel_degree};
+  if (d.dp_shard == -1) d.dp_shard = std::max<int64_t>(1, world / (d.pp * d.dp_replicate * d.cp * d.tp));
+  const int64_t product = d.pp * d.dp_replicate * d.dp_shard * d.cp * d.tp;
   DTRAIN_CHECK(product == world, "parallelism: pipeline_parallel_degree ", d.pp, " x data_parallel_replicate_degree ",
-               d.dp_replicate, " x data_parallel_shard_degree ", d.dp_shard, " x tensor_parallel_degree ", d.tp, " = ",
-               product, ", but the world has ", world, " rank(s); make the product equal the world size");
+               d.dp_replicate, " x data_parallel_shard_degree ", d.dp_shard, " x context_parallel_degree ", d.cp,
+               " x tensor_parallel_degree ", d.tp, " = ", product, ", but the world has ", world,
+               " rank(s); make the product equal the world size");
   return d;
 }
 
@@ -79,6 +82,36 @@ dtrain::Schedule pipeline_schedule(const std::string& name) {
   DTRAIN_CHECK(false, "parallelism.pipeline_parallel_schedule ", name,
                ": use GPipe, 1F1B or ZeroBubbleH1 (Interleaved1F1B's virtual stages are not in train_llm)");
   return dtrain::Schedule::k1F1B;
+}
+
+// The context-parallel keys against the others, one line each.
+void validate_context_parallel(const JobConfig& cfg) {
+  const auto& p = cfg.parallelism;
+  DTRAIN_CHECK(p.context_parallel_method == "ring" || p.context_parallel_method == "ulysses",
+               "parallelism.context_parallel_method ", p.context_parallel_method, ": use ring or ulysses");
+  if (p.context_parallel_degree <= 1) return;
+  DTRAIN_CHECK(cfg.training.seq_len % (2 * p.context_parallel_degree) == 0, "training.seq_len ", cfg.training.seq_len,
+               " with parallelism.context_parallel_degree ", p.context_parallel_degree,
+               ": each cp rank holds two equal chunks of every window; make seq_len a multiple of ",
+               2 * p.context_parallel_degree);
+  DTRAIN_CHECK(p.pipeline_parallel_degree == 1, "parallelism.context_parallel_degree ", p.context_parallel_degree,
+               " with pipeline_parallel_degree ", p.pipeline_parallel_degree,
+               ": context parallelism inside pipeline stages is not in train_llm yet; set one of them to 1");
+  const int64_t heads = cfg.model.n_kv_heads > 0 ? cfg.model.n_kv_heads : cfg.model.n_heads;
+  DTRAIN_CHECK(
+      p.context_parallel_method != "ulysses" || (heads % p.tensor_parallel_degree == 0 &&
+                                                 (heads / p.tensor_parallel_degree) % p.context_parallel_degree == 0),
+      "parallelism.context_parallel_method ulysses: the ", heads, " (key/value) heads over tensor_parallel_degree ",
+      p.tensor_parallel_degree, " do not divide by context_parallel_degree ", p.context_parallel_degree,
+      "; Ulysses gives each cp rank whole heads: use ring or change the degrees");
+  // fully_shard spans the data-parallel and cp degrees as one dimension: HSDP's replicate x shard
+  // mesh would need a two-dimensional flattening.
+  DTRAIN_CHECK(p.data_parallel_replicate_degree == 1 || p.data_parallel_shard_degree == 1,
+               "parallelism.context_parallel_degree ", p.context_parallel_degree,
+               " with data_parallel_replicate_degree ", p.data_parallel_replicate_degree,
+               " and data_parallel_shard_degree ", p.data_parallel_shard_degree,
+               ": HSDP with context parallelism is not in train_llm yet; set one of the "
+               "data-parallel degrees to 1");
 }
 
 // The checks that span keys or that the model's own validate() does not make, one line each.
@@ -132,6 +165,7 @@ void validate(const JobConfig& cfg) {
       "checkpoint.export_initial / export_final with parallelism.pipeline_parallel_degree ", p.pipeline_parallel_degree,
       ": exporting the weights of pipeline stages is not in train_llm yet; "
       "leave both empty or set pipeline_parallel_degree 1");
+  validate_context_parallel(cfg);
   DTRAIN_CHECK(p.pipeline_parallel_degree <= cfg.model.n_layers, "parallelism.pipeline_parallel_degree ",
                p.pipeline_parallel_degree, ": more stages than model.n_layers ", cfg.model.n_layers,
                "; every stage needs a block");
@@ -177,10 +211,11 @@ Place setup(const JobConfig& cfg) {
                  ": mixed precision comes with fully_shard, and this run has no data-parallel "
                  "degree above 1; use float32 or shard the model");
   });
-  // torchtitan's world mesh: tensor parallelism innermost (its ranks adjacent), the shard dimension
-  // next, replicas, then pipeline stages outermost (a stage's tp and dp groups lie inside it).
-  p.mesh = dtrain::init_device_mesh({p.dims.pp, p.dims.dp_replicate, p.dims.dp_shard, p.dims.tp},
-                                    {"pp", "dp_replicate", "dp_shard", "tp"});
+  // torchtitan's world mesh: tensor parallelism innermost (its ranks adjacent), then context
+  // parallelism, the shard dimension, replicas, and pipeline stages outermost (a stage's tp, cp and dp
+  // groups lie inside it).
+  p.mesh = dtrain::init_device_mesh({p.dims.pp, p.dims.dp_replicate, p.dims.dp_shard, p.dims.cp, p.dims.tp},
+                                    {"pp", "dp_replicate", "dp_shard", "cp", "tp"});
   p.dp_rank = p.mesh.get_local_rank("dp_replicate") * p.dims.dp_shard + p.mesh.get_local_rank("dp_shard");
   return p;
 }
@@ -214,6 +249,11 @@ dtrain::MixedPrecisionPolicy mixed_precision(const JobConfig::Training& t) {
   return mp;
 }
 
+llama::CpAttention cp_attention(const JobConfig& cfg) {
+  return cfg.parallelism.context_parallel_method == "ulysses" ? llama::CpAttention::kUlysses
+                                                              : llama::CpAttention::kRing;
+}
+
 // The model with its parallelisms applied in torchtitan's order: pipeline stages, then on this rank's
 // stage tensor parallel, activation checkpointing, then fully_shard (each block a unit, the root last).
 struct Parallel {
@@ -221,6 +261,7 @@ struct Parallel {
   std::optional<dtrain::FSDPModule<llama::TransformerImpl>> fsdp;
   std::unique_ptr<dtrain::Pipeline> pipeline;  // pp > 1
   std::optional<dtrain::Group> pp_group;       // pp > 1
+  std::optional<dtrain::Group> cp_group;       // cp > 1
   // The model's (or this stage's) forward: tokens, or the previous stage's activations, in.
   at::Tensor operator()(const at::Tensor& x) { return fsdp ? (*fsdp)(x) : model->forward(x); }
 };
@@ -255,17 +296,24 @@ Parallel build_model(const JobConfig& cfg, const Place& place) {
     if (cfg.training.dtype == "float64") par.model->to(at::kDouble);
   }
   if (d.tp > 1) llama::apply_tensor_parallel(*par.model, place.mesh["tp"]);
+  if (d.cp > 1) {
+    par.cp_group = place.mesh.get_group("cp");
+    llama::apply_context_parallel(*par.model, *par.cp_group, cp_attention(cfg));
+  }
   const auto& ac = cfg.activation_checkpoint;
   llama::apply_activation_checkpoint(*par.model, ac.mode == "full" ? llama::ActivationCheckpoint::full()
                                                  : ac.mode == "selective"
                                                      ? llama::ActivationCheckpoint::every_k(ac.selective_ac_option)
                                                      : llama::ActivationCheckpoint::none());
-  if (d.dp() > 1) {
+  if (d.dp() * d.cp > 1) {
     // HSDP with both data-parallel degrees above 1; otherwise fully_shard over the one there is
-    // (replicas alone are sharded too: the same arithmetic as DDP, with a third of the memory).
-    dtrain::DeviceMesh dp_mesh = d.dp_replicate > 1 && d.dp_shard > 1 ? place.mesh[{"dp_replicate", "dp_shard"}]
-                                 : d.dp_shard > 1                     ? place.mesh["dp_shard"]
-                                                                      : place.mesh["dp_replicate"];
+    // (replicas alone are sharded too: the same arithmetic as DDP, with a third of the memory). The cp
+    // ranks of a data-parallel rank each computed the gradient of their part of its tokens: fully_shard
+    // spans them too (torchtitan's dp_shard_cp), so its average is over every token of the step.
+    dtrain::DeviceMesh dp_mesh = d.cp > 1 ? place.mesh[{"dp_replicate", "dp_shard", "cp"}].flatten("dp_cp")
+                                 : d.dp_replicate > 1 && d.dp_shard > 1 ? place.mesh[{"dp_replicate", "dp_shard"}]
+                                 : d.dp_shard > 1                       ? place.mesh["dp_shard"]
+                                                                        : place.mesh["dp_replicate"];
     par.fsdp.emplace(llama::apply_fully_shard(
         par.model, dtrain::FullyShardOptions().mesh(dp_mesh).mp_policy(mixed_precision(cfg.training))));
   }
@@ -321,6 +369,12 @@ at::Tensor next_batch(dtrain::DistributedSampler& sampler, const llm::TokenFile&
   }
 }
 
+// This rank's part of a batch's tokens [batch, seq] under context parallelism (the head-tail chunks of
+// every window, dtrain/context_parallel.h), the whole batch without it.
+at::Tensor cp_part(const Parallel& par, const at::Tensor& tokens) {
+  return par.cp_group ? dtrain::context_parallel_shard(tokens, 1, *par.cp_group) : tokens;
+}
+
 // doc:begin train_step
 // One optimizer step over gradient_accumulation_steps micro-batches. Returns this rank's loss (the
 // mean over its micro-batches).
@@ -339,7 +393,8 @@ llm::StepMetricsInput train_step(const JobConfig& cfg, Parallel& par, torch::opt
       r.loss += par.pipeline->step(w.narrow(1, 0, seq), w.narrow(1, 1, seq), loss_fn).loss;
       continue;
     }
-    at::Tensor loss = par.model->loss(par(w.narrow(1, 0, seq)), w.narrow(1, 1, seq)) / static_cast<double>(accum);
+    at::Tensor loss = par.model->loss(par(cp_part(par, w.narrow(1, 0, seq))), cp_part(par, w.narrow(1, 1, seq))) /
+                      static_cast<double>(accum);
     loss.backward();
     r.loss += loss.item<double>();
   }
@@ -391,9 +446,12 @@ double validation_loss(const JobConfig& cfg, const Place& place, Parallel& par, 
     for (int64_t k = begin; k < std::min(per_rank, begin + cfg.training.local_batch_size); ++k)
       rows.push_back(val.window(k * dp + place.dp_rank, seq));
     const at::Tensor w = at::stack(rows);
-    const at::Tensor logits = forward_through_stages(cfg, par, w.narrow(1, 0, seq));
+    // Under context parallelism each cp rank's loss is the mean of its part of the tokens: the
+    // world's sum below averages the cp ranks' equal parts into the windows' mean.
+    const at::Tensor logits = forward_through_stages(cfg, par, cp_part(par, w.narrow(1, 0, seq)));
     if (logits.defined())
-      sum += par.model->loss(logits, w.narrow(1, 1, seq)).item<double>() * static_cast<double>(rows.size());
+      sum +=
+          par.model->loss(logits, cp_part(par, w.narrow(1, 1, seq))).item<double>() * static_cast<double>(rows.size());
   }
   if (par.fsdp) par.fsdp->reshard();  // no backward follows to free the root's gathered parameters
   // Only the last pipeline stage holds losses: the other stages count no windows.
@@ -415,6 +473,9 @@ std::string sample_text(const JobConfig& cfg, const Place& place, Parallel& par)
   // parallelism, sent on by the last pipeline stage), so every rank picks the same token.
   auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(cfg.training.seed));
   const double temperature = cfg.validation.temperature;
+  // The context grows a token at a time, not in 2 cp equal chunks: every cp rank decodes it whole
+  // (the parameters are whole on every cp rank), and training's split is put back after.
+  if (par.cp_group) llama::remove_context_parallel(*par.model);
   for (int64_t i = 0; i < cfg.validation.sample_tokens; ++i) {
     const size_t from = tokens.size() > static_cast<size_t>(cfg.training.seq_len)
                             ? tokens.size() - static_cast<size_t>(cfg.training.seq_len)
@@ -441,6 +502,7 @@ std::string sample_text(const JobConfig& cfg, const Place& place, Parallel& par)
     if (tokens.back() == llm::kEos) break;
   }
   if (par.fsdp) par.fsdp->reshard();
+  if (par.cp_group) llama::apply_context_parallel(*par.model, *par.cp_group, cp_attention(cfg));
   return llm::decode(std::vector<int64_t>(tokens.begin() + static_cast<std::ptrdiff_t>(prompt), tokens.end()));
 }
 
@@ -478,13 +540,14 @@ void print_configuration(const JobConfig& cfg, const Place& place, const Data& d
                 std::to_string(cfg.training.local_batch_size / p.pipeline_parallel_microbatch_size) + " micro-batches)"
           : "";
   std::printf(
-      "train_llm: %d rank(s) x %d thread(s) | mesh pp %lld x dp_replicate %lld x dp_shard %lld x tp %lld%s | Llama "
+      "train_llm: %d rank(s) x %d thread(s) | mesh pp %lld x dp_replicate %lld x dp_shard %lld x cp %lld x tp %lld%s | "
+      "Llama "
       "%lld params "
       "(dim %lld, %lld layers, %lld heads), activation checkpointing %s | %s %lld documents: %lld train tokens "
       "(%zu windows of %lld per dp rank), %lld validation | global batch %lld windows x %lld steps, AdamW lr %g "
       "wd %g\n",
       place.world, at::get_num_threads(), static_cast<long long>(d.pp), static_cast<long long>(d.dp_replicate),
-      static_cast<long long>(d.dp_shard), static_cast<long long>(d.tp), pipeline.c_str(),
+      static_cast<long long>(d.dp_shard), static_cast<long long>(d.cp), static_cast<long long>(d.tp), pipeline.c_str(),
       static_cast<long long>(model_args(cfg).num_params()), static_cast<long long>(cfg.model.dim),
       static_cast<long long>(cfg.model.n_layers), static_cast<long long>(cfg.model.n_heads), ac,
       data.prepared.reused ? "cached tokens of" : "prepared", static_cast<long long>(data.prepared.documents),
@@ -501,7 +564,7 @@ std::unique_ptr<llm::TrainMetrics> open_metrics(const JobConfig& cfg, const Plac
   const double peak = llm::measure_peak_flops(par.model->parameters().front().scalar_type());
   const double per_token = llm::flops_per_token(model_args(cfg), cfg.training.seq_len);
   if (place.main_rank()) {
-    std::printf("train_llm: model %.3g FLOPs per token; this machine's matmul peak %.1f GFLOP/s per rank\n", per_token,
+    std::printf("train_llm: model %.6g FLOPs per token; this machine's matmul peak %.2f GFLOP/s per rank\n", per_token,
                 peak / 1e9);
     std::fflush(stdout);
   }

@@ -1,7 +1,8 @@
 """examples/llm/train_llm: the LLM recipe on 2 real ranks, with the debug config shrunk by flags.
 
   * fully_shard (dp_shard 2, 4 windows per rank), tensor parallelism (tp 2, one data-parallel rank
-    reading all 8) and pipeline parallelism (pp 2, 1F1B over 2 micro-batches of 4 windows) learn on the
+    reading all 8), pipeline parallelism (pp 2, 1F1B over 2 micro-batches of 4 windows) and context
+    parallelism (cp 2, ring and Ulysses, each rank half of every window's tokens) learn on the
     Shakespeare corpus: the loss falls, metrics.jsonl has every metric with one entry per rank, and all
     take the same steps (the same global batch of windows, the same clipped gradient norm, the
     pipeline's summed over its stages): their losses agree to float rounding;
@@ -9,7 +10,8 @@
     (the same loss_bits and validation loss): the loader's position is in the checkpoint; the same
     checkpoint resumed under tensor parallelism (another dp degree) ends as both whole runs, to
     float rounding;
-  * degrees whose product is not the world, a pipeline schedule train_llm lacks, checkpoints and
+  * degrees whose product is not the world, a sequence length the cp ranks cannot split evenly, an
+    unknown cp method, a pipeline schedule train_llm lacks, checkpoints and
     exported weights under pipeline parallelism and a dtype other than float32 or float64 are refused
     in one line.
 
@@ -83,7 +85,13 @@ class TrainLlm(DistTestCase):
                 "tp": ("--parallelism.data_parallel_shard_degree", 1, "--parallelism.tensor_parallel_degree", 2,
                        "--training.local_batch_size", 8),
                 "pp": ("--parallelism.data_parallel_shard_degree", 1, "--parallelism.pipeline_parallel_degree", 2,
-                       "--training.local_batch_size", 8, "--parallelism.pipeline_parallel_microbatch_size", 4)}
+                       "--training.local_batch_size", 8, "--parallelism.pipeline_parallel_microbatch_size", 4),
+                # Context parallelism: both ranks read the same 8 windows, each half of every window's
+                # tokens (head and tail chunks), and fully_shard averages over the cp dimension.
+                "cp": ("--parallelism.data_parallel_shard_degree", 1, "--parallelism.context_parallel_degree", 2,
+                       "--training.local_batch_size", 8),
+                "cp_ulysses": ("--parallelism.data_parallel_shard_degree", 1, "--parallelism.context_parallel_degree",
+                               2, "--parallelism.context_parallel_method", "ulysses", "--training.local_batch_size", 8)}
         losses = {}
         for name, args in runs.items():
             with self.subTest(parallelism=name):
@@ -104,7 +112,7 @@ class TrainLlm(DistTestCase):
                 self.assertAlmostEqual(float(m.group(2)), lines[-1]["loss"], places=5)
                 losses[name] = [(x["loss"], x["grad_norm"]) for x in lines]
         self.check_tensorboard("dp_shard", self.metrics("dp_shard"))
-        for other in ("tp", "pp"):
+        for other in ("tp", "pp", "cp", "cp_ulysses"):
             for (a, ga), (b, gb) in zip(losses["dp_shard"], losses[other]):
                 self.assertAlmostEqual(a, b, delta=1e-4 * a, msg=f"fully_shard and {other} steps differ: {losses}")
                 self.assertAlmostEqual(ga, gb, delta=1e-3 * ga, msg=f"the global gradient norms differ: {losses}")
@@ -210,8 +218,13 @@ class TrainLlm(DistTestCase):
 
     def test_bad_degrees_are_refused_in_one_line(self):
         cases = {("--parallelism.tensor_parallel_degree", 4, "--parallelism.data_parallel_shard_degree", 1):
-                 "data_parallel_replicate_degree 1 x data_parallel_shard_degree 1 x tensor_parallel_degree 4 = 4, "
-                 "but the world has 2 rank(s)",
+                 "data_parallel_replicate_degree 1 x data_parallel_shard_degree 1 x context_parallel_degree 1 x "
+                 "tensor_parallel_degree 4 = 4, but the world has 2 rank(s)",
+                 ("--parallelism.context_parallel_degree", 2, "--training.seq_len", 66):
+                 "training.seq_len 66 with parallelism.context_parallel_degree 2: each cp rank holds two equal "
+                 "chunks of every window; make seq_len a multiple of 4",
+                 ("--parallelism.context_parallel_degree", 2, "--parallelism.context_parallel_method", "striped"):
+                 "parallelism.context_parallel_method striped: use ring or ulysses",
                  ("--parallelism.pipeline_parallel_degree", 2, "--parallelism.pipeline_parallel_schedule",
                   "Interleaved1F1B"): "parallelism.pipeline_parallel_schedule Interleaved1F1B: use GPipe, 1F1B or "
                                       "ZeroBubbleH1",
