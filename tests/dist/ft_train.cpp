@@ -6,6 +6,8 @@
 //   averages its ranks' gradients before the Manager averages over the replicas)
 //            [--die_after_allreduce S [--die_replica R]]   replica R (default 2) SIGKILLs itself after
 //                                        its all-reduce of step S (not after a relaunch, which heals)
+//            [--join_when FILE]   start, then wait until FILE exists before the Manager joins: the
+//                           test starts a replica that joins a running job without its start-up time
 //            [--diloco H]   DiLoCo instead: H inner SGD steps on the replica's own data, then a sync
 //                           whose average is the Manager's step (a step here is one sync)
 // Prints one line per try of a step and per commit, for the test to parse:
@@ -38,12 +40,17 @@ namespace {
 struct FtArgs {
   int64_t steps = 30, batch = 4, samples = 240, step_ms = 40, die_after_allreduce = -1, die_replica = 2, diloco = 0;
   int min_replicas = 1, replica_ranks = 1;
+  std::string join_when;  // a file: wait for it before joining (a replica that was never there)
 };
 
 FtArgs ft_parse(int argc, char** argv) {
   FtArgs a;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
+    if (k == "--join_when") {
+      a.join_when = argv[i + 1];
+      continue;
+    }
     const int64_t v = std::stoll(argv[i + 1]);
     if (k == "--steps")
       a.steps = v;
@@ -182,6 +189,8 @@ int main(int argc, char** argv) try {
     }
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   dtrain::ft::ReplicaSampler sampler(a.samples, /*seed=*/7);
+  while (!a.join_when.empty() && access(a.join_when.c_str(), F_OK) != 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   dtrain::ft::Manager manager(
       [&] { return dtrain::ft::save_state(*model, opt, sampler.state()); },
       [&](const std::string& s) { sampler.load_state(dtrain::ft::load_state(*model, opt, s)); },

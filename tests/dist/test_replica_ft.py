@@ -9,6 +9,11 @@ tests/dist/ft_train.cpp (a float64 MLP, no checkpoint at all):
   * 2 replicas of 2 ranks (each a dtrain world of its own, the ranks' gradients averaged inside it
     first): the second rank of replica 1 SIGKILLed at step 20; the launcher relaunches both ranks of
     replica 1, which heal rank for rank from replica 0, with the same checks;
+  * a replica that was never there joins a running job: dtrain-run --ft starts replicas 0 and 1, and
+    once they committed step 10 a third ft_train process is started by hand (DTRAIN_FT_REPLICA_ID=2,
+    the launcher's store and job secret); the next quorum takes it in, it heals from a peer, and from
+    then on every committed step leaves the three replicas' parameters equal, to the bit, the quorum
+    of 3 splitting the samples three ways with none trained twice;
   * replica 2 SIGKILLs itself between its all-reduce of step 12 and its vote: nobody applies step 12
     (the survivors' parameters when they try step 12 again hash as on the first try) and the run
     finishes with the three replicas equal;
@@ -22,11 +27,12 @@ tests/dist/ft_train.cpp (a float64 MLP, no checkpoint at all):
 import os
 import re
 import signal
+import tempfile
 import time
 import unittest
 from collections import defaultdict
 
-from harness import DistTestCase, binary, clean_env, launcher, scaled, wait_until
+from harness import DistTestCase, binary, clean_env, free_port, launcher, scaled, wait_until
 
 LINE = re.compile(r"^\[rank (\d+)\] (begin|commit|abort|done) (\S+)(.*)$")
 
@@ -121,6 +127,50 @@ class ReplicaFaultTolerance(DistTestCase):
 
     def test_replica_of_two_ranks_loses_its_second_rank(self):
         self.kill_and_heal(nproc=4, replica_ranks=2, victim=3)
+
+    def test_a_replica_that_was_never_there_joins_a_running_job(self):
+        port, secret = free_port(), "late-joiner-test-secret-" + "x" * 16
+        common = ("--steps", 40, "--step_ms", round(scaled(40)), "--min_replicas", 2, "--replica_ranks", 1)
+        p = self.spawn([launcher(), "--nnodes", 1, "--node_rank", 0, "--master_addr", "127.0.0.1", "--master_port",
+                        port, "--ft", "--nproc_per_node", 2, "--ft_replica_ranks", 1, "--monitor_interval", 0.05,
+                        ft_train(), *common], clean_env(DTRAIN_JOB_SECRET=secret))
+        # The joiner starts now but joins only once the file exists: its start-up (LibTorch's) is not
+        # a race against the others' last steps.
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        go = os.path.join(tmp.name, "join")
+        joiner = self.spawn([ft_train(), *common, "--join_when", go],
+                            clean_env(DTRAIN_FT_REPLICA_ID=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                      DTRAIN_JOB_SECRET=secret))
+        self.assertTrue(wait_until(lambda: all(10 in self.commits(p)[w] for w in (0, 1)), timeout=scaled(40)),
+                        p.output())
+        open(go, "w").close()
+        late = joiner.finish(scaled(60))
+        res = p.finish(scaled(60))
+        self.assertEqual(res.rc, 0, str(res))
+        self.assertEqual(late.rc, 0, str(late))
+        # The joiner's lines as the launcher would have prefixed them.
+        recs = records(res.out) + records("".join(f"[rank 2] {line}\n" for line in late.out.splitlines()))
+        begins = [(s, f) for rep, kind, s, f in recs if rep == 2 and kind == "begin"]
+        self.assertTrue(begins, late.out)
+        first, f = begins[0]
+        self.assertGreater(first, 10, f"the joiner began at step {first}, before the others committed step 10")
+        self.assertEqual((f["healing"], f["members"]), ("1", "3"), f"the joiner's first step: {f}")
+        mine = {s: f for rep, kind, s, f in recs if rep == 2 and kind == "commit"}
+        peers = {r: {s: f for rep, kind, s, f in recs if rep == r and kind == "commit"} for r in (0, 1)}
+        self.assertTrue(mine and min(mine) == first, (first, sorted(mine)))
+        for s, f in mine.items():
+            for r in (0, 1):
+                self.assertEqual(f["hash"], peers[r][s]["hash"], f"step {s}: the joiner differs from replica {r}")
+        # Before it joined the quorum had 2 participants (step 0 one: the other member heals from it), after 3.
+        before = {f["participants"] for rep, kind, s, f in recs if rep == 0 and kind == "begin" and 0 < s < first}
+        after = {f["participants"] for rep, kind, s, f in recs if rep == 0 and kind == "begin" and s > first}
+        self.assertEqual((before, after), ({"2"}, {"3"}), (before, after))
+        done = {rep: f["hash"] for rep, kind, _, f in recs if kind == "done"}
+        self.assertEqual(sorted(done), [0, 1, 2])
+        self.assertEqual(len(set(done.values())), 1, done)
+        self.assert_no_sample_twice(recs)
+        print(f"\n[replica ft] a new replica joined at step {first} (the others had committed step 10)", flush=True)
 
     def test_failure_between_allreduce_and_vote_is_applied_by_nobody(self):
         p = self.launch("--steps", 18, "--step_ms", 10, "--die_after_allreduce", 12)
