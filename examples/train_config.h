@@ -44,11 +44,14 @@ struct Config {
   std::string comm_hook = "allreduce";  // allreduce (DDP's own), bf16, or powersgd
   std::string sample_log;               // folder of the per-rank logs of trained indices (sample_log.h)
   double uneven = 0;                    // rank r drops uneven * r / (world - 1) of its batches (Join)
-  bool tensorboard = false;             // TensorBoard event files in checkpoint_dir
-  bool fsdp = false;                    // fully_shard instead of DDP: each rank holds its rows only
-  bool reshard_after_forward = true;    // --fsdp: free fc1's whole parameters after its forward (ZeRO-3)
-  std::vector<int64_t> fsdp_mesh;       // --fsdp over a 2-D mesh {replicate, shard} (HSDP); empty: 1-D
-  int activation_checkpoint = 0;        // recompute every K-th conv block in backward (0: none, 1: full)
+  // Replicas that train alone between meetings (dtrain/local_sgd.h), no per-step gradient all-reduce:
+  int64_t local_sgd = 0;     // LocalSGD: average the parameters every H optimizer steps (0: off)
+  int64_t diloco = 0;        // DiLoCo: an outer Nesterov SGD step (lr 0.7, momentum 0.9) every H steps (0: off)
+  bool tensorboard = false;  // TensorBoard event files in checkpoint_dir
+  bool fsdp = false;         // fully_shard instead of DDP: each rank holds its rows only
+  bool reshard_after_forward = true;  // --fsdp: free fc1's whole parameters after its forward (ZeRO-3)
+  std::vector<int64_t> fsdp_mesh;     // --fsdp over a 2-D mesh {replicate, shard} (HSDP); empty: 1-D
+  int activation_checkpoint = 0;      // recompute every K-th conv block in backward (0: none, 1: full)
   // --comm_hook powersgd: the rank and the plain steps before compressing (PyTorch's defaults: 1, 1000)
   int64_t powersgd_rank = dtrain::PowerSGDOptions().matrix_approximation_rank();
   int64_t powersgd_start_iter = dtrain::PowerSGDOptions().start_powerSGD_iter();

@@ -32,7 +32,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -46,6 +48,7 @@
 #include "dtrain/device_mesh.h"
 #include "dtrain/dtrain.h"
 #include "dtrain/fsdp.h"
+#include "dtrain/local_sgd.h"
 #include "dtrain/monitor.h"
 #include "collective_errors.h"
 #include "sample_log.h"
@@ -145,7 +148,8 @@ double evaluate(FashionCNN& model, Parallel& par, const FashionMNIST& test, int6
   return counts[0] / counts[1];
 }
 
-// The configuration line's hook: "" for DDP's own all-reduce; fully_shard's mode with --fsdp; and the
+// The configuration line's hook: "" for DDP's own all-reduce; fully_shard's mode with --fsdp; LocalSGD's
+// or DiLoCo's meetings; and the
 // conv blocks recomputed in backward with --activation_checkpoint.
 std::string comm_hook_text(const Config& cfg) {
   std::string ac;
@@ -158,10 +162,41 @@ std::string comm_hook_text(const Config& cfg) {
                                   : ", HSDP: replicate " + std::to_string(cfg.fsdp_mesh[0]) + " x shard " +
                                         std::to_string(cfg.fsdp_mesh[1])) +
            ")" + ac;
+  if (cfg.local_sgd > 0)
+    return ", LocalSGD (parameters averaged every " + std::to_string(cfg.local_sgd) + " steps)" + ac;
+  if (cfg.diloco > 0)
+    return ", DiLoCo (outer Nesterov SGD lr 0.7 every " + std::to_string(cfg.diloco) + " inner steps)" + ac;
   if (cfg.comm_hook == "allreduce") return ac;
   if (cfg.comm_hook != "powersgd") return ", comm_hook " + cfg.comm_hook + ac;
   return ", comm_hook powersgd (rank " + std::to_string(cfg.powersgd_rank) + ", after " +
          std::to_string(cfg.powersgd_start_iter) + " plain steps)" + ac;
+}
+
+// --local_sgd / --diloco (dtrain/local_sgd.h): DDP's per-step all-reduce gives way to a meeting of
+// the replicas every H optimizer steps. Each rank evaluates its part of the test set with its own
+// parameters, which differ from the others' between meetings, but after the last epoch's steps,
+// where the replicas average their parameters once more.
+struct ReplicaMeetings {
+  std::optional<dtrain::LocalSGD> local_sgd;
+  std::unique_ptr<torch::optim::SGD> outer;  // DiLoCo's, as its paper and torchft's examples
+  std::optional<dtrain::DiLoCo> diloco;
+  void step() { local_sgd ? local_sgd->step() : diloco->step(); }
+  // After the last step: the replicas' parameters averaged (they differ by the steps since the last
+  // meeting), so the job ends with one model, as DDP's does.
+  void finish(const Parallel& par) { dtrain::LocalSGD(par.parameters(), 1).sync(); }
+};
+
+std::unique_ptr<ReplicaMeetings> replica_meetings(const Config& cfg, Parallel& par, torch::optim::Optimizer& inner) {
+  if (cfg.local_sgd == 0 && cfg.diloco == 0) return nullptr;
+  auto m = std::make_unique<ReplicaMeetings>();
+  if (cfg.local_sgd > 0) {
+    m->local_sgd.emplace(par.parameters(), cfg.local_sgd);
+  } else {
+    m->outer = std::make_unique<torch::optim::SGD>(par.parameters(),
+                                                   torch::optim::SGDOptions(0.7).momentum(0.9).nesterov(true));
+    m->diloco.emplace(par.parameters(), inner, *m->outer, cfg.diloco);
+  }
+  return m;
 }
 
 // The steps below, in the order run() takes them: setup, data, model, resume, train_epoch,
@@ -334,6 +369,8 @@ struct Training {
   std::optional<dtrain::CheckpointManager>& checkpoints;
   const int64_t my_steps;  // --uneven: this rank's batches per epoch
   int64_t global_step;     // optimizer steps so far, over all epochs
+  // --local_sgd / --diloco: the replicas meet every H steps instead of all-reducing gradients (null: DDP's).
+  std::function<void()> after_optimizer_step;
 
   // One pass over this rank's shard of the training set; `resumed`: this epoch continues a checkpoint.
   template <typename Loader>
@@ -386,6 +423,9 @@ EpochSums Training::train_epoch(Loader& loader, int64_t epoch, bool resumed) {
     torch::data::Example<>& batch = indexed.example;
     at::Tensor logits, loss;
     double grad_norm = NAN;  // known with --grad_clip; else the monitor samples it
+    // --local_sgd / --diloco: each replica keeps its own gradients (no_sync spans the forward too).
+    std::optional<dtrain::NoSyncGuard> local;
+    if (after_optimizer_step) local.emplace(par.ddp->no_sync());
     {
       auto phase = monitor.phase(dtrain::Phase::kForward);
       // Autocast's defaults, as PyTorch's: bfloat16 on the CPU, float16 on CUDA.
@@ -398,7 +438,7 @@ EpochSums Training::train_epoch(Loader& loader, int64_t epoch, bool resumed) {
     {
       auto phase = monitor.phase(dtrain::Phase::kBackward);
       optimizer.zero_grad();
-      scaler.scale(loss).backward();  // gradients are averaged over the ranks here
+      scaler.scale(loss).backward();  // gradients are averaged over the ranks here (but in `local`)
     }
     {
       auto phase = monitor.phase(dtrain::Phase::kOptimizer);
@@ -408,6 +448,7 @@ EpochSums Training::train_epoch(Loader& loader, int64_t epoch, bool resumed) {
       }
       scaler.step(optimizer);  // skipped after an overflow (--amp)
       scaler.update();
+      if (after_optimizer_step) after_optimizer_step();  // every H steps the replicas meet
     }
 
     const int64_t b = batch.target.size(0);
@@ -610,8 +651,11 @@ int run(const Config& cfg) {
   collectively("opening --sample_log", true,
                [&] { sample_log.emplace(cfg.sample_log, place.rank, dtrain::restart_count()); });
   const auto t0 = std::chrono::steady_clock::now();
-  Training training{cfg,     place.device, place.cuda, par,         *optimizer, scaler,           sampler,
-                    monitor, *sample_log,  state,      checkpoints, my_steps,   start.global_step};
+  const std::unique_ptr<ReplicaMeetings> meetings = replica_meetings(cfg, par, *optimizer);
+  std::function<void()> meet;  // null without --local_sgd / --diloco
+  if (meetings) meet = [&] { meetings->step(); };
+  Training training{cfg,         place.device, place.cuda,  par,      *optimizer,        scaler, sampler, monitor,
+                    *sample_log, state,        checkpoints, my_steps, start.global_step, meet};
   EpochResult last;
   for (int64_t epoch = start.epoch; epoch <= cfg.epochs; ++epoch) {
     // doc:begin set-epoch
@@ -621,6 +665,7 @@ int run(const Config& cfg) {
     // left (resumed on another world at its end: the sampler's position is 0 there).
     const bool resumed = epoch == start.epoch && start.resumed;
     const EpochSums sums = training.train_epoch(loader, epoch, resumed);
+    if (meetings && epoch == cfg.epochs) meetings->finish(par);  // one trained model, evaluated and saved
     last = end_epoch(cfg, place, model, par, test, monitor, epoch, sums);
   }
   // doc:begin monitor-close

@@ -9,6 +9,32 @@
 #include "train_support.h"
 
 namespace train {
+namespace {
+
+// --local_sgd and --diloco against the flags they cannot meet, one line each (0: fine).
+int check_local_averaging(const Config& cfg) {
+  if (cfg.local_sgd == 0 && cfg.diloco == 0) return 0;
+  const char* flag = cfg.local_sgd > 0 ? "--local_sgd" : "--diloco";
+  // Each replica's own step count drives its meetings: a step one rank skips (--amp's overflow, a
+  // rank out of batches) would leave the replicas at different meetings.
+  const std::string other = cfg.local_sgd > 0 && cfg.diloco > 0 ? "--diloco"
+                            : cfg.fsdp                          ? "--fsdp"
+                            : cfg.comm_hook != "allreduce"      ? "--comm_hook " + cfg.comm_hook
+                            : cfg.uneven > 0                    ? "--uneven"
+                            : cfg.amp                           ? "--amp"
+                            : !cfg.checkpoint_dir.empty()       ? "--checkpoint_dir"
+                                                                : "";
+  if (other.empty()) return 0;
+  std::fprintf(stderr,
+               "train_fashion_mnist: error: %s cannot be combined with %s (the replicas meet every H steps of their "
+               "own, %s): drop one of them\n",
+               flag, other.c_str(),
+               other == "--checkpoint_dir" ? "and the meetings' state is not in checkpoints"
+                                           : "without DDP's per-step all-reduce");
+  return 1;
+}
+
+}  // namespace
 
 std::optional<int> parse_flags(int argc, char** argv, Config& cfg) {
   if (const char* omp = std::getenv("OMP_NUM_THREADS")) cfg.threads = std::max(0, std::atoi(omp));
@@ -109,6 +135,12 @@ std::optional<int> parse_flags(int argc, char** argv, Config& cfg) {
                  "samples.rank<RANK>.attempt<TORCHELASTIC_RESTART_COUNT or 0>.txt, one line 'EPOCH STEP INDEX' per "
                  "sample (epoch 1-based; STEP the global optimizer step, 1-based, so lines with a step after the "
                  "resumed checkpoint's were replayed), flushed after every step");
+  numbers.add("--local_sgd", cfg.local_sgd, Allowed::kNonNegativeInteger,
+              "LocalSGD: no per-step gradient all-reduce; the replicas average their parameters every H optimizer "
+              "steps (dtrain::LocalSGD; 0: off, DDP)");
+  numbers.add("--diloco", cfg.diloco, Allowed::kNonNegativeInteger,
+              "DiLoCo: no per-step gradient all-reduce; every H optimizer steps (the inner ones) the replicas average "
+              "how far they moved and take an outer Nesterov SGD step, lr 0.7, momentum 0.9 (dtrain::DiLoCo; 0: off)");
   numbers.add("--uneven", cfg.uneven, Allowed::kNonNegativeNumber,
               "uneven inputs under dtrain::Join: rank r trains on only (1 - F * r / (ranks - 1)) of its batches per "
               "epoch, F in [0, 1) (0: even; not with --checkpoint_dir; the per-step monitor is off)");
@@ -134,6 +166,7 @@ std::optional<int> parse_flags(int argc, char** argv, Config& cfg) {
                  cfg.comm_hook != "allreduce" ? ("--comm_hook " + cfg.comm_hook).c_str() : "--uneven");
     return 1;
   }
+  if (check_local_averaging(cfg) != 0) return 1;
   if (cfg.uneven >= 1 || (cfg.uneven > 0 && !cfg.checkpoint_dir.empty())) {
     std::fprintf(stderr, "train_fashion_mnist: error: --uneven %g: %s\n", cfg.uneven,
                  cfg.uneven >= 1 ? "must be below 1 (the fraction of its batches the last rank drops)"

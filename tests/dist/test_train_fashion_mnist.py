@@ -287,6 +287,41 @@ class TrainFashionMNIST(DistTestCase):
                 self.assertEqual(res.rc, 1, str(res))
                 self.assertOneLineError(res, message, prefix=ERROR_PREFIX)
 
+    def test_local_sgd_and_diloco_meet_every_h_steps(self):
+        # 256 samples, batch 32 per rank: 4 steps. LocalSGD meeting after every step of SGD with
+        # momentum is DDP up to float rounding (averaging the parameters after a step that is linear in
+        # the gradients and in the momentum averages both); meeting every 3 steps, or DiLoCo's outer
+        # step every 2, takes other steps. Every run ends with one model (the replicas' final average):
+        # launch() asserts that the ranks agree.
+        common = ("--subset", 256, "--seed", 3, "--threads", 1, "--optimizer", "sgd", "--lr", 0.05,
+                  "--test_subset", EVAL_SUBSET, "--epochs", 1)
+        with tempfile.TemporaryDirectory() as tmp:
+            ddp_path, local1_path = os.path.join(tmp, "ddp.bin"), os.path.join(tmp, "local1.bin")
+            _, ddp = self.launch(2, *common, "--dump_params", ddp_path)
+            res, local1 = self.launch(2, *common, "--local_sgd", 1, "--dump_params", local1_path)
+            self.assertIn("LocalSGD (parameters averaged every 1 steps)", res.out)
+            a, b = self.read_params(ddp_path, ddp), self.read_params(local1_path, local1)
+            worst = max(abs(x - y) - 1e-5 * max(abs(x), abs(y)) for x, y in zip(a, b))
+            self.assertLessEqual(worst, 1e-6, "LocalSGD with H = 1 left DDP's steps")
+        _, local3 = self.launch(2, *common, "--local_sgd", 3)
+        res, diloco = self.launch(2, *common, "--diloco", 2)
+        self.assertIn("DiLoCo (outer Nesterov SGD lr 0.7 every 2 inner steps)", res.out)
+        hashes = {m.group(4) for m in (ddp, local3, diloco)}
+        self.assertEqual(len(hashes), 3, "LocalSGD every 3 steps or DiLoCo took DDP's steps")
+
+    def test_local_sgd_flags_refuse_what_they_cannot_meet(self):
+        for args, message in (
+                (("--local_sgd", 2, "--fsdp"), "--local_sgd cannot be combined with --fsdp"),
+                (("--diloco", 2, "--amp"), "--diloco cannot be combined with --amp"),
+                (("--diloco", 2, "--checkpoint_dir", "/tmp"),
+                 "--diloco cannot be combined with --checkpoint_dir (the replicas meet every H steps of their own, "
+                 "and the meetings' state is not in checkpoints)"),
+                (("--local_sgd", -1), "--local_sgd must be an integer >= 0")):
+            with self.subTest(args=args):
+                res = self.run_one([trainer(), *args], clean_env(), timeout=30)
+                self.assertEqual(res.rc, 1, str(res))
+                self.assertOneLineError(res, message, prefix=ERROR_PREFIX)
+
     def check_two_ranks_equal_one(self, *cases, transport):
         common = ("--subset", 256, "--seed", 3, "--threads", 1, "--optimizer", "sgd", "--lr", 0.05,
                   "--test_subset", EVAL_SUBSET)
