@@ -387,7 +387,7 @@ TEST(AllToAll, BadInputIsAClearError) {
     at::Tensor y = at::zeros({a2a_expected(0).size(0), 2}, at::kDouble);
     const std::string e = dtrain_error_of([&] { all_to_all_single(y, x, a2a_gets(0, R()), sends, g); });
     EXPECT_THAT(e, HasSubstr("rank " + std::to_string(R()) + ": all_to_all_single on group '" + g.name() + "'")) << e;
-    EXPECT_THAT(e, HasSubstr("mismatched all_to_all over Gloo: rank 0 sends 0 rows to rank 0, which expects 1 "
+    EXPECT_THAT(e, HasSubstr("mismatched all_to_all: rank 0 sends 0 rows to rank 0, which expects 1 "
                              "(input_split_sizes [0, 4"))
         << e;
     EXPECT_THAT(e, HasSubstr("rank i's input_split_sizes[j] must equal rank j's output_split_sizes[i]")) << e;

@@ -1,6 +1,7 @@
 """Shared-memory collectives at the process level: a rank killed with SIGKILL in the middle of
 all-reduces makes the others fail fast naming it and leaves nothing in /dev/shm; a bad DTRAIN_SHM
-value is one clear error line."""
+value is one clear error line; all_to_all moves each byte once on one host
+(Note [Single-copy all_to_all]) and through Gloo with DTRAIN_SHM_SINGLE_COPY=0, the exchange tests passing both ways."""
 import os
 import signal
 import time
@@ -14,6 +15,13 @@ def shm_dist_test():
     path = harness.binary("SHM_DIST_TEST", "shm_dist_test")
     if not path:
         raise unittest.SkipTest("shm_dist_test is not built")
+    return path
+
+
+def tensor_collectives_test():
+    path = harness.binary("TENSOR_COLLECTIVES_TEST", "tensor_collectives_test")
+    if not path:
+        raise unittest.SkipTest("tensor_collectives_test is not built")
     return path
 
 
@@ -54,6 +62,19 @@ class ShmTest(DistTestCase):
             self.assertNotEqual(r.rc, -9, str(r))
             self.assertIn("DTRAIN_SHM='yes' is invalid: use 0 (Gloo only), 1 (require shared memory)", r.err,
                           str(r))
+
+    def test_all_to_all_reads_peers_directly_or_goes_through_gloo(self):
+        for single_copy, line in (("1", "each rank reads its peers' inputs directly (one copy)"),
+                                  ("0", "through Gloo (DTRAIN_SHM_SINGLE_COPY=0)")):
+            with self.subTest(single_copy=single_copy):
+                port = free_port()
+                res = self.run_ranks([tensor_collectives_test(), "--gtest_filter=AllToAll.*"],
+                                     [rank_env(r, 3, port, DTRAIN_DEBUG="INFO", DTRAIN_SHM_SINGLE_COPY=single_copy)
+                                      for r in range(3)], timeout=120)
+                for r in res:
+                    self.assertEqual(r.rc, 0, str(r))
+                self.assertIn(f"[dtrain shm] all_to_all over 3 ranks of group rank 0 = rank 0: {line}", res[0].err,
+                              str(res[0]))
 
 
 if __name__ == "__main__":

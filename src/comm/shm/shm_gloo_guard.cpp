@@ -137,62 +137,6 @@ void ShmProcessGroup::agree(compat::Backend& pg, int me, const std::vector<int>&
   }
 }
 
-namespace {
-
-// The elements of one row (dim 0) of t: the unit of all_to_all's split sizes.
-int64_t row_numel(const at::Tensor& t) {
-  int64_t n = 1;
-  for (int64_t d : t.dim() > 0 ? t.sizes().slice(1) : t.sizes()) n *= d;
-  return n;
-}
-
-// Split sizes as c10d reads them: empty means equal parts of dim 0.
-std::vector<int64_t> splits_or_equal(const std::vector<int64_t>& given, const at::Tensor& t, int n) {
-  if (!given.empty()) return given;
-  return std::vector<int64_t>(static_cast<size_t>(n), t.dim() > 0 ? t.size(0) / n : 0);
-}
-
-}  // namespace
-
-// For all_to_all the guard of Note [Guarded Gloo collectives] goes further, since Gloo's transport
-// aborts the process when rank i sends rank j more than j posted for it: every rank's splits are
-// exchanged (a row's size and 2n counts, the same size everywhere) and each rank checks the whole
-// matrix in the same order, so every rank finds the same first mismatch and refuses before
-// anything is sent.
-void ShmProcessGroup::agree_splits(compat::Backend& pg, const at::Tensor& out, const at::Tensor& in,
-                                   const std::vector<int64_t>& os, const std::vector<int64_t>& is,
-                                   std::chrono::milliseconds timeout) {
-  const int n = pg.getSize();
-  const std::vector<int64_t> sends = splits_or_equal(is, in, n), gets = splits_or_equal(os, out, n);
-  // The front end checked the lengths: a rank that threw here would leave the others in the exchange.
-  DTRAIN_ASSERT(static_cast<int>(sends.size()) == n && static_cast<int>(gets.size()) == n,
-                "all_to_all split sizes of the wrong length");
-  at::Tensor mine = at::empty({2 * n + 1}, at::kLong);
-  auto* p = mine.data_ptr<int64_t>();
-  p[0] = row_numel(in);
-  std::copy(sends.begin(), sends.end(), p + 1);
-  std::copy(gets.begin(), gets.end(), p + 1 + n);
-  const std::vector<at::Tensor> all = exchange(pg, mine, timeout);
-  auto cell = [&](int r, int k) { return all[static_cast<size_t>(r)].data_ptr<int64_t>()[k]; };
-  auto row = [&](int r, int from) {
-    return at::IntArrayRef(all[static_cast<size_t>(r)].data_ptr<int64_t>() + from, n);
-  };
-  for (int i = 0; i < n; ++i) {
-    if (cell(i, 0) != cell(0, 0))
-      throw CallMismatch(detail::cat("mismatched all_to_all over Gloo: rank ", labels_.at(i), "'s rows hold ",
-                                     cell(i, 0), " elements but rank ", labels_.at(0), "'s ", cell(0, 0),
-                                     ": every rank must pass the same sizes past dim 0"));
-    for (int j = 0; j < n; ++j) {
-      if (cell(i, 1 + j) == cell(j, 1 + n + i)) continue;
-      throw CallMismatch(detail::cat("mismatched all_to_all over Gloo: rank ", labels_.at(i), " sends ", cell(i, 1 + j),
-                                     " rows to rank ", labels_.at(j), ", which expects ", cell(j, 1 + n + i),
-                                     " (input_split_sizes ", row(i, 1), " on rank ", labels_.at(i),
-                                     ", output_split_sizes ", row(j, 1 + n), " on rank ", labels_.at(j),
-                                     "): rank i's input_split_sizes[j] must equal rank j's output_split_sizes[i]"));
-    }
-  }
-}
-
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::on_gloo(std::vector<at::Tensor> outputs, c10d::OpType type,
                                                         GlooCall call, std::chrono::milliseconds timeout,
                                                         std::function<c10::intrusive_ptr<c10d::Work>()> start) {
@@ -200,7 +144,8 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::on_gloo(std::vector<at::Tensor> 
     agree(*gloo(), rank_, labels_, call, timeout);  // not broken: the job checked
     // Every rank agreed on the count: with nothing to move, Gloo is not asked at all (its all_gather
     // divides by the element count and kills the process with SIGFPE on empty tensors).
-    if (start && call.count != 0) start()->wait();
+    if (!start || call.count == 0) return;
+    if (const auto work = start()) work->wait();  // null: the job moved the data itself
   });
 }
 
@@ -231,18 +176,6 @@ c10::intrusive_ptr<c10d::Work> ShmProcessGroup::reduce_scatter_base_on_gloo(at::
                                                                             const c10d::ReduceScatterOptions& o) {
   DTRAIN_ON_GLOO({out}, _REDUCE_SCATTER_BASE, call_of(kReduceScatter, {out}, -1, &o.reduceOp), o.timeout,
                  _reduce_scatter_base(out, in, o));
-}
-// all_to_all: ranks legitimately send different amounts, so the call names only the operation and
-// dtype (count -1); agree_splits() then checks the amounts themselves.
-c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& os,
-                                                              std::vector<int64_t>& is,
-                                                              const c10d::AllToAllOptions& o) {
-  GlooCall c = call_of(kAllToAll, {in});
-  c.count = -1;
-  return on_gloo({out}, c10d::OpType::ALLTOALL_BASE, c, o.timeout, [this, out, in, os, is, o, gloo = gloo()]() mutable {
-    agree_splits(*gloo, out, in, os, is, o.timeout);
-    return gloo->alltoall_base(out, in, os, is, o);
-  });
 }
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::alltoall(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
                                                          const c10d::AllToAllOptions& o) {

@@ -188,8 +188,14 @@ class ShmProcessGroup : public compat::Backend, public Capabilities {
   std::vector<at::Tensor> exchange(compat::Backend& pg, const at::Tensor& mine, std::chrono::milliseconds timeout);
   // all_to_all's check before Gloo sends anything: every rank's splits (c10d's, empty = equal
   // parts) and row size agree; throws CallMismatch naming the first pair that does not.
-  void agree_splits(compat::Backend& pg, const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& os,
-                    const std::vector<int64_t>& is, std::chrono::milliseconds timeout);
+  // Returns every rank's entry: [row size, input splits (n), output splits (n), pid, input address].
+  std::vector<at::Tensor> agree_splits(compat::Backend& pg, const at::Tensor& out, const at::Tensor& in,
+                                       const std::vector<int64_t>& os, const std::vector<int64_t>& is,
+                                       std::chrono::milliseconds timeout);
+  // Note [Single-copy all_to_all] (shm_all_to_all.cpp): whether every rank may read its peers'
+  // memory (probed by the first call, collective over the segment), and the exchange itself.
+  bool single_copy_usable();
+  void all_to_all_single_copy(const at::Tensor& out, const at::Tensor& in, const std::vector<at::Tensor>& all);
   void run();
 
   mutable std::mutex gloo_mu_;  // gloo_ and leaders_ are dropped when the group breaks
@@ -209,6 +215,7 @@ class ShmProcessGroup : public compat::Backend, public Capabilities {
   mutable std::mutex broken_mu_;
   std::string broken_;  // the failure that made the group unusable (Note [Broken groups])
   bool stop_ = false;
+  int cma_ = -1;  // single_copy_usable(): -1 not probed yet, 0 no, 1 yes (jobs only, under exec_mu_)
   std::thread worker_;
 };
 
