@@ -131,7 +131,8 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
     all_to_all_single(counts, per_expert, {}, {}, *options.ep_group());
   }
   counts = counts.view({n, e / n});
-  const std::vector<int64_t> send = ep_to_vector(per_expert.view({n, e / n}).sum(1)), recv = ep_to_vector(counts.sum(1));
+  const std::vector<int64_t> send = ep_to_vector(per_expert.view({n, e / n}).sum(1)),
+                             recv = ep_to_vector(counts.sum(1));
   dispatch_ = MoEDispatch{ep_to_vector(per_expert), send, recv, r.keep.numel() - kept.numel()};
 
   at::Tensor routed = tokens.index_select(0, token);

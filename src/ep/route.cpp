@@ -31,8 +31,8 @@ Routing route(const at::Tensor& logits, const MoEOptions& options) {
   if (options.route_norm()) r.weights = r.weights / r.weights.sum(-1, /*keepdim=*/true);
   if (options.capacity_factor()) {
     const double tokens = static_cast<double>(logits.size(0) * options.top_k());
-    const auto capacity =
-        static_cast<int64_t>(std::ceil(*options.capacity_factor() * tokens / static_cast<double>(options.num_experts())));
+    const auto capacity = static_cast<int64_t>(
+        std::ceil(*options.capacity_factor() * tokens / static_cast<double>(options.num_experts())));
     r.keep = ep_within_capacity(r.experts, options.num_experts(), capacity);
   } else {
     r.keep = at::ones(r.experts.sizes(), r.experts.options().dtype(at::kBool));

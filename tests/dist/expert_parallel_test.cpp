@@ -193,13 +193,14 @@ TEST(ExpertParallel, AdamStepsUnderFullyShardEqualOneProcess) {
   const int64_t n = world_size();
   const Group world;
   EptNet ref(std::nullopt), net(world);
-  auto fsdp = fully_shard(net.ptr(), FullyShardOptions().ignored_params(
-                                          std::vector<at::Tensor>{net->moe->w1, net->moe->w2, net->moe->w3}));
+  auto fsdp = fully_shard(
+      net.ptr(), FullyShardOptions().ignored_params(std::vector<at::Tensor>{net->moe->w1, net->moe->w2, net->moe->w3}));
   ASSERT_TRUE(shard_spec_of(net->moe->w1).has_value());
   torch::optim::Adam opt_ref(ref->parameters(), torch::optim::AdamOptions(1e-2));
   torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
   for (int step = 0; step < 10; ++step) {
-    at::Tensor x = ept_random({n * kBatch, kSeq, kDim}, 100 + step), t = ept_random({n * kBatch, kSeq, kDim}, 200 + step);
+    at::Tensor x = ept_random({n * kBatch, kSeq, kDim}, 100 + step),
+               t = ept_random({n * kBatch, kSeq, kDim}, 200 + step);
     at::Tensor y_ref = ref(x);
     at::Tensor loss_ref = at::mse_loss(y_ref, t) + 0.01 * ref->moe->aux_loss();
     opt_ref.zero_grad();
@@ -209,11 +210,20 @@ TEST(ExpertParallel, AdamStepsUnderFullyShardEqualOneProcess) {
     at::Tensor loss = at::mse_loss(y, ept_mine(t)) + 0.01 * net->moe->aux_loss();
     opt.zero_grad();
     loss.backward();
+    // The experts' gradients are the whole batch's mean, as one process's (Adam alone would hide a
+    // factor: its steps barely change with the gradients' scale).
+    for (const char* name : {"w1", "w2", "w3"}) {
+      EXPECT_LT(ept_diff(net->moe->named_parameters()[name].grad(),
+                         ept_experts_of(ref->moe->named_parameters()[name].grad(), net->moe)),
+                1e-10)
+          << name << " gradient, step " << step;
+    }
     opt.step();
     // Equal batches: the mean of the ranks' losses is the whole batch's.
     at::Tensor mean = loss.detach().clone();
     all_reduce(mean);
-    EXPECT_LT(std::abs(mean.item<double>() / static_cast<double>(n) - loss_ref.item<double>()), 1e-10) << "step " << step;
+    EXPECT_LT(std::abs(mean.item<double>() / static_cast<double>(n) - loss_ref.item<double>()), 1e-10)
+        << "step " << step;
   }
   auto whole = full_state_dict(*net);
   auto ref_params = ref->named_parameters();
