@@ -269,4 +269,17 @@ TEST(ExpertParallel, DcpCheckpointLoadsOnOtherEpSizes) {
   if (rank() == 0) fs::remove_all(dir);
 }
 
+TEST(ExpertParallel, BadInputIsRefusedInOneLine) {
+  const Group world;
+  const int64_t n = world_size();
+  EXPECT_THAT([&] { MoE(MoEOptions(kDim, kHidden, n + 1).ep_group(world)); },
+              ThrowsDtrainError(::testing::HasSubstr("is not divisible by the ep group's size")));
+  EXPECT_THAT([&] { MoE(MoEOptions(kDim, kHidden, 4).top_k(5)); },
+              ThrowsDtrainError(::testing::HasSubstr("give 1 <= top_k <= num_experts")));
+  EXPECT_THAT([&] { MoE(MoEOptions(kDim, kHidden, 4).capacity_factor(0.0)); },
+              ThrowsDtrainError(::testing::HasSubstr("capacity_factor 0 is not positive")));
+  MoE m(MoEOptions(kDim, kHidden, 4));
+  EXPECT_THAT([&] { m(at::zeros({2, kDim + 1})); }, ThrowsDtrainError(::testing::HasSubstr("MoE: input of shape")));
+}
+
 DTRAIN_DIST_TEST_MAIN()
