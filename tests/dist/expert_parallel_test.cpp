@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adam.h>
 
 #include <filesystem>
@@ -217,6 +218,12 @@ TEST(ExpertParallel, AdamStepsUnderFullyShardEqualOneProcess) {
                          ept_experts_of(ref->moe->named_parameters()[name].grad(), net->moe)),
                 1e-10)
           << name << " gradient, step " << step;
+    }
+    if (step == 0) {
+      // The experts' ShardSpec: clip_grad_norm_ completes their part of the norm over the ep group.
+      const double total = dtrain::clip_grad_norm_(net->parameters(), 1e9);
+      const double total_ref = torch::nn::utils::clip_grad_norm_(ref->parameters(), 1e9);
+      EXPECT_LT(std::abs(total - total_ref), 1e-10 * total_ref) << "gradient norm";
     }
     opt.step();
     // Equal batches: the mean of the ranks' losses is the whole batch's.
