@@ -48,7 +48,7 @@ at::Tensor load_balancing_loss(const Routing& r, int64_t top_k, const std::optio
   at::Tensor tokens = at::full({1}, static_cast<double>(r.scores.size(0)), r.scores.options());
   at::Tensor sums = at::cat({r.scores.sum(0), choices, tokens});
   if (group && group->size() > 1) sums = functional::all_reduce(sums, ReduceOp::SUM, *group);
-  at::Tensor total = sums.narrow(0, 2 * e, 1);
+  at::Tensor total = sums.narrow(0, 2 * e, 1).clamp_min(1.0);  // no token anywhere: a loss of 0, not NaN
   at::Tensor mean_score = sums.narrow(0, 0, e) / total;
   at::Tensor fraction = sums.narrow(0, e, e) / (total * static_cast<double>(top_k));
   return (fraction * mean_score).sum() * static_cast<double>(e);

@@ -29,7 +29,10 @@ namespace {
 
 constexpr int64_t kDim = 8, kHidden = 12, kBatch = 3, kSeq = 5;
 
-double ept_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
+double ept_diff(const at::Tensor& a, const at::Tensor& b) {
+  EXPECT_EQ(a.sizes(), b.sizes());
+  return a.numel() == 0 ? 0.0 : (a - b).abs().max().item<double>();
+}
 
 at::Tensor ept_random(std::vector<int64_t> shape, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -92,6 +95,31 @@ TEST(ExpertParallel, ForwardAndGradientsEqualOneProcess) {
   expect_like_one_process(8, 2, false);
   expect_like_one_process(8, 2, true);
   expect_like_one_process(8, 1, false);
+}
+
+// Ranks with different numbers of tokens, rank 0 none: the splits are uneven and some empty, and
+// the aux loss's means are over the tokens of all ranks.
+TEST(ExpertParallel, UnevenAndEmptyBatchesEqualOneProcess) {
+  const int64_t n = world_size();
+  auto opts = MoEOptions(kDim, kHidden, 8).expert_grad_divisor(1);
+  MoE ref = ept_make(opts, std::nullopt), moe = ept_make(opts, Group());
+  int64_t total = 0;
+  for (int64_t r = 0; r < n; ++r) total += 3 * r;
+  const at::Tensor x = ept_random({total, kDim}, 41).requires_grad_(true), w = ept_random({total, kDim}, 42);
+  at::Tensor y_ref = ref(x);
+  auto g_ref = torch::autograd::grad({(y_ref * w).sum() + ref->aux_loss()}, {x, ref->router->weight, ref->w1});
+  const int64_t first = 3 * rank() * (rank() - 1) / 2, mine = 3 * rank();
+  at::Tensor xm = x.detach().narrow(0, first, mine).clone().requires_grad_(true);
+  at::Tensor y = moe(xm);
+  EXPECT_LT(ept_diff(y, y_ref.narrow(0, first, mine)), 1e-10) << "output";
+  EXPECT_LT(std::abs(moe->aux_loss().item<double>() - ref->aux_loss().item<double>()), 1e-10) << "aux loss";
+  auto g = torch::autograd::grad({(y * w.narrow(0, first, mine)).sum() + moe->aux_loss() / static_cast<double>(n)},
+                                 {xm, moe->router->weight, moe->w1});
+  EXPECT_LT(ept_diff(g[0], g_ref[0].narrow(0, first, mine)), 1e-10) << "input gradient";
+  at::Tensor router_grad = g[1].clone();
+  all_reduce(router_grad);
+  EXPECT_LT(ept_diff(router_grad, g_ref[1]), 1e-10) << "router gradient";
+  EXPECT_LT(ept_diff(g[2], ept_experts_of(g_ref[2], moe)), 1e-10) << "w1 gradient";
 }
 
 // What travels between each pair of ranks is what the router decided: per expert, the choices of
