@@ -107,6 +107,14 @@ TEST(ExpertParallel, UnevenAndEmptyBatchesEqualOneProcess) {
   for (int64_t r = 0; r < n; ++r) total += 3 * r;
   const at::Tensor x = ept_random({total, kDim}, 41).requires_grad_(true), w = ept_random({total, kDim}, 42);
   at::Tensor y_ref = ref(x);
+  {
+    // Switch's loss written out: E * sum_e (choices of e / (T k)) * (mean score of e).
+    at::Tensor scores = at::softmax(ref->router(x), -1).detach();
+    at::Tensor f = at::bincount(std::get<1>(at::topk(scores, 2, -1)).reshape({-1}), {}, 8).to(at::kDouble) /
+                   static_cast<double>(2 * total);
+    const double aux = 8.0 * (f * scores.mean(0)).sum().item<double>();
+    EXPECT_LT(std::abs(ref->aux_loss().item<double>() - aux), 1e-12) << "aux loss against its formula";
+  }
   auto g_ref = torch::autograd::grad({(y_ref * w).sum() + ref->aux_loss()}, {x, ref->router->weight, ref->w1});
   const int64_t first = 3 * rank() * (rank() - 1) / 2, mine = 3 * rank();
   at::Tensor xm = x.detach().narrow(0, first, mine).clone().requires_grad_(true);
