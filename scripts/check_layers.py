@@ -45,6 +45,7 @@ USES = {
     "monitor": {"ddp", "comm", "compat", "common"},
     "tp": {"comm", "compat", "common"},
     "cp": {"tp", "comm", "compat", "common"},
+    "ep": {"tp", "comm", "compat", "common"},
     "ft": {"comm", "compat", "common", "store"},
     # The C API for other languages' bindings: the top layer, over dtrain's public API.
     "c_api": {"ddp", "checkpoint", "comm", "compat", "common"},
@@ -92,6 +93,7 @@ PUBLIC_OWNER = {
     "join": "comm",
     "device_mesh": "comm", "shard_spec": "comm", "tensor_parallel": "tp", "functional_collectives": "tp",
     "context_parallel": "cp",
+    "expert_parallel": "ep",
     "fault_tolerance": "ft",
 }
 

@@ -80,7 +80,7 @@ if [[ " $runs " == *" asan "* ]]; then
   DIST=(collectives_test collectives_random_test shm_dist_test ddp_test comm_hooks_test pipeline_test
         monitor_dist_test amp_dist_test sampler_dist_test sync_batchnorm_test zero_test join_test fsdp_test
         fsdp_checkpoint_test fsdp_hsdp_test activation_checkpoint_dist_test tensor_parallel_test
-        tp_checkpoint_test tp_pipeline_test context_parallel_test)
+        tp_checkpoint_test tp_pipeline_test context_parallel_test expert_parallel_test)
   configure_and_build "$B" ON "${UNIT[@]}" "${DIST[@]}"
   prefix=()
   # detect_leaks: LeakSanitizer at exit. halt_on_error: a UBSan report fails the process (exit 87).
@@ -102,7 +102,7 @@ if [[ " $runs " == *" asan "* ]]; then
                                   fsdp_checkpoint_3to2 fsdp_checkpoint_4to3 fsdp_hsdp_test_4 \
                                   activation_checkpoint_dist_test_2 amp_dist_test_4 \
                                   tensor_parallel_test_4 tp_checkpoint_test_4 tp_pipeline_test_4 \
-                                  context_parallel_test_2)"
+                                  context_parallel_test_2 expert_parallel_test_2)"
   unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
   echo "=== build-asan: done in $((SECONDS - start)) s"
 fi

@@ -11,6 +11,7 @@
 #include "dtrain/ddp.h"
 #include "dtrain/device_mesh.h"
 #include "dtrain/errors.h"
+#include "dtrain/expert_parallel.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/functional_collectives.h"
 #include "dtrain/join.h"

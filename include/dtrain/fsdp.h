@@ -119,6 +119,11 @@ struct FullyShardOptions {
   // is refused in one line.
   DTRAIN_ARG(std::optional<ReshardAfterForward>, reshard_after_forward, std::nullopt)
   DTRAIN_ARG(MixedPrecisionPolicy, mp_policy, MixedPrecisionPolicy())
+  // FSDP2's ignored_params: parameters of the module that this unit leaves alone (not sharded, not
+  // gathered, their gradients not averaged), as the experts of an expert-parallel MoE layer, which
+  // their own layer shards over its ep group (dtrain/expert_parallel.h). Pass them to every
+  // fully_shard call whose module holds them (a block's and the root's).
+  DTRAIN_ARG(std::vector<at::Tensor>, ignored_params, {})
 };
 
 // What FSDPModule::forward and fully_shard need of the units (src/fsdp/), not for users.

@@ -56,9 +56,12 @@ Registry& registry() {
 
 std::string describe(const torch::nn::Module& m) { return "'" + m.name() + "'"; }
 
-// The parameters `module` shards: those of its own and of its submodules that are not units;
+// The parameters `module` shards: those of its own and of its submodules that are not units, nor ignored;
 // names as module->named_parameters() gives them.
-std::vector<std::pair<std::string, at::Tensor>> parameters_to_shard(const std::shared_ptr<torch::nn::Module>& module) {
+std::vector<std::pair<std::string, at::Tensor>> parameters_to_shard(const std::shared_ptr<torch::nn::Module>& module,
+                                                                    const std::vector<at::Tensor>& ignored) {
+  std::unordered_set<const c10::TensorImpl*> skip;
+  for (const at::Tensor& t : ignored) skip.insert(t.unsafeGetTensorImpl());
   auto& reg = registry();
   std::vector<std::string> unit_prefixes;
   for (const auto& item : module->named_modules("", /*include_self=*/false))
@@ -73,7 +76,7 @@ std::vector<std::pair<std::string, at::Tensor>> parameters_to_shard(const std::s
   for (const auto& kv : module->named_parameters(/*recurse=*/true)) {
     const at::Tensor& t = kv.value();
     const std::string& name = kv.key();
-    if (below_a_unit(name)) continue;
+    if (below_a_unit(name) || skip.count(t.unsafeGetTensorImpl())) continue;
     auto held = reg.holder.find(t.unsafeGetTensorImpl());
     DTRAIN_CHECK(held == reg.holder.end(), "fully_shard(", describe(*module), "): parameter '", name,
                  "' is the same tensor as one that unit '", held->second,
@@ -192,7 +195,7 @@ std::shared_ptr<Unit> make_unit(const std::shared_ptr<torch::nn::Module>& module
                    "' below it has already run a forward as its own root: apply fully_shard bottom-up, the root "
                    "last, before the first forward");
     }
-    named = parameters_to_shard(module);
+    named = parameters_to_shard(module, options.ignored_params());
   }
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
