@@ -49,6 +49,10 @@ const char* kind_name(Kind kind) {
       return "work";
     case Kind::kDdp:
       return "ddp";
+    case Kind::kFsdp:
+      return "fsdp";
+    case Kind::kScaler:
+      return "grad scaler";
   }
   return "?";
 }
@@ -102,13 +106,21 @@ void clear_handles() {
   std::vector<std::shared_ptr<Object>> dying;
   {
     std::lock_guard<std::mutex> lock(r.mu);
-    // DDPs first: their hooks and buckets refer to the groups.
-    for (Kind kind : {Kind::kDdp, Kind::kWork, Kind::kGroup})
+    // DDPs and FSDPs first: their hooks and buckets refer to the groups.
+    for (Kind kind : {Kind::kDdp, Kind::kFsdp, Kind::kScaler, Kind::kWork, Kind::kGroup})
       for (auto& [id, entry] : r.live)
         if (entry.first == kind) dying.push_back(entry.second);
     r.live.clear();
   }
   while (!dying.empty()) dying.erase(dying.begin());  // in that order, outside the lock
+}
+
+dtrain_c_tensor* new_tensor(at::Tensor tensor) {
+  auto* t = new at::Tensor(std::move(tensor));
+  auto& r = capi_registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.tensors.emplace(t, true);
+  return reinterpret_cast<dtrain_c_tensor*>(t);
 }
 
 void require_init() {
@@ -179,11 +191,7 @@ dtrain_c_status dtrain_c_tensor_from_impl(void* impl, dtrain_c_tensor** out) {
     require_arg(out, "out is NULL: pass where to store the new tensor");
     auto ptr = c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::unsafe_reclaim_from_nonowning(
         static_cast<c10::TensorImpl*>(impl));
-    auto* t = new at::Tensor(std::move(ptr));
-    auto& r = capi_registry();
-    std::lock_guard<std::mutex> lock(r.mu);
-    r.tensors.emplace(t, true);
-    *out = reinterpret_cast<dtrain_c_tensor*>(t);
+    *out = new_tensor(at::Tensor(std::move(ptr)));
   });
 }
 

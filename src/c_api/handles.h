@@ -25,7 +25,7 @@ class StatusError : public std::runtime_error {
 };
 
 // Kinds of handle: a handle of one kind passed where another is expected is refused as unknown.
-enum class Kind { kGroup, kWork, kDdp };
+enum class Kind { kGroup, kWork, kDdp, kFsdp, kScaler };
 const char* kind_name(Kind kind);
 
 struct Object {
@@ -51,6 +51,8 @@ void require_init();
 // The caller's tensor: non-null and defined, else StatusError(DTRAIN_C_INVALID_ARGUMENT) naming `what`.
 at::Tensor& tensor_arg(dtrain_c_tensor* tensor, const char* what);
 void require_arg(bool ok, const std::string& msg);
+// A new at::Tensor* the caller frees with dtrain_c_tensor_free.
+dtrain_c_tensor* new_tensor(at::Tensor tensor);
 
 // Runs body; returns DTRAIN_C_OK, or the failure's status with the thread's last error set to
 // "<fn> on rank R: <message>" (the rank once a process group is up). `dtrain_status` is the status of

@@ -1,6 +1,7 @@
 """`cmake --install` gives outside projects a working dtrain: install the build tree into a temporary
 prefix, configure and build tests/install/ (find_package(dtrain), dtrain::dtrain) against it, and run
-it on 2 ranks with the launcher the package names in dtrain_LAUNCHER (the installed dtrain-run)."""
+it on 2 ranks with the launcher the package names in dtrain_LAUNCHER (the installed dtrain-run); the
+same for its C program over the installed libdtrain_c and dtrain_c.h."""
 import os
 import shutil
 import subprocess
@@ -29,7 +30,7 @@ class Install(DistTestCase):
         prefix, consumer = os.path.join(tmp, "prefix"), os.path.join(tmp, "consumer")
 
         self.run_step([cmake, "--install", build, "--prefix", prefix], 120)
-        for rel in ("include/dtrain/dtrain.h", "include/dtrain/process_group.h"):
+        for rel in ("include/dtrain/dtrain.h", "include/dtrain/process_group.h", "include/dtrain_c.h"):
             self.assertTrue(os.path.exists(os.path.join(prefix, rel)), f"{rel} was not installed")
         configs = [os.path.join(d, "dtrainConfig.cmake") for d in
                    (os.path.join(prefix, "lib", "cmake", "dtrain"),
@@ -62,6 +63,17 @@ class Install(DistTestCase):
                             clean_env(DTRAIN_TIMEOUT_S=60))
         for r in range(2):
             self.assertIn(f"[rank {r}] consumer OK: rank {r} of 2, sum 3", res.out, str(res))
+
+        # The C API: a C program linking the installed libdtrain_c (dtrain::dtrain_c), which finds
+        # libdtrain and LibTorch by its own RUNPATH.
+        program_c = os.path.join(consumer, "consumer_c")
+        ldd = subprocess.run(["ldd", program_c], capture_output=True, text=True, timeout=30).stdout
+        lib_line = [l for l in ldd.splitlines() if "libdtrain_c.so" in l]
+        self.assertTrue(lib_line and prefix in lib_line[0], f"libdtrain_c is not the installed one:\n{ldd}")
+        res = self.run_step([launcher, "--standalone", "--nproc_per_node", 2, "--grace_period", 2, program_c], 90,
+                            clean_env(DTRAIN_TIMEOUT_S=60))
+        for r in range(2):
+            self.assertIn(f"[rank {r}] consumer_c OK: rank {r} of 2", res.out, str(res))
 
 
 if __name__ == "__main__":
