@@ -1,6 +1,7 @@
 // The C API's lifetime calls (init, ranks, groups, tensors from other front ends) and the machinery
 // of handles.h: the registry of live handles and the wrapper that turns exceptions into statuses.
 #include <cinttypes>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -301,4 +302,62 @@ dtrain_c_status dtrain_c_group_free(dtrain_c_group* group) {
 namespace dtrain::capi {
 // The group a call names: NULL is the world (torch.distributed's group=None).
 Group group_arg(dtrain_c_group* group) { return group ? group_of(group, "group") : Group(); }
+
+std::vector<at::Tensor> param_args(dtrain_c_tensor* const* params, size_t n, const Group& group,
+                                   const char* floating_why) {
+  require_arg(params && n > 0, dtrain::detail::cat("params is NULL or n is ", n, ": pass the model's parameters"));
+  const at::Device device = collective_device(group);
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string what = dtrain::detail::cat("params[", i, "]");
+    at::Tensor& t = tensor_arg(params[i], what.c_str());
+    require_arg(at::isFloatingType(t.scalar_type()),
+                dtrain::detail::cat(what, " is ", t.scalar_type(), ": ", floating_why));
+    require_arg(t.device() == device,
+                dtrain::detail::cat(what, " is on ", t.device(), " but the group's backend ", group.backend(),
+                                    " takes ", device, ": move the model there"));
+    require_arg(t.is_leaf() && t.requires_grad(),
+                dtrain::detail::cat(what, " is not a leaf tensor with requires_grad: pass the model's parameters"));
+    out.push_back(t);
+  }
+  return out;
+}
+
+std::vector<std::string> param_names(const char* const* names, size_t n) {
+  std::vector<std::string> out;
+  std::map<std::string, size_t> seen;
+  for (size_t i = 0; i < n; ++i) {
+    std::string name = names ? std::string(names[i] ? names[i] : "") : "param_" + std::to_string(i);
+    require_arg(!name.empty(), dtrain::detail::cat("names[", i, "] is NULL or empty: name every parameter"));
+    require_arg(name.find('.') == std::string::npos,
+                dtrain::detail::cat("names[", i, "] is '", name, "': a parameter name has no '.' (use '_')"));
+    const auto [first, fresh] = seen.emplace(name, i);
+    require_arg(fresh, dtrain::detail::cat("names[", i, "] '", name, "' repeats names[", first->second, "]"));
+    out.push_back(std::move(name));
+  }
+  return out;
+}
+
+std::vector<at::Tensor> output_args(dtrain_c_tensor* const* outputs, size_t n) {
+  require_arg(outputs || n == 0, dtrain::detail::cat("outputs is NULL with n = ", n));
+  std::vector<at::Tensor> tensors;
+  for (size_t i = 0; i < n; ++i)
+    tensors.push_back(tensor_arg(outputs[i], dtrain::detail::cat("outputs[", i, "]").c_str()));
+  return tensors;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> named_args(const char* const* names, dtrain_c_tensor* const* tensors,
+                                                           size_t n) {
+  require_arg((names && tensors) || n == 0, dtrain::detail::cat("names or tensors is NULL with n = ", n));
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::map<std::string, size_t> seen;
+  for (size_t i = 0; i < n; ++i) {
+    require_arg(names[i] && names[i][0], dtrain::detail::cat("names[", i, "] is NULL or empty: name every tensor"));
+    const auto [first, fresh] = seen.emplace(names[i], i);
+    require_arg(fresh, dtrain::detail::cat("names[", i, "] '", names[i], "' repeats names[", first->second,
+                                           "]: names are unique"));
+    out.emplace_back(names[i], tensor_arg(tensors[i], dtrain::detail::cat("tensors[", i, "]").c_str()));
+  }
+  return out;
+}
 }  // namespace dtrain::capi

@@ -21,23 +21,30 @@ dcp::StateDict capi_dcp_entries(const char* dir, const char* const* names, dtrai
   require_arg(names && tensors && n > 0, dtrain::detail::cat("names or tensors is NULL, or n is ", n,
                                                              ": pass the tensors to checkpoint and their names"));
   dcp::StateDict out;
-  std::map<std::string, size_t> seen;
-  for (size_t i = 0; i < n; ++i) {
-    require_arg(names[i] && names[i][0], dtrain::detail::cat("names[", i, "] is NULL or empty: name every tensor"));
-    const auto [first, fresh] = seen.emplace(names[i], i);
-    require_arg(fresh, dtrain::detail::cat("names[", i, "] '", names[i], "' repeats names[", first->second,
-                                           "]: names are unique"));
-    const at::Tensor& given = tensor_arg(tensors[i], dtrain::detail::cat("tensors[", i, "]").c_str());
+  for (const auto& [name, given] : named_args(names, tensors, n)) {
     const at::Tensor t = given.detach();  // the same storage: a load writes into the caller's tensor
     // As dcp::get_state_dict places a model's parameters: a 0-dim tensor stays whole (DCP has no
     // chunk of one), and a rank whose part is empty (the last ranks of a short one) writes none.
     const std::optional<ShardSpec> spec = shard_spec_of(given);  // the parameter's own, not a detached one
     if (!spec || !spec->is_sharded() || spec->full_shape().empty())
-      out.push_back(dcp::Entry::whole({std::string(names[i])}, t));
+      out.push_back(dcp::Entry::whole({name}, t));
     else if (!spec->holds_nothing() && t.numel() > 0)
-      out.push_back(dcp::Entry::chunk({std::string(names[i])}, t, spec->full_shape(), spec->offsets()));
+      out.push_back(dcp::Entry::chunk({name}, t, spec->full_shape(), spec->offsets()));
   }
   return out;
+}
+
+// Saves or loads, as one collective over the group, the named tensors.
+void capi_dcp_run(const char* dir, const char* const* names, dtrain_c_tensor* const* tensors, size_t n,
+                  dtrain_c_group* group, bool save) {
+  require_init();
+  const Group g = group_arg(group);
+  dcp::StateDict state = capi_dcp_entries(dir, names, tensors, n);
+  at::NoGradGuard no_grad;
+  if (save)
+    dcp::save(state, dir, g);
+  else
+    dcp::load(state, dir, g);
 }
 
 }  // namespace
@@ -50,24 +57,12 @@ extern "C" {
 
 dtrain_c_status dtrain_c_dcp_save(const char* dir, const char* const* names, dtrain_c_tensor* const* tensors, size_t n,
                                   dtrain_c_group* group) {
-  return entry(__func__, DTRAIN_C_IO_ERROR, [&] {
-    require_init();
-    const Group g = group_arg(group);
-    dcp::StateDict state = capi_dcp_entries(dir, names, tensors, n);
-    at::NoGradGuard no_grad;
-    dcp::save(state, dir, g);
-  });
+  return entry(__func__, DTRAIN_C_IO_ERROR, [&] { capi_dcp_run(dir, names, tensors, n, group, true); });
 }
 
 dtrain_c_status dtrain_c_dcp_load(const char* dir, const char* const* names, dtrain_c_tensor* const* tensors, size_t n,
                                   dtrain_c_group* group) {
-  return entry(__func__, DTRAIN_C_IO_ERROR, [&] {
-    require_init();
-    const Group g = group_arg(group);
-    dcp::StateDict state = capi_dcp_entries(dir, names, tensors, n);
-    at::NoGradGuard no_grad;
-    dcp::load(state, dir, g);
-  });
+  return entry(__func__, DTRAIN_C_IO_ERROR, [&] { capi_dcp_run(dir, names, tensors, n, group, false); });
 }
 
 }  // extern "C"

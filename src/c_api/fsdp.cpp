@@ -45,40 +45,6 @@ torch::nn::Module& fsdp_module(FsdpObject& object, int unit) {
   return unit < 0 ? static_cast<torch::nn::Module&>(*object.root) : *object.units[unit];
 }
 
-std::vector<at::Tensor> fsdp_params(dtrain_c_tensor* const* params, size_t n, const Group& group) {
-  require_arg(params && n > 0, dtrain::detail::cat("params is NULL or n is ", n, ": pass the model's parameters"));
-  const at::Device device = collective_device(group);
-  std::vector<at::Tensor> out;
-  for (size_t i = 0; i < n; ++i) {
-    const std::string what = dtrain::detail::cat("params[", i, "]");
-    at::Tensor& t = tensor_arg(params[i], what.c_str());
-    require_arg(at::isFloatingType(t.scalar_type()),
-                dtrain::detail::cat(what, " is ", t.scalar_type(), ": fully_shard shards floating-point parameters"));
-    require_arg(t.device() == device,
-                dtrain::detail::cat(what, " is on ", t.device(), " but the group's backend ", group.backend(),
-                                    " takes ", device, ": move the model there"));
-    require_arg(t.is_leaf() && t.requires_grad(),
-                dtrain::detail::cat(what, " is not a leaf tensor with requires_grad: pass the model's parameters"));
-    out.push_back(t);
-  }
-  return out;
-}
-
-std::vector<std::string> fsdp_names(const char* const* names, size_t n) {
-  std::vector<std::string> out;
-  std::map<std::string, size_t> seen;
-  for (size_t i = 0; i < n; ++i) {
-    std::string name = names ? std::string(names[i] ? names[i] : "") : "param_" + std::to_string(i);
-    require_arg(!name.empty(), dtrain::detail::cat("names[", i, "] is NULL or empty: name every parameter"));
-    require_arg(name.find('.') == std::string::npos,
-                dtrain::detail::cat("names[", i, "] is '", name, "': a parameter name has no '.' (use '_')"));
-    const auto [first, fresh] = seen.emplace(name, i);
-    require_arg(fresh, dtrain::detail::cat("names[", i, "] '", name, "' repeats names[", first->second, "]"));
-    out.push_back(std::move(name));
-  }
-  return out;
-}
-
 // The number of units `unit_of` names: each entry -1 (the root) or 0 .. K-1, every unit used.
 int fsdp_unit_count(const int* unit_of, size_t n) {
   if (!unit_of) return 0;
@@ -152,11 +118,11 @@ dtrain_c_status dtrain_c_fsdp_new(dtrain_c_tensor* const* params, size_t n, cons
     require_arg(out, "out is NULL: pass where to store the fsdp handle");
     require_init();
     const Group g = group_arg(group);
-    const std::vector<at::Tensor> tensors = fsdp_params(params, n, g);
-    const std::vector<std::string> param_names = fsdp_names(names, n);
+    const std::vector<at::Tensor> tensors = param_args(params, n, g, "fully_shard shards floating-point parameters");
+    const std::vector<std::string> named = param_names(names, n);
     const int units = fsdp_unit_count(unit_of, n);
     auto object = std::make_shared<FsdpObject>();
-    build_fsdp(*object, tensors, param_names, unit_of, units);
+    build_fsdp(*object, tensors, named, unit_of, units);
     for (auto& unit : object->units) fully_shard(unit, fsdp_options(options, g));  // bottom-up
     fully_shard(object->root, fsdp_options(options, g));
     *out = static_cast<dtrain_c_fsdp*>(add_handle(Kind::kFsdp, std::move(object)));
@@ -186,10 +152,7 @@ dtrain_c_status dtrain_c_fsdp_forward_end(dtrain_c_fsdp* fsdp, int unit, dtrain_
                 dtrain::detail::cat("unit ", unit, "'s forward has not begun: call dtrain_c_fsdp_forward_begin"));
     require_arg(unit >= 0 || std::all_of(object->scopes.begin() + 1, object->scopes.end(), [](auto& s) { return !s; }),
                 "the root's forward ends while a unit's is open: end every unit first");
-    require_arg(outputs || n == 0, dtrain::detail::cat("outputs is NULL with n = ", n));
-    std::vector<at::Tensor> tensors;
-    for (size_t i = 0; i < n; ++i)
-      tensors.push_back(tensor_arg(outputs[i], dtrain::detail::cat("outputs[", i, "]").c_str()));
+    const std::vector<at::Tensor> tensors = output_args(outputs, n);
     auto open = std::move(scope);  // closed (its depth given back) however finish ends
     open->finish(tensors);
   });

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -72,5 +73,16 @@ class Group;
 namespace capi {
 // The group a call names: NULL is the world (torch.distributed's group=None); a dead handle throws.
 Group group_arg(dtrain_c_group* group);
+// A model's parameters as DDP and fully_shard take them: n > 0 tensors, floating point (else the
+// error says `floating_why`), on the device of the group's backend, leaves with requires_grad.
+std::vector<at::Tensor> param_args(dtrain_c_tensor* const* params, size_t n, const Group& group,
+                                   const char* floating_why);
+// The parameters' names: NULL gives "param_0", ...; else n unique names without '.'.
+std::vector<std::string> param_names(const char* const* names, size_t n);
+// A forward's outputs (n tensors, or none).
+std::vector<at::Tensor> output_args(dtrain_c_tensor* const* outputs, size_t n);
+// Named tensors of a checkpoint: every name non-empty and unique, every tensor defined.
+std::vector<std::pair<std::string, at::Tensor>> named_args(const char* const* names, dtrain_c_tensor* const* tensors,
+                                                           size_t n);
 }  // namespace capi
 }  // namespace dtrain
