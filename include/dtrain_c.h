@@ -19,13 +19,15 @@
  *
  * Added in this version (see docs/c_api.md for each call sequence): fully_shard over parameter
  * tensors (dtrain_c_fsdp_*), point-to-point send/recv, DistributedSampler's indices, clip_grad_norm_,
- * GradScaler, and distributed checkpoints (torch.distributed.checkpoint's folders) of named tensors.
+ * GradScaler, the training Monitor's step metrics, and distributed checkpoints
+ * (torch.distributed.checkpoint's folders) of named tensors.
  *
  * Errors: every function returns a dtrain_c_status; on failure dtrain_c_last_error() gives one line
  * naming the function, the rank (once initialized) and what to do. No C++ exception leaves the
  * library. Handles (group, work, ddp) are checked against the live ones: a NULL, freed or
- * never-created handle (group, work, ddp, fsdp, grad scaler) is DTRAIN_C_INVALID_HANDLE, never a crash. A NULL group
- * means the world. Threads: the calls of one process group are collective; make them from one thread at a time. */
+ * never-created handle (group, work, ddp, fsdp, grad scaler, monitor) is DTRAIN_C_INVALID_HANDLE, never a crash. A NULL
+ * group means the world. Threads: the calls of one process group are collective; make them from one thread at a time.
+ */
 #ifndef DTRAIN_C_H
 #define DTRAIN_C_H
 
@@ -76,6 +78,7 @@ typedef struct dtrain_c_work dtrain_c_work;               /* an asynchronous col
 typedef struct dtrain_c_ddp dtrain_c_ddp;                 /* DistributedDataParallel over caller-owned parameters */
 typedef struct dtrain_c_fsdp dtrain_c_fsdp;               /* fully_shard (FSDP2) over caller-owned parameters */
 typedef struct dtrain_c_grad_scaler dtrain_c_grad_scaler; /* GradScaler (mixed precision's loss scaling) */
+typedef struct dtrain_c_monitor dtrain_c_monitor;         /* the training Monitor (step metrics, files) */
 
 /* DDP's options; fill with dtrain_c_ddp_options_default (PyTorch's defaults), then change fields.
  * struct_size lets a later ABI add fields at the end. */
@@ -272,6 +275,47 @@ DTRAIN_C_API dtrain_c_status dtrain_c_grad_scaler_step(dtrain_c_grad_scaler* sca
 DTRAIN_C_API dtrain_c_status dtrain_c_grad_scaler_update(dtrain_c_grad_scaler* scaler, double new_scale);
 DTRAIN_C_API dtrain_c_status dtrain_c_grad_scaler_get_scale(dtrain_c_grad_scaler* scaler, double* out);
 DTRAIN_C_API dtrain_c_status dtrain_c_grad_scaler_free(dtrain_c_grad_scaler* scaler);
+
+/* --- the training monitor --------------------------------------------------------------------- */
+typedef enum dtrain_c_phase {
+  DTRAIN_C_PHASE_FORWARD = 0,
+  DTRAIN_C_PHASE_BACKWARD = 1,
+  DTRAIN_C_PHASE_OPTIMIZER = 2,
+  DTRAIN_C_PHASE_MAX_ENUM = 0x7FFFFFFF /* not a phase: any int is refused as an argument, not UB */
+} dtrain_c_phase;
+
+/* One rank's step, milliseconds; NaN where not known. Set struct_size = sizeof before reading. */
+typedef struct dtrain_c_step_metrics {
+  size_t struct_size;
+  int64_t step; /* 1-based over the run */
+  double step_ms, forward_ms, backward_ms, optimizer_ms, comm_ms, comm_wait_ms;
+  double loss, lr, grad_norm;
+  int64_t samples;
+  double samples_per_s, rss_mb;
+} dtrain_c_step_metrics;
+
+/* dtrain's Monitor: output_dir NULL for no files (else metrics.jsonl, trace.json, plot.svg there);
+ * log_every: steps per window aggregated over the group (0: 10); progress: a progress line on rank 0.
+ * Collective over the group (NULL: the world). */
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_new(const char* output_dir, int64_t log_every, int progress,
+                                                  dtrain_c_group* group, dtrain_c_monitor** out);
+/* The parameters whose gradients' norm each step records (names NULL: by position). */
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_watch_parameters(dtrain_c_monitor* monitor,
+                                                               dtrain_c_tensor* const* params, size_t n,
+                                                               const char* const* names);
+/* Per step: begin_step (optional), each phase between phase_begin and phase_end (one open at a time),
+ * end_step with what the loop knows (loss and lr NaN, samples 0: unknown); every log_every steps it
+ * aggregates over the ranks (collective). */
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_begin_step(dtrain_c_monitor* monitor);
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_phase_begin(dtrain_c_monitor* monitor, dtrain_c_phase phase);
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_phase_end(dtrain_c_monitor* monitor, dtrain_c_phase phase);
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_end_step(dtrain_c_monitor* monitor, double loss, int64_t samples,
+                                                       double lr);
+/* This rank's last ended step. */
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_last_step(dtrain_c_monitor* monitor, dtrain_c_step_metrics* out);
+/* Collective: aggregates the last partial window and writes the merged files. Free after it. */
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_close(dtrain_c_monitor* monitor);
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_free(dtrain_c_monitor* monitor);
 
 /* --- distributed checkpoints (torch.distributed.checkpoint folders) ------------------------------ */
 /* Collective over the group (NULL: the world): each name a flat key, as Python's

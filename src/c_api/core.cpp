@@ -54,6 +54,8 @@ const char* kind_name(Kind kind) {
       return "fsdp";
     case Kind::kScaler:
       return "grad scaler";
+    case Kind::kMonitor:
+      return "monitor";
   }
   return "?";
 }
@@ -107,8 +109,8 @@ void clear_handles() {
   std::vector<std::shared_ptr<Object>> dying;
   {
     std::lock_guard<std::mutex> lock(r.mu);
-    // DDPs and FSDPs first: their hooks and buckets refer to the groups.
-    for (Kind kind : {Kind::kDdp, Kind::kFsdp, Kind::kScaler, Kind::kWork, Kind::kGroup})
+    // Monitors, DDPs and FSDPs first: their hooks, buckets and windows refer to the groups.
+    for (Kind kind : {Kind::kMonitor, Kind::kDdp, Kind::kFsdp, Kind::kScaler, Kind::kWork, Kind::kGroup})
       for (auto& [id, entry] : r.live)
         if (entry.first == kind) dying.push_back(entry.second);
     r.live.clear();

@@ -4,6 +4,7 @@
 // whole: the first needs no process group yet, the last destroys it.
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -418,6 +419,48 @@ TEST(CApi, DcpRoundTripAndRefusals) {
   ASSERT_EQ(dtrain_c_group_free(dead), DTRAIN_C_OK);
   EXPECT_STATUS(dtrain_c_dcp_save(dir.c_str(), names, tensors, 2, dead), DTRAIN_C_INVALID_HANDLE,
                 "is not a live group handle");
+  std::system(("rm -rf " + dir).c_str());
+}
+
+TEST(CApi, MonitorStepsAndRefusals) {
+  ensure_init();
+  const std::string dir = "/tmp/dtrain_c_api_test_monitor_" + std::to_string(getpid());
+  dtrain_c_monitor* monitor = nullptr;
+  EXPECT_STATUS(dtrain_c_monitor_new(dir.c_str(), -1, 0, nullptr, &monitor), DTRAIN_C_INVALID_ARGUMENT,
+                "log_every is -1");
+  ASSERT_EQ(dtrain_c_monitor_new(dir.c_str(), 3, 0, nullptr, &monitor), DTRAIN_C_OK) << err();
+  at::Tensor p = at::ones({3}).requires_grad_();
+  p.mutable_grad() = at::full({3}, 2.0f);
+  dtrain_c_tensor* params[] = {h(p)};
+  ASSERT_EQ(dtrain_c_monitor_watch_parameters(monitor, params, 1, nullptr), DTRAIN_C_OK) << err();
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_EQ(dtrain_c_monitor_begin_step(monitor), DTRAIN_C_OK) << err();
+    ASSERT_EQ(dtrain_c_monitor_phase_begin(monitor, DTRAIN_C_PHASE_FORWARD), DTRAIN_C_OK) << err();
+    EXPECT_STATUS(dtrain_c_monitor_phase_begin(monitor, DTRAIN_C_PHASE_BACKWARD), DTRAIN_C_INVALID_ARGUMENT,
+                  "phase 0 is still open");
+    EXPECT_STATUS(dtrain_c_monitor_end_step(monitor, 1.0, 4, 0.1), DTRAIN_C_INVALID_ARGUMENT, "phase 0 is still open");
+    EXPECT_STATUS(dtrain_c_monitor_phase_end(monitor, DTRAIN_C_PHASE_OPTIMIZER), DTRAIN_C_INVALID_ARGUMENT,
+                  "phase 2 is not open (open: 0)");
+    ASSERT_EQ(dtrain_c_monitor_phase_end(monitor, DTRAIN_C_PHASE_FORWARD), DTRAIN_C_OK) << err();
+    ASSERT_EQ(dtrain_c_monitor_end_step(monitor, 0.5 * step, 4, 0.1), DTRAIN_C_OK) << err();
+  }
+  dtrain_c_step_metrics m{};
+  EXPECT_STATUS(dtrain_c_monitor_last_step(monitor, &m), DTRAIN_C_INVALID_ARGUMENT, "struct_size is 0");
+  m.struct_size = sizeof m;
+  ASSERT_EQ(dtrain_c_monitor_last_step(monitor, &m), DTRAIN_C_OK) << err();
+  EXPECT_EQ(m.step, 3);
+  EXPECT_EQ(m.loss, 1.0);
+  EXPECT_EQ(m.samples, 4);
+  EXPECT_NEAR(m.grad_norm, std::sqrt(12.0), 1e-6);  // the watched gradient's, on a window's last step
+  EXPECT_GE(m.forward_ms, 0.0);
+  EXPECT_STATUS(dtrain_c_monitor_phase_begin(monitor, static_cast<dtrain_c_phase>(7)), DTRAIN_C_INVALID_ARGUMENT,
+                "phase is 7");
+  EXPECT_STATUS(dtrain_c_monitor_end_step(monitor, 1.0, -4, 0.1), DTRAIN_C_INVALID_ARGUMENT, "samples is -4");
+  ASSERT_EQ(dtrain_c_monitor_close(monitor), DTRAIN_C_OK) << err();
+  EXPECT_EQ(access((dir + "/metrics.jsonl").c_str(), R_OK), 0) << "no metrics.jsonl in " << dir;
+  ASSERT_EQ(dtrain_c_monitor_free(monitor), DTRAIN_C_OK);
+  EXPECT_STATUS(dtrain_c_monitor_last_step(monitor, &m), DTRAIN_C_INVALID_HANDLE, "is not a live monitor handle");
+  EXPECT_STATUS(dtrain_c_monitor_begin_step(nullptr), DTRAIN_C_INVALID_HANDLE, "monitor is NULL");
   std::system(("rm -rf " + dir).c_str());
 }
 
