@@ -340,26 +340,8 @@ def fsdp_checkpoint(c, arr, names, params, folder, rank):
     return all(torch.equal(a, p.detach()) for a, p in zip(saved, params))
 
 
-def run_fsdp(out):
-    c = CApi(os.environ["DTRAIN_C_LIB"])
-    c("init_process_group", None, None, -1, -1, 0)
-    rank, world = c.out_int("rank"), c.out_int("world_size")
-    params = fsdp_init()
-    shapes = [tuple(p.shape) for p in params]
-    handles = [c.tensor(p) for p in params]
-    arr = (ctypes.c_void_p * len(handles))(*[h.value for h in handles])
-    names = (ctypes.c_char_p * len(FSDP_NAMES))(*[n.encode() for n in FSDP_NAMES])
-    units = (ctypes.c_int * len(FSDP_UNITS))(*FSDP_UNITS)
-    fsdp = ctypes.c_void_p()
-    c("fsdp_new", arr, ctypes.c_size_t(len(handles)), names, units, None, None, ctypes.byref(fsdp))
-    result = {"rank": rank, "shard_rows": [p.shape[0] for p in params], "norms": []}
-    for step in range(STEPS):
-        fsdp_step(c, fsdp, params, step, rank)
-        norm = ctypes.c_double()
-        c("clip_grad_norm_", arr, ctypes.c_size_t(len(handles)), ctypes.c_double(MAX_NORM), ctypes.c_double(2.0),
-          ctypes.byref(norm))
-        result["norms"].append(norm.value)
-        sgd(params)  # PyTorch's optimizer step on the shards
+def fsdp_whole(c, fsdp, shapes):
+    """Every parameter whole, put together from the ranks' shards by the C API."""
     whole = []
     for i, shape in enumerate(shapes):
         full = torch.zeros(shape, dtype=torch.float64)
@@ -367,24 +349,65 @@ def run_fsdp(out):
         c("fsdp_full_parameter", fsdp, ctypes.c_size_t(i), hf)
         c.free(hf)
         whole.append(full)
-    result["params"] = [v for t in whole for v in t.flatten().tolist()]
-    result["shards"] = [p.detach().flatten().tolist() for p in params]
-    folder = os.path.join(os.path.dirname(os.path.abspath(out)), "fsdp_dcp")
-    result["dcp_c_roundtrip"] = fsdp_checkpoint(c, arr, names, params, folder, rank)
-    result["dcp_folder"] = folder
+    return [v for t in whole for v in t.flatten().tolist()]
+
+
+def fsdp_train(c, rank, reshard_after_forward, unshard_first, folder=None):
+    """Trains a fresh model through the C API's fully_shard; `unshard_first` gathers each unit with
+    dtrain_c_fsdp_unshard before its forward (FSDPModule.unshard()), as a binding that prefetches would."""
+    params = fsdp_init()
+    shapes = [tuple(p.shape) for p in params]
+    handles = [c.tensor(p) for p in params]
+    arr = (ctypes.c_void_p * len(handles))(*[h.value for h in handles])
+    names = (ctypes.c_char_p * len(FSDP_NAMES))(*[n.encode() for n in FSDP_NAMES])
+    units = (ctypes.c_int * len(FSDP_UNITS))(*FSDP_UNITS)
+    options = FsdpOptions()
+    c.lib.dtrain_c_fsdp_options_default(ctypes.byref(options))
+    options.reshard_after_forward = reshard_after_forward
+    fsdp = ctypes.c_void_p()
+    c("fsdp_new", arr, ctypes.c_size_t(len(handles)), names, units, ctypes.byref(options), None, ctypes.byref(fsdp))
+    result = {"shard_rows": [p.shape[0] for p in params], "norms": [], "shapes": shapes}
+    for step in range(STEPS):
+        if unshard_first:
+            c("fsdp_unshard", fsdp, -1)
+            c("fsdp_unshard", fsdp, 0)
+        fsdp_step(c, fsdp, params, step, rank)
+        norm = ctypes.c_double()
+        c("clip_grad_norm_", arr, ctypes.c_size_t(len(handles)), ctypes.c_double(MAX_NORM), ctypes.c_double(2.0),
+          ctypes.byref(norm))
+        result["norms"].append(norm.value)
+        sgd(params)  # PyTorch's optimizer step on the shards
+    result["params"] = fsdp_whole(c, fsdp, shapes)
+    if folder:
+        result["dcp_c_roundtrip"] = fsdp_checkpoint(c, arr, names, params, folder, rank)
     c("fsdp_free", fsdp)
     for h in handles:
         c.free(h)
+    return result
+
+
+class FsdpOptions(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("reshard_after_forward", ctypes.c_int)]
+
+
+def run_fsdp(out):
+    c = CApi(os.environ["DTRAIN_C_LIB"])
+    c("init_process_group", None, None, -1, -1, 0)
+    rank, world = c.out_int("rank"), c.out_int("world_size")
+    folder = os.path.join(os.path.dirname(os.path.abspath(out)), "fsdp_dcp")
+    result = fsdp_train(c, rank, -1, False, folder)  # FSDP2's defaults, and a checkpoint
+    result["rank"] = rank
+    # ZeRO-2 for the parameters (kept whole from forward to backward), gathered ahead by unshard().
+    result["variants"] = {"reshard_false_unshard": fsdp_train(c, rank, 0, True)["params"]}
     c("destroy_process_group")
     # PyTorch's own reader, no process group: the whole tensors from every rank's chunks.
     import torch.distributed.checkpoint as dcp
-    state = {n: torch.zeros(shape, dtype=torch.float64) for n, shape in zip(FSDP_NAMES, shapes)}
+    state = {n: torch.zeros(shape, dtype=torch.float64) for n, shape in zip(FSDP_NAMES, result["shapes"])}
     dcp.load(state, checkpoint_id=folder)
     result["dcp_torch"] = [v for n in FSDP_NAMES for v in state[n].flatten().tolist()]
     ref, norms = fsdp_reference(world)
     result["reference"] = [v for p in ref for v in p.detach().flatten().tolist()]
     result["reference_norms"] = norms
-    result["shapes"] = shapes
     return result
 
 

@@ -93,6 +93,9 @@ class CApi(DistTestCase):
             worst = max(abs(x - y) for x, y in zip(res["params"], res["reference"]))
             self.assertLessEqual(worst, TOLERANCE, f"rank {r}: C API fully_shard vs one process differ by {worst}")
             print(f"rank {r}: C API fully_shard vs one process: largest parameter difference {worst:.3g}")
+            for name, params in res["variants"].items():
+                worst = max(abs(x - y) for x, y in zip(params, res["reference"]))
+                self.assertLessEqual(worst, TOLERANCE, f"rank {r}: fully_shard {name} vs one process differ by {worst}")
             for ours, torchs in zip(res["norms"], res["reference_norms"]):
                 self.assertLessEqual(abs(ours - torchs), TOLERANCE, f"rank {r}: clip_grad_norm_'s total norm differs")
             self.assertGreater(min(res["reference_norms"]), 0.05, "the norms never exceed max_norm: nothing clipped")
