@@ -102,7 +102,8 @@ DTRAIN_C_API const char* dtrain_c_last_error(void);
 /* impl: a c10::TensorImpl* (Python: tensor._cdata) of a live tensor. *out: a new at::Tensor* sharing
  * it (storage, autograd state), freed with dtrain_c_tensor_free. */
 DTRAIN_C_API dtrain_c_status dtrain_c_tensor_from_impl(void* impl, dtrain_c_tensor** out);
-/* Frees an at::Tensor* made by dtrain_c_tensor_from_impl (the tensor lives on while others hold it). */
+/* Frees an at::Tensor* made by dtrain_c_tensor_from_impl or dtrain_c_grad_scaler_scale (the tensor lives
+ * on while others hold it). */
 DTRAIN_C_API dtrain_c_status dtrain_c_tensor_free(dtrain_c_tensor* tensor);
 
 /* --- process group lifetime ------------------------------------------------------------------ */

@@ -205,10 +205,12 @@ dtrain_c_status dtrain_c_tensor_free(dtrain_c_tensor* tensor) {
     {
       std::lock_guard<std::mutex> lock(r.mu);
       if (!r.tensors.erase(t))
-        throw StatusError(DTRAIN_C_INVALID_HANDLE,
-                          dtrain::detail::cat("tensor ", handle_text(t),
-                                              " was not made by dtrain_c_tensor_from_impl or is already freed: free "
-                                              "only those, once (your binding frees its own tensors)"));
+        throw StatusError(
+            DTRAIN_C_INVALID_HANDLE,
+            dtrain::detail::cat("tensor ", handle_text(t),
+                                " was not made by dtrain_c_tensor_from_impl (or dtrain_c_grad_scaler_scale) or is "
+                                "already freed: free only those, once (your binding frees its own "
+                                "tensors)"));
     }
     delete t;
   });
