@@ -17,11 +17,17 @@
  * the one libdtrain_c was linked against. dtrain_c_tensor_from_impl turns a c10::TensorImpl* (what
  * PyTorch's tensor._cdata gives) into an at::Tensor* the caller frees with dtrain_c_tensor_free.
  *
+ * Added in this version (see docs/c_api.md for each call sequence): fully_shard over parameter
+ * tensors (dtrain_c_fsdp_*), point-to-point send/recv, DistributedSampler's indices, clip_grad_norm_,
+ * GradScaler, the training Monitor's step metrics, and distributed checkpoints
+ * (torch.distributed.checkpoint's folders) of named tensors.
+ *
  * Errors: every function returns a dtrain_c_status; on failure dtrain_c_last_error() gives one line
  * naming the function, the rank (once initialized) and what to do. No C++ exception leaves the
  * library. Handles (group, work, ddp) are checked against the live ones: a NULL, freed or
- * never-created handle is DTRAIN_C_INVALID_HANDLE, never a crash. A NULL group means the world.
- * Threads: the calls of one process group are collective; make them from one thread at a time. */
+ * never-created handle (group, work, ddp, fsdp, grad scaler, monitor) is DTRAIN_C_INVALID_HANDLE, never a crash. A NULL
+ * group means the world. Threads: the calls of one process group are collective; make them from one thread at a time.
+ */
 #ifndef DTRAIN_C_H
 #define DTRAIN_C_H
 
@@ -39,7 +45,10 @@ extern "C" {
 #endif
 
 /* Raised when a function's signature or meaning changes; dtrain_c_abi_version() says what the loaded
- * library implements, so a binding can refuse a library it was not written for. */
+ * library implements, so a binding can refuse a library it was not written for. Adding functions,
+ * or fields at the end of an options struct (struct_size tells them apart), keeps the version: a
+ * binding that needs a function added later looks its symbol up (dlsym) and treats a missing one as
+ * an older library of the same version. */
 #define DTRAIN_C_ABI_VERSION 1
 
 typedef enum dtrain_c_status {
@@ -63,10 +72,13 @@ typedef enum dtrain_c_reduce_op {
   DTRAIN_C_REDUCE_OP_MAX_ENUM = 0x7FFFFFFF
 } dtrain_c_reduce_op;
 
-typedef struct dtrain_c_tensor dtrain_c_tensor; /* at::Tensor, never defined in C */
-typedef struct dtrain_c_group dtrain_c_group;   /* a subgroup (NULL: the world) */
-typedef struct dtrain_c_work dtrain_c_work;     /* an asynchronous collective */
-typedef struct dtrain_c_ddp dtrain_c_ddp;       /* DistributedDataParallel over caller-owned parameters */
+typedef struct dtrain_c_tensor dtrain_c_tensor;           /* at::Tensor, never defined in C */
+typedef struct dtrain_c_group dtrain_c_group;             /* a subgroup (NULL: the world) */
+typedef struct dtrain_c_work dtrain_c_work;               /* an asynchronous collective */
+typedef struct dtrain_c_ddp dtrain_c_ddp;                 /* DistributedDataParallel over caller-owned parameters */
+typedef struct dtrain_c_fsdp dtrain_c_fsdp;               /* fully_shard (FSDP2) over caller-owned parameters */
+typedef struct dtrain_c_grad_scaler dtrain_c_grad_scaler; /* GradScaler (mixed precision's loss scaling) */
+typedef struct dtrain_c_monitor dtrain_c_monitor;         /* the training Monitor (step metrics, files) */
 
 /* DDP's options; fill with dtrain_c_ddp_options_default (PyTorch's defaults), then change fields.
  * struct_size lets a later ABI add fields at the end. */
@@ -90,7 +102,8 @@ DTRAIN_C_API const char* dtrain_c_last_error(void);
 /* impl: a c10::TensorImpl* (Python: tensor._cdata) of a live tensor. *out: a new at::Tensor* sharing
  * it (storage, autograd state), freed with dtrain_c_tensor_free. */
 DTRAIN_C_API dtrain_c_status dtrain_c_tensor_from_impl(void* impl, dtrain_c_tensor** out);
-/* Frees an at::Tensor* made by dtrain_c_tensor_from_impl (the tensor lives on while others hold it). */
+/* Frees an at::Tensor* made by dtrain_c_tensor_from_impl or dtrain_c_grad_scaler_scale (the tensor lives
+ * on while others hold it). */
 DTRAIN_C_API dtrain_c_status dtrain_c_tensor_free(dtrain_c_tensor* tensor);
 
 /* --- process group lifetime ------------------------------------------------------------------ */
@@ -132,6 +145,14 @@ DTRAIN_C_API dtrain_c_status dtrain_c_reduce_scatter_tensor(dtrain_c_tensor* out
                                                             dtrain_c_work** work);
 DTRAIN_C_API dtrain_c_status dtrain_c_barrier(dtrain_c_group* group, dtrain_c_work** work);
 
+/* Point-to-point, as torch.distributed.send/recv (isend/irecv with a work handle): dst and src are
+ * global ranks; tag pairs a send with the recv of the same tag. recv: src -1 receives from any rank
+ * (blocking only); *sender (may be NULL) gets the sender's global rank. */
+DTRAIN_C_API dtrain_c_status dtrain_c_send(dtrain_c_tensor* tensor, int dst, dtrain_c_group* group, int tag,
+                                           dtrain_c_work** work);
+DTRAIN_C_API dtrain_c_status dtrain_c_recv(dtrain_c_tensor* tensor, int src, dtrain_c_group* group, int tag,
+                                           int* sender, dtrain_c_work** work);
+
 DTRAIN_C_API dtrain_c_status dtrain_c_work_wait(dtrain_c_work* work);
 /* *out: 1 once finished (then the results may be read), else 0. */
 DTRAIN_C_API dtrain_c_status dtrain_c_work_is_completed(dtrain_c_work* work, int* out);
@@ -164,6 +185,151 @@ DTRAIN_C_API dtrain_c_status dtrain_c_save_safetensors(const char* path, const c
  * missing from the file or the list, or a shape that differs, is an error and nothing is changed. */
 DTRAIN_C_API dtrain_c_status dtrain_c_load_safetensors(const char* path, const char* const* names,
                                                        dtrain_c_tensor* const* tensors, size_t n);
+
+/* --- fully_shard (FSDP2, ZeRO-3) --------------------------------------------------------------- */
+/* The unit of dtrain_c_fsdp_forward_begin/end and unshard/reshard that is the root (the parameters
+ * no other unit holds). */
+#define DTRAIN_C_FSDP_ROOT (-1)
+
+/* Fill with dtrain_c_fsdp_options_default, then change fields. */
+typedef struct dtrain_c_fsdp_options {
+  size_t struct_size;
+  /* FSDP2's reshard_after_forward: -1 its default (true, the root false), 0 false, 1 true, n > 1 the
+     size of the groups a unit stays sharded over between forward and backward (n divides the group's). */
+  int reshard_after_forward;
+} dtrain_c_fsdp_options;
+
+DTRAIN_C_API void dtrain_c_fsdp_options_default(dtrain_c_fsdp_options* options);
+/* params: the model's n parameters (floating point, requires_grad, one device), the same on every
+ * rank in the same order (not broadcast: seed every rank alike, as FSDP2). names: NULL ("param_0",
+ * ...) or n unique names without '.'. unit_of: NULL (one unit, the root) or, per parameter, the unit
+ * 0 .. K-1 that holds it (FSDP2's fully_shard(block) per block) or DTRAIN_C_FSDP_ROOT; units are
+ * numbered without gaps and run in their number's order. Collective. Afterwards EACH CALLER TENSOR
+ * HOLDS THIS RANK'S SHARD (rows r*ceil(d0/N) .. of dim 0, maybe none) between steps, and the whole
+ * parameter only while its unit is gathered: build the optimizer state on the shards, and read the
+ * whole with dtrain_c_fsdp_full_parameter. */
+DTRAIN_C_API dtrain_c_status dtrain_c_fsdp_new(dtrain_c_tensor* const* params, size_t n, const char* const* names,
+                                               const int* unit_of, const dtrain_c_fsdp_options* options,
+                                               dtrain_c_group* group, dtrain_c_fsdp** out);
+/* Around the forward of the root and, nested inside it, of each unit (bindings have no module hooks):
+ *   begin(ROOT); begin(0); h = unit 0's layers(x); end(0, &h, 1); begin(1); ... end(1, &y, 1);
+ *   loss = ...; end(ROOT, &loss, 1); your_backward(loss);
+ * begin gathers the unit's whole parameters into the caller's tensors; end follows its outputs into
+ * backward and reshards (per reshard_after_forward). During backward each unit gathers again and
+ * reduce-scatters its gradients: when backward returns, each tensor's .grad is the shard of the
+ * gradient averaged over the group. */
+DTRAIN_C_API dtrain_c_status dtrain_c_fsdp_forward_begin(dtrain_c_fsdp* fsdp, int unit);
+DTRAIN_C_API dtrain_c_status dtrain_c_fsdp_forward_end(dtrain_c_fsdp* fsdp, int unit, dtrain_c_tensor* const* outputs,
+                                                       size_t n);
+/* FSDPModule.unshard()/reshard(): gather the unit's parameters now (kept whole until reshard or its
+ * next backward), or free them. */
+DTRAIN_C_API dtrain_c_status dtrain_c_fsdp_unshard(dtrain_c_fsdp* fsdp, int unit);
+DTRAIN_C_API dtrain_c_status dtrain_c_fsdp_reshard(dtrain_c_fsdp* fsdp, int unit);
+/* FSDPModule.set_requires_gradient_sync (FSDP2's no_sync) for every unit. */
+DTRAIN_C_API dtrain_c_status dtrain_c_fsdp_set_requires_gradient_sync(dtrain_c_fsdp* fsdp, int requires_sync);
+/* Collective: copies the whole parameter `index` (the order of params) into out (its whole shape). */
+DTRAIN_C_API dtrain_c_status dtrain_c_fsdp_full_parameter(dtrain_c_fsdp* fsdp, size_t index, dtrain_c_tensor* out);
+/* The caller's tensors keep their shards. */
+DTRAIN_C_API dtrain_c_status dtrain_c_fsdp_free(dtrain_c_fsdp* fsdp);
+
+/* --- training loop helpers --------------------------------------------------------------------- */
+/* DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last) after set_epoch(epoch):
+ * this rank's indices, the same as PyTorch's list(sampler). num_replicas, rank: -1 from the process
+ * group. out NULL: only *count; else out holds capacity >= *count int64s. */
+DTRAIN_C_API dtrain_c_status dtrain_c_sampler_indices(size_t dataset_size, int num_replicas, int rank, int shuffle,
+                                                      int64_t seed, int drop_last, int64_t epoch, int64_t* out,
+                                                      size_t capacity, size_t* count);
+/* torch.nn.utils.clip_grad_norm_ over the parameters' gradients (parameters without one are skipped).
+ * Parameters that dtrain_c_fsdp_new sharded count as the whole gradient (collective over their group,
+ * as PyTorch's over DTensors); others are whole on this rank. *total_norm (may be NULL): the norm
+ * before clipping. max_norm: infinity to measure only. */
+DTRAIN_C_API dtrain_c_status dtrain_c_clip_grad_norm_(dtrain_c_tensor* const* params, size_t n, double max_norm,
+                                                      double norm_type, double* total_norm);
+
+typedef struct dtrain_c_grad_scaler_options {
+  size_t struct_size;
+  double init_scale;       /* 65536 */
+  double growth_factor;    /* 2 */
+  double backoff_factor;   /* 0.5 */
+  int64_t growth_interval; /* 2000 */
+  int enabled;             /* 1 */
+} dtrain_c_grad_scaler_options;
+
+DTRAIN_C_API void dtrain_c_grad_scaler_options_default(dtrain_c_grad_scaler_options* options);
+/* GradScaler whose inf/NaN check is agreed over the group (NULL: the world; collective in unscale_ and
+ * step): an overflow on any rank makes every rank skip and back off together. */
+DTRAIN_C_API dtrain_c_status dtrain_c_grad_scaler_new(const dtrain_c_grad_scaler_options* options,
+                                                      dtrain_c_group* group, dtrain_c_grad_scaler** out);
+/* scaler.scale(loss): *scaled is a new tensor (free it with dtrain_c_tensor_free) to run backward on.
+ * Call it once per iteration before unscale_/step. */
+DTRAIN_C_API dtrain_c_status dtrain_c_grad_scaler_scale(dtrain_c_grad_scaler* scaler, dtrain_c_tensor* loss,
+                                                        dtrain_c_tensor** scaled);
+/* scaler.unscale_(optimizer) over the parameters the caller's optimizer steps: their .grad divided by
+ * the scale in place (before clipping). At most once per iteration. */
+DTRAIN_C_API dtrain_c_status dtrain_c_grad_scaler_unscale_(dtrain_c_grad_scaler* scaler, dtrain_c_tensor* const* params,
+                                                           size_t n);
+/* scaler.step(optimizer)'s decision: unscales if not done yet; *should_step = 1 when no gradient was
+ * inf/NaN on any rank: then run your optimizer's step; 0: skip it. */
+DTRAIN_C_API dtrain_c_status dtrain_c_grad_scaler_step(dtrain_c_grad_scaler* scaler, dtrain_c_tensor* const* params,
+                                                       size_t n, int* should_step);
+/* scaler.update(new_scale): new_scale 0 lets the scaler back off or grow; > 0 sets it. */
+DTRAIN_C_API dtrain_c_status dtrain_c_grad_scaler_update(dtrain_c_grad_scaler* scaler, double new_scale);
+DTRAIN_C_API dtrain_c_status dtrain_c_grad_scaler_get_scale(dtrain_c_grad_scaler* scaler, double* out);
+DTRAIN_C_API dtrain_c_status dtrain_c_grad_scaler_free(dtrain_c_grad_scaler* scaler);
+
+/* --- the training monitor --------------------------------------------------------------------- */
+typedef enum dtrain_c_phase {
+  DTRAIN_C_PHASE_FORWARD = 0,
+  DTRAIN_C_PHASE_BACKWARD = 1,
+  DTRAIN_C_PHASE_OPTIMIZER = 2,
+  DTRAIN_C_PHASE_MAX_ENUM = 0x7FFFFFFF /* not a phase: any int is refused as an argument, not UB */
+} dtrain_c_phase;
+
+/* One rank's step, milliseconds; NaN where not known. Set struct_size = sizeof before reading. */
+typedef struct dtrain_c_step_metrics {
+  size_t struct_size;
+  int64_t step; /* 1-based over the run */
+  double step_ms, forward_ms, backward_ms, optimizer_ms, comm_ms, comm_wait_ms;
+  double loss, lr, grad_norm;
+  int64_t samples;
+  double samples_per_s, rss_mb;
+} dtrain_c_step_metrics;
+
+/* dtrain's Monitor: output_dir NULL for no files (else metrics.jsonl, trace.json, plot.svg there);
+ * log_every: steps per window aggregated over the group (0: 10); progress: a progress line on rank 0.
+ * Collective over the group (NULL: the world). */
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_new(const char* output_dir, int64_t log_every, int progress,
+                                                  dtrain_c_group* group, dtrain_c_monitor** out);
+/* The parameters whose gradients' norm each step records (names NULL: by position). */
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_watch_parameters(dtrain_c_monitor* monitor,
+                                                               dtrain_c_tensor* const* params, size_t n,
+                                                               const char* const* names);
+/* Per step: begin_step (optional), each phase between phase_begin and phase_end (one open at a time),
+ * end_step with what the loop knows (loss and lr NaN, samples 0: unknown); every log_every steps it
+ * aggregates over the ranks (collective). */
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_begin_step(dtrain_c_monitor* monitor);
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_phase_begin(dtrain_c_monitor* monitor, dtrain_c_phase phase);
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_phase_end(dtrain_c_monitor* monitor, dtrain_c_phase phase);
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_end_step(dtrain_c_monitor* monitor, double loss, int64_t samples,
+                                                       double lr);
+/* This rank's last ended step. */
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_last_step(dtrain_c_monitor* monitor, dtrain_c_step_metrics* out);
+/* Collective: aggregates the last partial window and writes the merged files. Free after it. */
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_close(dtrain_c_monitor* monitor);
+DTRAIN_C_API dtrain_c_status dtrain_c_monitor_free(dtrain_c_monitor* monitor);
+
+/* --- distributed checkpoints (torch.distributed.checkpoint folders) ------------------------------ */
+/* Collective over the group (NULL: the world): each name a flat key, as Python's
+ * dcp.save({name: tensor, ...}). A tensor dtrain_c_fsdp_new sharded is written as this rank's chunk of
+ * the whole (a DTensor's Shard(0)), read back by Python's dcp.load into whole or sharded tensors on any
+ * world size; other tensors are whole, written once. */
+DTRAIN_C_API dtrain_c_status dtrain_c_dcp_save(const char* dir, const char* const* names,
+                                               dtrain_c_tensor* const* tensors, size_t n, dtrain_c_group* group);
+/* Fills the tensors in place from the folder (any world size that saved it); a name missing from it
+ * or a whole shape that differs fails before anything changed. Names the folder has beyond these are
+ * ignored, as DCP's. */
+DTRAIN_C_API dtrain_c_status dtrain_c_dcp_load(const char* dir, const char* const* names,
+                                               dtrain_c_tensor* const* tensors, size_t n, dtrain_c_group* group);
 
 #ifdef __cplusplus
 }

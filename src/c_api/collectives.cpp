@@ -119,6 +119,40 @@ dtrain_c_status dtrain_c_barrier(dtrain_c_group* group, dtrain_c_work** work) {
   });
 }
 
+dtrain_c_status dtrain_c_send(dtrain_c_tensor* tensor, int dst, dtrain_c_group* group, int tag, dtrain_c_work** work) {
+  return entry(__func__, DTRAIN_C_DIST_ERROR, [&] {
+    require_init();
+    const Group g = group_arg(group);
+    at::Tensor& t = comm_tensor(tensor, "tensor", g);
+    require_arg(dst >= 0 && dst < world_size() && dst != rank(),
+                dtrain::detail::cat("dst is ", dst, ": pass another rank's global rank in [0, ", world_size(), ")"));
+    if (!work) return send(t, dst, g, tag);
+    finish(isend(t, dst, g, tag), work, {t});
+  });
+}
+
+dtrain_c_status dtrain_c_recv(dtrain_c_tensor* tensor, int src, dtrain_c_group* group, int tag, int* sender,
+                              dtrain_c_work** work) {
+  return entry(__func__, DTRAIN_C_DIST_ERROR, [&] {
+    require_init();
+    const Group g = group_arg(group);
+    at::Tensor& t = comm_tensor(tensor, "tensor", g);
+    require_arg(src == -1 || (src >= 0 && src < world_size() && src != rank()),
+                dtrain::detail::cat("src is ", src, ": pass another rank's global rank in [0, ", world_size(),
+                                    "), or -1 for any (blocking only)"));
+    if (!work) {
+      const int from = recv(t, src, g, tag);
+      if (sender) *sender = from;
+      return;
+    }
+    require_arg(src >= 0,
+                "src is -1 with a work handle: an asynchronous recv names its sender (pass work NULL to "
+                "receive from any rank)");
+    if (sender) *sender = src;
+    finish(irecv(t, src, g, tag), work, {t});
+  });
+}
+
 dtrain_c_status dtrain_c_work_wait(dtrain_c_work* work) {
   return entry(__func__, DTRAIN_C_DIST_ERROR, [&] { get_handle<WorkObject>(work, Kind::kWork, "work")->work.wait(); });
 }

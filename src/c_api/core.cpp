@@ -1,6 +1,7 @@
 // The C API's lifetime calls (init, ranks, groups, tensors from other front ends) and the machinery
 // of handles.h: the registry of live handles and the wrapper that turns exceptions into statuses.
 #include <cinttypes>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -49,6 +50,12 @@ const char* kind_name(Kind kind) {
       return "work";
     case Kind::kDdp:
       return "ddp";
+    case Kind::kFsdp:
+      return "fsdp";
+    case Kind::kScaler:
+      return "grad scaler";
+    case Kind::kMonitor:
+      return "monitor";
   }
   return "?";
 }
@@ -102,13 +109,21 @@ void clear_handles() {
   std::vector<std::shared_ptr<Object>> dying;
   {
     std::lock_guard<std::mutex> lock(r.mu);
-    // DDPs first: their hooks and buckets refer to the groups.
-    for (Kind kind : {Kind::kDdp, Kind::kWork, Kind::kGroup})
+    // Monitors, DDPs and FSDPs first: their hooks, buckets and windows refer to the groups.
+    for (Kind kind : {Kind::kMonitor, Kind::kDdp, Kind::kFsdp, Kind::kScaler, Kind::kWork, Kind::kGroup})
       for (auto& [id, entry] : r.live)
         if (entry.first == kind) dying.push_back(entry.second);
     r.live.clear();
   }
   while (!dying.empty()) dying.erase(dying.begin());  // in that order, outside the lock
+}
+
+dtrain_c_tensor* new_tensor(at::Tensor tensor) {
+  auto* t = new at::Tensor(std::move(tensor));
+  auto& r = capi_registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.tensors.emplace(t, true);
+  return reinterpret_cast<dtrain_c_tensor*>(t);
 }
 
 void require_init() {
@@ -179,11 +194,7 @@ dtrain_c_status dtrain_c_tensor_from_impl(void* impl, dtrain_c_tensor** out) {
     require_arg(out, "out is NULL: pass where to store the new tensor");
     auto ptr = c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::unsafe_reclaim_from_nonowning(
         static_cast<c10::TensorImpl*>(impl));
-    auto* t = new at::Tensor(std::move(ptr));
-    auto& r = capi_registry();
-    std::lock_guard<std::mutex> lock(r.mu);
-    r.tensors.emplace(t, true);
-    *out = reinterpret_cast<dtrain_c_tensor*>(t);
+    *out = new_tensor(at::Tensor(std::move(ptr)));
   });
 }
 
@@ -194,10 +205,12 @@ dtrain_c_status dtrain_c_tensor_free(dtrain_c_tensor* tensor) {
     {
       std::lock_guard<std::mutex> lock(r.mu);
       if (!r.tensors.erase(t))
-        throw StatusError(DTRAIN_C_INVALID_HANDLE,
-                          dtrain::detail::cat("tensor ", handle_text(t),
-                                              " was not made by dtrain_c_tensor_from_impl or is already freed: free "
-                                              "only those, once (your binding frees its own tensors)"));
+        throw StatusError(
+            DTRAIN_C_INVALID_HANDLE,
+            dtrain::detail::cat("tensor ", handle_text(t),
+                                " was not made by dtrain_c_tensor_from_impl (or dtrain_c_grad_scaler_scale) or is "
+                                "already freed: free only those, once (your binding frees its own "
+                                "tensors)"));
     }
     delete t;
   });
@@ -293,4 +306,62 @@ dtrain_c_status dtrain_c_group_free(dtrain_c_group* group) {
 namespace dtrain::capi {
 // The group a call names: NULL is the world (torch.distributed's group=None).
 Group group_arg(dtrain_c_group* group) { return group ? group_of(group, "group") : Group(); }
+
+std::vector<at::Tensor> param_args(dtrain_c_tensor* const* params, size_t n, const Group& group,
+                                   const char* floating_why) {
+  require_arg(params && n > 0, dtrain::detail::cat("params is NULL or n is ", n, ": pass the model's parameters"));
+  const at::Device device = collective_device(group);
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string what = dtrain::detail::cat("params[", i, "]");
+    at::Tensor& t = tensor_arg(params[i], what.c_str());
+    require_arg(at::isFloatingType(t.scalar_type()),
+                dtrain::detail::cat(what, " is ", t.scalar_type(), ": ", floating_why));
+    require_arg(t.device() == device,
+                dtrain::detail::cat(what, " is on ", t.device(), " but the group's backend ", group.backend(),
+                                    " takes ", device, ": move the model there"));
+    require_arg(t.is_leaf() && t.requires_grad(),
+                dtrain::detail::cat(what, " is not a leaf tensor with requires_grad: pass the model's parameters"));
+    out.push_back(t);
+  }
+  return out;
+}
+
+std::vector<std::string> param_names(const char* const* names, size_t n) {
+  std::vector<std::string> out;
+  std::map<std::string, size_t> seen;
+  for (size_t i = 0; i < n; ++i) {
+    std::string name = names ? std::string(names[i] ? names[i] : "") : "param_" + std::to_string(i);
+    require_arg(!name.empty(), dtrain::detail::cat("names[", i, "] is NULL or empty: name every parameter"));
+    require_arg(name.find('.') == std::string::npos,
+                dtrain::detail::cat("names[", i, "] is '", name, "': a parameter name has no '.' (use '_')"));
+    const auto [first, fresh] = seen.emplace(name, i);
+    require_arg(fresh, dtrain::detail::cat("names[", i, "] '", name, "' repeats names[", first->second, "]"));
+    out.push_back(std::move(name));
+  }
+  return out;
+}
+
+std::vector<at::Tensor> output_args(dtrain_c_tensor* const* outputs, size_t n) {
+  require_arg(outputs || n == 0, dtrain::detail::cat("outputs is NULL with n = ", n));
+  std::vector<at::Tensor> tensors;
+  for (size_t i = 0; i < n; ++i)
+    tensors.push_back(tensor_arg(outputs[i], dtrain::detail::cat("outputs[", i, "]").c_str()));
+  return tensors;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> named_args(const char* const* names, dtrain_c_tensor* const* tensors,
+                                                           size_t n) {
+  require_arg((names && tensors) || n == 0, dtrain::detail::cat("names or tensors is NULL with n = ", n));
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::map<std::string, size_t> seen;
+  for (size_t i = 0; i < n; ++i) {
+    require_arg(names[i] && names[i][0], dtrain::detail::cat("names[", i, "] is NULL or empty: name every tensor"));
+    const auto [first, fresh] = seen.emplace(names[i], i);
+    require_arg(fresh, dtrain::detail::cat("names[", i, "] '", names[i], "' repeats names[", first->second,
+                                           "]: names are unique"));
+    out.emplace_back(names[i], tensor_arg(tensors[i], dtrain::detail::cat("tensors[", i, "]").c_str()));
+  }
+  return out;
+}
 }  // namespace dtrain::capi

@@ -27,42 +27,6 @@ struct DdpObject : Object {
   bool sync_before = true;
 };
 
-std::vector<std::string> ddp_names(const char* const* names, size_t n) {
-  std::vector<std::string> out;
-  for (size_t i = 0; i < n; ++i) {
-    if (!names) {
-      out.push_back("param_" + std::to_string(i));
-      continue;
-    }
-    require_arg(names[i] && names[i][0], dtrain::detail::cat("names[", i, "] is NULL or empty: name every parameter"));
-    std::string name = names[i];
-    require_arg(name.find('.') == std::string::npos,
-                dtrain::detail::cat("names[", i, "] is '", name, "': a parameter name has no '.' (use '_')"));
-    out.push_back(std::move(name));
-  }
-  return out;
-}
-
-std::vector<at::Tensor> ddp_params(dtrain_c_tensor* const* params, size_t n, const Group& group) {
-  require_arg(params && n > 0, dtrain::detail::cat("params is NULL or n is ", n, ": pass the model's parameters"));
-  const at::Device device = collective_device(group);
-  std::vector<at::Tensor> out;
-  for (size_t i = 0; i < n; ++i) {
-    const std::string what = dtrain::detail::cat("params[", i, "]");
-    at::Tensor& t = tensor_arg(params[i], what.c_str());
-    require_arg(
-        at::isFloatingType(t.scalar_type()),
-        dtrain::detail::cat(what, " is ", t.scalar_type(), ": DDP averages gradients of floating-point parameters"));
-    require_arg(t.device() == device,
-                dtrain::detail::cat(what, " is on ", t.device(), " but the group's backend ", group.backend(),
-                                    " takes ", device, ": move the model there"));
-    require_arg(t.is_leaf() && t.requires_grad(),
-                dtrain::detail::cat(what, " is not a leaf tensor with requires_grad: pass the model's parameters"));
-    out.push_back(t);
-  }
-  return out;
-}
-
 std::shared_ptr<DdpObject> ddp_of(dtrain_c_ddp* ddp) { return get_handle<DdpObject>(ddp, Kind::kDdp, "ddp"); }
 
 DDPOptions ddp_options(const dtrain_c_ddp_options* o, const Group& group) {
@@ -105,9 +69,9 @@ dtrain_c_status dtrain_c_ddp_new(dtrain_c_tensor* const* params, size_t n, const
     require_arg(out, "out is NULL: pass where to store the ddp handle");
     require_init();
     const Group g = group_arg(group);
-    std::vector<at::Tensor> tensors = ddp_params(params, n, g);
+    std::vector<at::Tensor> tensors = param_args(params, n, g, "DDP averages gradients of floating-point parameters");
     auto object = std::make_shared<DdpObject>();
-    object->module = std::make_shared<CapiParamModule>(tensors, ddp_names(names, n));
+    object->module = std::make_shared<CapiParamModule>(tensors, param_names(names, n));
     object->core = std::make_unique<dtrain::detail::DDPCore>(object->module, ddp_options(options, g));
     *out = static_cast<dtrain_c_ddp*>(add_handle(Kind::kDdp, std::move(object)));
   });
@@ -120,11 +84,7 @@ dtrain_c_status dtrain_c_ddp_forward_begin(dtrain_c_ddp* ddp) {
 dtrain_c_status dtrain_c_ddp_forward_end(dtrain_c_ddp* ddp, dtrain_c_tensor* const* outputs, size_t n) {
   return entry(__func__, DTRAIN_C_DIST_ERROR, [&] {
     auto object = ddp_of(ddp);
-    require_arg(outputs || n == 0, dtrain::detail::cat("outputs is NULL with n = ", n));
-    std::vector<at::Tensor> tensors;
-    for (size_t i = 0; i < n; ++i)
-      tensors.push_back(tensor_arg(outputs[i], dtrain::detail::cat("outputs[", i, "]").c_str()));
-    object->core->post_forward(tensors);
+    object->core->post_forward(output_args(outputs, n));
   });
 }
 

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -25,7 +26,7 @@ class StatusError : public std::runtime_error {
 };
 
 // Kinds of handle: a handle of one kind passed where another is expected is refused as unknown.
-enum class Kind { kGroup, kWork, kDdp };
+enum class Kind { kGroup, kWork, kDdp, kFsdp, kScaler, kMonitor };
 const char* kind_name(Kind kind);
 
 struct Object {
@@ -51,6 +52,8 @@ void require_init();
 // The caller's tensor: non-null and defined, else StatusError(DTRAIN_C_INVALID_ARGUMENT) naming `what`.
 at::Tensor& tensor_arg(dtrain_c_tensor* tensor, const char* what);
 void require_arg(bool ok, const std::string& msg);
+// A new at::Tensor* the caller frees with dtrain_c_tensor_free.
+dtrain_c_tensor* new_tensor(at::Tensor tensor);
 
 // Runs body; returns DTRAIN_C_OK, or the failure's status with the thread's last error set to
 // "<fn> on rank R: <message>" (the rank once a process group is up). `dtrain_status` is the status of
@@ -70,5 +73,16 @@ class Group;
 namespace capi {
 // The group a call names: NULL is the world (torch.distributed's group=None); a dead handle throws.
 Group group_arg(dtrain_c_group* group);
+// A model's parameters as DDP and fully_shard take them: n > 0 tensors, floating point (else the
+// error says `floating_why`), on the device of the group's backend, leaves with requires_grad.
+std::vector<at::Tensor> param_args(dtrain_c_tensor* const* params, size_t n, const Group& group,
+                                   const char* floating_why);
+// The parameters' names: NULL gives "param_0", ...; else n unique names without '.'.
+std::vector<std::string> param_names(const char* const* names, size_t n);
+// A forward's outputs (n tensors, or none).
+std::vector<at::Tensor> output_args(dtrain_c_tensor* const* outputs, size_t n);
+// Named tensors of a checkpoint: every name non-empty and unique, every tensor defined.
+std::vector<std::pair<std::string, at::Tensor>> named_args(const char* const* names, dtrain_c_tensor* const* tensors,
+                                                           size_t n);
 }  // namespace capi
 }  // namespace dtrain

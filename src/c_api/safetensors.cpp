@@ -14,17 +14,7 @@ namespace {
 
 NamedTensors capi_named(const char* path, const char* const* names, dtrain_c_tensor* const* tensors, size_t n) {
   require_arg(path && path[0], "path is NULL or empty: pass the file's path");
-  require_arg((names && tensors) || n == 0, dtrain::detail::cat("names or tensors is NULL with n = ", n));
-  NamedTensors out;
-  std::map<std::string, size_t> seen;
-  for (size_t i = 0; i < n; ++i) {
-    require_arg(names[i] && names[i][0], dtrain::detail::cat("names[", i, "] is NULL or empty: name every tensor"));
-    const auto [first, fresh] = seen.emplace(names[i], i);
-    require_arg(fresh, dtrain::detail::cat("names[", i, "] '", names[i], "' repeats names[", first->second,
-                                           "]: names are unique"));
-    out.emplace_back(names[i], tensor_arg(tensors[i], dtrain::detail::cat("tensors[", i, "]").c_str()));
-  }
-  return out;
+  return named_args(names, tensors, n);
 }
 
 }  // namespace

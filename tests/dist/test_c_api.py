@@ -3,7 +3,10 @@ binding in another language uses it. tests/dist/c_api_rank.py runs on 2 ranks tw
 API (dtrain's DDP over the Python tensors, PyTorch's autograd running backward, no_sync steps among
 them) and with PyTorch's own DistributedDataParallel. The parameters must agree within 1e-10 on
 every rank, both ranks must hold the same bits, the collectives give what torch.distributed's do,
-and a safetensors checkpoint reads back exactly.
+and a safetensors checkpoint reads back exactly. Also through the C API: send/recv, the sampler's
+indices (equal to torch's DistributedSampler's), GradScaler's skip agreed over the ranks, and
+fully_shard over the Python tensors (with clip_grad_norm_ over the shards) equal to a one-process run
+within 1e-10, its DCP checkpoint read by torch.distributed.checkpoint.
 
 One process holds one LibTorch: this runs only where libdtrain_c links the LibTorch of .venv's torch
 (build-torch2/); a LibTorch 1.13 tree skips it.
@@ -72,6 +75,34 @@ class CApi(DistTestCase):
             # rank k's input is arange(4) * (k + 1): the sum is arange(4) * 3, rank r gets part r.
             self.assertEqual(c["reduce_scatter_tensor"], [3.0 * (2 * r), 3.0 * (2 * r + 1)])
             self.assertEqual(c["group_size"], WORLD)
+            # send/recv: rank 0 to rank 1 (from any sender), rank 1 back with 100 added (a tagged isend/irecv).
+            self.assertEqual(res["p2p"]["tensor"], [100.0, 101.0, 102.0])
+            if r == 1:
+                self.assertEqual(res["p2p"]["sender"], 0)
+            for ours, torchs in res["sampler"]:
+                self.assertEqual(ours, torchs, f"rank {r}: the sampler's indices differ from DistributedSampler's")
+            # An inf on rank 1 only: both ranks skip the second step and back off together.
+            self.assertEqual(res["scaler"]["decisions"], [1, 0], f"rank {r}: GradScaler's step decisions")
+            self.assertEqual(res["scaler"]["scales"], [65536.0, 32768.0])
+
+    def test_fully_shard_through_the_c_api_equals_one_process(self):
+        runs = self.run_mode("fsdp")
+        for r, res in enumerate(runs):
+            # The caller's tensors hold this rank's rows: 15 rows are 8 + 7, 4 are 2 + 2.
+            self.assertEqual(res["shard_rows"], [[8, 7][r], [8, 7][r], 2, 2])
+            worst = max(abs(x - y) for x, y in zip(res["params"], res["reference"]))
+            self.assertLessEqual(worst, TOLERANCE, f"rank {r}: C API fully_shard vs one process differ by {worst}")
+            print(f"rank {r}: C API fully_shard vs one process: largest parameter difference {worst:.3g}")
+            for name, params in res["variants"].items():
+                worst = max(abs(x - y) for x, y in zip(params, res["reference"]))
+                self.assertLessEqual(worst, TOLERANCE, f"rank {r}: fully_shard {name} vs one process differ by {worst}")
+            for ours, torchs in zip(res["norms"], res["reference_norms"]):
+                self.assertLessEqual(abs(ours - torchs), TOLERANCE, f"rank {r}: clip_grad_norm_'s total norm differs")
+            self.assertGreater(min(res["reference_norms"]), 0.05, "the norms never exceed max_norm: nothing clipped")
+            self.assertTrue(res["dcp_c_roundtrip"], f"rank {r}: dtrain_c_dcp_load did not restore the shards")
+            self.assertEqual(res["dcp_torch"], res["params"],
+                             f"rank {r}: torch.distributed.checkpoint read other values than were saved")
+        self.assertEqual(runs[0]["params"], runs[1]["params"])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """`cmake --install` gives outside projects a working dtrain: install the build tree into a temporary
 prefix, configure and build tests/install/ (find_package(dtrain), dtrain::dtrain) against it, and run
-it on 2 ranks with the launcher the package names in dtrain_LAUNCHER (the installed dtrain-run)."""
+it on 2 ranks with the launcher the package names in dtrain_LAUNCHER (the installed dtrain-run); the
+same for its C program over the installed libdtrain_c and dtrain_c.h."""
 import os
 import shutil
 import subprocess
@@ -29,7 +30,7 @@ class Install(DistTestCase):
         prefix, consumer = os.path.join(tmp, "prefix"), os.path.join(tmp, "consumer")
 
         self.run_step([cmake, "--install", build, "--prefix", prefix], 120)
-        for rel in ("include/dtrain/dtrain.h", "include/dtrain/process_group.h"):
+        for rel in ("include/dtrain/dtrain.h", "include/dtrain/process_group.h", "include/dtrain_c.h"):
             self.assertTrue(os.path.exists(os.path.join(prefix, rel)), f"{rel} was not installed")
         configs = [os.path.join(d, "dtrainConfig.cmake") for d in
                    (os.path.join(prefix, "lib", "cmake", "dtrain"),
@@ -51,18 +52,21 @@ class Install(DistTestCase):
             cache = f.read()
         self.assertIn(f"dtrain_DIR:PATH={prefix}", cache, "dtrain was not found in the install prefix")
         self.run_step([cmake, "--build", consumer, "-j2"], 240)
-        program = os.path.join(consumer, "consumer")
+        # Each runs against the installed library, not the build tree's. consumer_c is the C API from C:
+        # the installed libdtrain_c (dtrain::dtrain_c), which finds libdtrain and LibTorch by its RUNPATH.
+        self.run_installed(os.path.join(consumer, "consumer"), "libdtrain.so", prefix, launcher,
+                           "consumer OK: rank {r} of 2, sum 3")
+        self.run_installed(os.path.join(consumer, "consumer_c"), "libdtrain_c.so", prefix, launcher,
+                           "consumer_c OK: rank {r} of 2")
 
-        # It runs against the installed library, not the build tree's.
+    def run_installed(self, program, library, prefix, launcher, ok_line):
         ldd = subprocess.run(["ldd", program], capture_output=True, text=True, timeout=30).stdout
-        lib_line = [l for l in ldd.splitlines() if "libdtrain.so" in l]
-        self.assertTrue(lib_line and prefix in lib_line[0], f"libdtrain is not the installed one:\n{ldd}")
-
+        lib_line = [l for l in ldd.splitlines() if library in l]
+        self.assertTrue(lib_line and prefix in lib_line[0], f"{library} is not the installed one:\n{ldd}")
         res = self.run_step([launcher, "--standalone", "--nproc_per_node", 2, "--grace_period", 2, program], 90,
                             clean_env(DTRAIN_TIMEOUT_S=60))
         for r in range(2):
-            self.assertIn(f"[rank {r}] consumer OK: rank {r} of 2, sum 3", res.out, str(res))
-
+            self.assertIn(f"[rank {r}] " + ok_line.format(r=r), res.out, str(res))
 
 if __name__ == "__main__":
     unittest.main()
