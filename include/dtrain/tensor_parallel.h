@@ -43,6 +43,19 @@
 //     every rank holds all the indices (PyTorch's tutorial does the same).
 // Outputs are plain local tensors (PyTorch's use_local_output=True): there is no DTensor.
 // Replicated values count once: the gradient of a replicated output is not summed over ranks.
+//
+// Sequence parallelism (PyTorch's SequenceParallel, PrepareModuleInput, PrepareModuleOutput): the
+// norms between regions run on each rank's part of the sequence, the rowwise layer reduce-scatters
+// into it and the next colwise layer all-gathers from it, as PyTorch's Llama plan:
+//   dtrain::parallelize_module(*model, mesh["tp"],
+//       {{"block.norm1", dtrain::SequenceParallel()},  // any module: LayerNorm, RMSNorm, Dropout
+//        {"block.w1", dtrain::ColwiseParallel().input_layouts(dtrain::Shard(1))},
+//        {"block.w2", dtrain::RowwiseParallel().output_layouts(dtrain::Shard(1))},
+//        {"block.norm2", dtrain::SequenceParallel()}});
+//   at::Tensor y = model(x.chunk(tp, 1)[tp_rank]);  // y: this rank's positions of the output
+// The module a SequenceParallel names keeps its forward (its input is already the sequence part);
+// its parameters stay whole and their gradients are summed over the group in backward (below).
+// PrepareModuleInput/Output need the module's forward to call prepare_input/prepare_output.
 #pragma once
 
 #include <cstdint>

@@ -49,6 +49,7 @@ bool sp_claim(const at::Tensor& param) {
 }
 
 struct SpPrepared {
+  std::string name;  // as the plan named it, for errors
   std::weak_ptr<const torch::nn::Module> module;
   std::optional<PrepareModuleInput> input;
   std::optional<PrepareModuleOutput> output;
@@ -142,7 +143,7 @@ void record_prepare(const std::string& name, const std::shared_ptr<torch::nn::Mo
   auto& r = sp_prepared();
   auto it = r.find(module.get());
   if (it == r.end() || it->second.module.lock() != module)
-    it = r.insert_or_assign(module.get(), SpPrepared{module, std::nullopt, std::nullopt, group}).first;
+    it = r.insert_or_assign(module.get(), SpPrepared{name, module, std::nullopt, std::nullopt, group}).first;
   SpPrepared& e = it->second;
   DTRAIN_CHECK(e.group.name() == group.name(), "parallelize_module: '", name, "' was prepared over group '",
                e.group.name(), "' already: prepare a module over one group");
@@ -163,7 +164,7 @@ void record_prepare(const std::string& name, const std::shared_ptr<torch::nn::Mo
 std::vector<at::Tensor> prepare_input(const torch::nn::Module& self, std::vector<at::Tensor> inputs) {
   const auto e = sp_lookup(self);
   if (!e || !e->input) return inputs;
-  return sp_apply("prepare_input", self.name(), std::move(inputs), e->input->input_layouts(),
+  return sp_apply("prepare_input", e->name, std::move(inputs), e->input->input_layouts(),
                   e->input->desired_input_layouts(), e->group);
 }
 
@@ -174,7 +175,7 @@ at::Tensor prepare_input(const torch::nn::Module& self, const at::Tensor& input)
 std::vector<at::Tensor> prepare_output(const torch::nn::Module& self, std::vector<at::Tensor> outputs) {
   const auto e = sp_lookup(self);
   if (!e || !e->output) return outputs;
-  return sp_apply("prepare_output", self.name(), std::move(outputs), e->output->output_layouts(),
+  return sp_apply("prepare_output", e->name, std::move(outputs), e->output->output_layouts(),
                   e->output->desired_output_layouts(), e->group);
 }
 

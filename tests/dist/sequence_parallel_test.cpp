@@ -134,7 +134,7 @@ TEST(SequenceParallel, BadPlansAndCallsAreOneLine) {
       [&] {
         prepare_input(*net->block, {x, x});
       },
-      ThrowsDtrainError(HasSubstr("was given 2 tensors but its layouts name 1")));
+      ThrowsDtrainError(HasSubstr("module 'block' was given 2 tensors but its layouts name 1")));
   EXPECT_THAT([&] { net(x); }, ThrowsDtrainError(HasSubstr("is not divisible by the group size")));
   EXPECT_TRUE(prepare_output(*net->block, x).is_same(x)) << "no PrepareModuleOutput: unchanged";
 }
