@@ -6,6 +6,7 @@
 //   - the norms' parameters stay whole (no ShardSpec), so clip_grad_norm_ counts them once;
 //   - whole inputs and outputs around the block (PrepareModuleInput Replicate() -> Shard(1),
 //     PrepareModuleOutput Shard(1) -> Replicate()) give the one process's loss and input gradient;
+//   - with DDP over "dp" on a dp x tp mesh, and inside fully_shard over "dp", equal one process;
 //   - redistribute between two shardings, and bad plans and calls, each one line.
 #include <gmock/gmock.h>
 
@@ -13,9 +14,12 @@
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adam.h>
 
+#include <functional>
 #include <limits>
+#include <memory>
 
 #include "dist_main.h"
+#include "dtrain/ddp.h"
 #include "dtrain/device_mesh.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/tensor_parallel.h"
@@ -55,7 +59,8 @@ std::pair<sp_models::SPNet, sp_models::SPNet> sp_pair(int seed, const Paralleliz
 TEST(SequenceParallel, BlockOnSequencePartsEqualsOneProcess) {
   Group g = sp_group();
   const int64_t n = g.size(), r = g.rank(), seq = 3 * n;
-  auto [ref, tp] = sp_pair(21, sp_models::sp_plan(/*whole=*/false), g);
+  const auto models = sp_pair(21, sp_models::sp_plan(/*whole=*/false), g);
+  sp_models::SPNet ref = models.first, tp = models.second;  // named: lambdas capture them
   EXPECT_FALSE(shard_spec_of(tp->block->norm1->weight).has_value()) << "whole on every rank";
   EXPECT_FALSE(shard_spec_of(tp->block->norm2->weight).has_value()) << "whole on every rank";
   torch::optim::Adam opt(tp->parameters(), torch::optim::AdamOptions(1e-2));
@@ -85,7 +90,8 @@ TEST(SequenceParallel, BlockOnSequencePartsEqualsOneProcess) {
 
 TEST(SequenceParallel, WholeAroundTheBlockEqualsOneProcess) {
   Group g = sp_group();
-  auto [ref, tp] = sp_pair(22, sp_models::sp_plan(/*whole=*/true), g);
+  const auto models = sp_pair(22, sp_models::sp_plan(/*whole=*/true), g);
+  sp_models::SPNet ref = models.first, tp = models.second;  // named: lambdas capture them
   at::Tensor x = at::randn({2, 3 * g.size(), sp_models::kDim}, at::kDouble), target = at::randn_like(x);
   at::Tensor x_tp = x.clone().requires_grad_(true), x_ref = x.clone().requires_grad_(true);
   tp_compare::expect_equivalent(
@@ -96,6 +102,48 @@ TEST(SequenceParallel, WholeAroundTheBlockEqualsOneProcess) {
       },
       [&](bool is_tp) { return (is_tp ? x_tp : x_ref).grad(); });
 }
+
+// dp x tp: the block sequence-parallel over "tp" (whole around it), DDP averaging over "dp" (the
+// norms' gradients summed over tp by their hooks before DDP's buckets read them), or inside
+// fully_shard over "dp"; each dp row on its part of the batch, against one process on all of it.
+void expect_sp_with_data_parallel_equals_one_process(bool fsdp) {
+  DeviceMesh mesh = init_device_mesh({world_size() / 2, 2}, {"dp", "tp"});
+  Group dp = mesh.get_group("dp");
+  const auto models = sp_pair(24, sp_models::sp_plan(/*whole=*/true), mesh.get_group("tp"));
+  sp_models::SPNet ref = models.first, model = models.second;  // named: lambdas capture them
+  std::function<at::Tensor(const at::Tensor&)> run;
+  std::shared_ptr<DistributedDataParallel<sp_models::SPNetImpl>> ddp;
+  std::shared_ptr<FSDPModule<sp_models::SPNetImpl>> sharded;
+  if (fsdp) {
+    sharded =
+        std::make_shared<FSDPModule<sp_models::SPNetImpl>>(fully_shard(model, FullyShardOptions().process_group(dp)));
+    run = [&](const at::Tensor& x) { return (*sharded)(x); };
+  } else {
+    ddp = std::make_shared<DistributedDataParallel<sp_models::SPNetImpl>>(model, DDPOptions().process_group(dp));
+    run = [&](const at::Tensor& x) { return (*ddp)(x); };
+  }
+  at::Tensor x = at::randn({2 * dp.size(), 6, sp_models::kDim}, at::kDouble), target = at::randn_like(x);
+  at::Tensor my_x = x.chunk(dp.size())[dp.rank()], my_target = target.chunk(dp.size())[dp.rank()];
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+  torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(1e-2));
+  for (int step = 0; step < 10; ++step) {
+    opt.zero_grad();
+    ref_opt.zero_grad();
+    (run(my_x) - my_target).pow(2).mean().backward();
+    (ref(x) - target).pow(2).mean().backward();
+    opt.step();
+    ref_opt.step();
+  }
+  auto whole = ref->named_parameters();
+  for (const auto& [name, t] : full_state_dict(*model))  // the dp rows and the TP parts put together
+    EXPECT_LT(rel_diff(t, whole[name]), kTol) << name << " after 10 Adam steps";
+}
+
+TEST(SequenceParallel, TwoDimensionalWithDDPEqualsOneProcess) {
+  expect_sp_with_data_parallel_equals_one_process(false);
+}
+
+TEST(SequenceParallel, InsideFullyShardEqualsOneProcess) { expect_sp_with_data_parallel_equals_one_process(true); }
 
 // Shard(1) -> Shard(2): this rank's part along 2 of the whole; the gradient of the loss
 // sum(w * out) over ranks is w put back in place (part of dim 1, whole along 2).
