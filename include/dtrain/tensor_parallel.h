@@ -103,9 +103,11 @@ struct RowwiseParallel {
 // a gradient hook that all-reduces (SUM) its gradient over the group, since each rank's gradient
 // holds only its positions' contributions (PyTorch's Partial -> Replicate of the DTensor gradient).
 // The parameters get no ShardSpec: they are whole on every rank, so clip_grad_norm_, full_state_dict
-// and checkpoints count them once. PyTorch's sequence_dim has no counterpart: the input is a plain
-// local tensor, taken as the sequence part (PyTorch's case for a torch.Tensor input); the dimension
-// is the one the neighbouring styles name (Shard(1)).
+// and checkpoints count them once. The hook runs before the gradient accumulates, so DDP over
+// "dp", fully_shard over "dp" (call parallelize_module first) and optimizers see the sum.
+// PyTorch's sequence_dim has no counterpart: the input is a plain local tensor, taken as the
+// sequence part (PyTorch's case for a torch.Tensor input); the dimension is the one the
+// neighbouring styles name (Shard(1)).
 struct SequenceParallel {};
 
 // Layouts of a module's tensor inputs or outputs, one per tensor in order; std::nullopt leaves that
