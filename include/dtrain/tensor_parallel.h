@@ -43,10 +43,24 @@
 //     every rank holds all the indices (PyTorch's tutorial does the same).
 // Outputs are plain local tensors (PyTorch's use_local_output=True): there is no DTensor.
 // Replicated values count once: the gradient of a replicated output is not summed over ranks.
+//
+// Sequence parallelism (PyTorch's SequenceParallel, PrepareModuleInput, PrepareModuleOutput): the
+// norms between regions run on each rank's part of the sequence, the rowwise layer reduce-scatters
+// into it and the next colwise layer all-gathers from it, as PyTorch's Llama plan:
+//   dtrain::parallelize_module(*model, mesh["tp"],
+//       {{"block.norm1", dtrain::SequenceParallel()},  // any module: LayerNorm, RMSNorm, Dropout
+//        {"block.w1", dtrain::ColwiseParallel().input_layouts(dtrain::Shard(1))},
+//        {"block.w2", dtrain::RowwiseParallel().output_layouts(dtrain::Shard(1))},
+//        {"block.norm2", dtrain::SequenceParallel()}});
+//   at::Tensor y = model(x.chunk(tp, 1)[tp_rank]);  // y: this rank's positions of the output
+// The module a SequenceParallel names keeps its forward (its input is already the sequence part);
+// its parameters stay whole and their gradients are summed over the group in backward (below).
+// PrepareModuleInput/Output need the module's forward to call prepare_input/prepare_output.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <variant>
@@ -80,7 +94,56 @@ struct RowwiseParallel {
   DTRAIN_ARG(Layout, input_layouts, Shard(-1))
   DTRAIN_ARG(Layout, output_layouts, Replicate())
 };
-using ParallelStyle = std::variant<ColwiseParallel, RowwiseParallel>;
+// Sequence parallelism for the layers between tensor-parallel regions (LayerNorm, RMSNorm, Dropout:
+// anything that acts on each position alone): each rank runs the module on its part of the
+// sequence, with the module's parameters whole on every rank (PyTorch's Replicate). The module's
+// forward is unchanged: its input is this rank's sequence part (a RowwiseParallel output_layouts
+// Shard(1), or PrepareModuleInput's), its output is too (a ColwiseParallel input_layouts Shard(1)
+// gathers it). What parallelize_module does: each parameter is broadcast from group rank 0 and gets
+// a gradient hook that all-reduces (SUM) its gradient over the group, since each rank's gradient
+// holds only its positions' contributions (PyTorch's Partial -> Replicate of the DTensor gradient).
+// The parameters get no ShardSpec: they are whole on every rank, so clip_grad_norm_, full_state_dict
+// and checkpoints count them once. The hook runs before the gradient accumulates, so DDP over
+// "dp", fully_shard over "dp" (call parallelize_module first) and optimizers see the sum.
+// PyTorch's sequence_dim has no counterpart: the input is a plain local tensor, taken as the
+// sequence part (PyTorch's case for a torch.Tensor input); the dimension is the one the
+// neighbouring styles name (Shard(1)).
+struct SequenceParallel {};
+
+// Layouts of a module's tensor inputs or outputs, one per tensor in order; std::nullopt leaves that
+// one alone (PyTorch's None).
+using Layouts = std::vector<std::optional<Layout>>;
+
+// PyTorch's PrepareModuleInput and PrepareModuleOutput: each tensor given in `*_layouts` is
+// redistributed to its `desired_*` layout (dtrain::redistribute below). LibTorch has no forward
+// hooks, so the module's forward calls them: parallelize_module records the style for the module,
+// and dtrain::prepare_input(*this, x) / dtrain::prepare_output(*this, y) apply it (the identity for
+// a module that has none, so the same model runs unparallelized):
+//   struct BlockImpl : torch::nn::Module {
+//     at::Tensor forward(at::Tensor x) {
+//       x = dtrain::prepare_input(*this, x);     // e.g. Replicate() -> Shard(1): this rank's part
+//       at::Tensor y = ...;
+//       return dtrain::prepare_output(*this, y);  // e.g. Shard(1) -> Replicate(): all-gathered
+//     }
+//   };
+//   dtrain::parallelize_module(model, tp, {{"block", dtrain::PrepareModuleInput()
+//                                                        .input_layouts({dtrain::Replicate()})
+//                                                        .desired_input_layouts({dtrain::Shard(1)})},
+//                                          {"block", dtrain::PrepareModuleOutput()
+//                                                        .output_layouts({dtrain::Shard(1)})
+//                                                        .desired_output_layouts({dtrain::Replicate()})}});
+// Outputs are local tensors (there is no DTensor; PyTorch's use_local_output has no counterpart).
+struct PrepareModuleInput {
+  DTRAIN_ARG(Layouts, input_layouts, {})
+  DTRAIN_ARG(Layouts, desired_input_layouts, {})
+};
+struct PrepareModuleOutput {
+  DTRAIN_ARG(Layouts, output_layouts, {})
+  DTRAIN_ARG(Layouts, desired_output_layouts, {})
+};
+
+using ParallelStyle =
+    std::variant<ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput>;
 // Submodule names (as named_modules() gives them; "*" matches one name between dots, e.g.
 // "layers.*.w1") and their styles, applied in order.
 using ParallelizePlan = std::vector<std::pair<std::string, ParallelStyle>>;
@@ -128,6 +191,22 @@ inline std::vector<std::pair<std::string, at::Tensor>> full_state_dict(torch::nn
   return dtrain::full_state_dict(module);
 }
 }  // namespace tp
+
+// A local tensor of layout `from` over `group`, as layout `to` (DTensor's redistribute, then
+// to_local), differentiable. The gradient of a Replicate() value is whole and counted once (the
+// same on every rank), as a local tensor's gradient is in PyTorch:
+//   Shard(d) -> Replicate(): all-gather along d; backward keeps this rank's part of the gradient.
+//   Replicate() -> Shard(d): this rank's part along d (torch.chunk's); backward all-gathers.
+//   Shard(d) -> Shard(e): both of the above. Equal layouts: x itself.
+// Sharded sizes must divide by the group size (DTensor.from_local's even parts).
+at::Tensor redistribute(const at::Tensor& local, const Layout& from, const Layout& to, const Group& group);
+
+// The inputs (outputs) of `self` redistributed as the PrepareModuleInput (PrepareModuleOutput) that
+// parallelize_module gave it, or unchanged where it has none. As many tensors as its layouts.
+std::vector<at::Tensor> prepare_input(const torch::nn::Module& self, std::vector<at::Tensor> inputs);
+at::Tensor prepare_input(const torch::nn::Module& self, const at::Tensor& input);
+std::vector<at::Tensor> prepare_output(const torch::nn::Module& self, std::vector<at::Tensor> outputs);
+at::Tensor prepare_output(const torch::nn::Module& self, const at::Tensor& output);
 
 // Cross-entropy of logits whose last dimension (the classes) is sharded over `group` in group-rank
 // order as torch.chunk cuts it (a ColwiseParallel output), as PyTorch's loss_parallel(): never

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "dtrain/tensor_parallel.h"
 
@@ -16,6 +17,13 @@ struct Applied {
   int64_t size = 0;               // the sharded dimension's whole size
   int64_t start = 0, length = 0;  // this rank's rows or columns of it
 };
+
+// SequenceParallel on `module` (src/tp/sequence.cpp): its parameters broadcast from group rank 0,
+// each with a gradient hook that sums the gradient over the group.
+void apply_sequence_parallel(const std::string& name, torch::nn::Module& module, const Group& group);
+// A PrepareModuleInput or PrepareModuleOutput of `module`, for prepare_input / prepare_output.
+void record_prepare(const std::string& name, const std::shared_ptr<torch::nn::Module>& module,
+                    const ParallelStyle& style, const Group& group);
 
 }  // namespace dtrain::tp
 

@@ -225,5 +225,31 @@ at::Tensor reduce_scatter_dim(const at::Tensor& x, int64_t dim, const Group& gro
   });
 }
 
+at::Tensor gather_dim(const at::Tensor& x, int64_t dim, const Group& group) {
+  dim = wrap_dim(dim, x, "redistribute");
+  const int64_t start = group.rank() * x.size(dim), length = x.size(dim);
+  at::Tensor out;
+  {
+    at::NoGradGuard no_grad;
+    out = gather_forward(x, dim, group);
+  }
+  return with_backward(out, x, "dtrain::tp::gather_dim",
+                       [dim, start, length](const at::Tensor& g) { return g.narrow(dim, start, length).contiguous(); });
+}
+
+at::Tensor part_dim(const at::Tensor& x, int64_t dim, const Group& group) {
+  dim = wrap_dim(dim, x, "redistribute");
+  const int64_t k = part_size(x, dim, group, "redistribute");
+  at::Tensor out;
+  {
+    at::NoGradGuard no_grad;
+    out = x.narrow(dim, group.rank() * k, k).clone(at::MemoryFormat::Contiguous);
+  }
+  return with_backward(out, x, "dtrain::tp::part_dim", [dim, group](const at::Tensor& g) {
+    at::NoGradGuard no_grad;
+    return gather_forward(g.contiguous(), dim, group);
+  });
+}
+
 }  // namespace tp
 }  // namespace dtrain

@@ -8,6 +8,8 @@
 //   3. Broadcast each parameter whole from group rank 0 (PyTorch's src_data_rank=0), then keep this
 //      rank's part through set_data, so the parameter keeps its identity, and publish its ShardSpec
 //      (Note [Published shard specs]); a replicated bias is broadcast alone and has none.
+//   SequenceParallel, PrepareModuleInput and PrepareModuleOutput apply to any module instead
+//   (src/tp/sequence.cpp, Note [Sequence parallelism without hooks]).
 #include <ATen/ATen.h>
 
 #include <tuple>
@@ -122,18 +124,24 @@ void parallelize_module(torch::nn::Module& module, const Group& group, const Par
       ++found;
       const std::string& name = item.key();
       torch::nn::Module* m = item.value().get();
-      if (auto* linear = dynamic_cast<ParallelLinearImpl*>(m)) {
+      if (std::holds_alternative<SequenceParallel>(style)) {
+        tp::apply_sequence_parallel(name, *m, group);
+      } else if (std::holds_alternative<PrepareModuleInput>(style) ||
+                 std::holds_alternative<PrepareModuleOutput>(style)) {
+        tp::record_prepare(name, item.value(), style, group);
+      } else if (auto* linear = dynamic_cast<ParallelLinearImpl*>(m)) {
         apply_linear(name, *linear, style, group);
       } else if (auto* embedding = dynamic_cast<ParallelEmbeddingImpl*>(m)) {
         apply_embedding(name, *embedding, style, group);
       } else {
         const bool plain = dynamic_cast<torch::nn::LinearImpl*>(m) || dynamic_cast<torch::nn::EmbeddingImpl*>(m);
-        throw Error(detail::cat("parallelize_module: '", name, "' is a ", m->name(), ", which ",
-                                plain ? "LibTorch gives no hook to change the forward of: declare it as "
-                                        "dtrain::ParallelLinear or dtrain::ParallelEmbedding (the same options, "
-                                        "parameters and state dict)"
-                                      : "no parallel style supports: use a dtrain::ParallelLinear or "
-                                        "dtrain::ParallelEmbedding"));
+        throw Error(
+            detail::cat("parallelize_module: '", name, "' is a ", m->name(), ", which ",
+                        plain ? "LibTorch gives no hook to change the forward of: declare it as "
+                                "dtrain::ParallelLinear or dtrain::ParallelEmbedding (the same options, "
+                                "parameters and state dict)"
+                              : "ColwiseParallel and RowwiseParallel do not support: use a dtrain::ParallelLinear or "
+                                "dtrain::ParallelEmbedding"));
       }
     }
     DTRAIN_CHECK(found > 0, "parallelize_module: the plan's '", pattern, "' matches no submodule; the submodules are ",

@@ -24,4 +24,10 @@ at::Tensor gather_last_dim(const at::Tensor& x, int64_t whole, const Group& grou
 // sharded, as sequence parallelism does).
 at::Tensor reduce_scatter_dim(const at::Tensor& x, int64_t dim, const Group& group);
 
+// Between layouts of a value the loss counts once (dtrain::redistribute): all-gather along dim
+// forward, this rank's part of the gradient backward (Shard(d) -> Replicate()); and this rank's part
+// along dim forward, the gradient all-gathered backward (Replicate() -> Shard(d)). Equal parts.
+at::Tensor gather_dim(const at::Tensor& x, int64_t dim, const Group& group);
+at::Tensor part_dim(const at::Tensor& x, int64_t dim, const Group& group);
+
 }  // namespace dtrain::tp

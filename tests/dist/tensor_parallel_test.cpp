@@ -308,16 +308,9 @@ TEST(TensorParallel, InsideFullyShardEqualsOneProcess) {
   auto fsdp = fully_shard(model, FullyShardOptions().process_group(dp));
   at::Tensor x = at::randn({3 * dp.size(), 8}, at::kDouble), target = at::randn({3 * dp.size(), 8}, at::kDouble);
   at::Tensor my_x = x.chunk(dp.size())[dp.rank()], my_target = target.chunk(dp.size())[dp.rank()];
-  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
-  torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(1e-2));
-  for (int step = 0; step < 10; ++step) {
-    opt.zero_grad();
-    ref_opt.zero_grad();
-    (fsdp(my_x) - my_target).pow(2).mean().backward();
-    (ref(x) - target).pow(2).mean().backward();
-    opt.step();
-    ref_opt.step();
-  }
+  tp_compare::adam_steps(*model, *ref, [&] {
+    return std::make_pair((fsdp(my_x) - my_target).pow(2).mean(), (ref(x) - target).pow(2).mean());
+  });
   auto whole = ref->named_parameters();
   for (const auto& [name, t] : fsdp.full_state_dict())  // the dp rows and the TP parts put together
     EXPECT_LT(rel_diff(t, whole[name]), kTol) << name << " after 10 Adam steps";

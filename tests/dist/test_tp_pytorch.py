@@ -2,7 +2,10 @@
 RowwiseParallel, loss_parallel; .venv's PyTorch 2.x, CPU, Gloo) on 2 ranks: the same weights and
 data (tp_reference.cpp and tp_reference.py) give each rank PyTorch's local shard shapes, and its
 local outputs, gradients and parameters after 5 Adam steps within 1e-10 (float64), for an MLP
-block (Colwise -> Rowwise) and a vocab-parallel embedding with a column-parallel head.
+block (Colwise -> Rowwise), a vocab-parallel embedding with a column-parallel head, and a
+sequence-parallel block (SequenceParallel LayerNorm and RMSNorm around Colwise -> Rowwise on each
+rank's positions; and whole around it through PrepareModuleInput and PrepareModuleOutput), whose
+input gradients are compared too.
 
 Env: $TP_REFERENCE (the C++ program), $VENV_PYTHON (set by tests/dist/CMakeLists.txt).
 """
@@ -41,12 +44,16 @@ class TensorParallelAgainstPytorch(DistTestCase):
     def test_shards_outputs_and_gradients_equal_pytorchs_parallelize_module(self):
         py, cc = self.run_against_python("TP_REFERENCE", "tp_reference", "tp_reference.py", WORLD)
         for r in range(WORLD):
-            for model in ("mlp", "lm"):
+            for model in ("mlp", "lm", "sp", "spio"):
                 p, c = py[r][model], cc[r][model]
                 where = f"rank {r} {model}"
                 self.assertEqual(c["shapes"], p["shapes"], f"{where}: local shard shapes")
                 self.assertEqual(len(c["output"]), len(p["output"]), f"{where}: local output size")
                 self.assertLess(worst_relative(c["output"], p["output"]), 1e-10, f"{where}: output")
+                if "input_grad" in p:
+                    self.assertEqual(len(c["input_grad"]), len(p["input_grad"]), f"{where}: input grad size")
+                    worst = worst_relative(c["input_grad"], p["input_grad"])
+                    self.assertLess(worst, 1e-10, f"{where}: input grad: relative difference {worst:.3g}")
                 for kind in ("grads", "params"):
                     self.assertEqual(sorted(c[kind]), sorted(p[kind]), f"{where}: {kind}")
                     for name, ref in p[kind].items():

@@ -84,4 +84,20 @@ inline void expect_equivalent(torch::nn::Module& tp, torch::nn::Module& ref, con
   expect_params_match(tp, ref, g, /*grads=*/false, "after 10 Adam steps");
 }
 
+// 10 Adam steps of both models; `losses()` computes this step's (TP model's loss, reference's).
+inline void adam_steps(torch::nn::Module& tp, torch::nn::Module& ref,
+                       const std::function<std::pair<at::Tensor, at::Tensor>()>& losses) {
+  torch::optim::Adam opt(tp.parameters(), torch::optim::AdamOptions(1e-2));
+  torch::optim::Adam ref_opt(ref.parameters(), torch::optim::AdamOptions(1e-2));
+  for (int step = 0; step < 10; ++step) {
+    opt.zero_grad();
+    ref_opt.zero_grad();
+    auto [loss, ref_loss] = losses();
+    loss.backward();
+    ref_loss.backward();
+    opt.step();
+    ref_opt.step();
+  }
+}
+
 }  // namespace tp_compare

@@ -1,7 +1,8 @@
 // The C++ side of test_tp_pytorch.py: the MLP and the vocab-parallel language model of
-// tp_models.h under dtrain's parallelize_module, on the weights and data tp_reference.py gives
-// PyTorch's own, writing the same JSON: local shard shapes, local outputs and gradients at the
-// first step, local parameters after 5 Adam steps.
+// tp_models.h, and the sequence-parallel block of sp_models.h (on each rank's positions, and whole
+// around it), under dtrain's parallelize_module, on the weights and data tp_reference.py gives
+// PyTorch's own, writing the same JSON: local shard shapes, local outputs, input gradients and
+// parameter gradients at the first step, local parameters after 5 Adam steps.
 //   tp_reference OUT.json   (run on every rank, env:// from the launcher)
 #include <torch/optim/adam.h>
 
@@ -12,6 +13,7 @@
 #include <sstream>
 
 #include "dtrain/device_mesh.h"
+#include "sp_models.h"
 #include "tp_models.h"
 
 namespace {
@@ -52,16 +54,17 @@ std::string json_dict(torch::nn::Module& m, Fn value) {
   return "{" + s.str() + "}";
 }
 
-// run(step) -> (output, loss); as tp_reference.py's record().
+// run(step) -> (output, loss); as tp_reference.py's record(). `input`, where given, is the leaf
+// whose gradient is recorded too (run(step) sets it).
 template <typename Run>
-std::string record(torch::nn::Module& m, Run run) {
+std::string record(torch::nn::Module& m, Run run, const at::Tensor* input = nullptr) {
   const std::string shape_dict = json_dict(m, [](const at::Tensor& t) {
     std::ostringstream s;
     s << t.sizes();
     return s.str();
   });
   torch::optim::Adam opt(m.parameters(), torch::optim::AdamOptions(1e-2));
-  std::string output, grads;
+  std::string output, grads, input_grad;
   for (int step = 0; step < kSteps; ++step) {
     opt.zero_grad();
     auto [y, loss] = run(step);
@@ -69,11 +72,37 @@ std::string record(torch::nn::Module& m, Run run) {
     if (step == 0) {
       output = json_list(y);
       grads = json_dict(m, [](const at::Tensor& t) { return json_list(t.grad()); });
+      if (input) input_grad = ", \"input_grad\": " + json_list(input->grad());
     }
     opt.step();
   }
-  return "{\"shapes\": " + shape_dict + ", \"output\": " + output + ", \"grads\": " + grads +
+  return "{\"shapes\": " + shape_dict + ", \"output\": " + output + input_grad + ", \"grads\": " + grads +
          ", \"params\": " + json_dict(m, [](const at::Tensor& t) { return json_list(t); }) + "}";
+}
+
+// The sequence-parallel block: on each rank's positions (its loss theirs: the ranks' sum is the
+// block's), or `whole` on every rank around it (the loss counted once).
+std::string record_sp(const dtrain::Group& group, bool whole) {
+  constexpr int64_t kSeq = 6;
+  sp_models::SPNet net;
+  fill(*net);
+  dtrain::parallelize_module(*net, group, sp_models::sp_plan(whole));
+  const int64_t n = group.size(), r = group.rank();
+  at::Tensor leaf;
+  return record(
+      *net,
+      [&](int step) {
+        at::Tensor x = wave(2 * kSeq * 8, 1.0, 0.13, 0.7 * step).view({2, kSeq, 8});
+        at::Tensor t = wave(2 * kSeq * 8, 1.0, 0.05, 0.31 * step + 1.5).view({2, kSeq, 8});
+        if (!whole) {
+          x = x.chunk(n, 1)[r];
+          t = t.chunk(n, 1)[r];
+        }
+        leaf = x.clone().requires_grad_(true);
+        at::Tensor y = net(leaf);
+        return std::make_pair(y, whole ? (y - t).pow(2).mean() : (y - t).pow(2).sum());
+      },
+      &leaf);
 }
 
 }  // namespace
@@ -114,7 +143,9 @@ int main(int argc, char** argv) {
       // doc:end tp_loss
       return std::make_pair(logits, loss);
     });
-    std::ofstream(argv[1]) << "{\"mlp\": " << mlp_json << ", \"lm\": " << lm_json << "}\n";
+    const std::string sp_json = record_sp(mesh.get_group(), false), spio_json = record_sp(mesh.get_group(), true);
+    std::ofstream(argv[1]) << "{\"mlp\": " << mlp_json << ", \"lm\": " << lm_json << ", \"sp\": " << sp_json
+                           << ", \"spio\": " << spio_json << "}\n";
     dtrain::barrier();
     dtrain::destroy_process_group();
   } catch (const std::exception& e) {
