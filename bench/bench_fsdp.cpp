@@ -29,10 +29,19 @@
 // parameter with its buckets, and the runtime; fully_shard on 2 ranks: 8, the whole model while it is
 // built, and a unit whole). 20 steps each:
 //   RESULT fits_only_sharded=1   (DDP exceeded the budget, fully_shard trained within it; 0 otherwise)
+// Peak RSS, what the kernel (an out-of-memory killer, a cgroup limit) sees rather than the allocator's
+// bytes: --rss_layers x Linear(--rss_width), 5 x 2048 (21 M parameters) by default, --rss_steps Adam
+// steps under DDP and under fully_shard (each Linear a unit), 2 ranks, malloc as a program finds it;
+// each rank's VmHWM from the first step on (reset through /proc/self/clear_refs once the model is
+// wrapped). The larger fully_shard rank's over the larger DDP rank's, over shared memory and over
+// Gloo alone (DTRAIN_SHM=0, the path between hosts):
+//   RESULT fsdp_peak_rss_fraction_2=S fsdp_peak_rss_fraction_2_gloo=G   (goal <= 0.65 each; the floor is
+//   about half the state, one unit whole and the runtime over DDP's)
 #include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -134,6 +143,15 @@ void enter_memory_budget(int64_t bytes) {
   std::printf("budget=%lld cgroup=%s\n", static_cast<long long>(bytes), dir.c_str());
 }
 
+// This process's /proc/self/status field, kB (-1 when absent).
+int64_t status_kb(const char* field) {
+  std::ifstream status("/proc/self/status");
+  const std::string prefix = std::string(field) + ":";
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind(prefix, 0) == 0) return std::atoll(line.substr(prefix.size()).c_str());
+  return -1;
+}
+
 // --job fits: 20 Adam steps of the --fit_layers model inside a per-rank memory budget.
 void fits_job(const std::string& mode, int layers, int64_t budget) {
   // Blocks of 1 MB and more from mmap, returned at free: a heap that keeps every freed unit's
@@ -157,10 +175,52 @@ void fits_job(const std::string& mode, int layers, int64_t budget) {
     auto fsdp = shard(net, true);
     train(fsdp, net->parameters());
   }
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);)
-    if (line.rfind("VmHWM:", 0) == 0) std::printf("peak_rss_kb=%lld\n", std::atoll(line.substr(6).c_str()));
+  std::printf("peak_rss_kb=%lld\n", static_cast<long long>(status_kb("VmHWM")));
   std::printf("steps_done=20\n");
+}
+
+// --job rss: --steps Adam steps of --layers x Linear(--width), the allocator left as a program finds
+// it (no mallopt), then the peak RSS of the steps: the high-water mark is reset (/proc/self/clear_refs
+// "5") once the model is wrapped and before the first step, so it counts what training holds (freed
+// buffers kept resident included), not the whole model as it is built. Rank 0 prints every rank's.
+void rss_job(const std::string& mode, int layers, int64_t width, int steps, CountingAllocator* counter) {
+  auto net = make_model(layers, width);
+  const at::Tensor x = at::randn({8, width});
+  auto train = [&](auto& model, std::vector<at::Tensor> params) {
+    torch::optim::Adam opt(params, torch::optim::AdamOptions(1e-4));
+    {
+      std::ofstream clear("/proc/self/clear_refs");
+      clear << "5";
+    }
+    const int64_t start_kb = status_kb("VmRSS");
+    counter->reset_peak();
+    for (int i = 0; i < steps; ++i) {
+      opt.zero_grad();
+      model(x).pow(2).mean().backward();
+      opt.step();
+    }
+    // Read before the gather below adds anything, the model and its optimizer still alive.
+    return at::tensor({status_kb("VmHWM"), start_kb, status_kb("VmRSS"), status_kb("RssShmem"), counter->live() >> 10,
+                       counter->peak() >> 10},
+                      at::kLong);
+  };
+  at::Tensor mine;
+  if (mode == "ddp") {
+    dtrain::DistributedDataParallel ddp(net);
+    mine = train(ddp, ddp.parameters());
+  } else {
+    auto fsdp = shard(net, true);
+    mine = train(fsdp, net->parameters());
+  }
+  at::Tensor all = at::empty({dtrain::world_size() * mine.numel()}, at::kLong);
+  dtrain::all_gather_into_tensor(all, mine);
+  const auto* v = all.data_ptr<int64_t>();
+  for (int r = 0; r < dtrain::world_size(); ++r, v += mine.numel())
+    std::printf(
+        "rank%d_peak_rss_kb=%lld rank%d_start_rss_kb=%lld rank%d_end_rss_kb=%lld rank%d_shmem_kb=%lld "
+        "rank%d_live_kb=%lld rank%d_alloc_peak_kb=%lld\n",
+        r, static_cast<long long>(v[0]), r, static_cast<long long>(v[1]), r, static_cast<long long>(v[2]), r,
+        static_cast<long long>(v[3]), r, static_cast<long long>(v[4]), r, static_cast<long long>(v[5]));
 }
 
 // Page faults this process took so far (first touches of fresh pages: allocations the heap did not reuse).
@@ -261,12 +321,54 @@ int worker_main(int argc, char** argv) {
     memory_job(mode, layers, width, counter);
   else if (job == "fits")
     fits_job(mode, layers, budget);
+  else if (job == "rss")
+    rss_job(mode, layers, width, steps, counter);
   else if (job == "step")
     step_job(mode, steps, zero3);
   else
     collectives_job(steps);
   dtrain::destroy_process_group();
   return 0;
+}
+
+// The peak RSS of DDP and fully_shard on 2 ranks, over shared memory and over Gloo alone
+// (DTRAIN_SHM=0, the path between hosts): each rank's, and the larger fully_shard rank's over the larger
+// DDP rank's into fraction[0] (shared memory) and fraction[1] (Gloo).
+template <typename Job>
+void rss_table(Job& job, int layers, int64_t width, int steps, double* fraction) {
+  const std::vector<std::string> args = {"--job",    "rss",
+                                         "--layers", std::to_string(layers),
+                                         "--width",  std::to_string(width),
+                                         "--steps",  std::to_string(steps)};
+  const double params = layers * static_cast<double>(width * width + width);
+  std::printf(
+      "\npeak RSS: %d x Linear %lld (%.1f M parameters), Adam, %d steps, 2 ranks (kernel's VmHWM from "
+      "the first step on)\n\n",
+      layers, static_cast<long long>(width), params / 1e6, steps);
+  std::printf(
+      "| transport | job | peak RSS rank 0, 1 | RSS before the steps | after them (of it shared memory) | "
+      "allocator peak | over DDP's |\n|---|---|---|---|---|---|---|\n");
+  const char* names[2] = {"shared memory", "Gloo (DTRAIN_SHM=0)"};
+  for (int t = 0; t < 2; ++t) {
+    const std::vector<std::pair<std::string, std::string>> env = {{"DTRAIN_SHM", t == 0 ? "" : "0"}};
+    double ddp_peak = 0;
+    for (const char* mode : {"ddp", "fsdp"}) {
+      std::vector<std::string> a = args;
+      a.insert(a.end(), {"--mode", mode});
+      const std::string out = job(a, 2, env);
+      auto kb = [&](int r, const char* key) { return parse_value(out, "rank" + std::to_string(r) + "_" + key); };
+      const double peak = std::max(kb(0, "peak_rss_kb"), kb(1, "peak_rss_kb"));
+      if (std::string(mode) == "ddp") ddp_peak = peak;
+      if (std::string(mode) == "fsdp") fraction[t] = peak / ddp_peak;
+      std::printf(
+          "| %s | %s | %.0f, %.0f MiB | %.0f, %.0f MiB | %.0f (%.0f), %.0f (%.0f) MiB | %.0f, %.0f MiB | %.3f |\n",
+          names[t], std::string(mode) == "ddp" ? "DDP" : "fully_shard", kb(0, "peak_rss_kb") / 1024,
+          kb(1, "peak_rss_kb") / 1024, kb(0, "start_rss_kb") / 1024, kb(1, "start_rss_kb") / 1024,
+          kb(0, "end_rss_kb") / 1024, kb(0, "shmem_kb") / 1024, kb(1, "end_rss_kb") / 1024, kb(1, "shmem_kb") / 1024,
+          kb(0, "alloc_peak_kb") / 1024, kb(1, "alloc_peak_kb") / 1024, peak / ddp_peak);
+    }
+  }
+  std::printf("\n");
 }
 
 int driver_main(int argc, char** argv) {
@@ -280,8 +382,13 @@ int driver_main(int argc, char** argv) {
   app.add_option("--reps", reps, "alternations of the DDP and fully_shard step jobs");
   app.add_option("--layers", layers, "Linear layers of the memory model");
   app.add_option("--width", width, "their width");
-  std::string parts = "memory,step,collectives,fits";
-  app.add_option("--parts", parts, "which measures to run, comma-separated (memory, step, collectives, fits)");
+  int rss_layers = 5, rss_steps = 10;
+  int64_t rss_width = 2048;
+  app.add_option("--rss_layers", rss_layers, "Linear layers of the peak-RSS model");
+  app.add_option("--rss_width", rss_width, "their width");
+  app.add_option("--rss_steps", rss_steps, "Adam steps of the peak-RSS jobs");
+  std::string parts = "memory,step,collectives,fits,rss";
+  app.add_option("--parts", parts, "which measures to run, comma-separated (memory, step, collectives, fits, rss)");
   CLI11_PARSE(app, argc, argv);
   auto part = [&](const char* name) {
     return ("," + parts + ",").find(std::string(",") + name + ",") != std::string::npos;
@@ -289,10 +396,11 @@ int driver_main(int argc, char** argv) {
   if (!part("fits")) fit_layers = 0;
   std::printf("bench_fsdp: load %s\n\n", load_average().c_str());
   const std::vector<std::string> self = {self_exe(), "--worker"};
-  auto job = [&](std::vector<std::string> args, int n) {
+  auto job = [&](std::vector<std::string> args, int n,
+                 const std::vector<std::pair<std::string, std::string>>& env = {}) {
     std::vector<std::string> argv = self;
     argv.insert(argv.end(), args.begin(), args.end());
-    return run_job(argv, n, timeout_s, "bench_fsdp");
+    return run_job(argv, n, timeout_s, "bench_fsdp", env);
   };
   const std::vector<std::string> model = {"--layers", std::to_string(layers), "--width", std::to_string(width)};
   auto with_model = [&](std::vector<std::string> a) {
@@ -370,13 +478,16 @@ int driver_main(int argc, char** argv) {
     std::printf("budget %s per rank (%.0f M parameters, Adam, 2 ranks): DDP %s; fully_shard %s\n",
                 human_bytes(static_cast<size_t>(budget)).c_str(), p / 1e6, d.c_str(), f.c_str());
   }
+  double rss_fraction[2] = {0, 0};  // shared memory, Gloo
+  if (part("rss")) rss_table(job, rss_layers, rss_width, rss_steps, rss_fraction);
   std::printf("collectives at 16 MB, 2 ranks: %s\n", parse_line(c, "rs_fraction").c_str());
   std::printf(
       "\nRESULT fsdp_state_fraction_2=%.3f fsdp_state_fraction_4=%.3f fsdp_step_vs_ddp=%.3f "
       "fsdp_bytes_per_step_ratio=%.4f fsdp2_bytes_per_step_ratio=%.4f rs_16m_fraction_of_memcpy=%.3f "
-      "ag_16m_fraction_of_memcpy=%.3f ag_16m_in_place_fraction_of_memcpy=%.3f fits_only_sharded=%d\n",
+      "ag_16m_fraction_of_memcpy=%.3f ag_16m_in_place_fraction_of_memcpy=%.3f fits_only_sharded=%d "
+      "fsdp_peak_rss_fraction_2=%.3f fsdp_peak_rss_fraction_2_gloo=%.3f\n",
       fraction[2], fraction[4], ratios.empty() ? 0.0 : median(ratios), z3, z2, parse_value(c, "rs_fraction"),
-      parse_value(c, "ag_fraction"), parse_value(c, "ag_in_place_fraction"), fits);
+      parse_value(c, "ag_fraction"), parse_value(c, "ag_in_place_fraction"), fits, rss_fraction[0], rss_fraction[1]);
   return 0;
 }
 

@@ -79,6 +79,7 @@ EXPORTS = {
         "comm/model_sync.h": "the model check and state broadcast that DDP and fully_shard share",
         "comm/shard_specs.h": "where parallelize_module and fully_shard publish a parameter's ShardSpec",
         "comm/replica_group.h": "a Gloo group outside the world, per fault-tolerance quorum",
+        "comm/scratch_collectives.h": "collectives that may work in a scratch input (fully_shard's gradients)",
     },
     "optim": {"optim/state_device.h": "where an optimizer's state lives, for checkpoints"},
     "tp": {"tp/dims.h": "a dimension argument checked and wrapped, with one error line (context parallel)"},

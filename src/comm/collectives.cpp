@@ -21,6 +21,7 @@
 #include <ATen/ScalarOps.h>
 
 #include "comm/collective_call.h"
+#include "comm/scratch_collectives.h"
 #include "common/util.h"
 
 namespace dtrain {
@@ -240,8 +241,13 @@ Work all_gather_into_tensor(at::Tensor& output, const at::Tensor& input, const G
   return call.launch([&] { return g.pg->allgather(out, in, opts); }, async_op);
 }
 
-Work reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp op, const Group& group,
-                           bool async_op) {
+namespace {
+
+// reduce_scatter_tensor; `scratch`: the caller drops `input` afterwards, so the fallback on Gloo
+// all-reduces it in place instead of a copy (a whole unit's gradients under fully_shard: the copy
+// was one more buffer of n parts at the peak, and fresh pages each step).
+Work reduce_scatter_tensor_impl(at::Tensor& output, const at::Tensor& input, ReduceOp op, const Group& group,
+                                bool async_op, bool scratch) {
   CollectiveCall call(group, "reduce_scatter_tensor");
   const auto& g = call.group();
   const auto n = static_cast<int64_t>(g.ranks.size());
@@ -260,7 +266,7 @@ Work reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp
     return call.launch([&] { return g.pg->_reduce_scatter_base(output, in, opts); }, async_op, std::move(done));
   }
   // Note [Tensor collectives on Gloo]: the fallback, an all_reduce of a copy and this rank's slice.
-  at::Tensor whole = input.clone();
+  at::Tensor whole = scratch ? input : input.clone();
   Work w = [&] {
     comm::FlightPartsScope part;
     return all_reduce(whole, op, group, /*async_op=*/true);
@@ -272,6 +278,18 @@ Work reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp
         output.copy_(whole.view({n, output.numel()})[me].view_as(output));
       },
       [w]() mutable { return w.is_completed(); }, async_op);
+}
+
+}  // namespace
+
+Work reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp op, const Group& group,
+                           bool async_op) {
+  return reduce_scatter_tensor_impl(output, input, op, group, async_op, /*scratch=*/false);
+}
+
+Work comm::reduce_scatter_tensor_of_scratch(at::Tensor& output, at::Tensor& input, ReduceOp op, const Group& group,
+                                            bool async_op) {
+  return reduce_scatter_tensor_impl(output, input, op, group, async_op, /*scratch=*/true);
 }
 
 namespace {

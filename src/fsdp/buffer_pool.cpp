@@ -8,7 +8,13 @@
 // trimmed heap), so every step touched fresh pages again: 16 k page faults per step on 8 units of
 // 4 MB (63 MB of pages zeroed by the kernel), against 2 k for DDP, whose buckets live as long as it
 // does. So the units take these buffers from a pool that keeps freed blocks by size, up to twice the
-// largest unit's working set (the unit running, the one prefetched), and frees the rest. The blocks
+// largest unit's working set (the unit running, the one prefetched), and frees the rest. That working
+// set is what a unit holds for a moment only: its whole parameters, its shard cast to the param dtype
+// where it differs, its padded gradients where they cannot go as they are. Not the reduce-scatter's
+// output, which every unit holds until the end of backward: those came back all at once, a block per
+// unit of a size no forward takes, and stayed resident through the optimizer's step (the peak). The
+// cap counted them and the gradients that need no copy, and twice each: three times the blocks a
+// step reuses, 100 MB kept on 5 units of 16 MB (bench_fsdp's peak RSS). The blocks
 // come from LibTorch's CPU allocator of the moment (an allocator a program installed counts them),
 // and a block is only reused at its own size: units of one model are of a few sizes. The pool is
 // process-wide (units of several models share it) and thread-safe: an asynchronous collective may

@@ -1,5 +1,5 @@
 // The CPU buffers fully_shard's units use for a moment and again at the next unit: the all-gather's
-// output, the whole parameters, the reduce-scatter's input and output (Note [Buffer pool] in
+// output, the whole parameters, the reduce-scatter's padded input (Note [Buffer pool] in
 // buffer_pool.cpp). CUDA tensors come from CUDA's caching allocator instead.
 #pragma once
 

@@ -31,6 +31,9 @@ class Root {
   // Issues the queued all-reduces in launch order (the same on every rank): each whose
   // reduce-scatter has landed, stopping at the first that has not, or, with `wait`, all of them.
   void issue_replicate_all_reduces(bool wait);
+  // `unit` has launched its reduce-scatter: the unit that launched one before it in this backward
+  // takes its gradients now (Note [Gradients as their reduce-scatter lands] in root.cpp).
+  void on_reduce_scatter_launched(const std::shared_ptr<Unit>& unit);
 
  private:
   void end_of_backward();
@@ -39,6 +42,7 @@ class Root {
   std::vector<std::weak_ptr<Unit>> order_, last_order_;  // forwards started, this and last iteration
   std::vector<std::weak_ptr<Unit>> ends_;                // forwards finished, this iteration
   std::vector<std::weak_ptr<Unit>> replicate_queue_;     // reduce-scatters launched, all-reduce not issued
+  std::weak_ptr<Unit> last_launched_;                    // its gradients not yet taken
   bool queued_ = false;
 };
 

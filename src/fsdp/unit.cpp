@@ -71,6 +71,7 @@
 
 #include "dtrain/errors.h"
 #include "comm/capabilities.h"
+#include "comm/scratch_collectives.h"
 #include "comm/shard_groups.h"
 #include "comm/shard_specs.h"
 #include "comm/state.h"
@@ -176,11 +177,22 @@ Unit::Unit(const std::shared_ptr<torch::nn::Module>& module, std::vector<Sharded
   set_divide_factors();
   per_param_ =
       comm::capabilities(group_).small_calls_are_cheap() && (!flat_shard_.defined() || flat_shard_.device().is_cpu());
-  // What the unit holds at once from the pool (Note [Buffer pool]): the cast shard and the whole
-  // (padded) parameters, the reduce-scatter's padded inputs and its output.
+  reserve_pool_for(pooled_bytes());
+}
+
+// What the unit holds at once from the pool (Note [Buffer pool]): the whole (padded) parameters (and
+// the one gather's output they are copied from, where the unit gathers once), the shard cast to the
+// param dtype where it differs, and the reduce-scatter's padded input where the gradients cannot go
+// as they are (one collective for the unit, padding, another dtype on the wire).
+size_t Unit::pooled_bytes() {
   const size_t n = static_cast<size_t>(group_.size()), per_rank = static_cast<size_t>(per_rank_);
   const size_t param_bytes = c10::elementSize(param_dtype()), reduce_bytes = c10::elementSize(wire_dtype());
-  reserve_pool_for((n + 1) * per_rank * (param_bytes + reduce_bytes));
+  size_t bytes = (per_param_ ? 1 : 2) * n * per_rank * param_bytes;
+  if (flat_shard_.defined() && flat_shard_.scalar_type() != param_dtype()) bytes += per_rank * param_bytes;
+  bool padded_inputs = !per_param_ || wire_dtype() != param_dtype();
+  for (const ShardedParam& p : params_) padded_inputs |= group_.size() * p.chunk_numel() != p.param.numel();
+  if (padded_inputs) bytes += n * per_rank * reduce_bytes;
+  return bytes;
 }
 
 // Note [Hybrid sharding]: FSDP2's _get_gradient_divide_factors, for HSDP only (the 1-D path keeps
@@ -462,7 +474,9 @@ void Unit::launch_reduce_scatter() {
   // reduce-scatter per parameter into its chunk of the unit's output, or one for the unit whose
   // part r holds chunk r of every parameter.
   const at::TensorOptions options = flat_shard_.options().dtype(wire_dtype());
-  scatter_out_ = pooled_empty({per_rank_}, options);
+  // Not from the pool: every unit's output lives until the end of backward, and they would come back
+  // to it all at once, blocks of a size the next forward does not take (Note [Buffer pool]).
+  scatter_out_ = at::empty({per_rank_}, options);
   at::Tensor parts;
   if (!per_param_) parts = pooled_empty({n, per_rank_}, options);
   for (ShardedParam& p : params_) {
@@ -485,13 +499,16 @@ void Unit::launch_reduce_scatter() {
   }
   if (!per_param_) {
     if (predivide_ != 1) parts.div_(predivide_);
-    scatters_.push_back(reduce_scatter_tensor(scatter_out_, parts.view({-1}), reduce_op_, group_, true));
+    // Scratch of the unit's: composed on Gloo, the reduce-scatter all-reduces it in place, not a copy.
+    at::Tensor flat = parts.view({-1});
+    scatters_.push_back(comm::reduce_scatter_tensor_of_scratch(scatter_out_, flat, reduce_op_, group_, true));
     scatter_inputs_.push_back(parts);
   }
   received_bytes_ += (n - 1) * per_rank_ * static_cast<int64_t>(scatter_out_.element_size());
   scattering_ = true;
   if (replicas_ && root) root->queue_replicate_all_reduce(shared_from_this());
   reshard(/*restore_grads=*/false);  // the shard's old gradient waits in sharded_grad for the new one
+  if (!replicas_ && root) root->on_reduce_scatter_launched(shared_from_this());
 }
 
 // A parameter's gradient as n chunks back to back: the gradient itself when they cover it exactly

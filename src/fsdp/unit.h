@@ -115,6 +115,7 @@ class Unit : public std::enable_shared_from_this<Unit> {
  private:
   void launch_reduce_scatter();
   void set_divide_factors();
+  size_t pooled_bytes();
   void fill_storage(ShardedParam& p, const at::TensorOptions& options);
   at::Tensor padded_gradient(const ShardedParam& p, const at::Tensor& g, const at::TensorOptions& options) const;
   at::ScalarType param_dtype() const;
