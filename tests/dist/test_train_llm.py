@@ -206,7 +206,7 @@ class TrainLlm(DistTestCase):
               "--training.local_batch_size", 8, "--activation_checkpoint.mode", "full")
         res, onto_tp = self.launch("onto_tp", *tp, *ckpt)
         self.assertIn("resumed from", res.out)
-        self.assertIn("dp_shard 1 x tp 2", res.out)
+        self.assertIn("dp_shard 1 x cp 1 x tp 2", res.out)
         _, tp_whole = self.launch("tp_whole", *tp)
         steps = [(x["step"], x["loss"]) for x in self.metrics("onto_tp")]
         self.assertEqual([s for s, _ in steps], [5, 6, 7, 8], steps)
