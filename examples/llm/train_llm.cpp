@@ -154,11 +154,6 @@ void validate(const JobConfig& cfg) {
       p.pipeline_parallel_microbatch_size >= 1 && t.local_batch_size % p.pipeline_parallel_microbatch_size == 0,
       "parallelism.pipeline_parallel_microbatch_size ", p.pipeline_parallel_microbatch_size,
       ": must divide training.local_batch_size ", t.local_batch_size);
-  // CheckpointManager takes one model cut alike on every rank; pipeline stages hold different modules.
-  DTRAIN_CHECK(p.pipeline_parallel_degree == 1 || !cfg.checkpoint.enable, "checkpoint.enable with ",
-               "parallelism.pipeline_parallel_degree ", p.pipeline_parallel_degree,
-               ": checkpoints of pipeline stages are not in train_llm yet; set checkpoint.enable false or "
-               "pipeline_parallel_degree 1");
   // A pipeline stage holds its blocks only: rank 0 alone would write a part of the model.
   DTRAIN_CHECK(
       p.pipeline_parallel_degree == 1 || (cfg.checkpoint.export_initial.empty() && cfg.checkpoint.export_final.empty()),
@@ -614,7 +609,8 @@ int run(const JobConfig& cfg) {
   dtrain::TrainingState state;
   state.model = par.model.get();
   state.optimizer = &optimizer;
-  state.sampler = &sampler;  // its position() is the windows this rank consumed in the epoch
+  state.sampler = &sampler;              // its position() is the windows this rank consumed in the epoch
+  state.model_part = place.dims.pp > 1;  // a pipeline stage: each rank saves and loads its own blocks
   std::optional<dtrain::CheckpointManager> checkpoints;
   int64_t start = 0;
   if (cfg.checkpoint.enable) {

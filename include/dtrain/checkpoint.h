@@ -97,6 +97,12 @@ struct TrainingState {
   int64_t sampler_position = -1;
   int64_t step = 0;   // optimizer steps done: names the file
   int64_t epoch = 0;  // the caller's meaning (e.g. the epoch in progress)
+  // Pipeline parallelism (torchtitan's model_parts): `model` is this rank's part of a model cut
+  // across ranks (a pipeline stage, the whole model's parameter names kept). Every rank then writes
+  // and reads its own part's parameters and optimizer state in the checkpoint's DCP folder, as for a
+  // sharded model; the checkpoint's manifest is the union of the ranks' parts, and each rank's part is
+  // checked against it on load (names, dtypes, whole shapes). Set it alike on every rank.
+  bool model_part = false;
   // Per-rank values (running loss sums, counters): saved for every rank, restored to each rank.
   std::map<std::string, double> values;
   bool rng = true;  // save and restore the RNG states
@@ -151,7 +157,7 @@ class CheckpointManager {
   std::string save_impl(const TrainingState& state, bool background);
   void stage_and_write(const std::string& path, const TrainingState& state, const std::vector<std::string>& packs);
   std::string start_sharded_async(const std::string& path, const TrainingState& state,
-                                  const std::vector<std::string>& packs);
+                                  const std::vector<std::string>& packs, const std::string& manifest);
   void finish_sharded_async();  // collective
   void finish_async();          // collective when a save_async() is outstanding
 

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <sstream>
 #include <tuple>
@@ -81,7 +82,8 @@ int version_of(bool sharded) { return sharded ? kCheckpointFormatVersion : 1; }
 // the record of its DCP folder instead of the model and optimizer (Note [Sharded checkpoints]).
 // `staged`: the model's tensors are copies from it (Note [Asynchronous saves]).
 void fill_archive(torch::serialize::OutputArchive& a, const TrainingState& st,
-                  const std::vector<std::string>& rank_packs, bool sharded, ckpt::StagingPool* staged) {
+                  const std::vector<std::string>& rank_packs, bool sharded, ckpt::StagingPool* staged,
+                  const std::string& manifest) {
   a.write("version", c10::IValue(static_cast<int64_t>(version_of(sharded))));
   a.write("step", c10::IValue(st.step));
   a.write("epoch", c10::IValue(st.epoch));
@@ -97,7 +99,7 @@ void fill_archive(torch::serialize::OutputArchive& a, const TrainingState& st,
         st.model->save(m);
       a.write("model", m);
     }
-    a.write("model_manifest", c10::IValue(manifest_text(*st.model)));
+    a.write("model_manifest", c10::IValue(manifest));
   }
   if (st.optimizer && !sharded) {  // a sharded model's: in its DCP folder
     torch::serialize::OutputArchive o;
@@ -134,10 +136,10 @@ std::string serialize(torch::serialize::OutputArchive& a) {
   return os.str();
 }
 
-std::string encode(const TrainingState& st, const std::vector<std::string>& rank_packs,
+std::string encode(const TrainingState& st, const std::vector<std::string>& rank_packs, const std::string& manifest,
                    const std::string& dcp_record = "") {
   torch::serialize::OutputArchive a;
-  fill_archive(a, st, rank_packs, !dcp_record.empty(), /*staged=*/nullptr);
+  fill_archive(a, st, rank_packs, !dcp_record.empty(), /*staged=*/nullptr, manifest);
   if (!dcp_record.empty()) a.write("dcp", c10::IValue(dcp_record));
   return serialize(a);
 }
@@ -227,6 +229,9 @@ std::string pick_latest(const std::string& dir, const CheckpointOptions& options
 // --- single process ----------------------------------------------------------------------------------
 
 void save_checkpoint(const std::string& path, const TrainingState& state) {
+  DTRAIN_CHECK(!state.model_part, "save_checkpoint(", path,
+               "): TrainingState::model_part is set, and this process holds only its part of the model: save it with "
+               "CheckpointManager::save on every rank (each writes its part of a DCP folder)");
   DTRAIN_CHECK(!ckpt::holds_shards(state.model), "save_checkpoint(", path,
                "): the model is sharded (fully_shard or parallelize_module), and this process holds only its "
                "shards: save it with CheckpointManager::save on every rank (each writes its part of a DCP folder)");
@@ -238,7 +243,8 @@ void save_checkpoint(const std::string& path, const TrainingState& state) {
   if (us != std::string::npos && us > 0 && name.size() == us + 1 + 10 + 3)
     found = scan(p.has_parent_path() ? p.parent_path().string() : ".", name.substr(0, us));
   ckpt::sweep_temp_files(p.has_parent_path() ? p.parent_path().string() : ".", name);
-  ckpt::write_atomic(path, ckpt::frame(encode(state, {own_pack(state)}), next_write_stamp(found)));
+  ckpt::write_atomic(path, ckpt::frame(encode(state, {own_pack(state)}, state.model ? manifest_text(*state.model) : ""),
+                                       next_write_stamp(found)));
 }
 
 void load_checkpoint(const std::string& path, TrainingState& state) {
@@ -280,15 +286,44 @@ namespace {
 // would skip the DCP folder's collectives that the others wait in (with fully_shard over subgroups,
 // some ranks may have left their model whole). Throws alike on every rank when they differ.
 bool sharded_everywhere(const TrainingState& st) {
-  const bool mine = ckpt::holds_shards(st.model);
+  const bool mine = ckpt::holds_shards(st.model) || (st.model && st.model_part);
   if (!distributed()) return mine;
-  const std::vector<std::string> all = all_gather_bytes(mine ? "1" : "0");
-  for (size_t r = 1; r < all.size(); ++r)
-    DTRAIN_CHECK(all[r] == all[0], "CheckpointManager::save: the model of rank ", r, " is ",
-                 all[r] == "1" ? "" : "not ", "sharded, that of rank 0 is ", all[0] == "1" ? "" : "not ",
+  const std::string flags = std::string(mine ? "1" : "0") + (st.model && st.model_part ? "p" : "w");
+  const std::vector<std::string> all = all_gather_bytes(flags);
+  for (size_t r = 1; r < all.size(); ++r) {
+    DTRAIN_CHECK(all[r][1] == all[0][1], "CheckpointManager::save: TrainingState::model_part is ",
+                 all[r][1] == 'p' ? "set" : "not set", " on rank ", r, " but ", all[0][1] == 'p' ? "set" : "not set",
+                 " on rank 0: set it on every rank whose model is a part of the whole (pipeline stages) or on none");
+    DTRAIN_CHECK(all[r][0] == all[0][0], "CheckpointManager::save: the model of rank ", r, " is ",
+                 all[r][0] == '1' ? "" : "not ", "sharded, that of rank 0 is ", all[0][0] == '1' ? "" : "not ",
                  "sharded (fully_shard or parallelize_module): shard the model on every rank (over a group of one "
                  "on a rank that trains alone) or on none");
+  }
   return mine;
+}
+
+// The manifest the main file keeps (rank 0's, on every rank): the model's own, or with model_part the
+// union in rank order of every rank's part (collective then), each name once. Throws alike on every
+// rank when two ranks' parts hold one name with different dtypes or shapes.
+std::string model_manifest(const TrainingState& st) {
+  if (!st.model) return "";
+  const std::string mine = manifest_text(*st.model);
+  if (!st.model_part || !distributed()) return mine;
+  std::string all_parts;
+  std::map<std::string, std::pair<std::string, size_t>> seen;  // name -> (description, rank)
+  const std::vector<std::string> parts = all_gather_bytes(mine);
+  for (size_t r = 0; r < parts.size(); ++r) {
+    for (const std::string& line : util::split(parts[r])) {
+      const size_t sp = line.find(' ');
+      const std::string name = line.substr(0, sp), desc = sp == std::string::npos ? "" : line.substr(sp + 1);
+      auto [it, fresh] = seen.emplace(name, std::make_pair(desc, r));
+      DTRAIN_CHECK(fresh || it->second.first == desc, "CheckpointManager::save: tensor '", name, "' is ", desc,
+                   " on rank ", r, " but ", it->second.first, " on rank ", it->second.second,
+                   ": the parts of a model (TrainingState::model_part) must agree on the tensors they share");
+      if (fresh) all_parts += line + "\n";
+    }
+  }
+  return all_parts;
 }
 
 // Save step 2 of a sharded model (Note [Sharded checkpoints]): the folder exists on every rank, then
@@ -345,7 +380,7 @@ CheckpointManager::~CheckpointManager() {
 // rank 0's main file, at the next collective call (finish_sharded_async): until then the checkpoint
 // does not exist, and the previous one is the latest.
 std::string CheckpointManager::start_sharded_async(const std::string& path, const TrainingState& state,
-                                                   const std::vector<std::string>& packs) {
+                                                   const std::vector<std::string>& packs, const std::string& manifest) {
   if (!staging_) staging_ = std::make_unique<ckpt::StagingPool>();
   auto pending = std::make_shared<ckpt::PendingShardedSave>();
   pending->dcp = begin_dcp_folder(dir_, path, state, staging_.get());  // collective
@@ -353,7 +388,7 @@ std::string CheckpointManager::start_sharded_async(const std::string& path, cons
   pending->step = state.step;
   if (!is_initialized() || rank() == 0) {
     pending->main = std::make_shared<torch::serialize::OutputArchive>();
-    fill_archive(*pending->main, state, packs, /*sharded=*/true, nullptr);
+    fill_archive(*pending->main, state, packs, /*sharded=*/true, nullptr, manifest);
   }
   if (!writer_) writer_ = std::make_unique<ckpt::BackgroundWrite>();
   writer_->run(path, [save = pending->dcp] { save->write(); });
@@ -420,6 +455,7 @@ std::string CheckpointManager::save_impl(const TrainingState& state, bool backgr
   const std::string path = (fs::path(dir_) / (options_.prefix() + name)).string();
   const auto packs = gather_packs(own_pack(state));  // 1.
   const bool sharded = sharded_everywhere(state);
+  const std::string manifest = model_manifest(state);  // collective with model_part
   // A sharded optimizer's state is spread over its group: gathered on rank 0, which writes it.
   if (auto* zero = dynamic_cast<ShardedOptimizerState*>(state.optimizer)) {
     DTRAIN_CHECK(!sharded,
@@ -428,7 +464,7 @@ std::string CheckpointManager::save_impl(const TrainingState& state, bool backgr
     zero->prepare_for_save(0);
   }
   // 2. A sharded model's DCP folder, written by every rank before rank 0 writes the main file.
-  if (sharded && background) return start_sharded_async(path, state, packs);
+  if (sharded && background) return start_sharded_async(path, state, packs, manifest);
   std::string dcp_record;
   if (sharded) {
     auto save = begin_dcp_folder(dir_, path, state, nullptr);
@@ -445,7 +481,8 @@ std::string CheckpointManager::save_impl(const TrainingState& state, bool backgr
       if (background && !sharded) {
         stage_and_write(path, state, packs);
       } else {
-        write_and_rotate(dir_, options_, path, encode(state, packs, dcp_record), state.step, version_of(sharded));
+        write_and_rotate(dir_, options_, path, encode(state, packs, manifest, dcp_record), state.step,
+                         version_of(sharded));
       }
     } catch (const c10::Error& e) {
       error = util::one_line(e.what_without_backtrace());
@@ -465,7 +502,8 @@ void CheckpointManager::stage_and_write(const std::string& path, const TrainingS
                                         const std::vector<std::string>& packs) {
   if (!staging_) staging_ = std::make_unique<ckpt::StagingPool>();
   auto archive = std::make_shared<torch::serialize::OutputArchive>();
-  fill_archive(*archive, state, packs, /*sharded=*/false, staging_.get());
+  fill_archive(*archive, state, packs, /*sharded=*/false, staging_.get(),
+               state.model ? manifest_text(*state.model) : "");
   std::string payload;  // serialized here when the optimizer's state cannot be staged
   if (state.optimizer && !dynamic_cast<ShardedOptimizerState*>(state.optimizer) &&
       !ckpt::restage_optimizer_state(*state.optimizer, *staging_)) {

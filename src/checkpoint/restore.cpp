@@ -8,6 +8,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -24,9 +25,24 @@ namespace dtrain::ckpt {
 
 namespace {
 
+// A part of a model (TrainingState::model_part) against the saved manifest: each of its tensors must
+// be there alike; the checkpoint may hold more (the other ranks' parts), as DCP loads by name.
+void check_part_manifest(const std::vector<std::pair<std::string, std::string>>& saved,
+                         const std::vector<std::pair<std::string, std::string>>& mine, const std::string& head,
+                         const std::string& tail) {
+  std::map<std::string, std::string> by_name(saved.begin(), saved.end());
+  for (const auto& [name, desc] : mine) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) throw Error(head + "the model's tensor '" + name + "' is not in the checkpoint" + tail);
+    if (it->second != desc)
+      throw Error(head + "tensor '" + name + "' is " + it->second + " in the checkpoint but " + desc + " in the model" +
+                  tail);
+  }
+}
+
 // The saved manifest against the model's (manifest_text in checkpoint.cpp writes it): the first
 // tensor that differs is the error, before anything is loaded.
-void check_manifest(const std::string& saved_text, const torch::nn::Module& model, const std::string& file) {
+void check_manifest(const std::string& saved_text, const torch::nn::Module& model, const std::string& file, bool part) {
   std::vector<std::pair<std::string, std::string>> saved;
   for (const std::string& line : util::split(saved_text)) {
     const size_t sp = line.find(' ');
@@ -36,6 +52,7 @@ void check_manifest(const std::string& saved_text, const torch::nn::Module& mode
   const std::string head = "checkpoint " + file + " does not match the model: ";
   const std::string tail =
       " (a checkpoint of a different model? use another checkpoint folder or build the same model)";
+  if (part) return check_part_manifest(saved, mine, head, tail);
   for (size_t i = 0; i < std::max(saved.size(), mine.size()); ++i) {
     if (i >= saved.size())
       throw Error(head + "the model's tensor '" + mine[i].first + "' is not in the checkpoint" + tail);
@@ -118,7 +135,7 @@ std::vector<std::string> check_and_read_packs(torch::serialize::InputArchive& a,
     c10::IValue manifest;
     DTRAIN_CHECK(a.try_read("model_manifest", manifest), "checkpoint ", file,
                  " holds no model: it was saved without one; leave TrainingState::model null");
-    check_manifest(manifest.toStringRef(), *st.model, file);
+    check_manifest(manifest.toStringRef(), *st.model, file, st.model_part);
   }
   c10::IValue in_dcp;
   if (st.optimizer && a.try_read("dcp_optimizer", in_dcp)) {
@@ -162,6 +179,9 @@ void restore_all(torch::serialize::InputArchive& a, TrainingState& st, const std
   if (st.model && sharded) {
     ckpt::load_sharded(file, record.toStringRef(), st, failure);  // the optimizer's state too
   } else if (st.model) {
+    DTRAIN_CHECK(!st.model_part, "checkpoint ", file,
+                 " holds a whole model in one archive, which a part of a model (TrainingState::model_part) cannot "
+                 "load: resume from a checkpoint of the parts, or of a sharded model (a DCP folder)");
     DTRAIN_CHECK(!ckpt::holds_shards(st.model), "checkpoint ", file,
                  " holds a whole model, saved without fully_shard or parallelize_module: load it into the model "
                  "before sharding it (whose shards then come from it), or resume from a checkpoint of the sharded "

@@ -143,7 +143,8 @@ std::string dcp_folder(const std::string& main_path) {
 
 std::shared_ptr<dcp::detail::SaveInProgress> begin_sharded_save(const std::string& main_path, const TrainingState& st,
                                                                 StagingPool* staging) {
-  check_same_shards(*st.model);
+  // A model cut into parts (pipeline stages) shards different parameters on each rank by design.
+  if (!st.model_part) check_same_shards(*st.model);
   dcp::StateDict sd;
   throw_first_failure(failure_of([&] {
     sd = dcp::get_state_dict(*st.model, st.optimizer);

@@ -10,9 +10,11 @@
     (the same loss_bits and validation loss): the loader's position is in the checkpoint; the same
     checkpoint resumed under tensor parallelism (another dp degree) ends as both whole runs, to
     float rounding;
+  * under pipeline parallelism each stage checkpoints its own blocks: a resumed run ends bit for bit
+    as the whole one, and its checkpoint resumes under fully_shard too;
   * degrees whose product is not the world, a sequence length the cp ranks cannot split evenly, an
-    unknown cp method, a pipeline schedule train_llm lacks, checkpoints and
-    exported weights under pipeline parallelism and a dtype other than float32 or float64 are refused
+    unknown cp method, a pipeline schedule train_llm lacks, exported
+    weights under pipeline parallelism and a dtype other than float32 or float64 are refused
     in one line.
 
 Binaries: $TRAIN_LLM and $DTRAIN_RUN (set by tests/dist/CMakeLists.txt), else build*/bin. The corpus:
@@ -216,6 +218,28 @@ class TrainLlm(DistTestCase):
             self.assertAlmostEqual(float.fromhex(onto_tp.group(3)), loss, delta=1e-5 * loss, msg=msg)
             self.assertAlmostEqual(float(onto_tp.group(4)), float(other.group(4)), delta=1.5e-4, msg=msg)
 
+    def test_pipeline_stages_checkpoint_and_resume(self):
+        # pp 2: each rank saves its own blocks (TrainingState::model_part) into one DCP folder whose
+        # manifest is the union of the stages'; stopped at step 4 and resumed, the run ends bit for bit
+        # as the whole one. The same checkpoint resumed under fully_shard 2 (the whole model on every
+        # rank, sharded again) ends on its loss to float rounding.
+        pp = ("--parallelism.data_parallel_shard_degree", 1, "--parallelism.pipeline_parallel_degree", 2,
+              "--training.local_batch_size", 8, "--parallelism.pipeline_parallel_microbatch_size", 4)
+        ckpt = ("--checkpoint.enable", "true", "--checkpoint.interval", 4)
+        _, whole = self.launch("pp_whole", *pp)
+        _, first = self.launch("pp", *pp, *ckpt, "--training.stop_at_step", 4)
+        self.assertEqual(first.group(1), "4")
+        shutil.copytree(os.path.join(self.tmp, "pp", "checkpoint"), os.path.join(self.tmp, "pp_onto_fsdp", "checkpoint"))
+        res, resumed = self.launch("pp", *pp, *ckpt)
+        self.assertIn("resumed from", res.out)
+        self.assertEqual((resumed.group(1), resumed.group(3), resumed.group(4)),
+                         ("8", whole.group(3), whole.group(4)), f"the resumed pipeline differs from the whole one:\n{res}")
+        res, onto = self.launch("pp_onto_fsdp", "--parallelism.data_parallel_shard_degree", 2,
+                                "--training.local_batch_size", 4, *ckpt)
+        self.assertIn("resumed from", res.out)
+        loss = float.fromhex(whole.group(3))
+        self.assertAlmostEqual(float.fromhex(onto.group(3)), loss, delta=1e-5 * loss, msg=str(res))
+
     def test_bad_degrees_are_refused_in_one_line(self):
         cases = {("--parallelism.tensor_parallel_degree", 4, "--parallelism.data_parallel_shard_degree", 1):
                  "data_parallel_replicate_degree 1 x data_parallel_shard_degree 1 x context_parallel_degree 1 x "
@@ -228,8 +252,6 @@ class TrainLlm(DistTestCase):
                  ("--parallelism.pipeline_parallel_degree", 2, "--parallelism.pipeline_parallel_schedule",
                   "Interleaved1F1B"): "parallelism.pipeline_parallel_schedule Interleaved1F1B: use GPipe, 1F1B or "
                                       "ZeroBubbleH1",
-                 ("--parallelism.pipeline_parallel_degree", 2, "--checkpoint.enable", "true"):
-                 "pipeline_parallel_degree 2: checkpoints of pipeline stages are not in train_llm yet",
                  ("--parallelism.pipeline_parallel_degree", 2, "--checkpoint.export_final",
                   os.path.join(ROOT, "never.safetensors")):
                  "export_final with parallelism.pipeline_parallel_degree 2: exporting the weights of pipeline "
