@@ -380,7 +380,8 @@ TEST(FsdpCheckpoint, ShardedOverSubgroups) {
 }
 
 // Ranks that do not shard alike fail the save on every rank, naming the rank, and leave no file: the
-// last rank's model not sharded at all, then sharding fewer parameters than the others.
+// last rank's model not sharded at all, then sharding fewer parameters than the others, then the last
+// rank alone saying its model is a part of the whole (TrainingState::model_part).
 TEST(FsdpCheckpoint, RanksThatShardUnlikeFailTheSaveOnEveryRank) {
   const int n = world_size();
   std::vector<int> others;
@@ -388,10 +389,11 @@ TEST(FsdpCheckpoint, RanksThatShardUnlikeFailTheSaveOnEveryRank) {
   const Group a = new_group(others), b = new_group({n - 1});  // every rank creates both, in this order
   const bool last = rank() == n - 1;
   const std::string dir = g_dir + "_unlike";
-  auto expect_refused = [&](Net& net, const std::string& part) {
+  auto expect_refused = [&](Net& net, const std::string& part, bool model_part = false) {
     CheckpointManager ckpt(dir);
     TrainingState st;
     st.model = net.ptr().get();
+    st.model_part = model_part;
     try {
       ckpt.save(st);
       ADD_FAILURE() << "saved on rank " << rank() << " (" << part << ")";
@@ -415,6 +417,10 @@ TEST(FsdpCheckpoint, RanksThatShardUnlikeFailTheSaveOnEveryRank) {
     else
       fsdp_models::shard(net, FullyShardOptions().process_group(a));
     expect_refused(net, "are not those of rank 0");
+  }
+  {
+    Net net = fsdp_models::make_net();
+    expect_refused(net, "TrainingState::model_part is set on rank", /*model_part=*/last);
   }
   if (rank() == 0) fs::remove_all(dir);
 }
