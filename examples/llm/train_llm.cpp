@@ -22,6 +22,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -154,12 +155,6 @@ void validate(const JobConfig& cfg) {
       p.pipeline_parallel_microbatch_size >= 1 && t.local_batch_size % p.pipeline_parallel_microbatch_size == 0,
       "parallelism.pipeline_parallel_microbatch_size ", p.pipeline_parallel_microbatch_size,
       ": must divide training.local_batch_size ", t.local_batch_size);
-  // A pipeline stage holds its blocks only: rank 0 alone would write a part of the model.
-  DTRAIN_CHECK(
-      p.pipeline_parallel_degree == 1 || (cfg.checkpoint.export_initial.empty() && cfg.checkpoint.export_final.empty()),
-      "checkpoint.export_initial / export_final with parallelism.pipeline_parallel_degree ", p.pipeline_parallel_degree,
-      ": exporting the weights of pipeline stages is not in train_llm yet; "
-      "leave both empty or set pipeline_parallel_degree 1");
   validate_context_parallel(cfg);
   DTRAIN_CHECK(p.pipeline_parallel_degree <= cfg.model.n_layers, "parallelism.pipeline_parallel_degree ",
                p.pipeline_parallel_degree, ": more stages than model.n_layers ", cfg.model.n_layers,
@@ -325,13 +320,48 @@ Parallel build_model(const JobConfig& cfg, const Place& place) {
 }
 // doc:end build_model
 
+// The whole model's weights on global rank 0 (elsewhere: this stage's, or nothing). Each stage's ranks
+// put their stage together over fully_shard and tensor parallelism (full_state_dict, collective within
+// the stage); with pipeline stages, the pp group through rank 0 (every other coordinate 0) then sends
+// each stage's to it: names, dtypes and shapes as text, then the tensors in that order.
+dtrain::NamedTensors whole_weights(Parallel& par) {
+  dtrain::NamedTensors mine = dtrain::full_state_dict(*par.model);
+  if (!par.pp_group || par.pp_group->ranks().front() != 0) return mine;
+  const std::vector<int>& ranks = par.pp_group->ranks();
+  std::string desc;
+  for (const auto& [name, t] : mine) {
+    desc += name + " " + std::to_string(static_cast<int>(t.scalar_type()));
+    for (int64_t d : t.sizes()) desc += " " + std::to_string(d);
+    desc += "\n";
+  }
+  const std::vector<std::string> all = dtrain::gather_bytes(desc, 0, *par.pp_group);
+  for (size_t s = 1; s < ranks.size(); ++s) {
+    if (dtrain::rank() == ranks[s])
+      for (const auto& [name, t] : mine) dtrain::send(t.contiguous(), 0, *par.pp_group);
+    if (dtrain::rank() != 0) continue;
+    std::istringstream lines(all[s]);
+    for (std::string line; std::getline(lines, line);) {
+      std::istringstream in(line);
+      std::string name;
+      int dtype = 0;
+      in >> name >> dtype;
+      std::vector<int64_t> shape;
+      for (int64_t d; in >> d;) shape.push_back(d);
+      at::Tensor t = at::empty(shape, at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)));
+      dtrain::recv(t, ranks[s], *par.pp_group);
+      mine.emplace_back(name, t);
+    }
+  }
+  return mine;
+}
+
 // checkpoint.export_initial and export_final: the weights before the first step or after the last,
-// whole (gathered over fully_shard and tensor parallelism), in one safetensors file that rank 0
-// writes; the metadata names the step. Collective.
+// whole (gathered over fully_shard, tensor parallelism and pipeline stages), in one safetensors file
+// that rank 0 writes; the metadata names the step. Collective.
 void export_weights(const JobConfig& cfg, const Place& place, Parallel& par, const std::string& key,
                     const std::string& path, int64_t step) {
   if (path.empty()) return;
-  const dtrain::NamedTensors whole = dtrain::full_state_dict(*par.model);
+  const dtrain::NamedTensors whole = whole_weights(par);
   collectively("writing checkpoint." + key, place.main_rank(), [&] {
     dtrain::save_safetensors(whole, path,
                              {{"step", std::to_string(step)}, {"seed", std::to_string(cfg.training.seed)}});

@@ -11,21 +11,23 @@
     checkpoint resumed under tensor parallelism (another dp degree) ends as both whole runs, to
     float rounding;
   * under pipeline parallelism each stage checkpoints its own blocks: a resumed run ends bit for bit
-    as the whole one, and its checkpoint resumes under fully_shard too;
+    as the whole one, and its checkpoint resumes under fully_shard too; its exported weights are the
+    whole model's, as fully_shard's export;
   * degrees whose product is not the world, a sequence length the cp ranks cannot split evenly, an
-    unknown cp method, a pipeline schedule train_llm lacks, exported
-    weights under pipeline parallelism and a dtype other than float32 or float64 are refused
+    unknown cp method, a pipeline schedule train_llm lacks and a dtype other than float32 or float64 are refused
     in one line.
 
 Binaries: $TRAIN_LLM and $DTRAIN_RUN (set by tests/dist/CMakeLists.txt), else build*/bin. The corpus:
 $LLM_CORPUS, else data/shakespeare (scripts/setup.sh installs it).
 """
+import array
 import json
 import os
 import pty
 import re
 import select
 import shutil
+import struct
 import subprocess
 import tempfile
 import unittest
@@ -46,6 +48,23 @@ PEAK_RE = re.compile(r"^(?:\[rank 0\] )?train_llm: model ([0-9.e+]+) FLOPs per t
                      r"([0-9.]+) GFLOP/s per rank$", re.M)
 STEP_RE = re.compile(r"^(?:\[rank 0\] )?step +(\d+)/\d+ .* MFU ([0-9.]+)% ", re.M)
 RUN_TIMEOUT_S = 120
+
+
+def read_safetensors(path):
+    """{name: float32 values} of a safetensors file (8-byte header length, JSON header, data)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        values = array.array("f")
+        values.frombytes(data[8 + n + begin:8 + n + end])
+        out[name] = values
+    return out
 
 
 def train_llm():
@@ -226,7 +245,8 @@ class TrainLlm(DistTestCase):
         pp = ("--parallelism.data_parallel_shard_degree", 1, "--parallelism.pipeline_parallel_degree", 2,
               "--training.local_batch_size", 8, "--parallelism.pipeline_parallel_microbatch_size", 4)
         ckpt = ("--checkpoint.enable", "true", "--checkpoint.interval", 4)
-        _, whole = self.launch("pp_whole", *pp)
+        exported = {name: os.path.join(self.tmp, name + ".safetensors") for name in ("pp", "fully_shard")}
+        _, whole = self.launch("pp_whole", *pp, "--checkpoint.export_final", exported["pp"])
         _, first = self.launch("pp", *pp, *ckpt, "--training.stop_at_step", 4)
         self.assertEqual(first.group(1), "4")
         shutil.copytree(os.path.join(self.tmp, "pp", "checkpoint"), os.path.join(self.tmp, "pp_onto_fsdp", "checkpoint"))
@@ -239,6 +259,14 @@ class TrainLlm(DistTestCase):
         self.assertIn("resumed from", res.out)
         loss = float.fromhex(whole.group(3))
         self.assertAlmostEqual(float.fromhex(onto.group(3)), loss, delta=1e-5 * loss, msg=str(res))
+        # The pipeline's export_final holds the whole model, each stage's blocks sent to rank 0: the same
+        # tensors as fully_shard's export of the same steps, to float rounding.
+        self.launch("fully_shard_whole", "--parallelism.data_parallel_shard_degree", 2,
+                    "--training.local_batch_size", 4, "--checkpoint.export_final", exported["fully_shard"])
+        pp_w, fs_w = (read_safetensors(exported[k]) for k in ("pp", "fully_shard"))
+        self.assertEqual(sorted(pp_w), sorted(fs_w))
+        worst = max(max(abs(x - y) for x, y in zip(pp_w[k], fs_w[k])) for k in pp_w)
+        self.assertLess(worst, 1e-4, "the pipeline's exported weights differ from fully_shard's")
 
     def test_bad_degrees_are_refused_in_one_line(self):
         cases = {("--parallelism.tensor_parallel_degree", 4, "--parallelism.data_parallel_shard_degree", 1):
@@ -252,10 +280,6 @@ class TrainLlm(DistTestCase):
                  ("--parallelism.pipeline_parallel_degree", 2, "--parallelism.pipeline_parallel_schedule",
                   "Interleaved1F1B"): "parallelism.pipeline_parallel_schedule Interleaved1F1B: use GPipe, 1F1B or "
                                       "ZeroBubbleH1",
-                 ("--parallelism.pipeline_parallel_degree", 2, "--checkpoint.export_final",
-                  os.path.join(ROOT, "never.safetensors")):
-                 "export_final with parallelism.pipeline_parallel_degree 2: exporting the weights of pipeline "
-                 "stages is not in train_llm yet",
                  ("--training.dtype", "bfloat16"): "training.dtype bfloat16: use float32 or float64"}
         for args, text in cases.items():
             with self.subTest(args=args):
