@@ -25,6 +25,7 @@
 # skipped that tests/skips_allowed.txt does not allow (scripts/check_skips.py).
 #   ./scripts/sanitize.sh            both
 #   ./scripts/sanitize.sh asan|tsan  one
+#   ./scripts/sanitize.sh build      both trees built, no test run
 #
 # To fit CI's time: build type Sanitize (-O1 -g1, see CMakeLists.txt), a unity build (the
 # library's sources compiled in a few batches, so LibTorch's headers are parsed a few times instead of
@@ -69,19 +70,30 @@ run_ctest() {  # <tree> <ctest arguments>...
 # The multi-process tests run here, as tests/dist/CMakeLists.txt names them: dist_<program>_<ranks>.
 dist_regex() { local IFS='|'; echo "^dist_($*)\$"; }
 
+# What each tree builds: build-asan the unit test executables, as tests/unit/CMakeLists.txt declares
+# them (dtrain_unit_test or a plain add_executable: every one of them registers ctest tests, which
+# fail as NOT_BUILT if left out), and the multi-process programs it runs; build-tsan its programs.
+mapfile -t ASAN_TARGETS < <(sed -n -e 's/^dtrain_unit_test(\([A-Za-z0-9_]*\).*/\1/p' \
+                                 -e 's/^add_executable(\([A-Za-z0-9_]*\).*/\1/p' tests/unit/CMakeLists.txt)
+ASAN_TARGETS+=(collectives_test collectives_random_test shm_dist_test ddp_test comm_hooks_test pipeline_test
+               monitor_dist_test amp_dist_test sampler_dist_test sync_batchnorm_test zero_test join_test
+               fsdp_test fsdp_checkpoint_test fsdp_hsdp_test activation_checkpoint_dist_test
+               tensor_parallel_test tp_checkpoint_test tp_pipeline_test context_parallel_test
+               expert_parallel_test)
+TSAN_TARGETS=(shm_test shm_p2p_test tensorboard_test checkpoint_async_test store_guard_test store_attack_test
+              shm_dist_test ddp_test ddp_overlap_test pipeline_test fsdp_test flight_program ft_train)
+# `./scripts/sanitize.sh build`: both trees built, nothing run (scripts/test.sh builds them in the
+# background while the other trees' tests run).
+if [ "$runs" = build ]; then
+  configure_and_build build-asan ON "${ASAN_TARGETS[@]}"
+  configure_and_build build-tsan thread "${TSAN_TARGETS[@]}"
+  exit 0
+fi
 if [[ " $runs " == *" asan "* ]]; then
   echo "=== build-asan: AddressSanitizer + UBSan"
   start=$SECONDS
   B=build-asan
-  # The unit test executables, as tests/unit/CMakeLists.txt declares them (dtrain_unit_test or a plain
-  # add_executable: every one of them registers ctest tests, which fail as NOT_BUILT if left out).
-  mapfile -t UNIT < <(sed -n -e 's/^dtrain_unit_test(\([A-Za-z0-9_]*\).*/\1/p' \
-                           -e 's/^add_executable(\([A-Za-z0-9_]*\).*/\1/p' tests/unit/CMakeLists.txt)
-  DIST=(collectives_test collectives_random_test shm_dist_test ddp_test comm_hooks_test pipeline_test
-        monitor_dist_test amp_dist_test sampler_dist_test sync_batchnorm_test zero_test join_test fsdp_test
-        fsdp_checkpoint_test fsdp_hsdp_test activation_checkpoint_dist_test tensor_parallel_test
-        tp_checkpoint_test tp_pipeline_test context_parallel_test expert_parallel_test)
-  configure_and_build "$B" ON "${UNIT[@]}" "${DIST[@]}"
+  configure_and_build "$B" ON "${ASAN_TARGETS[@]}"
   prefix=()
   # detect_leaks: LeakSanitizer at exit. halt_on_error: a UBSan report fails the process (exit 87).
   export ASAN_OPTIONS="detect_leaks=1:exitcode=86:suppressions=$S/asan.supp"
@@ -111,9 +123,7 @@ if [[ " $runs " == *" tsan "* ]]; then
   echo "=== build-tsan: ThreadSanitizer"
   start=$SECONDS
   T=build-tsan
-  configure_and_build "$T" thread shm_test shm_p2p_test tensorboard_test checkpoint_async_test store_guard_test \
-                      store_attack_test \
-                      shm_dist_test ddp_test ddp_overlap_test pipeline_test fsdp_test flight_program ft_train
+  configure_and_build "$T" thread "${TSAN_TARGETS[@]}"
   # Reports exit 66 at the end of the process; second_deadlock_stack: both stacks of a lock-order
   # inversion.
   export TSAN_OPTIONS="exitcode=66:second_deadlock_stack=1:suppressions=$S/tsan.supp"

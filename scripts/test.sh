@@ -13,11 +13,13 @@
 #                  catches a missing include, and CI's build/ is a unity build too)
 # and finally the sanitizer trees (scripts/sanitize.sh, LibTorch 1.13): the unit and multi-process tests
 # under AddressSanitizer + UBSan (build-asan), the shared-memory and DDP tests under ThreadSanitizer
-# (build-tsan).
+# (build-tsan). In a full run the trees after the first, and the sanitizer trees, compile in the
+# background at nice 19 while the first tree's tests run (scripts/build_tree.sh, `sanitize.sh build`).
 #   ./scripts/test.sh              everything
 #   ./scripts/test.sh -R dist_     extra arguments go to ctest in both trees; the sanitizer run is skipped
 #   DTRAIN_TREES=build ./scripts/test.sh   only the trees named (build, build-torch2)
 #   DTRAIN_TIME_BUDGET_S=1800 DTRAIN_TIME_BUDGET_STRICT=1 ./scripts/test.sh   fail past a time budget
+#   DTRAIN_BACKGROUND_BUILDS=0 ./scripts/test.sh   each tree built when the run comes to it
 # In each tree the single-process tests (label `unit`) run two at a time, then the others under
 # `ctest -j3`: a test that computes counts 2 of the 3 and a test that mostly waits counts 1
 # (cmake/test_weights.cmake), so a waiting test runs beside a computing one and two computing tests
@@ -43,36 +45,65 @@ run_ctest() {  # <tree> <ctest arguments>...
   ./scripts/check_skips.py "$tree"
   ./scripts/slowest_tests.py "$tree"
 }
+# In a full run the later trees and the sanitizer trees compile in the background while the first
+# tree's tests run, at nice 19: they take the cores the tests leave idle (a rank waiting for its
+# peers, a launcher's deadline, a process loading LibTorch on one core), and a test that computes
+# keeps its cores (beside a nice-0 process the scheduler gives a nice-19 one about 1.5% of a core).
+# Each tree's build log is printed when the run comes to that tree; a failed build fails the run
+# there, and the background build stops when the run ends for any reason.
+bg=''      # the background build's folder: <name>.log and, once built, <name>.rc
+bg_pid=''  # its process group
+start_background_builds() {  # <sanitizers: 0|1> <tree>...
+  bg=$(mktemp -d)
+  setsid nice -n 19 bash -c '
+    bg=$1 sanitizers=$2
+    shift 2
+    finish() { echo "$2" >"$bg/$1.rc.tmp" && mv "$bg/$1.rc.tmp" "$bg/$1.rc"; }
+    for t in "$@"; do
+      if ./scripts/build_tree.sh "$t" >"$bg/$t.log" 2>&1; then finish "$t" 0; else finish "$t" $?; fi
+    done
+    if ((sanitizers)); then
+      if ./scripts/sanitize.sh build >"$bg/sanitizers.log" 2>&1; then finish sanitizers 0; else finish sanitizers $?; fi
+    fi' _ "$bg" "$@" &
+  bg_pid=$!
+  trap 'kill -- "-$bg_pid" 2>/dev/null || true; rm -rf "$bg"' EXIT
+}
+wait_for_background() {  # <name>: its build's log, once done; fails the run if it failed
+  local name=$1
+  while [ ! -e "$bg/$name.rc" ]; do
+    if ! kill -0 "$bg_pid" 2>/dev/null && [ ! -e "$bg/$name.rc" ]; then
+      echo "scripts/test.sh: the background build ended before building $name: its log follows" >&2
+      cat "$bg/$name.log" >&2 || true
+      exit 1
+    fi
+    sleep 2
+  done
+  cat "$bg/$name.log"
+  if [ "$(cat "$bg/$name.rc")" != 0 ]; then
+    echo "scripts/test.sh: building $name failed (exit $(cat "$bg/$name.rc")): its log is above" >&2
+    exit 1
+  fi
+}
+later_trees=''
 for tree in $trees; do
-  args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DDTRAIN_WERROR=ON)  # a warning in dtrain's own code fails the run
+  [ "$tree" = "${trees%% *}" ] || later_trees+=" $tree"
+done
+for tree in $trees; do
   skip=''  # labels left out of this tree, as a ctest -LE regex alternative
-  if ((first == 0)); then
-    args+=(-DDTRAIN_ONCE_TESTS=OFF -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=11 -DDTRAIN_TEST_PER_CASE=OFF)
-    skip='|once'
-  fi
-  # CI compiles without debug information: -g took 1.5-2x the compile time of a file (side by side:
-  # src/ddp/reducer.cpp 19.5 s without, 34 s with; src/comm/collectives.cpp 14.6 s against 25 s) and
-  # 25x its object's size for the linker. The same -O2; a developer's trees keep -g.
-  # Every CI tree compiles in batches (unity, as the next trees always do): in build/ the library's 75
-  # files and the unit programs' 31 took 400 s of CPU one by one, about half of it in batches. A
-  # missing include shows in a developer's build/, which keeps one file per compile.
-  if [ "${CI:-}" = true ]; then
-    args+=("-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -DNDEBUG" "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O2 -DNDEBUG")
-    ((first == 0)) || args+=(-DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=11)
-  fi
-  # The benchmarks build in a developer's build/ only, where a change that breaks one shows at once:
-  # CI compiles what it runs (they cost about 2 minutes of compiling from nothing).
-  if [ "${CI:-}" = true ] || [ "$tree" != build ]; then
-    args+=(-DDTRAIN_BUILD_BENCH=OFF)
-  fi
-  if [ "$tree" = build-torch2 ]; then
-    args+=("-DCMAKE_PREFIX_PATH=$(.venv/bin/python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')")
-  fi
+  ((first)) || skip='|once'
   echo "=== $tree: configure, build, ctest"
   start=$SECONDS
-  cmake -S . -B "$tree" "${args[@]}" >/dev/null
-  cmake --build "$tree" -j"$(nproc)"
-  echo "=== $tree: built in $((SECONDS - start)) s"
+  if [ -n "$bg" ]; then
+    wait_for_background "$tree"
+    echo "=== $tree: built in the background; waited $((SECONDS - start)) s for it"
+  else
+    DTRAIN_FIRST_TREE=$first ./scripts/build_tree.sh "$tree"
+    echo "=== $tree: built in $((SECONDS - start)) s"
+  fi
+  if ((first && $# == 0)) && [ "${DTRAIN_BACKGROUND_BUILDS:-1}" = 1 ]; then
+    # shellcheck disable=SC2086  # later_trees is a list of names without spaces
+    start_background_builds 1 $later_trees
+  fi
   if (($# == 0)); then
     # A full run must contain every test tests/tests_required.txt names for this tree: a test CMake
     # did not register would otherwise be absent from a run that still reports 100%.
@@ -97,6 +128,10 @@ for tree in $trees; do
 done
 if (($# == 0)); then
   start=$SECONDS
+  if [ -n "$bg" ]; then
+    wait_for_background sanitizers
+    echo "=== sanitizer trees: built in the background; waited $((SECONDS - start)) s for them"
+  fi
   ./scripts/sanitize.sh
   echo "=== sanitizer trees: done in $((SECONDS - start)) s"
   phases+=("sanitizers $((SECONDS - start))")
