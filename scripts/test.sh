@@ -55,6 +55,7 @@ bg=''      # the background build's folder: <name>.log and, once built, <name>.r
 bg_pid=''  # its process group
 start_background_builds() {  # <sanitizers: 0|1> <tree>...
   bg=$(mktemp -d)
+  # shellcheck disable=SC2016  # the variables are the inner script's own
   setsid nice -n 19 bash -c '
     bg=$1 sanitizers=$2
     shift 2
