@@ -8,7 +8,9 @@
 //                    CheckpointManager save every --ckpt_every steps into --ckpt_dir, resumed from
 //                    the latest on start; runs until killed; one line per step
 //   --mode ddp       DistributedDataParallel on the world, --steps timed steps after --warmup
-//   --mode diloco    DiLoCo (inner SGD, outer Nesterov SGD) over the world, sync every --sync_every
+//   --mode diloco    DiLoCo (inner SGD, outer Nesterov SGD) over the world, sync every --sync_every,
+//                    its all-reduce started --sync_delay steps early (fragment_sync_delay; mixing
+//                    back --update_alpha of the replica's own parameters)
 //
 //   ft, ckpt:     commit <step> members <replicas in the step> quorum <id> pid <pid> t_ms <wall clock, ms>
 //   ddp, diloco:  rank 0: steps_per_s=R params=P link_tx_per_step=B (bytes --link sent, /sys/class/net)
@@ -56,7 +58,8 @@ TORCH_MODULE(BenchCNN);
 
 struct BenchFtArgs {
   std::string mode = "ft", ckpt_dir, link;
-  int64_t batch = 32, steps = 60, warmup = 20, sync_every = 20, ckpt_every = 50;
+  int64_t batch = 32, steps = 60, warmup = 20, sync_every = 20, ckpt_every = 50, sync_delay = 0;
+  double update_alpha = 0.0;
 };
 
 int64_t bench_now_ms() {
@@ -148,7 +151,9 @@ int bench_timed_loop(const BenchFtArgs& a) {
   if (a.mode == "ddp")
     ddp = std::make_unique<dtrain::DistributedDataParallel<BenchCNNImpl>>(model);
   else
-    diloco = std::make_unique<dtrain::DiLoCo>(model->parameters(), inner, outer, a.sync_every);
+    diloco = std::make_unique<dtrain::DiLoCo>(
+        model->parameters(), inner, outer, a.sync_every, dtrain::Group(),
+        dtrain::DiLoCoOptions().fragment_sync_delay(a.sync_delay).fragment_update_alpha(a.update_alpha));
   double sync_s = 0;  // in DiLoCo's step(): its syncs, the only traffic
   const auto step = [&](int64_t s) {
     inner.zero_grad();
@@ -191,6 +196,11 @@ int main(int argc, char** argv) try {
   app.add_option("--warmup", a.warmup)->check(CLI::NonNegativeNumber);
   app.add_option("--sync_every", a.sync_every)->check(CLI::PositiveNumber);
   app.add_option("--ckpt_every", a.ckpt_every)->check(CLI::PositiveNumber);
+  app.add_option("--sync_delay", a.sync_delay,
+                 "DiLoCo's fragment_sync_delay: the sync's all-reduce in flight "
+                 "over this many inner steps")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--update_alpha", a.update_alpha, "DiLoCo's fragment_update_alpha")->check(CLI::Range(0.0, 1.0));
   app.add_option("--ckpt_dir", a.ckpt_dir);
   app.add_option("--link", a.link, "a network interface whose sent bytes to count");
   CLI11_PARSE(app, argc, argv);

@@ -37,8 +37,22 @@
 // Streaming DiLoCo (fragments): DiLoCo(fragments, inner, outers, sync_every, group) with F fragments
 // (lists of parameters, e.g. layers) and one outer optimizer per fragment syncs ONE fragment every
 // sync_every / F steps, fragment (number of syncs so far) % F, so each fragment meets every
-// sync_every steps and each all-reduce carries only its fragment. (torchft's fragment_sync_delay and
-// fragment_update_alpha are not offered: the all-reduce is blocking, alpha is 0.)
+// sync_every steps and each all-reduce carries only its fragment.
+//
+// Overlapping the sync with training (DiLoCoOptions, torchft's fragment_sync_delay and
+// fragment_update_alpha, Streaming DiLoCo's tau and alpha): with fragment_sync_delay = d, the
+// fragment's pseudo-gradient is taken d inner steps before its sync point and its all-reduce starts
+// then, asynchronously (async_op over the Group), while those d inner steps run; at the sync point
+// step() waits for it and the outer step moves the fragment from its last sync's parameters along
+// the average. The fragment's parameters then become (1 - alpha) x the outer step's result + alpha x
+// what the d inner steps made of them: with alpha = 0 (the default, torchft's) those steps' changes
+// to the fragment are discarded, with alpha = 1 the replica keeps its own while the next round starts
+// from the global ones. d = 0 is the blocking sync above. Over an Average function the sync's
+// average runs at the delayed point too, blocking (the function has no asynchronous form), so the
+// arithmetic is the same and only the overlap is lost.
+//
+//   dtrain::DiLoCo diloco(model->parameters(), inner, outer, 20, replicas,
+//                         dtrain::DiLoCoOptions().fragment_sync_delay(5));
 //
 // A failed sync: if the all-reduce throws (a peer left, the group is broken or timed out), DiLoCo
 // restores the parameters of the synced fragment to the last sync's (the inner steps since are
@@ -76,9 +90,19 @@
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
 
+#include "dtrain/detail/arg.h"
 #include "dtrain/process_group.h"
 
 namespace dtrain {
+
+// Streaming DiLoCo's overlap (torchft's names and defaults): see the comment at the top.
+struct DiLoCoOptions {
+  // Inner steps between taking a fragment's pseudo-gradient (its all-reduce starts then) and its
+  // outer step; 0 <= d < sync_every / number of fragments.
+  DTRAIN_ARG(int64_t, fragment_sync_delay, 0)
+  // The share of the fragment's own parameters kept at the outer step, in [0, 1].
+  DTRAIN_ARG(double, fragment_update_alpha, 0.0)
+};
 
 // Averages `flat` over the replicas in place; returns whether every replica applies the average.
 using LocalSgdAverage = std::function<bool(at::Tensor& flat)>;
@@ -112,22 +136,29 @@ class DiLoCo {
   // One fragment: every parameter syncs every sync_every steps. inner and outer hold `params`;
   // the outer optimizer is kept by reference and must outlive the DiLoCo.
   DiLoCo(std::vector<at::Tensor> params, torch::optim::Optimizer& inner, torch::optim::Optimizer& outer,
-         int64_t sync_every, Group group = Group());
+         int64_t sync_every, Group group = Group(), DiLoCoOptions options = {});
   // Streaming DiLoCo: outers[i] holds fragments[i]; sync_every must be a multiple of the number of
   // fragments.
   DiLoCo(std::vector<std::vector<at::Tensor>> fragments, torch::optim::Optimizer& inner,
-         std::vector<torch::optim::Optimizer*> outers, int64_t sync_every, Group group = Group());
+         std::vector<torch::optim::Optimizer*> outers, int64_t sync_every, Group group = Group(),
+         DiLoCoOptions options = {});
   // Either of the above with the replicas' average given as a function (a fault-tolerant loop's).
   DiLoCo(std::vector<at::Tensor> params, torch::optim::Optimizer& inner, torch::optim::Optimizer& outer,
-         int64_t sync_every, LocalSgdAverage average);
+         int64_t sync_every, LocalSgdAverage average, DiLoCoOptions options = {});
   DiLoCo(std::vector<std::vector<at::Tensor>> fragments, torch::optim::Optimizer& inner,
-         std::vector<torch::optim::Optimizer*> outers, int64_t sync_every, LocalSgdAverage average);
+         std::vector<torch::optim::Optimizer*> outers, int64_t sync_every, LocalSgdAverage average,
+         DiLoCoOptions options = {});
+  // A sync still in flight is waited for (its outcome dropped): the all-reduce must not outlive the
+  // tensor it reduces.
+  ~DiLoCo();
+  DiLoCo(const DiLoCo&) = delete;
+  DiLoCo& operator=(const DiLoCo&) = delete;
 
   // After each inner optimizer step: true when this call synced a fragment (then the parameters of
   // that fragment are the outer optimizer's new ones).
   bool step();
   // The current parameters become every fragment's last sync's (torchft's _save_parameters): after
-  // loading a checkpoint, or a peer's state when healing.
+  // loading a checkpoint, or a peer's state when healing. A sync in flight is waited for and dropped.
   void save_parameters();
 
   int64_t local_step() const { return local_step_; }
@@ -143,13 +174,27 @@ class DiLoCo {
     torch::optim::Optimizer* outer = nullptr;
     int64_t numel = 0;
   };
+  // A fragment's sync between its start (the pseudo-gradient taken, the all-reduce started) and its
+  // outer step.
+  struct Pending {
+    bool active = false;
+    size_t index = 0;
+    at::Tensor flat;     // the pseudo-gradient, averaged in place
+    Work work;           // the Group's asynchronous all-reduce
+    bool agreed = true;  // an Average function's answer
+  };
   void make_fragments(std::vector<std::vector<at::Tensor>> fragments, torch::optim::Optimizer& inner,
-                      std::vector<torch::optim::Optimizer*> outers);
-  bool sync_fragment(size_t index);
+                      std::vector<torch::optim::Optimizer*> outers, DiLoCoOptions options);
+  void start_sync(size_t index);
+  bool finish_sync();
+  void drop_pending() noexcept;
+  [[noreturn]] void sync_failed(size_t index, int64_t numel, const std::exception& e);
   void restore(const Fragment& f);
 
   std::vector<Fragment> fragments_;
   int64_t sync_every_;  // per fragment: the user's sync_every / F
+  DiLoCoOptions options_;
+  Pending pending_;
   Group group_;
   LocalSgdAverage average_;  // empty: all_reduce over group_
   int64_t local_step_ = 0;

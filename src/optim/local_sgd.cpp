@@ -130,31 +130,34 @@ bool LocalSGD::sync() {
 // --- DiLoCo ------------------------------------------------------------------------------------------
 
 DiLoCo::DiLoCo(std::vector<at::Tensor> params, torch::optim::Optimizer& inner, torch::optim::Optimizer& outer,
-               int64_t sync_every, Group group)
+               int64_t sync_every, Group group, DiLoCoOptions options)
     : DiLoCo(std::vector<std::vector<at::Tensor>>{std::move(params)}, inner,
-             std::vector<torch::optim::Optimizer*>{&outer}, sync_every, std::move(group)) {}
+             std::vector<torch::optim::Optimizer*>{&outer}, sync_every, std::move(group), options) {}
 
 DiLoCo::DiLoCo(std::vector<at::Tensor> params, torch::optim::Optimizer& inner, torch::optim::Optimizer& outer,
-               int64_t sync_every, LocalSgdAverage average)
+               int64_t sync_every, LocalSgdAverage average, DiLoCoOptions options)
     : DiLoCo(std::vector<std::vector<at::Tensor>>{std::move(params)}, inner,
-             std::vector<torch::optim::Optimizer*>{&outer}, sync_every, std::move(average)) {}
+             std::vector<torch::optim::Optimizer*>{&outer}, sync_every, std::move(average), options) {}
 
 DiLoCo::DiLoCo(std::vector<std::vector<at::Tensor>> fragments, torch::optim::Optimizer& inner,
-               std::vector<torch::optim::Optimizer*> outers, int64_t sync_every, Group group)
+               std::vector<torch::optim::Optimizer*> outers, int64_t sync_every, Group group, DiLoCoOptions options)
     : sync_every_(sync_every), group_(std::move(group)) {
   local_sgd_check_group(group_, sync_every, "DiLoCo");
-  make_fragments(std::move(fragments), inner, std::move(outers));
+  make_fragments(std::move(fragments), inner, std::move(outers), options);
 }
 
 DiLoCo::DiLoCo(std::vector<std::vector<at::Tensor>> fragments, torch::optim::Optimizer& inner,
-               std::vector<torch::optim::Optimizer*> outers, int64_t sync_every, LocalSgdAverage average)
+               std::vector<torch::optim::Optimizer*> outers, int64_t sync_every, LocalSgdAverage average,
+               DiLoCoOptions options)
     : sync_every_(sync_every), average_(std::move(average)) {
   local_sgd_check_average(average_, sync_every, "DiLoCo");
-  make_fragments(std::move(fragments), inner, std::move(outers));
+  make_fragments(std::move(fragments), inner, std::move(outers), options);
 }
 
+DiLoCo::~DiLoCo() { drop_pending(); }
+
 void DiLoCo::make_fragments(std::vector<std::vector<at::Tensor>> fragments, torch::optim::Optimizer& inner,
-                            std::vector<torch::optim::Optimizer*> outers) {
+                            std::vector<torch::optim::Optimizer*> outers, DiLoCoOptions options) {
   const int64_t sync_every = sync_every_;
   const auto F = static_cast<int64_t>(fragments.size());
   DTRAIN_CHECK(F >= 1, "DiLoCo: no fragments: pass the model's parameters()");
@@ -164,6 +167,14 @@ void DiLoCo::make_fragments(std::vector<std::vector<at::Tensor>> fragments, torc
                " fragments: it must be a multiple of the number of fragments (one fragment syncs every sync_every / ",
                F, " steps)");
   sync_every_ = sync_every / F;
+  const int64_t delay = options.fragment_sync_delay();
+  DTRAIN_CHECK(delay >= 0 && delay < sync_every_, "DiLoCo: fragment_sync_delay is ", delay, " with sync_every ",
+               sync_every, " and ", F, " fragment(s): it must be in [0, ", sync_every_,
+               ") (a fragment's sync must finish before its next one starts)");
+  const double alpha = options.fragment_update_alpha();
+  DTRAIN_CHECK(alpha >= 0.0 && alpha <= 1.0, "DiLoCo: fragment_update_alpha is ", alpha,
+               ": it must be in [0, 1] (the share of the replica's own parameters kept)");
+  options_ = options;
   std::unordered_set<const void*> seen;
   torch::NoGradGuard no_grad;
   for (int64_t i = 0; i < F; ++i) {
@@ -193,17 +204,20 @@ const std::vector<at::Tensor>& DiLoCo::original_parameters(size_t fragment) cons
 }
 
 bool DiLoCo::step() {
-  if (++local_step_ < sync_every_) return false;
+  ++local_step_;
+  const bool start = local_step_ == sync_every_ - options_.fragment_sync_delay();
+  const bool finish = local_step_ >= sync_every_;
+  if (finish) local_step_ = 0;
   // The same fragment on every replica: the count of successful syncs is the same everywhere, and a
   // failed sync is retried on the same fragment, as torchft keys it on the manager's step.
-  const size_t index = static_cast<size_t>(sync_count_ % static_cast<int64_t>(fragments_.size()));
-  local_step_ = 0;
-  if (!sync_fragment(index)) return false;
+  if (start) start_sync(static_cast<size_t>(sync_count_ % static_cast<int64_t>(fragments_.size())));
+  if (!finish || !finish_sync()) return false;
   ++sync_count_;
   return true;
 }
 
 void DiLoCo::save_parameters() {
+  drop_pending();
   torch::NoGradGuard no_grad;
   for (Fragment& f : fragments_)
     for (size_t i = 0; i < f.params.size(); ++i) f.original[i].copy_(f.params[i].detach());
@@ -214,29 +228,78 @@ void DiLoCo::restore(const Fragment& f) {
   for (size_t i = 0; i < f.params.size(); ++i) f.params[i].copy_(f.original[i]);
 }
 
-bool DiLoCo::sync_fragment(size_t index) {
+void DiLoCo::drop_pending() noexcept {
+  if (!pending_.active) return;
+  Pending dropped = std::move(pending_);
+  pending_ = Pending();
+  if (average_) return;  // an Average function's sync has already run
+  try {
+    dropped.work.wait();
+  } catch (...) {  // the sync is dropped, and with it its outcome
+  }
+}
+
+// 1. The pseudo-gradient, original - current, of the whole fragment in one flat tensor; 2. its
+// average over the replicas starts (over a Group asynchronously; an Average function runs now, and
+// may heal this replica through save_parameters(): nothing is pending until it returns).
+void DiLoCo::start_sync(size_t index) {
   Fragment& f = fragments_[index];
   torch::NoGradGuard no_grad;
-  // 1. The pseudo-gradient, original - current, of the whole fragment in one flat tensor.
   std::vector<at::Tensor> deltas;
   deltas.reserve(f.params.size());
   for (size_t i = 0; i < f.params.size(); ++i) deltas.push_back(f.original[i] - f.params[i].detach());
   at::Tensor flat = local_sgd_flat(deltas);
   deltas.clear();
-  // 2. Averaged over the replicas. On failure the inner steps since the last sync are discarded.
+  Pending p;
+  p.index = index;
   try {
-    if (!local_sgd_average(flat, group_, average_)) {  // refused on every replica: as a failure, silently
-      restore(f);
-      return false;
+    if (average_)
+      p.agreed = average_(flat);
+    else
+      p.work = all_reduce(flat, ReduceOp::SUM, group_, /*async_op=*/true);
+  } catch (const std::exception& e) {
+    sync_failed(index, flat.numel(), e);
+  }
+  p.flat = std::move(flat);
+  p.active = true;
+  pending_ = std::move(p);
+}
+
+// On failure the inner steps since the last sync are discarded: the fragment goes back to it, and
+// the round starts again from there.
+void DiLoCo::sync_failed(size_t index, int64_t numel, const std::exception& e) {
+  pending_ = Pending();
+  local_step_ = 0;
+  restore(fragments_[index]);
+  local_sgd_rethrow(
+      detail::cat("DiLoCo sync (fragment ", index, ", ", local_sgd_op(numel, group_, static_cast<bool>(average_)), ")"),
+      "the parameters are back to the last sync's", e);
+}
+
+bool DiLoCo::finish_sync() {
+  if (!pending_.active) return false;  // dropped by save_parameters() while in flight
+  torch::NoGradGuard no_grad;
+  try {
+    if (!average_) {
+      pending_.work.wait();
+      pending_.flat.div_(group_.size());
     }
   } catch (const std::exception& e) {
-    restore(f);
-    local_sgd_rethrow(detail::cat("DiLoCo sync (fragment ", index, ", ",
-                                  local_sgd_op(flat.numel(), group_, static_cast<bool>(average_)), ")"),
-                      "the parameters are back to the last sync's", e);
+    sync_failed(pending_.index, pending_.flat.numel(), e);
   }
-  // 3. Back to the last sync's parameters, which the outer optimizer moves along the average.
+  Fragment& f = fragments_[pending_.index];
+  at::Tensor flat = pending_.flat;
+  const bool agreed = pending_.agreed;
+  pending_ = Pending();
+  // The fragment as the delayed inner steps left it, for the mix below (torchft's local parameters).
+  const double alpha = options_.fragment_update_alpha();
+  std::vector<at::Tensor> local;
+  if (alpha > 0.0)
+    for (const auto& p : f.params) local.push_back(p.detach().clone());
+  // 3. Back to the last sync's parameters, which the outer optimizer moves along the average; a sync
+  // refused on every replica stops here, as a failure, silently.
   restore(f);
+  if (!agreed) return false;
   // 4. The averaged pseudo-gradient as the gradient of the outer step, then no gradient at all
   // (torchft's outer zero_grad(), set_to_none).
   int64_t offset = 0;
@@ -246,8 +309,11 @@ bool DiLoCo::sync_fragment(size_t index) {
   }
   f.outer->step();
   for (auto& p : f.params) p.mutable_grad() = at::Tensor();
-  // 5. The new global parameters are the next round's original.
-  for (size_t i = 0; i < f.params.size(); ++i) f.original[i].copy_(f.params[i].detach());
+  // 5. The new global parameters are the next round's original; the replica's own share mixed in.
+  for (size_t i = 0; i < f.params.size(); ++i) {
+    f.original[i].copy_(f.params[i].detach());
+    if (alpha > 0.0) f.params[i].detach().lerp_(local[i], alpha);
+  }
   return true;
 }
 

@@ -4,7 +4,10 @@
 //   localsgd:   SGD (lr 0.05, momentum 0.9), LocalSGD sync_every 5;
 //   diloco:     inner AdamW (lr 1e-2), outer SGD (lr 0.7, momentum 0.9, Nesterov), sync_every 5;
 //   diloco_sgd: the same with inner SGD (lr 0.05, momentum 0.9);
-//   streaming:  DiLoCo with 2 fragments (one per Linear), an outer SGD each, sync_every 4.
+//   streaming:  DiLoCo with 2 fragments (one per Linear), an outer SGD each, sync_every 4;
+//   streaming_delay: the same with sync_every 8 and fragment_sync_delay 3 (the all-reduce in flight
+//               over 3 inner steps);
+//   diloco_delay_alpha: inner SGD, sync_every 5, fragment_sync_delay 2, fragment_update_alpha 0.25.
 //   local_sgd_reference OUT.json   (run on every rank, env:// from the launcher)
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -84,12 +87,26 @@ std::string diloco(bool adamw) {
   return dump(model);
 }
 
-std::string streaming() {
+std::string streaming(int64_t sync_every, dtrain::DiLoCoOptions options) {
   auto model = make_model();
   torch::optim::AdamW inner(model->parameters(), torch::optim::AdamWOptions(1e-2));
   std::vector<std::vector<at::Tensor>> fragments = {model[0]->parameters(), model[2]->parameters()};
   torch::optim::SGD outer0(fragments[0], outer_options()), outer1(fragments[1], outer_options());
-  dtrain::DiLoCo diloco(fragments, inner, {&outer0, &outer1}, /*sync_every=*/4);
+  dtrain::DiLoCo diloco(fragments, inner, {&outer0, &outer1}, sync_every, dtrain::Group(), options);
+  for (int s = 0; s < kSteps; ++s) {
+    inner_step(model, inner, s);
+    diloco.step();
+  }
+  return dump(model);
+}
+
+// Inner SGD, the sync started 2 steps before its point, a quarter of the replica's own kept.
+std::string diloco_delay_alpha() {
+  auto model = make_model();
+  torch::optim::SGD inner(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD outer(model->parameters(), outer_options());
+  dtrain::DiLoCo diloco(model->parameters(), inner, outer, /*sync_every=*/5, dtrain::Group(),
+                        dtrain::DiLoCoOptions().fragment_sync_delay(2).fragment_update_alpha(0.25));
   for (int s = 0; s < kSteps; ++s) {
     inner_step(model, inner, s);
     diloco.step();
@@ -101,7 +118,9 @@ std::string streaming() {
 
 int main(int argc, char** argv) {
   return reference_main(argc, argv, "local_sgd_reference", [] {
-    const std::string a = local_sgd(), b = diloco(true), c = diloco(false), d = streaming();
-    return "{\"localsgd\": " + a + ", \"diloco\": " + b + ", \"diloco_sgd\": " + c + ", \"streaming\": " + d + "}";
+    const std::string a = local_sgd(), b = diloco(true), c = diloco(false), d = streaming(4, {}),
+                      e = streaming(8, dtrain::DiLoCoOptions().fragment_sync_delay(3)), f = diloco_delay_alpha();
+    return "{\"localsgd\": " + a + ", \"diloco\": " + b + ", \"diloco_sgd\": " + c + ", \"streaming\": " + d +
+           ", \"streaming_delay\": " + e + ", \"diloco_delay_alpha\": " + f + "}";
   });
 }

@@ -4,7 +4,9 @@ world size, as the Manager averages) on the model and data of local_sgd_referenc
 same JSON: every parameter after 200 steps of
   localsgd:  SGD (lr 0.05, momentum 0.9), parameters averaged every 5 steps;
   diloco:    inner AdamW (lr 1e-2), outer SGD (lr 0.7, momentum 0.9, Nesterov), sync every 5 steps;
-  streaming: the same with 2 fragments (one per Linear), one outer SGD each, sync_every 4.
+  streaming: the same with 2 fragments (one per Linear), one outer SGD each, sync_every 4;
+  streaming_delay: 2 fragments, sync_every 8, fragment_sync_delay 3 (the all-reduce 3 steps early);
+  diloco_delay_alpha: inner SGD, sync_every 5, fragment_sync_delay 2, fragment_update_alpha 0.25.
   python local_sgd_reference.py OUT.json   (every rank; env:// as torchrun sets it)
 """
 import sys
@@ -64,7 +66,7 @@ def local_sgd():
     return model
 
 
-def diloco(fragments_of, sync_every, inner_kind):
+def diloco(fragments_of, sync_every, inner_kind, delay=0, alpha=0.0):
     model = make_model()
     fragments = fragments_of(model)
     if inner_kind == "adamw":
@@ -74,26 +76,31 @@ def diloco(fragments_of, sync_every, inner_kind):
     outers = [torch.optim.SGD(f, lr=0.7, momentum=0.9, nesterov=True, foreach=False) for f in fragments]
     original = [[p.detach().clone() for p in f] for f in fragments]  # DiLoCo.__init__: _save_parameters
     per = sync_every // len(fragments)
-    local, manager_step = 0, 0
+    local, manager_step, grads = 0, 0, None
     for s in range(STEPS):
         inner_step(model, inner, s)
+        # _step_post_hook: prepare_sync fragment_sync_delay steps before the sync point
         local += 1
-        if local == per:
-            i = manager_step % len(fragments)
+        i = manager_step % len(fragments)
+        if local == per - delay:
             # prepare_sync: _save_grads, then the all-reduce of the pseudo-gradients
             grads = [o - p.detach() for o, p in zip(original[i], fragments[i])]
             for g in grads:
                 average(g)
-            # perform_sync: restore_parameters, _set_grads, outer step, save_parameters, zero_grad
+        if local == per:
+            # perform_sync: _save_local_parameters, restore_parameters, _set_grads, outer step,
+            # save_parameters, _merge_parameters (lerp toward the local ones by alpha), zero_grad
             with torch.no_grad():
+                own = [p.detach().clone() for p in fragments[i]]
                 for p, o in zip(fragments[i], original[i]):
                     p.data.copy_(o)
             for p, g in zip(fragments[i], grads):
                 p.grad = g
             outers[i].step()
             with torch.no_grad():
-                for p, o in zip(fragments[i], original[i]):
+                for p, o, mine in zip(fragments[i], original[i], own):
                     o.copy_(p.data)
+                    p.data.lerp_(mine, alpha)
             outers[i].zero_grad()
             manager_step += 1
             local = 0
@@ -111,6 +118,9 @@ def main():
         "diloco": dump(diloco(lambda m: [list(m.parameters())], 5, "adamw")),
         "diloco_sgd": dump(diloco(lambda m: [list(m.parameters())], 5, "sgd")),
         "streaming": dump(diloco(lambda m: [list(m[0].parameters()), list(m[2].parameters())], 4, "adamw")),
+        "streaming_delay": dump(diloco(lambda m: [list(m[0].parameters()), list(m[2].parameters())], 8, "adamw",
+                                       delay=3)),
+        "diloco_delay_alpha": dump(diloco(lambda m: [list(m.parameters())], 5, "sgd", delay=2, alpha=0.25)),
     }
     write_and_close(out, sys.argv[1])
 

@@ -264,6 +264,56 @@ TEST(DiLoCo, AFailedSyncRestoresTheLastSyncsParametersAndThrowsOneLine) {
   std::cout << "rank " << rank() << " saw: " << e << "\n";
 }
 
+// torchft's fragment_sync_delay: the all-reduce leaves 2 steps before the sync point and is waited
+// for at it; with fragment_update_alpha 0 the 2 inner steps it overlapped are the replica's own only
+// until then: the fragment becomes the outer step's result, the same on every replica.
+TEST(DiLoCo, WithFragmentSyncDelayTheAllReduceStartsThatManyStepsEarly) {
+  auto m = lsgd_model();
+  Group replicas = new_group({0, 1});
+  torch::optim::SGD inner(m->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD outer(m->parameters(), lsgd_outer());
+  DiLoCo diloco(m->parameters(), inner, outer, 5, replicas, DiLoCoOptions().fragment_sync_delay(2));
+  const int64_t P = lsgd_numel(m->parameters());
+  FlightLog log;
+  for (int s = 1; s <= 10; ++s) {
+    lsgd_inner_step(m, inner, s);
+    EXPECT_EQ(diloco.step(), s % 5 == 0) << "step " << s;
+    if (s % 5 == 3) {
+      expect_one_all_reduce(log, replicas, P, "step " + std::to_string(s));
+    } else {
+      EXPECT_TRUE(log.take().empty()) << "step " << s << ": nothing but the one all-reduce, 2 steps early";
+    }
+    if (s % 5 == 0) {
+      EXPECT_TRUE(lsgd_equal(diloco.original_parameters(), lsgd_copy(m->parameters()))) << "step " << s;
+      EXPECT_EQ(lsgd_spread(m->parameters()), 0.0) << "step " << s << ": the overlapped steps are discarded";
+      log.take();
+    }
+  }
+  EXPECT_EQ(diloco.sync_count(), 2);
+}
+
+// A sync that fails while in flight fails at its point (or at its start, on the rank that finds the
+// group already broken): the fragment goes back to the last sync's parameters either way.
+TEST(DiLoCo, ADelayedSyncThatFailsRestoresTheLastSyncsParameters) {
+  auto m = lsgd_model();
+  Group g = lsgd_breakable_group();
+  torch::optim::SGD inner(m->parameters(), torch::optim::SGDOptions(0.05));
+  torch::optim::SGD outer(m->parameters(), lsgd_outer());
+  DiLoCo diloco(m->parameters(), inner, outer, 2, g, DiLoCoOptions().fragment_sync_delay(1));
+  const auto initial = lsgd_copy(m->parameters());
+  const std::string e = lsgd_fail_late([&] {
+    for (int s = 1; s <= 2; ++s) {
+      lsgd_inner_step(m, inner, s);
+      diloco.step();
+    }
+  });
+  expect_sync_failure_line(e, "DiLoCo sync (fragment 0, ", "the parameters are back to the last sync's", g,
+                           lsgd_numel(m->parameters()));
+  EXPECT_TRUE(lsgd_equal(initial, lsgd_copy(m->parameters())));
+  EXPECT_EQ(diloco.sync_count(), 0);
+  EXPECT_EQ(diloco.local_step(), 0) << "the round starts again";
+}
+
 TEST(LocalSgd, AFailedSyncLeavesTheParametersAsTheyWereAndThrowsOneLine) {
   auto m = lsgd_model();
   Group g = lsgd_breakable_group();
@@ -311,6 +361,15 @@ TEST(DiLoCo, BadInputIsRefusedInOneLine) {
         DiLoCo(fragments, inner, {&o1, &o0}, 4);
       },
       one_line("DiLoCo: parameter 0 of fragment 0 is not in the outer optimizer 0's param_groups"));
+  EXPECT_THAT(
+      [&] {
+        DiLoCo(fragments, inner, {&o0, &o1}, 4, Group(), DiLoCoOptions().fragment_sync_delay(2));
+      },
+      one_line("DiLoCo: fragment_sync_delay is 2 with sync_every 4 and 2 fragment(s): it must be in [0, 2) (a "
+               "fragment's sync must finish before its next one starts)"));
+  EXPECT_THAT([&] { DiLoCo(m->parameters(), inner, outer, 5, Group(), DiLoCoOptions().fragment_update_alpha(1.5)); },
+              one_line("DiLoCo: fragment_update_alpha is 1.5: it must be in [0, 1] (the share of the replica's own "
+                       "parameters kept)"));
   EXPECT_THAT(
       [&] {
         LocalSGD({m[0]->parameters()[0], m[0]->parameters()[1].to(at::kFloat)}, 5);

@@ -2,7 +2,8 @@
 PyTorch 2.x, CPU, Gloo) on 2 replicas, each on its own data: the same model, data and optimizers
 (local_sgd_reference.cpp and local_sgd_reference.py) give every parameter within 1e-10 (float64)
 after 200 steps of LocalSGD (sync_every 5), DiLoCo (sync_every 5, inner AdamW or SGD, outer Nesterov
-SGD) and streaming DiLoCo (2 fragments, sync_every 4); after the last sync of LocalSGD and DiLoCo
+SGD), streaming DiLoCo (2 fragments, sync_every 4) and its overlapped form (torchft's
+fragment_sync_delay, with and without fragment_update_alpha); after the last sync of LocalSGD and DiLoCo
 (step 200) both replicas hold the same parameters.
 
 Env: $LOCAL_SGD_REFERENCE (the C++ program), $VENV_PYTHON (set by tests/dist/CMakeLists.txt).
@@ -12,7 +13,7 @@ import unittest
 from harness import DistTestCase
 
 WORLD = 2
-KINDS = ("localsgd", "diloco", "diloco_sgd", "streaming")
+KINDS = ("localsgd", "diloco", "diloco_sgd", "streaming", "streaming_delay", "diloco_delay_alpha")
 
 
 def worst_difference(mine, ref):
