@@ -49,7 +49,9 @@
 // to the fragment are discarded, with alpha = 1 the replica keeps its own while the next round starts
 // from the global ones. d = 0 is the blocking sync above. Over an Average function the sync's
 // average runs at the delayed point too, blocking (the function has no asynchronous form), so the
-// arithmetic is the same and only the overlap is lost.
+// arithmetic is the same and only the overlap is lost. reduce_dtype (e.g. at::kBFloat16, Streaming
+// DiLoCo's low-precision sync; torchft quantizes on GPUs only) sends the pseudo-gradient in that
+// dtype: half the bytes of a float32 model per sync.
 //
 //   dtrain::DiLoCo diloco(model->parameters(), inner, outer, 20, replicas,
 //                         dtrain::DiLoCoOptions().fragment_sync_delay(5));
@@ -85,6 +87,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -102,6 +105,10 @@ struct DiLoCoOptions {
   DTRAIN_ARG(int64_t, fragment_sync_delay, 0)
   // The share of the fragment's own parameters kept at the outer step, in [0, 1].
   DTRAIN_ARG(double, fragment_update_alpha, 0.0)
+  // The dtype the pseudo-gradient crosses the replicas in (fully_shard's name): at::kBFloat16 halves
+  // a float32 model's sync traffic; it is summed in it, then divided in the parameters' dtype.
+  // nullopt: the parameters' dtype.
+  DTRAIN_ARG(std::optional<at::ScalarType>, reduce_dtype, std::nullopt)
 };
 
 // Averages `flat` over the replicas in place; returns whether every replica applies the average.

@@ -174,6 +174,9 @@ void DiLoCo::make_fragments(std::vector<std::vector<at::Tensor>> fragments, torc
   const double alpha = options.fragment_update_alpha();
   DTRAIN_CHECK(alpha >= 0.0 && alpha <= 1.0, "DiLoCo: fragment_update_alpha is ", alpha,
                ": it must be in [0, 1] (the share of the replica's own parameters kept)");
+  const auto reduce_dtype = options.reduce_dtype();
+  DTRAIN_CHECK(!reduce_dtype || at::isFloatingType(*reduce_dtype), "DiLoCo: reduce_dtype is ", *reduce_dtype,
+               ": pass a floating-point dtype (at::kBFloat16, at::kHalf, at::kFloat) or none");
   options_ = options;
   std::unordered_set<const void*> seen;
   torch::NoGradGuard no_grad;
@@ -250,6 +253,7 @@ void DiLoCo::start_sync(size_t index) {
   for (size_t i = 0; i < f.params.size(); ++i) deltas.push_back(f.original[i] - f.params[i].detach());
   at::Tensor flat = local_sgd_flat(deltas);
   deltas.clear();
+  if (options_.reduce_dtype()) flat = flat.to(*options_.reduce_dtype());
   Pending p;
   p.index = index;
   try {
@@ -280,15 +284,14 @@ bool DiLoCo::finish_sync() {
   if (!pending_.active) return false;  // dropped by save_parameters() while in flight
   torch::NoGradGuard no_grad;
   try {
-    if (!average_) {
-      pending_.work.wait();
-      pending_.flat.div_(group_.size());
-    }
+    if (!average_) pending_.work.wait();
   } catch (const std::exception& e) {
     sync_failed(pending_.index, pending_.flat.numel(), e);
   }
   Fragment& f = fragments_[pending_.index];
-  at::Tensor flat = pending_.flat;
+  // Back in the parameters' dtype (a reduce_dtype's sum), then the mean over the group.
+  at::Tensor flat = pending_.flat.to(f.params[0].scalar_type());
+  if (!average_) flat.div_(group_.size());
   const bool agreed = pending_.agreed;
   pending_ = Pending();
   // The fragment as the delayed inner steps left it, for the mix below (torchft's local parameters).

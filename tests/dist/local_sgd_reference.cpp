@@ -7,7 +7,8 @@
 //   streaming:  DiLoCo with 2 fragments (one per Linear), an outer SGD each, sync_every 4;
 //   streaming_delay: the same with sync_every 8 and fragment_sync_delay 3 (the all-reduce in flight
 //               over 3 inner steps);
-//   diloco_delay_alpha: inner SGD, sync_every 5, fragment_sync_delay 2, fragment_update_alpha 0.25.
+//   diloco_delay_alpha: inner SGD, sync_every 5, fragment_sync_delay 2, fragment_update_alpha 0.25;
+//   diloco_bf16: diloco with the pseudo-gradient summed in bfloat16 (reduce_dtype).
 //   local_sgd_reference OUT.json   (run on every rank, env:// from the launcher)
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -71,7 +72,7 @@ std::string local_sgd() {
 
 torch::optim::SGDOptions outer_options() { return torch::optim::SGDOptions(0.7).momentum(0.9).nesterov(true); }
 
-std::string diloco(bool adamw) {
+std::string diloco(bool adamw, dtrain::DiLoCoOptions options = {}) {
   auto model = make_model();
   std::unique_ptr<torch::optim::Optimizer> inner;
   if (adamw)
@@ -79,7 +80,7 @@ std::string diloco(bool adamw) {
   else
     inner = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   torch::optim::SGD outer(model->parameters(), outer_options());
-  dtrain::DiLoCo diloco(model->parameters(), *inner, outer, /*sync_every=*/5);
+  dtrain::DiLoCo diloco(model->parameters(), *inner, outer, /*sync_every=*/5, dtrain::Group(), options);
   for (int s = 0; s < kSteps; ++s) {
     inner_step(model, *inner, s);
     diloco.step();
@@ -119,8 +120,9 @@ std::string diloco_delay_alpha() {
 int main(int argc, char** argv) {
   return reference_main(argc, argv, "local_sgd_reference", [] {
     const std::string a = local_sgd(), b = diloco(true), c = diloco(false), d = streaming(4, {}),
-                      e = streaming(8, dtrain::DiLoCoOptions().fragment_sync_delay(3)), f = diloco_delay_alpha();
+                      e = streaming(8, dtrain::DiLoCoOptions().fragment_sync_delay(3)), f = diloco_delay_alpha(),
+                      g = diloco(true, dtrain::DiLoCoOptions().reduce_dtype(at::kBFloat16));
     return "{\"localsgd\": " + a + ", \"diloco\": " + b + ", \"diloco_sgd\": " + c + ", \"streaming\": " + d +
-           ", \"streaming_delay\": " + e + ", \"diloco_delay_alpha\": " + f + "}";
+           ", \"streaming_delay\": " + e + ", \"diloco_delay_alpha\": " + f + ", \"diloco_bf16\": " + g + "}";
   });
 }

@@ -6,7 +6,8 @@ same JSON: every parameter after 200 steps of
   diloco:    inner AdamW (lr 1e-2), outer SGD (lr 0.7, momentum 0.9, Nesterov), sync every 5 steps;
   streaming: the same with 2 fragments (one per Linear), one outer SGD each, sync_every 4;
   streaming_delay: 2 fragments, sync_every 8, fragment_sync_delay 3 (the all-reduce 3 steps early);
-  diloco_delay_alpha: inner SGD, sync_every 5, fragment_sync_delay 2, fragment_update_alpha 0.25.
+  diloco_delay_alpha: inner SGD, sync_every 5, fragment_sync_delay 2, fragment_update_alpha 0.25;
+  diloco_bf16: diloco with the pseudo-gradient summed in bfloat16 (reduce_dtype).
   python local_sgd_reference.py OUT.json   (every rank; env:// as torchrun sets it)
 """
 import sys
@@ -66,7 +67,7 @@ def local_sgd():
     return model
 
 
-def diloco(fragments_of, sync_every, inner_kind, delay=0, alpha=0.0):
+def diloco(fragments_of, sync_every, inner_kind, delay=0, alpha=0.0, reduce_dtype=None):
     model = make_model()
     fragments = fragments_of(model)
     if inner_kind == "adamw":
@@ -85,8 +86,14 @@ def diloco(fragments_of, sync_every, inner_kind, delay=0, alpha=0.0):
         if local == per - delay:
             # prepare_sync: _save_grads, then the all-reduce of the pseudo-gradients
             grads = [o - p.detach() for o, p in zip(original[i], fragments[i])]
-            for g in grads:
-                average(g)
+            if reduce_dtype is None:
+                for g in grads:
+                    average(g)
+            else:  # summed in reduce_dtype, divided in the parameters' dtype
+                sent = [g.to(reduce_dtype) for g in grads]
+                for g in sent:
+                    dist.all_reduce(g)
+                grads = [g.to(torch.float64) / dist.get_world_size() for g in sent]
         if local == per:
             # perform_sync: _save_local_parameters, restore_parameters, _set_grads, outer step,
             # save_parameters, _merge_parameters (lerp toward the local ones by alpha), zero_grad
@@ -121,6 +128,7 @@ def main():
         "streaming_delay": dump(diloco(lambda m: [list(m[0].parameters()), list(m[2].parameters())], 8, "adamw",
                                        delay=3)),
         "diloco_delay_alpha": dump(diloco(lambda m: [list(m.parameters())], 5, "sgd", delay=2, alpha=0.25)),
+        "diloco_bf16": dump(diloco(lambda m: [list(m.parameters())], 5, "adamw", reduce_dtype=torch.bfloat16)),
     }
     write_and_close(out, sys.argv[1])
 

@@ -9,6 +9,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
+#include <torch/version.h>
 
 #include <chrono>
 #include <functional>
@@ -206,12 +207,22 @@ TEST(LocalSgd, AndDiLoCoSendFourPOverHBytesPerRankPerStepInFloat32) {
     inner(adamw);
     diloco.step();
   });
+  // The pseudo-gradient in 16 bits: half the bytes (bfloat16; float16 where Gloo has no bfloat16 sum:
+  // LibTorch 1.13's, without shared memory).
+  const at::ScalarType half = TORCH_VERSION_MAJOR >= 2 || replicas.uses_shared_memory() ? at::kBFloat16 : at::kHalf;
+  DiLoCo diloco_bf16(m->parameters(), adamw, outer, H, replicas, DiLoCoOptions().reduce_dtype(half));
+  const double bf16 = run([&] {
+    inner(adamw);
+    diloco_bf16.step();
+  });
   EXPECT_NEAR(lsgd, expected, 0.01 * expected) << "LocalSGD, P = " << P << ", H = " << H;
   EXPECT_NEAR(dil, expected, 0.01 * expected) << "DiLoCo, P = " << P << ", H = " << H;
+  EXPECT_NEAR(bf16, expected / 2, 0.01 * expected) << "DiLoCo in " << half << ", P = " << P << ", H = " << H;
+  for (const auto& p : m->parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat) << "back in the parameters' dtype";
   EXPECT_EQ(diloco.sync_count(), steps / H);
   if (rank() == 0)
     std::cout << "float32, P = " << P << ", H = " << H << ": bytes sent per rank per step LocalSGD " << lsgd
-              << ", DiLoCo " << dil << ", 4 P / H = " << expected << "\n";
+              << ", DiLoCo " << dil << " (in " << half << " " << bf16 << "), 4 P / H = " << expected << "\n";
 }
 
 // Rank 0's group times out after 2 s, rank 1's after 60 s; rank 1 comes to the sync only after rank 0
@@ -367,6 +378,9 @@ TEST(DiLoCo, BadInputIsRefusedInOneLine) {
       },
       one_line("DiLoCo: fragment_sync_delay is 2 with sync_every 4 and 2 fragment(s): it must be in [0, 2) (a "
                "fragment's sync must finish before its next one starts)"));
+  EXPECT_THAT([&] { DiLoCo(m->parameters(), inner, outer, 5, Group(), DiLoCoOptions().reduce_dtype(at::kInt)); },
+              one_line("DiLoCo: reduce_dtype is Int: pass a floating-point dtype (at::kBFloat16, at::kHalf, "
+                       "at::kFloat) or none"));
   EXPECT_THAT([&] { DiLoCo(m->parameters(), inner, outer, 5, Group(), DiLoCoOptions().fragment_update_alpha(1.5)); },
               one_line("DiLoCo: fragment_update_alpha is 1.5: it must be in [0, 1] (the share of the replica's own "
                        "parameters kept)"));

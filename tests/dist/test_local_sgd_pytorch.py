@@ -3,7 +3,7 @@ PyTorch 2.x, CPU, Gloo) on 2 replicas, each on its own data: the same model, dat
 (local_sgd_reference.cpp and local_sgd_reference.py) give every parameter within 1e-10 (float64)
 after 200 steps of LocalSGD (sync_every 5), DiLoCo (sync_every 5, inner AdamW or SGD, outer Nesterov
 SGD), streaming DiLoCo (2 fragments, sync_every 4) and its overlapped form (torchft's
-fragment_sync_delay, with and without fragment_update_alpha); after the last sync of LocalSGD and DiLoCo
+fragment_sync_delay, with and without fragment_update_alpha) and DiLoCo syncing in bfloat16; after the last sync of LocalSGD and DiLoCo
 (step 200) both replicas hold the same parameters.
 
 Env: $LOCAL_SGD_REFERENCE (the C++ program), $VENV_PYTHON (set by tests/dist/CMakeLists.txt).
@@ -13,7 +13,7 @@ import unittest
 from harness import DistTestCase
 
 WORLD = 2
-KINDS = ("localsgd", "diloco", "diloco_sgd", "streaming", "streaming_delay", "diloco_delay_alpha")
+KINDS = ("localsgd", "diloco", "diloco_sgd", "streaming", "streaming_delay", "diloco_delay_alpha", "diloco_bf16")
 
 
 def worst_difference(mine, ref):
@@ -37,7 +37,7 @@ class LocalSgdAgainstTorchft(DistTestCase):
                 print(f"rank {r} {kind}: largest relative difference to the reference {worst:.3g}")
                 self.assertLess(worst, 1e-10, f"rank {r} {kind}: relative difference {worst:.3g}")
         # The replicas trained apart (their own data) and met at step 200.
-        for kind in ("localsgd", "diloco", "diloco_sgd"):
+        for kind in ("localsgd", "diloco", "diloco_sgd", "diloco_bf16"):
             self.assertLess(worst_difference(cc[1][kind]["params"], cc[0][kind]["params"]), 1e-15, kind)
         self.assertGreater(worst_difference(cc[1]["streaming"]["params"], cc[0]["streaming"]["params"]), 1e-6,
                            "streaming: the fragment not synced at step 200 differs between replicas")
