@@ -201,37 +201,12 @@ Parallel build_model(const JobConfig& cfg, const Place& place) {
 
 // The whole model's weights on global rank 0 (elsewhere: this stage's, or nothing). Each stage's ranks
 // put their stage together over fully_shard and tensor parallelism (full_state_dict, collective within
-// the stage); with pipeline stages, the pp group through rank 0 (every other coordinate 0) then sends
-// each stage's to it: names, dtypes and shapes as text, then the tensors in that order.
+// the stage); with pipeline stages, the pp group through rank 0 (every other coordinate 0) then
+// gathers the stages' on it.
 dtrain::NamedTensors whole_weights(Parallel& par) {
   dtrain::NamedTensors mine = dtrain::full_state_dict(*par.model);
   if (!par.pp_group || par.pp_group->ranks().front() != 0) return mine;
-  const std::vector<int>& ranks = par.pp_group->ranks();
-  std::string desc;
-  for (const auto& [name, t] : mine) {
-    desc += name + " " + std::to_string(static_cast<int>(t.scalar_type()));
-    for (int64_t d : t.sizes()) desc += " " + std::to_string(d);
-    desc += "\n";
-  }
-  const std::vector<std::string> all = dtrain::gather_bytes(desc, 0, *par.pp_group);
-  for (size_t s = 1; s < ranks.size(); ++s) {
-    if (dtrain::rank() == ranks[s])
-      for (const auto& [name, t] : mine) dtrain::send(t.contiguous(), 0, *par.pp_group);
-    if (dtrain::rank() != 0) continue;
-    std::istringstream lines(all[s]);
-    for (std::string line; std::getline(lines, line);) {
-      std::istringstream in(line);
-      std::string name;
-      int dtype = 0;
-      in >> name >> dtype;
-      std::vector<int64_t> shape;
-      for (int64_t d; in >> d;) shape.push_back(d);
-      at::Tensor t = at::empty(shape, at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)));
-      dtrain::recv(t, ranks[s], *par.pp_group);
-      mine.emplace_back(name, t);
-    }
-  }
-  return mine;
+  return dtrain::gather_named_tensors(mine, 0, *par.pp_group);
 }
 
 // checkpoint.export_initial and export_final: the weights before the first step or after the last,

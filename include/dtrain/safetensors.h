@@ -23,6 +23,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "dtrain/process_group.h"
+
 namespace torch::nn {
 class Module;
 }
@@ -48,5 +50,15 @@ SafetensorsFile load_safetensors(const std::string& path);
 // missing from the file or the module, or a shape that differs, is an error listing them, and then
 // nothing of the module has changed. Values are copied (converted to each tensor's dtype and device).
 void load_safetensors(torch::nn::Module& module, const std::string& path);
+
+// Every member's named tensors on the global rank dst, in group-rank order (each member's in its
+// own order); an empty list on the other members. Collective over `group`. For one file of a model
+// whose parts live on different ranks (pipeline stages, each put together within its stage first):
+//   dtrain::NamedTensors stage = dtrain::full_state_dict(*stage_module);
+//   dtrain::NamedTensors whole = dtrain::gather_named_tensors(stage, 0, pp_group);
+//   if (dtrain::rank() == 0) dtrain::save_safetensors(whole, "model.safetensors");
+// Names, dtypes and shapes travel first, then each tensor point to point (contiguous, as it is; the
+// received ones are allocated on the device of dst's first tensor, or the CPU).
+NamedTensors gather_named_tensors(const NamedTensors& mine, int dst, const Group& group = Group());
 
 }  // namespace dtrain

@@ -7,6 +7,7 @@
 
 #include "dist_main.h"
 #include "dtrain/errors.h"
+#include "dtrain/safetensors.h"
 #include "common/util.h"
 #include "test_util.h"
 #include "matchers.h"
@@ -166,6 +167,32 @@ TEST(Collectives, SmallMessages) {
     for (size_t i = 0; i < others.size(); ++i) EXPECT_EQ(at_last[i], text_of(others[i]));
   }
   EXPECT_EQ(all_gather_values(std::vector<int64_t>{R()}, sub).front(), std::vector<int64_t>{1});
+}
+
+// A model in parts (as pipeline stages hold it): rank r holds r + 1 tensors of its own dtype and
+// shape, one named with a space and a newline; the last rank gets them all, in group-rank order.
+TEST(Collectives, GatherNamedTensorsPutsEveryMembersOnOneRank) {
+  const auto part_of = [](int r) {
+    NamedTensors part;
+    for (int i = 0; i <= r; ++i)
+      part.emplace_back("rank " + std::to_string(r) + "\n.t" + std::to_string(i),
+                        at::arange((r + 1) * (i + 2), r % 2 ? at::kDouble : at::kFloat).view({r + 1, i + 2}).add(r));
+    return part;
+  };
+  const NamedTensors got = gather_named_tensors(part_of(R()), N() - 1);
+  if (R() != N() - 1) {
+    EXPECT_TRUE(got.empty());
+    return;
+  }
+  NamedTensors want;
+  for (int r = 0; r < N(); ++r)
+    for (auto& nt : part_of(r)) want.push_back(nt);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i].first, want[i].first);
+    EXPECT_EQ(got[i].second.scalar_type(), want[i].second.scalar_type()) << want[i].first;
+    EXPECT_TRUE(at::equal(got[i].second, want[i].second)) << want[i].first;
+  }
 }
 
 TEST(Collectives, BroadcastFromLastRank) {
