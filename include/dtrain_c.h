@@ -19,14 +19,16 @@
  *
  * Added in this version (see docs/c_api.md for each call sequence): fully_shard over parameter
  * tensors (dtrain_c_fsdp_*), point-to-point send/recv, DistributedSampler's indices, clip_grad_norm_,
- * GradScaler, the training Monitor's step metrics, and distributed checkpoints
- * (torch.distributed.checkpoint's folders) of named tensors.
+ * GradScaler, the training Monitor's step metrics, distributed checkpoints
+ * (torch.distributed.checkpoint's folders) of named tensors, ZeroRedundancyOptimizer over parameter
+ * tensors (dtrain_c_zero_*) and the CheckpointManager of named tensors (dtrain_c_checkpoint_*).
  *
  * Errors: every function returns a dtrain_c_status; on failure dtrain_c_last_error() gives one line
  * naming the function, the rank (once initialized) and what to do. No C++ exception leaves the
- * library. Handles (group, work, ddp) are checked against the live ones: a NULL, freed or
- * never-created handle (group, work, ddp, fsdp, grad scaler, monitor) is DTRAIN_C_INVALID_HANDLE, never a crash. A NULL
- * group means the world. Threads: the calls of one process group are collective; make them from one thread at a time.
+ * library. Handles are checked against the live ones: a NULL, freed or never-created handle (group,
+ * work, ddp, fsdp, grad scaler, monitor, zero, checkpoint) is DTRAIN_C_INVALID_HANDLE, never a crash.
+ * A NULL group means the world. Threads: the calls of one process group are collective; make them
+ * from one thread at a time.
  */
 #ifndef DTRAIN_C_H
 #define DTRAIN_C_H
@@ -79,6 +81,8 @@ typedef struct dtrain_c_ddp dtrain_c_ddp;                 /* DistributedDataPara
 typedef struct dtrain_c_fsdp dtrain_c_fsdp;               /* fully_shard (FSDP2) over caller-owned parameters */
 typedef struct dtrain_c_grad_scaler dtrain_c_grad_scaler; /* GradScaler (mixed precision's loss scaling) */
 typedef struct dtrain_c_monitor dtrain_c_monitor;         /* the training Monitor (step metrics, files) */
+typedef struct dtrain_c_zero dtrain_c_zero;               /* ZeroRedundancyOptimizer over caller-owned parameters */
+typedef struct dtrain_c_checkpoint dtrain_c_checkpoint;   /* CheckpointManager of named tensors */
 
 /* DDP's options; fill with dtrain_c_ddp_options_default (PyTorch's defaults), then change fields.
  * struct_size lets a later ABI add fields at the end. */
@@ -330,6 +334,95 @@ DTRAIN_C_API dtrain_c_status dtrain_c_dcp_save(const char* dir, const char* cons
  * ignored, as DCP's. */
 DTRAIN_C_API dtrain_c_status dtrain_c_dcp_load(const char* dir, const char* const* names,
                                                dtrain_c_tensor* const* tensors, size_t n, dtrain_c_group* group);
+
+/* --- ZeroRedundancyOptimizer (ZeRO stage 1) ----------------------------------------------------- */
+/* The optimizer ZeRO wraps, as torch.optim's: "sgd" (lr, momentum, dampening, weight_decay, nesterov),
+ * "adam" and "adamw" (lr, betas, eps, weight_decay, amsgrad). Fill with dtrain_c_optimizer_options_default
+ * (PyTorch's defaults for that optimizer), then change fields. */
+typedef struct dtrain_c_optimizer_options {
+  size_t struct_size;
+  double lr;           /* 1e-3 (SGD's too, as torch.optim.SGD's default) */
+  double momentum;     /* SGD: 0 */
+  double dampening;    /* SGD: 0 */
+  int nesterov;        /* SGD: 0 (needs momentum > 0 and dampening 0) */
+  double beta1, beta2; /* Adam, AdamW: 0.9, 0.999 */
+  double eps;          /* Adam, AdamW: 1e-8 */
+  double weight_decay; /* 0; AdamW: 0.01 */
+  int amsgrad;         /* Adam, AdamW: 0 */
+} dtrain_c_optimizer_options;
+
+/* optimizer: "sgd", "adam" or "adamw"; anything else is DTRAIN_C_INVALID_ARGUMENT. */
+DTRAIN_C_API dtrain_c_status dtrain_c_optimizer_options_default(const char* optimizer,
+                                                                dtrain_c_optimizer_options* options);
+/* torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class, **options): params, the n
+ * parameters (one floating dtype, on the group's device, requires_grad), the same on every rank in the
+ * same order, are partitioned over the group's ranks as PyTorch's (largest first, each to the rank with
+ * the fewest elements so far); each rank keeps the optimizer state of its share only. options: NULL for
+ * the defaults. Collective over the group (NULL: the world). The gradients must already be the same on
+ * every rank (dtrain_c_ddp_* averaged them). */
+DTRAIN_C_API dtrain_c_status dtrain_c_zero_new(dtrain_c_tensor* const* params, size_t n, const char* optimizer,
+                                               const dtrain_c_optimizer_options* options, dtrain_c_group* group,
+                                               dtrain_c_zero** out);
+/* Collective: steps this rank's share, then every share is broadcast from its owner, so every rank
+ * ends with all parameters updated (in the caller's tensors). */
+DTRAIN_C_API dtrain_c_status dtrain_c_zero_step(dtrain_c_zero* zero);
+/* optimizer.zero_grad(set_to_none) over all the parameters (PyTorch's default: set_to_none 1). */
+DTRAIN_C_API dtrain_c_status dtrain_c_zero_zero_grad(dtrain_c_zero* zero, int set_to_none);
+/* param_groups[0]["lr"] (a scheduler's): read, or set for the following steps. */
+DTRAIN_C_API dtrain_c_status dtrain_c_zero_get_lr(dtrain_c_zero* zero, double* out);
+DTRAIN_C_API dtrain_c_status dtrain_c_zero_set_lr(dtrain_c_zero* zero, double lr);
+/* Collective: gathers every share's state on global rank `to`, as the state of the wrapped optimizer
+ * over all parameters (what an unsharded one would hold). */
+DTRAIN_C_API dtrain_c_status dtrain_c_zero_consolidate_state_dict(dtrain_c_zero* zero, int to);
+/* On the rank that consolidated last: writes that state to path (LibTorch's torch::save of the wrapped
+ * optimizer, loadable by it unsharded too). */
+DTRAIN_C_API dtrain_c_status dtrain_c_zero_save(dtrain_c_zero* zero, const char* path);
+/* Every rank: reads a whole state (from dtrain_c_zero_save, or an unsharded LibTorch optimizer of the
+ * same kind over the same parameters) and keeps its own share. */
+DTRAIN_C_API dtrain_c_status dtrain_c_zero_load(dtrain_c_zero* zero, const char* path);
+DTRAIN_C_API dtrain_c_status dtrain_c_zero_free(dtrain_c_zero* zero);
+
+/* --- CheckpointManager of named tensors ----------------------------------------------------------- */
+/* Fill with dtrain_c_checkpoint_options_default, then change fields. */
+typedef struct dtrain_c_checkpoint_options {
+  size_t struct_size;
+  int64_t keep;     /* 2: checkpoints kept in the folder, the newest writes (>= 1) */
+  int64_t interval; /* 1: save and save_async write only at steps that are a multiple of it */
+  int rng;          /* 1: save and restore LibTorch's RNG states (the generators the binding draws from) */
+} dtrain_c_checkpoint_options;
+
+DTRAIN_C_API void dtrain_c_checkpoint_options_default(dtrain_c_checkpoint_options* options);
+/* dtrain's CheckpointManager on folder dir (made at the first save). Each checkpoint is
+ * dir/checkpoint_<step, 10 digits>.pt (the step, RNG states, a CRC-checked manifest) beside
+ * dir/checkpoint_<step>.dcp/, a torch.distributed.checkpoint folder holding the tensors under the keys
+ * "model.<name>" (Python: dcp.load({"model": {name: tensor, ...}}, checkpoint_id=that folder)). Names may
+ * hold '.' (nested keys, as a module's state_dict). Not collective. */
+DTRAIN_C_API dtrain_c_status dtrain_c_checkpoint_new(const char* dir, const dtrain_c_checkpoint_options* options,
+                                                     dtrain_c_checkpoint** out);
+/* Collective over the world: writes the named tensors at `step` when step % interval == 0 (*saved,
+ * may be NULL: 1 if written), then removes all but the newest `keep`. Tensors as dtrain_c_dcp_save's
+ * (fully_shard's shards written as their chunks of the whole). A save killed at any point leaves the
+ * previous checkpoints as they were. */
+DTRAIN_C_API dtrain_c_status dtrain_c_checkpoint_save(dtrain_c_checkpoint* checkpoint, int64_t step,
+                                                      const char* const* names, dtrain_c_tensor* const* tensors,
+                                                      size_t n, int* saved);
+/* The same, in the background: returns once the tensors are copied (change them freely then); the
+ * next save, save_async, wait or load_latest finishes it first, and fails on every rank if it did.
+ * Call dtrain_c_checkpoint_wait on every rank before freeing the manager. */
+DTRAIN_C_API dtrain_c_status dtrain_c_checkpoint_save_async(dtrain_c_checkpoint* checkpoint, int64_t step,
+                                                            const char* const* names, dtrain_c_tensor* const* tensors,
+                                                            size_t n, int* saved);
+/* Collective: waits for the last save_async. */
+DTRAIN_C_API dtrain_c_status dtrain_c_checkpoint_wait(dtrain_c_checkpoint* checkpoint);
+/* Collective: fills the named tensors in place from the latest checkpoint (the newest write; a damaged
+ * one is skipped with a warning for the previous) and *step (may be NULL) with its step; *found = 0
+ * and nothing changed when the folder holds none. Every name, dtype and shape must match the saved
+ * ones (the first mismatch is the error, nothing changed). */
+DTRAIN_C_API dtrain_c_status dtrain_c_checkpoint_load_latest(dtrain_c_checkpoint* checkpoint, const char* const* names,
+                                                             dtrain_c_tensor* const* tensors, size_t n, int64_t* step,
+                                                             int* found);
+/* A save_async not waited for is left unfinished (no checkpoint; the previous stays the latest). */
+DTRAIN_C_API dtrain_c_status dtrain_c_checkpoint_free(dtrain_c_checkpoint* checkpoint);
 
 #ifdef __cplusplus
 }

@@ -48,7 +48,7 @@ USES = {
     "ep": {"tp", "comm", "compat", "common"},
     "ft": {"comm", "compat", "common", "store"},
     # The C API for other languages' bindings: the top layer, over dtrain's public API.
-    "c_api": {"ddp", "fsdp", "amp", "data", "monitor", "checkpoint", "comm", "compat", "common"},
+    "c_api": {"ddp", "fsdp", "amp", "data", "monitor", "checkpoint", "optim", "comm", "compat", "common"},
 }
 
 # The internal headers of each layer that other layers may include, and what for. Any other header of

@@ -56,6 +56,10 @@ const char* kind_name(Kind kind) {
       return "grad scaler";
     case Kind::kMonitor:
       return "monitor";
+    case Kind::kZero:
+      return "zero";
+    case Kind::kCheckpoint:
+      return "checkpoint";
   }
   return "?";
 }
@@ -109,8 +113,10 @@ void clear_handles() {
   std::vector<std::shared_ptr<Object>> dying;
   {
     std::lock_guard<std::mutex> lock(r.mu);
-    // Monitors, DDPs and FSDPs first: their hooks, buckets and windows refer to the groups.
-    for (Kind kind : {Kind::kMonitor, Kind::kDdp, Kind::kFsdp, Kind::kScaler, Kind::kWork, Kind::kGroup})
+    // Checkpoint managers, monitors, DDPs, FSDPs and ZeROs first: their writers, hooks, buckets,
+    // windows and shares refer to the groups.
+    for (Kind kind : {Kind::kCheckpoint, Kind::kMonitor, Kind::kDdp, Kind::kFsdp, Kind::kZero, Kind::kScaler,
+                      Kind::kWork, Kind::kGroup})
       for (auto& [id, entry] : r.live)
         if (entry.first == kind) dying.push_back(entry.second);
     r.live.clear();

@@ -26,7 +26,7 @@ class StatusError : public std::runtime_error {
 };
 
 // Kinds of handle: a handle of one kind passed where another is expected is refused as unknown.
-enum class Kind { kGroup, kWork, kDdp, kFsdp, kScaler, kMonitor };
+enum class Kind { kGroup, kWork, kDdp, kFsdp, kScaler, kMonitor, kZero, kCheckpoint };
 const char* kind_name(Kind kind);
 
 struct Object {

@@ -249,22 +249,24 @@ def run_capi():
     return result
 
 
+class TorchParams(torch.nn.Module):
+    """The MLP's parameters (copies) as a module for PyTorch's DDP; forward(step) is rank's loss."""
+    def __init__(self, params, rank):
+        super().__init__()
+        self.rank = rank
+        for n, p in zip(NAMES, params):
+            self.register_parameter(n, torch.nn.Parameter(p.detach().clone()))
+
+    def forward(self, step):
+        return loss_of([getattr(self, n) for n in NAMES], step, self.rank)
+
+
 def run_torch():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-
-    class Params(torch.nn.Module):
-        def __init__(self, params):
-            super().__init__()
-            for n, p in zip(NAMES, params):
-                self.register_parameter(n, torch.nn.Parameter(p.detach().clone()))
-
-        def forward(self, step):
-            return loss_of([getattr(self, n) for n in NAMES], step, rank)
-
-    module = Params(init_params(rank))
+    module = TorchParams(init_params(rank), rank)
     ddp = DDP(module)
     params = [getattr(module, n) for n in NAMES]
     local = []

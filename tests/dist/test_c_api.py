@@ -6,7 +6,10 @@ every rank, both ranks must hold the same bits, the collectives give what torch.
 and a safetensors checkpoint reads back exactly. Also through the C API: send/recv, the sampler's
 indices (equal to torch's DistributedSampler's), GradScaler's skip agreed over the ranks, and
 fully_shard over the Python tensors (with clip_grad_norm_ over the shards) equal to a one-process run
-within 1e-10, its DCP checkpoint read by torch.distributed.checkpoint.
+within 1e-10, its DCP checkpoint read by torch.distributed.checkpoint. tests/dist/c_api_zero_rank.py:
+ZeroRedundancyOptimizer (SGD, Adam, AdamW) through the C API equal to PyTorch's within 1e-10, its saved
+state resuming bit for bit, and the CheckpointManager of named tensors (rotation, load_latest, an async
+save, the newest folder read by torch.distributed.checkpoint).
 
 One process holds one LibTorch: this runs only where libdtrain_c links the LibTorch of .venv's torch
 (build-torch2/); a LibTorch 1.13 tree skips it.
@@ -35,10 +38,10 @@ class CApi(DistTestCase):
         self.lib = os.environ.get("DTRAIN_C_LIB", "")
         self.assertTrue(os.path.isfile(self.lib), f"libdtrain_c is not built ({self.lib!r})")
 
-    def run_mode(self, mode):
+    def run_mode(self, mode, script="c_api_rank.py"):
         with tempfile.TemporaryDirectory() as folder:
             outs = [os.path.join(folder, f"{mode}{r}.json") for r in range(WORLD)]
-            return self.run_ranks_json([self.python, os.path.join(HERE, "c_api_rank.py"), mode], WORLD, outs,
+            return self.run_ranks_json([self.python, os.path.join(HERE, script), mode], WORLD, outs,
                                        timeout=120, DTRAIN_C_LIB=self.lib, DTRAIN_TIMEOUT_S="60")
 
     def test_ddp_through_the_c_api_equals_pytorch_ddp(self):
@@ -103,6 +106,54 @@ class CApi(DistTestCase):
             self.assertEqual(res["dcp_torch"], res["params"],
                              f"rank {r}: torch.distributed.checkpoint read other values than were saved")
         self.assertEqual(runs[0]["params"], runs[1]["params"])
+
+    def assert_one_error_line(self, got, status, text):
+        self.assertEqual(got[0], status, f"status of {got[1]!r}")
+        self.assertIn(text, got[1])
+        self.assertNotIn("\n", got[1], "an error is one line")
+
+    def test_zero_through_the_c_api_equals_pytorch_zero(self):
+        capi = self.run_mode("zero_capi", "c_api_zero_rank.py")
+        torch_zero = self.run_mode("zero_torch", "c_api_zero_rank.py")
+        for r in range(WORLD):
+            for name in ("sgd", "adam", "adamw"):
+                a, b = capi[r][name]["params"], torch_zero[r][name]["params"]
+                self.assertEqual(len(a), len(b))
+                worst = max(abs(x - y) for x, y in zip(a, b))
+                self.assertLessEqual(worst, TOLERANCE, f"rank {r}: C API ZeRO {name} vs PyTorch's differ by {worst}")
+                print(f"rank {r}: C API ZeRO {name} vs PyTorch ZeroRedundancyOptimizer: largest parameter "
+                      f"difference {worst:.3g}")
+                self.assertTrue(capi[r][name]["resumed_equal"],
+                                f"rank {r}: {name}: a ZeRO loaded from the saved state stepped otherwise")
+                self.assertEqual(capi[r][name]["loaded_lr"], dict(sgd=0.025, adam=0.005, adamw=0.005)[name])
+            bad = capi[r]["bad_input"]
+            self.assert_one_error_line(bad["null_step"], 2, "dtrain_c_zero_step on rank")
+            self.assert_one_error_line(bad["null_step"], 2, "zero is NULL")
+            self.assert_one_error_line(bad["unknown_optimizer"], 1, "optimizer is 'lamb'")
+            self.assert_one_error_line(bad["other_dtype"], 1, "params[2] is Float but params[0] is Double")
+            self.assert_one_error_line(bad["bad_default"], 1, "optimizer is 'rmsprop'")
+        for name in ("sgd", "adam", "adamw"):
+            self.assertEqual(capi[0][name]["params"], capi[1][name]["params"], f"{name}: the ranks' parameters differ")
+
+    def test_checkpoint_manager_of_named_tensors(self):
+        runs = self.run_mode("ckpt", "c_api_zero_rank.py")
+        for r, res in enumerate(runs):
+            self.assertEqual(res["empty_load"], [0, -1], f"rank {r}: an empty folder loaded something")
+            self.assertEqual(res["saved"], [0, 1, 0, 1, 0, 1, 0], f"rank {r}: interval 2 saved other steps")
+            self.assertEqual(res["files_after_saves"], ["checkpoint_0000000004.dcp", "checkpoint_0000000004.pt",
+                                                        "checkpoint_0000000006.dcp", "checkpoint_0000000006.pt"])
+            self.assertEqual(res["load"], [1, 6])
+            self.assertTrue(res["load_equal"], f"rank {r}: load_latest did not restore step 6's bits")
+            self.assertEqual(res["async_load"], [1, 8])
+            self.assertTrue(res["async_equal"], f"rank {r}: the async save did not hold the tensors at its call")
+            self.assertEqual(res["files_after_async"], ["checkpoint_0000000006.dcp", "checkpoint_0000000006.pt",
+                                                        "checkpoint_0000000008.dcp", "checkpoint_0000000008.pt"])
+            self.assertTrue(res["dcp_torch_equal"], f"rank {r}: torch.distributed.checkpoint read other values")
+            bad = res["bad_input"]
+            self.assert_one_error_line(bad["null_save"], 2, "checkpoint is NULL")
+            self.assert_one_error_line(bad["empty_part"], 1, "name 'fc1..weight' has an empty part")
+            self.assert_one_error_line(bad["wrong_shape"], 5, "fc1.weight")
+            self.assertTrue(bad["wrong_shape_untouched"], f"rank {r}: a refused load changed the tensors")
 
 
 if __name__ == "__main__":
