@@ -10,7 +10,8 @@ The train_llm flags are read as train_llm reads them (defaults, then --job.confi
 the flags), so a test hands both programs one argument list. On one process the twin trains the
 whole local batch itself; on several (env://, Gloo) each rank is a data-parallel rank of PyTorch's
 own fully_shard (FSDP2: each block a unit, then the root, as torchtitan's apply_fsdp). Rank 0 writes
-OUT.json: every step's loss (averaged over the ranks), gradient norm and learning rate, and with
+OUT.json: every step's loss (averaged over the ranks), gradient norm, learning rate and wall time
+(rank 0's, seconds: bench/bench_llm.py's tokens/s), and with
 --twin.dcp, per parameter the largest difference between the twin's trained parameters and what
 torch.distributed.checkpoint's dcp.load read from dtrain's DCP folder DIR into a fresh twin's
 state dict (names missing on either side listed); with --twin.final, the same against the
@@ -21,6 +22,7 @@ import json
 import math
 import os
 import sys
+import time
 import tomllib
 
 import numpy as np
@@ -76,7 +78,10 @@ def precompute_freqs_cis(head_dim, end, theta):
 def apply_rotary_emb(x, freqs_cis):
     """x [B, T, heads, head_dim]: each adjacent pair a complex number times freqs_cis[t]."""
     xc = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(xc * freqs_cis.view(1, x.shape[1], 1, -1)).flatten(3).type_as(x)
+    # In x's precision, as dtrain rounds its cos and sin tables to x's dtype (complex64 in float32:
+    # not a complex128 product per element, which would also slow the benchmark's twin).
+    freqs = freqs_cis.to(xc.dtype).view(1, x.shape[1], 1, -1)
+    return torch.view_as_real(xc * freqs).flatten(3).type_as(x)
 
 
 def repeat_kv(x, n_rep):
@@ -215,8 +220,9 @@ def train(cfg, model, world, rank):
                             betas=(cfg["optimizer.beta1"], cfg["optimizer.beta2"]), eps=cfg["optimizer.eps"],
                             weight_decay=cfg["optimizer.weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    log = {"loss": [], "grad_norm": [], "lr": []}
+    log = {"loss": [], "grad_norm": [], "lr": [], "step_s": []}
     for _ in range(cfg["training.steps"]):
+        started = time.perf_counter()
         opt.zero_grad()
         loss_sum = 0.0
         for _ in range(accum):
@@ -238,6 +244,7 @@ def train(cfg, model, world, rank):
             loss_sum = t.item() / world
         log["loss"].append(loss_sum)
         log["grad_norm"].append(norm.item())
+        log["step_s"].append(time.perf_counter() - started)
     return log
 
 
