@@ -11,11 +11,15 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <new>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -177,6 +181,45 @@ double memcpy_bandwidth(size_t bytes, int runs) {
     rates.push_back(bytes / secs_since(t0));
   }
   return median(rates);
+}
+
+namespace {
+inline void handoff_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+}  // namespace
+
+double cache_line_handoff(int round_trips, int runs) {
+  void* mem = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) throw std::runtime_error(std::string("bench: mmap failed: ") + std::strerror(errno));
+  auto* word = new (mem) std::atomic<uint32_t>(0);
+  const uint32_t last = 2u * static_cast<uint32_t>(round_trips) * static_cast<uint32_t>(runs);
+  std::fflush(nullptr);  // the child must not flush this process's buffered output again
+  const pid_t child = fork();
+  if (child < 0) throw std::runtime_error(std::string("bench: fork failed: ") + std::strerror(errno));
+  if (child == 0) {  // answers every odd value with the next even one; only atomics until _exit
+    for (uint32_t v = 1; v < last; v += 2) {
+      while (word->load(std::memory_order_acquire) != v) handoff_relax();
+      word->store(v + 1, std::memory_order_release);
+    }
+    _exit(0);
+  }
+  std::vector<double> one_way;
+  uint32_t v = 0;
+  for (int r = 0; r < runs; ++r) {
+    auto t0 = Clock::now();
+    for (int i = 0; i < round_trips; ++i, v += 2) {
+      word->store(v + 1, std::memory_order_release);
+      while (word->load(std::memory_order_acquire) != v + 2) handoff_relax();
+    }
+    one_way.push_back(secs_since(t0) / (2.0 * round_trips));
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  munmap(mem, 4096);
+  return median(one_way);
 }
 
 std::string human_bytes(size_t b) {
