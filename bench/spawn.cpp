@@ -9,6 +9,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -197,15 +198,27 @@ double cache_line_handoff(int round_trips, int runs) {
   auto* word = new (mem) std::atomic<uint32_t>(0);
   const uint32_t last = 2u * static_cast<uint32_t>(round_trips) * static_cast<uint32_t>(runs);
   std::fflush(nullptr);  // the child must not flush this process's buffered output again
+  // Parent on one CPU, child on another (a fork inherits this process's mask, which may be one CPU):
+  // a ping-pong on one core would measure context switches.
+  cpu_set_t saved;
+  const bool pinned = std::thread::hardware_concurrency() >= 2 && sched_getaffinity(0, sizeof(saved), &saved) == 0;
+  auto pin = [](int cpu) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    sched_setaffinity(0, sizeof(one), &one);
+  };
   const pid_t child = fork();
   if (child < 0) throw std::runtime_error(std::string("bench: fork failed: ") + std::strerror(errno));
   if (child == 0) {  // answers every odd value with the next even one; only atomics until _exit
+    if (pinned) pin(1);
     for (uint32_t v = 1; v < last; v += 2) {
       while (word->load(std::memory_order_acquire) != v) handoff_relax();
       word->store(v + 1, std::memory_order_release);
     }
     _exit(0);
   }
+  if (pinned) pin(0);
   std::vector<double> one_way;
   uint32_t v = 0;
   for (int r = 0; r < runs; ++r) {
@@ -218,8 +231,9 @@ double cache_line_handoff(int round_trips, int runs) {
   }
   int status = 0;
   waitpid(child, &status, 0);
+  if (pinned) sched_setaffinity(0, sizeof(saved), &saved);
   munmap(mem, 4096);
-  return median(one_way);
+  return *std::min_element(one_way.begin(), one_way.end());
 }
 
 std::string human_bytes(size_t b) {
