@@ -48,8 +48,8 @@ constexpr size_t kStreamOutputBytes = size_t{8} << 20;
 
 // An all_reduce of at most this many bytes (and at most one slot) runs as one step in which every
 // rank reduces the whole tensor (Comm::reduce_whole): one wait for the peers instead of two. Larger
-// ones keep the reduction in parts, which reads fewer bytes from peers beyond 2 ranks; 1 MB in one
-// step was slower than in parts on 2 ranks (docs/benchmarks.md, shared-memory all-reduce).
+// ones keep the reduction in parts, which reads fewer bytes from peers beyond 2 ranks; on 2 ranks
+// 1 MB in one step was measured slower than in parts.
 constexpr size_t kWholeStepBytes = size_t{64} << 10;
 
 bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
