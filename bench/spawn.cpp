@@ -9,13 +9,18 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <new>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -177,6 +182,58 @@ double memcpy_bandwidth(size_t bytes, int runs) {
     rates.push_back(bytes / secs_since(t0));
   }
   return median(rates);
+}
+
+namespace {
+inline void handoff_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+}  // namespace
+
+double cache_line_handoff(int round_trips, int runs) {
+  void* mem = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) throw std::runtime_error(std::string("bench: mmap failed: ") + std::strerror(errno));
+  auto* word = new (mem) std::atomic<uint32_t>(0);
+  const uint32_t last = 2u * static_cast<uint32_t>(round_trips) * static_cast<uint32_t>(runs);
+  std::fflush(nullptr);  // the child must not flush this process's buffered output again
+  // Parent on one CPU, child on another (a fork inherits this process's mask, which may be one CPU):
+  // a ping-pong on one core would measure context switches.
+  cpu_set_t saved;
+  const bool pinned = std::thread::hardware_concurrency() >= 2 && sched_getaffinity(0, sizeof(saved), &saved) == 0;
+  auto pin = [](int cpu) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    sched_setaffinity(0, sizeof(one), &one);
+  };
+  const pid_t child = fork();
+  if (child < 0) throw std::runtime_error(std::string("bench: fork failed: ") + std::strerror(errno));
+  if (child == 0) {  // answers every odd value with the next even one; only atomics until _exit
+    if (pinned) pin(1);
+    for (uint32_t v = 1; v < last; v += 2) {
+      while (word->load(std::memory_order_acquire) != v) handoff_relax();
+      word->store(v + 1, std::memory_order_release);
+    }
+    _exit(0);
+  }
+  if (pinned) pin(0);
+  std::vector<double> one_way;
+  uint32_t v = 0;
+  for (int r = 0; r < runs; ++r) {
+    auto t0 = Clock::now();
+    for (int i = 0; i < round_trips; ++i, v += 2) {
+      word->store(v + 1, std::memory_order_release);
+      while (word->load(std::memory_order_acquire) != v + 2) handoff_relax();
+    }
+    one_way.push_back(secs_since(t0) / (2.0 * round_trips));
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  if (pinned) sched_setaffinity(0, sizeof(saved), &saved);
+  munmap(mem, 4096);
+  return *std::min_element(one_way.begin(), one_way.end());
 }
 
 std::string human_bytes(size_t b) {

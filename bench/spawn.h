@@ -30,6 +30,11 @@ std::string parse_line(const std::string& out, const std::string& prefix);  // t
 
 // One thread's memcpy bandwidth (bytes/s) between two buffers of `bytes`: the median of `runs`.
 double memcpy_bandwidth(size_t bytes, int runs = 7);
+// The floor of any cross-process synchronization on this host: one process hands a cache line of
+// shared memory to another (a ping-pong on one atomic word between this process and a forked
+// child, each spinning); returns the one-way time in seconds in the fastest of `runs` batches of
+// `round_trips` (a floor: on a busy machine the slower batches include time descheduled).
+double cache_line_handoff(int round_trips = 1000, int runs = 200);
 std::string human_bytes(size_t b);  // "4 KB", "64 MB", "512 B"
 
 // The driver of a 2-rank transfer benchmark taking --reps and --max_bytes: parses them, prints the

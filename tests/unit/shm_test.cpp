@@ -221,6 +221,45 @@ TEST(ShmComm, AllReduceWithLargeSlotsStreamsManyBlocks) {
   }
 }
 
+// An all_reduce of at most 64 KB (one slot of 64 KB here) is one step in which every rank reduces
+// the whole tensor from the slots: the same bits as the steps in parts, for every rank count, dtype,
+// op, divided pieces (ranks 0 and 1 divide their own values as they enter, higher ranks take them
+// from their slot), and at the boundary (16384 float32 in one step, 16385 in parts).
+TEST(ShmComm, SmallAllReducesInOneStepKeepTheBitsOfTheStepsInParts) {
+  constexpr size_t kBig = 64 * 1024;
+  for (int n : {1, 2, 3, 4}) {
+    for (size_t count : {size_t{1}, size_t{3001}, size_t{16384}, size_t{16385}})
+      check_reduce<float>(n, count, DType::F32, RedOp::SUM, kBig);
+    check_reduce<float>(n, 3001, DType::F32, RedOp::MIN, kBig);
+    check_reduce<float>(n, 3001, DType::F32, RedOp::MAX, kBig);
+    check_reduce<float>(n, 3001, DType::F32, RedOp::PROD, kBig);
+    check_reduce<double>(n, 8191, DType::F64, RedOp::SUM, kBig);
+    check_reduce<c10::Half>(n, 20001, DType::F16, RedOp::SUM, kBig);
+    check_reduce<c10::BFloat16>(n, 20001, DType::BF16, RedOp::MAX, kBig);
+    check_divided<float>(n, {0, 1, 700, 0, 5000, 3}, DType::F32, n, {}, kBig);
+  }
+  check_divided<float>(3, {0, 1, 700, 0, 5000, 3}, DType::F32, 3, {0, 2}, kBig);
+  check_divided<double>(4, {4000, 3}, DType::F64, 4, {1, 3}, kBig);
+}
+
+// Calls on either side of the one-step boundary take different paths: the descriptor check still
+// fails both ranks, naming both calls, before either reads the other's slot.
+TEST(ShmComm, OneStepAgainstStepsInPartsFailsEveryRankNamingBoth) {
+  auto errors = run_ranks(
+      2,
+      [&](Comm& c, int r) {
+        std::vector<float> data(16385, 1.0f);
+        c.all_reduce(data.data(), r == 0 ? 16384 : 16385, DType::F32, RedOp::SUM);
+      },
+      std::chrono::seconds(10), 64 * 1024);
+  ASSERT_EQ(errors.size(), 2u);
+  for (const auto& e : errors) {
+    EXPECT_THAT(e, HasSubstr("mismatched collectives")) << e;
+    EXPECT_THAT(e, HasSubstr("all_reduce of 16384 float32 (SUM)")) << e;
+    EXPECT_THAT(e, HasSubstr("all_reduce of 16385 float32 (SUM)")) << e;
+  }
+}
+
 // combine_streaming equals combine for every alignment, length and the aliasing the collectives use
 // (out == a or out == b, shared == a).
 TEST(ShmKernels, StreamingCombineMatchesCombine) {

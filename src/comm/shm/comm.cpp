@@ -46,6 +46,12 @@ void shm_copy(void* dst, const void* src, size_t n) {
 // Below it, the output is likely read while still in cache, so it is written normally.
 constexpr size_t kStreamOutputBytes = size_t{8} << 20;
 
+// An all_reduce of at most this many bytes (and at most one slot) runs as one step in which every
+// rank reduces the whole tensor (Comm::reduce_whole): one wait for the peers instead of two. Larger
+// ones keep the reduction in parts, which reads fewer bytes from peers beyond 2 ranks; on 2 ranks
+// 1 MB in one step was measured slower than in parts.
+constexpr size_t kWholeStepBytes = size_t{64} << 10;
+
 bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
 
 }  // namespace
@@ -223,92 +229,151 @@ void Comm::reduce(void* data, size_t count, DType dtype, RedOp op, int root) {
   reduce_into(&whole, 1, count, dtype, op, root, kReduce, 1.0);
 }
 
-// `pieces` hold `count` elements in order: one tensor, or several read and written in place as one
-// (all_reduce_divided). Every index below counts elements of that whole.
-void Comm::reduce_into(const Piece* pieces, size_t npieces, size_t count, DType dtype, RedOp op, int root,
-                       uint32_t kind, double divisor) {
-  check_usable();
-  const size_t es = element_size(dtype);
-  current_ = OpDesc{++op_id_, count, kind, static_cast<uint32_t>(dtype), static_cast<uint32_t>(op), root};
-  // Which ranks receive the result: every rank (all_reduce) or the root alone (reduce).
-  const bool receives = root < 0 || root == rank_;
-  const bool divides = divisor != 1.0;
+// One reduce_into call: `pieces` hold its elements in order, one tensor or several read and written in
+// place as one (all_reduce_divided). Every index below counts elements of that whole.
+struct Comm::Reduction {
+  const Piece* pieces;
+  size_t npieces;
+  DType dtype;
+  RedOp op;
+  size_t es;
+  double divisor;
+  bool divides;   // each rank's values are divided on their way in
+  bool receives;  // this rank receives the result: every rank (all_reduce) or the root alone (reduce)
+
   // f(pointer, offset from b, length) for each piece's share of elements [b, e).
-  auto each = [&](size_t b, size_t e, auto&& f) {
+  template <class F>
+  void each(size_t b, size_t e, F&& f) const {
     size_t start = 0;
     for (size_t i = 0; i < npieces && start < e; start += pieces[i].count, ++i) {
       const size_t lo = std::max(b, start), hi = std::min(e, start + pieces[i].count);
       if (lo < hi) f(static_cast<char*>(pieces[i].data) + (lo - start) * es, lo - b, hi - lo);
     }
-  };
+  }
+  // Elements [b, e) of the pieces into `slot` (divided on the way, when this rank's values are).
+  void copy_into(char* slot, size_t b, size_t e) const {
+    each(b, e, [&](char* p, size_t off, size_t n) {
+      if (divides)
+        divide(slot + off * es, p, n, dtype, divisor);
+      else
+        shm_copy(slot + off * es, p, n * es);
+    });
+  }
+};
+
+void Comm::reduce_into(const Piece* pieces, size_t npieces, size_t count, DType dtype, RedOp op, int root,
+                       uint32_t kind, double divisor) {
+  check_usable();
+  const size_t es = element_size(dtype);
+  current_ = OpDesc{++op_id_, count, kind, static_cast<uint32_t>(dtype), static_cast<uint32_t>(op), root};
+  const Reduction r{pieces, npieces, dtype, op, es, divisor, divisor != 1.0, root < 0 || root == rank_};
+  // The choice depends on the call alone, so every rank whose call matches makes the same one (and
+  // a rank whose call differs fails the descriptor check before it reads anything).
+  const bool whole = root < 0 && count * es <= std::min(seg_.slot_bytes(), kWholeStepBytes);
   const size_t chunk_elems = seg_.slot_bytes() / es;
   size_t done = 0;
   bool first = true;
   do {
     const size_t m = std::min(chunk_elems, count - done);
     const uint32_t s = begin_step();
-    const int buf = static_cast<int>(s % 2);
-    // Parts start on 64-byte boundaries of the chunk, so every rank's reduction loop and copies run
-    // on whole cache lines of its slot.
-    const size_t align = std::max<size_t>(1, 64 / es);
-    auto part_begin = [&](int k) { return k == n_ ? m : m * k / n_ / align * align; };
-    // 1. scatter: the parts the other ranks reduce (divided on the way, when this rank's
-    //    contribution is).
-    char* my_slot = seg_.slot(rank_, buf);
-    for (int k = 0; k < n_; ++k) {
-      if (k == rank_) continue;
-      const size_t b = part_begin(k);
-      each(done + b, done + part_begin(k + 1), [&](char* p, size_t off, size_t n) {
-        if (divides)
-          divide(my_slot + (b + off) * es, p, n, dtype, divisor);
-        else
-          shm_copy(my_slot + (b + off) * es, p, n * es);
-      });
-    }
-    if (first) publish(current_);
-    signal(A, s);
-    // 2. reduce part `rank_` in rank order into my slot (and my tensor, if it receives the result).
-    wait_all(A, s);
-    if (first)
-      for (int k = 0; k < n_; ++k)
-        if (k != rank_) check_peer(k, current_);
-    const size_t b = part_begin(rank_);
-    each(done + b, done + part_begin(rank_ + 1), [&](char* mine, size_t off, size_t len) {
-      auto src = [&](int k) -> const void* {
-        return k == rank_ ? static_cast<const void*>(mine)
-                          : static_cast<const void*>(seg_.slot(k, buf) + (b + off) * es);
-      };
-      void* acc = my_slot + (b + off) * es;
-      // One rank alone has nothing to combine: the loop does not run.
-      if (n_ == 1 && divides) divide(mine, mine, len, dtype, divisor);
-      // The last pass writes my tensor and streams the result into my slot for the other ranks; a
-      // rank that does not receive the result leaves its tensor as it was. My own contribution is
-      // divided where it enters: as the first operand of the first pass, or the second of pass `rank_`.
-      for (int k = 1; k < n_; ++k) {
-        const void* lhs = k == 1 ? src(0) : acc;
-        Divided d{divisor, k == 1 && rank_ == 0};
-        const Divided* dv = divides && (d.first || k == rank_) ? &d : nullptr;
-        if (k == n_ - 1 && receives)
-          combine_streaming(mine, acc, lhs, src(k), len, dtype, op, dv);
-        else
-          combine(acc, lhs, src(k), len, dtype, op, dv);
-      }
-    });
-    signal(B, s);
-    // 3. gather the other ranks' reduced parts.
-    if (receives) {
-      wait_all(B, s);
-      for (int k = 0; k < n_; ++k) {
-        if (k == rank_) continue;
-        const size_t pb = part_begin(k);
-        each(done + pb, done + part_begin(k + 1),
-             [&](char* p, size_t off, size_t n) { shm_copy(p, seg_.slot(k, buf) + (pb + off) * es, n * es); });
-      }
-    }
+    if (whole)
+      reduce_whole(r, done, m, s, first);
+    else
+      reduce_parts(r, done, m, s, first);
     signal(C, s);
     done += m;
     first = false;
   } while (done < count);
+}
+
+void Comm::check_peers_once(bool first) {
+  if (first)
+    for (int k = 0; k < n_; ++k)
+      if (k != rank_) check_peer(k, current_);
+}
+
+// A step of an all_reduce small enough for one step: every rank copies its whole chunk into its slot
+// and reduces all of it from the slots, in rank order, into its tensor. One wait for the peers instead
+// of reduce_parts' two: the reads from peers are the same bytes for 2 ranks (the peer's whole chunk,
+// instead of two halves), and the bits are reduce_parts' (the same operations on the same operands).
+void Comm::reduce_whole(const Reduction& r, size_t done, size_t m, uint32_t s, bool first) {
+  const int buf = static_cast<int>(s % 2);
+  char* my_slot = seg_.slot(rank_, buf);
+  r.copy_into(my_slot, done, done + m);
+  if (first) publish(current_);
+  signal(A, s);
+  wait_all(A, s);
+  check_peers_once(first);
+  // Ranks 0 and 1 take their own values from the tensor, not yet overwritten when their operand's
+  // pass comes (the first), divided as they enter it; a higher rank's tensor holds the partial result
+  // by then, so it takes its values from its slot (divided already).
+  const bool own_raw = rank_ <= 1;
+  r.each(done, done + m, [&](char* mine, size_t off, size_t len) {
+    auto src = [&](int k) -> const void* {
+      if (k == rank_ && own_raw) return mine;
+      return seg_.slot(k, buf) + off * r.es;
+    };
+    if (n_ == 1 && r.divides) divide(mine, mine, len, r.dtype, r.divisor);
+    for (int k = 1; k < n_; ++k) {
+      Divided d{r.divisor, k == 1 && rank_ == 0};
+      const Divided* dv = r.divides && own_raw && (d.first || k == rank_) ? &d : nullptr;
+      combine(mine, k == 1 ? src(0) : mine, src(k), len, r.dtype, r.op, dv);
+    }
+  });
+}
+
+// A step of the reduction in parts (reduce-scatter, then all-gather), `m` elements from `done`:
+//   1. scatter: copy the parts that the other ranks reduce into my slot; A = s.
+//   2. reduce part `rank_` in rank order, reading the peers' parts straight from their slots, into my
+//      tensor and my slot; B = s.
+//   3. gather the other ranks' reduced parts from their slots into my tensor.
+void Comm::reduce_parts(const Reduction& r, size_t done, size_t m, uint32_t s, bool first) {
+  const int buf = static_cast<int>(s % 2);
+  const size_t es = r.es;
+  // Parts start on 64-byte boundaries of the chunk, so every rank's reduction loop and copies run
+  // on whole cache lines of its slot.
+  const size_t align = std::max<size_t>(1, 64 / es);
+  auto part_begin = [&](int k) { return k == n_ ? m : m * k / n_ / align * align; };
+  char* my_slot = seg_.slot(rank_, buf);
+  for (int k = 0; k < n_; ++k) {
+    if (k == rank_) continue;
+    const size_t b = part_begin(k);
+    r.copy_into(my_slot + b * es, done + b, done + part_begin(k + 1));
+  }
+  if (first) publish(current_);
+  signal(A, s);
+  wait_all(A, s);
+  check_peers_once(first);
+  const size_t b = part_begin(rank_);
+  r.each(done + b, done + part_begin(rank_ + 1), [&](char* mine, size_t off, size_t len) {
+    auto src = [&](int k) -> const void* {
+      return k == rank_ ? static_cast<const void*>(mine) : static_cast<const void*>(seg_.slot(k, buf) + (b + off) * es);
+    };
+    void* acc = my_slot + (b + off) * es;
+    // One rank alone has nothing to combine: the loop does not run.
+    if (n_ == 1 && r.divides) divide(mine, mine, len, r.dtype, r.divisor);
+    // The last pass writes my tensor and streams the result into my slot for the other ranks; a
+    // rank that does not receive the result leaves its tensor as it was. My own contribution is
+    // divided where it enters: as the first operand of the first pass, or the second of pass `rank_`.
+    for (int k = 1; k < n_; ++k) {
+      const void* lhs = k == 1 ? src(0) : acc;
+      Divided d{r.divisor, k == 1 && rank_ == 0};
+      const Divided* dv = r.divides && (d.first || k == rank_) ? &d : nullptr;
+      if (k == n_ - 1 && r.receives)
+        combine_streaming(mine, acc, lhs, src(k), len, r.dtype, r.op, dv);
+      else
+        combine(acc, lhs, src(k), len, r.dtype, r.op, dv);
+    }
+  });
+  signal(B, s);
+  if (!r.receives) return;
+  wait_all(B, s);
+  for (int k = 0; k < n_; ++k) {
+    if (k == rank_) continue;
+    const size_t pb = part_begin(k);
+    r.each(done + pb, done + part_begin(k + 1),
+           [&](char* p, size_t off, size_t n) { shm_copy(p, seg_.slot(k, buf) + (pb + off) * es, n * es); });
+  }
 }
 
 // Steps 1 and 2 of a copy-only collective: this rank's part is in its slot (if it has one).

@@ -9,6 +9,10 @@
 //      every rank with both calls named, instead of corrupting memory or hanging); reduce part r in
 //      rank order 0..n-1 (so every rank gets the same bits) into r's tensor and r's slot; B = s.
 //   3. gather: wait for B of every rank; copy their reduced parts into r's tensor; C = s.
+// An all_reduce of at most 64 KB (and one slot) is one step with one wait instead (reduce_whole):
+// every rank copies its whole tensor into its slot, A = s; waits for A of every rank, checks the
+// descriptors and reduces the whole tensor in rank order from the slots into its tensor; C = s. The
+// operations and operands are those of the steps above, so the bits are too.
 // reduce is all_reduce whose step 3 only the root runs (the others' tensors are only read), gather
 // is all_gather that only the root copies out of, scatter is broadcast of one part per rank, and
 // reduce_scatter is steps 1 and 2 alone, part r being rank r's output (reduce_scatter.cpp).
@@ -97,6 +101,10 @@ class Comm {
   // all_reduce (root -1) and reduce.
   void reduce_into(const Piece* pieces, size_t npieces, size_t count, DType dtype, RedOp op, int root, uint32_t kind,
                    double divisor);
+  struct Reduction;  // one reduce_into call (comm.cpp)
+  void reduce_whole(const Reduction& r, size_t done, size_t m, uint32_t s, bool first);
+  void reduce_parts(const Reduction& r, size_t done, size_t m, uint32_t s, bool first);
+  void check_peers_once(bool first);
   void announce(uint32_t s, bool first);
   void take_from_root(int root, uint32_t s, bool first, char* dst, size_t offset, size_t m);
   // all_gather (root -1) and gather.
