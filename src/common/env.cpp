@@ -90,8 +90,8 @@ std::vector<Knob> make_table() {
        int64_t{1} << 28,
        64},
       flag_row("DTRAIN_SHM_SINGLE_COPY", R::kLibrary, "1", "1 or 0",
-               "`0`: a shared-memory group's all_to_all goes through Gloo instead of reading the peers' inputs "
-               "directly (process_vm_readv, probed at the group's first all_to_all)."),
+               "`0`: a shared-memory group's all_to_all goes through Gloo instead of writing into the peers' "
+               "outputs directly (process_vm_writev, probed at the group's first all_to_all)."),
       row("DTRAIN_SHM_HOST", R::kLibrary, Type::kText, "", "any text", "",
           "Overrides the key of \"the same host\" (unset: host name, boot id and the identity of "
           "`/dev/shm`), e.g. to make the processes of one machine act as separate hosts."),

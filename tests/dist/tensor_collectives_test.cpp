@@ -398,4 +398,31 @@ TEST(AllToAll, BadInputIsAClearError) {
   }
 }
 
+// all_to_all_single's call check carries its splits in the same exchange as every other call's
+// description (Note [Guarded Gloo collectives]): against an all_reduce that goes to Gloo (int64) on
+// the other ranks, every rank refuses naming both calls, nothing moves, and the group stays usable.
+TEST(AllToAll, SingleAgainstAnotherCollectiveFailsEveryRankNamingBoth) {
+  for (const Group& g : {Group(), gloo_group()}) {
+    at::Tensor x = a2a_input(0);
+    at::Tensor y = at::zeros({a2a_expected(0).size(0), 2}, at::kDouble);
+    at::Tensor counts = at::ones({4}, at::kLong);
+    const std::string e = dtrain_error_of([&] {
+      if (R() == 0)
+        all_to_all_single(y, x, a2a_gets(0, R()), a2a_sends(0, R()), g);
+      else
+        all_reduce(counts, ReduceOp::SUM, g);
+    });
+    const std::string single = "all_to_all_single of Double", sum = "all_reduce of 4 Long elements (SUM)";
+    const std::string expected = R() == 0
+                                     ? "rank 0 calls " + single + " but rank 1 calls " + sum
+                                     : "rank " + std::to_string(R()) + " calls " + sum + " but rank 0 calls " + single;
+    EXPECT_THAT(e, HasSubstr("mismatched collectives over Gloo: " + expected)) << g.name() << ": " << e;
+    EXPECT_TRUE(at::equal(y, at::zeros_like(y))) << "moved before the refusal, " << g.name();
+    EXPECT_TRUE(at::equal(counts, at::ones_like(counts))) << "moved before the refusal, " << g.name();
+    at::Tensor got = at::zeros({a2a_expected(1).size(0), 2}, at::kDouble);
+    all_to_all_single(got, a2a_input(1), a2a_gets(1, R()), a2a_sends(1, R()), g);
+    EXPECT_TRUE(at::equal(got, a2a_expected(1))) << "the group after the refusal, " << g.name();
+  }
+}
+
 DTRAIN_DIST_TEST_MAIN()

@@ -63,8 +63,8 @@ class ShmTest(DistTestCase):
             self.assertIn("DTRAIN_SHM='yes' is invalid: use 0 (Gloo only), 1 (require shared memory)", r.err,
                           str(r))
 
-    def test_all_to_all_reads_peers_directly_or_goes_through_gloo(self):
-        for single_copy, line in (("1", "each rank reads its peers' inputs directly (one copy)"),
+    def test_all_to_all_writes_into_peers_directly_or_goes_through_gloo(self):
+        for single_copy, line in (("1", "each rank writes into its peers' outputs directly (one copy)"),
                                   ("0", "through Gloo (DTRAIN_SHM_SINGLE_COPY=0)")):
             with self.subTest(single_copy=single_copy):
                 port = free_port()

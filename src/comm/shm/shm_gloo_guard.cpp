@@ -16,7 +16,9 @@ namespace {
 // therefore make Gloo throw where no caller can catch it (std::terminate: the process dies of
 // SIGABRT), or, when the message is smaller, leave garbage in the output or hang. So before a
 // collective starts on Gloo, the ranks all-gather a fixed-size description of it (GlooCall: an
-// exchange that itself cannot mismatch) and start it only if every rank describes the same call;
+// exchange that itself cannot mismatch; on the group's own Gloo it has room for all_to_all_single's
+// splits and addresses, zeros for every other call, so that call is checked in one exchange) and
+// start it only if every rank describes the same call;
 // otherwise every rank throws (the caller's Work names the rank and the operation) and no data has
 // moved, so the group stays usable. The exchange and the collective run in the queue's order (the
 // worker, or the caller for a blocking call): Gloo numbers its collectives as they start, so every
@@ -42,6 +44,8 @@ const char* kind_name(int64_t k) {
       return "all_to_all";
     case kBarrier:
       return "barrier";
+    case kAllToAllSingle:
+      return "all_to_all_single";
   }
   return "an unknown collective";
 }
@@ -118,13 +122,22 @@ std::vector<at::Tensor> ShmProcessGroup::exchange(compat::Backend& pg, const at:
   return all;
 }
 
-void ShmProcessGroup::agree(compat::Backend& pg, int me, const std::vector<int>& labels, const GlooCall& call,
-                            std::chrono::milliseconds timeout) {
+size_t ShmProcessGroup::call_tail(const compat::Backend& pg) const {
+  return &pg == gloo().get() ? 2 * static_cast<size_t>(size_) + 3 : 0;
+}
+
+std::vector<at::Tensor> ShmProcessGroup::agree(compat::Backend& pg, int me, const std::vector<int>& labels,
+                                               const GlooCall& call, std::chrono::milliseconds timeout,
+                                               const std::vector<int64_t>& tail) {
   constexpr int64_t kFields = sizeof(GlooCall) / sizeof(int64_t);
   const int n = pg.getSize();
-  at::Tensor mine = at::empty({kFields}, at::kLong);
+  const auto tail_len = static_cast<int64_t>(call_tail(pg));
+  // Every rank exchanges the same size whatever it calls, so the exchange itself cannot mismatch.
+  DTRAIN_ASSERT(static_cast<int64_t>(tail.size()) <= tail_len, "a call's tail longer than the group's");
+  at::Tensor mine = at::zeros({kFields + tail_len}, at::kLong);
   std::memcpy(mine.data_ptr(), &call, sizeof(call));
-  const std::vector<at::Tensor> all = exchange(pg, mine, timeout);
+  std::copy(tail.begin(), tail.end(), mine.data_ptr<int64_t>() + kFields);
+  std::vector<at::Tensor> all = exchange(pg, mine, timeout);
   for (int r = 0; r < n; ++r) {
     GlooCall theirs;
     std::memcpy(&theirs, all[r].data_ptr(), sizeof(theirs));
@@ -135,17 +148,27 @@ void ShmProcessGroup::agree(compat::Backend& pg, int me, const std::vector<int>&
                     " but rank ", labels.at(r), " calls ", describe(theirs, labels),
                     ": every rank must call the same collectives in the same order with the same shapes and dtypes"));
   }
+  for (auto& t : all) t = t.narrow(0, kFields, tail_len);
+  return all;
 }
 
 c10::intrusive_ptr<c10d::Work> ShmProcessGroup::on_gloo(std::vector<at::Tensor> outputs, c10d::OpType type,
                                                         GlooCall call, std::chrono::milliseconds timeout,
                                                         std::function<c10::intrusive_ptr<c10d::Work>()> start) {
-  return enqueue(std::move(outputs), type, [this, call, timeout, start = std::move(start)] {
-    agree(*gloo(), rank_, labels_, call, timeout);  // not broken: the job checked
+  GlooStart with_table;
+  if (start) with_table = [start = std::move(start)](const std::vector<at::Tensor>&) { return start(); };
+  return on_gloo(std::move(outputs), type, call, {}, timeout, std::move(with_table));
+}
+
+c10::intrusive_ptr<c10d::Work> ShmProcessGroup::on_gloo(std::vector<at::Tensor> outputs, c10d::OpType type,
+                                                        GlooCall call, std::vector<int64_t> tail,
+                                                        std::chrono::milliseconds timeout, GlooStart start) {
+  return enqueue(std::move(outputs), type, [this, call, tail = std::move(tail), timeout, start = std::move(start)] {
+    const std::vector<at::Tensor> tails = agree(*gloo(), rank_, labels_, call, timeout, tail);  // not broken: checked
     // Every rank agreed on the count: with nothing to move, Gloo is not asked at all (its all_gather
     // divides by the element count and kills the process with SIGFPE on empty tensors).
     if (!start || call.count == 0) return;
-    if (const auto work = start()) work->wait();  // null: the job moved the data itself
+    if (const auto work = start(tails)) work->wait();  // null: the job moved the data itself
   });
 }
 

@@ -49,7 +49,8 @@ enum GlooCallKind : int64_t {
   kScatter,
   kReduceScatter,
   kAllToAll,
-  kBarrier
+  kBarrier,
+  kAllToAllSingle  // its own kind: its check carries the splits, all_to_all's does not
 };
 // agree()'s verdict that the ranks describe different calls: raised before any data moved, so the
 // group stays usable (everything else that fails a job breaks it: Note [Broken groups]).
@@ -180,22 +181,32 @@ class ShmProcessGroup : public compat::Backend, public Capabilities {
   c10::intrusive_ptr<c10d::Work> on_gloo(std::vector<at::Tensor> outputs, c10d::OpType type, GlooCall call,
                                          std::chrono::milliseconds timeout,
                                          std::function<c10::intrusive_ptr<c10d::Work>()> start);
+  // The same with `tail` exchanged alongside the call's description: `start` gets every rank's.
+  using GlooStart = std::function<c10::intrusive_ptr<c10d::Work>(const std::vector<at::Tensor>& tails)>;
+  c10::intrusive_ptr<c10d::Work> on_gloo(std::vector<at::Tensor> outputs, c10d::OpType type, GlooCall call,
+                                         std::vector<int64_t> tail, std::chrono::milliseconds timeout, GlooStart start);
   // Throws unless every rank of `pg` (this rank is `me`; labels: their global ranks) describes `call`.
-  void agree(compat::Backend& pg, int me, const std::vector<int>& labels, const GlooCall& call,
-             std::chrono::milliseconds timeout);
+  // Each rank's `tail` (int64, at most call_tail(pg) of them, zeros after) travels in the same
+  // exchange; returns every rank's tail, in group-rank order.
+  std::vector<at::Tensor> agree(compat::Backend& pg, int me, const std::vector<int>& labels, const GlooCall& call,
+                                std::chrono::milliseconds timeout, const std::vector<int64_t>& tail = {});
+  // How many int64 of tail every call's check over `pg` carries: on the group's own Gloo, room for
+  // all_to_all's (a_to_a_tail()), so that its check and the splits' are one exchange; none elsewhere.
+  size_t call_tail(const compat::Backend& pg) const;
   // Every rank's `mine` (one size on every rank) in group-rank order: over the segment when `pg` is
   // the group's Gloo on one host, else Gloo's all_gather.
   std::vector<at::Tensor> exchange(compat::Backend& pg, const at::Tensor& mine, std::chrono::milliseconds timeout);
-  // all_to_all's check before Gloo sends anything: every rank's splits (c10d's, empty = equal
-  // parts) and row size agree; throws CallMismatch naming the first pair that does not.
-  // Returns every rank's entry: [row size, input splits (n), output splits (n), pid, input address].
-  std::vector<at::Tensor> agree_splits(compat::Backend& pg, const at::Tensor& out, const at::Tensor& in,
-                                       const std::vector<int64_t>& os, const std::vector<int64_t>& is,
-                                       std::chrono::milliseconds timeout);
-  // Note [Single-copy all_to_all] (shm_all_to_all.cpp): whether every rank may read its peers'
+  // all_to_all's part of its call check (agree()'s tail): [row size, input splits (n), output
+  // splits (n), pid, input address], splits as c10d reads them (empty = equal parts).
+  std::vector<int64_t> a_to_a_tail(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& os,
+                                   const std::vector<int64_t>& is) const;
+  // all_to_all's check before anything moves: every rank's splits and row size in `tails` agree;
+  // throws CallMismatch naming the first pair that does not.
+  void agree_splits(const std::vector<at::Tensor>& tails) const;
+  // Note [Single-copy all_to_all] (shm_all_to_all.cpp): whether every rank may write into its peers'
   // memory (probed by the first call, collective over the segment), and the exchange itself.
   bool single_copy_usable();
-  void all_to_all_single_copy(const at::Tensor& out, const at::Tensor& in, const std::vector<at::Tensor>& all);
+  void all_to_all_single_copy(const at::Tensor& out, const at::Tensor& in, const std::vector<at::Tensor>& tails);
   void run();
 
   mutable std::mutex gloo_mu_;  // gloo_ and leaders_ are dropped when the group breaks
