@@ -9,7 +9,8 @@
   * node 1's launcher SIGKILLed (its workers die with it): node 0 says in one line that node 1 is
     gone, its replicas train on to the end and it exits 0 without waiting out --rdzv_timeout;
   * node 0's launcher SIGKILLed (the store, hence the quorum, goes with it): node 1 ends with one line
-    naming the lost rendezvous, without relaunching its replicas.
+    naming the lost rendezvous, without relaunching its replicas (its workers notice the lost store
+    before its launcher's once-a-second look does).
 """
 import os
 import signal
@@ -24,12 +25,12 @@ SECRET = "two-node-replica-test-secret-" + "x" * 16
 
 
 class ReplicaFaultToleranceTwoNodes(DistTestCase):
-    def nodes(self, steps, step_ms):
+    def nodes(self, steps, step_ms, monitor_interval=0.05):
         port = free_port()
         procs = []
         for node in (0, 1):
             argv = [launcher(), "--nnodes", 2, "--node_rank", node, "--rdzv_endpoint", f"127.0.0.1:{port}", "--ft",
-                    "--nproc_per_node", 2, "--ft_replica_ranks", 1, "--max_restarts", 1, "--monitor_interval", 0.05,
+                    "--nproc_per_node", 2, "--ft_replica_ranks", 1, "--max_restarts", 1, "--monitor_interval", monitor_interval,
                     "--rdzv_timeout", 60, "--grace_period", 2, ft_train(), "--steps", steps, "--step_ms",
                     round(scaled(step_ms)), "--min_replicas", 2, "--replica_ranks", 1]
             procs.append(self.spawn(argv, clean_env(DTRAIN_JOB_SECRET=SECRET)))
@@ -88,7 +89,7 @@ class ReplicaFaultToleranceTwoNodes(DistTestCase):
 
     def test_node_1_lost_node_0_trains_on(self):
         procs = self.nodes(steps=60, step_ms=40)
-        self.assertTrue(wait_until(lambda: all(10 in self.commits(procs)[w] for w in range(4)), timeout=scaled(30)),
+        self.assertTrue(wait_until(lambda: all(16 in self.commits(procs)[w] for w in range(4)), timeout=scaled(30)),
                         procs[0].output() + procs[1].output())
         procs[1].kill()
         start = time.monotonic()
@@ -100,19 +101,25 @@ class ReplicaFaultToleranceTwoNodes(DistTestCase):
         done = {rep: f["hash"] for rep, kind, _, f in recs if kind == "done"}
         self.assertEqual(sorted(done), [0, 1])
         self.assertEqual(len(set(done.values())), 1, done)
+        before = {f["participants"] for rep, kind, s, f in recs if kind == "begin" and s <= 16}
         last = {f["participants"] for rep, kind, s, f in recs if kind == "begin" and s >= 50}
+        self.assertIn("4", before, f"node 1's replicas were never in node 0's quorum: {before}")
         self.assertEqual(last, {"2"}, last)
         self.assertLess(took, scaled(20), f"node 0 took {took:.1f} s after node 1 was lost")
 
     def test_node_0_lost_ends_the_job_on_node_1(self):
-        procs = self.nodes(steps=400, step_ms=40)
+        # Node 1's launcher looks at the store once a second only: its workers find the store gone first,
+        # and it must not relaunch them.
+        procs = self.nodes(steps=400, step_ms=40, monitor_interval=1.0)
         self.assertTrue(wait_until(lambda: all(10 in self.commits(procs)[w] for w in range(4)), timeout=scaled(30)),
                         procs[0].output() + procs[1].output())
         procs[0].kill()
         res = procs[1].finish(scaled(30))
         self.assertEqual(res.rc, 1, str(res))
         self.assertNotIn("relaunching", res.err)
-        self.assertIn("(did node 0's launcher die?)", res.err)
+        last = res.err.strip().splitlines()[-1]
+        self.assertRegex(last, r"^dtrain-run: stopping this node's workers: lost the rendezvous at 127\.0\.0\.1:\d+ "
+                               r"\(did node 0's launcher die\?\)", res.err)
 
 
 if __name__ == "__main__":
