@@ -8,7 +8,8 @@
 //   - a node whose launcher dies (SIGKILL, the machine gone) takes its workers with it (they die
 //     with their launcher); its replicas' heartbeats in the quorum stop and the others go on. Node 0
 //     learns that the launcher is gone from the launcher heartbeat below and says so in one line,
-//     and does not wait for it at the end of the job (step 7's wait in rendezvous.h is for the nodes still beating);
+//     and does not wait for it at the end of the job (rendezvous.h's step 7 waits for the nodes
+//     still beating only);
 //   - node 0's launcher hosts the store, hence the quorum: when it dies the job ends, every other
 //     node stopping its workers with one line naming the lost store (check_remote in supervisor.cpp),
 //     instead of relaunching replicas that could only fail to reach it;
