@@ -244,6 +244,15 @@ class MultiNodeTest(MarkedTestCase):
             self.assertIn("nodes disagree on --max_restarts: node 0 has 1, node 1 (", err)
             self.assertIn("give every node the same --max_restarts", err)
 
+    def test_nodes_disagree_on_ft(self):
+        port = free_port()
+        n0 = start(node_args(port, 0, nproc=2, extra=["--ft", "--ft_replica_ranks", "2"]) + ["true"])
+        n1 = start(node_args(port, 1, nproc=2, extra=["--ft"]) + ["true"])
+        for rc, _, err in finish(n0, n1):
+            self.assertEqual(rc, 1, err)
+            self.assertIn("nodes disagree on --ft: node 0 has --ft --ft_replica_ranks 2, node 1 (", err)
+            self.assertIn(") has --ft --ft_replica_ranks 1; give every node the same --ft and --ft_replica_ranks", err)
+
     def test_store_listens_on_master_addr_only(self):
         from launcher_common import listeners
         port = free_port()

@@ -37,6 +37,9 @@ class UsageTest(unittest.TestCase):
         self.bad(["--master_port", "70000", "true"], "--master_port", "'70000'")
         self.bad(["--master_port", "http", "true"], "'http'")
         self.bad(["--max_restarts", "-1", "true"], "--max_restarts", "'-1'")
+        self.bad(["--ft", "--nnodes", "2:4", "true"], "--ft needs a fixed node count", "--nnodes is 2:4 (elastic)")
+        self.bad(["--ft", "--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:1", "true"],
+                 "--ft on several nodes needs fixed node ranks", "drop --rdzv_backend c10d")
         self.bad(["--monitor_interval", "0", "true"], "--monitor_interval", "'0'")
         self.bad(["--rdzv_timeout", "x", "true"], "--rdzv_timeout", "'x'")
         self.assertEqual(self.bad(["--grace_period", "-0.5", "true"]),

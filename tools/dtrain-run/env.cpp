@@ -43,6 +43,8 @@ std::vector<WorkerSpec> make_worker_specs(const LaunchOptions& o, uint16_t maste
     env["LOCAL_RANK"] = std::to_string(s.local_rank);
     if (o.ft) {  // each replica is a world of its own (Note [Replica relaunch])
       const int k = o.ft_replica_ranks;
+      // Numbered across the nodes (node_rank * nproc_per_node / K + the local replica): every node's
+      // replicas meet in node 0's quorum, where an id is one replica (Note [Replicas on several nodes]).
       env["DTRAIN_FT_REPLICA_ID"] = std::to_string(s.rank / k);
       env["RANK"] = env["ROLE_RANK"] = env["LOCAL_RANK"] = std::to_string(s.rank % k);
       env["WORLD_SIZE"] = env["LOCAL_WORLD_SIZE"] = env["ROLE_WORLD_SIZE"] = std::to_string(k);

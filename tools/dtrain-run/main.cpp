@@ -20,6 +20,7 @@
 #include "common/util.h"
 #include "elastic.h"
 #include "flight.h"
+#include "ft_nodes.h"
 #include "options.h"
 #include "output.h"
 #include "rendezvous.h"
@@ -194,14 +195,27 @@ int run(const LaunchOptions& o) {
 
   // 3.
   std::optional<NodeRendezvous> rdzv;
+  std::unique_ptr<FtNodes> ft_nodes;  // --ft on several nodes (Note [Replicas on several nodes] in ft_nodes.h)
+  Supervisor::Watch watch;
   if (o.nnodes > 1) {
     pthread_sigmask(SIG_UNBLOCK, &terminating, nullptr);
     const auto timeout = dtrain::util::millis_of_seconds(o.rdzv_timeout);
     if (o.secret.empty()) say(open_store_warning(o));
     rdzv.emplace(o.master_addr, port, timeout, o.secret, seconds(o.read_timeout));
-    rdzv->join(NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, o.max_restarts, node_name(o)}, say);
+    rdzv->join(
+        NodeInfo{o.nnodes, o.nproc_per_node, o.node_rank, o.max_restarts, o.ft ? o.ft_replica_ranks : 0, node_name(o)},
+        say);
     if (!server) rdzv->watch_host(silent_host_after(dtrain::util::millis_of_seconds(o.monitor_interval)));
     pthread_sigmask(SIG_BLOCK, &terminating, nullptr);
+    if (o.ft) {
+      ft_nodes = std::make_unique<FtNodes>(*rdzv, o.node_rank, o.nnodes, o.master_addr, port, o.secret,
+                                           seconds(o.monitor_interval));
+      if (server)  // node 0 says which nodes it lost; their replicas' loss is the quorum's business
+        watch = [&]() -> std::optional<std::string> {
+          for (const std::string& line : ft_nodes->newly_gone()) say(line);
+          return std::nullopt;
+        };
+    }
   }
 
   // 4.
@@ -214,7 +228,7 @@ int run(const LaunchOptions& o) {
   int attempt = 0;
   for (;; ++attempt) {
     {
-      Supervisor supervisor(workers, workers_port, sfd, rdzv ? &*rdzv : nullptr);
+      Supervisor supervisor(workers, workers_port, sfd, rdzv ? &*rdzv : nullptr, watch);
       result = supervisor.run_attempt(attempt);
     }
     if (rdzv && rdzv->host_silent()) {  // nobody to agree with: the job ends here
@@ -223,7 +237,9 @@ int run(const LaunchOptions& o) {
       result.exit_code = result.exit_code == 0 ? 1 : result.exit_code;
       break;
     }
-    if (rdzv && o.max_restarts > 0 && !job_wide_outcome(*rdzv, o, attempt, result)) break;
+    // --ft never restarts the group, so its nodes do not wait for each other's outcomes (a node that
+    // is gone would never give one).
+    if (rdzv && o.max_restarts > 0 && !o.ft && !job_wide_outcome(*rdzv, o, attempt, result)) break;
     // --ft spent its restarts on single replicas inside the attempt (supervisor.h, Note [Replica relaunch]).
     if (result.exit_code != 1 || attempt >= o.max_restarts || o.ft) break;
     show_tail(result);
@@ -245,7 +261,10 @@ int run(const LaunchOptions& o) {
   if (rdzv && !rdzv->host_silent()) {
     try {  // Note [Store deadlines and closing] in rendezvous.h
       rdzv->mark_done(o.node_rank, result.exit_code, seconds(o.close_timeout));
-      if (server) rdzv->wait_all_done(o.nnodes, node0_linger(o, result.exit_code));
+      if (server && ft_nodes)
+        ft_nodes->wait_done_or_gone(node0_linger(o, result.exit_code), say);
+      else if (server)
+        rdzv->wait_all_done(o.nnodes, node0_linger(o, result.exit_code));
     } catch (const std::exception&) {
       // The store is gone (node 0 finished first): nothing left to tell.
     }

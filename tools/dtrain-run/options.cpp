@@ -213,7 +213,8 @@ void add_flags(CLI::App& app, LaunchOptions& o, Given& g) {
   app.add_flag("--standalone", o.standalone, "single node on 127.0.0.1 with a free port");
   app.add_flag("--ft", o.ft,
                "replica fault tolerance: each worker is a replica (dtrain::ft::Manager); a failed one is "
-               "relaunched alone, --max_restarts times in all, while the others go on");
+               "relaunched alone, --max_restarts times per node, while the others go on; several nodes: a fixed "
+               "--nnodes N with --node_rank, node 0's store holding the quorum");
   for (const NumericFlag& f : kTimings) g.numbers.add(app, f);
   app.add_option("--log_dir,--log-dir", o.log_dir,
                  "write <log_dir>/<run_id>_<random>/attempt_<restart>/<local_rank>/{stdout,stderr}.log "
@@ -372,9 +373,15 @@ void apply_placement(const CLI::App& app, Given& g, LaunchOptions& o) {
                      "fixes the nodes; give --nnodes N or run dtrain-run outside srun");
   if (o.elastic && o.standalone)
     throw UsageError("--standalone runs one node, but --nnodes is " + nnodes + " (drop one of them)");
-  if (o.ft && (o.elastic || o.nnodes != 1))
-    throw UsageError("--ft relaunches replicas on one node, but --nnodes is " + nnodes +
-                     ": run one dtrain-run --ft per job on one node (--standalone or --nnodes 1)");
+  // Note [Replicas on several nodes] (ft_nodes.h): a fixed set of nodes, replica ids fixed by node rank.
+  if (o.ft && o.c10d && o.elastic && g.nnodes.find(':') == std::string::npos)
+    throw UsageError(
+        "--ft on several nodes needs fixed node ranks, but --rdzv_backend c10d assigns them in an "
+        "elastic rendezvous: drop --rdzv_backend c10d and give each node --node_rank with the same "
+        "--rdzv_endpoint (or --master_addr/--master_port)");
+  if (o.ft && o.elastic)
+    throw UsageError("--ft needs a fixed node count, but --nnodes is " + nnodes +
+                     " (elastic): give --nnodes N; replicas leave and rejoin inside the job, nodes do not");
   if (o.ft_replica_ranks > 1 && (!o.ft || o.nproc_per_node % o.ft_replica_ranks != 0))
     throw UsageError("--ft_replica_ranks " + std::to_string(o.ft_replica_ranks) +
                      " needs --ft and a --nproc_per_node " + "that is a multiple of it (got " +

@@ -71,8 +71,8 @@ struct LaunchOptions {
   int master_port = 29500;
   bool standalone = false;
   // --ft: each worker is a data-parallel replica of one rank (dtrain::ft::Manager, DTRAIN_FT_REPLICA_ID
-  // = its rank); a worker that fails is relaunched alone while the others train on, --max_restarts
-  // relaunches in all. One node only.
+  // = its global rank); a worker that fails is relaunched alone while the others train on, --max_restarts
+  // relaunches per node. Several nodes: a fixed --nnodes N (Note [Replicas on several nodes], ft_nodes.h).
   bool ft = false;
   int ft_replica_ranks = 1;       // --ft: consecutive workers that form one replica (its own world)
   int max_restarts = 0;           // restarts of the whole group after a failure (one-node jobs)

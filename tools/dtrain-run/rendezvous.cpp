@@ -59,10 +59,14 @@ std::string comma_list(const std::vector<int>& v) {
 
 std::string node_text(const NodeInfo& n) { return "node " + std::to_string(n.node_rank) + " (" + n.hostname + ")"; }
 
+std::string ft_text(const NodeInfo& n) {
+  return n.ft_replica_ranks == 0 ? "no --ft" : "--ft --ft_replica_ranks " + std::to_string(n.ft_replica_ranks);
+}
+
 NodeInfo parse_info(const std::string& s) {
   NodeInfo n;
   std::istringstream in(s);
-  in >> n.nnodes >> n.nproc_per_node >> n.node_rank >> n.max_restarts;
+  in >> n.nnodes >> n.nproc_per_node >> n.node_rank >> n.max_restarts >> n.ft_replica_ranks;
   std::getline(in >> std::ws, n.hostname);
   return n;
 }
@@ -101,7 +105,8 @@ void NodeRendezvous::join_steps(const NodeInfo& me, const Say& say) {
   const int64_t arrival = client_->add(node_key("arrivals"), 1);
   client_->set(node_key("arrival", arrival),
                to_bytes(std::to_string(me.nnodes) + " " + std::to_string(me.nproc_per_node) + " " +
-                        std::to_string(me.node_rank) + " " + std::to_string(me.max_restarts) + " " + me.hostname));
+                        std::to_string(me.node_rank) + " " + std::to_string(me.max_restarts) + " " +
+                        std::to_string(me.ft_replica_ranks) + " " + me.hostname));
   // 3. Node 0 judges.
   if (me.node_rank == 0) client_->set(node_key("verdict"), to_bytes(check_arrivals(me, say)));
   // 4. Everyone follows the verdict. Node 0 may take the whole timeout collecting nodes.
@@ -174,6 +179,9 @@ std::string NodeRendezvous::check_arrivals(const NodeInfo& me, const Say& say) {
     if (n.max_restarts != me.max_restarts)  // every node must take the same restart decisions
       return "nodes disagree on --max_restarts: node 0 has " + std::to_string(me.max_restarts) + ", " + node_text(n) +
              " has " + std::to_string(n.max_restarts) + "; give every node the same --max_restarts";
+    if (n.ft_replica_ranks != me.ft_replica_ranks)  // replica ids and worlds follow from both
+      return "nodes disagree on --ft: node 0 has " + ft_text(me) + ", " + node_text(n) + " has " + ft_text(n) +
+             "; give every node the same --ft and --ft_replica_ranks";
     if (n.node_rank < 0 || n.node_rank >= me.nnodes)
       return node_text(n) + " has a --node_rank outside 0.." + std::to_string(me.nnodes - 1);
     int& slot = seen[static_cast<size_t>(n.node_rank)];
@@ -202,6 +210,8 @@ auto NodeRendezvous::polled(F f) -> decltype(f()) {
 bool NodeRendezvous::node0_done() {
   return polled([&] { return client_->check({node_key("done", 0)}); });
 }
+
+bool NodeRendezvous::node_done(int node_rank) { return client_->check({node_key("done", node_rank)}); }
 
 bool NodeRendezvous::publish_failure(int attempt, int node_rank, const std::string& summary) {
   std::string mine = std::to_string(node_rank) + " " + hostname_ + "\n" + summary;

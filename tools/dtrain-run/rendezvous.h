@@ -5,7 +5,7 @@
 //   1. Node 0's launcher hosts a StoreServer on master_addr:master_port (main.cpp). Every launcher,
 //      node 0 too, connects a StoreClient (retrying until --rdzv_timeout: node 0 may start later).
 //   2. Each node takes an arrival number a = add("arrivals", 1) and sets "arrival/<a>" to
-//      "<nnodes> <nproc_per_node> <node_rank> <hostname>".
+//      "<nnodes> <nproc_per_node> <node_rank> <max_restarts> <ft_replica_ranks, 0 without --ft> <hostname>".
 //   3. Node 0 waits for "arrival/1".."arrival/<nnodes>" one by one within --rdzv_timeout, checking
 //      each against its own --nnodes/--nproc_per_node and for a node_rank seen twice; at the first
 //      problem (or the timeout) it stops waiting. It sets "verdict" to "ok" or to the one-line error.
@@ -120,6 +120,7 @@ struct NodeInfo {
   int nproc_per_node = 0;
   int node_rank = 0;
   int max_restarts = 0;
+  int ft_replica_ranks = 0;  // --ft: its --ft_replica_ranks; 0 without --ft
   std::string hostname;
 };
 
@@ -155,6 +156,8 @@ class NodeRendezvous {
   std::string silent_host_line() const { return silent_host_text(host_, port_, silent_after_); }
   // Whether node 0 said that its workers are done (step 7).
   bool node0_done();
+  // Node 0: whether node `node_rank` said so (step 7).
+  bool node_done(int node_rank);
 
   // Step 5. publish_failure returns false when another node's failure was first.
   // remote_failure: "node N (host) failed: <summary>" when a node other than `my_node_rank` failed.

@@ -253,6 +253,10 @@ void Supervisor::reap() {
     w.status = status;
     const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     if (failed && !stopping_ && failed_index_ < 0 && opts_.ft && ft_relaunches_ < opts_.max_restarts) {
+      // On several nodes a replica may have died because node 0's store (the quorum's) is gone: then
+      // this node stops with that one line, not with replicas relaunched to fail again.
+      if (rdzv_) check_remote();
+      if (stopping_) continue;
       relaunch(w);
       continue;
     }
