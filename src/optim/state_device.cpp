@@ -18,6 +18,7 @@ torch::serialize::InputArchive parse_on_cpu(const std::string& bytes) {
 
 void load_onto_param_devices(torch::optim::Optimizer& o, torch::serialize::InputArchive& archive) {
   o.load(archive);
+  compat::restore_param_group_options(o, archive);  // the saved lr, as LibTorch 2.x's load() has it
   move_to_param_devices(o);
 }
 

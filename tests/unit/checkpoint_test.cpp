@@ -164,6 +164,38 @@ TEST_F(Checkpoint, RoundTripContinuesExactly) {
   EXPECT_EQ(flat(b), expected);
 }
 
+// PyTorch's load_state_dict restores each param group's hyperparameters: a run whose schedule moved
+// the lr resumes at the saved lr, whatever the optimizer was built with (LibTorch 1.13's load() alone
+// kept the new optimizer's own: compat::restore_param_group_options).
+TEST_F(Checkpoint, TheOptimizersHyperparametersComeBackAsSaved) {
+  namespace o = torch::optim;
+  const auto lr_of = [](o::Optimizer& opt) { return opt.param_groups()[0].options().get_lr(); };
+  const auto round_trip = [&](const std::string& name, auto make) {
+    torch::manual_seed(1);
+    Net a;
+    auto opt_a = make(a->parameters(), 0.5);
+    train_steps(a, *opt_a, 2);
+    opt_a->param_groups()[0].options().set_lr(0.0125);  // what a schedule does between steps
+    dtrain::TrainingState st;
+    st.model = a.ptr().get();
+    st.optimizer = opt_a.get();
+    dtrain::CheckpointManager mgr(dir + "/" + name);
+    mgr.save(st);
+    Net b;
+    auto opt_b = make(b->parameters(), 0.5);
+    dtrain::TrainingState back;
+    back.model = b.ptr().get();
+    back.optimizer = opt_b.get();
+    ASSERT_TRUE(mgr.load_latest(back)) << name;
+    EXPECT_EQ(lr_of(*opt_b), 0.0125) << name;
+  };
+  round_trip("sgd", [](auto p, double lr) { return std::make_unique<o::SGD>(p, o::SGDOptions(lr).momentum(0.9)); });
+  round_trip("adam", [](auto p, double lr) { return std::make_unique<o::Adam>(p, o::AdamOptions(lr)); });
+  round_trip("adamw", [](auto p, double lr) { return std::make_unique<o::AdamW>(p, o::AdamWOptions(lr)); });
+  round_trip("adagrad", [](auto p, double lr) { return std::make_unique<o::Adagrad>(p, o::AdagradOptions(lr)); });
+  round_trip("rmsprop", [](auto p, double lr) { return std::make_unique<o::RMSprop>(p, o::RMSpropOptions(lr)); });
+}
+
 TEST_F(Checkpoint, EmptyFolderLoadsNothing) {
   Net net;
   dtrain::TrainingState st;

@@ -256,12 +256,13 @@ TEST(StoreLimits, TheMemoryBudgetHoldsAcrossConnections) {
   for (auto& t : senders) t.join();
   const std::string err = testing::internal::GetCapturedStderr();
   EXPECT_LE(peak_held, limits.memory_budget) << "the store held " << (peak_held >> 20) << " MiB";
-  // The accounted bytes are the budget; the process also keeps what the allocator has not given
-  // back and a reply's copy while it is made: 3 times the budget, where the same attack without one
-  // grows by 240 MiB and more. ThreadSanitizer's shadow pages (several hundred MiB whatever the
-  // store holds) leave resident memory nothing to say there: the accounted bytes do.
+  // The accounted bytes are the budget (above, exactly); the process also keeps what the allocator
+  // has not given back and a reply's copy while it is made: under 4 times the budget (152 MiB was
+  // seen once with a compiler running beside the test, 3 times is too tight), where the same attack
+  // without one grows by 240 MiB and more. ThreadSanitizer's shadow pages (several hundred MiB
+  // whatever the store holds) leave resident memory nothing to say there: the accounted bytes do.
 #if !defined(__SANITIZE_THREAD__)
-  EXPECT_LT(peak_rss, 3 * 48 + kQuarantineMiB) << "the store grew by " << peak_rss << " MiB";
+  EXPECT_LT(peak_rss, 4 * 48 + kQuarantineMiB) << "the store grew by " << peak_rss << " MiB";
 #endif
   EXPECT_THAT(err, HasSubstr("past its memory budget of 48 MiB")) << err;
   EXPECT_THAT(err, HasSubstr("dropped the connection from 127.0.0.1:")) << err;
