@@ -55,7 +55,9 @@ std::shared_ptr<CkptNode> ckpt_model(const std::vector<std::pair<std::string, at
       require_arg(!node->named_parameters(false).contains(parts[k]),
                   dtrain::detail::cat("name '", name, "' goes inside '", parts[k],
                                       "', which another name is: a name is a tensor or a prefix of others, not both"));
-      const auto* child = node->named_children().find(parts[k]);
+      // named_children() returns its dict by value: keep it while its item is used.
+      const auto children = node->named_children();
+      const auto* child = children.find(parts[k]);
       node = child ? child->get() : node->register_module(parts[k], std::make_shared<CkptNode>()).get();
     }
     require_arg(!node->named_children().contains(parts.back()),
