@@ -184,9 +184,8 @@ class DiLoCo {
   // A fragment's sync between its start (the pseudo-gradient taken, the all-reduce started) and its
   // outer step.
   struct Pending {
-    bool active = false;
     size_t index = 0;
-    at::Tensor flat;     // the pseudo-gradient, averaged in place
+    at::Tensor flat;     // the pseudo-gradient, averaged in place; undefined: none pending
     Work work;           // the Group's asynchronous all-reduce
     bool agreed = true;  // an Average function's answer
   };

@@ -232,7 +232,7 @@ void DiLoCo::restore(const Fragment& f) {
 }
 
 void DiLoCo::drop_pending() noexcept {
-  if (!pending_.active) return;
+  if (!pending_.flat.defined()) return;
   Pending dropped = std::move(pending_);
   pending_ = Pending();
   if (average_) return;  // an Average function's sync has already run
@@ -265,7 +265,6 @@ void DiLoCo::start_sync(size_t index) {
     sync_failed(index, flat.numel(), e);
   }
   p.flat = std::move(flat);
-  p.active = true;
   pending_ = std::move(p);
 }
 
@@ -281,7 +280,7 @@ void DiLoCo::sync_failed(size_t index, int64_t numel, const std::exception& e) {
 }
 
 bool DiLoCo::finish_sync() {
-  if (!pending_.active) return false;  // dropped by save_parameters() while in flight
+  if (!pending_.flat.defined()) return false;  // dropped by save_parameters() while in flight
   torch::NoGradGuard no_grad;
   try {
     if (!average_) pending_.work.wait();
