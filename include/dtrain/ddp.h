@@ -17,6 +17,8 @@
 //   dtrain/comm_hooks.h); the all-reduces overlap backward, bucket by bucket.
 // - Under no_sync() backward only accumulates locally; the next synchronized backward averages
 //   the sum. With find_unused_parameters, parameters no rank used keep their .grad() untouched.
+// - DDPOptions::ignored_params are none of DDP's business: each rank keeps its own values and
+//   gradients (e.g. experts sharded over an ep group, averaged by the caller where replicated).
 // - Every rank runs forward and backward the same number of times (uneven inputs: dtrain/join.h).
 // - With PyTorch peers (InitOptions::pytorch_peers: some ranks are Python programs) every call is
 //   Python DDP's, so Python's DistributedDataParallel ranks and these train one model
@@ -64,6 +66,12 @@ struct DDPOptions {
   DTRAIN_ARG(bool, static_graph, false)
   // The group to average over (default: the world).
   DTRAIN_ARG(Group, process_group, Group())
+  // Parameters of the module that DDP leaves alone (PyTorch's
+  // _set_params_and_buffers_to_ignore_for_model, FSDP2's ignored_params): not compared across
+  // ranks, broadcast, bucketed nor averaged; their .grad() is what backward computed. E.g. an
+  // expert-parallel MoE's experts, which differ between ranks (dtrain/expert_parallel.h). Each must
+  // be a parameter of the module (the tensor itself, not a copy).
+  DTRAIN_ARG(std::vector<at::Tensor>, ignored_params, {})
 };
 
 // One event of a synchronized backward (for tests, monitoring and timelines):

@@ -11,6 +11,20 @@
 //   // router parameters: average over the data-parallel ranks (DDP, fully_shard, or by hand);
 //   // expert parameters: their gradients are complete here (see "Gradients" below)
 //
+// Beside data parallelism, on a 2-D mesh (4 ranks: ep groups {0, 1} and {2, 3}, dp groups {0, 2}
+// and {1, 3}; each ep group holds every expert, each dp group one expert slice twice):
+//   auto mesh = dtrain::init_device_mesh({2, 2}, {"dp", "ep"});
+//   Net net(mesh.get_group("ep"));                           // a model holding an MoE over ep
+//   dtrain::DistributedDataParallel ddp(net, dtrain::DDPOptions().ignored_params({net->moe->w1,
+//       net->moe->w2, net->moe->w3}));                     // the rest averaged over all 4 ranks
+//   loss = task_loss(ddp(x)) + 0.01 * net->moe->aux_loss();  // aux loss over the ep group's tokens
+//   loss.backward();                                         // experts: divided by the ep size
+//   for (auto& w : {net->moe->w1, net->moe->w2, net->moe->w3}) {
+//     at::Tensor g = w.grad();
+//     dtrain::all_reduce(g, dtrain::ReduceOp::AVG, mesh.get_group("dp"));  // then the dp mean
+//   }
+//   opt.step();
+//
 // Contract:
 //   - Routing (torchtitan's TokenChoiceTopKRouter with softmax scores): scores = softmax(router(x))
 //     over the experts, router a Linear(dim, num_experts) without bias; each token picks the top_k
@@ -43,8 +57,15 @@
 //     the same average that DDP or fully_shard gives the replicated (router) parameters: their
 //     gradient, a sum over every rank's tokens, is divided by expert_grad_divisor (default ep_group's
 //     size; 1 keeps the sum). Expert parameters must not be averaged over ep_group again: leave them
-//     out of DDP or fully_shard (FullyShardOptions::ignored_params); a data-parallel dimension beside
-//     ep, where experts are replicated, averages them over that dimension's group.
+//     out of DDP or fully_shard (DDPOptions::ignored_params, FullyShardOptions::ignored_params); a
+//     data-parallel dimension beside ep, where experts are replicated, averages them over that
+//     dimension's group: with the default divisor (the ep size) an all_reduce AVG over dp (or
+//     expert_grad_divisor(ep * dp) and a SUM over dp) gives the mean over all ep * dp ranks' losses,
+//     the router's under DDP or fully_shard over the world.
+//   - With dp > 1 the aux loss is over each ep group's tokens (torchtitan's), not the whole batch's:
+//     the ranks' mean loss is the task loss of the whole batch plus the mean over ep groups of
+//     their aux losses. A dcp checkpoint stores each expert chunk once (one dp replica writes it)
+//     and loads on any ep size.
 //   - last_dispatch() tells what the last forward sent: per expert and per rank of ep_group.
 // Design: docs/design.md, "Expert parallelism".
 #pragma once

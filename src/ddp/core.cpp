@@ -22,14 +22,33 @@ namespace {
 
 bool debug_info() { return get_debug_level() != DebugLevel::OFF; }  // INFO or DETAIL
 
+// DDPOptions::ignored_params as a set, each checked to be one of the module's parameters: a copy
+// would be ignored to no effect while the parameter itself got averaged.
+std::unordered_set<const c10::TensorImpl*> ddp_ignored_set(const torch::nn::Module& module,
+                                                           const std::vector<at::Tensor>& ignored) {
+  std::unordered_set<const c10::TensorImpl*> own;
+  for (const auto& p : module.parameters()) own.insert(p.unsafeGetTensorImpl());
+  std::unordered_set<const c10::TensorImpl*> out;
+  for (size_t i = 0; i < ignored.size(); ++i) {
+    const at::Tensor& t = ignored[i];
+    DTRAIN_CHECK(t.defined() && own.count(t.unsafeGetTensorImpl()), "DistributedDataParallel: ignored_params[", i, "] ",
+                 t.defined() ? detail::cat("(shape ", t.sizes(), ")") : std::string("(undefined)"),
+                 " is not a parameter of the module: pass the module's own parameter tensors (e.g. "
+                 "model->moe->w1), not copies or tensors of another module");
+    out.insert(t.unsafeGetTensorImpl());
+  }
+  return out;
+}
+
 }  // namespace
 
 struct DDPCore::Impl {
   std::shared_ptr<torch::nn::Module> module;
   DDPOptions options;
   std::vector<std::string> names;
-  std::vector<at::Tensor> params;  // parameters that require grad, registration order
-  bool claimed = false;            // comm::claim_parameters; released also when construction throws
+  std::vector<at::Tensor> params;  // parameters that require grad, registration order, less the ignored
+  std::unordered_set<const c10::TensorImpl*> ignored;  // DDPOptions::ignored_params
+  bool claimed = false;                                // comm::claim_parameters; released also when construction throws
   ~Impl() {
     if (claimed) comm::release_parameters(params, "DistributedDataParallel");
   }
@@ -46,6 +65,14 @@ struct DDPCore::Impl {
   bool pytorch_peers = false;
   bool last_forward_synced = true;  // Python's require_forward_param_sync: the buffers go before the next
   size_t first_cap = 0, cap = 0;    // bucket limits in bytes
+
+  // Every parameter DDP broadcasts (those without a gradient too), less the ignored.
+  std::vector<at::Tensor> synced_parameters() const {
+    std::vector<at::Tensor> out;
+    for (const auto& p : module->parameters())
+      if (!ignored.count(p.unsafeGetTensorImpl())) out.push_back(p);
+    return out;
+  }
 
   std::vector<bool> find_unused(const std::vector<at::Tensor>& outputs) const {
     std::unordered_set<torch::autograd::Node*> reached;
@@ -75,8 +102,9 @@ DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions options) 
                " is not a member of the given process_group: wrap the model only on the group's ranks");
   s.track_unused = s.options.find_unused_parameters() || s.options.static_graph();
 
+  s.ignored = ddp_ignored_set(*s.module, s.options.ignored_params());
   for (const auto& kv : s.module->named_parameters()) {
-    if (!kv.value().requires_grad()) continue;
+    if (!kv.value().requires_grad() || s.ignored.count(kv.value().unsafeGetTensorImpl())) continue;
     s.names.push_back(kv.key());
     s.params.push_back(kv.value());
   }
@@ -93,7 +121,7 @@ DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions options) 
   std::vector<std::vector<int>> assignment;
   if (s.pytorch_peers) {
     pytorch_peers::verify_params(s.names, s.params, group);
-    std::vector<at::Tensor> state = s.module->parameters();
+    std::vector<at::Tensor> state = s.synced_parameters();
     if (s.options.broadcast_buffers()) state.insert(state.end(), s.buffers.begin(), s.buffers.end());
     pytorch_peers::broadcast_coalesced(state, pytorch_peers::kBroadcastBucketBytes, 0, group);
     assignment = pytorch_peers::initial_buckets(s.params, s.first_cap, s.cap, s.options.find_unused_parameters(),
@@ -117,7 +145,7 @@ DDPCore::DDPCore(std::shared_ptr<torch::nn::Module> module, DDPOptions options) 
                      s.buffers.size(), " buffers | broadcast_buffers=", o.broadcast_buffers(),
                      " find_unused_parameters=", o.find_unused_parameters(),
                      " gradient_as_bucket_view=", o.gradient_as_bucket_view(), " static_graph=", o.static_graph(),
-                     " debug=", to_string(get_debug_level())));
+                     " ignored_params=", s.ignored.size(), " debug=", to_string(get_debug_level())));
     for (size_t b = 0; b < assignment.size(); ++b) {
       std::string line =
           detail::cat("[dtrain DDP]   bucket ", b, ": ",
@@ -308,7 +336,7 @@ class DDPPythonJoinHook : public JoinHook {
   void post_hook(bool is_last_joiner, const JoinIteration&) override {
     const Group& group = s_.options.process_group();
     const int src = python_common_rank(group, is_last_joiner);
-    std::vector<at::Tensor> state = s_.module->parameters();
+    std::vector<at::Tensor> state = s_.synced_parameters();
     if (s_.options.broadcast_buffers()) {
       auto buffers = s_.module->buffers();
       state.insert(state.end(), buffers.begin(), buffers.end());

@@ -11,11 +11,17 @@
 #include <torch/optim/adam.h>
 
 #include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
 #include <string>
 #include <unistd.h>
 #include <vector>
 
+#include "checkpoint/dcp_metadata.h"  // the saved chunks and items
 #include "dist_main.h"
+#include "dtrain/ddp.h"
+#include "dtrain/device_mesh.h"
 #include "dtrain/dcp.h"
 #include "dtrain/expert_parallel.h"
 #include "dtrain/fsdp.h"
@@ -277,6 +283,35 @@ TEST(ExpertParallel, AdamStepsUnderFullyShardEqualOneProcess) {
   EXPECT_EQ(whole.size(), ref_params.size());
 }
 
+namespace {
+
+// Every parameter of `loaded` (first filled with -1: nothing of the load left to chance) as loaded
+// from `dir` against `whole`, one process's model holding every expert.
+void ept_expect_loads(EptNet& loaded, EptNet& whole, const std::string& dir, const std::string& what) {
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : loaded->parameters()) p.fill_(-1.0);
+  }
+  auto sd = dcp::get_state_dict(*loaded);
+  dcp::load(sd, dir);
+  auto want = whole->named_parameters();
+  for (const auto& kv : loaded->named_parameters()) {
+    at::Tensor w = want[kv.key()].detach();
+    if (kv.key().rfind("moe.w", 0) == 0) w = ept_experts_of(w, loaded->moe);
+    EXPECT_LT(ept_diff(kv.value(), w), 1e-15) << what << ": " << kv.key();
+  }
+}
+
+// The bytes of a DCP directory's data files (not its metadata).
+uintmax_t ept_data_bytes(const std::string& dir) {
+  uintmax_t total = 0;
+  for (const auto& f : fs::directory_iterator(dir))
+    if (f.path().extension() == ".distcp") total += f.file_size();
+  return total;
+}
+
+}  // namespace
+
 // Saved with the experts over the world (each rank its rows), loaded where every rank holds every
 // expert (ep = 1), and on 4 ranks where ep groups of 2 hold half each.
 TEST(ExpertParallel, DcpCheckpointLoadsOnOtherEpSizes) {
@@ -287,27 +322,140 @@ TEST(ExpertParallel, DcpCheckpointLoadsOnOtherEpSizes) {
   EptNet saved(world), whole(std::nullopt);
   auto sd = dcp::get_state_dict(*saved);
   dcp::save(sd, dir);
-  auto check = [&](EptNet& loaded, const std::string& what) {
-    {
-      at::NoGradGuard no_grad;
-      for (auto& p : loaded->parameters()) p.fill_(-1.0);  // nothing of the load left to chance
-    }
-    auto sd2 = dcp::get_state_dict(*loaded);
-    dcp::load(sd2, dir);
-    auto want = whole->named_parameters();
-    for (const auto& kv : loaded->named_parameters()) {
-      at::Tensor w = want[kv.key()].detach();
-      if (kv.key().rfind("moe.w", 0) == 0) w = ept_experts_of(w, loaded->moe);
-      EXPECT_LT(ept_diff(kv.value(), w), 1e-15) << what << ": " << kv.key();
-    }
-  };
   EptNet one(std::nullopt);
-  check(one, "ep 1");
+  ept_expect_loads(one, whole, dir, "ep 1");
   Group pairs = split_group(rank() / 2, rank());
   if (world_size() == 4) {
     EptNet two(pairs);
-    check(two, "ep 2");
+    ept_expect_loads(two, whole, dir, "ep 2");
   }
+  barrier();
+  if (rank() == 0) fs::remove_all(dir);
+}
+
+namespace {
+
+// 10 Adam steps of `net` (run through `forward` on this rank's rows of each batch) against one
+// process's `ref` on the whole batch. The world is `dp` ep groups of consecutive ranks, each rank's
+// aux loss its ep group's (torchtitan's), so the reference trains the whole batch's mse plus 0.01
+// times the mean over the ep groups of the aux loss on each group's rows: the mean of the ranks'
+// losses. `sync_experts` runs after backward (the experts' average over dp). Each step: this rank's
+// aux loss against its group's in the reference, every gradient against the reference's (the
+// experts' rows of this rank), the mean loss; at the end every parameter.
+void ept_train_like_one_process(EptNet& ref, EptNet& net, const std::function<at::Tensor(const at::Tensor&)>& forward,
+                                int64_t dp, const std::function<void()>& sync_experts) {
+  const int64_t n = world_size(), ep = n / dp, rows = ep * kBatch;
+  torch::optim::Adam opt_ref(ref->parameters(), torch::optim::AdamOptions(1e-2));
+  torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
+  for (int step = 0; step < 10; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    at::Tensor x = ept_random({n * kBatch, kSeq, kDim}, 300 + step),
+               t = ept_random({n * kBatch, kSeq, kDim}, 400 + step);
+    std::vector<at::Tensor> ys, auxes;
+    for (int64_t g = 0; g < dp; ++g) {
+      ys.push_back(ref(x.narrow(0, g * rows, rows)));
+      auxes.push_back(ref->moe->aux_loss());
+    }
+    at::Tensor loss_ref = at::mse_loss(at::cat(ys, 0), t) + 0.01 * at::stack(auxes).mean();
+    opt_ref.zero_grad();
+    loss_ref.backward();
+    opt_ref.step();
+    at::Tensor y = forward(ept_mine(x));
+    EXPECT_LT(std::abs(net->moe->aux_loss().item<double>() - auxes[static_cast<size_t>(rank() / ep)].item<double>()),
+              1e-10)
+        << "aux loss: one process's on this ep group's tokens";
+    at::Tensor loss = at::mse_loss(y, ept_mine(t)) + 0.01 * net->moe->aux_loss();
+    opt.zero_grad();
+    loss.backward();
+    sync_experts();
+    auto ref_params = ref->named_parameters();
+    for (const auto& kv : net->named_parameters()) {
+      at::Tensor want = ref_params[kv.key()].grad();
+      if (kv.key().rfind("moe.w", 0) == 0) want = ept_experts_of(want, net->moe);
+      EXPECT_LT(ept_diff(kv.value().grad(), want), 1e-10) << kv.key() << " gradient";
+    }
+    opt.step();
+    at::Tensor mean = loss.detach().clone();
+    all_reduce(mean);
+    EXPECT_LT(std::abs(mean.item<double>() / static_cast<double>(n) - loss_ref.item<double>()), 1e-10) << "loss";
+  }
+  auto whole = full_state_dict(*net);
+  auto ref_params = ref->named_parameters();
+  for (const auto& [name, tensor] : whole)
+    EXPECT_LT(ept_diff(tensor, ref_params[name].detach()), 1e-10) << name << " after 10 steps";
+  EXPECT_EQ(whole.size(), ref_params.size());
+}
+
+// The checkpoint in `dir` lists `ep` chunks of the experts' w1, each stored once, and its data files
+// hold nothing that no item lists (a chunk written by both dp replicas would be).
+void ept_expect_stored_once(const std::string& dir, int64_t ep) {
+  std::ifstream in(dir + "/.metadata", std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const dcp::detail::Metadata m = dcp::detail::decode(bytes);
+  int64_t listed = 0, w1_items = 0;
+  for (const auto& item : m.items) {
+    listed += item.storage.length;
+    if (item.fqn == "model.moe.w1") ++w1_items;
+  }
+  auto w1 = m.tensors.find("model.moe.w1");
+  ASSERT_NE(w1, m.tensors.end()) << "model.moe.w1 is not in the checkpoint";
+  EXPECT_EQ(w1->second.chunks.size(), static_cast<size_t>(ep)) << "one chunk per ep rank";
+  EXPECT_EQ(w1_items, ep) << "each expert chunk stored once";
+  EXPECT_EQ(static_cast<int64_t>(ept_data_bytes(dir)), listed) << "bytes written that no item lists";
+}
+
+std::vector<at::Tensor> ept_experts(const EptNet& net) { return {net->moe->w1, net->moe->w2, net->moe->w3}; }
+
+}  // namespace
+
+// DDP over the world with the experts ignored (ep = world): DDP averages the input layer and the
+// router; it neither buckets nor averages the experts, nor broadcasts rank 0's experts over the
+// others' (each rank holds other rows).
+TEST(ExpertParallel, AdamStepsUnderDdpWithExpertsIgnoredEqualOneProcess) {
+  EptNet ref(std::nullopt), net{Group()};
+  DistributedDataParallel<EptNetImpl> ddp(net.ptr(), DDPOptions().ignored_params(ept_experts(net)));
+  size_t bucketed = 0;
+  for (const auto& b : ddp.bucket_param_indices()) bucketed += b.size();
+  EXPECT_EQ(bucketed, net->parameters().size() - 3) << "the experts are in no bucket";
+  ept_train_like_one_process(
+      ref, net, [&](const at::Tensor& x) { return ddp(x); }, /*dp=*/1, [] {});
+}
+
+// A 2-D mesh {dp, ep} (4 ranks: 2 x 2; 2 ranks: 2 x 1): experts cut over ep and replicated over dp,
+// DDP over the world for the rest. The experts' gradient after backward is the sum over the ep
+// group's losses divided by the ep size (expert_grad_divisor's default); the average over dp makes
+// it the mean over all ranks' losses, as DDP's for the router.
+TEST(ExpertParallel, DpByEpMeshEqualsOneProcess) {
+  const int64_t dp = 2;
+  DeviceMesh mesh = init_device_mesh({dp, world_size() / dp}, {"dp", "ep"});
+  const Group dp_group = mesh.get_group("dp");
+  EptNet ref(std::nullopt), net(mesh.get_group("ep"));
+  DistributedDataParallel<EptNetImpl> ddp(net.ptr(), DDPOptions().ignored_params(ept_experts(net)));
+  ept_train_like_one_process(
+      ref, net, [&](const at::Tensor& x) { return ddp(x); }, dp,
+      [&] {
+        for (const at::Tensor& w : ept_experts(net)) {
+          at::Tensor g = w.grad();
+          all_reduce(g, ReduceOp::AVG, dp_group);
+        }
+      });
+}
+
+// Saved on dp x ep: each expert chunk once (the two dp replicas hold the same rows, and one of
+// them writes them), loaded on ep = world and ep = 1.
+TEST(ExpertParallel, DcpCheckpointOnDpByEpMeshLoadsOnOtherEpSizes) {
+  const std::string dir = "/tmp/dtrain_ep_dpep_dcp_" + std::to_string(getppid());
+  if (rank() == 0) fs::remove_all(dir);
+  barrier();
+  const int64_t dp = 2, ep = world_size() / dp;
+  DeviceMesh mesh = init_device_mesh({dp, ep}, {"dp", "ep"});
+  EptNet saved(mesh.get_group("ep")), whole(std::nullopt);
+  auto sd = dcp::get_state_dict(*saved);
+  dcp::save(sd, dir);
+  if (rank() == 0) ept_expect_stored_once(dir, ep);
+  EptNet all{Group()}, one(std::nullopt);
+  ept_expect_loads(all, whole, dir, "ep world");
+  ept_expect_loads(one, whole, dir, "ep 1");
   barrier();
   if (rank() == 0) fs::remove_all(dir);
 }
@@ -321,6 +469,12 @@ TEST(ExpertParallel, BadInputIsRefusedInOneLine) {
               ThrowsDtrainError(::testing::HasSubstr("give 1 <= top_k <= num_experts")));
   EXPECT_THAT([&] { MoE(MoEOptions(kDim, kHidden, 4).capacity_factor(0.0)); },
               ThrowsDtrainError(::testing::HasSubstr("capacity_factor 0 is not positive")));
+  EptNet net(world);
+  EXPECT_THAT(
+      [&] { DistributedDataParallel<EptNetImpl>(net.ptr(), DDPOptions().ignored_params({net->moe->w1.clone()})); },
+      ThrowsDtrainError(
+          ::testing::HasSubstr("DistributedDataParallel: ignored_params[0] (shape [" + std::to_string(8 / n) +
+                               ", 8, 12]) is not a parameter of the module: pass the module's own parameter tensors")));
   MoE m(MoEOptions(kDim, kHidden, 4));
   EXPECT_THAT([&] { m(at::zeros({2, kDim + 1})); }, ThrowsDtrainError(::testing::HasSubstr("MoE: input of shape")));
 }
