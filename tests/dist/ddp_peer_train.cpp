@@ -6,11 +6,14 @@
 //
 //   ddp_peer_train --mode MODE[,MODE...] [--steps N] --out DIR
 //                  [--dtrain-only]   (every rank dtrain's: its own calls, PyTorch's semantics)
-//   MODE: unused, default, bucketview, static, small, smallunused, join or joindefault
+//   MODE: unused, default, bucketview, static, small, smallunused, join, joindefault or ignored
 //
 // small and smallunused are default and unused with Python's bucket_cap_mb=0.001 (several buckets).
 // join and joindefault are unused and default with uneven inputs under dtrain::Join: rank r runs 7 r
-// steps fewer, and writes one more record, the model after the Join.
+// steps fewer, and writes one more record, the model after the Join. ignored is default with the
+// branch's parameters left out of DDP (DDPOptions::ignored_params; Python's
+// _set_params_and_buffers_to_ignore_for_model): each rank keeps its own and trains them on its own
+// gradients.
 //
 // The modes run one after another in the one process group, each with a fresh model, DDP and
 // optimizer, as the Python side does. After every step it appends this rank's parameters
@@ -146,14 +149,14 @@ Args parse(int argc, char** argv) {
       throw std::invalid_argument("unknown argument " + flag);
     }
   }
-  const std::vector<std::string> modes{"unused",      "default", "bucketview", "static",
+  const std::vector<std::string> modes{"unused",      "default", "bucketview", "static",     "ignored",
                                        "smallunused", "small",   "join",       "joindefault"};
   if (a.modes.empty()) throw std::invalid_argument("--mode MODE[,MODE...] is required");
   for (const std::string& mode : a.modes)
     if (std::find(modes.begin(), modes.end(), mode) == modes.end())
       throw std::invalid_argument("--mode '" + mode +
-                                  "' is not unused, default, bucketview, static, small, smallunused, join or "
-                                  "joindefault");
+                                  "' is not unused, default, bucketview, static, small, smallunused, join, "
+                                  "joindefault or ignored");
   if (a.out.empty()) throw std::invalid_argument("--out DIR is required");
   return a;
 }
@@ -185,7 +188,9 @@ void train(const std::string& mode, int steps, const std::string& out) {
                  .gradient_as_bucket_view(mode == "bucketview")
                  .static_graph(mode == "static")
                  .bucket_cap_mb(cap_mb)
-                 .first_bucket_cap_mb(small ? cap_mb : dtrain::kDefaultFirstBucketCapMB));
+                 .first_bucket_cap_mb(small ? cap_mb : dtrain::kDefaultFirstBucketCapMB)
+                 .ignored_params(mode == "ignored" ? std::vector<at::Tensor>{model->branch->weight, model->branch->bias}
+                                                   : std::vector<at::Tensor>{}));
   PythonAdam opt(ddp.parameters(), 1e-2);
 
   std::error_code made;

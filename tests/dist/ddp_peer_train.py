@@ -4,11 +4,12 @@ and the same float64 arithmetic, so Python and C++ ranks can train one model in 
 (tests/dist/test_pytorch_peers_ddp.py).
 
   ddp_peer_train.py --mode MODE[,MODE...] [--steps N] --out DIR
-  MODE: unused, default, bucketview, static, small, smallunused, join or joindefault
+  MODE: unused, default, bucketview, static, small, smallunused, join, joindefault or ignored
 
 small and smallunused are default and unused with bucket_cap_mb=0.001 (1048 bytes): several buckets.
 join and joindefault are unused and default with uneven inputs under Join: rank r runs 7 r steps
-fewer, and writes one more record, the model after the Join.
+fewer, and writes one more record, the model after the Join. ignored is default with the branch's
+parameters left out of DDP (_set_params_and_buffers_to_ignore_for_model): each rank keeps its own.
 
 The modes run one after another in the one process group, each with a fresh model, DDP and
 optimizer (a job of several modes starts its processes once: their start is most of a short job's
@@ -61,7 +62,7 @@ def batch(rank, step):
     return x, y
 
 
-MODES = ("unused", "default", "bucketview", "static", "small", "smallunused", "join", "joindefault")
+MODES = ("unused", "default", "bucketview", "static", "small", "smallunused", "join", "joindefault", "ignored")
 
 
 def parse_modes(text):
@@ -86,6 +87,8 @@ def train(mode, steps, out):
                 p.add_(1.0)
 
     small = mode in ("small", "smallunused")
+    if mode == "ignored":
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ["branch.weight", "branch.bias"])
     ddp = DDP(model, find_unused_parameters=mode in ("unused", "smallunused", "join"),
               gradient_as_bucket_view=mode == "bucketview", static_graph=mode == "static",
               bucket_cap_mb=0.001 if small else None)

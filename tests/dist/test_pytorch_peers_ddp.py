@@ -81,7 +81,13 @@ def read_steps(path, records=STEPS):
 # Every mode, and the modes each layout of a mixed job runs (one job per layout: a job's processes
 # start once, and their start is most of a short job's time). Each mode runs in at least one layout
 # with a Python and one with a C++ rank 0 where it matters (`unused` in all four).
-MODES = ("unused", "default", "bucketview", "static", "small", "smallunused", "join", "joindefault")
+MODES = ("unused", "default", "bucketview", "static", "small", "smallunused", "join", "joindefault", "ignored")
+
+
+def synced(mode):
+    """Values every rank holds alike: the parameters, less the branch's (written last: weight and
+    bias, 16 * 4 + 4) where DDP ignores them and each rank trains its own."""
+    return PARAMS - (16 * 4 + 4) if mode == "ignored" else PARAMS
 
 
 def records(mode, rank):
@@ -136,8 +142,9 @@ class PytorchPeersDDP(DistTestCase):
             common = [(step, step) for step in range(min(len(files[r][1]), len(files[0][1])) - 1)]
             common.append((len(files[r][1]) - 1, len(files[0][1]) - 1))
             for step, step0 in common:
-                if files[r][1][step][:PARAMS * 8] != files[0][1][step0][:PARAMS * 8]:
-                    diff = max(abs(a - b) for a, b in zip(files[r][0][step][:PARAMS], files[0][0][step0][:PARAMS]))
+                n = synced(mode)
+                if files[r][1][step][:n * 8] != files[0][1][step0][:n * 8]:
+                    diff = max(abs(a - b) for a, b in zip(files[r][0][step][:n], files[0][0][step0][:n]))
                     self.fail(f"{what}: after step {step} rank {r} ({kinds[r]}) holds other parameters than "
                               f"rank 0 ({kinds[0]}), by up to {diff:.3g}\n{everything}")
         # Every value against the all-Python job's same rank.
@@ -162,7 +169,8 @@ class PytorchPeersDDP(DistTestCase):
                 continue  # ranks run different step counts; check_mode compares their final models
             for r in range(3):
                 for step in range(STEPS):
-                    self.assertEqual(again[mode][r][1][step][:PARAMS * 8], again[mode][0][1][step][:PARAMS * 8],
+                    n = synced(mode)
+                    self.assertEqual(again[mode][r][1][step][:n * 8], again[mode][0][1][step][:n * 8],
                                      f"{mode}, rank {r} step {step}: parameters differ across Python ranks")
 
     # --- each layout of 2 + 1 and 1 + 2 ranks, with a Python and a C++ rank 0 ---------------------
@@ -172,11 +180,13 @@ class PytorchPeersDDP(DistTestCase):
         self.check_layout(["py", "cxx", "py"], ["unused", "bucketview", "joindefault", "smallunused"])
 
     def test_two_python_one_cxx_cxx_rank_0(self):
-        # The default options: the bucket rebuild after the first step, in rank 0's order.
-        self.check_layout(["cxx", "py", "py"], ["unused", "default"])
+        # The default options: the bucket rebuild after the first step, in rank 0's order. ignored:
+        # the C++ rank 0 broadcasts, checks and averages all but the branch, as Python's DDP with
+        # _set_params_and_buffers_to_ignore_for_model (each rank's branch its own).
+        self.check_layout(["cxx", "py", "py"], ["unused", "default", "ignored"])
 
     def test_one_python_two_cxx_python_rank_0(self):
-        self.check_layout(["py", "cxx", "cxx"], ["unused", "static"])
+        self.check_layout(["py", "cxx", "cxx"], ["unused", "static", "ignored"])
 
     def test_one_python_two_cxx_cxx_rank_0(self):
         # Python's Join and dtrain's: the joined ranks shadow the others (buffers from the highest
