@@ -370,8 +370,12 @@ void ept_train_like_one_process(EptNet& ref, EptNet& net, const std::function<at
     sync_experts();
     auto ref_params = ref->named_parameters();
     for (const auto& kv : net->named_parameters()) {
+      // This rank's box of the whole gradient: the experts' rows over ep, fully_shard's over the world.
       at::Tensor want = ref_params[kv.key()].grad();
-      if (kv.key().rfind("moe.w", 0) == 0) want = ept_experts_of(want, net->moe);
+      if (auto spec = shard_spec_of(kv.value())) {
+        const auto offsets = spec->offsets(), sizes = spec->local_sizes();
+        for (size_t d = 0; d < offsets.size(); ++d) want = want.narrow(static_cast<int64_t>(d), offsets[d], sizes[d]);
+      }
       EXPECT_LT(ept_diff(kv.value().grad(), want), 1e-10) << kv.key() << " gradient";
     }
     opt.step();
@@ -406,6 +410,15 @@ void ept_expect_stored_once(const std::string& dir, int64_t ep) {
 
 std::vector<at::Tensor> ept_experts(const EptNet& net) { return {net->moe->w1, net->moe->w2, net->moe->w3}; }
 
+// After backward: the experts' gradients averaged over their replicas, the dp group (the ep size
+// divided them already: with dp that makes the mean over every rank's loss).
+void ept_average_experts(const EptNet& net, const Group& dp_group) {
+  for (const at::Tensor& w : ept_experts(net)) {
+    at::Tensor g = w.grad();
+    all_reduce(g, ReduceOp::AVG, dp_group);
+  }
+}
+
 }  // namespace
 
 // DDP over the world with the experts ignored (ep = world): DDP averages the input layer and the
@@ -432,13 +445,20 @@ TEST(ExpertParallel, DpByEpMeshEqualsOneProcess) {
   EptNet ref(std::nullopt), net(mesh.get_group("ep"));
   DistributedDataParallel<EptNetImpl> ddp(net.ptr(), DDPOptions().ignored_params(ept_experts(net)));
   ept_train_like_one_process(
-      ref, net, [&](const at::Tensor& x) { return ddp(x); }, dp,
-      [&] {
-        for (const at::Tensor& w : ept_experts(net)) {
-          at::Tensor g = w.grad();
-          all_reduce(g, ReduceOp::AVG, dp_group);
-        }
-      });
+      ref, net, [&](const at::Tensor& x) { return ddp(x); }, dp, [&] { ept_average_experts(net, dp_group); });
+}
+
+// The same mesh with fully_shard over the world in place of DDP (the experts ignored): FSDP2's
+// composition in torchtitan.
+TEST(ExpertParallel, DpByEpMeshUnderFullyShardEqualsOneProcess) {
+  const int64_t dp = 2;
+  DeviceMesh mesh = init_device_mesh({dp, world_size() / dp}, {"dp", "ep"});
+  const Group dp_group = mesh.get_group("dp");
+  EptNet ref(std::nullopt), net(mesh.get_group("ep"));
+  auto fsdp = fully_shard(net.ptr(), FullyShardOptions().ignored_params(ept_experts(net)));
+  ASSERT_TRUE(shard_spec_of(net->inp->weight).has_value()) << "fully_shard shards the rest over the world";
+  ept_train_like_one_process(
+      ref, net, [&](const at::Tensor& x) { return fsdp(x); }, dp, [&] { ept_average_experts(net, dp_group); });
 }
 
 // Saved on dp x ep: each expert chunk once (the two dp replicas hold the same rows, and one of
