@@ -1,27 +1,15 @@
-# How many cores each multi-process test takes from ctest's -j budget (the PROCESSORS property), so
-# that scripts/test.sh can run `ctest -j3` on a 2-core machine: a test that computes (ranks training,
-# collectives) counts 2 and never runs beside another such test, while a test that mostly waits
-# (timeouts, heartbeats, a rendezvous that must expire) counts 1 and runs beside one of them.
-#
-# The waiting tests are named here, each for the reason its time goes to waiting. The measure: CPU
-# time of the test and everything it waited for, against its wall time, the test alone on the
-# machine; these spend under half of their wall time on a core (docs/benchmarks.md, "Slowest tests").
-# A test not named counts 2, whatever it is: a new test runs alone until someone measures it.
+# How much of ctest's -j budget each multi-process test takes (the PROCESSORS property), in halves of
+# a core: scripts/test.sh runs `ctest -j<2 x cores + 1>` (-j5 on the 2-core machine), and a test
+# counts ceil(2 x its cores), between 1 and 4, its cores measured alone (cmake/test_costs.cmake,
+# scripts/update_test_costs.py: CPU time of the test and everything it waited for over its wall
+# time). So a test that waits out deadlines and heartbeats (launchers, stores, stall watchdogs:
+# under 0.5 of a core) counts 1 and runs beside anything, two tests that each keep one core busy run
+# together, and a test that computes on both cores runs beside waiting tests only.
+# A test not in the table counts 4: a new test runs beside waiting tests only until it is measured.
 # The single-process tests (label `unit`) run in their own phase and keep the default of 1.
-set(DTRAIN_WAITING_TESTS
-  # shell and Python one-liners under the real launcher: its timeouts, restarts, heartbeats and
-  # rendezvous deadlines are what these tests watch
-  launcher_env launcher_output launcher_progress_bar launcher_failure launcher_usage launcher_multinode
-  launcher_restart launcher_slurm_step launcher_elastic launcher_elastic_threads launcher_cluster launcher_rdzv_conf
-  # stores, rendezvous and launchers refusing bad clients and waiting out their deadlines
-  dist_py_security dist_py_init_methods
-  # a rank's timeout breaks the group: the others wait for it
-  dist_broken_group_test_2 dist_broken_group_test_3
-  # ranks wait out 5-s collective timeouts and stall watchdogs (36 s wall, 12.5 s CPU, measured)
-  dist_py_flight_recorder)
-
-# Each slow test's measured seconds (scripts/update_test_costs.py), set as its COST: ctest -j starts
-# the long tests first, where a fresh clone would otherwise start them in registration order.
+#
+# Each test's measured seconds are also its COST: ctest -j starts the long tests first, where a
+# fresh clone would otherwise start them in registration order.
 include(${CMAKE_CURRENT_LIST_DIR}/test_costs.cmake)
 
 # Sets PROCESSORS on every test the calling folder's CMakeLists.txt registered, as above, and COST
@@ -30,20 +18,28 @@ include(${CMAKE_CURRENT_LIST_DIR}/test_costs.cmake)
 function(dtrain_weigh_tests)
   get_property(tests DIRECTORY PROPERTY TESTS)
   foreach(test IN LISTS tests)
+    get_test_property(${test} LABELS labels)
+    set(halves 4)
     list(FIND DTRAIN_TEST_COSTS ${test} at)
     if(at GREATER_EQUAL 0)
+      math(EXPR at_cores "${at} + 2")
       math(EXPR at "${at} + 1")
       list(GET DTRAIN_TEST_COSTS ${at} seconds)
+      list(GET DTRAIN_TEST_COSTS ${at_cores} cores)
       set_tests_properties(${test} PROPERTIES COST ${seconds})
+      # ceil(2 x cores) in CMake's integer arithmetic: cores has two decimals
+      string(REPLACE "." "" hundredths ${cores})
+      string(REGEX REPLACE "^0+([0-9])" "\\1" hundredths ${hundredths})  # not read as octal
+      math(EXPR halves "(2 * ${hundredths} + 99) / 100")
+      if(halves LESS 1)
+        set(halves 1)
+      elseif(halves GREATER 4)
+        set(halves 4)
+      endif()
     endif()
-    get_test_property(${test} LABELS labels)
     if(labels AND "unit" IN_LIST labels)
       continue()
     endif()
-    if(test IN_LIST DTRAIN_WAITING_TESTS)
-      set_tests_properties(${test} PROPERTIES PROCESSORS 1)
-    else()
-      set_tests_properties(${test} PROPERTIES PROCESSORS 2)
-    endif()
+    set_tests_properties(${test} PROPERTIES PROCESSORS ${halves})
   endforeach()
 endfunction()

@@ -20,10 +20,10 @@
 #   DTRAIN_TREES=build ./scripts/test.sh   only the trees named (build, build-torch2)
 #   DTRAIN_TIME_BUDGET_S=1800 DTRAIN_TIME_BUDGET_STRICT=1 ./scripts/test.sh   fail past a time budget
 #   DTRAIN_BACKGROUND_BUILDS=0 ./scripts/test.sh   each tree built when the run comes to it
-# In each tree the single-process tests (label `unit`) run two at a time, then the others under
-# `ctest -j3`: a test that computes counts 2 of the 3 and a test that mostly waits counts 1
-# (cmake/test_weights.cmake), so a waiting test runs beside a computing one and two computing tests
-# never share the 2 cores. Each test's time is in ctest's lines, and the 15 slowest follow
+# In each tree the single-process tests (label `unit`) run one per core, then the others under
+# `ctest -j<2 x cores + 1>`, each counting the halves of a core it was measured to use
+# (cmake/test_weights.cmake): waiting tests run beside computing ones, and the tests that compute
+# never ask for more than the cores. Each test's time is in ctest's lines, and the 15 slowest follow
 # (scripts/slowest_tests.py). Before a tree's full run, scripts/check_required.py fails it when the tree
 # registers no test for a name tests/tests_required.txt requires there.
 set -euo pipefail
@@ -33,6 +33,7 @@ cd "$(dirname "$0")/.."
 # compiled objects (CI runs from a fresh clone).
 export CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1
 trees=${DTRAIN_TREES:-build build-torch2}
+cores=$(nproc)
 total_start=$SECONDS
 first=1
 phases=()  # "name seconds" per part, for the budget line at the end
@@ -110,11 +111,11 @@ for tree in $trees; do
     # did not register would otherwise be absent from a run that still reports 100%.
     ./scripts/check_required.py "$tree"
     if [ -n "$skip" ]; then
-      run_ctest "$tree" -j2 -L '^unit$' -LE '^once$'
+      run_ctest "$tree" -j"$cores" -L '^unit$' -LE '^once$'
     else
-      run_ctest "$tree" -j2 -L '^unit$'
+      run_ctest "$tree" -j"$cores" -L '^unit$'
     fi
-    run_ctest "$tree" -j3 -LE "^(unit$skip)\$"
+    run_ctest "$tree" -j$((2 * cores + 1)) -LE "^(unit$skip)\$"
   elif [ -n "$skip" ]; then
     run_ctest "$tree" -LE '^once$' "$@"
   else
