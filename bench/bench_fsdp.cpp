@@ -12,7 +12,8 @@
 // Speed, on a model that fits both ways (8 x Linear 1024, batch 64), 2 ranks over shared memory: the
 // median step (forward, backward, Adam) of fully_shard over DDP's, the two jobs alternated --reps
 // times:  RESULT fsdp_step_vs_ddp=R   (goal <= 1.25); each step line also gives both jobs' page
-// faults per step (fresh pages touched: buffers the allocator did not reuse).
+// faults per step (fresh pages touched: buffers the allocator did not reuse) and CPU time per step
+// (rank 0's process, user and system: what faults cost, less moved by other load than wall time).
 // Traffic: the bytes each rank received through fully_shard's collectives in one step, over
 // 3 * P * (N - 1) / N float32 (ZeRO-3) and 2 * P * (N - 1) / N (ZeRO-2, reshard_after_forward false):
 //   RESULT fsdp_bytes_per_step_ratio=Z3 fsdp2_bytes_per_step_ratio=Z2   (goal: within 1%)
@@ -230,6 +231,14 @@ int64_t minor_faults() {
   return u.ru_minflt;
 }
 
+// CPU time (user and system) this process used so far, in ms: a step's cost less sensitive to other
+// processes on the machine than its wall time.
+double cpu_ms() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return 1e3 * (u.ru_utime.tv_sec + u.ru_stime.tv_sec) + 1e-3 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
 // --job step / traffic: timed steps on the small model.
 void step_job(const std::string& mode, int steps, bool zero3) {
   auto net = make_model(8, 1024);
@@ -238,10 +247,14 @@ void step_job(const std::string& mode, int steps, bool zero3) {
   const at::Tensor x = at::randn({64 / dtrain::world_size(), 1024});
   std::vector<double> step_s;
   int64_t faults = 0;
+  double cpu0 = 0;
   auto run = [&](auto& model) {
     torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-3));
     for (int i = 0; i <= steps; ++i) {
-      if (i == 1) faults = minor_faults();
+      if (i == 1) {
+        faults = minor_faults();
+        cpu0 = cpu_ms();
+      }
       const auto t0 = Clock::now();
       opt.zero_grad();
       model(x).pow(2).mean().backward();
@@ -258,8 +271,8 @@ void step_job(const std::string& mode, int steps, bool zero3) {
     run(fsdp);
     std::printf("received_per_step=%.1f\n", static_cast<double>(fsdp.received_bytes() - before) / (steps + 1));
   }
-  std::printf("params=%lld step_ms=%.3f faults_per_step=%.0f\n", static_cast<long long>(params), 1e3 * median(step_s),
-              static_cast<double>(minor_faults() - faults) / steps);
+  std::printf("params=%lld step_ms=%.3f faults_per_step=%.0f cpu_ms_per_step=%.2f\n", static_cast<long long>(params),
+              1e3 * median(step_s), static_cast<double>(minor_faults() - faults) / steps, (cpu_ms() - cpu0) / steps);
 }
 
 // --job collectives: 16 MB shared-memory reduce-scatter and all-gather against memcpy, each repetition
@@ -434,9 +447,11 @@ int driver_main(int argc, char** argv) {
     ratios.push_back(parse_value(f, "step_ms") / parse_value(d, "step_ms"));
     const double p = parse_value(f, "params");
     z3 = parse_value(f, "received_per_step") / (3 * p * 4 / 2);
-    std::printf("step: DDP %.2f ms, fully_shard %.2f ms: %.3f (page faults per step: %.0f, %.0f)\n",
-                parse_value(d, "step_ms"), parse_value(f, "step_ms"), ratios.back(), parse_value(d, "faults_per_step"),
-                parse_value(f, "faults_per_step"));
+    std::printf(
+        "step: DDP %.2f ms, fully_shard %.2f ms: %.3f (page faults per step: %.0f, %.0f; CPU ms per step: %.1f, "
+        "%.1f)\n",
+        parse_value(d, "step_ms"), parse_value(f, "step_ms"), ratios.back(), parse_value(d, "faults_per_step"),
+        parse_value(f, "faults_per_step"), parse_value(d, "cpu_ms_per_step"), parse_value(f, "cpu_ms_per_step"));
   }
   if (part("step")) {
     const std::string f2 =

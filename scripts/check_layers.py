@@ -62,6 +62,7 @@ EXPORTS = {
         "common/pickle.h": "the bounded pickle reader (DCP metadata)",
         "common/flight_pickle.h": "the flight recorder's records in PyTorch's dump format",
         "common/flight_analysis.h": "what a job's flight records say went wrong",
+        "common/malloc_threshold.h": "glibc's mmap threshold that fully_shard pins before it frees the whole parameters",
     },
     "compat": {
         "compat/amp_compat.h": "autocast state and the AMP kernels",

@@ -12,7 +12,11 @@
 // Note [Tensor collectives on Gloo]: all_gather_into_tensor and reduce_scatter_tensor are c10d's
 // _allgather_base and _reduce_scatter_base on NCCL, and over shared memory on one host. On Gloo they
 // are composed (1.13 has neither; 2.15's native ones are off, compat/c10d_compat.h says why):
-// all_gather into views of the output's slices (the same traffic), and, as a fallback only, an
+// a broadcast from each rank into its slice of the output (the same bytes received; c10d's Gloo
+// all_gather into the slices would gather into a whole output of its own first, allocated on the
+// transport's thread, and copy it out: one more output-sized buffer at fully_shard's peak RSS; kept
+// where Python ranks share the job, whose all_gather_into_tensor on Gloo runs that all_gather), and,
+// as a fallback only, an
 // all_reduce of a copy of the input followed by a copy of this rank's slice (n times the traffic
 // of a real reduce-scatter; the same values, in the same rank order).
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -22,6 +26,7 @@
 
 #include "comm/collective_call.h"
 #include "comm/scratch_collectives.h"
+#include "comm/state.h"
 #include "common/util.h"
 
 namespace dtrain {
@@ -233,12 +238,32 @@ Work all_gather_into_tensor(at::Tensor& output, const at::Tensor& input, const G
     at::Tensor in = input;
     return call.launch([&] { return g.pg->_allgather_base(output, in, opts); }, async_op);
   }
-  // Note [Tensor collectives on Gloo]: one all_gather into the output's slices.
+  // Note [Tensor collectives on Gloo]: a broadcast from each rank into its slice of the output;
+  // with Python ranks in the job, Gloo's all_gather, which their all_gather_into_tensor runs.
   std::vector<int64_t> stacked{n};
   for (int64_t d : input.sizes()) stacked.push_back(d);
-  std::vector<std::vector<at::Tensor>> out{output.view(stacked).unbind(0)};
-  std::vector<at::Tensor> in{input};
-  return call.launch([&] { return g.pg->allgather(out, in, opts); }, async_op);
+  std::vector<at::Tensor> slices = output.view(stacked).unbind(0);
+  if (comm::world_state().pytorch_peers) {
+    std::vector<std::vector<at::Tensor>> out{slices};
+    std::vector<at::Tensor> in{input};
+    return call.launch([&] { return g.pg->allgather(out, in, opts); }, async_op);
+  }
+  slices[static_cast<size_t>(g.rank)].copy_(input);  // a no-op where the input is that slice already
+  std::vector<Work> works;
+  {
+    comm::FlightPartsScope part;
+    for (size_t r = 0; r < slices.size(); ++r) works.push_back(broadcast(slices[r], group.ranks()[r], group, true));
+  }
+  return call.composed(
+      [works]() mutable {
+        for (Work& w : works) w.wait();
+      },
+      [works]() mutable {
+        for (Work& w : works)
+          if (!w.is_completed()) return false;
+        return true;
+      },
+      async_op);
 }
 
 namespace {

@@ -97,6 +97,20 @@ std::vector<Knob> make_table() {
           "`/dev/shm`), e.g. to make the processes of one machine act as separate hosts."),
       flag_row("DTRAIN_MALLOC_TUNING", R::kLibrary, "1", "1 or 0",
                "`0` makes `reduce_allocator_churn()` a no-op (a bad value warns and leaves it on)."),
+      {"DTRAIN_FSDP_MMAP_THRESHOLD",
+       R::kLibrary,
+       Type::kInteger,
+       "1048576",
+       "0, or bytes up to 33554432",
+       "use 0 to leave glibc's threshold as it is, or at most 33554432 (glibc's maximum on 64-bit)",
+       "glibc's mmap threshold that the first `fully_shard` of CPU parameters pins (blocks this large and "
+       "larger are given back to the kernel at free, for a lower peak RSS; their pages are faulted in again "
+       "each step); `0` leaves glibc's own. Not applied where the program tuned malloc itself "
+       "(`reduce_allocator_churn()`, `MALLOC_MMAP_THRESHOLD_`, `GLIBC_TUNABLES`).",
+       {},
+       0,
+       int64_t{1} << 25,
+       1},
       flag_row("DTRAIN_PYTORCH_PEERS", R::kLibrary, "0", "1 (some ranks are Python programs) or 0",
                "`1`: the job has Python ranks, as `InitOptions::pytorch_peers(true)`."),
       flag_row("DTRAIN_AGENT_STORE", R::kLibrary, "0", "1 or 0",

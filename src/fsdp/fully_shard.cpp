@@ -16,6 +16,7 @@
 
 #include "comm/param_claims.h"
 #include "comm/model_sync.h"
+#include "common/malloc_threshold.h"
 #include "common/util.h"
 #include "dtrain/detail/element_wrapper.h"
 #include "dtrain/errors.h"
@@ -213,6 +214,8 @@ std::shared_ptr<Unit> make_unit(const std::shared_ptr<torch::nn::Module>& module
   comm::claim_parameters(names, params, detail::cat("fully_shard unit ", describe(*module)),
                          "a model is either fully_shard'ed or wrapped by DistributedDataParallel, not both: "
                          "build the DDP-free model and call fully_shard on it");
+  // Before the whole parameters are freed (Note [Sharding and glibc's mmap threshold]).
+  if (!params.empty() && params.front().device().is_cpu()) settle_malloc_for_sharding();
   at::Tensor flat;
   auto sharded = shard_parameters(std::move(named), group, replicas, flat);
   auto unit = std::make_shared<Unit>(module, std::move(sharded), std::move(flat), options);

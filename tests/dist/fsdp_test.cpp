@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "common/malloc_threshold.h"
 #include "dist_main.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
@@ -84,6 +85,14 @@ TEST(FullyShard, EachLocalShardHasFsdp2sRows) {
     EXPECT_EQ(kv.value().sizes(), expected.sizes()) << kv.key() << " on rank " << r << " of " << n;
     EXPECT_TRUE(kv.value().equal(expected)) << kv.key() << ": the shard holds this rank's rows";
   }
+}
+
+// Note [Sharding and glibc's mmap threshold]: by the time a model of CPU parameters is sharded,
+// glibc's mmap threshold is pinned (at 1 MiB: nothing in this program sets another).
+TEST(FullyShard, ShardingPinsGlibcsMmapThreshold) {
+  Net net = fsdp_models::make_net();
+  fsdp_models::shard(net);
+  EXPECT_EQ(dtrain::detail::pinned_mmap_threshold(), size_t{1} << 20);
 }
 
 TEST(FullyShard, TwentyStepsEqualOneProcessOnTheWholeBatch) {

@@ -4,10 +4,13 @@
 // (zeros, a rank that sends nothing), and the functional all_to_all_single's gradient; over shared
 // memory (the default group) and over Gloo alone (a DTRAIN_SHM=0 group here, and the whole program
 // in dist_tensor_collectives_test_gloo_*).
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <thread>
 
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
 #include <torch/csrc/api/include/torch/version.h>
 
 #include "dist_main.h"
@@ -153,6 +156,60 @@ TEST(TensorCollectives, LargeAllGatherWritesEveryByteOfAnUnalignedOutput) {
   mine.copy_(parts[R()]);
   all_gather_into_tensor(out, mine);
   EXPECT_TRUE(at::equal(out, expected)) << "in place";
+}
+
+// The CPU allocator of the moment, remembering the largest block asked of it (on any thread).
+class TcLargestBlockAllocator final : public c10::Allocator {
+ public:
+  explicit TcLargestBlockAllocator(c10::Allocator* inner) : inner_(inner) {}
+#if TORCH_VERSION_MAJOR >= 2
+  c10::DataPtr allocate(size_t n) override {
+    note(n);
+    return inner_->allocate(n);
+  }
+  void copy_data(void* dest, const void* src, size_t count) const override { default_copy_data(dest, src, count); }
+#else
+  c10::DataPtr allocate(size_t n) const override {
+    const_cast<TcLargestBlockAllocator*>(this)->note(n);
+    return inner_->allocate(n);
+  }
+#endif
+  c10::DeleterFnPtr raw_deleter() const override { return inner_->raw_deleter(); }
+  size_t largest() const { return largest_.load(); }
+
+ private:
+  void note(size_t n) {
+    size_t seen = largest_.load();
+    while (n > seen && !largest_.compare_exchange_weak(seen, n)) {
+    }
+  }
+  c10::Allocator* inner_;
+  std::atomic<size_t> largest_{0};
+};
+
+// Note [Tensor collectives on Gloo]: the gather writes into the caller's output, with no whole
+// output of its own beside it (c10d's Gloo all_gather stages one on its thread and copies it out:
+// a unit's whole parameters more at fully_shard's peak RSS).
+TEST(TensorCollectives, AllGatherIntoTensorStagesNoWholeOutput) {
+  const int64_t count = int64_t{1} << 18;  // 1 MiB of float32 per rank
+  for (const Group& g : {Group(), gloo_group()}) {
+    at::Tensor out = at::empty({N() * count});
+    const at::Tensor mine = values(R(), count, at::kFloat);
+    c10::Allocator* inner = c10::GetCPUAllocator();
+    TcLargestBlockAllocator counting(inner);
+    {
+      struct Restore {
+        c10::Allocator* previous;
+        ~Restore() { c10::SetCPUAllocator(previous); }
+      } restore{inner};
+      c10::SetCPUAllocator(&counting);
+      ASSERT_EQ(c10::GetCPUAllocator(), &counting) << "the counting allocator was not installed";
+      all_gather_into_tensor(out, mine, g);
+    }
+    EXPECT_LT(counting.largest(), static_cast<size_t>(out.nbytes()))
+        << "group " << g.name() << (g.uses_shared_memory() ? " (shared memory)" : " (Gloo)");
+    for (int k = 0; k < N(); ++k) EXPECT_TRUE(at::equal(out.narrow(0, k * count, count), values(k, count, at::kFloat)));
+  }
 }
 
 // Over shared memory each rank reduces its own part in rank order: arbitrary floats give the very
