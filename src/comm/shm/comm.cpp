@@ -196,11 +196,11 @@ void Comm::wait_all(Phase p, uint32_t s) {
 }
 
 void Comm::publish(const OpDesc& d) {
-  seg_.ctl(rank_).desc[d.op_id % 2] = d;  // released by the next signal(A)
+  seg_.ctl(rank_).phase[A].desc[d.op_id % 2] = d;  // released by the next signal(A)
 }
 
 void Comm::check_peer(int peer, const OpDesc& mine) {
-  const OpDesc& theirs = seg_.ctl(peer).desc[mine.op_id % 2];
+  const OpDesc& theirs = seg_.ctl(peer).phase[A].desc[mine.op_id % 2];
   if (theirs.op_id == mine.op_id && theirs.op == mine.op && theirs.count == mine.count && theirs.dtype == mine.dtype &&
       theirs.redop == mine.redop && theirs.root == mine.root)
     return;
@@ -265,7 +265,8 @@ void Comm::reduce_into(const Piece* pieces, size_t npieces, size_t count, DType 
                        uint32_t kind, double divisor) {
   check_usable();
   const size_t es = element_size(dtype);
-  current_ = OpDesc{++op_id_, count, kind, static_cast<uint32_t>(dtype), static_cast<uint32_t>(op), root};
+  current_ =
+      OpDesc{++op_id_, count, static_cast<uint8_t>(kind), static_cast<uint8_t>(dtype), static_cast<uint8_t>(op), root};
   const Reduction r{pieces, npieces, dtype, op, es, divisor, divisor != 1.0, root < 0 || root == rank_};
   // The choice depends on the call alone, so every rank whose call matches makes the same one (and
   // a rank whose call differs fails the descriptor check before it reads anything).
@@ -424,7 +425,7 @@ void Comm::gather(const void* in, size_t bytes, void* const* outs, int root) {
 
 void Comm::gather_into(const void* in, size_t bytes, void* const* outs, int root, uint32_t kind) {
   check_usable();
-  current_ = OpDesc{++op_id_, bytes, kind, 0, 0, root};
+  current_ = OpDesc{++op_id_, bytes, static_cast<uint8_t>(kind), 0, 0, root};
   const bool receives = root < 0 || root == rank_;
   const bool stream = receives && bytes * static_cast<size_t>(n_) >= kStreamOutputBytes;
   auto copy_out = [stream](void* dst, const void* from, size_t m) {
