@@ -59,6 +59,7 @@ bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(valu
 Comm::Comm(Segment segment, int rank, std::vector<int> labels, std::chrono::milliseconds timeout)
     : seg_(std::move(segment)), rank_(rank), n_(seg_.nranks()), labels_(std::move(labels)), timeout_(timeout) {
   DTRAIN_ASSERT(static_cast<int>(labels_.size()) == n_ && rank_ >= 0 && rank_ < n_);
+  c_known_.assign(static_cast<size_t>(n_), 0);  // every counter starts at 0
   seg_.ctl(rank_).pid_namespace = pid_namespace();
   seg_.ctl(rank_).pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
 }
@@ -129,7 +130,7 @@ void Comm::abort(const std::string& message) {
 uint32_t Comm::begin_step() {
   const uint32_t s = ++seq_;
   for (int k = 0; k < n_; ++k)
-    if (k != rank_) wait_for(k, C, s - 2);
+    if (k != rank_ && !reached(c_known_[k], s - 2)) wait_for(k, C, s - 2);
   return s;
 }
 
@@ -140,6 +141,14 @@ void Comm::signal(Phase p, uint32_t s) {
 }
 
 void Comm::wait_for(int peer, Phase p, uint32_t s) {
+  await_counter(peer, p, s);
+  // A peer signals A and B of step s after C of step s - 1 (every step ends with C), so the acquire
+  // that saw them shows C(s - 1) as well, and begin_step need not load the peer's C line again.
+  const uint32_t c = p == C ? s : s - 1;
+  if (reached(c, c_known_[peer])) c_known_[peer] = c;
+}
+
+void Comm::await_counter(int peer, Phase p, uint32_t s) {
   Counter& c = seg_.ctl(peer).phase[p];
   if (reached(c.value.load(std::memory_order_acquire), s)) return;
   const auto start = Clock::now();
