@@ -105,7 +105,7 @@ Work CollectiveCall::composed(std::function<void()> done, std::function<bool()> 
   return finish(wrap(c10::intrusive_ptr<c10d::Work>(), std::move(done), std::move(parts_done)), async_op);
 }
 
-bool CollectiveCall::run_inline(const std::function<bool()>& here) {
+bool CollectiveCall::run_inline(c10::function_ref<bool()> here) {
   rec_.started();
   bool ran = false;
   try {

@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include <c10/util/FunctionRef.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include "comm/capabilities.h"
@@ -115,7 +116,9 @@ class CollectiveCall {
   }
   // A backend's inline run (Note [Inline blocking collectives]) under the record: true and completed
   // if it ran; a failure is marked and rethrown as dtrain::Error; false leaves the general path.
-  bool run_inline(const std::function<bool()>& here);
+  // A function_ref, not a std::function: the caller's lambda is called in place, never copied to the
+  // heap (a blocking all_reduce of 4 KB takes this path on every call).
+  bool run_inline(c10::function_ref<bool()> here);
 
  private:
   Work wrap(c10::intrusive_ptr<c10d::Work> w, std::function<void()> done, std::function<bool()> parts_done);

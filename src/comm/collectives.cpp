@@ -61,10 +61,11 @@ std::string to_string(ReduceOp op) {
 Work all_reduce(at::Tensor& tensor, ReduceOp op, const Group& group, bool async_op) {
   CollectiveCall call(group, "all_reduce");
   call.tensor(tensor).average(op, tensor).supported(c10d::OpType::ALLREDUCE, tensor, op);
-  call.same_call(comm::describe(tensor), "op=" + to_string(op));
-  call.record(FlightCall("all_reduce", "all_reduce").in(tensor).out(tensor));
+  // Described only when DETAIL compares calls: formatting the description (an ostringstream) cost
+  // more than a 4 KB all_reduce over shared memory moves.
+  if (comm::detail_checks_on()) call.same_call(comm::describe(tensor), "op=" + to_string(op));
+  call.record(FlightCall("all_reduce", "all_reduce").in_out(tensor));
   const auto& g = call.group();
-  std::vector<at::Tensor> ts{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
   opts.timeout = g.timeout;
@@ -80,6 +81,7 @@ Work all_reduce(at::Tensor& tensor, ReduceOp op, const Group& group, bool async_
       return Work();
     }
   }
+  std::vector<at::Tensor> ts{tensor};
   return call.launch([&] { return g.pg->allreduce(ts, opts); }, async_op, std::move(done));
 }
 

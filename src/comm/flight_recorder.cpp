@@ -150,6 +150,36 @@ FlightCall& FlightCall::flat(int64_t numel, at::ScalarType dtype) {
   return *this;
 }
 
+FlightCall& FlightCall::in_out(const at::Tensor& t) {
+  in_place = &t;
+  return *this;
+}
+
+namespace {
+
+// e = call, where call names its tensor by in_out: the entry's vectors keep their capacity.
+void flight_fill_in_place(FlightCall& e, const FlightCall& call) {
+  const at::Tensor& t = *call.in_place;
+  const auto sizes = t.defined() ? t.sizes() : c10::IntArrayRef();
+  const at::ScalarType dtype = t.defined() ? t.scalar_type() : at::kFloat;
+  for (auto* v : {&e.in_sizes, &e.out_sizes}) {
+    v->resize(1);
+    v->front().assign(sizes.begin(), sizes.end());
+  }
+  e.in_dtypes.assign(1, dtype);
+  e.out_dtypes.assign(1, dtype);
+  e.op = call.op;
+  e.trace = call.trace;
+  e.root = call.root;
+  e.peer = call.peer;
+  e.is_send = call.is_send;
+  e.is_recv = call.is_recv;
+  e.tag = call.tag;
+  e.in_place = nullptr;  // the tensor is the caller's: the entry keeps sizes and dtypes only
+}
+
+}  // namespace
+
 std::shared_ptr<FlightRing> make_flight_ring(const std::string& group_name, const std::string& backend,
                                              const std::vector<int>& ranks, int64_t timeout_ms) {
   const size_t n = rec().capacity.load();
@@ -187,7 +217,10 @@ FlightRecord record_call(const detail::GroupImpl& g, FlightCall call) {
       e.p2p_seq = -1;
       e.peer_seq = -1;
     }
-    e.call = std::move(call);
+    if (call.in_place)
+      flight_fill_in_place(e.call, call);
+    else
+      e.call = std::move(call);
   }
   rec().pending.fetch_add(1, std::memory_order_relaxed);
   rec().last_change_ns.store(now, std::memory_order_relaxed);

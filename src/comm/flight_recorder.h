@@ -39,14 +39,19 @@ struct FlightCall {
   FlightCall& out(const at::Tensor& t);
   FlightCall& out(const std::vector<at::Tensor>& ts);
   FlightCall& flat(int64_t numel, at::ScalarType dtype);  // one tensor of numel elements, in and out
-  const char* op;                                         // dtrain's name: "all_gather_into_tensor"
-  const char* trace;                                      // PyTorch's profiling name: "_all_gather_base"
+  // `t` as the one input and the one output (an in-place call): record_call writes its size and dtype
+  // into the ring's entry in place, which allocates nothing once the ring has wrapped, where in(t)
+  // and out(t) allocate six vectors per call. `t` must outlive the record_call.
+  FlightCall& in_out(const at::Tensor& t);
+  const char* op;     // dtrain's name: "all_gather_into_tensor"
+  const char* trace;  // PyTorch's profiling name: "_all_gather_base"
   std::vector<std::vector<int64_t>> in_sizes, out_sizes;
   std::vector<at::ScalarType> in_dtypes, out_dtypes;
   int root = -1;  // group rank of a rooted collective's root
   int peer = -1;  // group rank of send's destination or recv's source (-1: any source)
   bool is_send = false, is_recv = false;
   int tag = 0;
+  const at::Tensor* in_place = nullptr;  // in_out's tensor until record_call
 };
 
 // One recorded call; empty when the recorder is off or the call is part of another.

@@ -59,6 +59,7 @@ bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(valu
 Comm::Comm(Segment segment, int rank, std::vector<int> labels, std::chrono::milliseconds timeout)
     : seg_(std::move(segment)), rank_(rank), n_(seg_.nranks()), labels_(std::move(labels)), timeout_(timeout) {
   DTRAIN_ASSERT(static_cast<int>(labels_.size()) == n_ && rank_ >= 0 && rank_ < n_);
+  c_known_.assign(static_cast<size_t>(n_), 0);  // every counter starts at 0
   seg_.ctl(rank_).pid_namespace = pid_namespace();
   seg_.ctl(rank_).pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
 }
@@ -129,7 +130,7 @@ void Comm::abort(const std::string& message) {
 uint32_t Comm::begin_step() {
   const uint32_t s = ++seq_;
   for (int k = 0; k < n_; ++k)
-    if (k != rank_) wait_for(k, C, s - 2);
+    if (k != rank_ && !reached(c_known_[k], s - 2)) wait_for(k, C, s - 2);
   return s;
 }
 
@@ -140,6 +141,14 @@ void Comm::signal(Phase p, uint32_t s) {
 }
 
 void Comm::wait_for(int peer, Phase p, uint32_t s) {
+  await_counter(peer, p, s);
+  // A peer signals A and B of step s after C of step s - 1 (every step ends with C), so the acquire
+  // that saw them shows C(s - 1) as well, and begin_step need not load the peer's C line again.
+  const uint32_t c = p == C ? s : s - 1;
+  if (reached(c, c_known_[peer])) c_known_[peer] = c;
+}
+
+void Comm::await_counter(int peer, Phase p, uint32_t s) {
   Counter& c = seg_.ctl(peer).phase[p];
   if (reached(c.value.load(std::memory_order_acquire), s)) return;
   const auto start = Clock::now();
@@ -196,11 +205,11 @@ void Comm::wait_all(Phase p, uint32_t s) {
 }
 
 void Comm::publish(const OpDesc& d) {
-  seg_.ctl(rank_).desc[d.op_id % 2] = d;  // released by the next signal(A)
+  seg_.ctl(rank_).phase[A].desc[d.op_id % 2] = d;  // released by the next signal(A)
 }
 
 void Comm::check_peer(int peer, const OpDesc& mine) {
-  const OpDesc& theirs = seg_.ctl(peer).desc[mine.op_id % 2];
+  const OpDesc& theirs = seg_.ctl(peer).phase[A].desc[mine.op_id % 2];
   if (theirs.op_id == mine.op_id && theirs.op == mine.op && theirs.count == mine.count && theirs.dtype == mine.dtype &&
       theirs.redop == mine.redop && theirs.root == mine.root)
     return;
@@ -265,7 +274,8 @@ void Comm::reduce_into(const Piece* pieces, size_t npieces, size_t count, DType 
                        uint32_t kind, double divisor) {
   check_usable();
   const size_t es = element_size(dtype);
-  current_ = OpDesc{++op_id_, count, kind, static_cast<uint32_t>(dtype), static_cast<uint32_t>(op), root};
+  current_ =
+      OpDesc{++op_id_, count, static_cast<uint8_t>(kind), static_cast<uint8_t>(dtype), static_cast<uint8_t>(op), root};
   const Reduction r{pieces, npieces, dtype, op, es, divisor, divisor != 1.0, root < 0 || root == rank_};
   // The choice depends on the call alone, so every rank whose call matches makes the same one (and
   // a rank whose call differs fails the descriptor check before it reads anything).
@@ -424,7 +434,7 @@ void Comm::gather(const void* in, size_t bytes, void* const* outs, int root) {
 
 void Comm::gather_into(const void* in, size_t bytes, void* const* outs, int root, uint32_t kind) {
   check_usable();
-  current_ = OpDesc{++op_id_, bytes, kind, 0, 0, root};
+  current_ = OpDesc{++op_id_, bytes, static_cast<uint8_t>(kind), 0, 0, root};
   const bool receives = root < 0 || root == rank_;
   const bool stream = receives && bytes * static_cast<size_t>(n_) >= kStreamOutputBytes;
   auto copy_out = [stream](void* dst, const void* from, size_t m) {

@@ -18,7 +18,7 @@ namespace dtrain::shm {
 void Comm::reduce_scatter(const void* in, void* out, size_t count, DType dtype, RedOp op) {
   check_usable();
   const size_t es = element_size(dtype);
-  current_ = OpDesc{++op_id_, count, kReduceScatter, static_cast<uint32_t>(dtype), static_cast<uint32_t>(op), -1};
+  current_ = OpDesc{++op_id_, count, kReduceScatter, static_cast<uint8_t>(dtype), static_cast<uint8_t>(op), -1};
   // Parts start on 64-byte boundaries of the slot, as all_reduce's do, when the slot is that large.
   size_t part_bytes = seg_.slot_bytes() / static_cast<size_t>(n_);
   if (part_bytes >= 64) part_bytes = part_bytes / 64 * 64;

@@ -20,7 +20,7 @@ namespace dtrain::shm {
 namespace {
 
 constexpr uint64_t kMagic = 0x6474726e73686d31ULL;  // "dtrnshm1"
-constexpr uint32_t kVersion = 2;                    // 2: point-to-point bells and channels
+constexpr uint32_t kVersion = 3;  // 2: point-to-point bells and channels; 3: descriptors beside counter A
 
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 size_t ctl_offset() { return align_up(sizeof(Header), 4096); }

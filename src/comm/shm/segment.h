@@ -3,7 +3,8 @@
 // Layout (every part 64-byte aligned, the data 4096-byte aligned):
 //   Header    magic, version, rank count, slot size, attach count, abort flag + message
 //   RankCtl   per rank: three step counters (scatter / reduce / gather), each on its own cache line
-//             with a sleeper count for futex wake-ups; the pid; the last two op descriptors
+//             with a sleeper count for futex wake-ups (and, beside the scatter counter, the last two
+//             op descriptors); the pid
 //   slots     per rank: two buffers of slot_bytes (double buffering: step s uses buffer s % 2)
 //   bells     per rank: a counter that every peer bumps (and futex-wakes) when a point-to-point
 //             channel to or from that rank changes, so one futex covers all of a rank's channels
@@ -24,25 +25,31 @@
 
 namespace dtrain::shm {
 
+// 24 bytes, so that two fit beside a counter in one cache line (Counter::desc).
 struct OpDesc {
   uint64_t op_id = 0;
   uint64_t count = 0;  // elements (all_reduce) or bytes (broadcast, all_gather)
-  uint32_t op = 0;     // OpKind
-  uint32_t dtype = 0;  // DType for all_reduce
-  uint32_t redop = 0;  // RedOp for all_reduce
+  uint8_t op = 0;      // OpKind
+  uint8_t dtype = 0;   // DType for all_reduce
+  uint8_t redop = 0;   // RedOp for all_reduce
   int32_t root = -1;   // broadcast
 };
+static_assert(sizeof(OpDesc) == 24, "two OpDescs and a counter share one cache line");
 
 struct alignas(64) Counter {
   std::atomic<uint32_t> value{0};
   std::atomic<uint32_t> sleepers{0};
+  // Phase A's counter only: the last two op descriptors (desc[op_id % 2]), written before the signal
+  // that releases them. On the counter's line, a peer that has just seen the signal reads them from
+  // the line it already holds, instead of missing the cache once more on every call.
+  OpDesc desc[2];
 };
+static_assert(sizeof(Counter) == 64, "a counter (and its descriptors) is one cache line");
 
 struct alignas(64) RankCtl {
   Counter phase[3];
   std::atomic<int32_t> pid{0};
   uint64_t pid_namespace = 0;  // pid checks only make sense between ranks of one pid namespace
-  OpDesc desc[2];
 };
 
 // One direction of a point-to-point channel: the sender advances `head`, the receiver `tail` (both
