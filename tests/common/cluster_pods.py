@@ -7,6 +7,8 @@ import os
 import shlex
 import subprocess
 
+from proc_util import wait_until
+
 
 def torchx_command(torchrun, script, app_id, nnodes, nproc, *script_args, rdzv_port=29500):
     """The bash command line TorchX's dist.ddp component writes: the endpoint unquoted so that bash
@@ -52,3 +54,23 @@ def launch_pod(ns, argv, env, stderr=subprocess.PIPE):
     timeout dies whole: proc_util.kill_session); stdout a pipe, stderr a pipe or the file given."""
     return subprocess.Popen(["ip", "netns", "exec", ns, *[str(a) for a in argv]], env=env, stdout=subprocess.PIPE,
                             stderr=stderr, text=True, start_new_session=True)
+
+
+def launch_waiting_pods(hosts, names, commands, envs, folder, waiting, timeout=60):
+    """Launches commands[i] (bash) in pod i of `hosts` with envs[i], its stderr in a file of `folder`,
+    and waits until every pod has printed `waiting` (the line a launcher or trainer prints while the
+    rank-0 name does not resolve) or one has ended: publishing the name only then keeps a pod that
+    starts slowly on a loaded machine from finding it already there. Returns (pods, said, alive):
+    said(i) reads pod i's stderr so far, alive[i] is whether pod i still ran once all had waited."""
+    err_paths = [os.path.join(folder, f"pod{i}.stderr") for i in range(len(commands))]
+    pods = []
+    for i, command in enumerate(commands):
+        with open(err_paths[i], "w") as err:
+            pods.append(launch_pod(hosts.ns[i], names.argv(i, command), envs[i], stderr=err))
+
+    def said(i):
+        with open(err_paths[i]) as f:
+            return f.read()
+    wait_until(lambda: all(waiting in said(i) for i in range(len(pods))) or any(p.poll() is not None for p in pods),
+               timeout)
+    return pods, said, [p.poll() is None for p in pods]

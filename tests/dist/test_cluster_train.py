@@ -1,5 +1,5 @@
 """The main job in two network namespaces standing in for pods, the rank-0 pod's DNS name resolvable
-only two seconds after both started (tests/common/cluster_pods.py):
+only once both pods wait for it (tests/common/cluster_pods.py):
   * as TorchX starts it on Kubernetes: dist.ddp's exact torchrun command with dtrain-run in torchrun's
     place (the launchers wait for the name);
   * as a Kubeflow PyTorchJob whose command is the trainer itself: one rank per pod from MASTER_ADDR,
@@ -8,43 +8,48 @@ The ranks train a small subset to rank 0's RESULT line, every rank with rank 0's
 import os
 import subprocess
 import tempfile
-import time
 import unittest
 
 from harness import clean_env, launcher, trainer
 from test_train_fashion_mnist import RESULT_RE
 
-from cluster_pods import PodNames, launch_pod, torchx_command
+from cluster_pods import PodNames, launch_waiting_pods, torchx_command
 from netns_hosts import Hosts, netns_unavailable
 from proc_util import kill_session
+
+WAITING = "waiting for the rendezvous host name"
 
 ARGS = ("--subset", 384, "--test_subset", 200, "--batch_size", 32, "--seed", 5, "--threads", 1, "--epochs", 1)
 
 
 class Pods(unittest.TestCase):
     def run_pods(self, commands, envs):
-        """Runs commands[i] (bash) in pod i with envs[i]; the rank-0 pod's name appears 2 s after the
-        start. Returns [(rc, out, err)] per pod, each of which waited for the name in one line."""
+        """Runs commands[i] (bash) in pod i with envs[i] while the rank-0 pod's name does not resolve,
+        then, once every pod has said that it waits for it, publishes it (a fixed delay instead raced a
+        loaded machine: a pod that took longer to start found the name already there). Returns
+        [(rc, out, err)] per pod, each of which was alive while the name was unknown and waited for it in
+        one line."""
         why = netns_unavailable()
         if why:
             self.skipTest(why)
         hosts = Hosts(2)
         self.addCleanup(hosts.close)
         names = PodNames(self.tmp, 2)
-        pods = [launch_pod(hosts.ns[i], names.argv(i, commands[i]), envs[i]) for i in range(2)]
-        time.sleep(2)
+        pods, said, alive_while_unresolved = launch_waiting_pods(hosts, names, commands, envs, self.tmp, WAITING)
         names.publish(hosts.addr[0], self.name)
         results = []
-        for p in pods:
+        for i, p in enumerate(pods):
             try:
-                out, err = p.communicate(timeout=150)
+                out, _ = p.communicate(timeout=150)
             except subprocess.TimeoutExpired:
                 kill_session(p)
-                out, err = p.communicate()
-            results.append((p.returncode, out, err))
-        for rc, _, err in results:
-            self.assertEqual(rc, 0, err[-3000:])
-            self.assertEqual(sum("waiting for the rendezvous host name" in l for l in err.splitlines()), 1, err)
+                out, _ = p.communicate()
+            results.append((p.returncode, out, said(i)))
+        errs = "".join(err[-3000:] for _, _, err in results)
+        self.assertEqual([rc for rc, _, _ in results], [0, 0], errs)
+        self.assertEqual(alive_while_unresolved, [True, True], errs)
+        for _, _, err in results:
+            self.assertEqual(sum(WAITING in l for l in err.splitlines()), 1, err)
         return results
 
     def setUp(self):

@@ -15,7 +15,7 @@ import unittest
 
 from launcher_common import (DTRAIN_RUN, PY, MarkedTestCase, clean_env, finish, free_port, start, wait_until,
                              with_secret)
-from cluster_pods import PodNames, launch_pod, torchx_command
+from cluster_pods import PodNames, launch_waiting_pods, torchx_command
 from netns_hosts import Hosts, netns_unavailable
 
 # A stand-in trainer: a script, as TorchX's --script is (torchrun runs it with python, dtrain-run as a
@@ -55,17 +55,7 @@ class ClusterTest(MarkedTestCase):
         hosts = Hosts(2)
         self.addCleanup(hosts.close)
         names = PodNames(self.tmp, 2)
-        err_paths = [os.path.join(self.tmp, f"pod{i}.stderr") for i in range(2)]
-        pods = []
-        for i in range(2):
-            with open(err_paths[i], "w") as err:
-                pods.append(launch_pod(hosts.ns[i], names.argv(i, commands[i]), envs[i], stderr=err))
-
-        def said(i):
-            with open(err_paths[i]) as f:
-                return f.read()
-        wait_until(lambda: all(WAITING in said(i) for i in range(2)) or any(p.poll() is not None for p in pods), 30)
-        alive_while_unresolved = [p.poll() is None for p in pods]
+        pods, said, alive_while_unresolved = launch_waiting_pods(hosts, names, commands, envs, self.tmp, WAITING, 30)
         names.publish(hosts.addr[0], self.name)
         results = finish(*pods, timeout=40)
         errs = [said(i) for i in range(2)]
