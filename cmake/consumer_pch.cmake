@@ -17,6 +17,7 @@ if(NOT (DTRAIN_BUILD_EXAMPLES OR DTRAIN_BUILD_BENCH OR DTRAIN_BUILD_TESTS))
 endif()
 add_executable(dtrain_consumer_pch ${CMAKE_CURRENT_LIST_DIR}/consumer_pch_main.cpp)
 target_link_libraries(dtrain_consumer_pch PRIVATE dtrain::dtrain)
+target_compile_options(dtrain_consumer_pch PRIVATE ${DTRAIN_CONSUMER_OPTIMIZE})  # as its consumers
 target_precompile_headers(dtrain_consumer_pch PRIVATE
   <ATen/ATen.h>
   <torch/nn/module.h>

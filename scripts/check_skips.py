@@ -41,7 +41,7 @@ def machine_facts(build_dir):
         gpus = sum(line.startswith("GPU ") for line in out.splitlines())
     except (OSError, subprocess.SubprocessError):
         gpus = 0
-    torch_major, sanitize, fuzz_missing = None, "OFF", ""
+    torch_major, sanitize, fuzz_missing, per_case = None, "OFF", "", False
     try:
         with open(os.path.join(build_dir, "CMakeCache.txt")) as f:
             cache = f.read()
@@ -52,16 +52,22 @@ def machine_facts(build_dir):
         # Why the configure found no clang++ able to build libFuzzer targets (tests/fuzz/CMakeLists.txt).
         m = re.search(r"^DTRAIN_FUZZ_MISSING:INTERNAL=(.*)$", cache, re.M)
         fuzz_missing = m.group(1) if m else ""
+        # Whether each GoogleTest case of the unit programs is a ctest test (tests/CMakeLists.txt).
+        per_case = re.search(r"^DTRAIN_TEST_PER_CASE:BOOL=(ON|TRUE|1|YES)$", cache, re.M | re.I) is not None
     except OSError:
         pass
     # The tree's sanitizers (CMakeLists.txt: DTRAIN_SANITIZE ON is AddressSanitizer + UBSan).
     sanitizer = {"thread": "tsan"}.get(sanitize, "asan" if sanitize.upper() in ("ON", "TRUE", "1", "YES") else None)
     return {"root": os.geteuid() == 0, "gpus": gpus, "torch_major": torch_major,
             "loopback_only": non_loopback_ipv4() is None, "sanitizer": sanitizer,
-            "no_libfuzzer": bool(fuzz_missing)}
+            "no_libfuzzer": bool(fuzz_missing), "per_case": per_case}
 
 
 def holds(condition, facts):
+    if "," in condition:  # a,b: both hold
+        return all(holds(c, facts) for c in condition.split(","))
+    if condition in ("per-case", "whole-programs"):  # the unit programs' cases as tests, or each program
+        return facts["per_case"] == (condition == "per-case")
     if condition == "always":
         return True
     if condition in ("root", "not-root"):
