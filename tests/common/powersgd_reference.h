@@ -16,7 +16,7 @@
 
 #include "dtrain/comm_hooks.h"
 
-namespace dtrain::testing {
+namespace dtrain::powersgd_ref {
 
 // numpy.random.RandomState(0).randint(1_000_000_000), drawn 24 times: the seeds of PowerSGD's random
 // Qs in PyTorch with random_seed=0.
@@ -188,4 +188,4 @@ struct RefPowerSGD {
   }
 };
 
-}  // namespace dtrain::testing
+}  // namespace dtrain::powersgd_ref

@@ -20,7 +20,7 @@
 #include "test_util.h"
 
 using namespace dtrain;
-using namespace dtrain::testing;
+using namespace dtrain::powersgd_ref;
 namespace F = torch::nn::functional;
 
 namespace {

@@ -20,7 +20,7 @@
 #include "powersgd_reference.h"
 
 using namespace dtrain;
-using dtrain::testing::RefPowerSGD;
+using dtrain::powersgd_ref::RefPowerSGD;
 
 namespace {
 
