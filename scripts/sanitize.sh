@@ -74,9 +74,9 @@ run_ctest() {  # <tree> <ctest arguments>...
 dist_regex() { local IFS='|'; echo "^dist_($*)\$"; }
 
 # What each tree builds: build-asan the unit test executables, as tests/unit/CMakeLists.txt declares
-# them (dtrain_unit_test or a plain add_executable: every one of them registers ctest tests, which
+# them (dtrain_unit_test, dtrain_unit_gtest or a plain add_executable: every one of them registers ctest tests, which
 # fail as NOT_BUILT if left out), and the multi-process programs it runs; build-tsan its programs.
-mapfile -t ASAN_TARGETS < <(sed -n -e 's/^dtrain_unit_test(\([A-Za-z0-9_]*\).*/\1/p' \
+mapfile -t ASAN_TARGETS < <(sed -n -e 's/^dtrain_unit_g\{0,1\}test(\([A-Za-z0-9_]*\).*/\1/p' \
                                  -e 's/^add_executable(\([A-Za-z0-9_]*\).*/\1/p' tests/unit/CMakeLists.txt)
 ASAN_TARGETS+=(collectives_test collectives_random_test shm_dist_test ddp_test comm_hooks_test pipeline_test
                monitor_dist_test amp_dist_test sampler_dist_test sync_batchnorm_test zero_test join_test

@@ -1,111 +1,38 @@
 # The multi-rank GoogleTest programs whose file ends in DTRAIN_DIST_TEST_MAIN() (every rank runs every
-# case), declared with dtrain_gtest_program(<name>): tests/dist/<name>.cpp.
-#
-# With DTRAIN_GROUP_TEST_PROGRAMS (on in unity builds: CI's trees and the sanitizer trees) the programs
-# of one group below compile as one translation unit and link as one executable, and each program is a
-# link by its own name beside it. Loading the shared precompiled header alone costs 3.3 s of CPU per
-# translation unit, most of such a program's compile: 10 of them took 24.5 s of CPU as one, 54.1 s
-# apart. The generated file includes every file's headers first, then each file inside a namespace of
-# its own, so that their file-local names cannot meet; gtest_group_main.h then runs, in a program,
-# only the cases of its own file (GoogleTest's TestInfo::file()), so that it runs what it ran alone. A
-# developer's tree (not unity) keeps one executable per program, where a missing include shows.
-#
-# The groups follow what the sanitizer trees build (scripts/sanitize.sh), which compile a whole group
-# for any one of its programs: ThreadSanitizer's three, AddressSanitizer's, and the rest.
-option(DTRAIN_GROUP_TEST_PROGRAMS "Compile the multi-rank GoogleTest programs in groups, one executable each"
-       ${CMAKE_UNITY_BUILD})
-set(DTRAIN_GTEST_GROUPS
+# case): dtrain_gtest_program(<name>) declares tests/dist/<name>.cpp; CI's trees compile them in the
+# groups below (cmake/gtest_groups.cmake). The groups follow what the sanitizer trees build
+# (scripts/sanitize.sh), which compile a whole group for any one of its programs: ThreadSanitizer's
+# three, AddressSanitizer's, and the rest.
+set(DTRAIN_DIST_GTEST_GROUPS
   "dist_group_threads:ddp_test,ddp_overlap_test,pipeline_test"
   "dist_group_collectives:collectives_test,collectives_random_test,comm_hooks_test,monitor_dist_test,amp_dist_test,sampler_dist_test,sync_batchnorm_test"
   "dist_group_parallel:zero_test,join_test,activation_checkpoint_dist_test,tensor_parallel_test,tp_checkpoint_test,tp_pipeline_test,expert_parallel_test"
   "dist_group_other:tensor_collectives_test,broken_group_test,ddp_options_test,zero_partition_test,join_hooks_test,powersgd_golden_test,group_ids_test,device_mesh_test")
 
-# The path of a program that tests run: its own executable, or the link named after it.
-function(dtrain_program_path out name)
-  get_property(grouped GLOBAL PROPERTY dtrain_gtest_grouped_${name})
-  if(grouped)
-    set(${out} "${CMAKE_RUNTIME_OUTPUT_DIRECTORY}/${name}" PARENT_SCOPE)
-  else()
-    set(${out} "$<TARGET_FILE:${name}>" PARENT_SCOPE)
-  endif()
-endfunction()
-
-# What every such program is given, alone or in a group: some read dtrain's internals (src/, the
+# What every such program is given, alone or in a group: some read dtrain's internals (src/: the
 # group's collective count, compat's optimizer state keys) and goldens in JSON.
-function(dtrain_gtest_program_settings target)
-  target_link_libraries(${target} PRIVATE nlohmann_json::nlohmann_json)
-  target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/src ${CMAKE_CURRENT_SOURCE_DIR})
+function(dtrain_dist_gtest_settings target)
+  target_link_libraries(${target} PRIVATE dtrain::dtrain dtrain_util GTest::gtest GTest::gmock
+                                          nlohmann_json::nlohmann_json)
+  target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/tests/common ${PROJECT_SOURCE_DIR}/examples
+                                               ${PROJECT_SOURCE_DIR}/src)
   target_compile_definitions(${target} PRIVATE
     DTRAIN_ZERO_PARTITION_GOLDEN="${PROJECT_SOURCE_DIR}/tests/data/zero_partition_golden.json"
     DTRAIN_POWERSGD_GOLDEN="${PROJECT_SOURCE_DIR}/tests/data/powersgd_golden.json")
 endfunction()
 
 function(dtrain_gtest_program name)
-  if(NOT DTRAIN_GROUP_TEST_PROGRAMS)
-    dtrain_dist_program(${name} ${name}.cpp)
-    dtrain_gtest_program_settings(${name})
-    return()
+  dtrain_gtest_member(grouped ${name} ${name}.cpp)
+  if(NOT grouped)
+    add_executable(${name} ${name}.cpp)
+    dtrain_dist_gtest_settings(${name})
   endif()
-  set_property(GLOBAL PROPERTY dtrain_gtest_grouped_${name} TRUE)
-  set_property(GLOBAL APPEND PROPERTY dtrain_gtest_declared ${name})
 endfunction()
 
-# One group's translation unit: the files' headers, then each file in a namespace of its own.
-function(dtrain_gtest_group_source out group members)
-  set(includes "")
-  set(bodies "")
-  foreach(name IN LISTS members)
-    set(file ${CMAKE_CURRENT_SOURCE_DIR}/${name}.cpp)
-    set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${file})  # its includes may change
-    file(STRINGS ${file} lines REGEX "^#include ")
-    list(APPEND includes ${lines})
-    string(APPEND bodies "namespace dtrain_program_${name} {\n#include \"${name}.cpp\"\n}  // namespace dtrain_program_${name}\n")
-  endforeach()
-  list(REMOVE_DUPLICATES includes)
-  list(JOIN includes "\n" includes)
-  list(JOIN members ", " names)
-  set(text "// Generated by tests/dist/gtest_programs.cmake: ${names}, one translation unit.\n"
-           "#include \"dist_main.h\"\n#undef DTRAIN_DIST_TEST_MAIN\n#define DTRAIN_DIST_TEST_MAIN()\n"
-           "${includes}\n\n${bodies}\n#include \"gtest_group_main.h\"\n")
-  string(JOIN "" text ${text})
-  set(path ${CMAKE_CURRENT_BINARY_DIR}/${group}.cpp)
-  file(CONFIGURE OUTPUT ${path} CONTENT "${text}" @ONLY)
-  set(${out} ${path} PARENT_SCOPE)
-endfunction()
-
-# After every dtrain_gtest_program: each group's executable, its programs' links, and a target by
-# each program's name (scripts/sanitize.sh builds programs by name).
-function(dtrain_gtest_groups_finish)
-  if(NOT DTRAIN_GROUP_TEST_PROGRAMS)
-    return()
-  endif()
-  get_property(declared GLOBAL PROPERTY dtrain_gtest_declared)
-  set(grouped "")
-  foreach(entry IN LISTS DTRAIN_GTEST_GROUPS)
-    string(REPLACE ":" ";" entry "${entry}")
-    list(GET entry 0 group)
-    list(GET entry 1 members)
-    string(REPLACE "," ";" members "${members}")
-    foreach(name IN LISTS members)
-      if(NOT name IN_LIST declared)
-        message(FATAL_ERROR "${group} names ${name}, which no dtrain_gtest_program declares")
-      endif()
-    endforeach()
-    list(APPEND grouped ${members})
-    dtrain_gtest_group_source(source ${group} "${members}")
-    dtrain_dist_program(${group} ${source})
-    dtrain_gtest_program_settings(${group})
-    set_target_properties(${group} PROPERTIES UNITY_BUILD OFF)  # one unit already
-    foreach(name IN LISTS members)
-      add_custom_target(${name} ALL COMMAND ${CMAKE_COMMAND} -E create_symlink $<TARGET_FILE_NAME:${group}>
-                                            ${CMAKE_RUNTIME_OUTPUT_DIRECTORY}/${name})
-      add_dependencies(${name} ${group})
-    endforeach()
-  endforeach()
-  foreach(name IN LISTS declared)
-    if(NOT name IN_LIST grouped)
-      message(FATAL_ERROR "dtrain_gtest_program(${name}) is in no group: add it to DTRAIN_GTEST_GROUPS "
-                          "in tests/dist/gtest_programs.cmake")
-    endif()
-  endforeach()
+# After every dtrain_gtest_program. In a group the files' own mains are gone and the group's adds
+# their environment (dist_main.h).
+function(dtrain_dist_gtest_groups)
+  dtrain_gtest_groups(dtrain_dist_gtest_settings
+    "#include \"dist_main.h\"\n#undef DTRAIN_DIST_TEST_MAIN\n#define DTRAIN_DIST_TEST_MAIN()\n#define DTRAIN_GTEST_GROUP_ENVIRONMENT new DistEnvironment()"
+    ${DTRAIN_DIST_GTEST_GROUPS})
 endfunction()
