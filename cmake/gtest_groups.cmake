@@ -10,8 +10,8 @@
 # (GoogleTest's TestInfo::file()), and fails when it ran any other number of them. A developer's tree
 # (not unity) keeps one executable per program, where a missing include shows.
 #
-#   dtrain_gtest_member(<name> <file>...)   a program of this directory, its files there; true when
-#                                           grouped (then the caller makes no target of it)
+#   dtrain_gtest_member(<out> <name> <file>...)  a program of this directory, its files there; <out>
+#                                           true when grouped (then the caller makes no target of it)
 #   dtrain_program_path(<out> <name>)       the path tests run it by
 #   dtrain_gtest_groups(<settings function> <prelude> "<group>:<name>,<name>" ...)
 #                                           after the directory's members: each group's executable
