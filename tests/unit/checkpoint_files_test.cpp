@@ -25,7 +25,9 @@ namespace fs = std::filesystem;
 using dtrain::test_util::error_of;
 
 // The folder fsync that write_atomic does, failed on demand: this definition takes the place of
-// libc's for the whole test program (the others go straight to the system call).
+// libc's for the whole test program (the others go straight to the system call), which in CI's
+// trees is its group's executable (cmake/gtest_groups.cmake): the other programs of the group
+// never set the flag, so their fsync is the system call's as before.
 std::atomic<bool> g_fail_folder_fsync{false};
 extern "C" int fsync(int fd) {
   struct stat sb {};
