@@ -10,8 +10,10 @@
 # (GoogleTest's TestInfo::file()), and fails when it ran any other number of them. A developer's tree
 # (not unity) keeps one executable per program, where a missing include shows.
 #
-#   dtrain_gtest_member(<out> <name> <file>...)  a program of this directory, its files there; <out>
-#                                           true when grouped (then the caller makes no target of it)
+#   dtrain_gtest_executable(<out> <name> <settings function> <file>...)
+#                                           a program of this directory, its files there: a member of
+#                                           the groups, or else an executable of its own given
+#                                           <settings function>(<name>); <out> true when grouped
 #   dtrain_program_path(<out> <name>)       the path tests run it by
 #   dtrain_gtest_groups(<settings function> <prelude> "<group>:<name>,<name>" ...)
 #                                           after the directory's members: each group's executable
@@ -19,8 +21,10 @@
 #                                           its members need), the links, a target by each name
 option(DTRAIN_GROUP_TEST_PROGRAMS "Compile the GoogleTest programs in groups, one executable each" ${CMAKE_UNITY_BUILD})
 
-function(dtrain_gtest_member out name)
+function(dtrain_gtest_executable out name settings)
   if(NOT DTRAIN_GROUP_TEST_PROGRAMS)
+    add_executable(${name} ${ARGN})
+    cmake_language(CALL ${settings} ${name})
     set(${out} FALSE PARENT_SCOPE)
     return()
   endif()

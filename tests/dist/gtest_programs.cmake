@@ -22,11 +22,7 @@ function(dtrain_dist_gtest_settings target)
 endfunction()
 
 function(dtrain_gtest_program name)
-  dtrain_gtest_member(grouped ${name} ${name}.cpp)
-  if(NOT grouped)
-    add_executable(${name} ${name}.cpp)
-    dtrain_dist_gtest_settings(${name})
-  endif()
+  dtrain_gtest_executable(grouped ${name} dtrain_dist_gtest_settings ${name}.cpp)
 endfunction()
 
 # After every dtrain_gtest_program. In a group the files' own mains are gone and the group's adds
