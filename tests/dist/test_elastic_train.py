@@ -4,10 +4,11 @@ per "host" (network namespaces on one bridge, tests/common/netns_hosts.py), DDP 
   * 3 nodes of --nnodes 2:3, one node's launcher and worker SIGKILLed mid-epoch: the two others
     resume from the last checkpoint with WORLD_SIZE 2 and finish, and --sample_log shows every sample
     of the epoch trained exactly once, except those of the steps after that checkpoint (replayed);
-  * the main job (3 epochs of Fashion-MNIST, 3/5 of its default) grows from 2 to 3 nodes and shrinks
-    back to 2 on the way and still reaches 0.89 test accuracy: above what one epoch reaches (0.884),
-    below the 0.905 +- 0.005 that 3 epochs reach with or without membership changes (0.9051 in README's
-    run, 0.9046 through the join and the leave).
+  * the main job, on a third of Fashion-MNIST's training set (3 epochs of 20 000 samples: the
+    launcher's membership changes are what it tests, and the size proves nothing more), grows from 2
+    to 3 nodes and shrinks back to 2 on the way and still reaches 0.87 test accuracy on the whole test
+    set: above what one epoch reaches (0.848 on 2 ranks), below the 0.8835 that 3 epochs reach without
+    membership changes (2 epochs: 0.872; 0.8822 through the join and the leave).
 
 Both need a trainer whose checkpoints written by N ranks load on M ranks and which records the
 indices it trains (--sample_log); without them the tests are skipped, saying so.
@@ -148,8 +149,8 @@ class ElasticTraining(DistTestCase):
 
     def test_the_main_job_reaches_its_accuracy_through_a_join_and_a_leave(self):
         ckpt, log = os.path.join(self.tmp, "ckpt"), os.path.join(self.tmp, "samples")
-        args = ["--epochs", 3, "--checkpoint_dir", ckpt, "--checkpoint_every", 100, "--sample_log", log,
-                "--threads", 1]
+        args = ["--subset", 20000, "--epochs", 3, "--checkpoint_dir", ckpt, "--checkpoint_every", 50,
+                "--sample_log", log, "--threads", 1]
 
         def trained(rank, attempt):
             try:
@@ -159,9 +160,9 @@ class ElasticTraining(DistTestCase):
                 return 0
 
         nodes = [self.launch(i, args, last_call=1) for i in range(2)]
-        self.wait_for(lambda: trained(0, 0) >= 5000, 240, "training on 2 nodes")
+        self.wait_for(lambda: trained(0, 0) >= 2000, 240, "training on 2 nodes")
         nodes.append(self.launch(2, args, last_call=1))  # admitted at the restart its arrival triggers
-        self.wait_for(lambda: trained(2, 1) >= 10000, 300, "training on 3 nodes")
+        self.wait_for(lambda: trained(2, 1) >= 4000, 300, "training on 3 nodes")
         self.kill_node(nodes[2])
         out0, err0 = nodes[0].communicate(timeout=600)
         _, err1 = nodes[1].communicate(timeout=60)
@@ -172,8 +173,8 @@ class ElasticTraining(DistTestCase):
         self.assertIsNotNone(m, out0)
         self.assertEqual(m.group(1), "3")
         self.assertEqual(m.group(5), "1", "the ranks' parameters differ")
-        print(f"main job through a join and a leave: test accuracy {m.group(2)} (needs 0.89)", flush=True)
-        self.assertGreaterEqual(float(m.group(2)), 0.89, out0)
+        print(f"main job through a join and a leave: test accuracy {m.group(2)} (needs 0.87)", flush=True)
+        self.assertGreaterEqual(float(m.group(2)), 0.87, out0)
 
 
 if __name__ == "__main__":
