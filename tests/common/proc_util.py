@@ -1,13 +1,16 @@
 """Helpers that the Python test suites in tests/dist and tests/launcher share (stdlib only)."""
+import atexit
 import errno
 import fcntl
 import os
 import random
+import shutil
 import signal
 import socket
 import stat
 import struct
 import subprocess
+import tempfile
 import time
 
 # Variables a launcher may have put in the tests' own environment (a suite run under srun, mpirun or
@@ -17,13 +20,28 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 _LAUNCH_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "SLURM_", "DTRAIN_", "TORCHELASTIC_")
 
 
+_children_tmpdir = None
+
+
+def children_tmpdir():
+    """The TMPDIR clean_env() gives children: a folder of this test process, removed when it exits.
+    A launcher or rank that a test kills cannot remove what it made there (dtrain-run's temporary
+    flight folder, its --tee logs), and a shared /tmp would keep it from every run."""
+    global _children_tmpdir
+    if _children_tmpdir is None:
+        _children_tmpdir = tempfile.mkdtemp(prefix="dtrain-test-tmp-")
+        atexit.register(shutil.rmtree, _children_tmpdir, True)
+    return _children_tmpdir
+
+
 def clean_env(omp_threads="1", **extra):
     """os.environ without any launcher variables (nor DTRAIN_*), with OMP_NUM_THREADS=omp_threads
-    (None: unset, for a test of what the launcher itself sets), plus `extra` (a None value deletes).
-    The one rule both suites use: tests/dist starts ranks with one thread each, tests/launcher starts
-    dtrain-run."""
+    (None: unset, for a test of what the launcher itself sets), TMPDIR=children_tmpdir(), plus
+    `extra` (a None value deletes). The one rule both suites use: tests/dist starts ranks with one
+    thread each, tests/launcher starts dtrain-run."""
     env = {k: v for k, v in os.environ.items()
            if k not in _LAUNCH_VARS and not k.startswith(_LAUNCH_PREFIXES)}
+    env["TMPDIR"] = children_tmpdir()
     env.pop("OMP_NUM_THREADS", None)
     if omp_threads is not None:
         env["OMP_NUM_THREADS"] = str(omp_threads)
