@@ -10,7 +10,7 @@ tree=$1
 first=${DTRAIN_FIRST_TREE:-0}
 args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DDTRAIN_WERROR=ON)  # a warning in dtrain's own code fails the run
 if ((first == 0)); then
-  args+=(-DDTRAIN_ONCE_TESTS=OFF -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=11 -DDTRAIN_TEST_PER_CASE=OFF)
+  args+=(-DDTRAIN_ONCE_TESTS=OFF -DCMAKE_UNITY_BUILD=ON -DDTRAIN_TEST_PER_CASE=OFF)
 fi
 # CI compiles without debug information: -g took 1.5-2x the compile time of a file (side by side:
 # src/ddp/reducer.cpp 19.5 s without, 34 s with; src/comm/collectives.cpp 14.6 s against 25 s) and
@@ -23,7 +23,7 @@ fi
 if [ "${CI:-}" = true ]; then
   args+=("-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -DNDEBUG" "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O2 -DNDEBUG"
          -DDTRAIN_CONSUMER_OPTIMIZE=-O1)
-  ((first == 0)) || args+=(-DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=11)
+  ((first == 0)) || args+=(-DCMAKE_UNITY_BUILD=ON)
   # Each unit program runs whole there, as in the next trees: its ~280 cases one process each spent
   # about 0.45 s of CPU apiece starting LibTorch. A developer's build/ keeps one ctest test per case.
   ((first == 0)) || args+=(-DDTRAIN_TEST_PER_CASE=OFF)

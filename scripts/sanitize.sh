@@ -45,7 +45,7 @@ configure_and_build() {  # <tree> <DTRAIN_SANITIZE> <target>...
   only=$(IFS=';' && echo "sanitizer_canary;dtrain-run;$*")
   cmake -S . -B "$tree" -DCMAKE_BUILD_TYPE=Sanitize -DDTRAIN_SANITIZE="$mode" \
         -DDTRAIN_BUILD_EXAMPLES=OFF -DDTRAIN_BUILD_BENCH=OFF -DDTRAIN_TEST_PER_CASE=OFF \
-        -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=11 "-DDTRAIN_BUILD_ONLY=$only" >/dev/null
+        -DCMAKE_UNITY_BUILD=ON "-DDTRAIN_BUILD_ONLY=$only" >/dev/null
   # One target whose dependencies are the programs: built in parallel (CMakeLists.txt, DTRAIN_BUILD_ONLY)
   cmake --build "$tree" -j"$(nproc)" --target dtrain_build_only
 }
