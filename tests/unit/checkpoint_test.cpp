@@ -69,9 +69,11 @@ std::vector<float> flat(Net& net) {
 class Checkpoint : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir = (fs::temp_directory_path() / ("dtrain_ckpt_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name()))
-              .string();
+    // A parameterized case is named "Case/0": its '/' would make a folder inside one that TearDown
+    // leaves behind.
+    std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::replace(name.begin(), name.end(), '/', '_');
+    dir = (fs::temp_directory_path() / ("dtrain_ckpt_" + std::to_string(::getpid()) + "_" + name)).string();
     fs::remove_all(dir);
   }
   void TearDown() override {

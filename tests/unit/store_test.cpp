@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -229,11 +230,12 @@ TEST(Store, UnresolvableHostFailsAtTheConnectTimeoutNamingIt) {
 // adds it 700 ms after the client started; the client must wait for it and connect. Returns the
 // child's exit code: 0 connected, 1 failed, 2 could not set up, 3 the wait was not announced once.
 int connect_to_a_name_that_appears_late(const std::string& name) {
+  // The files are made here and removed by the parent: the child ends in _exit.
+  char dir[] = "/tmp/dtrain_store_dns_XXXXXX";
+  if (!mkdtemp(dir)) return 2;
   const pid_t pid = fork();
   if (pid == 0) {
-    char dir[] = "/tmp/dtrain_store_dns_XXXXXX";
-    if (!mkdtemp(dir) || unshare(CLONE_NEWNS) != 0 || mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0)
-      _exit(2);
+    if (unshare(CLONE_NEWNS) != 0 || mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) _exit(2);
     const std::string hosts = std::string(dir) + "/hosts", resolv = std::string(dir) + "/resolv.conf";
     std::ofstream(hosts) << "127.0.0.1 localhost\n";
     std::ofstream(resolv) << "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n";
@@ -263,6 +265,7 @@ int connect_to_a_name_that_appears_late(const std::string& name) {
   }
   int status = 0;
   waitpid(pid, &status, 0);
+  std::filesystem::remove_all(dir);
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
