@@ -13,7 +13,6 @@ async save), its newest folder read by torch.distributed.checkpoint.
                                                            DTRAIN_C_LIB; the OUT folder is shared by the ranks)
 """
 import ctypes
-import gc
 import json
 import os
 import sys
@@ -170,13 +169,11 @@ def run_zero_torch():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     result = {name: zero_torch_train(rank, name, kwargs) for name, _, kwargs in ZERO_CONFIGS}
-    # Neither rank tears Gloo down while the other's last broadcasts may still be in flight (a peer
-    # that closed its connections first aborted the other in "terminate called"), nor while a DDP or
-    # ZeroRedundancyOptimizer in a reference cycle still holds the group: freed at interpreter exit,
-    # after the group ended, it aborted rank 0 the same way once in a busy run (exit -6).
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    # Neither rank tears Gloo down while the other's last broadcasts may still be in flight, nor while
+    # a DDP or ZeroRedundancyOptimizer in a reference cycle still holds the group (freed at
+    # interpreter exit, after the group ended, it aborted rank 0 once in a busy run: exit -6).
+    from reference_util import end_group
+    end_group()
     return result
 
 
