@@ -12,7 +12,6 @@ size gives the same numbers. Rank 0 writes the whole parameters at the checkpoin
                                        on its rows of the batch
 Env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 """
-import gc
 import json
 import math
 import sys
@@ -25,11 +24,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from reference_util import end_group, wave
+
 BATCH, BEFORE, AFTER = 12, 3, 5
-
-
-def wave(n, scale, freq, phase):
-    return torch.arange(n, dtype=torch.float64).mul(freq).add(phase).sin().mul(scale)
 
 
 def make_model(phase):
@@ -117,9 +114,7 @@ def main():
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
-    gc.collect()  # nothing that holds the group may outlive it (Gloo's threads join there)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_group()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ torch.distributed.checkpoint's dcp.load read from dtrain's DCP folder DIR into a
 state dict (names missing on either side listed); with --twin.final, the same against the
 safetensors file train_llm wrote with --checkpoint.export_final.
 """
-import gc
 import json
 import math
 import os
@@ -31,6 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
+
+from reference_util import end_group
 
 # train_llm's defaults (examples/llm/job_config.h) of the keys the twin uses; every other key is
 # accepted and has no effect here (logging, checkpoints, validation, threads).
@@ -286,9 +287,7 @@ def main():
             json.dump(result, f)
     if world > 1:
         del model
-        gc.collect()  # fully_shard's hooks hold their module: freed before the group ends
-        dist.barrier()
-        dist.destroy_process_group()
+        end_group()  # fully_shard's hooks hold their module: freed before the group ends
 
 
 if __name__ == "__main__":

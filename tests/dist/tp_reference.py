@@ -5,7 +5,6 @@ input gradients and parameter gradients at the first step, and its local paramet
 steps.
   python tp_reference.py OUT.json   (every rank; env:// as torchrun sets it)
 """
-import gc
 import json
 import sys
 
@@ -19,11 +18,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel, loss_parallel,
                                                parallelize_module)
 
+from reference_util import end_group, wave
+
 STEPS = 5
-
-
-def wave(n, scale, freq, phase):
-    return torch.arange(n, dtype=torch.float64).mul(freq).add(phase).sin().mul(scale)
 
 
 def fill(model):
@@ -182,9 +179,7 @@ def main():
     # The parallelized modules sit in reference cycles through their hooks; nothing that holds the
     # group may outlive it (Gloo's threads join there).
     del mlp, lm, sp, spio, run_mlp, run_lm, run_sp, run_spio
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    end_group()
 
 
 if __name__ == "__main__":
