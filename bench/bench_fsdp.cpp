@@ -32,12 +32,14 @@
 //   RESULT fits_only_sharded=1   (DDP exceeded the budget, fully_shard trained within it; 0 otherwise)
 // Peak RSS, what the kernel (an out-of-memory killer, a cgroup limit) sees rather than the allocator's
 // bytes: --rss_layers x Linear(--rss_width), 5 x 2048 (21 M parameters) by default, --rss_steps Adam
-// steps under DDP and under fully_shard (each Linear a unit), 2 ranks, malloc as a program finds it;
-// each rank's VmHWM from the first step on (reset through /proc/self/clear_refs once the model is
-// wrapped). The larger fully_shard rank's over the larger DDP rank's, over shared memory and over
-// Gloo alone (DTRAIN_SHM=0, the path between hosts):
+// steps under DDP and under fully_shard (each Linear a unit), on 2, 3 and 4 ranks (--rss_worlds),
+// malloc as a program finds it; each rank's VmHWM from the first step on (reset through
+// /proc/self/clear_refs once the model is wrapped). The largest fully_shard rank's over the largest
+// DDP rank's of the same world size, over shared memory and over Gloo alone (DTRAIN_SHM=0, the path
+// between hosts):
 //   RESULT fsdp_peak_rss_fraction_2=S fsdp_peak_rss_fraction_2_gloo=G   (goal <= 0.65 each; the floor is
 //   about half the state, one unit whole and the runtime over DDP's)
+//          fsdp_peak_rss_fraction_3=, _3_gloo=, _4=, _4_gloo=   (reported: 4 ranks on 2 cores)
 #include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -344,20 +346,20 @@ int worker_main(int argc, char** argv) {
   return 0;
 }
 
-// The peak RSS of DDP and fully_shard on 2 ranks, over shared memory and over Gloo alone
-// (DTRAIN_SHM=0, the path between hosts): each rank's, and the larger fully_shard rank's over the larger
-// DDP rank's into fraction[0] (shared memory) and fraction[1] (Gloo).
+// The peak RSS of DDP and fully_shard on n ranks, over shared memory and over Gloo alone
+// (DTRAIN_SHM=0, the path between hosts): each rank's, and the largest fully_shard rank's over the
+// largest DDP rank's into fraction[0] (shared memory) and fraction[1] (Gloo).
 template <typename Job>
-void rss_table(Job& job, int layers, int64_t width, int steps, double* fraction) {
+void rss_table(Job& job, int n, int layers, int64_t width, int steps, double* fraction) {
   const std::vector<std::string> args = {"--job",    "rss",
                                          "--layers", std::to_string(layers),
                                          "--width",  std::to_string(width),
                                          "--steps",  std::to_string(steps)};
   const double params = layers * static_cast<double>(width * width + width);
   std::printf(
-      "\npeak RSS: %d x Linear %lld (%.1f M parameters), Adam, %d steps, 2 ranks (kernel's VmHWM from "
-      "the first step on)\n\n",
-      layers, static_cast<long long>(width), params / 1e6, steps);
+      "\npeak RSS: %d x Linear %lld (%.1f M parameters), Adam, %d steps, %d ranks (kernel's VmHWM from "
+      "the first step on; ranks 0 and 1 shown, the largest of all counted)\n\n",
+      layers, static_cast<long long>(width), params / 1e6, steps, n);
   std::printf(
       "| transport | job | peak RSS rank 0, 1 | RSS before the steps | after them (of it shared memory) | "
       "allocator peak | over DDP's |\n|---|---|---|---|---|---|---|\n");
@@ -368,9 +370,10 @@ void rss_table(Job& job, int layers, int64_t width, int steps, double* fraction)
     for (const char* mode : {"ddp", "fsdp"}) {
       std::vector<std::string> a = args;
       a.insert(a.end(), {"--mode", mode});
-      const std::string out = job(a, 2, env);
+      const std::string out = job(a, n, env);
       auto kb = [&](int r, const char* key) { return parse_value(out, "rank" + std::to_string(r) + "_" + key); };
-      const double peak = std::max(kb(0, "peak_rss_kb"), kb(1, "peak_rss_kb"));
+      double peak = 0;
+      for (int r = 0; r < n; ++r) peak = std::max(peak, kb(r, "peak_rss_kb"));
       if (std::string(mode) == "ddp") ddp_peak = peak;
       if (std::string(mode) == "fsdp") fraction[t] = peak / ddp_peak;
       std::printf(
@@ -400,6 +403,9 @@ int driver_main(int argc, char** argv) {
   app.add_option("--rss_layers", rss_layers, "Linear layers of the peak-RSS model");
   app.add_option("--rss_width", rss_width, "their width");
   app.add_option("--rss_steps", rss_steps, "Adam steps of the peak-RSS jobs");
+  std::vector<int> rss_worlds{2, 3, 4};
+  app.add_option("--rss_worlds", rss_worlds, "world sizes of the peak-RSS jobs (default 2 3 4)")
+      ->check(CLI::Range(2, 64));
   std::string parts = "memory,step,collectives,fits,rss";
   app.add_option("--parts", parts, "which measures to run, comma-separated (memory, step, collectives, fits, rss)");
   CLI11_PARSE(app, argc, argv);
@@ -493,16 +499,31 @@ int driver_main(int argc, char** argv) {
     std::printf("budget %s per rank (%.0f M parameters, Adam, 2 ranks): DDP %s; fully_shard %s\n",
                 human_bytes(static_cast<size_t>(budget)).c_str(), p / 1e6, d.c_str(), f.c_str());
   }
-  double rss_fraction[2] = {0, 0};  // shared memory, Gloo
-  if (part("rss")) rss_table(job, rss_layers, rss_width, rss_steps, rss_fraction);
+  double rss_fraction[2] = {0, 0};  // 2 ranks: shared memory, Gloo
+  std::string rss_more;             // the other world sizes' keys
+  for (int n : rss_worlds) {
+    if (!part("rss")) break;
+    double f[2] = {0, 0};
+    rss_table(job, n, rss_layers, rss_width, rss_steps, f);
+    if (n == 2) {
+      rss_fraction[0] = f[0];
+      rss_fraction[1] = f[1];
+    } else {
+      char keys[160];
+      std::snprintf(keys, sizeof keys, " fsdp_peak_rss_fraction_%d=%.3f fsdp_peak_rss_fraction_%d_gloo=%.3f", n, f[0],
+                    n, f[1]);
+      rss_more += keys;
+    }
+  }
   std::printf("collectives at 16 MB, 2 ranks: %s\n", parse_line(c, "rs_fraction").c_str());
   std::printf(
       "\nRESULT fsdp_state_fraction_2=%.3f fsdp_state_fraction_4=%.3f fsdp_step_vs_ddp=%.3f "
       "fsdp_bytes_per_step_ratio=%.4f fsdp2_bytes_per_step_ratio=%.4f rs_16m_fraction_of_memcpy=%.3f "
       "ag_16m_fraction_of_memcpy=%.3f ag_16m_in_place_fraction_of_memcpy=%.3f fits_only_sharded=%d "
-      "fsdp_peak_rss_fraction_2=%.3f fsdp_peak_rss_fraction_2_gloo=%.3f\n",
+      "fsdp_peak_rss_fraction_2=%.3f fsdp_peak_rss_fraction_2_gloo=%.3f%s\n",
       fraction[2], fraction[4], ratios.empty() ? 0.0 : median(ratios), z3, z2, parse_value(c, "rs_fraction"),
-      parse_value(c, "ag_fraction"), parse_value(c, "ag_in_place_fraction"), fits, rss_fraction[0], rss_fraction[1]);
+      parse_value(c, "ag_fraction"), parse_value(c, "ag_in_place_fraction"), fits, rss_fraction[0], rss_fraction[1],
+      rss_more.c_str());
   return 0;
 }
 

@@ -248,18 +248,21 @@ std::string human_bytes(size_t b) {
 }
 
 int transfer_driver(const char* name, const char* about, int argc, char** argv, int default_reps,
-                    size_t default_max_bytes) {
+                    size_t default_max_bytes, bool any_world) {
   CLI::App app{std::string(name) + ": " + about};
-  int reps = default_reps;
+  int reps = default_reps, world = 2;
   size_t max_bytes = default_max_bytes;
   app.add_option("--reps", reps, "rounds per size (median reported; default " + std::to_string(default_reps) + ")")
       ->check(dtrain_cli::positive());
   app.add_option("--max_bytes", max_bytes, "largest size (default " + std::to_string(default_max_bytes) + ")");
+  if (any_world)
+    app.add_option("--world", world, "ranks on this host (default 2; keys get a _<world> suffix otherwise)")
+        ->check(CLI::Range(2, 64));
   CLI11_PARSE(app, argc, argv);
   std::printf("load average at start: %s (%u cores)\n", load_average().c_str(), std::thread::hardware_concurrency());
   std::fflush(stdout);
   const std::string out =
-      run_job({self_exe(), "--worker", "--reps", std::to_string(reps), "--max_bytes", std::to_string(max_bytes)}, 2,
+      run_job({self_exe(), "--worker", "--reps", std::to_string(reps), "--max_bytes", std::to_string(max_bytes)}, world,
               1800, name);
   std::fputs(out.c_str(), stdout);
   return 0;

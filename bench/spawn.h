@@ -37,10 +37,11 @@ double memcpy_bandwidth(size_t bytes, int runs = 7);
 double cache_line_handoff(int round_trips = 1000, int runs = 200);
 std::string human_bytes(size_t b);  // "4 KB", "64 MB", "512 B"
 
-// The driver of a 2-rank transfer benchmark taking --reps and --max_bytes: parses them, prints the
-// load, runs `self --worker --reps R --max_bytes B` as 2 ranks and prints rank 0's output.
+// The driver of a transfer benchmark taking --reps and --max_bytes (and --world, the ranks, where
+// any_world; else 2): parses them, prints the load, runs `self --worker --reps R --max_bytes B` as
+// that many ranks and prints rank 0's output.
 int transfer_driver(const char* name, const char* about, int argc, char** argv, int default_reps,
-                    size_t default_max_bytes);
+                    size_t default_max_bytes, bool any_world = false);
 
 // A benchmark binary's main(): `prog --worker ARGS` is one rank of the job and runs worker(ARGS);
 // anything else is the driver and runs driver(argv). An exception ends the process with exit code 1
