@@ -9,7 +9,7 @@
 //
 //   ./build/bin/bench_ddp [--reps 3] [--warmup 20] [--mlp_steps 300] [--cnn_steps 20] [--world 2]
 //
-// How: this binary is the driver and the worker. The driver starts every 2-rank job itself (fork and
+// How: this binary is the driver and the worker. The driver starts every job itself (2 ranks; fork and
 // exec of `bench_ddp --worker <job> <model> ...`, or of the Python script, with RANK, WORLD_SIZE,
 // MASTER_ADDR, MASTER_PORT and OMP_NUM_THREADS=1 in the environment): per model and repetition one
 // Python job and one "paired" C++ job, the order rotating each repetition (rep 1 of everything, then
