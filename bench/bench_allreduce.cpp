@@ -153,7 +153,7 @@ int worker_main(int argc, char** argv) {
   dtrain::destroy_process_group();
   if (rank == 0) {
     const double handoff = cache_line_handoff();
-    const std::string w = world == 2 ? "" : "_" + std::to_string(world);
+    const std::string w = world_suffix(world);
     const char* s = w.c_str();
     std::printf("one thread's memcpy GB/s at 1, 16, 64 MB (median of the rounds):");
     for (double m : memcpy_at) std::printf(" %.2f", m / 1e9);

@@ -421,7 +421,7 @@ int driver_main(int argc, char** argv) {
       y, y2, z);
   std::printf("mlp20m: dtrain step time / nocomm = %.2fx (goal <= 1.05)\n", zb);
   std::printf("load average at end: %s; bench took %.0f s\n", load_average().c_str(), secs_since(t_all));
-  const std::string w = world == 2 ? "" : "_" + std::to_string(world);
+  const std::string w = world_suffix(world);
   const char* s = w.c_str();
   std::printf(
       "RESULT mlp_vs_python%s=%.2f cnn_vs_python%s=%.2f cnn_vs_nocomm%s=%.2f mlp_vs_python2%s=%.2f "

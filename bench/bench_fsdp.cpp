@@ -509,9 +509,10 @@ int driver_main(int argc, char** argv) {
       rss_fraction[0] = f[0];
       rss_fraction[1] = f[1];
     } else {
+      const std::string w = world_suffix(n);
       char keys[160];
-      std::snprintf(keys, sizeof keys, " fsdp_peak_rss_fraction_%d=%.3f fsdp_peak_rss_fraction_%d_gloo=%.3f", n, f[0],
-                    n, f[1]);
+      std::snprintf(keys, sizeof keys, " fsdp_peak_rss_fraction%s=%.3f fsdp_peak_rss_fraction%s_gloo=%.3f", w.c_str(),
+                    f[0], w.c_str(), f[1]);
       rss_more += keys;
     }
   }

@@ -48,6 +48,8 @@ int free_port() {
   return ntohs(addr.sin_port);
 }
 
+std::string world_suffix(int world) { return world == 2 ? "" : "_" + std::to_string(world); }
+
 std::string load_average() {
   std::string s = dtrain::util::read_file("/proc/loadavg");
   std::istringstream in(s);

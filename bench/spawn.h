@@ -36,6 +36,9 @@ double memcpy_bandwidth(size_t bytes, int runs = 7);
 // `round_trips` (a floor: on a busy machine the slower batches include time descheduled).
 double cache_line_handoff(int round_trips = 1000, int runs = 200);
 std::string human_bytes(size_t b);  // "4 KB", "64 MB", "512 B"
+// The suffix of a RESULT key measured on `world` ranks: "" on 2 ranks (the keys' default), else
+// "_<world>" (mlp_vs_python_4).
+std::string world_suffix(int world);
 
 // The driver of a transfer benchmark taking --reps and --max_bytes (and --world, the ranks, where
 // any_world; else 2): parses them, prints the load, runs `self --worker --reps R --max_bytes B` as
