@@ -273,6 +273,22 @@ def proc_stat(pid):
     return fields[0], int(fields[1])
 
 
+def thread_states(pid):
+    """The set of states of `pid`'s threads ({"T"}: every one stopped), empty when it is gone."""
+    states = set()
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return states
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.add(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            pass  # the thread ended meanwhile
+    return states
+
+
 def alive(pid):
     """Whether `pid` runs (a zombie does not count)."""
     st = proc_stat(pid)

@@ -16,7 +16,8 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
 import proc_util  # noqa: E402
-from proc_util import alive, free_port, free_slurm_job_id, slurm_job_port, wait_until  # noqa: E402  (re-exported)
+from proc_util import (alive, free_port, free_slurm_job_id, slurm_job_port, thread_states,  # noqa: E402
+                       wait_until)  # (re-exported)
 
 DTRAIN_RUN = os.environ.get("DTRAIN_RUN", "")
 PY = sys.executable  # the interpreter running the tests, also used for python workers

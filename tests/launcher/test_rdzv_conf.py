@@ -13,7 +13,7 @@ import time
 import unittest
 
 from launcher_common import (MarkedTestCase, PY, finish, free_port, pids_with_marker, port_open, run, start,
-                             wait_until, with_secret)
+                             thread_states, wait_until, with_secret)
 
 # A worker that reaches the store it was given and says where it is.
 REACH = """import os, socket
@@ -32,8 +32,11 @@ class StoreDeadlinesTest(MarkedTestCase):
     tmp_prefix = "dtrain_rdzv_conf_"
 
     def stopped(self, proc):
-        """SIGSTOPs proc now; it is killed (after a SIGCONT) when the test ends."""
+        """SIGSTOPs proc and returns once every thread of it is stopped; it is killed (after a SIGCONT)
+        when the test ends."""
         os.kill(proc.pid, signal.SIGSTOP)
+        self.assertTrue(wait_until(lambda: thread_states(proc.pid) == {"T"}, 10),
+                        f"launcher {proc.pid} did not stop: its threads are {thread_states(proc.pid)}")
 
         def release():
             for sig in (signal.SIGCONT, signal.SIGKILL):
@@ -73,7 +76,7 @@ class StoreDeadlinesTest(MarkedTestCase):
         self.assertTrue(wait_until(lambda: port_open(port), 20), "the host's store did not come up")
         self.stopped(host)
         self.ends_after_read_timeout(start(c10d_args(port, 0, ",read_timeout=2") + ["true"], env=with_secret()),
-                                     port, "connecting to it")
+                                     port, "connecting to it", host)
 
     def test_read_timeout_ends_the_wait_for_node0s_decision(self):
         # Node 1's worker is done and its launcher waits for node 0's decision on the attempt (the next
@@ -84,19 +87,23 @@ class StoreDeadlinesTest(MarkedTestCase):
         self.assertTrue(wait_until(lambda: os.path.exists(done), 20), "node 1's worker did not run")
         time.sleep(1)  # node 1 reaps it and asks for the decision
         self.stopped(host)
-        self.ends_after_read_timeout(other, port, "waiting for node 0's decision after attempt 0")
+        self.ends_after_read_timeout(other, port, "waiting for node 0's decision after attempt 0", host)
 
-    def ends_after_read_timeout(self, node, port, doing):
-        """`node` (read_timeout=2) ends within a few seconds with one last line naming the stopped host."""
+    def ends_after_read_timeout(self, node, port, doing, host):
+        """`node` (read_timeout=2) ends within a few seconds with one last line naming the stopped host,
+        which stayed stopped all along."""
         t0 = time.monotonic()
         ((rc, _, err),) = finish(node, timeout=40)
         took = time.monotonic() - t0
+        # Something outside the test that continued the host would make the node's line name a later
+        # step than the one where the host stopped answering.
+        self.assertEqual(thread_states(host.pid), {"T"}, f"the stopped host {host.pid} was continued:\n{err}")
         self.assertEqual(rc, 1, err)
         self.assertLess(took, 2 + 8, err)  # and a heartbeat thread's own request (5 s) to end
         self.assertEqual(err.strip().splitlines()[-1],
                          f"dtrain-run: node 0's launcher (the rendezvous host at 127.0.0.1:{port}) did not answer "
                          f"within read_timeout 2s while this node was {doing}: it is stopped or gone "
-                         "(--rdzv_conf read_timeout=SECONDS sets how long a store request may take)")
+                         "(--rdzv_conf read_timeout=SECONDS sets how long a store request may take)", err)
 
 
 class LocalAddrTest(MarkedTestCase):
