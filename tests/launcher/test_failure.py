@@ -1,10 +1,34 @@
-"""dtrain-run: failure propagation, signal deaths, signal forwarding, no orphans, PDEATHSIG."""
+"""dtrain-run: failure propagation, signal deaths, signal forwarding, no orphans, PDEATHSIG, and no
+signal to a process that took an exited worker's pid."""
 import os
+import shutil
 import signal
+import subprocess
 import time
 import unittest
 
-from launcher_common import MarkedTestCase, PY, pids_with_marker, run, start, wait_until
+from launcher_common import DTRAIN_RUN, MarkedTestCase, PY, pids_with_marker, run, start, wait_until
+
+# In a pid namespace of its own (pids from 1, and ns_last_pid to choose the next one): rank 1 exits 0
+# at once; the next process after it is made to get rank 1's pid if that is free, and to lead a group
+# of its own (setsid), as after a wrap of the kernel's pids; then rank 0 fails, and the launcher
+# signals every worker's group. Prints whether the other process lived through it.
+REUSED_PID = r"""T=$1 RUN=$2
+$RUN --nproc_per_node 2 --standalone --grace_period 1 sh -c "if [ \"\$RANK\" = 1 ]; then echo \$\$ > $T/pid1; exit 0; fi
+  while [ ! -e $T/go ]; do sleep 0.05; done; exit 3" 2> $T/run.err &
+launcher=$!
+while [ ! -s $T/pid1 ]; do sleep 0.05; done
+p1=$(cat $T/pid1)
+while [ -e /proc/$p1/stat ] && [ "$(cut -d' ' -f3 /proc/$p1/stat)" != Z ]; do sleep 0.05; done
+sleep 0.5  # the launcher has seen the exit
+echo $((p1 - 1)) > /proc/sys/kernel/ns_last_pid
+setsid sleep 30 &
+other=$!
+touch $T/go
+wait $launcher
+echo "launcher exit $? rank1 pid $p1 other pid $other"
+if kill -0 $other 2>/dev/null; then echo "other lived"; kill $other; else echo "other was killed"; fi
+"""
 
 
 class FailureTest(MarkedTestCase):
@@ -108,6 +132,25 @@ class FailureTest(MarkedTestCase):
                 p.wait()
             p.stdout.close()
             p.stderr.close()
+
+    def test_the_pid_of_an_exited_worker_is_never_signalled_in_another_process(self):
+        # Note [Held zombies]: the launcher holds a worker that exited as a zombie until its last
+        # SIGKILL to the worker's group, so no other process can have that pid or lead that group.
+        if os.geteuid() != 0 or not shutil.which("unshare"):
+            self.skipTest("needs root and unshare for a pid namespace whose next pid the test chooses")
+        script = os.path.join(self.tmp, "reused_pid.sh")
+        with open(script, "w") as f:
+            f.write(REUSED_PID)
+        r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", script, self.tmp, DTRAIN_RUN],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60)
+        if r.returncode != 0 and "unshare" in r.stderr:
+            self.skipTest(f"cannot create a pid namespace here: {r.stderr.strip()}")
+        with open(os.path.join(self.tmp, "run.err")) as f:
+            err = f.read()
+        lines = r.stdout.splitlines()
+        self.assertEqual(len(lines), 2, r.stdout + r.stderr + err)
+        self.assertRegex(lines[0], r"^launcher exit 1 rank1 pid \d+ other pid \d+$", err)
+        self.assertEqual(lines[1], "other lived", r.stdout + err)
 
     def test_all_zero_exits_zero(self):
         r = run(["--nproc_per_node", "3", "--standalone", "true"])

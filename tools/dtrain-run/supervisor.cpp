@@ -25,6 +25,13 @@ namespace {
 
 double now_s() { return dtrain::util::now_ns() * 1e-9; }
 
+// The waitpid status of the exit waitid reported in `si` (Linux's encoding, which WIFEXITED,
+// WEXITSTATUS and WTERMSIG read).
+int wait_status(const siginfo_t& si) {
+  if (si.si_code == CLD_EXITED) return (si.si_status & 0xff) << 8;
+  return (si.si_status & 0x7f) | (si.si_code == CLD_DUMPED ? 0x80 : 0);
+}
+
 // The folder `path` and those above it. The ones dtrain-run makes below --log_dir
 // (<run_id>/attempt_<k>/<rank>) must be real folders of this user, each checked before the next is
 // made inside it: one planted as a link (or by someone else) would take the logs wherever it points.
@@ -60,7 +67,8 @@ int open_log(const std::string& path) {
 struct Supervisor::Worker {
   WorkerSpec spec;
   pid_t pid = -1;
-  bool alive = false;
+  bool alive = false;   // running
+  bool zombie = false;  // exited, not reaped yet (Note [Held zombies])
   int status = 0;
   int out_fd = -1, err_fd = -1;
   std::unique_ptr<OutputStream> out, err;
@@ -78,7 +86,7 @@ Supervisor::Supervisor(const LaunchOptions& options, uint16_t master_port, int s
 Supervisor::~Supervisor() {
   kill_groups(SIGKILL);  // only reached with live workers if an exception escaped
   for (auto& w : workers_) {
-    if (w->alive) waitpid(w->pid, nullptr, 0);
+    if (w->alive || w->zombie) waitpid(w->pid, nullptr, 0);
     if (w->out_fd >= 0) close(w->out_fd);
     if (w->err_fd >= 0) close(w->err_fd);
   }
@@ -165,6 +173,11 @@ AttemptResult Supervisor::run_attempt(int attempt) {
     }
   }
   kill_groups(SIGKILL);  // 3.
+  for (auto& w : workers_)
+    if (w->zombie) {
+      waitpid(w->pid, nullptr, 0);
+      w->zombie = false;
+    }
   drain_pipes();
   console_.end_bar();
   report_flight_records();
@@ -246,10 +259,12 @@ void Supervisor::reap() {
   for (size_t i = 0; i < workers_.size(); ++i) {
     Worker& w = *workers_[i];
     if (!w.alive) continue;
-    int status = 0;
-    pid_t r = waitpid(w.pid, &status, WNOHANG);
-    if (r == 0 || (r < 0 && errno == EINTR)) continue;
+    siginfo_t si{};
+    const int r = waitid(P_PID, static_cast<id_t>(w.pid), &si, WEXITED | WNOHANG | WNOWAIT);
+    if ((r == 0 && si.si_pid == 0) || (r < 0 && errno == EINTR)) continue;
     w.alive = false;
+    w.zombie = r == 0;
+    const int status = r == 0 ? wait_status(si) : 0;
     w.status = status;
     const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     if (failed && !stopping_ && failed_index_ < 0 && opts_.ft && ft_relaunches_ < opts_.max_restarts) {
@@ -283,8 +298,14 @@ void Supervisor::stop_all(int signo) {
   kill_deadline_ = now_s() + opts_.grace_period;
 }
 
+// Note [Held zombies]: a worker that exits is seen with waitid(WNOWAIT) and reaped only after the
+// attempt's last SIGKILL to its process group (or when --ft relaunches it): the zombie keeps its pid,
+// and so the number of its group, from being given to another process. Reaped at once, the number of
+// a group its children have left could go, after the kernel's pids wrap around (pid_max is 32768 on
+// many machines), to an unrelated process that leads a group of its own, and the attempt's SIGTERM,
+// SIGCONT and SIGKILL to the group would reach that process instead.
 void Supervisor::kill_groups(int signo) {
-  // The group of a reaped worker may still hold its children; an empty group gives ESRCH.
+  // The group of a worker that exited may still hold its children; an empty group gives ESRCH.
   for (auto& w : workers_)
     if (w->pid > 0) killpg(w->pid, signo);
 }
@@ -339,7 +360,8 @@ void Supervisor::relaunch(Worker& failed) {
     Worker& w = *wp;
     if (w.spec.rank / k != replica) continue;
     ::kill(-w.pid, SIGKILL);
-    if (w.alive) waitpid(w.pid, &w.status, 0);  // reaped here, so reap() never counts it as a failure
+    if (w.alive || w.zombie) waitpid(w.pid, &w.status, 0);  // reaped here, so reap() never counts it as a failure
+    w.zombie = false;
     const double deadline = now_s() + 1.0;
     while ((w.out_fd >= 0 || w.err_fd >= 0) && now_s() < deadline) {
       read_pipe(w.out_fd, *w.out);

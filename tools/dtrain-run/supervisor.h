@@ -7,7 +7,8 @@
 //   2. Loop on poll() over the workers' pipes and the launcher's signalfd, waking at least every
 //      --monitor_interval:
 //      a. pipe data -> OutputStream (output.h); EOF closes the stream.
-//      b. SIGCHLD -> reap with waitpid(WNOHANG). The first worker that exits non-zero or by a
+//      b. SIGCHLD -> waitid(WNOHANG | WNOWAIT): an exited worker stays a zombie until 3
+//         (Note [Held zombies] in supervisor.cpp). The first worker that exits non-zero or by a
 //         signal is the failure: SIGTERM to every worker's process group, SIGKILL after
 //         --grace_period. A multi-node job also publishes it in the store (rendezvous.h step 5).
 //      c. SIGINT/SIGTERM/SIGHUP -> forwarded to every worker's process group, same grace/kill;
@@ -15,9 +16,9 @@
 //      d. Each --monitor_interval a multi-node job checks the store for another node's failure
 //         (and an elastic job for a membership change) and stops this node's workers the same way.
 //      e. Before b, c's failure or d stops the workers, their flight records are collected (flight.h).
-//   3. When every worker is reaped: SIGKILL each process group (grandchildren left behind by a
-//      worker die too: no orphans), drain the pipes (bounded), flush partial lines, and leave rank
-//      0's progress bar (if any) as an ordinary line.
+//   3. When every worker has exited: SIGKILL each process group (grandchildren left behind by a
+//      worker die too: no orphans), reap the workers, drain the pipes (bounded), flush partial
+//      lines, and leave rank 0's progress bar (if any) as an ordinary line.
 // Note [Restart loop]: run_attempt() leaves nothing running, so main.cpp's --max_restarts loop calls
 // it again with attempt+1 on a fresh Supervisor (log paths: attempt_<k>/; workers see
 // DTRAIN_RESTART_COUNT=k and the job store's keys are prefixed with it, so a new attempt never reads
