@@ -4,6 +4,7 @@ import errno
 import fcntl
 import os
 import random
+import select
 import shutil
 import signal
 import socket
@@ -344,13 +345,47 @@ def keep_outputs(test_id, procs):
 # One kill rule for both suites: every process a test starts runs in its own session, and a process
 # past its timeout is SIGKILLed with that whole session (a launcher's workers too, marked or not), and
 # its output says so.
-def kill_session(p):
-    """SIGKILL the session of Popen `p` (started with start_new_session=True), even after it exited."""
-    p.poll()
+def wait_unreaped(p, timeout):
+    """Waits up to `timeout` s for Popen `p` to exit without waiting for it (its zombie stays, and with
+    it the number of its process group, for kill_session); True when it has exited."""
+    if p.returncode is not None:
+        return True
     try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        fd = os.pidfd_open(p.pid)  # readable once the process has exited
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            return bool(poller.poll(max(0, int(timeout * 1000))))
+        finally:
+            os.close(fd)
+    deadline, step = time.monotonic() + timeout, 0.002  # kernels before 5.3: look again and again
+    while p.returncode is None:
+        try:
+            if os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:
+            p.poll()  # waited for elsewhere
+            break
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(step)
+        step = min(step * 2, 0.05)
+    return True
+
+
+def kill_session(p):
+    """SIGKILL the process group of Popen `p` (started with start_new_session=True), even after `p`
+    exited, then wait for `p`. Until it is waited for, `p`'s zombie keeps the group's number; a `p`
+    already waited for is not signalled, since after a wrap of the kernel's pids (pid_max can be
+    32768) its number may lead another process's group."""
+    if p.returncode is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     p.wait()
 
 

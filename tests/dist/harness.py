@@ -28,7 +28,8 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
 # Re-exported to the dist tests.
 from proc_util import (alive, children, clean_env, free_port, free_slurm_job_id,  # noqa: E402
-                       keep_outputs, kill_session, scaled, slurm_job_port, time_scale, timeout_note, wait_until)
+                       keep_outputs, kill_session, scaled, slurm_job_port, time_scale, timeout_note, wait_unreaped,
+                       wait_until)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -109,7 +110,8 @@ class Proc:
         self.pid = self.p.pid
 
     def kill(self):
-        """SIGKILL the process's whole session (a launcher's workers too), even after it exited."""
+        """SIGKILL the process's group (a launcher's workers die with it), even after it exited, and
+        wait for it (proc_util.kill_session)."""
         kill_session(self.p)
 
     def close(self):
@@ -133,11 +135,9 @@ class Proc:
     def finish(self, timeout):
         """Wait up to `timeout` s; a process still running then is killed and reported as rc -9."""
         note = ""
-        try:
-            self.p.wait(timeout=max(0.1, timeout))
-        except subprocess.TimeoutExpired:
-            self.kill()
+        if not wait_unreaped(self.p, max(0.1, timeout)):
             note = timeout_note(timeout)
+        self.kill()  # what it left in its group too; then waited for
         out, err = self.read(self._out), self.read(self._err) + note
         return Result(self.argv, self.p.returncode, out, err, time.monotonic() - self.start)
 
@@ -210,7 +210,7 @@ class DistTestCase(unittest.TestCase):
         peer of a rank that could not start may wait for it until its own timeout)."""
         deadline = time.monotonic() + timeout
         while give_up and time.monotonic() < deadline:
-            ended = [proc for proc in procs if proc.p.poll() is not None]
+            ended = [proc for proc in procs if wait_unreaped(proc.p, 0)]
             if len(ended) == len(procs):
                 break
             if any(give_up(proc.finish(0)) for proc in ended):
@@ -276,7 +276,7 @@ class DistTestCase(unittest.TestCase):
         python = os.environ.get("STORE_PYTHON", "/usr/bin/python3")
         store = self.spawn([python, "-c", script, port], clean_env(PYTHONPATH=None), stdin=subprocess.PIPE)
         for _ in range(300):
-            if "ready" in store.output() or store.p.poll() is not None:
+            if "ready" in store.output() or wait_unreaped(store.p, 0):
                 break
             time.sleep(0.1)
         if "ready" not in store.output():

@@ -30,6 +30,40 @@ echo "launcher exit $? rank1 pid $p1 other pid $other"
 if kill -0 $other 2>/dev/null; then echo "other lived"; kill $other; else echo "other was killed"; fi
 """
 
+# The harness's kill_session in a pid namespace: a process waited for must not be signalled by its
+# number once another process has it; one that exited but was not waited for (wait_unreaped) keeps
+# its number, and what it left in its group dies with kill_session.
+HARNESS_REUSE = r"""import os, signal, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from proc_util import kill_session, wait_unreaped
+
+def next_pid_is(pid):  # the next process gets pid where it is free, and leads a group of its own
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(pid - 1))
+    return subprocess.Popen(["sleep", "30"], start_new_session=True)
+
+p = subprocess.Popen(["true"], start_new_session=True)
+p.wait()
+other = next_pid_is(p.pid)
+kill_session(p)
+try:  # a SIGKILL takes a moment to land
+    other.wait(timeout=1)
+except subprocess.TimeoutExpired:
+    pass
+print(f"waited: pid taken again {other.pid == p.pid}, other lived {other.returncode is None}", flush=True)
+other.kill(); other.wait()
+
+p = subprocess.Popen(["sh", "-c", "sleep 30 & echo $!"], start_new_session=True, stdout=subprocess.PIPE, text=True)
+left = int(p.stdout.readline())
+assert wait_unreaped(p, 10)
+other = next_pid_is(p.pid)
+kill_session(p)
+_, status = os.waitpid(left, 0)  # this process is the namespace's init: the orphan is its child
+print(f"unwaited: pid taken again {other.pid == p.pid}, its group's sleep {signal.Signals(os.WTERMSIG(status)).name}")
+other.kill(); other.wait()
+"""
+COMMON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common")
+
 
 class FailureTest(MarkedTestCase):
     tmp_prefix = "dtrain_fail_"
@@ -133,18 +167,32 @@ class FailureTest(MarkedTestCase):
             p.stdout.close()
             p.stderr.close()
 
+    def test_all_zero_exits_zero(self):
+        r = run(["--nproc_per_node", "3", "--standalone", "true"])
+        self.assertEqual((r.returncode, r.stdout, r.stderr), (0, "", ""))
+
+
+class PidReuseTest(MarkedTestCase):
+    """A process group is signalled by its number only while that number cannot be another's: the
+    launcher's workers' groups, and the test harness's own (proc_util.kill_session)."""
+    tmp_prefix = "dtrain_pid_reuse_"
+
+    def in_pid_namespace(self, argv):
+        if os.geteuid() != 0 or not shutil.which("unshare"):
+            self.skipTest("needs root and unshare for a pid namespace whose next pid the test chooses")
+        r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", *argv], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, timeout=60)
+        if r.returncode != 0 and "unshare" in r.stderr:
+            self.skipTest(f"cannot create a pid namespace here: {r.stderr.strip()}")
+        return r
+
     def test_the_pid_of_an_exited_worker_is_never_signalled_in_another_process(self):
         # Note [Held zombies]: the launcher holds a worker that exited as a zombie until its last
         # SIGKILL to the worker's group, so no other process can have that pid or lead that group.
-        if os.geteuid() != 0 or not shutil.which("unshare"):
-            self.skipTest("needs root and unshare for a pid namespace whose next pid the test chooses")
         script = os.path.join(self.tmp, "reused_pid.sh")
         with open(script, "w") as f:
             f.write(REUSED_PID)
-        r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", script, self.tmp, DTRAIN_RUN],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60)
-        if r.returncode != 0 and "unshare" in r.stderr:
-            self.skipTest(f"cannot create a pid namespace here: {r.stderr.strip()}")
+        r = self.in_pid_namespace(["sh", script, self.tmp, DTRAIN_RUN])
         with open(os.path.join(self.tmp, "run.err")) as f:
             err = f.read()
         lines = r.stdout.splitlines()
@@ -152,9 +200,11 @@ class FailureTest(MarkedTestCase):
         self.assertRegex(lines[0], r"^launcher exit 1 rank1 pid \d+ other pid \d+$", err)
         self.assertEqual(lines[1], "other lived", r.stdout + err)
 
-    def test_all_zero_exits_zero(self):
-        r = run(["--nproc_per_node", "3", "--standalone", "true"])
-        self.assertEqual((r.returncode, r.stdout, r.stderr), (0, "", ""))
+    def test_the_harness_never_kills_a_group_by_a_reused_pid(self):
+        r = self.in_pid_namespace([PY, "-c", HARNESS_REUSE, COMMON])
+        self.assertEqual(r.stdout.splitlines(), ["waited: pid taken again True, other lived True",
+                                                 "unwaited: pid taken again False, its group's sleep SIGKILL"],
+                         r.stdout + r.stderr)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ class StoreDeadlinesTest(MarkedTestCase):
         def release():
             for sig in (signal.SIGCONT, signal.SIGKILL):
                 try:
-                    os.kill(proc.pid, sig)
+                    if proc.returncode is None:  # not waited for: the pid is still proc's
+                        os.kill(proc.pid, sig)
                 except ProcessLookupError:
                     pass
             finish(proc, timeout=10)
