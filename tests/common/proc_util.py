@@ -358,7 +358,7 @@ def wait_unreaped(p, timeout):
         try:
             poller = select.poll()
             poller.register(fd, select.POLLIN)
-            return bool(poller.poll(max(0, int(timeout * 1000))))
+            return bool(poller.poll(min(max(0, int(timeout * 1000)), 2**31 - 1)))  # poll's limit in ms
         finally:
             os.close(fd)
     deadline, step = time.monotonic() + timeout, 0.002  # kernels before 5.3: look again and again

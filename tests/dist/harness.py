@@ -109,9 +109,14 @@ class Proc:
                                   start_new_session=True, cwd=cwd)
         self.pid = self.p.pid
 
+    def ended(self):
+        """Whether the process has exited; it is not waited for here, so that kill() can still
+        signal its group by its number (proc_util.kill_session)."""
+        return wait_unreaped(self.p, 0)
+
     def kill(self):
-        """SIGKILL the process's group (a launcher's workers die with it), even after it exited, and
-        wait for it (proc_util.kill_session)."""
+        """SIGKILL the process's group, even after it exited, and wait for it (proc_util.kill_session).
+        A launcher's workers, in groups of their own, die with the launcher (PR_SET_PDEATHSIG)."""
         kill_session(self.p)
 
     def close(self):
@@ -210,7 +215,7 @@ class DistTestCase(unittest.TestCase):
         peer of a rank that could not start may wait for it until its own timeout)."""
         deadline = time.monotonic() + timeout
         while give_up and time.monotonic() < deadline:
-            ended = [proc for proc in procs if wait_unreaped(proc.p, 0)]
+            ended = [proc for proc in procs if proc.ended()]
             if len(ended) == len(procs):
                 break
             if any(give_up(proc.finish(0)) for proc in ended):
@@ -276,7 +281,7 @@ class DistTestCase(unittest.TestCase):
         python = os.environ.get("STORE_PYTHON", "/usr/bin/python3")
         store = self.spawn([python, "-c", script, port], clean_env(PYTHONPATH=None), stdin=subprocess.PIPE)
         for _ in range(300):
-            if "ready" in store.output() or wait_unreaped(store.p, 0):
+            if "ready" in store.output() or store.ended():
                 break
             time.sleep(0.1)
         if "ready" not in store.output():

@@ -91,7 +91,7 @@ class FaultTolerance(DistTestCase):
         return clean_env(DTRAIN_TIMEOUT_S=30, **(transport_env(transport) if transport else {}))
 
     def wait_for_checkpoint(self, proc, folder, nproc=2):
-        ok = wait_until(lambda: checkpoints(folder) or proc.p.poll() is not None, 60)
+        ok = wait_until(lambda: checkpoints(folder) or proc.ended(), 60)
         if not (ok and checkpoints(folder)):
             self.fail(f"no checkpoint appeared:\n{proc.finish(1)}")
         time.sleep(self.rng.uniform(0.0, 0.4))  # land at a random step, mid-epoch

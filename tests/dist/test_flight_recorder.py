@@ -229,7 +229,7 @@ class OneHost(FlightTestCase):
         # SIGUSR1 kills a process that has no handler: send it only once both workers have dtrain's,
         # installed in init_process_group (dtrain-run checks the same before it asks for records).
         while not (len(self.worker_pids(job.pid)) == 2 and all(map(catches_sigusr1, self.worker_pids(job.pid)))):
-            if time.monotonic() > deadline or job.p.poll() is not None:
+            if time.monotonic() > deadline or job.ended():
                 self.fail(f"the workers did not get to init_process_group:\n{job.finish(0)}")
             time.sleep(0.05)
         path = os.path.join(self.flight_dir(), "dtrain_trace_rank_1")
@@ -249,13 +249,13 @@ class OneHost(FlightTestCase):
             sent = ask()
             since = d["dtrain"]["dump_time_ns"] if d else 0
             while d is None or d["dtrain"]["dump_time_ns"] == since:
-                if time.monotonic() > deadline or job.p.poll() is not None:
+                if time.monotonic() > deadline or job.ended():
                     self.fail(f"no dump after {asked} SIGUSR1s:\n{job.finish(0)}")
                 if time.monotonic() - sent > 1:
                     sent = ask()
                 time.sleep(0.05)
                 d = read_dumps(self.flight_dir()).get(1) if os.path.exists(path) else None
-        self.assertIsNone(job.p.poll(), "SIGUSR1 ended the job")
+        self.assertFalse(job.ended(), "SIGUSR1 ended the job")
         self.assertEqual(d["dtrain"]["reason"], "SIGUSR1")
         # The running loop's last calls, numbered as flight_program makes them, the latest started.
         got = [(e["collective_seq_id"], e["profiling_name"], e["input_sizes"]) for e in d["entries"]]
@@ -278,7 +278,7 @@ class OneHost(FlightTestCase):
         try:
             deadline = time.monotonic() + 60
             while not (self.worker_pids(job.pid) and catches_sigusr1(self.worker_pids(job.pid)[0])):
-                if time.monotonic() > deadline or job.p.poll() is not None:
+                if time.monotonic() > deadline or job.ended():
                     self.fail(f"the worker did not get to init_process_group:\n{job.finish(0)}")
                 time.sleep(0.05)
             worker = self.worker_pids(job.pid)[0]

@@ -78,7 +78,7 @@ class JobSecret(DistTestCase):
                               capture_output=True, text=True, timeout=30)
         self.assertNotEqual(rank.returncode, 0)
         self.assertIn("requires the job's secret", rank.stderr)
-        if job.p.poll() is not None:
+        if job.ended():
             self.fail(f"the job ended during the intrusions:\n{job.finish(0)}")
         open(go, "w").close()
         res = job.finish(60)

@@ -114,7 +114,7 @@ class TorchrunAgentStore(DistTestCase):
                           TORCHELASTIC_USE_AGENT_STORE="True") for r in range(2)]
         results = self.run_ranks([hello(), "--timeout_s", 30], envs)
         self.assertPassed(results, 2)
-        self.assertIsNone(store.p.poll(), "the agent store exited while the ranks used it")
+        self.assertFalse(store.ended(), "the agent store exited while the ranks used it")
         store.p.stdin.close()
         self.assertEqual(store.finish(10).rc, 0)
 

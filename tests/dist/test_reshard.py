@@ -53,7 +53,7 @@ class Reshard(DistTestCase):
             ckpt, log_a, log_b = (os.path.join(tmp, d) for d in ("ckpt", "a", "b"))
             # N ranks until a random step after the first checkpoint, then a worker is SIGKILLed.
             proc = self.run_job(n, ckpt, log_a, "--step_sleep_ms", 100)
-            ok = wait_until(lambda: (os.path.isdir(ckpt) and checkpoint_steps(ckpt)) or proc.p.poll() is not None, 60)
+            ok = wait_until(lambda: (os.path.isdir(ckpt) and checkpoint_steps(ckpt)) or proc.ended(), 60)
             if not (ok and checkpoint_steps(ckpt)):
                 self.fail(f"no checkpoint appeared:\n{proc.finish(1)}")
             time.sleep(self.rng.uniform(0.0, 0.5))

@@ -98,7 +98,7 @@ class Security(DistTestCase):
         pids = [p.pid for p in procs]
         seen = {}  # inode -> socket, every socket of the ranks seen while the job ran
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(p.p.poll() is None for p in procs):
+        while time.monotonic() < deadline and any(not p.ended() for p in procs):
             for s in self.sockets_of(pids):
                 seen[s[4]] = s
             if all("all_reduce check passed" in p.output() for p in procs):
@@ -188,7 +188,7 @@ class Security(DistTestCase):
                            rank_env(0, 2, port, TORCHELASTIC_USE_AGENT_STORE="True"))
         listeners = []
         deadline = time.monotonic() + 20
-        while not listeners and time.monotonic() < deadline and rank0.p.poll() is None:
+        while not listeners and time.monotonic() < deadline and not rank0.ended():
             listeners = [s for s in self.sockets_of([rank0.pid]) if s[3] == LISTEN]
             time.sleep(0.01)
         if not listeners:
@@ -215,7 +215,7 @@ class Security(DistTestCase):
             try:
                 idle.append(socket.create_connection(("127.0.0.1", port), timeout=2))
             except OSError:
-                if time.monotonic() > deadline or node0.p.poll() is not None:
+                if time.monotonic() > deadline or node0.ended():
                     self.fail(f"node 0's store never came up:\n{node0.finish(0)}")
                 time.sleep(0.05)
         for _ in range(299):

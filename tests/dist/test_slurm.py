@@ -138,9 +138,9 @@ class Slurm(DistTestCase):
         step = self.spawn(["srun", "-n", 2, f"--job-name={name}", trainer(), "--epochs", 50, "--step_sleep_ms", 100],
                           self.env())
         # Rank 0's first line comes once every rank has joined the process group.
-        started = wait_until(lambda: "train_fashion_mnist:" in step.output() or step.p.poll() is not None,
+        started = wait_until(lambda: "train_fashion_mnist:" in step.output() or step.ended(),
                              timeout=60)
-        self.assertTrue(started and step.p.poll() is None, f"the step did not start training:\n{step.finish(1)}")
+        self.assertTrue(started and not step.ended(), f"the step did not start training:\n{step.finish(1)}")
         jobs = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], env=self.env(), capture_output=True,
                               text=True, timeout=30).stdout.split()
         self.assertEqual(len(jobs), 1, f"squeue -n {name}: {jobs}")

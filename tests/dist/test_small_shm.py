@@ -114,7 +114,7 @@ class SmallShm(DistTestCase):
         job = self.spawn(SMALL_SHM + launch(shm_dist_test(), "--all_reduce_mib", 8, "--fill_pause", tmp),
                          clean_env(DTRAIN_TIMEOUT_S=RUN_TIMEOUT_S, DTRAIN_SHM_SLOT_BYTES=262144))
         ready = [os.path.join(tmp, f"ready.{r}") for r in (0, 1)]
-        wait_until(lambda: all(map(os.path.exists, ready)) or job.p.poll() is not None, RUN_TIMEOUT_S)
+        wait_until(lambda: all(map(os.path.exists, ready)) or job.ended(), RUN_TIMEOUT_S)
         if not all(map(os.path.exists, ready)):
             self.fail(f"the ranks did not get ready:\n{job.finish(1)}")
         # Another process of the namespace takes all that is left, as another job's files would.

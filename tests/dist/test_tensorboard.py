@@ -171,8 +171,8 @@ class TensorBoardServer(DistTestCase):
             try:
                 return "loss" in get("/data/plugin/scalars/tags").get(".", {})
             except OSError:
-                return server.p.poll() is not None  # stop waiting if it died
-        if not (wait_until(loaded, timeout=90, step=0.5) and server.p.poll() is None):
+                return server.ended()  # stop waiting if it died
+        if not (wait_until(loaded, timeout=90, step=0.5) and not server.ended()):
             self.fail(f"TensorBoard did not serve the run within 90 s:\n{server.finish(1)}")
         runs = get("/data/runs")
         self.assertEqual(sorted(runs), [".", "ranks_step_ms_max", "ranks_step_ms_min"])

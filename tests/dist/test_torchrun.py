@@ -87,7 +87,7 @@ class UnderTorchrun(DistTestCase):
         with tempfile.TemporaryDirectory() as ckpt:
             proc = self.standalone("--checkpoint_dir", ckpt, "--checkpoint_every", 2, "--step_sleep_ms", 150,
                                    restarts=1)
-            if not (wait_until(lambda: checkpoints(ckpt) or proc.p.poll() is not None, 90) and checkpoints(ckpt)):
+            if not (wait_until(lambda: checkpoints(ckpt) or proc.ended(), 90) and checkpoints(ckpt)):
                 self.fail(f"no checkpoint appeared:\n{proc.finish(1)}")
             time.sleep(rng.uniform(0.0, 0.4))  # a random step, mid-epoch
             workers = children(proc.pid)

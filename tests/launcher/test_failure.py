@@ -12,39 +12,39 @@ from launcher_common import DTRAIN_RUN, MarkedTestCase, PY, pids_with_marker, ru
 # In a pid namespace of its own (pids from 1, and ns_last_pid to choose the next one): rank 1 exits 0
 # at once; the next process after it is made to get rank 1's pid if that is free, and to lead a group
 # of its own (setsid), as after a wrap of the kernel's pids; then rank 0 fails, and the launcher
-# signals every worker's group. Prints whether the other process lived through it.
+# signals every worker's group. Nothing else forks meanwhile (rank 0 waits on a fifo). Prints whether
+# the other process lived through it.
 REUSED_PID = r"""T=$1 RUN=$2
+mkfifo $T/go
 $RUN --nproc_per_node 2 --standalone --grace_period 1 sh -c "if [ \"\$RANK\" = 1 ]; then echo \$\$ > $T/pid1; exit 0; fi
-  while [ ! -e $T/go ]; do sleep 0.05; done; exit 3" 2> $T/run.err &
+  read x < $T/go; exit 3" 2> $T/run.err &
 launcher=$!
 while [ ! -s $T/pid1 ]; do sleep 0.05; done
 p1=$(cat $T/pid1)
 while [ -e /proc/$p1/stat ] && [ "$(cut -d' ' -f3 /proc/$p1/stat)" != Z ]; do sleep 0.05; done
 sleep 0.5  # the launcher has seen the exit
-echo $((p1 - 1)) > /proc/sys/kernel/ns_last_pid
+echo $((p1 - 1)) > /proc/sys/kernel/ns_last_pid || { echo "cannot choose the next pid"; exit 9; }
 setsid sleep 30 &
 other=$!
-touch $T/go
+while [ "$(cut -d' ' -f5 /proc/$other/stat)" != $other ]; do sleep 0.01; done  # it leads its group
+echo go > $T/go
 wait $launcher
 echo "launcher exit $? rank1 pid $p1 other pid $other"
 if kill -0 $other 2>/dev/null; then echo "other lived"; kill $other; else echo "other was killed"; fi
 """
 
 # The harness's kill_session in a pid namespace: a process waited for must not be signalled by its
-# number once another process has it; one that exited but was not waited for (wait_unreaped) keeps
-# its number, and what it left in its group dies with kill_session.
-HARNESS_REUSE = r"""import os, signal, subprocess, sys
+# number once another process has it; one that exited and was not waited for (wait_unreaped) is
+# killed with what it left in its group.
+HARNESS_REUSE = r"""import os, signal, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
 from proc_util import kill_session, wait_unreaped
 
-def next_pid_is(pid):  # the next process gets pid where it is free, and leads a group of its own
-    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
-        f.write(str(pid - 1))
-    return subprocess.Popen(["sleep", "30"], start_new_session=True)
-
 p = subprocess.Popen(["true"], start_new_session=True)
 p.wait()
-other = next_pid_is(p.pid)
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:  # the next process gets p's pid, free again
+    f.write(str(p.pid - 1))
+other = subprocess.Popen(["sleep", "30"], start_new_session=True)  # and leads a group of its own
 kill_session(p)
 try:  # a SIGKILL takes a moment to land
     other.wait(timeout=1)
@@ -56,11 +56,17 @@ other.kill(); other.wait()
 p = subprocess.Popen(["sh", "-c", "sleep 30 & echo $!"], start_new_session=True, stdout=subprocess.PIPE, text=True)
 left = int(p.stdout.readline())
 assert wait_unreaped(p, 10)
-other = next_pid_is(p.pid)
 kill_session(p)
-_, status = os.waitpid(left, 0)  # this process is the namespace's init: the orphan is its child
-print(f"unwaited: pid taken again {other.pid == p.pid}, its group's sleep {signal.Signals(os.WTERMSIG(status)).name}")
-other.kill(); other.wait()
+end, fate = time.monotonic() + 5, "lived"
+while time.monotonic() < end:  # this process is the namespace's init: the orphan is its child
+    pid, status = os.waitpid(left, os.WNOHANG)
+    if pid:
+        fate = f"was killed by {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status) else "exited"
+        break
+    time.sleep(0.02)
+if fate == "lived":
+    os.kill(left, signal.SIGKILL)
+print(f"unwaited: its group's sleep {fate}")
 """
 COMMON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common")
 
@@ -203,7 +209,7 @@ class PidReuseTest(MarkedTestCase):
     def test_the_harness_never_kills_a_group_by_a_reused_pid(self):
         r = self.in_pid_namespace([PY, "-c", HARNESS_REUSE, COMMON])
         self.assertEqual(r.stdout.splitlines(), ["waited: pid taken again True, other lived True",
-                                                 "unwaited: pid taken again False, its group's sleep SIGKILL"],
+                                                 "unwaited: its group's sleep was killed by SIGKILL"],
                          r.stdout + r.stderr)
 
 

@@ -305,9 +305,10 @@ void Supervisor::stop_all(int signo) {
 // many machines), to an unrelated process that leads a group of its own, and the attempt's SIGTERM,
 // SIGCONT and SIGKILL to the group would reach that process instead.
 void Supervisor::kill_groups(int signo) {
-  // The group of a worker that exited may still hold its children; an empty group gives ESRCH.
+  // The group of a worker that exited may still hold its children; an empty group gives ESRCH. A
+  // worker already reaped is skipped: its number may be another process's now.
   for (auto& w : workers_)
-    if (w->pid > 0) killpg(w->pid, signo);
+    if (w->pid > 0 && (w->alive || w->zombie)) killpg(w->pid, signo);
 }
 
 void Supervisor::check_remote() {
@@ -359,9 +360,11 @@ void Supervisor::relaunch(Worker& failed) {
   for (auto& wp : workers_) {
     Worker& w = *wp;
     if (w.spec.rank / k != replica) continue;
-    ::kill(-w.pid, SIGKILL);
-    if (w.alive || w.zombie) waitpid(w.pid, &w.status, 0);  // reaped here, so reap() never counts it as a failure
-    w.zombie = false;
+    if (w.alive || w.zombie) {  // its number is still its own
+      ::kill(-w.pid, SIGKILL);
+      waitpid(w.pid, &w.status, 0);  // reaped here, so reap() never counts it as a failure
+    }
+    w.alive = w.zombie = false;  // until it is spawned again below
     const double deadline = now_s() + 1.0;
     while ((w.out_fd >= 0 || w.err_fd >= 0) && now_s() < deadline) {
       read_pipe(w.out_fd, *w.out);
