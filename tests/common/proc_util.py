@@ -352,28 +352,18 @@ def wait_unreaped(p, timeout):
         return True
     try:
         fd = os.pidfd_open(p.pid)  # readable once the process has exited
-    except (AttributeError, OSError):
-        fd = None
-    if fd is not None:
+    except (AttributeError, OSError):  # no pidfds (kernels before 5.3): waited for, and so never signalled
         try:
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            return bool(poller.poll(min(max(0, int(timeout * 1000)), 2**31 - 1)))  # poll's limit in ms
-        finally:
-            os.close(fd)
-    deadline, step = time.monotonic() + timeout, 0.002  # kernels before 5.3: look again and again
-    while p.returncode is None:
-        try:
-            if os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                return True
-        except ChildProcessError:
-            p.poll()  # waited for elsewhere
-            break
-        if time.monotonic() >= deadline:
+            p.wait(timeout=max(0, timeout))
+            return True
+        except subprocess.TimeoutExpired:
             return False
-        time.sleep(step)
-        step = min(step * 2, 0.05)
-    return True
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(min(max(0, int(timeout * 1000)), 2**31 - 1)))  # poll's limit in ms
+    finally:
+        os.close(fd)
 
 
 def kill_session(p):
