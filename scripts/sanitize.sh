@@ -27,7 +27,7 @@
 #   ./scripts/sanitize.sh asan|tsan  one
 #   ./scripts/sanitize.sh build      both trees built, no test run
 #
-# To fit CI's time: build type Sanitize (-O1 -g1, see CMakeLists.txt), a unity build (the
+# To fit CI's time: build type Sanitize (-O0 -g1, see CMakeLists.txt), a unity build (the
 # library's sources compiled in a few batches, so LibTorch's headers are parsed a few times instead of
 # once per file), and each unit program run whole, one process for all its cases
 # (DTRAIN_TEST_PER_CASE=OFF, tests/CMakeLists.txt). In CI's from-nothing run of 2026-12-03 evening
@@ -57,6 +57,13 @@ canary() {  # <tree> <mode> <report text>
   if [[ $rc -eq 0 || $out != *"$3"* ]]; then
     printf '%s\n' "$out" >&2
     echo "sanitize.sh: the $2 canary exited $rc without '$3': the sanitizer is not active in $1" >&2
+    exit 1
+  fi
+  # A report helps only where it names the line: the stack must reach canary.cpp by file and line
+  # (the Sanitize build type's line tables; without them a frame reads `main (<program>+0x8b0c)`).
+  if [[ $2 != ub && ! $out =~ canary\.cpp:[0-9]+ ]]; then
+    printf '%s\n' "$out" >&2
+    echo "sanitize.sh: the $2 canary's report names no line of canary.cpp: $1 has no line tables (CMAKE_CXX_FLAGS_SANITIZE: expected -g1)" >&2
     exit 1
   fi
 }
