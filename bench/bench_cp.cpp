@@ -63,7 +63,7 @@ struct CpResult {
 // ones); else whole_attention.
 CpResult time_attention(int64_t heads, int64_t seq, int steps, bool ring, CountingAllocator* counter) {
   const int64_t cp = dtrain::world_size();
-  torch::manual_seed(0);
+  at::manual_seed(0);
   auto whole = [&] { return at::randn({1, heads, seq, kHeadDim}); };
   at::Tensor q = whole(), k = whole(), v = whole(), g = whole();
   if (cp > 1) {

@@ -276,7 +276,7 @@ void StoreClient::Impl::handshake(Clock::time_point deadline) {
                              " asks for no job secret, so it is not this job's "
                              "store (a job started without the secret, or another program on the port): "
                              "give every launcher of the job the same secret");
-  Writer w(uint8_t(Op::kAuth));
+  Writer w{uint8_t(Op::kAuth)};
   Bytes client_nonce;
   if (auth) {
     client_nonce = random_bytes(kNonceBytes);
@@ -353,7 +353,7 @@ int64_t StoreClient::add(const std::string& key, int64_t delta) {
 }
 
 bool StoreClient::check(const std::vector<std::string>& keys) {
-  Writer w(uint8_t(Op::kCheck));
+  Writer w{uint8_t(Op::kCheck)};
   w.i64(static_cast<int64_t>(keys.size()));
   for (const auto& k : keys) w.str(k);
   auto p = impl_->call_ok(w);
@@ -377,7 +377,7 @@ int64_t StoreClient::num_keys() {
 }
 
 void StoreClient::wait(const std::vector<std::string>& keys, Millis timeout) {
-  Writer w(uint8_t(Op::kWait));
+  Writer w{uint8_t(Op::kWait)};
   w.i64(timeout.count()).i64(static_cast<int64_t>(keys.size()));
   for (const auto& k : keys) w.str(k);
   auto p = impl_->call_ok(w, timeout);

@@ -76,7 +76,7 @@ void StoreServer::Impl::put(const std::string& key, Bytes value) {
 
 void StoreServer::Impl::handle(Connection& c, Reader& r) {
   const Op op = static_cast<Op>(r.head());
-  Writer ok(uint8_t(Status::kOk));
+  Writer ok{uint8_t(Status::kOk)};
   switch (op) {
     case Op::kSet: {
       std::string key = r.str();
@@ -168,7 +168,7 @@ void StoreServer::Impl::answer_ready_waiters() {
     }
     auto c = conns.find(it->fd);
     if (c != conns.end()) {
-      Writer ok(uint8_t(Status::kOk));
+      Writer ok{uint8_t(Status::kOk)};
       if (it->op == Op::kGet) ok.blob(data.find(it->keys[0])->second);
       c->second.waiting = false;
       reply(c->second, ok);

@@ -3,12 +3,14 @@
 
 #include <chrono>
 
+#include "sanitizer.h"
+
 namespace dtrain::test_util {
 
 // A bound on elapsed time in a test is a claim about dtrain's normal build. Under a sanitizer the
 // same code runs several times slower (and scripts/sanitize.sh runs two tests at once), so such
 // bounds multiply by this factor there; waits for an event never need it.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(DTRAIN_TEST_ASAN) || defined(DTRAIN_TEST_TSAN)
 inline constexpr double kTimeScale = 10;
 #else
 inline constexpr double kTimeScale = 1;

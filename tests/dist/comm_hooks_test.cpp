@@ -235,7 +235,7 @@ TEST(CommHooks, RegistrationErrors) {
   Net net3 = make_net(at::kFloat);
   DistributedDataParallel ddp3(net3, small_buckets());
   ddp3.register_comm_hook([](GradBucket& b) { return Future(b.buffer().narrow(0, 0, 1)); });
-  const std::string e = test_util::error_of([&] { F::mse_loss(ddp3(x), y).backward(); });
+  const std::string e = test_util::error_of([&, &x = x, &y = y] { F::mse_loss(ddp3(x), y).backward(); });
   EXPECT_THAT(e, HasSubstr("communication hook's result for bucket 0 has 1 elements")) << e;
   EXPECT_THAT([] { (void)PowerSGDState(PowerSGDOptions().start_powerSGD_iter(1)); },
               ThrowsDtrainError(HasSubstr("start_powerSGD_iter must be > 1")));

@@ -46,8 +46,12 @@ struct NetImpl : torch::nn::Module {
   torch::nn::Linear out{nullptr};
   NetImpl() {
     inp = register_module("inp", torch::nn::Linear(8, 13));
-    blocks = register_module("blocks", torch::nn::Sequential(torch::nn::Linear(13, 5), torch::nn::Tanh(),
-                                                             torch::nn::Linear(5, 7), torch::nn::Tanh()));
+    // The second block's weights are drawn before the first's: the order GCC gave the arguments of
+    // Sequential(...) (right to left; clang goes left to right), kept so that every compiler builds
+    // the weights the checked-in checkpoints hold.
+    torch::nn::Linear second(5, 7);
+    torch::nn::Linear first(13, 5);
+    blocks = register_module("blocks", torch::nn::Sequential(first, torch::nn::Tanh(), second, torch::nn::Tanh()));
     inner = dtrain::FSDPModule<InnerImpl>(register_module("inner", std::make_shared<InnerImpl>()));
     out = register_module("out", torch::nn::Linear(11, 3));
   }

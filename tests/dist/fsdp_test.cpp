@@ -23,6 +23,7 @@
 #include "dist_main.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
+#include "sanitizer.h"
 #include "dtrain/fsdp.h"
 #include "fsdp_models.h"
 #include "matchers.h"
@@ -90,7 +91,7 @@ TEST(FullyShard, EachLocalShardHasFsdp2sRows) {
 // Note [Sharding and glibc's mmap threshold]: by the time a model of CPU parameters is sharded,
 // glibc's mmap threshold is pinned (at 1 MiB: nothing in this program sets another).
 TEST(FullyShard, ShardingPinsGlibcsMmapThreshold) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(DTRAIN_TEST_ASAN) || defined(DTRAIN_TEST_TSAN)
   GTEST_SKIP() << "malloc is the sanitizer's here, not glibc's: it has no mmap threshold to pin";
 #endif
   Net net = fsdp_models::make_net();

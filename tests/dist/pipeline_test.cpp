@@ -202,7 +202,7 @@ TEST(PipelineFailure, AStageThatThrowsFailsEveryRankAndThePipelineRecovers) {
     }
     for (const FailCase& c : cases) {
       auto [x, y] = batch(0);
-      auto run = [&] {
+      auto run = [&, &x = x, &y = y] {  // structured bindings: captured by name
         g_inject.calls = 0;
         int loss_calls = 0;
         return pipe.step(x, y, [&](const at::Tensor& out, const at::Tensor& t) {
@@ -304,7 +304,7 @@ TEST(Pipeline2D, AFailureInOneReplicaFailsAllRanks) {
   Pipeline pipe(stages, PipelineOptions().chunks(2).replicas(2));
   auto [x, y] = batch(0);
   g_inject = Injection{rank() == 1 ? 1 : -1, Injection::kForward, 0, 0};
-  const std::string err = error_of([&] { pipe.step(x.chunk(2)[0], y.chunk(2)[0], loss_fn); });
+  const std::string err = error_of([&, &x = x, &y = y] { pipe.step(x.chunk(2)[0], y.chunk(2)[0], loss_fn); });
   g_inject = Injection{};
   EXPECT_THAT(err, HasSubstr("stage 1 (rank 1) failed in forward of micro-batch 0: injected forward failure")) << err;
 }

@@ -216,7 +216,7 @@ TEST(Shm, AllReduceOfRankDependentDataEqualsTheSumOfEveryRanksInputs) {
   int call = 0;
   for (const Layout& layout : layouts)
     for (const auto& [slot_bytes, lengths] : slots) {
-      Group g = [&] {
+      Group g = [&, slot_bytes = slot_bytes] {  // a structured binding: captured by name
         EnvOverride host("DTRAIN_SHM_HOST", layout.host(R()));
         EnvOverride slot("DTRAIN_SHM_SLOT_BYTES", slot_bytes);
         return new_group({});

@@ -77,7 +77,7 @@ TEST(FunctionalCollectives, GradcheckInFloat64) {
     at::Tensor x = at::randn(shape, gen, at::kDouble);
     at::Tensor w = at::randn(f(x).sizes(), gen, at::kDouble);
     auto sum_over_ranks = [](double mine) { return all_reduce_values(std::vector<double>{mine})[0]; };
-    auto total = [&](const at::Tensor& in) {
+    auto total = [&, &f = f](const at::Tensor& in) {  // a structured binding: captured by name
       at::NoGradGuard no_grad;
       return sum_over_ranks((f(in) * w).sum().item<double>());
     };

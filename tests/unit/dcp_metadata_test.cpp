@@ -73,7 +73,7 @@ TEST(DcpMetadata, RefusesAChunkOutsideItsTensor) {
   };
   for (const auto& [c, words] : cases)
     EXPECT_THAT(
-        [&] {
+        [&c = c] {  // a structured binding: captured by name
           decode(encode(one_chunk({4, 6}, c.offsets, c.sizes)));
         },
         ThrowsDtrainError(AllOf(HasSubstr(words), HasSubstr("0 <= offset and offset + size <= the dimension"))))

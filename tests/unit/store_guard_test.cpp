@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "matchers.h"
+#include "sanitizer.h"
 #include "store/auth.h"
 #include "store/protocol.h"
 #include "store/store.h"
@@ -318,7 +319,7 @@ TEST(StoreLimits, AFrameThatNeverEndsIsClosed) {
 // takes 64 KiB of it), where a recursion as deep as the chain, even of 50 bytes a level, overflows
 // and kills the server.
 TEST(StoreLimits, AChainOfWaitersIsAnsweredWithoutRecursion) {
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(DTRAIN_TEST_ASAN)
   constexpr size_t kStack = 512 << 10;  // AddressSanitizer's redzones widen every frame
 #else
   constexpr size_t kStack = 160 << 10;
@@ -357,7 +358,7 @@ TEST(StoreLimits, AChainOfWaitersIsAnsweredWithoutRecursion) {
 // client its connection, with one line on stderr, and the store goes on serving the others.
 // AddressSanitizer and ThreadSanitizer abort on a failed allocation instead of throwing bad_alloc.
 TEST(StoreLimits, OutOfMemoryDropsOneConnectionAndTheStoreGoesOn) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(DTRAIN_TEST_ASAN) || defined(DTRAIN_TEST_TSAN)
   GTEST_SKIP() << "a sanitizer's allocator aborts on a failed allocation instead of throwing bad_alloc";
 #endif
   char path[] = "/tmp/dtrain_store_oom_XXXXXX";

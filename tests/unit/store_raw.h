@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "store/protocol.h"
+#include "sanitizer.h"
 #include "store/store.h"
 
 namespace store_test {
@@ -108,7 +109,7 @@ inline std::vector<uint8_t> auth_frame(const std::vector<uint8_t>& nonce, const 
 
 // AddressSanitizer keeps freed blocks in quarantine (256 MiB by default): memory bounds there are
 // looser, yet still far below what an unbounded server holds (800 MiB in the test of replies).
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(DTRAIN_TEST_ASAN)
 constexpr double kQuarantineMiB = 300;
 #else
 constexpr double kQuarantineMiB = 0;
