@@ -27,7 +27,9 @@
 #   ./scripts/sanitize.sh asan|tsan  one
 #   ./scripts/sanitize.sh build      both trees built, no test run
 #
-# To fit CI's time: build type Sanitize (-O0 -g1, see CMakeLists.txt), a unity build (the
+# To fit CI's time: clang (an instrumented file at -O0 took 0.4 of GCC's CPU time: fsdp_test 4.9 s
+# against 13.0 s, the precompiled header 8.0 s against 21.2 s; the runtimes are LLVM's in both
+# compilers), build type Sanitize (-O0 -g1, see CMakeLists.txt), a unity build (the
 # library's sources compiled in a few batches, so LibTorch's headers are parsed a few times instead of
 # once per file), and each unit program run whole, one process for all its cases
 # (DTRAIN_TEST_PER_CASE=OFF, tests/CMakeLists.txt). In CI's from-nothing run of 2026-12-03 evening
@@ -43,7 +45,11 @@ configure_and_build() {  # <tree> <DTRAIN_SANITIZE> <target>...
   shift 2
   local only
   only=$(IFS=';' && echo "sanitizer_canary;dtrain-run;$*")
-  cmake -S . -B "$tree" -DCMAKE_BUILD_TYPE=Sanitize -DDTRAIN_SANITIZE="$mode" \
+  if ! command -v clang++ >/dev/null; then
+    echo "sanitize.sh: the sanitizer trees compile with clang++, which is not installed: run scripts/setup.sh (Debian: apt-get install clang)" >&2
+    exit 1
+  fi
+  cmake -S . -B "$tree" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=Sanitize -DDTRAIN_SANITIZE="$mode" \
         -DDTRAIN_BUILD_EXAMPLES=OFF -DDTRAIN_BUILD_BENCH=OFF -DDTRAIN_TEST_PER_CASE=OFF \
         -DCMAKE_UNITY_BUILD=ON "-DDTRAIN_BUILD_ONLY=$only" >/dev/null
   # One target whose dependencies are the programs: built in parallel (CMakeLists.txt, DTRAIN_BUILD_ONLY)

@@ -19,7 +19,8 @@ PKGS=(
   munge slurmctld slurmd slurm-client  # a Slurm cluster of the tests' own (tests/dist/slurm_cluster.py)
   python3-venv                      # .venv/ for PyPI's torch 2.x
   clang-format                      # ctest format_check: the tree stays as .clang-format lays it out
-  clang libclang-rt-14-dev          # libFuzzer and its runtime: the ctest fuzz_* targets (tests/fuzz)
+  clang libclang-rt-14-dev          # the compiler of build-torch2/ and the sanitizer trees; libFuzzer and the
+                                    # sanitizers' runtimes (the ctest fuzz_* targets, tests/fuzz)
   iproute2 procps                   # network namespaces for the multi-host test; ps for orphan checks
   chromium python3-pil              # plot.svg rendered by a real browser and its pixels read back (ctest dist_py_progress_plot)
 )

@@ -2,7 +2,8 @@
 # All tests: setup (apt packages, PyPI's torch in .venv/), then ctest in two trees:
 #   build/         against Debian's LibTorch 1.13 (CPU): every test
 #   build-torch2/  against the LibTorch 2.x inside .venv's torch wheel (CUDA + NCCL compiled in; the
-#                  tests that need a GPU report themselves skipped): only the tests that depend on the
+#                  tests that need a GPU report themselves skipped), compiled by clang where build/ is
+#                  by GCC (scripts/build_tree.sh says why): only the tests that depend on the
 #                  LibTorch underneath. Those labelled `once` (text checks, the torch-free parts, the
 #                  launcher, the trainer's process-level behaviour: tests/CMakeLists.txt) are neither
 #                  built nor run there (-DDTRAIN_ONCE_TESTS=OFF), each unit program runs whole
@@ -11,7 +12,7 @@
 #                  build (a few batches of sources, so LibTorch 2's headers are parsed a few times
 #                  instead of once per file; a developer's build/ keeps one file per compile, which
 #                  catches a missing include, and CI's build/ is a unity build too)
-# and finally the sanitizer trees (scripts/sanitize.sh, LibTorch 1.13): the unit and multi-process tests
+# and finally the sanitizer trees (scripts/sanitize.sh, LibTorch 1.13, clang): the unit and multi-process tests
 # under AddressSanitizer + UBSan (build-asan), the shared-memory and DDP tests under ThreadSanitizer
 # (build-tsan). In a full run the trees after the first, and the sanitizer trees, compile in the
 # background at nice 19 while the first tree's tests run (scripts/build_tree.sh, `sanitize.sh build`).
