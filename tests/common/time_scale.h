@@ -10,7 +10,7 @@ namespace dtrain::test_util {
 // A bound on elapsed time in a test is a claim about dtrain's normal build. Under a sanitizer the
 // same code runs several times slower (and scripts/sanitize.sh runs two tests at once), so such
 // bounds multiply by this factor there; waits for an event never need it.
-#if defined(DTRAIN_TEST_ASAN) || defined(DTRAIN_TEST_TSAN)
+#if defined(DTRAIN_TEST_SANITIZER)
 inline constexpr double kTimeScale = 10;
 #else
 inline constexpr double kTimeScale = 1;

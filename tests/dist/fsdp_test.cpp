@@ -91,7 +91,7 @@ TEST(FullyShard, EachLocalShardHasFsdp2sRows) {
 // Note [Sharding and glibc's mmap threshold]: by the time a model of CPU parameters is sharded,
 // glibc's mmap threshold is pinned (at 1 MiB: nothing in this program sets another).
 TEST(FullyShard, ShardingPinsGlibcsMmapThreshold) {
-#if defined(DTRAIN_TEST_ASAN) || defined(DTRAIN_TEST_TSAN)
+#if defined(DTRAIN_TEST_SANITIZER)
   GTEST_SKIP() << "malloc is the sanitizer's here, not glibc's: it has no mmap threshold to pin";
 #endif
   Net net = fsdp_models::make_net();

@@ -22,7 +22,7 @@ namespace {
 // the pinned threshold and that one's size is still mapped, and given back at free. (Unpinned, the
 // 4 MiB block freed first raises glibc's threshold to 4 MiB and the 2 MiB block comes from the heap.)
 TEST(MallocThreshold, PinnedThresholdMapsBlocksBelowOnesFreedBefore) {
-#if defined(DTRAIN_TEST_ASAN) || defined(DTRAIN_TEST_TSAN)
+#if defined(DTRAIN_TEST_SANITIZER)
   GTEST_SKIP() << "malloc is the sanitizer's here, not glibc's: it has no mmap threshold to pin";
 #endif
   ASSERT_TRUE(dtrain::detail::pin_mmap_threshold(1 << 20));

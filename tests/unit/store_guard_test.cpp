@@ -358,7 +358,7 @@ TEST(StoreLimits, AChainOfWaitersIsAnsweredWithoutRecursion) {
 // client its connection, with one line on stderr, and the store goes on serving the others.
 // AddressSanitizer and ThreadSanitizer abort on a failed allocation instead of throwing bad_alloc.
 TEST(StoreLimits, OutOfMemoryDropsOneConnectionAndTheStoreGoesOn) {
-#if defined(DTRAIN_TEST_ASAN) || defined(DTRAIN_TEST_TSAN)
+#if defined(DTRAIN_TEST_SANITIZER)
   GTEST_SKIP() << "a sanitizer's allocator aborts on a failed allocation instead of throwing bad_alloc";
 #endif
   char path[] = "/tmp/dtrain_store_oom_XXXXXX";
