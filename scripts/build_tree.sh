@@ -45,6 +45,7 @@ if [ "$tree" = build-torch2 ]; then
     exit 1
   fi
   args+=(-DCMAKE_CXX_COMPILER=clang++)
+  ./scripts/tree_compiler.sh "$tree" clang++
   args+=("-DCMAKE_PREFIX_PATH=$(.venv/bin/python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')")
 fi
 cmake -S . -B "$tree" "${args[@]}" >/dev/null

@@ -49,6 +49,7 @@ configure_and_build() {  # <tree> <DTRAIN_SANITIZE> <target>...
     echo "sanitize.sh: the sanitizer trees compile with clang++, which is not installed: run scripts/setup.sh (Debian: apt-get install clang)" >&2
     exit 1
   fi
+  ./scripts/tree_compiler.sh "$tree" clang++
   cmake -S . -B "$tree" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=Sanitize -DDTRAIN_SANITIZE="$mode" \
         -DDTRAIN_BUILD_EXAMPLES=OFF -DDTRAIN_BUILD_BENCH=OFF -DDTRAIN_TEST_PER_CASE=OFF \
         -DCMAKE_UNITY_BUILD=ON "-DDTRAIN_BUILD_ONLY=$only" >/dev/null
